@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+// dense_f32: the lossless control format (float32 per scalar, no metadata).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "tierkv/codec/codec.hpp"
+
+namespace tierkv {
+
+template <int HeadDim>
+struct dense_f32_codec {
+  using meta_type = no_meta;
+  static constexpr storage_format format = storage_format::dense_f32;
+  static constexpr int head_dim = HeadDim;
+  static constexpr std::size_t payload_bytes = sizeof(float) * HeadDim;
+  static constexpr std::size_t meta_bytes = 0;
+  static constexpr const char* name = "dense_f32";
+
+  TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type&,
+                               const codec_context&, encode_stats*) {
+    for (int i = 0; i < HeadDim; ++i)
+      if (!std::isfinite(x[i])) return errc::non_finite_input;
+    std::memcpy(payload, x, payload_bytes);
+    return errc::ok;
+  }
+  TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type&, float* out,
+                               const codec_context&) {
+    std::memcpy(out, payload, payload_bytes);
+  }
+  TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context&) {
+    for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
+  }
+  TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type&) {
+    const float* k = reinterpret_cast<const float*>(payload);
+    float s = 0.f;
+    for (int i = 0; i < HeadDim; ++i) s += q[i] * k[i];
+    return s;
+  }
+  TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type&,
+                                   float* acc) {
+    const float* v = reinterpret_cast<const float*>(payload);
+    for (int i = 0; i < HeadDim; ++i) acc[i] += p * v[i];
+  }
+  TIERKV_HD static void finalize(float*, const codec_context&) {}
+};
+
+struct dense_f32 {
+  template <int HeadDim> using bind = dense_f32_codec<HeadDim>;
+};
+
+static_assert(vector_codec<dense_f32_codec<128>>);
+static_assert(codec_family<dense_f32>);
+
+}  // namespace tierkv
