@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: Apache-2.0
+// dense_bf16: the realistic dense control (what engines store today): bf16 per
+// scalar, round to nearest even, no metadata.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tierkv/codec/bf16.hpp"
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/float_bits.hpp"
+#include "tierkv/core/config.hpp"
+
+namespace tierkv {
+
+template <int HeadDim>
+struct dense_bf16_codec {
+  static_assert(HeadDim >= 1 && HeadDim <= 4096, "dense_bf16: head_dim must lie in [1, 4096]");
+  using meta_type = no_meta;
+  static constexpr storage_format format = storage_format::dense_bf16;
+  static constexpr int head_dim = HeadDim;
+  static constexpr std::size_t payload_bytes = sizeof(bf16_bits) * std::size_t(HeadDim);
+  static constexpr std::size_t meta_bytes = 0;
+  static constexpr const char* name = "dense_bf16";
+
+  TIERKV_HD static bf16_bits load(const std::uint8_t* p, int i) {
+    return bf16_bits(p[2 * i] | (p[2 * i + 1] << 8));
+  }
+  TIERKV_HD static float value(const std::uint8_t* p, int i) { return bf16_to_float(load(p, i)); }
+
+  // Finite values beyond the bf16 range (|x| > 3.3895e38 after rounding) saturate to
+  // +-max finite and are counted. Non-finite input: every element is written as a bf16
+  // NaN, so a slot read by mistake is loud.
+  TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type&,
+                               const codec_context&, encode_stats* stats) {
+    for (int i = 0; i < HeadDim; ++i)
+      if (!detail::is_finite_bits(x[i])) {
+        for (int j = 0; j < HeadDim; ++j) {
+          payload[2 * j] = std::uint8_t(bf16_quiet_nan & 0xFF);
+          payload[2 * j + 1] = std::uint8_t(bf16_quiet_nan >> 8);
+        }
+        return errc::non_finite_input;
+      }
+    std::uint64_t sat = 0;
+    for (int i = 0; i < HeadDim; ++i) {
+      bool s = false;
+      const bf16_bits b = float_to_bf16_satfinite(x[i], &s);
+      sat += s ? 1u : 0u;
+      payload[2 * i] = std::uint8_t(b & 0xFF);
+      payload[2 * i + 1] = std::uint8_t(b >> 8);
+    }
+    if (stats) stats->saturated += sat;
+    return errc::ok;
+  }
+  TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type&, float* out,
+                               const codec_context&) {
+    for (int i = 0; i < HeadDim; ++i) out[i] = value(payload, i);
+  }
+  TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context&) {
+    for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
+  }
+  TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type&) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = 0;
+    for (; i + 4 <= HeadDim; i += 4)
+      for (int u = 0; u < 4; ++u) s[u] += q[i + u] * value(payload, i + u);
+    if constexpr (HeadDim % 4 != 0)
+      for (; i < HeadDim; ++i) s[0] += q[i] * value(payload, i);
+    return (s[0] + s[1]) + (s[2] + s[3]);
+  }
+  TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type&,
+                                   float* acc) {
+    for (int i = 0; i < HeadDim; ++i) acc[i] += p * value(payload, i);
+  }
+  TIERKV_HD static void finalize(float*, const codec_context&) {}
+};
+
+struct dense_bf16 {
+  template <int HeadDim> using bind = dense_bf16_codec<HeadDim>;
+};
+
+static_assert(vector_codec<dense_bf16_codec<128>>);
+static_assert(codec_family<dense_bf16>);
+
+}  // namespace tierkv

@@ -1,0 +1,139 @@
+// SPDX-License-Identifier: Apache-2.0
+// FP8 token-vector codecs (E4M3 and E5M2) with one bf16 scale per vector.
+//
+// Format (docs/formats.md): payload = head_dim FP8 codes of x[i] / scale; meta = the
+// scale as bf16 bits. The scale is amax / fmt_max rounded UP to bf16 (and bumped until
+// amax / scale <= fmt_max), so the vector's maximum never saturates and decode uses
+// exactly the divisor the encoder used. A zero vector stores scale 0 and zero codes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tierkv/codec/bf16.hpp"
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/float_bits.hpp"
+#include "tierkv/codec/fp8_convert.hpp"
+#include "tierkv/core/config.hpp"
+
+namespace tierkv {
+
+template <int HeadDim, fp8_kind Kind>
+struct fp8_codec {
+  static_assert(HeadDim >= 1 && HeadDim <= 4096, "fp8_codec: head_dim must lie in [1, 4096]");
+  using format_t = fp8_format<Kind>;
+  using meta_type = bf16_bits;  // the scale
+
+  static constexpr storage_format format =
+      Kind == fp8_kind::e4m3 ? storage_format::fp8_e4m3 : storage_format::fp8_e5m2;
+  static constexpr int head_dim = HeadDim;
+  static constexpr std::size_t payload_bytes = std::size_t(HeadDim);
+  static constexpr std::size_t meta_bytes = sizeof(meta_type);
+  static constexpr const char* name = Kind == fp8_kind::e4m3 ? "fp8_e4m3" : "fp8_e5m2";
+
+  // Inputs beyond +-2^127 are clipped there (and counted as saturated): it keeps
+  // fmt_max * scale, and so every decoded value, finite.
+  static constexpr float input_limit = 1.70141183e38f;  // 2^127
+  // Written on non-finite input: codes 0 and a NaN scale, so a slot that is read by
+  // mistake yields NaN (loud) rather than a plausible vector.
+  static constexpr meta_type poison_meta = bf16_quiet_nan;
+
+  // The scale encode() stores for a vector whose largest clipped magnitude is amax.
+  TIERKV_HD static meta_type scale_for(float amax) {
+    if (!(amax > 0.0f)) return 0;
+    bf16_bits s = float_to_bf16_up(amax / format_t::max_value);
+    if (s == 0) s = 1;  // amax / fmt_max underflowed: the least positive bf16
+    while (amax / bf16_to_float(s) > format_t::max_value) ++s;
+    return s;
+  }
+
+  TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type& meta,
+                               const codec_context&, encode_stats* stats) {
+    float amax = 0.0f;
+    std::uint64_t clipped = 0;
+    for (int i = 0; i < HeadDim; ++i) {
+      if (!detail::is_finite_bits(x[i])) {
+        for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
+        meta = poison_meta;
+        return errc::non_finite_input;
+      }
+      float a = detail::abs_bits(x[i]);
+      if (a > input_limit) {
+        a = input_limit;
+        ++clipped;
+      }
+      amax = a > amax ? a : amax;
+    }
+    meta = scale_for(amax);
+    if (meta == 0) {
+      for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
+    } else {
+      encode_with_scale(x, meta, payload, nullptr);
+    }
+    if (stats) stats->saturated += clipped;
+    return errc::ok;
+  }
+
+  // Codes of x / scale with a caller-chosen scale (e.g. a shared or unit scale):
+  // values beyond the format's range saturate to +-max and are counted. x must be
+  // finite (encode() checks; here non-finite values saturate / become NaN codes).
+  TIERKV_HD static void encode_with_scale(const float* x, meta_type scale, std::uint8_t* payload,
+                                          encode_stats* stats) {
+    const float s = bf16_to_float(scale);
+    std::uint64_t sat = 0;
+    for (int i = 0; i < HeadDim; ++i) {
+      float v = x[i];
+      if (v > input_limit) v = input_limit;
+      if (v < -input_limit) v = -input_limit;
+      const float q = v / s;
+      if (detail::abs_bits(q) > format_t::max_value) ++sat;
+      payload[i] = float_to_fp8<Kind>(q);
+    }
+    if (stats) stats->saturated += sat;
+  }
+
+  TIERKV_HD static float code_value(std::uint8_t c) {
+#if TIERKV_DEVICE_PASS
+    return fp8_to_float<Kind>(c);
+#else
+    return fp8_table<Kind>.value[c];
+#endif
+  }
+
+  TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type& meta, float* out,
+                               const codec_context&) {
+    const float s = bf16_to_float(meta);
+    for (int i = 0; i < HeadDim; ++i) out[i] = code_value(payload[i]) * s;
+  }
+  TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context&) {
+    for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
+  }
+  TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = 0;
+    for (; i + 4 <= HeadDim; i += 4)
+      for (int u = 0; u < 4; ++u) s[u] += q[i + u] * code_value(payload[i + u]);
+    if constexpr (HeadDim % 4 != 0)
+      for (; i < HeadDim; ++i) s[0] += q[i] * code_value(payload[i]);
+    return ((s[0] + s[1]) + (s[2] + s[3])) * bf16_to_float(meta);
+  }
+  TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type& meta,
+                                   float* acc) {
+    const float w = p * bf16_to_float(meta);
+    for (int i = 0; i < HeadDim; ++i) acc[i] += w * code_value(payload[i]);
+  }
+  TIERKV_HD static void finalize(float*, const codec_context&) {}
+};
+
+struct fp8_e4m3 {
+  template <int HeadDim> using bind = fp8_codec<HeadDim, fp8_kind::e4m3>;
+};
+struct fp8_e5m2 {
+  template <int HeadDim> using bind = fp8_codec<HeadDim, fp8_kind::e5m2>;
+};
+
+static_assert(vector_codec<fp8_codec<128, fp8_kind::e4m3>>);
+static_assert(codec_family<fp8_e4m3>);
+static_assert(codec_family<fp8_e5m2>);
+
+}  // namespace tierkv

@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: Apache-2.0
+// TQ3 against a float64 reference encoder/decoder; packing layout; corrections; bad input.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "catch.hpp"
+#include "test_helpers.hpp"
+#include "tierkv/codec/tq3.hpp"
+
+using namespace tierkv;
+
+namespace {
+
+const double kCentroid[8] = {-2.1519, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1519};
+const double kThreshold[3] = {0.5005, 1.0500, 1.7479};
+
+// H D x in float64 (unnormalized H).
+template <int N> std::vector<double> hd64(const std::vector<double>& x, std::uint64_t seed) {
+  std::vector<double> y(N, 0.0);
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < N; ++j)
+      y[std::size_t(i)] += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) *
+                           (rotation_sign_negative(seed, j) ? -1.0 : 1.0) * x[std::size_t(j)];
+  return y;
+}
+
+struct reference_result {
+  std::vector<int> codes;
+  std::vector<double> t;  // sqrt(d) * y_i
+  double alpha_key = 0, alpha_value = 0, norm = 0;
+};
+
+template <int N> reference_result reference_encode(const std::vector<float>& x, std::uint64_t seed) {
+  std::vector<double> xd(x.begin(), x.end());
+  double n2 = 0;
+  for (double v : xd) n2 += v * v;
+  const double n = std::sqrt(n2);
+  const auto z = hd64<N>(xd, seed);  // = sqrt(N) * H_norm D x
+  reference_result r;
+  r.norm = n;
+  double uuh = 0, uh2 = 0;
+  for (int i = 0; i < N; ++i) {
+    const double t = z[std::size_t(i)] / n;  // sqrt(N) * y_i
+    const double a = std::fabs(t);
+    const int m = (a > kThreshold[0]) + (a > kThreshold[1]) + (a > kThreshold[2]);
+    const int code = t < 0 ? 3 - m : 4 + m;
+    r.codes.push_back(code);
+    r.t.push_back(t);
+    uuh += (t / std::sqrt(double(N))) * (kCentroid[code] / std::sqrt(double(N)));
+    uh2 += kCentroid[code] * kCentroid[code] / double(N);
+  }
+  r.alpha_key = n / uuh;
+  r.alpha_value = n * uuh / uh2;
+  return r;
+}
+
+// D H (alpha c) / N in float64: the decoded vector from codes and the stored alpha.
+template <int N> std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes,
+                                                      double alpha, std::uint64_t seed) {
+  std::vector<double> y(N, 0.0);
+  for (int i = 0; i < N; ++i) {
+    double s = 0;
+    for (int j = 0; j < N; ++j)
+      s += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) * alpha * kCentroid[codes[std::size_t(j)]];
+    y[std::size_t(i)] = (rotation_sign_negative(seed, i) ? -1.0 : 1.0) * s / double(N);
+  }
+  return y;
+}
+
+template <class C> void check_against_reference(double input_scale) {
+  constexpr int N = C::head_dim;
+  codec_test::gaussian_source rng(1000 + N);
+  int near_threshold_mismatches = 0, far_mismatches = 0;
+  for (int v = 0; v < 40; ++v) {
+    const codec_context ctx{mix64(std::uint64_t(v) * 77 + N)};
+    auto x = codec_test::gaussian(rng, N, input_scale);
+    if (v % 5 == 0) x[std::size_t(v) % N] += float(8 * input_scale);  // an offset channel
+    std::vector<std::uint8_t> payload(C::payload_bytes);
+    bf16_bits meta = 0;
+    REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
+    std::vector<std::uint8_t> codes(N);
+    C::unpack(payload.data(), codes.data());
+    const auto ref = reference_encode<N>(x, ctx.seed);
+    for (int i = 0; i < N; ++i) {
+      if (codes[std::size_t(i)] == ref.codes[std::size_t(i)]) continue;
+      double gap = 1e9;
+      for (double th : {0.0, kThreshold[0], kThreshold[1], kThreshold[2]})
+        gap = std::min(gap, std::fabs(std::fabs(ref.t[std::size_t(i)]) - th));
+      (gap < 1e-5 ? near_threshold_mismatches : far_mismatches) += 1;
+    }
+    // alpha: float64 formula from the float64 reference, within bf16 rounding.
+    const double want_alpha = C::norm == tq3_norm::unbiased_inner_product ? ref.alpha_key
+                              : C::norm == tq3_norm::least_squares        ? ref.alpha_value
+                                                                          : ref.norm;
+    CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
+    // decode vs float64 decode of the same codes and alpha.
+    const auto yref = reference_decode<N>(codes, double(bf16_to_float(meta)), ctx.seed);
+    std::vector<float> y(N);
+    C::decode(payload.data(), meta, y.data(), ctx);
+    for (int i = 0; i < N; ++i)
+      CHECK(double(y[std::size_t(i)]) ==
+            Approx(yref[std::size_t(i)]).margin(1e-5 * ref.norm / std::sqrt(double(N))));
+    // The attention path: q·k_hat through prepare_query + dot.
+    auto q = codec_test::gaussian(rng, N);
+    std::vector<float> qp(N);
+    C::prepare_query(q.data(), qp.data(), ctx);
+    double want_dot = 0, qn = 0;
+    for (int i = 0; i < N; ++i) {
+      want_dot += double(q[std::size_t(i)]) * yref[std::size_t(i)];
+      qn += double(q[std::size_t(i)]) * q[std::size_t(i)];
+    }
+    CHECK(double(C::dot(qp.data(), payload.data(), meta)) ==
+          Approx(want_dot).margin(2e-6 * std::sqrt(qn) * ref.norm));
+  }
+  CHECK(far_mismatches == 0);
+  CHECK(near_threshold_mismatches <= 2);
+}
+
+}  // namespace
+
+TEST_CASE("tq3: codes, alpha, decode and dot match a float64 reference", "[tq3]") {
+  check_against_reference<tq3_key::bind<32>>(1.0);
+  check_against_reference<tq3_key::bind<64>>(1.0);
+  check_against_reference<tq3_value::bind<128>>(1e-3);
+  check_against_reference<tq3_key::bind<128>>(250.0);
+  check_against_reference<tq3_plain::bind<128>>(1.0);
+  check_against_reference<tq3_value::bind<256>>(1e10);
+}
+
+TEST_CASE("tq3: accumulate + finalize equals sum of p * decoded values", "[tq3]") {
+  using C = tq3_value::bind<128>;
+  codec_test::gaussian_source rng(77);
+  const codec_context ctx{12345};
+  std::vector<float> acc(128, 0.0f);
+  std::vector<double> want(128, 0.0);
+  for (int t = 0; t < 16; ++t) {
+    auto v = codec_test::gaussian(rng, 128);
+    std::vector<std::uint8_t> payload(C::payload_bytes);
+    bf16_bits meta = 0;
+    REQUIRE(C::encode(v.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
+    const float p = float(t + 1) / 136.0f;
+    C::accumulate(p, payload.data(), meta, acc.data());
+    std::vector<float> y(128);
+    C::decode(payload.data(), meta, y.data(), ctx);
+    for (int i = 0; i < 128; ++i) want[std::size_t(i)] += double(p) * y[std::size_t(i)];
+  }
+  C::finalize(acc.data(), ctx);
+  for (int i = 0; i < 128; ++i) CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(1e-5));
+}
+
+TEST_CASE("tq3: packing layout of docs/formats.md", "[tq3]") {
+  using C = tq3_key::bind<64>;
+  codec_test::gaussian_source rng(3);
+  std::vector<std::uint8_t> codes(64), back(64), payload(C::payload_bytes);
+  REQUIRE(C::payload_bytes == 24);  // 3 * 64 / 8
+  for (int rep = 0; rep < 50; ++rep) {
+    for (auto& c : codes) c = std::uint8_t(std::uint64_t(std::fabs(rng.next()) * 1000) % 8);
+    C::pack(codes.data(), payload.data());
+    C::unpack(payload.data(), back.data());
+    CHECK(back == codes);
+    for (int g = 0; g < 2; ++g) {
+      std::uint32_t w[3];
+      for (int t = 0; t < 3; ++t)  // little-endian words
+        w[t] = std::uint32_t(payload[std::size_t(12 * g + 4 * t)]) |
+               std::uint32_t(payload[std::size_t(12 * g + 4 * t + 1)]) << 8 |
+               std::uint32_t(payload[std::size_t(12 * g + 4 * t + 2)]) << 16 |
+               std::uint32_t(payload[std::size_t(12 * g + 4 * t + 3)]) << 24;
+      // j < 24: W & 0x77777777 are nibble selectors of codes 0..23.
+      for (int j = 0; j < 24; ++j)
+        CHECK(((w[j / 8] & 0x77777777u) >> (4 * (j % 8)) & 0xFu) == codes[std::size_t(32 * g + j)]);
+      // j >= 24: the documented 3-op gather gives codes 24..31 as nibbles.
+      const std::uint32_t hi = ((w[0] >> 3) & 0x11111111u) | ((w[1] >> 2) & 0x22222222u) |
+                               ((w[2] >> 1) & 0x44444444u);
+      for (int n = 0; n < 8; ++n)
+        CHECK(((hi >> (4 * n)) & 0xFu) == codes[std::size_t(32 * g + 24 + n)]);
+    }
+  }
+}
+
+TEST_CASE("tq3: scale invariance: x * 2^j gives the same codes and alpha * 2^j", "[tq3]") {
+  using C = tq3_key::bind<128>;
+  codec_test::gaussian_source rng(11);
+  const codec_context ctx{99};
+  auto x = codec_test::gaussian(rng, 128);
+  std::vector<std::uint8_t> p0(C::payload_bytes), p1(C::payload_bytes);
+  bf16_bits m0 = 0, m1 = 0;
+  REQUIRE(C::encode(x.data(), p0.data(), m0, ctx, nullptr) == errc::ok);
+  for (int j : {-120, -60, -1, 1, 30, 100}) {
+    std::vector<float> xs(128);
+    for (int i = 0; i < 128; ++i) xs[std::size_t(i)] = std::ldexp(x[std::size_t(i)], j);
+    REQUIRE(C::encode(xs.data(), p1.data(), m1, ctx, nullptr) == errc::ok);
+    INFO("j = " << j);
+    CHECK(p1 == p0);
+    CHECK(double(bf16_to_float(m1)) == std::ldexp(double(bf16_to_float(m0)), j));
+  }
+  // A different seed gives a different rotation and so different codes.
+  REQUIRE(C::encode(x.data(), p1.data(), m1, codec_context{100}, nullptr) == errc::ok);
+  CHECK(p1 != p0);
+}
+
+TEST_CASE("tq3: zero vectors, NaN/Inf, huge and subnormal inputs", "[tq3]") {
+  using C = tq3_value::bind<256>;
+  const codec_context ctx{5};
+  std::vector<std::uint8_t> payload(C::payload_bytes, 0xEE);
+  bf16_bits meta = 0x1111;
+  std::vector<float> y(256), q(256, 1.0f);
+  std::vector<float> z(256, 0.0f);
+  z[7] = -0.0f;
+  REQUIRE(C::encode(z.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
+  CHECK(meta == 0);
+  C::decode(payload.data(), meta, y.data(), ctx);
+  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0.0f; }));
+  CHECK(C::dot(q.data(), payload.data(), meta) == 0.0f);
+
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> x(256, 0.5f);
+    x[200] = bad;
+    CHECK(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::non_finite_input);
+    CHECK(meta == C::poison_meta);
+    CHECK(std::all_of(payload.begin(), payload.end(), [](std::uint8_t b) { return b == 0; }));
+    C::decode(payload.data(), meta, y.data(), ctx);
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); }));
+  }
+
+  codec_test::gaussian_source rng(8);
+  auto g = codec_test::gaussian(rng, 256);
+  // Huge: every element near FLT_MAX; the norm is clipped (counted), decode stays finite
+  // and points the right way.
+  std::vector<float> h(256);
+  for (int i = 0; i < 256; ++i) h[std::size_t(i)] = g[std::size_t(i)] * 1e38f;
+  encode_stats st;
+  REQUIRE(C::encode(h.data(), payload.data(), meta, ctx, &st) == errc::ok);
+  CHECK(st.saturated == 1);
+  CHECK(bf16_to_float(meta) == detail::tq3_alpha_limit);
+  C::decode(payload.data(), meta, y.data(), ctx);
+  CHECK(codec_test::all_finite(y));
+  double cosv = codec_test::dot64(y.data(), g.data(), 256) /
+                std::sqrt(codec_test::dot64(y.data(), y.data(), 256) * codec_test::dot64(g.data(), g.data(), 256));
+  CHECK(cosv > 0.97);
+  // Subnormal elements: same direction; alpha underflows gracefully (no NaN).
+  std::vector<float> s(256);
+  for (int i = 0; i < 256; ++i) s[std::size_t(i)] = g[std::size_t(i)] * 1e-40f;
+  st = {};
+  REQUIRE(C::encode(s.data(), payload.data(), meta, ctx, &st) == errc::ok);
+  CHECK(st.saturated == 0);
+  C::decode(payload.data(), meta, y.data(), ctx);
+  CHECK(codec_test::all_finite(y));
+  CHECK(bf16_to_float(meta) > 0.0f);
+  cosv = codec_test::dot64(y.data(), g.data(), 256) /
+         std::sqrt(codec_test::dot64(y.data(), y.data(), 256) * codec_test::dot64(g.data(), g.data(), 256));
+  CHECK(cosv > 0.97);
+  // A single nonzero element anywhere (the most concentrated input).
+  for (int i : {0, 100, 255}) {
+    std::vector<float> e(256, 0.0f);
+    e[std::size_t(i)] = -3.0f;
+    REQUIRE(C::encode(e.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
+    C::decode(payload.data(), meta, y.data(), ctx);
+    CHECK(codec_test::all_finite(y));
+    CHECK(double(y[std::size_t(i)]) < -1.0);
+  }
+}
+
+TEST_CASE("tq3: sizes and bits per scalar", "[tq3]") {
+  CHECK(tq3_key::bind<64>::payload_bytes == 24);
+  CHECK(tq3_key::bind<128>::payload_bytes == 48);
+  CHECK(tq3_value::bind<512>::payload_bytes == 192);
+  CHECK(bits_per_scalar<tq3_key::bind<64>> == 3.25);
+  CHECK(bits_per_scalar<tq3_value::bind<128>> == 3.125);
+  CHECK(bits_per_scalar<tq3_key::bind<256>> == 3.0625);
+}
