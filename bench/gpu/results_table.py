@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Markdown tables for docs/gpu.md from a bench/results/decode-h200-*.json record.
+Usage: results_table.py RESULTS.json"""
+import json
+import sys
+
+
+def main():
+    r = json.load(open(sys.argv[1]))
+    cp = r["copy_gbps"]
+    print(f"{r['gpu']}, {r['sms']} SMs, date {r['date']}, commit {r['commit']}, "
+          f"device-to-device copy {cp:.0f} GB/s (read + write), PyTorch {r.get('torch')}\n")
+    print("| q/kv/d | context | B | mix | tierkv µs (stream / graph) | bytes read (MB) | GB/s | of copy | SDPA BF16 µs | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for x in r["rows"]:
+        sp = x.get("speedup_vs_sdpa")
+        sd = x.get("sdpa_bf16_us")
+        print(f"| {x['q_heads']}/{x['kv_heads']}/{x['head_dim']} | {x['context'] // 1024}K | {x['batch']} | {x['mix']} | "
+              f"{x['time_us']:.1f} / {x['graph_us']:.1f} | {x['bytes_read'] / 1e6:.1f} | {x['gbps']:.0f} | "
+              f"{x['gbps'] / cp:.2f} | {sd:.1f} | {sp:.2f} |" if sd else
+              f"| {x['q_heads']}/{x['kv_heads']}/{x['head_dim']} | {x['context'] // 1024}K | {x['batch']} | {x['mix']} | "
+              f"{x['time_us']:.1f} / {x['graph_us']:.1f} | {x['bytes_read'] / 1e6:.1f} | {x['gbps']:.0f} | "
+              f"{x['gbps'] / cp:.2f} | - | - |")
+    print("\n| q/kv/d | pages | FP8→TQ3 µs | GB/s of FP8 input | TQ3→FP8 µs | GB/s of FP8 output | append B=64 µs (stream / graph) |")
+    print("|---|---|---|---|---|---|---|")
+    for x in r.get("retier_append", []):
+        print(f"| {x['q_heads']}/{x['kv_heads']}/{x['head_dim']} | {x['pages']} | {x['fp8_to_tq3_us']:.0f} | "
+              f"{x['fp8_to_tq3_gbps_fp8_input']:.0f} | {x['tq3_to_fp8_us']:.0f} | {x['tq3_to_fp8_gbps_fp8_output']:.0f} | "
+              f"{x['append_b64_us']:.2f} / {x['append_b64_graph_us']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

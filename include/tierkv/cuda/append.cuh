@@ -1,0 +1,154 @@
+// SPDX-License-Identifier: Apache-2.0
+// Append kernel: writes new tokens' keys and values (one decode token or a prefill chunk
+// per sequence, one layer or all layers) into open FP8 pages, computing per-token scales,
+// at the slots the engine's slot mapping names. Codes and scales equal the host codec's
+// encode() bit for bit (tests/cuda/append.cu).
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/float_bits.hpp"
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/check.cuh"
+#include "tierkv/memory/page_layout.hpp"
+
+namespace tierkv::cuda {
+
+enum class input_type : std::uint8_t { f32 = 0, bf16 = 1 };
+
+// New tokens of `layers` layers. Token n of layer l:
+//   key   k[l * layer_stride + (n * kv_heads + h) * head_dim + i]   (same for v)
+//   page  slot[l * slot_layer_stride + n] of `pool`, token offset offset[n] in that page.
+// A layer's pages hold one layer, so each layer has its own slots (slot_layer_stride);
+// offsets are the same for every layer (the sequence position decides them).
+struct append_inputs {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  input_type type = input_type::f32;
+  std::int64_t layer_stride = 0;         // elements between layers of k and v
+  const std::int32_t* slot = nullptr;    // [layers][slot_layer_stride]
+  std::int64_t slot_layer_stride = 0;
+  const std::int32_t* offset = nullptr;  // [tokens]
+  int tokens = 0;
+  int layers = 1;
+  pool_view pool;                        // the FP8 tier's pool
+  // Optional: first device error (errc as int; 0 = ok): out_of_range for a slot beyond the
+  // pool or an offset beyond page_tokens (nothing written for that token), non_finite_input
+  // for NaN/Inf (the codec's poison is written: zero codes, NaN scale).
+  int* error = nullptr;
+};
+
+namespace detail {
+
+__device__ __forceinline__ float load_input(const void* p, input_type t, std::int64_t i) {
+  return t == input_type::bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+                               : static_cast<const float*>(p)[i];
+}
+
+// One warp encodes one token vector: the maximum is a warp reduction (order-free, so
+// exact), the scale is the codec's scale_for(), and each element is converted on its
+// own exactly as fp8_codec::encode_with_scale does.
+template <class Geometry, class Codec>
+__global__ void __launch_bounds__(256) append_fp8_kernel(append_inputs in) {
+  constexpr int D = Geometry::head_dim, H = Geometry::kv_heads;
+  using layout = page_layout<Geometry, Codec, Codec>;
+  const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const int per_layer = in.tokens * H * 2;
+  const int layer = int(blockIdx.y);
+  if (warp >= per_layer) return;
+  const int role = warp % 2, h = (warp / 2) % H, n = warp / (2 * H);
+  const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
+  const std::int32_t off = in.offset[n];
+  if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 || off >= Geometry::page_tokens) {
+    if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
+    return;
+  }
+  const void* src = role == 0 ? in.k : in.v;
+  const std::int64_t base = std::int64_t(layer) * in.layer_stride + (std::int64_t(n) * H + h) * D;
+  std::uint8_t* page = in.pool.page(std::uint32_t(slot));
+  std::uint8_t* payload = page + (role == 0 ? layout::key_payload(h, off) : layout::value_payload(h, off));
+  auto* meta = reinterpret_cast<typename Codec::meta_type*>(
+      page + (role == 0 ? layout::key_meta(h, off) : layout::value_meta(h, off)));
+
+  constexpr int per_lane = (D + 31) / 32;
+  float x[per_lane];
+  float amax = 0.f;
+  bool finite = true;
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    const int i = lane * per_lane + j;  // contiguous per lane: packed byte stores below
+    x[j] = i < D ? load_input(src, in.type, base + i) : 0.f;
+    finite = finite && tierkv::detail::is_finite_bits(x[j]);
+    float a = tierkv::detail::abs_bits(x[j]);
+    if (a > Codec::input_limit) a = Codec::input_limit;
+    amax = fmaxf(amax, a);
+  }
+  finite = __all_sync(0xffffffffu, finite);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!finite) {
+    for (int i = lane; i < D; i += 32) payload[i] = 0;
+    if (lane == 0) {
+      *meta = Codec::poison_meta;
+      if (in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+    }
+    return;
+  }
+  const typename Codec::meta_type scale = Codec::scale_for(amax);
+  const float s = bf16_to_float(scale);
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    const int i = lane * per_lane + j;
+    if (i >= D) break;
+    float val = x[j];
+    if (val > Codec::input_limit) val = Codec::input_limit;
+    if (val < -Codec::input_limit) val = -Codec::input_limit;
+    payload[i] = scale == 0 ? std::uint8_t(0) : float_to_fp8<fp8_kind::e4m3>(val / s);
+  }
+  if (lane == 0) *meta = scale;
+}
+
+}  // namespace detail
+
+// Enqueues the append on `stream`. Tier must have FP8 E4M3 keys and values (the tier new
+// tokens go to). No synchronization, no allocation.
+template <class Geometry, class Tier>
+status append(const append_inputs& in, cudaStream_t stream) {
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  static_assert(std::is_same_v<K, V> && K::format == storage_format::fp8_e4m3,
+                "cuda::append: the append tier must store keys and values as fp8_e4m3");
+  using layout = page_layout<Geometry, K, V>;
+  if (in.tokens < 0 || in.layers < 1 || in.layers > 65535)
+    return status::make(errc::invalid_argument, "append: tokens = ", in.tokens, ", layers = ",
+                        in.layers, " (tokens >= 0, layers in [1, 65535])");
+  if (in.tokens == 0) return status::ok();
+  if (!in.k || !in.v || !in.slot || !in.offset || !in.pool.base)
+    return status::make(errc::invalid_argument, "append: k, v, slot, offset and pool.base must be set");
+  if (in.pool.page_bytes != layout::page_bytes)
+    return status::make(errc::geometry_mismatch, "append: pool.page_bytes = ", in.pool.page_bytes,
+                        " but the FP8 page layout needs ", layout::page_bytes);
+  if (in.layers > 1 && (in.layer_stride < std::int64_t(in.tokens) * Geometry::kv_heads * Geometry::head_dim ||
+                        in.slot_layer_stride < in.tokens))
+    return status::make(errc::invalid_argument, "append: layer_stride = ", in.layer_stride,
+                        " and slot_layer_stride = ", in.slot_layer_stride,
+                        " must cover one layer's tokens");
+  const std::int64_t warps = std::int64_t(in.tokens) * Geometry::kv_heads * 2;
+  const std::int64_t blocks = (warps + 7) / 8;
+  if (blocks > 0x7fffffff) return status::exceeds(errc::invalid_argument, "append: blocks", blocks, 0x7fffffff);
+  detail::append_fp8_kernel<Geometry, K><<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
+  return check_launch("append_fp8_kernel");
+}
+
+}  // namespace tierkv::cuda

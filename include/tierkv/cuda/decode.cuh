@@ -1,0 +1,662 @@
+// SPDX-License-Identifier: Apache-2.0
+// Mixed-format paged decode attention for one layer over a batch, split over
+// (sequence, KV head, chunk of pages) and merged by log-sum-exp in a second kernel.
+// Design, instruction counts and measurements: docs/gpu.md.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/check.cuh"
+#include "tierkv/cuda/decode_plan.cuh"
+#include "tierkv/cuda/slice_unpack.cuh"
+#include "tierkv/cuda/warp_vector.cuh"
+#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/paging/index_view.hpp"
+
+namespace tierkv::cuda {
+
+enum class query_type : std::uint8_t { f32 = 0, bf16 = 1 };
+
+// One layer's decode step. Device pointers; `index` and `pools` in the cache's tier order.
+template <int NumFormats>
+struct decode_inputs {
+  batch_index_view<NumFormats> index;  // batch, seq_len[b], one CSR per format
+  pool_view pools[NumFormats];
+  const void* queries = nullptr;       // [batch][q_heads][head_dim], post-RoPE
+  query_type queries_type = query_type::f32;
+  float softmax_scale = 0.f;           // natural-log units, usually 1/sqrt(head_dim)
+  std::uint64_t cache_seed = 0;        // codec contexts: make_codec_context(seed, layer, head, role)
+  int layer = 0;
+  float* out = nullptr;                // [batch][q_heads][head_dim]
+  float* lse = nullptr;                // optional [batch][q_heads], natural log; -inf when empty
+  // Optional, needs plan.page_mass: [batch][page_mass_stride]; entry (b, i) = softmax mass of
+  // logical page i averaged over the layer's q_heads (sums to 1 per non-empty sequence).
+  float* page_mass = nullptr;
+  int page_mass_stride = 0;
+};
+
+namespace detail {
+
+inline constexpr int decode_threads = 128;
+inline constexpr int decode_warps = decode_threads / 32;
+inline constexpr float log2e = 1.4426950408889634f;
+
+template <class Geometry>
+struct decode_shape {
+  static constexpr int d = Geometry::head_dim;
+  static constexpr int g = Geometry::group_size;
+  static constexpr int qh = Geometry::q_heads;
+  static constexpr int lanes_per_token = d / 16;       // 16 scalars per lane slice
+  static constexpr int token_groups = decode_threads / lanes_per_token;
+  static constexpr int tile = Geometry::page_tokens < 64 ? Geometry::page_tokens : 64;
+  static constexpr int iters = tile / token_groups > 0 ? tile / token_groups : 1;
+  // Resident blocks per SM the register budget is set for: g x 16 accumulators per thread
+  // fit 168 registers (3 blocks) up to g = 4; g = 5..8 take 2 blocks (255 registers) rather
+  // than spill inside the inner loop (ptxas -v, docs/gpu.md).
+  static constexpr int min_blocks = g <= 4 ? 3 : 2;
+  static_assert(lanes_per_token <= 32, "decode: head_dim above 512 is not supported");
+  static_assert(Geometry::page_tokens % tile == 0, "decode: page_tokens must be a multiple of 64 or below 64");
+  static_assert(g <= 8,
+                "decode: the CUDA-core decode keeps group_size x 16 accumulators per thread; "
+                "group sizes above 8 need the tensor-core path (not built yet)");
+
+  // Shared memory in floats.
+  static constexpr int q_raw = g * d;      // queries as given (float)
+  static constexpr int q_prep = g * d;     // prepared for the current key codec, lane-interleaved
+  static constexpr int acc_part = g * d;   // one tier's accumulator (also prepare scratch)
+  static constexpr int acc_total = g * d;  // finalized accumulators of the tiers done
+  static constexpr int scores = g * tile;
+  static constexpr int probs = g * tile;
+  static constexpr int vscale = tile;      // per-token value scale / norm of the tile
+  static constexpr int per_head = 8 * g;   // m, l, alpha, m_ref, page m, page l
+  static constexpr int floats = q_raw + q_prep + acc_part + acc_total + scores + probs + vscale + per_head;
+  static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
+};
+
+// Per-sequence chunking shared by the decode and merge kernels (same arithmetic, so the
+// merge knows which chunk states exist without any extra buffer).
+template <int N>
+struct chunking {
+  std::int64_t total = 0;
+  int chunks = 0;
+  int count[N];
+  int first[N];
+};
+
+template <int N>
+__device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>& index, int b,
+                                                      const std::int64_t (&cost)[N],
+                                                      std::int64_t target, int max_chunks) {
+  chunking<N> c;
+  int pages = 0;
+#pragma unroll
+  for (int f = 0; f < N; ++f) {
+    c.first[f] = index.formats[f].indptr[b];
+    c.count[f] = index.formats[f].indptr[b + 1] - c.first[f];
+    if (c.count[f] < 0) c.count[f] = 0;
+    c.total += std::int64_t(c.count[f]) * cost[f];
+    pages += c.count[f];
+  }
+  std::int64_t k = (c.total + target - 1) / target;
+  if (k > max_chunks) k = max_chunks;
+  if (k > pages) k = pages;
+  c.chunks = int(k);
+  return c;
+}
+
+// Entries [lo, hi) of format f whose start offset on the concatenated cost line falls in
+// chunk k's share [k*T/C, (k+1)*T/C).
+template <int N>
+__device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int64_t (&cost)[N],
+                                            int k, int f, int& lo, int& hi) {
+  const std::int64_t a = c.total * k / c.chunks;
+  const std::int64_t z = c.total * (k + 1) / c.chunks;
+  std::int64_t base = 0;
+  for (int i = 0; i < f; ++i) base += std::int64_t(c.count[i]) * cost[i];
+  auto first_at_or_after = [&](std::int64_t x) {
+    if (x <= base) return std::int64_t(0);
+    std::int64_t i = (x - base + cost[f] - 1) / cost[f];
+    return i > c.count[f] ? std::int64_t(c.count[f]) : i;
+  };
+  lo = int(first_at_or_after(a));
+  hi = int(first_at_or_after(z));
+}
+
+__device__ __forceinline__ void report_error(int* flag, errc e) {
+  if (flag) atomicCAS(flag, 0, int(e));
+}
+
+// The codec's prepare_query / finalize over the group's heads, one warp per head. TQ3 uses
+// the warp Walsh-Hadamard of warp_vector.cuh, whose stage order makes it bit-identical to
+// the codec's serial functions; FP8's are the identity.
+template <class C, int G>
+__device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
+  constexpr int D = C::head_dim;
+  if constexpr (C::format == storage_format::tq3) {
+    constexpr int P = D / 32;
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+    for (int h = warp; h < G; h += decode_warps) {
+      float x[P];
+#pragma unroll
+      for (int r = 0; r < P; ++r) x[r] = q[h * D + lane * P + r];
+      warp_signs<P>(x, ctx.seed, lane);
+      warp_wht<P>(x, lane);
+#pragma unroll
+      for (int r = 0; r < P; ++r) out[h * D + lane * P + r] = x[r] * inv_d;
+    }
+  } else {
+    static_assert(C::format == storage_format::fp8_e4m3, "decode: prepare_query for fp8 or tq3 only");
+    for (int i = int(threadIdx.x); i < G * D; i += decode_threads) out[i] = q[i];
+  }
+}
+template <class C, int G>
+__device__ __forceinline__ void group_finalize(float* acc, const codec_context& ctx) {
+  constexpr int D = C::head_dim;
+  if constexpr (C::format == storage_format::tq3) {
+    constexpr int P = D / 32;
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+    for (int h = warp; h < G; h += decode_warps) {
+      float x[P];
+#pragma unroll
+      for (int r = 0; r < P; ++r) x[r] = acc[h * D + lane * P + r];
+      warp_wht<P>(x, lane);
+#pragma unroll
+      for (int r = 0; r < P; ++r) x[r] *= inv_d;
+      warp_signs<P>(x, ctx.seed, lane);
+#pragma unroll
+      for (int r = 0; r < P; ++r) acc[h * D + lane * P + r] = x[r];
+    }
+  } else {
+    static_assert(C::format == storage_format::fp8_e4m3, "decode: finalize for fp8 or tq3 only");
+  }
+}
+
+struct decode_smem {
+  float* q_raw;
+  float* q_prep;
+  float* acc_part;
+  float* acc_total;
+  float* scores;
+  float* probs;
+  float* vscale;
+  float* m;
+  float* l;
+  float* alpha;
+  float* m_ref;
+  float* page_m;
+  float* page_l;
+};
+
+// One tier's pages of this chunk: keys with the key codec's loop, values with the value
+// codec's, every loaded slice used by all g query heads. The running max m continues
+// across tiers; the accumulator of each tier is finalized in its own domain and folded
+// into acc_total.
+template <class Geometry, class Tier, int N>
+__device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
+                                  int kvh, int e_begin, int e_end, const decode_smem& sm,
+                                  float* mass_ws, int* err) {
+  using S = decode_shape<Geometry>;
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  using layout = page_layout<Geometry, K, V>;
+  using KR = slice_reader<K>;
+  using VR = slice_reader<V>;
+  static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
+                "decode: per-token meta must be bf16 bits (docs/formats.md)");
+  constexpr int D = S::d, G = S::g, LPT = S::lanes_per_token, NTG = S::token_groups;
+  constexpr int TILE = S::tile, IT = S::iters, IB = IT < 4 ? IT : 4;
+  const int tid = int(threadIdx.x);
+  const int slice = tid % LPT;
+  const int tg = tid / LPT;
+  const int warp = tid / 32, lane = tid % 32;
+  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::key);
+  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::value);
+  const float score_scale = in.softmax_scale * log2e * KR::code_scale;
+
+  // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
+  // then lay them out so lane `slice` reads its 4 float4 without bank conflicts.
+  __syncthreads();
+  group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
+  __syncthreads();
+  for (int i = tid; i < G * D / 4; i += decode_threads) {
+    const int h = i / (D / 4), r = i % (D / 4);  // float4 r of head h: slice r/4, quarter r%4
+    const float4 v = reinterpret_cast<const float4*>(sm.acc_part + h * D)[r];
+    reinterpret_cast<float4*>(sm.q_prep + h * D)[(r % 4) * LPT + r / 4] = v;
+  }
+  __syncthreads();
+
+  float acc[G][16];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[h][i] = 0.f;
+
+  const format_pages_view fv = in.index.formats[f];
+  const pool_view pool = in.pools[f];
+  for (int e = e_begin; e < e_end; ++e) {
+    const std::int32_t slot = fv.slot[e];
+    const std::int32_t logical = fv.logical[e];
+    if (slot < 0 || std::uint32_t(slot) >= pool.capacity || logical < 0) {
+      report_error(err, errc::out_of_range);
+      continue;  // uniform across the block: every thread reads the same entry
+    }
+    const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+    const std::uint8_t* page = pool.page(std::uint32_t(slot));
+    const std::uint8_t* kbase = page + layout::key_payload(kvh, 0);
+    const std::uint8_t* vbase = page + layout::value_payload(kvh, 0);
+    const std::uint16_t* kmeta = reinterpret_cast<const std::uint16_t*>(page + layout::key_meta(kvh, 0));
+    const std::uint16_t* vmeta = reinterpret_cast<const std::uint16_t*>(page + layout::value_meta(kvh, 0));
+    if (warp == 0 && lane < G) {
+      sm.page_m[lane] = -INFINITY;
+      sm.page_l[lane] = 0.f;
+    }
+    for (int t0 = 0; t0 < ntok; t0 += TILE) {
+      // ---- scores: batches of IB independent 16-byte (TQ3: 12-byte) loads in flight per
+      // thread (IB bounded so acc + loads stay in registers at 3 blocks per SM)
+#pragma unroll
+      for (int u0 = 0; u0 < IT; u0 += IB) {
+      typename KR::raw kr[IB];
+      float km[IB], vm[IB];
+#pragma unroll
+      for (int uu = 0; uu < IB; ++uu) {
+        const int u = u0 + uu;
+        const int t = t0 + tg + u * NTG;
+        if (u < IT && tg + u * NTG < TILE && t < ntok) {
+          kr[uu] = KR::load(kbase + std::size_t(t) * K::payload_bytes, slice);
+          km[uu] = bf16_bits_to_float(__ldg(kmeta + t));
+          vm[uu] = bf16_bits_to_float(__ldg(vmeta + t));
+        }
+      }
+#pragma unroll
+      for (int uu = 0; uu < IB; ++uu) {
+        const int u = u0 + uu;
+        const int tl = tg + u * NTG;
+        if (u >= IT || tl >= TILE) break;
+        const bool live = t0 + tl < ntok;
+        float dot[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) dot[h] = 0.f;
+        if (live) {
+          float x[16];
+          KR::unpack(kr[uu], slice, x);
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            const float4* q4 = reinterpret_cast<const float4*>(sm.q_prep + h * D);
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq) {
+              const float4 q = q4[qq * LPT + slice];
+              dot[h] = fmaf(q.x, x[4 * qq + 0], dot[h]);
+              dot[h] = fmaf(q.y, x[4 * qq + 1], dot[h]);
+              dot[h] = fmaf(q.z, x[4 * qq + 2], dot[h]);
+              dot[h] = fmaf(q.w, x[4 * qq + 3], dot[h]);
+            }
+          }
+        }
+#pragma unroll
+        for (int off = 1; off < LPT; off <<= 1)
+#pragma unroll
+          for (int h = 0; h < G; ++h) dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], off);
+        if (slice == 0) {
+#pragma unroll
+          for (int h = 0; h < G; ++h)
+            sm.scores[h * TILE + tl] = live ? dot[h] * km[uu] * score_scale : -INFINITY;
+          sm.vscale[tl] = live ? vm[uu] : 0.f;
+        }
+      }
+      }
+      __syncthreads();
+      // ---- online softmax of this tile, one warp per query head
+      for (int h = warp; h < G; h += decode_warps) {
+        float tmax = -INFINITY;
+        for (int t = lane; t < TILE; t += 32) tmax = fmaxf(tmax, sm.scores[h * TILE + t]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        const float m_old = sm.m[h];
+        const float m_new = fmaxf(m_old, tmax);
+        float sum = 0.f;
+        for (int t = lane; t < TILE; t += 32) {
+          const float s = sm.scores[h * TILE + t];
+          const float p = s == -INFINITY ? 0.f : exp2f(s - m_new);
+          sum += p;
+          sm.probs[h * TILE + t] = p * sm.vscale[t];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        __syncwarp();  // every lane has read m[h] / page state before lane 0 updates them
+        if (lane == 0) {
+          const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
+          sm.alpha[h] = alpha;
+          sm.m[h] = m_new;
+          sm.l[h] = sm.l[h] * alpha + sum;
+          // page mass in log2 units: page_m + log2(page_l), tile by tile
+          const float pm_old = sm.page_m[h];
+          const float pm_new = fmaxf(pm_old, m_new);
+          sm.page_l[h] = (pm_old == -INFINITY ? 0.f : sm.page_l[h] * exp2f(pm_old - pm_new)) +
+                         sum * exp2f(m_new - pm_new);
+          sm.page_m[h] = pm_new;
+        }
+      }
+      __syncthreads();
+      // ---- values: the same slices, p already carries the per-token scale / norm
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float a = sm.alpha[h];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[h][i] *= a;
+      }
+#pragma unroll
+      for (int u0 = 0; u0 < IT; u0 += IB) {
+        typename VR::raw vr[IB];
+#pragma unroll
+        for (int uu = 0; uu < IB; ++uu) {
+          const int u = u0 + uu;
+          const int t = t0 + tg + u * NTG;
+          if (u < IT && tg + u * NTG < TILE && t < ntok) vr[uu] = VR::load(vbase + std::size_t(t) * V::payload_bytes, slice);
+        }
+#pragma unroll
+        for (int uu = 0; uu < IB; ++uu) {
+          const int u = u0 + uu;
+          const int tl = tg + u * NTG;
+          if (u >= IT || tl >= TILE || t0 + tl >= ntok) break;
+          float x[16];
+          VR::unpack(vr[uu], slice, x);
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            const float p = sm.probs[h * TILE + tl];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[h][i] = fmaf(p, x[i], acc[h][i]);
+          }
+        }
+      }
+    }
+    if (mass_ws != nullptr && warp == 0 && lane < G) {
+      if (logical < plan.max_pages) {
+        const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(lane);
+        mass_ws[row * std::size_t(plan.max_pages) + std::size_t(logical)] =
+            sm.page_m[lane] + log2f(sm.page_l[lane]);
+      } else {
+        report_error(err, errc::out_of_range);
+      }
+    }
+  }
+
+  // ---- fold the token groups' accumulators into acc_part: inside a warp by shuffles,
+  // then warp after warp (fixed order: deterministic).
+#pragma unroll
+  for (int off = LPT; off < 32; off <<= 1)
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
+  __syncthreads();
+  for (int w = 0; w < decode_warps; ++w) {
+    if (warp == w && lane < LPT) {
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          float& dst = sm.acc_part[h * D + slice * 16 + i];
+          const float v = acc[h][i] * VR::code_scale;
+          dst = w == 0 ? v : dst + v;
+        }
+    }
+    __syncthreads();
+  }
+  // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
+  group_finalize<V, G>(sm.acc_part, vctx);
+  __syncthreads();
+  for (int i = tid; i < G * D; i += decode_threads) {
+    const int h = i / D;
+    const float ref = sm.m_ref[h];
+    const float scale = ref == -INFINITY ? 0.f : exp2f(ref - sm.m[h]);
+    sm.acc_total[i] = sm.acc_total[i] * scale + sm.acc_part[i];
+  }
+  __syncthreads();
+  if (tid < G) sm.m_ref[tid] = sm.m[tid];
+  __syncthreads();
+}
+
+template <class Geometry, class TierList> struct decode_kernels;
+
+template <class Geometry, class... Tiers>
+struct decode_kernels<Geometry, tiers<Tiers...>> {
+  static constexpr int N = int(sizeof...(Tiers));
+  using S = decode_shape<Geometry>;
+
+  // grid (max_chunks, kv_heads, batch); chunks beyond the sequence's count exit at once.
+  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+    constexpr int D = S::d, G = S::g;
+    std::int64_t cost[N];
+#pragma unroll
+    for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
+    const int c = int(blockIdx.x), kvh = int(blockIdx.y), b = int(blockIdx.z);
+    if (b >= in.index.batch) return;
+    const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+    if (c >= ch.chunks) return;
+    int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
+    float* mass_ws = plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
+
+    extern __shared__ float4 smem4[];
+    float* smem = reinterpret_cast<float*>(smem4);
+    decode_smem sm;
+    sm.q_raw = smem;
+    sm.q_prep = sm.q_raw + S::q_raw;
+    sm.acc_part = sm.q_prep + S::q_prep;
+    sm.acc_total = sm.acc_part + S::acc_part;
+    sm.scores = sm.acc_total + S::acc_total;
+    sm.probs = sm.scores + S::scores;
+    sm.vscale = sm.probs + S::probs;
+    sm.m = sm.vscale + S::vscale;
+    sm.l = sm.m + G;
+    sm.alpha = sm.l + G;
+    sm.m_ref = sm.alpha + G;
+    sm.page_m = sm.m_ref + G;
+    sm.page_l = sm.page_m + G;
+
+    const int tid = int(threadIdx.x);
+    const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+    for (int i = tid; i < G * D; i += decode_threads) {
+      const std::size_t at = qrow * D + std::size_t(i);
+      sm.q_raw[i] = in.queries_type == query_type::bf16
+                        ? __bfloat162float(static_cast<const __nv_bfloat16*>(in.queries)[at])
+                        : static_cast<const float*>(in.queries)[at];
+      sm.acc_total[i] = 0.f;
+    }
+    if (tid < G) {
+      sm.m[tid] = -INFINITY;
+      sm.l[tid] = 0.f;
+      sm.m_ref[tid] = -INFINITY;
+    }
+    run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+    __syncthreads();  // a chunk without pages ran no tier: order the init before the write
+
+    float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
+    float* accs = reinterpret_cast<float*>(workspace + plan.acc_offset);
+    for (int h = 0; h < G; ++h) {
+      const std::size_t at = (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c);
+      if (tid == 0) states[at] = make_float2(sm.m[h], sm.l[h]);
+      for (int i = tid; i < D; i += decode_threads) accs[at * D + std::size_t(i)] = sm.acc_total[h * D + i];
+    }
+  }
+
+  template <std::size_t... I>
+  static __device__ void run_tiers(const decode_inputs<N>& in, const decode_plan& plan,
+                                   const chunking<N>& ch, const std::int64_t (&cost)[N], int c,
+                                   int b, int kvh, const decode_smem& sm, float* mass_ws, int* err,
+                                   std::index_sequence<I...>) {
+    (run_tier<int(I), Tiers>(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err), ...);
+  }
+  template <int F, class Tier>
+  static __device__ void run_tier(const decode_inputs<N>& in, const decode_plan& plan,
+                                  const chunking<N>& ch, const std::int64_t (&cost)[N], int c,
+                                  int b, int kvh, const decode_smem& sm, float* mass_ws, int* err) {
+    int lo = 0, hi = 0;
+    chunk_range<N>(ch, cost, c, F, lo, hi);
+    if (hi > lo)
+      decode_tier_pages<Geometry, Tier, N>(in, plan, F, b, kvh, ch.first[F] + lo, ch.first[F] + hi,
+                                           sm, mass_ws, err);
+  }
+
+  // grid (q_heads, batch): log-sum-exp merge of the chunk states; writes out and lse.
+  static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
+    constexpr int D = S::d;
+    std::int64_t cost[N];
+#pragma unroll
+    for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
+    const int h = int(blockIdx.x), b = int(blockIdx.y);
+    if (b >= in.index.batch) return;
+    const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+    const std::size_t row = std::size_t(b) * S::qh + std::size_t(h);
+    const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
+                           row * std::size_t(plan.max_chunks);
+    const float* accs = reinterpret_cast<const float*>(workspace + plan.acc_offset) +
+                        row * std::size_t(plan.max_chunks) * D;
+    float mx = -INFINITY;
+    for (int k = 0; k < ch.chunks; ++k)
+      if (states[k].y > 0.f) mx = fmaxf(mx, states[k].x);
+    float l = 0.f;
+    for (int k = 0; k < ch.chunks; ++k)
+      if (states[k].y > 0.f) l += states[k].y * exp2f(states[k].x - mx);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int i = int(threadIdx.x); i < D; i += decode_threads) {
+      float o = 0.f;
+      for (int k = 0; k < ch.chunks; ++k)
+        if (states[k].y > 0.f) o = fmaf(accs[std::size_t(k) * D + std::size_t(i)], exp2f(states[k].x - mx), o);
+      in.out[row * D + std::size_t(i)] = o * inv;
+    }
+    if (threadIdx.x == 0 && in.lse != nullptr)
+      in.lse[row] = l > 0.f ? (mx + log2f(l)) / log2e : -INFINITY;
+  }
+
+  // grid (batch): per-page mass averaged over q_heads, from the log2 page masses.
+  static __device__ void page_mass(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
+    const int b = int(blockIdx.x);
+    if (b >= in.index.batch) return;
+    const float* mass_ws = reinterpret_cast<const float*>(workspace + plan.mass_offset);
+    int pages = 0;
+    for (int f = 0; f < N; ++f)
+      pages += in.index.formats[f].indptr[b + 1] - in.index.formats[f].indptr[b];
+    if (pages > plan.max_pages) pages = plan.max_pages;
+    if (pages > in.page_mass_stride) pages = in.page_mass_stride;
+    for (int p = int(threadIdx.x); p < pages; p += decode_threads) {
+      float s = 0.f;
+      for (int h = 0; h < S::qh; ++h) {
+        const std::size_t row = std::size_t(b) * S::qh + std::size_t(h);
+        const float lse2 = in.lse[row] * log2e;
+        const float lm = mass_ws[row * std::size_t(plan.max_pages) + std::size_t(p)];
+        if (lse2 != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2);
+      }
+      in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] = s / float(S::qh);
+    }
+  }
+};
+
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads, decode_shape<Geometry>::min_blocks)
+decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+  decode_kernels<Geometry, TierList>::split(in, plan, workspace);
+}
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads)
+decode_merge_kernel(decode_inputs<TierList::size> in, decode_plan plan, const std::uint8_t* workspace) {
+  decode_kernels<Geometry, TierList>::merge(in, plan, workspace);
+}
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads)
+decode_page_mass_kernel(decode_inputs<TierList::size> in, decode_plan plan, const std::uint8_t* workspace) {
+  decode_kernels<Geometry, TierList>::page_mass(in, plan, workspace);
+}
+
+// Every pool must be set and hold pages of exactly its tier's layout.
+template <class Geometry, class... Tiers>
+status check_pools(const decode_inputs<int(sizeof...(Tiers))>& in, tiers<Tiers...>*) {
+  constexpr std::size_t expect[] = {
+      page_layout<Geometry, typename Tiers::template key_codec<Geometry::head_dim>,
+                  typename Tiers::template value_codec<Geometry::head_dim>>::page_bytes...};
+  for (int f = 0; f < int(sizeof...(Tiers)); ++f) {
+    const pool_view& p = in.pools[f];
+    if (p.capacity > 0 && p.base == nullptr)
+      return status::make(errc::invalid_argument, "decode: pools[", f, "].base is null");
+    if (p.page_bytes != expect[f])
+      return status::make(errc::geometry_mismatch, "decode: pools[", f, "].page_bytes = ",
+                          p.page_bytes, " but the tier's page_layout needs ", expect[f]);
+    if (in.index.batch > 0 && in.index.formats[f].indptr == nullptr)
+      return status::make(errc::invalid_argument, "decode: index.formats[", f, "].indptr is null");
+  }
+  return status::ok();
+}
+
+}  // namespace detail
+
+// Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)
+// the per-page mass. Host-side checks only (no synchronization, no allocation): the
+// workspace (plan.workspace_bytes, device memory) must not be used by another stream
+// meanwhile. Capturable in a CUDA graph; replaying it reads the index arrays, lengths and
+// queries present at replay time (within the plan's capacity).
+template <class Geometry, class TierList>
+status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, void* workspace,
+              std::size_t workspace_bytes, cudaStream_t stream) {
+  using S = detail::decode_shape<Geometry>;
+  if (in.index.batch < 0 || in.index.batch > plan.max_batch)
+    return status::out_of_range("decode: batch", in.index.batch, plan.max_batch + 1);
+  if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
+    return status::exceeds(errc::capacity_exhausted, "decode: plan.workspace_bytes",
+                           plan.workspace_bytes, workspace_bytes);
+  if (in.queries == nullptr || in.out == nullptr || in.index.seq_len == nullptr)
+    return status::make(errc::invalid_argument, "decode: queries, out and index.seq_len must be set");
+  if (!(in.softmax_scale > 0.f) || !std::isfinite(in.softmax_scale))
+    return status::make(errc::invalid_argument, "decode: softmax_scale = ", in.softmax_scale,
+                        " must be positive and finite");
+  if (in.page_mass != nullptr &&
+      (!plan.page_mass || in.lse == nullptr || in.page_mass_stride < plan.max_pages))
+    return status::make(errc::invalid_argument,
+                        "decode: page_mass needs a plan with page_mass, an lse output and "
+                        "page_mass_stride (", in.page_mass_stride, ") >= plan.max_pages (",
+                        plan.max_pages, ")");
+  status bad = detail::check_pools<Geometry>(in, static_cast<TierList*>(nullptr));
+  if (!bad) return bad;
+  if (in.index.batch == 0) return status::ok();
+
+  TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_split_kernel<Geometry, TierList>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(S::smem_bytes)));
+  TIERKV_CUDA_TRY(cudaMemsetAsync(static_cast<std::uint8_t*>(workspace) + plan.error_offset, 0,
+                                  sizeof(int), stream));
+  std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
+  const dim3 grid_split(unsigned(plan.max_chunks), unsigned(Geometry::kv_heads), unsigned(in.index.batch));
+  detail::decode_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
+  TIERKV_CUDA_TRY(cudaGetLastError());
+  const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch));
+  detail::decode_merge_kernel<Geometry, TierList><<<grid_merge, detail::decode_threads, 0, stream>>>(in, plan, ws);
+  TIERKV_CUDA_TRY(cudaGetLastError());
+  if (in.page_mass != nullptr) {
+    detail::decode_page_mass_kernel<Geometry, TierList><<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
+    TIERKV_CUDA_TRY(cudaGetLastError());
+  }
+  return status::ok();
+}
+
+// The first device-side error of the last decode on this workspace (errc::ok when none):
+// a page slot beyond its pool or a logical page beyond plan.max_pages. Synchronizes `stream`.
+inline result<errc> decode_device_error(const decode_plan& plan, const void* workspace,
+                                        cudaStream_t stream) {
+  int code = 0;
+  TIERKV_CUDA_TRY(cudaMemcpyAsync(&code, static_cast<const std::uint8_t*>(workspace) + plan.error_offset,
+                                  sizeof(int), cudaMemcpyDeviceToHost, stream));
+  TIERKV_CUDA_TRY(cudaStreamSynchronize(stream));
+  return static_cast<errc>(code);
+}
+
+}  // namespace tierkv::cuda

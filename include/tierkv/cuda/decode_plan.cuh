@@ -1,0 +1,172 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host planner of the split-KV decode: how many chunks a sequence is cut into, balanced by
+// the BYTES its pages cost to read (a TQ3 page is ~2.6x cheaper than an FP8 one), and how
+// large the fixed-capacity workspace is, so a decode step is CUDA-graph capturable.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/core/status.hpp"
+
+namespace tierkv::cuda {
+
+// What a plan must hold: the largest batch, the most chunks a sequence may be split in
+// (the workspace holds one partial state per chunk), and for the optional per-page
+// attention mass the most logical pages a sequence may have.
+struct decode_capacity {
+  int max_batch = 0;
+  int max_chunks_per_seq = 64;
+  int max_pages_per_seq = 0;  // only needed with page_mass
+  bool page_mass = false;
+};
+
+// A plan is plain data: the run reads it by value, so a captured graph replays it.
+//   page_cost[f]: a page's weight on a sequence's cost line (bytes or work, see `balance`);
+//   target_chunk_bytes (in page_cost units): a sequence of total cost T (per KV head) runs in
+//     clamp(ceil(T / target_chunk_bytes), 1, min(max_chunks, its page count)) chunks;
+//   every chunk gets a contiguous, equal share of the sequence's cost (pages ordered
+//   format by format; the merge is order-independent).
+struct decode_plan {
+  static constexpr int max_formats = 8;
+  // Weight of one page of each tier on a sequence's cost line (what chunks are balanced by).
+  std::int64_t page_cost[max_formats] = {};
+  int max_batch = 0;
+  int max_chunks = 1;
+  int max_pages = 0;
+  bool page_mass = false;
+  std::int64_t target_chunk_bytes = 0;
+  std::size_t workspace_bytes = 0;
+  // Offsets inside the workspace (bytes, 256-aligned).
+  std::size_t state_offset = 0;  // float2 {m (log2 units), l} [max_batch][q_heads][max_chunks]
+  std::size_t acc_offset = 0;    // float [max_batch][q_heads][max_chunks][head_dim]
+  std::size_t mass_offset = 0;   // float [max_batch][q_heads][max_pages] (log2 page mass)
+  std::size_t error_offset = 0;  // one int: first device-side errc (0 = ok)
+};
+
+namespace detail {
+constexpr std::size_t align256(std::size_t n) { return (n + 255) / 256 * 256; }
+
+// Bytes one KV head of one page of a tier costs to read (payloads and meta, keys and values).
+template <class Geometry, class Tier>
+constexpr std::int64_t tier_page_cost() {
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  return std::int64_t(Geometry::page_tokens) *
+         std::int64_t(K::payload_bytes + V::payload_bytes + K::meta_bytes + V::meta_bytes);
+}
+
+template <class Geometry, class TierList> struct page_costs;
+template <class Geometry, class... Tiers>
+struct page_costs<Geometry, tiers<Tiers...>> {
+  static constexpr int n = int(sizeof...(Tiers));
+  static constexpr std::int64_t value[sizeof...(Tiers)] = {tier_page_cost<Geometry, Tiers>()...};
+};
+}  // namespace detail
+
+// What a chunk is balanced by. `bytes`: the bytes a page costs to read (right for a kernel at
+// the bandwidth roofline). `work`: the time a page costs in the present CUDA-core kernel,
+// which is instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about as long
+// as an FP8 page: measured 1.08x on the H200 (docs/gpu.md); balancing by bytes there left the
+// TQ3 chunks of a tiered batch 2.6x longer than the FP8 ones.
+enum class balance : std::uint8_t { bytes = 0, work = 1 };
+
+namespace detail {
+template <class Geometry, class Tier>
+constexpr std::int64_t tier_page_work() {
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  // scalars per page and head, x 1.08 (in 1/100) per TQ3 role: see `balance`
+  const std::int64_t per_role = std::int64_t(Geometry::page_tokens) * Geometry::head_dim * 100;
+  return per_role * (K::format == storage_format::tq3 ? 108 : 100) / 100 +
+         per_role * (V::format == storage_format::tq3 ? 108 : 100) / 100;
+}
+template <class Geometry, class TierList> struct page_works;
+template <class Geometry, class... Tiers>
+struct page_works<Geometry, tiers<Tiers...>> {
+  static constexpr std::int64_t value[sizeof...(Tiers)] = {tier_page_work<Geometry, Tiers>()...};
+};
+}  // namespace detail
+
+// Plans a decode for `capacity`, sized by a representative step: pages_per_format[b*N + f]
+// is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
+// size is chosen so that all (sequence, KV head, chunk) blocks fill about `waves` waves of
+// `sm_count` multiprocessors (3 = the blocks the split kernel keeps resident per SM, one
+// wave), and no chunk reads less than `min_chunk_bytes` (per-chunk setup and the merge
+// cost about as much as reading ~16 KB; docs/gpu.md).
+template <class Geometry, class TierList>
+result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int32_t* pages_per_format,
+                                int batch, int sm_count, int waves = 3,
+                                std::int64_t min_chunk_bytes = 64 * 1024,
+                                balance by = balance::work) {
+  using costs = detail::page_costs<Geometry, TierList>;
+  using works = detail::page_works<Geometry, TierList>;
+  constexpr int n = costs::n;
+  static_assert(n <= decode_plan::max_formats, "plan_decode: at most 8 tiers");
+  if (capacity.max_batch < 1)
+    return status::make(errc::invalid_argument, "plan_decode: capacity.max_batch = ",
+                        capacity.max_batch, " must be at least 1");
+  if (batch < 0 || batch > capacity.max_batch)
+    return status::out_of_range("plan_decode: batch", batch, capacity.max_batch + 1);
+  if (capacity.max_chunks_per_seq < 1 || capacity.max_chunks_per_seq > 4096)
+    return status::make(errc::invalid_argument, "plan_decode: capacity.max_chunks_per_seq = ",
+                        capacity.max_chunks_per_seq, " must lie in [1, 4096]");
+  if (capacity.page_mass && capacity.max_pages_per_seq < 1)
+    return status::make(errc::invalid_argument,
+                        "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",
+                        capacity.max_pages_per_seq);
+  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1)
+    return status::make(errc::invalid_argument, "plan_decode: sm_count = ", sm_count,
+                        ", waves = ", waves, ", min_chunk_bytes = ", min_chunk_bytes,
+                        " must all be positive");
+  if (batch > 0 && pages_per_format == nullptr)
+    return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
+
+  std::int64_t total = 0;
+  for (int b = 0; b < batch; ++b)
+    for (int f = 0; f < n; ++f) {
+      const std::int32_t c = pages_per_format[std::size_t(b) * n + std::size_t(f)];
+      if (c < 0)
+        return status::make(errc::invalid_argument, "plan_decode: pages_per_format[", b, "][", f,
+                            "] = ", c, " is negative");
+      total += std::int64_t(c) * costs::value[f];
+    }
+  total *= Geometry::kv_heads;
+  const std::int64_t blocks_wanted = std::int64_t(sm_count) * waves;
+  std::int64_t target = blocks_wanted > 0 ? (total + blocks_wanted - 1) / blocks_wanted : 1;
+  if (target < min_chunk_bytes) target = min_chunk_bytes;
+
+  decode_plan p;
+  for (int f = 0; f < n; ++f) p.page_cost[f] = by == balance::bytes ? costs::value[f] : works::value[f];
+  // The target is in bytes; on the work line a chunk gets the same share of the total.
+  if (by == balance::work && total > 0) {
+    std::int64_t total_work = 0;
+    for (int b = 0; b < batch; ++b)
+      for (int f = 0; f < n; ++f)
+        total_work += std::int64_t(pages_per_format[std::size_t(b) * n + std::size_t(f)]) * works::value[f];
+    total_work *= Geometry::kv_heads;
+    const long double chunks = (long double)total / (long double)target;
+    target = std::int64_t((long double)total_work / chunks) + 1;
+  } else if (by == balance::work) {
+    target = std::int64_t(min_chunk_bytes) * works::value[0] / costs::value[0] + 1;
+  }
+  p.max_batch = capacity.max_batch;
+  p.max_chunks = capacity.max_chunks_per_seq;
+  p.max_pages = capacity.page_mass ? capacity.max_pages_per_seq : 0;
+  p.page_mass = capacity.page_mass;
+  p.target_chunk_bytes = target;
+  const std::size_t rows = std::size_t(p.max_batch) * Geometry::q_heads;
+  p.state_offset = 0;
+  p.acc_offset = detail::align256(p.state_offset + rows * p.max_chunks * 2 * sizeof(float));
+  p.mass_offset = detail::align256(p.acc_offset + rows * p.max_chunks *
+                                                      std::size_t(Geometry::head_dim) * sizeof(float));
+  p.error_offset = detail::align256(p.mass_offset + rows * std::size_t(p.max_pages) * sizeof(float));
+  p.workspace_bytes = detail::align256(p.error_offset + sizeof(int));
+  return p;
+}
+
+}  // namespace tierkv::cuda

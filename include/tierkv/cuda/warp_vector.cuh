@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+// One warp per token vector: FP8 E4M3 and TQ3 encode / decode with the element ownership
+// and summation order the host codecs define as canonical (codec/tq3.hpp: lane l owns
+// coordinates [l*d/32, (l+1)*d/32), fmaf in ascending order, then a xor butterfly over
+// 16, 8, 4, 2, 1), so the codes equal the host encoder's bit for bit.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/float_bits.hpp"
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/rotation.hpp"
+#include "tierkv/codec/tq3.hpp"
+
+namespace tierkv::cuda::detail {
+
+inline constexpr unsigned full_warp = 0xffffffffu;
+
+__device__ __forceinline__ float warp_sum_canonical(float s) {
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) s = s + __shfl_xor_sync(full_warp, s, o);
+  return s;
+}
+__device__ __forceinline__ float warp_max(float s) {
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) s = fmaxf(s, __shfl_xor_sync(full_warp, s, o));
+  return s;
+}
+
+// This lane's P consecutive bytes at p + lane*P as one load / store when P is a multiple
+// of 4 (payload regions are 16-byte aligned and d-byte FP8 payloads keep that alignment).
+template <int P>
+__device__ __forceinline__ void load_bytes(const std::uint8_t* p, std::uint8_t (&b)[P]) {
+  if constexpr (P % 4 == 0) {
+#pragma unroll
+    for (int w = 0; w < P / 4; ++w) {
+      const std::uint32_t v = reinterpret_cast<const std::uint32_t*>(p)[w];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[4 * w + j] = std::uint8_t(v >> (8 * j));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < P; ++j) b[j] = p[j];
+  }
+}
+template <int P>
+__device__ __forceinline__ void store_bytes(std::uint8_t* p, const std::uint8_t (&b)[P]) {
+  if constexpr (P % 4 == 0) {
+#pragma unroll
+    for (int w = 0; w < P / 4; ++w)
+      reinterpret_cast<std::uint32_t*>(p)[w] = std::uint32_t(b[4 * w]) | (std::uint32_t(b[4 * w + 1]) << 8) |
+                                               (std::uint32_t(b[4 * w + 2]) << 16) | (std::uint32_t(b[4 * w + 3]) << 24);
+  } else {
+#pragma unroll
+    for (int j = 0; j < P; ++j) p[j] = b[j];
+  }
+}
+
+// x <- D x on this lane's coordinates [lane*P, lane*P + P).
+template <int P>
+__device__ __forceinline__ void warp_signs(float (&x)[P], std::uint64_t seed, int lane) {
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    const int i = lane * P + r;
+    if (rotation_sign_negative(seed, i)) x[r] = -x[r];
+  }
+}
+
+// Unnormalized Walsh-Hadamard over the warp, stage order of walsh_hadamard_unnormalized:
+// strides below P inside the lane, the rest across lanes (lower index a + b, upper a - b).
+template <int P>
+__device__ __forceinline__ void warp_wht(float (&x)[P], int lane) {
+#pragma unroll
+  for (int h = 1; h < P; h <<= 1)
+#pragma unroll
+    for (int i = 0; i < P; i += 2 * h)
+#pragma unroll
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+#pragma unroll
+  for (int lm = 1; lm < 32; lm <<= 1) {
+    const bool upper = (lane & lm) != 0;
+#pragma unroll
+    for (int r = 0; r < P; ++r) {
+      const float other = __shfl_xor_sync(full_warp, x[r], lm);
+      x[r] = upper ? other - x[r] : x[r] + other;
+    }
+  }
+}
+
+// FP8 E4M3 encode of a vector held as x[P] per lane (exactly fp8_codec::encode).
+// Returns false (and writes the codec's poison) on non-finite input.
+template <class Codec, int P>
+__device__ __forceinline__ bool warp_encode_fp8(const float (&x)[P], std::uint8_t* payload,
+                                                typename Codec::meta_type* meta, int lane) {
+  float amax = 0.f;
+  bool finite = true;
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    finite = finite && tierkv::detail::is_finite_bits(x[r]);
+    float a = tierkv::detail::abs_bits(x[r]);
+    if (a > Codec::input_limit) a = Codec::input_limit;
+    amax = fmaxf(amax, a);
+  }
+  finite = __all_sync(full_warp, finite);
+  amax = warp_max(amax);
+  std::uint8_t codes[P];
+  if (!finite) {
+#pragma unroll
+    for (int r = 0; r < P; ++r) codes[r] = 0;
+    store_bytes<P>(payload + lane * P, codes);
+    if (lane == 0) *meta = Codec::poison_meta;
+    return false;
+  }
+  const typename Codec::meta_type scale = Codec::scale_for(amax);
+  const float s = bf16_to_float(scale);
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    float v = x[r];
+    if (v > Codec::input_limit) v = Codec::input_limit;
+    if (v < -Codec::input_limit) v = -Codec::input_limit;
+    codes[r] = scale == 0 ? std::uint8_t(0) : float_to_fp8<fp8_kind::e4m3>(v / s);
+  }
+  store_bytes<P>(payload + lane * P, codes);
+  if (lane == 0) *meta = scale;
+  return true;
+}
+
+// FP8 E4M3 decode (exactly fp8_codec::decode).
+template <class Codec, int P>
+__device__ __forceinline__ void warp_decode_fp8(const std::uint8_t* payload,
+                                                typename Codec::meta_type meta, float (&x)[P],
+                                                int lane) {
+  const float s = bf16_to_float(meta);
+  std::uint8_t codes[P];
+  load_bytes<P>(payload + lane * P, codes);
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] = Codec::code_value(codes[r]) * s;
+}
+
+// TQ3 encode (exactly tq3_codec::encode). `codes` is this warp's shared scratch of d bytes.
+template <class Codec, int P>
+__device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_t* payload,
+                                                typename Codec::meta_type* meta, std::uint64_t seed,
+                                                std::uint8_t* codes, int lane) {
+  constexpr int D = Codec::head_dim;
+  static_assert(P * 32 == D, "warp_encode_tq3: one warp owns d/32 coordinates per lane");
+  float amax = 0.f;
+  bool finite = true;
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    finite = finite && tierkv::detail::is_finite_bits(x[r]);
+    amax = fmaxf(amax, tierkv::detail::abs_bits(x[r]));
+  }
+  finite = __all_sync(full_warp, finite);
+  amax = warp_max(amax);
+  if (!finite || amax == 0.f) {
+    for (int i = lane; i < int(Codec::payload_bytes); i += 32) payload[i] = 0;
+    if (finite) {
+      // all-zero vector: zero_code everywhere, alpha 0
+      for (int i = lane; i < D; i += 32) codes[i] = std::uint8_t(Codec::zero_code);
+    }
+    __syncwarp();
+    if (finite) {
+      for (int g = lane; g < Codec::groups; g += 32) {
+        std::uint32_t w[3];
+        tierkv::detail::tq3_pack_group(codes + 32 * g, w);
+        for (int t = 0; t < 3; ++t) tierkv::detail::store_le32(payload + 12 * g + 4 * t, w[t]);
+      }
+    }
+    if (lane == 0) *meta = finite ? typename Codec::meta_type(0) : Codec::poison_meta;
+    __syncwarp();
+    return finite;
+  }
+  const int k = tierkv::detail::unit_exponent(amax);
+  float z[P];
+  float sumsq = 0.f;
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    z[r] = tierkv::detail::scale_pow2(x[r], k);
+    sumsq = fmaf(z[r], z[r], sumsq);
+  }
+  sumsq = warp_sum_canonical(sumsq);
+  warp_signs<P>(z, seed, lane);
+  warp_wht<P>(z, lane);
+  const tierkv::detail::tq3_bounds bounds = tierkv::detail::tq3_make_bounds(sqrtf(sumsq));
+  float s_zc = 0.f, s_cc = 0.f;
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    const int code = tierkv::detail::tq3_quantize(z[r], bounds);
+    codes[lane * P + r] = std::uint8_t(code);
+    const float c = tierkv::detail::tq3_centroid(code);
+    s_zc = fmaf(z[r], c, s_zc);
+    s_cc = fmaf(c, c, s_cc);
+  }
+  s_zc = warp_sum_canonical(s_zc);
+  s_cc = warp_sum_canonical(s_cc);
+  __syncwarp();
+  for (int g = lane; g < Codec::groups; g += 32) {
+    std::uint32_t w[3];
+    tierkv::detail::tq3_pack_group(codes + 32 * g, w);
+    for (int t = 0; t < 3; ++t) reinterpret_cast<std::uint32_t*>(payload)[3 * g + t] = w[t];
+  }
+  if (lane == 0) {
+    bool saturated = false;
+    *meta = tierkv::detail::tq3_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
+  }
+  __syncwarp();
+  return true;
+}
+
+// TQ3 decode (exactly tq3_codec::decode: alpha*c, inverse rotation D H_un / d).
+template <class Codec, int P>
+__device__ __forceinline__ void warp_decode_tq3(const std::uint8_t* payload,
+                                                typename Codec::meta_type meta, std::uint64_t seed,
+                                                float (&x)[P], int lane) {
+  constexpr int D = Codec::head_dim;
+  const float w = 1.0f * bf16_to_float(meta);
+  // This lane's P <= 16 coordinates lie in one 32-coordinate group: three aligned words.
+  const std::uint32_t* grp = reinterpret_cast<const std::uint32_t*>(payload) + 3 * ((lane * P) / 32);
+  const std::uint32_t words[3] = {grp[0], grp[1], grp[2]};
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    const int j = lane * P + r;
+    x[r] = 0.0f + w * tierkv::detail::tq3_centroid(tierkv::detail::tq3_unpack(words, j % 32));
+  }
+  warp_wht<P>(x, lane);
+  const float s = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] *= s;
+  warp_signs<P>(x, seed, lane);
+}
+
+}  // namespace tierkv::cuda::detail

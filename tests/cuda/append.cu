@@ -1,0 +1,186 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU append into open FP8 pages: codes and scales equal the host codec's encode() bit for
+// bit (fp32 and bf16 inputs, decode and prefill, all layers), bad slots and non-finite
+// input are reported, nothing else in the pool is touched.
+#include "catch.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq3.hpp"
+#include "tierkv/cuda/append.cuh"
+
+namespace {
+
+using namespace tierkv;
+using recent = tier<fp8_e4m3, fp8_e4m3>;
+
+#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
+
+template <class T>
+T* to_device(const std::vector<T>& h) {
+  T* p = nullptr;
+  CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, h.size()) * sizeof(T)));
+  if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+float adversarial(std::mt19937_64& rng, int i) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  switch (i % 23) {
+    case 0: return 0.f;
+    case 1: return 1e30f;
+    case 2: return -3e38f;
+    case 3: return 1e-41f;  // subnormal
+    case 4: return -1e-30f;
+    default: return nd(rng) * (i % 5 == 0 ? 1000.f : 1.f);
+  }
+}
+
+template <class G>
+void check_append(int tokens, int layers, bool bf16, std::uint64_t seed) {
+  constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens;
+  using C = recent::key_codec<D>;
+  using L = page_layout<G, C, C>;
+  std::mt19937_64 rng(seed);
+  const int pages = tokens / 3 + 4;
+  const int cap = pages * layers;
+  std::vector<std::uint8_t> pool(L::page_bytes * std::size_t(cap), 0xA5);
+  // Slot mapping: token n goes to a page of its sequence at some offset; distinct (slot, offset).
+  std::vector<std::int32_t> slot(std::size_t(layers) * tokens), offset(tokens);
+  std::vector<int> used(std::size_t(cap) * T, 0);
+  for (int n = 0; n < tokens; ++n) {
+    offset[n] = int(rng() % T);
+    for (int l = 0; l < layers; ++l) {
+      int s;
+      do { s = int(rng() % cap); } while (used[std::size_t(s) * T + offset[n]]);
+      used[std::size_t(s) * T + offset[n]] = 1;
+      slot[std::size_t(l) * tokens + n] = s;
+    }
+  }
+  const std::size_t elems = std::size_t(layers) * tokens * H * D;
+  std::vector<float> k(elems), v(elems);
+  for (std::size_t i = 0; i < elems; ++i) {
+    k[i] = adversarial(rng, int(i % 97));
+    v[i] = adversarial(rng, int(i % 89) + 3);
+  }
+  std::vector<__nv_bfloat16> kb(elems), vb(elems);
+  if (bf16) {
+    for (std::size_t i = 0; i < elems; ++i) {
+      kb[i] = __float2bfloat16(k[i]);
+      vb[i] = __float2bfloat16(v[i]);
+      k[i] = __bfloat162float(kb[i]);  // the host reference encodes what the device reads
+      v[i] = __bfloat162float(vb[i]);
+    }
+  }
+  std::uint8_t* dpool = to_device(pool);
+  void* dk = bf16 ? static_cast<void*>(to_device(kb)) : static_cast<void*>(to_device(k));
+  void* dv = bf16 ? static_cast<void*>(to_device(vb)) : static_cast<void*>(to_device(v));
+  std::int32_t* dslot = to_device(slot);
+  std::int32_t* doff = to_device(offset);
+  int* derr = to_device(std::vector<int>{0});
+  cuda::append_inputs in;
+  in.k = dk;
+  in.v = dv;
+  in.type = bf16 ? cuda::input_type::bf16 : cuda::input_type::f32;
+  in.layer_stride = std::int64_t(tokens) * H * D;
+  in.slot = dslot;
+  in.slot_layer_stride = tokens;
+  in.offset = doff;
+  in.tokens = tokens;
+  in.layers = layers;
+  in.pool = {dpool, L::page_bytes, std::uint32_t(cap)};
+  in.error = derr;
+  REQUIRE(cuda::append<G, recent>(in, nullptr).is_ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<std::uint8_t> got(pool.size());
+  CUDA_OK(cudaMemcpy(got.data(), dpool, got.size(), cudaMemcpyDeviceToHost));
+  int err = -1;
+  CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
+  CHECK(err == 0);
+
+  // Host reference: the codec's own encode into a copy of the pool.
+  for (int l = 0; l < layers; ++l)
+    for (int n = 0; n < tokens; ++n)
+      for (int h = 0; h < H; ++h) {
+        std::uint8_t* page = pool.data() + std::size_t(slot[std::size_t(l) * tokens + n]) * L::page_bytes;
+        const std::size_t at = (std::size_t(l) * tokens + n) * H * D + std::size_t(h) * D;
+        auto* km = reinterpret_cast<bf16_bits*>(page + L::key_meta(h, offset[n]));
+        auto* vm = reinterpret_cast<bf16_bits*>(page + L::value_meta(h, offset[n]));
+        REQUIRE(C::encode(k.data() + at, page + L::key_payload(h, offset[n]), *km, {}, nullptr) == errc::ok);
+        REQUIRE(C::encode(v.data() + at, page + L::value_payload(h, offset[n]), *vm, {}, nullptr) == errc::ok);
+      }
+  std::size_t diff = 0;
+  for (std::size_t i = 0; i < pool.size(); ++i) diff += pool[i] != got[i];
+  INFO("tokens " << tokens << " layers " << layers << " bf16 " << bf16);
+  CHECK(diff == 0);  // every written byte equal, every untouched byte still 0xA5
+  cudaFree(dpool); cudaFree(dk); cudaFree(dv); cudaFree(dslot); cudaFree(doff); cudaFree(derr);
+}
+
+using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
+using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
+
+}  // namespace
+
+TEST_CASE("gpu append equals the host FP8 encoder bit for bit", "[cuda][append]") {
+  check_append<g_qwen>(64, 1, false, 1);     // decode step, B = 64
+  check_append<g_qwen>(300, 2, true, 2);     // prefill chunk, two layers, bf16 input
+  check_append<g_smol>(1, 1, false, 3);
+  check_append<g_smol>(517, 3, false, 4);
+  check_append<g_smol>(128, 1, true, 5);
+}
+
+TEST_CASE("gpu append reports bad slots and non-finite input", "[cuda][append]") {
+  using G = g_smol;
+  constexpr int D = G::head_dim, H = G::kv_heads;
+  using C = recent::key_codec<D>;
+  using L = page_layout<G, C, C>;
+  std::vector<float> k(std::size_t(2) * H * D, 1.f), v(k);
+  k[5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::uint8_t> pool(L::page_bytes * 2, 0);
+  std::uint8_t* dpool = to_device(pool);
+  float* dk = to_device(k);
+  float* dv = to_device(v);
+  std::int32_t* dslot = to_device(std::vector<std::int32_t>{0, 7});
+  std::int32_t* doff = to_device(std::vector<std::int32_t>{3, 0});
+  int* derr = to_device(std::vector<int>{0});
+  cuda::append_inputs in;
+  in.k = dk;
+  in.v = dv;
+  in.slot = dslot;
+  in.offset = doff;
+  in.tokens = 2;
+  in.pool = {dpool, L::page_bytes, 2};
+  in.error = derr;
+  REQUIRE(cuda::append<G, recent>(in, nullptr).is_ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  int err = 0;
+  CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
+  CHECK((err == int(errc::non_finite_input) || err == int(errc::out_of_range)));
+  std::vector<std::uint8_t> got(pool.size());
+  CUDA_OK(cudaMemcpy(got.data(), dpool, got.size(), cudaMemcpyDeviceToHost));
+  // NaN key of token 0, head 0: poison (NaN scale); its value and other heads are fine.
+  const auto km = *reinterpret_cast<const bf16_bits*>(got.data() + L::key_meta(0, 3));
+  CHECK(std::isnan(bf16_to_float(km)));
+  const auto vm = *reinterpret_cast<const bf16_bits*>(got.data() + L::value_meta(0, 3));
+  CHECK(bf16_to_float(vm) > 0.f);
+  // Host-side checks.
+  auto bad = in;
+  bad.pool.page_bytes += 16;
+  CHECK(cuda::append<G, recent>(bad, nullptr).code() == errc::geometry_mismatch);
+  bad = in;
+  bad.k = nullptr;
+  CHECK(cuda::append<G, recent>(bad, nullptr).code() == errc::invalid_argument);
+  bad = in;
+  bad.layers = 2;
+  bad.layer_stride = 1;
+  CHECK(cuda::append<G, recent>(bad, nullptr).code() == errc::invalid_argument);
+  cudaFree(dpool); cudaFree(dk); cudaFree(dv); cudaFree(dslot); cudaFree(doff); cudaFree(derr);
+}

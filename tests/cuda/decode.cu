@@ -1,0 +1,497 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU mixed-format decode vs a float64 reference on the decoded vectors and vs the host
+// path (attention/host_decode.hpp) on the same codes; plan/run with CUDA-graph replay.
+#include "catch.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "tierkv/attention/host_decode.hpp"
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq3.hpp"
+#include "tierkv/cuda/decode.cuh"
+
+namespace {
+
+using namespace tierkv;
+using recent = tier<fp8_e4m3, fp8_e4m3>;
+using stale = tier<tq3_key, tq3_value>;
+using two_tiers = tiers<recent, stale>;
+
+#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
+
+template <class T>
+struct dbuf {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit dbuf(std::size_t count) : n(count) {
+    if (n) CUDA_OK(cudaMalloc(&p, n * sizeof(T)));
+  }
+  dbuf(const dbuf&) = delete;
+  dbuf& operator=(const dbuf&) = delete;
+  ~dbuf() { if (p) cudaFree(p); }
+  void put(const std::vector<T>& h) {
+    REQUIRE(h.size() <= n);
+    if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    if (n) CUDA_OK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+enum class mix { all_fp8, all_tq3, tiered, interleaved };
+
+// A batch on the host: pages of both tiers, the CSR index, and the raw vectors.
+template <class G>
+struct host_batch {
+  static constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens;
+  using KF = recent::key_codec<D>;
+  using KT = stale::key_codec<D>;
+  using VT = stale::value_codec<D>;
+  using L8 = page_layout<G, KF, KF>;
+  using L3 = page_layout<G, KT, VT>;
+
+  std::uint64_t seed = 0x5eed;
+  int layer = 3;
+  std::vector<std::int32_t> seq_len;
+  std::vector<std::uint8_t> pool[2];
+  std::vector<std::int32_t> indptr[2], slot[2], logical[2];
+  std::vector<float> q;                  // [batch][q_heads][D]
+  std::vector<std::vector<double>> kdec, vdec;  // [b] -> [token][head][D] decoded vectors
+  int pages_cap[2] = {0, 0};
+
+  int batch() const { return int(seq_len.size()); }
+
+  // Which tier logical page i of a sequence with n pages lives in.
+  static int tier_of(mix m, int i, int n) {
+    switch (m) {
+      case mix::all_fp8: return 0;
+      case mix::all_tq3: return 1;
+      case mix::interleaved: return i % 2;
+      case mix::tiered: {
+        const int recent_pages = (n * 27 + 99) / 100 - 1;  // ~27% FP8: anchor page 0 + recent
+        return (i == 0 || i >= n - (recent_pages > 0 ? recent_pages : 0)) ? 0 : 1;
+      }
+    }
+    return 0;
+  }
+
+  void build(const std::vector<int>& lens, mix m, std::mt19937_64& rng, float key_offset = 0.f) {
+    seq_len.assign(lens.begin(), lens.end());
+    const int B = batch();
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (int f = 0; f < 2; ++f) {
+      indptr[f].assign(1, 0);
+      slot[f].clear();
+      logical[f].clear();
+    }
+    // Physical slots are shuffled so logical order != physical order.
+    std::vector<std::pair<int, int>> order[2];  // (b, logical) per tier
+    for (int b = 0; b < B; ++b) {
+      const int n = (lens[b] + T - 1) / T;
+      for (int i = 0; i < n; ++i) order[tier_of(m, i, n)].push_back({b, i});
+      for (int f = 0; f < 2; ++f) indptr[f].push_back(int(order[f].size()));
+    }
+    std::vector<int> phys[2];
+    for (int f = 0; f < 2; ++f) {
+      const int cap = int(order[f].size()) + 3;  // spare never-referenced pages
+      pages_cap[f] = cap;
+      phys[f].resize(cap);
+      for (int i = 0; i < cap; ++i) phys[f][i] = i;
+      std::shuffle(phys[f].begin(), phys[f].end(), rng);
+      const std::size_t pb = f == 0 ? L8::page_bytes : L3::page_bytes;
+      pool[f].assign(pb * std::size_t(cap), 0xFF);  // poison: FP8 0xFF is NaN, meta NaN
+      for (std::size_t e = 0; e < order[f].size(); ++e) {
+        slot[f].push_back(phys[f][e]);
+        logical[f].push_back(order[f][e].second);
+      }
+    }
+    kdec.assign(B, {});
+    vdec.assign(B, {});
+    q.resize(std::size_t(B) * G::q_heads * D);
+    for (auto& x : q) x = nd(rng);
+    std::vector<float> kv(D);
+    for (int b = 0; b < B; ++b) {
+      kdec[b].assign(std::size_t(lens[b]) * H * D, 0.0);
+      vdec[b].assign(std::size_t(lens[b]) * H * D, 0.0);
+      const int n = (lens[b] + T - 1) / T;
+      for (int i = 0; i < n; ++i) {
+        const int f = tier_of(m, i, n);
+        int e = indptr[f][b];
+        while (logical[f][e] != i) ++e;
+        std::uint8_t* page = pool[f].data() + std::size_t(slot[f][e]) *
+                                                  (f == 0 ? L8::page_bytes : L3::page_bytes);
+        for (int t = 0; t < T && i * T + t < lens[b]; ++t) {
+          const int tok = i * T + t;
+          for (int h = 0; h < H; ++h) {
+            const codec_context kc = make_codec_context(seed, layer, h, kv_role::key);
+            const codec_context vc = make_codec_context(seed, layer, h, kv_role::value);
+            std::vector<float> dec(D);
+            for (int role = 0; role < 2; ++role) {
+              for (int d = 0; d < D; ++d) kv[d] = nd(rng) + (role == 0 && d % 17 == 0 ? key_offset : 0.f);
+              if (f == 0) {
+                auto& meta = *reinterpret_cast<bf16_bits*>(page + (role == 0 ? L8::key_meta(h, t) : L8::value_meta(h, t)));
+                std::uint8_t* pay = page + (role == 0 ? L8::key_payload(h, t) : L8::value_payload(h, t));
+                REQUIRE(KF::encode(kv.data(), pay, meta, role == 0 ? kc : vc, nullptr) == errc::ok);
+                KF::decode(pay, meta, dec.data(), role == 0 ? kc : vc);
+              } else if (role == 0) {
+                auto& meta = *reinterpret_cast<bf16_bits*>(page + L3::key_meta(h, t));
+                std::uint8_t* pay = page + L3::key_payload(h, t);
+                REQUIRE(KT::encode(kv.data(), pay, meta, kc, nullptr) == errc::ok);
+                KT::decode(pay, meta, dec.data(), kc);
+              } else {
+                auto& meta = *reinterpret_cast<bf16_bits*>(page + L3::value_meta(h, t));
+                std::uint8_t* pay = page + L3::value_payload(h, t);
+                REQUIRE(VT::encode(kv.data(), pay, meta, vc, nullptr) == errc::ok);
+                VT::decode(pay, meta, dec.data(), vc);
+              }
+              auto& dst = role == 0 ? kdec[b] : vdec[b];
+              for (int d = 0; d < D; ++d) dst[(std::size_t(tok) * H + h) * D + d] = dec[d];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // float64 reference on the decoded vectors: out [b][qh][D], lse natural, page mass.
+  void reference(double scale, std::vector<double>& out, std::vector<double>& lse,
+                 std::vector<double>& mass, int mass_stride) const {
+    const int B = batch(), QH = G::q_heads;
+    out.assign(std::size_t(B) * QH * D, 0.0);
+    lse.assign(std::size_t(B) * QH, -std::numeric_limits<double>::infinity());
+    mass.assign(std::size_t(B) * mass_stride, 0.0);
+    for (int b = 0; b < B; ++b) {
+      const int n = seq_len[b];
+      for (int qh = 0; qh < QH; ++qh) {
+        const int h = qh / G::group_size;
+        std::vector<double> s(n);
+        double mx = -INFINITY;
+        for (int t = 0; t < n; ++t) {
+          double dot = 0;
+          for (int d = 0; d < D; ++d)
+            dot += double(q[(std::size_t(b) * QH + qh) * D + d]) * kdec[b][(std::size_t(t) * H + h) * D + d];
+          s[t] = dot * scale;
+          mx = std::max(mx, s[t]);
+        }
+        if (n == 0) continue;
+        double l = 0;
+        for (int t = 0; t < n; ++t) l += std::exp(s[t] - mx);
+        for (int t = 0; t < n; ++t) {
+          const double p = std::exp(s[t] - mx) / l;
+          mass[std::size_t(b) * mass_stride + t / T] += p / QH;
+          for (int d = 0; d < D; ++d)
+            out[(std::size_t(b) * QH + qh) * D + d] += p * vdec[b][(std::size_t(t) * H + h) * D + d];
+        }
+        lse[std::size_t(b) * QH + qh] = mx + std::log(l);
+      }
+    }
+  }
+};
+
+double rel_l2(const std::vector<float>& a, const std::vector<double>& ref, std::size_t n) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    num += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Device copy of a host batch (index arrays sized for `cap_entries` so a graph can replay
+// other batches in the same buffers).
+template <class G>
+struct device_batch {
+  dbuf<std::uint8_t> pool0, pool1;
+  dbuf<std::int32_t> seq_len, indptr0, indptr1, slot0, slot1, logical0, logical1;
+  dbuf<float> q, out, lse, mass;
+  int mass_stride;
+  device_batch(std::size_t pool0_bytes, std::size_t pool1_bytes, int max_batch, int cap_entries, int stride)
+      : pool0(pool0_bytes), pool1(pool1_bytes), seq_len(max_batch), indptr0(max_batch + 1),
+        indptr1(max_batch + 1), slot0(cap_entries), slot1(cap_entries), logical0(cap_entries),
+        logical1(cap_entries), q(std::size_t(max_batch) * G::q_heads * G::head_dim),
+        out(std::size_t(max_batch) * G::q_heads * G::head_dim), lse(std::size_t(max_batch) * G::q_heads),
+        mass(std::size_t(max_batch) * stride), mass_stride(stride) {}
+
+  void upload(const host_batch<G>& h) {
+    pool0.put(h.pool[0]);
+    pool1.put(h.pool[1]);
+    seq_len.put(h.seq_len);
+    indptr0.put(h.indptr[0]);
+    indptr1.put(h.indptr[1]);
+    slot0.put(h.slot[0]);
+    slot1.put(h.slot[1]);
+    logical0.put(h.logical[0]);
+    logical1.put(h.logical[1]);
+    q.put(h.q);
+    CUDA_OK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // NaN: every output must be written
+  }
+  cuda::decode_inputs<2> inputs(const host_batch<G>& h, int batch, bool with_mass) {
+    cuda::decode_inputs<2> in;
+    in.index.batch = batch;
+    in.index.seq_len = seq_len.p;
+    in.index.formats[0] = {indptr0.p, slot0.p, logical0.p};
+    in.index.formats[1] = {indptr1.p, slot1.p, logical1.p};
+    in.pools[0] = {pool0.p, host_batch<G>::L8::page_bytes, std::uint32_t(h.pages_cap[0])};
+    in.pools[1] = {pool1.p, host_batch<G>::L3::page_bytes, std::uint32_t(h.pages_cap[1])};
+    in.queries = q.p;
+    in.softmax_scale = 1.f / std::sqrt(float(G::head_dim));
+    in.cache_seed = h.seed;
+    in.layer = h.layer;
+    in.out = out.p;
+    in.lse = lse.p;
+    if (with_mass) {
+      in.page_mass = mass.p;
+      in.page_mass_stride = mass_stride;
+    }
+    return in;
+  }
+};
+
+template <class G>
+std::vector<std::int32_t> page_counts(const host_batch<G>& h) {
+  std::vector<std::int32_t> c;
+  for (int b = 0; b < h.batch(); ++b)
+    for (int f = 0; f < 2; ++f) c.push_back(h.indptr[f][b + 1] - h.indptr[f][b]);
+  return c;
+}
+
+template <class G>
+void check_case(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves = 4,
+                std::int64_t min_chunk = 32 * 1024, float key_offset = 0.f) {
+  constexpr int D = G::head_dim, QH = G::q_heads;
+  std::mt19937_64 rng(rng_seed);
+  host_batch<G> h;
+  h.build(lens, m, rng, key_offset);
+  const int B = h.batch();
+  int max_pages = 1;
+  for (int l : lens) max_pages = std::max(max_pages, (l + G::page_tokens - 1) / G::page_tokens);
+  const int entries = std::max<int>(1, int(std::max(h.slot[0].size(), h.slot[1].size())));
+  device_batch<G> dev(h.pool[0].size(), h.pool[1].size(), B, entries, max_pages);
+  dev.upload(h);
+  cuda::decode_capacity cap{B, 64, max_pages, true};
+  const auto counts = page_counts(h);
+  auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), B, 132, waves, min_chunk);
+  REQUIRE(plan.has_value());
+  dbuf<std::uint8_t> ws(plan->workspace_bytes);
+  auto in = dev.inputs(h, B, true);
+  REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  auto derr = cuda::decode_device_error(*plan, ws.p, nullptr);
+  REQUIRE(derr.has_value());
+  CHECK(*derr == errc::ok);
+
+  std::vector<double> ref_out, ref_lse, ref_mass;
+  const double scale = 1.0 / std::sqrt(double(D));
+  h.reference(scale, ref_out, ref_lse, ref_mass, max_pages);
+  const auto out = dev.out.get();
+  const auto lse = dev.lse.get();
+  const auto mass = dev.mass.get();
+  for (float x : out) REQUIRE(std::isfinite(x));
+  const bool has_tq3 = m != mix::all_fp8;
+  const double tol = has_tq3 ? 2e-3 : 2e-5;  // TQ3: fp16 centroid table (|rel| <= 2.4e-4 per entry)
+  const double err = rel_l2(out, ref_out, std::size_t(B) * QH * D);
+  INFO("shape " << QH << "/" << G::kv_heads << "/" << D << " mix " << int(m) << " rel_l2 " << err);
+  CHECK(err < tol);
+  for (int i = 0; i < B * QH; ++i) {
+    if (std::isinf(ref_lse[i])) {
+      CHECK(std::isinf(lse[i]));
+      CHECK(lse[i] < 0);
+    } else {
+      CHECK(std::abs(lse[i] - ref_lse[i]) < (has_tq3 ? 2e-3 : 1e-4) * std::max(1.0, std::abs(ref_lse[i])));
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    double sum = 0;
+    const int np = (lens[b] + G::page_tokens - 1) / G::page_tokens;
+    for (int p = 0; p < np; ++p) {
+      CHECK(std::abs(mass[std::size_t(b) * max_pages + p] - ref_mass[std::size_t(b) * max_pages + p]) < 2e-3);
+      sum += mass[std::size_t(b) * max_pages + p];
+    }
+    if (lens[b] > 0) CHECK(std::abs(sum - 1.0) < 1e-3);
+  }
+
+  // The host path over the same codes: outputs within float rounding of each other.
+  host_attention_workspace hws(2);
+  host_decode_args<2> ha;
+  ha.queries = h.q.data();
+  ha.index.batch = B;
+  ha.index.seq_len = h.seq_len.data();
+  for (int f = 0; f < 2; ++f) ha.index.formats[f] = {h.indptr[f].data(), h.slot[f].data(), h.logical[f].data()};
+  pool_view pools[2] = {{h.pool[0].data(), host_batch<G>::L8::page_bytes, std::uint32_t(h.pages_cap[0])},
+                        {h.pool[1].data(), host_batch<G>::L3::page_bytes, std::uint32_t(h.pages_cap[1])}};
+  ha.pools = pools;
+  ha.source = {h.seed, h.layer};
+  ha.logits.softmax_scale = float(scale);
+  std::vector<float> hout(std::size_t(B) * QH * D), hlse(std::size_t(B) * QH);
+  ha.out = hout.data();
+  ha.lse = hlse.data();
+  REQUIRE(host_decode<G, two_tiers>(hws, ha).is_ok());
+  std::vector<double> hout_d(hout.begin(), hout.end());
+  const double herr = rel_l2(out, hout_d, hout.size());
+  INFO("vs host path rel_l2 " << herr);
+  CHECK(herr < tol);
+}
+
+using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
+using g_llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
+using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
+using g_small_pages = geometry<head_dim<64>, kv_heads<2>, group_size<1>, page_tokens<16>>;
+
+}  // namespace
+
+TEST_CASE("gpu decode: benchmark shapes, every mix, unequal lengths", "[cuda][decode]") {
+  const std::vector<int> lens = {3000, 1, 700, 64, 129};
+  for (mix m : {mix::all_fp8, mix::all_tq3, mix::tiered, mix::interleaved}) {
+    check_case<g_qwen>(lens, m, 11 + int(m));
+    check_case<g_llama>(lens, m, 21 + int(m));
+    check_case<g_smol>(lens, m, 31 + int(m));
+  }
+}
+
+TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {
+  SECTION("single-token sequences") { check_case<g_llama>({1, 1, 1}, mix::tiered, 41); }
+  SECTION("partial last pages and an empty sequence") {
+    check_case<g_smol>({65, 0, 127, 63}, mix::interleaved, 42);
+  }
+  SECTION("very unequal lengths, many chunks") {
+    check_case<g_qwen>({9000, 2, 300}, mix::tiered, 43, 16, 1024);
+  }
+  SECTION("one chunk per sequence") { check_case<g_qwen>({5000, 70}, mix::tiered, 44, 1, 1ll << 40); }
+  SECTION("small pages, group 1") { check_case<g_small_pages>({1000, 17, 16, 1}, mix::tiered, 45, 8, 256); }
+  SECTION("offset key channels (large logits)") {
+    check_case<g_llama>({2000, 500}, mix::tiered, 46, 4, 32 * 1024, 8.f);
+  }
+}
+
+TEST_CASE("gpu decode: the chunk split does not change the result", "[cuda][decode]") {
+  // Same inputs, 1 chunk vs up to 64 chunks per sequence: outputs within float rounding.
+  using G = g_llama;
+  std::mt19937_64 rng(77);
+  host_batch<G> h;
+  h.build({6000, 1500}, mix::tiered, rng);
+  const int entries = int(std::max(h.slot[0].size(), h.slot[1].size()));
+  device_batch<G> dev(h.pool[0].size(), h.pool[1].size(), 2, entries, 128);
+  dev.upload(h);
+  const auto counts = page_counts(h);
+  std::vector<float> outs[2];
+  for (int variant = 0; variant < 2; ++variant) {
+    cuda::decode_capacity cap{2, 64, 128, false};
+    auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132, variant ? 64 : 1,
+                                                variant ? 512 : (1ll << 40));
+    REQUIRE(plan.has_value());
+    dbuf<std::uint8_t> ws(plan->workspace_bytes);
+    auto in = dev.inputs(h, 2, false);
+    REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    outs[variant] = dev.out.get();
+  }
+  std::vector<double> ref(outs[0].begin(), outs[0].end());
+  CHECK(rel_l2(outs[1], ref, ref.size()) < 1e-5);
+}
+
+TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and formats", "[cuda][decode]") {
+  using G = g_qwen;
+  constexpr int D = G::head_dim, QH = G::q_heads;
+  const int max_batch = 4, max_pages = 80, cap_entries = max_batch * max_pages;
+  // Fixed-capacity buffers: pools big enough for every replayed batch.
+  std::mt19937_64 rng(99);
+  host_batch<G> first;
+  first.build({5000, 100, 2000, 1}, mix::tiered, rng);
+  const std::size_t p0 = host_batch<G>::L8::page_bytes * (cap_entries + 3);
+  const std::size_t p1 = host_batch<G>::L3::page_bytes * (cap_entries + 3);
+  device_batch<G> dev(p0, p1, max_batch, cap_entries, max_pages);
+  cuda::decode_capacity cap{max_batch, 32, max_pages, true};
+  std::vector<std::int32_t> counts(std::size_t(max_batch) * 2, max_pages / 2);  // plan for capacity
+  auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), max_batch, 132);
+  REQUIRE(plan.has_value());
+  dbuf<std::uint8_t> ws(plan->workspace_bytes);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  dev.upload(first);
+  auto in = dev.inputs(first, max_batch, true);
+  in.pools[0].capacity = std::uint32_t(cap_entries + 3);
+  in.pools[1].capacity = std::uint32_t(cap_entries + 3);
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, stream).is_ok());
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  struct step { std::vector<int> lens; mix m; };
+  const std::vector<step> steps = {{{5000, 100, 2000, 1}, mix::tiered},
+                                   {{64, 4900, 1, 3333}, mix::interleaved},
+                                   {{1, 1, 1, 1}, mix::all_fp8},
+                                   {{5100, 0, 77, 4000}, mix::all_tq3}};
+  for (const step& s : steps) {
+    host_batch<G> h;
+    h.build(s.lens, s.m, rng);
+    REQUIRE(int(h.slot[0].size()) <= cap_entries);
+    REQUIRE(int(h.slot[1].size()) <= cap_entries);
+    dev.upload(h);  // same device buffers, new contents
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<double> ref_out, ref_lse, ref_mass;
+    h.reference(1.0 / std::sqrt(double(D)), ref_out, ref_lse, ref_mass, max_pages);
+    const auto out = dev.out.get();
+    const double err = rel_l2(out, ref_out, std::size_t(max_batch) * QH * D);
+    INFO("replay mix " << int(s.m) << " rel_l2 " << err);
+    CHECK(err < (s.m == mix::all_fp8 ? 2e-5 : 2e-3));
+    const auto mass = dev.mass.get();
+    for (std::size_t i = 0; i < std::size_t(max_batch) * max_pages; ++i)
+      if (i % max_pages < std::size_t((s.lens[i / max_pages] + 63) / 64))
+        CHECK(std::abs(mass[i] - ref_mass[i]) < 2e-3);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
+  using G = g_smol;
+  std::mt19937_64 rng(5);
+  host_batch<G> h;
+  h.build({200, 100}, mix::tiered, rng);
+  const int entries = int(std::max(h.slot[0].size(), h.slot[1].size()));
+  device_batch<G> dev(h.pool[0].size(), h.pool[1].size(), 2, entries, 8);
+  h.slot[1][0] = h.pages_cap[1] + 5;  // a slot beyond its pool
+  dev.upload(h);
+  const auto counts = page_counts(h);
+  cuda::decode_capacity cap{2, 8, 8, false};
+  auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132);
+  REQUIRE(plan.has_value());
+  dbuf<std::uint8_t> ws(plan->workspace_bytes);
+  auto in = dev.inputs(h, 2, false);
+  SECTION("slot beyond the pool: device error, no fault") {
+    REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+    auto e = cuda::decode_device_error(*plan, ws.p, nullptr);
+    REQUIRE(e.has_value());
+    CHECK(*e == errc::out_of_range);
+  }
+  SECTION("host checks") {
+    CHECK(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() == errc::capacity_exhausted);
+    auto bad = in;
+    bad.index.batch = 3;
+    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::out_of_range);
+    bad = in;
+    bad.pools[1].page_bytes += 16;
+    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::geometry_mismatch);
+    bad = in;
+    bad.softmax_scale = std::numeric_limits<float>::quiet_NaN();
+    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
+    bad = in;
+    bad.page_mass = dev.mass.p;  // plan without page mass
+    bad.page_mass_stride = 8;
+    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
+    cuda::decode_capacity zero{0, 8, 0, false};
+    CHECK(!cuda::plan_decode<G, two_tiers>(zero, counts.data(), 0, 132).has_value());
+  }
+}

@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU retier FP8 -> TQ3 and TQ3 -> FP8: every byte equals the host codecs' decode-then-
+// encode, over random pages with adversarial vectors (zeros, huge, subnormal, NaN poison).
+#include "catch.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq3.hpp"
+#include "tierkv/cuda/retier.cuh"
+
+namespace {
+
+using namespace tierkv;
+using recent = tier<fp8_e4m3, fp8_e4m3>;
+using stale = tier<tq3_key, tq3_value>;
+
+#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
+
+template <class T>
+T* to_device(const std::vector<T>& h) {
+  T* p = nullptr;
+  CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, h.size()) * sizeof(T)));
+  if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+// Fills every vector of `pages` pages of tier Tr by encoding random/adversarial floats.
+template <class G, class Tr>
+std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int layer, std::mt19937_64& rng,
+                                     int* poisoned) {
+  constexpr int D = G::head_dim;
+  using K = typename Tr::template key_codec<D>;
+  using V = typename Tr::template value_codec<D>;
+  using L = page_layout<G, K, V>;
+  std::vector<std::uint8_t> pool(L::page_bytes * std::size_t(pages), 0);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(D);
+  int vec = 0;
+  for (int p = 0; p < pages; ++p)
+    for (int h = 0; h < G::kv_heads; ++h)
+      for (int t = 0; t < G::page_tokens; ++t, ++vec) {
+        for (int role = 0; role < 2; ++role) {
+          const int kind = (vec * 2 + role) % 41;
+          for (int d = 0; d < D; ++d) {
+            float s = nd(rng);
+            if (kind == 1) s = 0.f;
+            if (kind == 2) s *= 1e30f;
+            if (kind == 3) s *= 1e-42f;
+            if (kind == 4 && d == 7) s = 1e4f;  // one outlier channel
+            x[d] = s;
+          }
+          std::uint8_t* page = pool.data() + std::size_t(p) * L::page_bytes;
+          const codec_context ctx = make_codec_context(cache_seed, layer, h, role == 0 ? kv_role::key : kv_role::value);
+          if (role == 0) {
+            (void)K::encode(x.data(), page + L::key_payload(h, t), *reinterpret_cast<bf16_bits*>(page + L::key_meta(h, t)), ctx, nullptr);
+          } else {
+            (void)V::encode(x.data(), page + L::value_payload(h, t), *reinterpret_cast<bf16_bits*>(page + L::value_meta(h, t)), ctx, nullptr);
+          }
+          if (kind == 5) {  // NaN poison as a freed-slot pattern would leave
+            *reinterpret_cast<bf16_bits*>(page + (role == 0 ? L::key_meta(h, t) : L::value_meta(h, t))) = bf16_quiet_nan;
+            ++*poisoned;
+          }
+        }
+      }
+  return pool;
+}
+
+// Host reference: decode with From's codecs, encode with To's.
+template <class G, class From, class To>
+void host_retier(const std::vector<std::uint8_t>& src, std::vector<std::uint8_t>& dst,
+                 const std::vector<std::int32_t>& ss, const std::vector<std::int32_t>& ds,
+                 std::uint64_t cache_seed, int layer) {
+  constexpr int D = G::head_dim;
+  using SK = typename From::template key_codec<D>;
+  using SV = typename From::template value_codec<D>;
+  using DK = typename To::template key_codec<D>;
+  using DV = typename To::template value_codec<D>;
+  using SL = page_layout<G, SK, SV>;
+  using DL = page_layout<G, DK, DV>;
+  std::vector<float> x(D);
+  for (std::size_t i = 0; i < ss.size(); ++i) {
+    const std::uint8_t* sp = src.data() + std::size_t(ss[i]) * SL::page_bytes;
+    std::uint8_t* dp = dst.data() + std::size_t(ds[i]) * DL::page_bytes;
+    for (int h = 0; h < G::kv_heads; ++h)
+      for (int t = 0; t < G::page_tokens; ++t) {
+        const codec_context kc = make_codec_context(cache_seed, layer, h, kv_role::key);
+        const codec_context vc = make_codec_context(cache_seed, layer, h, kv_role::value);
+        SK::decode(sp + SL::key_payload(h, t), *reinterpret_cast<const bf16_bits*>(sp + SL::key_meta(h, t)), x.data(), kc);
+        (void)DK::encode(x.data(), dp + DL::key_payload(h, t), *reinterpret_cast<bf16_bits*>(dp + DL::key_meta(h, t)), kc, nullptr);
+        SV::decode(sp + SL::value_payload(h, t), *reinterpret_cast<const bf16_bits*>(sp + SL::value_meta(h, t)), x.data(), vc);
+        (void)DV::encode(x.data(), dp + DL::value_payload(h, t), *reinterpret_cast<bf16_bits*>(dp + DL::value_meta(h, t)), vc, nullptr);
+      }
+  }
+}
+
+template <class G, class From, class To>
+void check_retier(int pages, std::uint64_t seed) {
+  constexpr int D = G::head_dim;
+  using DL = page_layout<G, typename To::template key_codec<D>, typename To::template value_codec<D>>;
+  using SL = page_layout<G, typename From::template key_codec<D>, typename From::template value_codec<D>>;
+  std::mt19937_64 rng(seed);
+  const std::uint64_t cache_seed = rng();
+  const int layer = 5;
+  int poisoned = 0;
+  auto src = make_pages<G, From>(pages, cache_seed, layer, rng, &poisoned);
+  const int dst_cap = pages + 2;
+  std::vector<std::uint8_t> dst(DL::page_bytes * std::size_t(dst_cap), 0x3C);
+  std::vector<std::int32_t> ss(pages), ds(pages);
+  for (int i = 0; i < pages; ++i) ss[i] = i;
+  std::vector<std::int32_t> perm(dst_cap);
+  for (int i = 0; i < dst_cap; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int i = 0; i < pages; ++i) ds[i] = perm[i];
+  std::uint8_t* dsrc = to_device(src);
+  std::uint8_t* ddst = to_device(dst);
+  std::int32_t* dss = to_device(ss);
+  std::int32_t* dds = to_device(ds);
+  int* derr = to_device(std::vector<int>{0});
+  cuda::retier_inputs in;
+  in.src = {dsrc, SL::page_bytes, std::uint32_t(pages)};
+  in.dst = {ddst, DL::page_bytes, std::uint32_t(dst_cap)};
+  in.src_slot = dss;
+  in.dst_slot = dds;
+  in.layer = layer;
+  in.pages = pages;
+  in.cache_seed = cache_seed;
+  in.error = derr;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  REQUIRE(cuda::retier<G, From, To>(in, stream).is_ok());
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<std::uint8_t> got(dst.size());
+  CUDA_OK(cudaMemcpy(got.data(), ddst, got.size(), cudaMemcpyDeviceToHost));
+  int err = 0;
+  CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
+  CHECK(err == (poisoned ? int(errc::non_finite_input) : 0));
+  host_retier<G, From, To>(src, dst, ss, ds, cache_seed, layer);
+  std::size_t diff = 0, first = got.size();
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (got[i] != dst[i]) { ++diff; first = std::min(first, i); }
+  INFO("pages " << pages << " D " << D << " differing bytes " << diff << " first at " << first);
+  CHECK(diff == 0);
+  CUDA_OK(cudaStreamDestroy(stream));
+  cudaFree(dsrc); cudaFree(ddst); cudaFree(dss); cudaFree(dds); cudaFree(derr);
+}
+
+using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
+using g_llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
+using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
+
+}  // namespace
+
+TEST_CASE("gpu retier FP8 -> TQ3 equals the host codecs bit for bit", "[cuda][retier]") {
+  check_retier<g_qwen, recent, stale>(24, 1);
+  check_retier<g_llama, recent, stale>(20, 2);
+  check_retier<g_smol, recent, stale>(40, 3);
+}
+
+TEST_CASE("gpu retier TQ3 -> FP8 (promotion) equals the host codecs bit for bit", "[cuda][retier]") {
+  check_retier<g_qwen, stale, recent>(24, 5);
+  check_retier<g_llama, stale, recent>(20, 6);
+  check_retier<g_smol, stale, recent>(40, 7);
+}
+
+TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {
+  using G = g_smol;
+  cuda::retier_inputs in;
+  in.pages = -1;
+  CHECK(cuda::retier<G, recent, stale>(in, nullptr).code() == errc::invalid_argument);
+  in.pages = 0;
+  CHECK(cuda::retier<G, recent, stale>(in, nullptr).is_ok());
+  in.pages = 1;
+  CHECK(cuda::retier<G, recent, stale>(in, nullptr).code() == errc::invalid_argument);
+}
