@@ -1,0 +1,830 @@
+// SPDX-License-Identifier: Apache-2.0
+// Paged KV storage: one page pool per tier, sequences as ordered lists of logical
+// pages, per-layer physical pages, refcounted sharing (fork, prefix reuse), and the
+// replace hook the tiering engine converts pages through.
+//
+// Ownership, two levels:
+//   sequence --(logical page i)--> block --(layer l)--> physical page (tier, slot, generation)
+// A block is one logical page across all layers. Sequences and the prefix index hold
+// references to blocks (fork and prefix reuse share whole logical pages); a block
+// holds one reference to each of its num_layers physical pages. Replacing a layer's
+// page inside a block is seen at once by every holder of the block, which is what
+// "all holders of a shared page see the new one" needs, with one update.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/memory/allocators.hpp"
+#include "tierkv/memory/counted_allocator.hpp"
+#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/memory/page_pool.hpp"
+
+namespace tierkv {
+
+// A shared logical page (all layers); the generation detects a stale reference.
+struct block_ref {
+  std::uint32_t index = std::numeric_limits<std::uint32_t>::max();
+  std::uint32_t generation = 0;
+  bool valid() const noexcept { return index != std::numeric_limits<std::uint32_t>::max(); }
+  friend constexpr bool operator==(const block_ref&, const block_ref&) = default;
+};
+
+template <int NumTiers>
+struct storage_options {
+  int num_layers = 1;
+  std::uint32_t max_sequences = 1024;
+  std::array<std::uint32_t, NumTiers> pages_per_tier{};  // pool capacities, in physical pages
+  std::uint64_t codec_seed = 0;                            // rotation seeds (make_codec_context)
+};
+
+// The byte lines the storage charges its host bookkeeping to (see report.hpp).
+struct storage_lines {
+  std::size_t pool_bookkeeping = 0;  // per-slot generation, refcount, state, free list
+  std::size_t page_tables = 0;       // sequences, their logical page lists, blocks
+  std::size_t index_arrays = 0;      // index_arrays buffers made from this storage
+  std::size_t prefix_index = 0;      // a prefix_index over this storage
+};
+
+namespace detail {
+template <class Geometry, class Tier>
+using tier_layout = page_layout<Geometry, typename Tier::template key_codec<Geometry::head_dim>,
+                                typename Tier::template value_codec<Geometry::head_dim>>;
+
+template <class Geometry, class Tiers, class PageAlloc, class MetaAlloc> struct pool_tuple;
+template <class Geometry, class... Ts, class PageAlloc, class MetaAlloc>
+struct pool_tuple<Geometry, tiers<Ts...>, PageAlloc, MetaAlloc> {
+  using type = std::tuple<page_pool<tier_layout<Geometry, Ts>, PageAlloc, MetaAlloc>...>;
+};
+
+template <int N, class F>
+void for_each_index(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+  }(std::make_integer_sequence<int, N>{});
+}
+// Calls f(std::integral_constant<int, I>) for the runtime index i (0 <= i < N).
+template <int N, class F>
+void with_index(int i, F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (void)((i == I ? (f(std::integral_constant<int, I>{}), true) : false) || ...);
+  }(std::make_integer_sequence<int, N>{});
+}
+}  // namespace detail
+
+template <class Geometry, class Tiers, allocator_policy PageAlloc = host_allocator,
+          host_allocator_policy MetaAlloc = host_allocator>
+class paged_storage {
+  static_assert(is_geometry_v<Geometry>, "paged_storage: Geometry must be a tierkv::geometry<...>");
+  static_assert(check_allocator_policy<PageAlloc>());
+  static_assert(check_allocator_policy<MetaAlloc>());
+
+ public:
+  using geometry = Geometry;
+  using tier_list = Tiers;
+  using page_allocator = PageAlloc;
+  using meta_allocator = MetaAlloc;
+  static constexpr int num_tiers = Tiers::size;
+  static constexpr int page_tokens = Geometry::page_tokens;
+  static constexpr int kv_heads = Geometry::kv_heads;
+  static constexpr int head_dim = Geometry::head_dim;
+  static constexpr std::int64_t max_sequence_tokens = std::numeric_limits<std::int32_t>::max();
+  template <int I> using layout = detail::tier_layout<Geometry, tier_at_t<Tiers, I>>;
+  template <int I> using key_codec = typename layout<I>::key_codec;
+  template <int I> using value_codec = typename layout<I>::value_codec;
+  template <int I> using pool_type = page_pool<layout<I>, PageAlloc, MetaAlloc>;
+  using options = storage_options<num_tiers>;
+
+  paged_storage(const paged_storage&) = delete;
+  paged_storage& operator=(const paged_storage&) = delete;
+  ~paged_storage() {
+    // Sequences and blocks first (they hold page references), then the pools.
+    seqs_.reset();
+    seq_free_.reset();
+    block_meta_.reset();
+    block_pages_.reset();
+    block_free_.reset();
+  }
+
+  // Builds a storage; every allocation failure is returned, nothing leaks.
+  static result<std::unique_ptr<paged_storage>> create(const options& opt, PageAlloc page_alloc = {},
+                                                       MetaAlloc meta_alloc = {}) {
+    if (opt.num_layers < 1 || opt.num_layers > 4096)
+      return status::make(errc::invalid_argument, "num_layers = ", opt.num_layers,
+                          " must lie in [1, 4096]");
+    const std::uint32_t max_seqs = opt.max_sequences;
+    if (max_seqs < 1 || max_seqs > (1u << 24))
+      return status::make(errc::invalid_argument, "max_sequences = ", max_seqs,
+                          " must lie in [1, 2^24]");
+    std::uint64_t total_pages = 0;
+    for (int t = 0; t < num_tiers; ++t) {
+      if (opt.pages_per_tier[std::size_t(t)] == 0)
+        return status::make(errc::invalid_argument, "pages_per_tier[", t, "] = 0: every tier needs a pool");
+      total_pages += opt.pages_per_tier[std::size_t(t)];
+    }
+    if (opt.pages_per_tier[0] < std::uint32_t(opt.num_layers))
+      return status::make(errc::invalid_argument, "pages_per_tier[0] = ", opt.pages_per_tier[0],
+                          " is below num_layers = ", opt.num_layers, ": not even one logical page fits");
+    std::unique_ptr<paged_storage> s(new paged_storage(opt, std::move(page_alloc), std::move(meta_alloc)));
+    if (auto st = s->init(total_pages); !st) return st;
+    return result<std::unique_ptr<paged_storage>>(std::move(s));
+  }
+
+  // ---- sizes and accessors ---------------------------------------------------------------
+  int num_layers() const noexcept { return layers_; }
+  std::uint32_t max_sequences() const noexcept { return opt_.max_sequences; }
+  std::uint32_t block_capacity() const noexcept { return block_capacity_; }
+  std::uint32_t live_sequences() const noexcept { return live_seqs_; }
+  std::uint32_t live_blocks() const noexcept { return live_blocks_; }
+  std::uint64_t saturations() const noexcept { return stats_.saturated; }
+  const options& config() const noexcept { return opt_; }
+  PageAlloc& page_alloc() noexcept { return page_alloc_; }
+  const PageAlloc& page_alloc() const noexcept { return page_alloc_; }
+  MetaAlloc& meta_alloc() noexcept { return meta_alloc_; }
+  const MetaAlloc& meta_alloc() const noexcept { return meta_alloc_; }
+  storage_lines& lines() noexcept { return lines_; }
+  const storage_lines& lines() const noexcept { return lines_; }
+
+  template <int I> pool_type<I>& pool() noexcept { return std::get<I>(pools_); }
+  template <int I> const pool_type<I>& pool() const noexcept { return std::get<I>(pools_); }
+  std::array<pool_view, num_tiers> views() const {
+    std::array<pool_view, num_tiers> v{};
+    detail::for_each_index<num_tiers>([&](auto I) { v[I] = std::get<I>(pools_).view(); });
+    return v;
+  }
+  std::uint32_t free_pages(int tier) const {
+    std::uint32_t n = 0;
+    detail::with_index<num_tiers>(tier, [&](auto I) { n = std::get<I>(pools_).free_count(); });
+    return n;
+  }
+
+  // ---- sequences ---------------------------------------------------------------------------
+  result<seq_id> create_sequence() {
+    if (seq_free_->empty())
+      return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences, " sequence slots are in use");
+    const std::uint32_t slot = seq_free_->back();
+    seq_free_->pop_back();
+    seq_record& r = (*seqs_)[slot];
+    r.live = true;
+    r.length = 0;
+    ++live_seqs_;
+    return make_seq_id(slot, r.generation);
+  }
+
+  bool contains(seq_id s) const noexcept { return find(s) != nullptr; }
+
+  result<std::int64_t> length(seq_id s) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    return r->length;
+  }
+  result<std::int64_t> logical_pages(seq_id s) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    return std::int64_t(r->blocks.size());
+  }
+
+  // Appends n tokens to every layer. keys and values hold n * num_layers * kv_heads *
+  // head_dim floats, laid out [layer][token][kv_head][dim]. Either all tokens are
+  // appended or nothing changes (strong guarantee): sizes, finiteness, pool capacity
+  // and bookkeeping memory are all checked before the first write.
+  status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values)
+    requires PageAlloc::host_accessible
+  {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (n < 0) return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
+    if (n == 0) return {};
+    if (n > max_sequence_tokens - r->length)
+      return status::exceeds(errc::out_of_range, "append: sequence length after append",
+                             r->length + n, max_sequence_tokens);
+    const std::size_t expect = std::size_t(n) * std::size_t(layers_) * kv_heads * head_dim;
+    if (keys.size() != expect || values.size() != expect)
+      return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
+                          " floats for keys and for values ([layer][token][kv_head][dim]), got ",
+                          keys.size(), " and ", values.size());
+    if (auto st = check_finite(keys, "keys", n); !st) return st;
+    if (auto st = check_finite(values, "values", n); !st) return st;
+
+    const std::int64_t len = r->length;
+    const std::size_t have = r->blocks.size();
+    const std::size_t need = std::size_t((len + n + page_tokens - 1) / page_tokens);
+    const std::size_t fresh = need - have;
+    if (auto st = can_allocate_blocks(fresh); !st) return st;
+    if (auto st = reserve(r->blocks, need); !st) return st;
+
+    for (std::size_t i = 0; i < fresh; ++i) r->blocks.push_back(new_block());
+    write_tokens(*r, len, n, keys.data(), values.data());
+    r->length = len + n;
+    return {};
+  }
+
+  // A new sequence sharing every sealed logical page of parent; the open tail page
+  // (if the length is not a multiple of page_tokens) is copied, so both may append.
+  result<seq_id> fork(seq_id parent) {
+    seq_record* p = find(parent);
+    if (p == nullptr) return bad_seq(parent);
+    if (seq_free_->empty())
+      return status::make(errc::capacity_exhausted, "fork: all ", opt_.max_sequences,
+                          " sequence slots are in use");
+    const bool open_tail = (p->length % page_tokens) != 0;
+    if (open_tail)
+      if (auto st = can_allocate_blocks(1); !st) return st;
+    const std::uint32_t slot = seq_free_->back();
+    seq_record& c = (*seqs_)[slot];
+    if (auto st = reserve(c.blocks, p->blocks.size()); !st) return st;
+
+    std::uint32_t tail_copy = no_block;
+    if (open_tail) {
+      tail_copy = new_block();
+      const std::uint32_t src = p->blocks.back();
+      status copied;
+      for (int l = 0; l < layers_ && copied; ++l)
+        (void)(copied = pool<0>().copy_page(page_of(tail_copy, l), page_of(src, l)));
+      if (!copied) {
+        drop_block(tail_copy);
+        block_list(c.blocks.get_allocator()).swap(c.blocks);  // give the reservation back
+        return copied;
+      }
+      (*block_meta_)[tail_copy].fill = (*block_meta_)[src].fill;
+    }
+    seq_free_->pop_back();
+    for (std::size_t i = 0; i < p->blocks.size(); ++i) {
+      if (open_tail && i + 1 == p->blocks.size()) {
+        c.blocks.push_back(tail_copy);
+      } else {
+        ++(*block_meta_)[p->blocks[i]].refcount;
+        c.blocks.push_back(p->blocks[i]);
+      }
+    }
+    c.live = true;
+    c.length = p->length;
+    ++live_seqs_;
+    return make_seq_id(slot, c.generation);
+  }
+
+  // Drops the sequence's references; pages nobody else holds return to their pools.
+  status release(seq_id s) {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    for (std::uint32_t b : r->blocks) drop_block(b);
+    block_list(r->blocks.get_allocator()).swap(r->blocks);  // gives the list's memory back
+    r->live = false;
+    r->length = 0;
+    ++r->generation;
+    seq_free_->push_back(std::uint32_t(slot_of(s)));
+    --live_seqs_;
+    return {};
+  }
+
+  // ---- pages -----------------------------------------------------------------------------
+  result<page_id> page(seq_id s, int layer, std::int64_t logical) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
+    if (logical < 0 || logical >= std::int64_t(r->blocks.size()))
+      return status::out_of_range("logical page", logical, r->blocks.size());
+    return page_of(r->blocks[std::size_t(logical)], layer);
+  }
+
+  result<block_ref> block_of(seq_id s, std::int64_t logical) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (logical < 0 || logical >= std::int64_t(r->blocks.size()))
+      return status::out_of_range("logical page", logical, r->blocks.size());
+    const std::uint32_t b = r->blocks[std::size_t(logical)];
+    return block_ref{b, (*block_meta_)[b].generation};
+  }
+
+  // A page of `tier` owned by the caller (refcount 1, open) until it is published by
+  // replace_page or dropped by release_page. The conversion path fills it first.
+  result<page_id> allocate_page(int tier) {
+    if (tier < 0 || tier >= num_tiers) return status::out_of_range("tier", tier, num_tiers);
+    result<page_id> out = status(errc::invalid_argument, "unreachable");
+    detail::with_index<num_tiers>(tier, [&](auto I) { (void)(out = std::get<I>(pools_).allocate()); });
+    return out;
+  }
+  // Drops a caller-owned page (one from allocate_page that was not published).
+  status release_page(page_id p) {
+    return on_pool(p, [&](auto& pl) {
+      if (auto c = pl.check(p); !c) return c;
+      if (pl.owner_flags(p) & published_flag)
+        return status::make(errc::not_writable, "release_page: ", p,
+                            " is published in a page table; release its sequences instead");
+      return pl.release(p);
+    });
+  }
+  bool page_published(page_id p) const {
+    bool out = false;
+    (void)on_pool(p, [&](const auto& pl) { out = (pl.owner_flags(p) & published_flag) != 0; return status{}; });
+    return out;
+  }
+  status check_page(page_id p) const {
+    return on_pool(p, [&](const auto& pl) { return pl.check(p); });
+  }
+  std::uint32_t page_refcount(page_id p) const {
+    std::uint32_t n = 0;
+    (void)on_pool(p, [&](const auto& pl) { n = pl.refcount(p); return status{}; });
+    return n;
+  }
+
+  // Host pointer to a page's bytes (host-visible pools only).
+  result<std::span<std::uint8_t>> page_bytes(page_id p)
+    requires PageAlloc::host_accessible
+  {
+    std::span<std::uint8_t> out;
+    auto st = on_pool(p, [&](auto& pl) {
+      if (auto c = pl.check(p); !c) return c;
+      out = std::span<std::uint8_t>(pl.host_page(p), pl.page_bytes);
+      return status{};
+    });
+    if (!st) return st;
+    return out;
+  }
+
+  // The conversion hook: layer `layer` of the logical page (seq, logical) becomes
+  // new_page, for every holder of that logical page (sequences and prefix index).
+  // expected_old must be the page published now (the one the conversion read);
+  // new_page must come from allocate_page (open, refcount 1). Publish, then release:
+  // the block takes over the caller's reference to new_page and drops its old page.
+  // Any failed check changes nothing and leaves the caller owning new_page.
+  status replace_page(seq_id s, int layer, std::int64_t logical, page_id expected_old, page_id new_page) {
+    auto b = block_of(s, logical);
+    if (!b) return b.error_status();
+    return replace_page(*b, layer, expected_old, new_page);
+  }
+  status replace_page(block_ref b, int layer, page_id expected_old, page_id new_page) {
+    if (auto st = check_block(b); !st) return st;
+    if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
+    const block_meta& m = (*block_meta_)[b.index];
+    if (m.state != page_state::sealed)
+      return status::make(errc::not_writable, "replace_page: logical page (block ", b.index,
+                          ") is open; only sealed pages are converted");
+    page_id& slot = (*block_pages_)[std::size_t(b.index) * std::size_t(layers_) + std::size_t(layer)];
+    if (!(slot == expected_old))
+      return status::make(errc::stale_id, "replace_page: expected ", expected_old, " at layer ", layer,
+                          " but ", slot, " is published");
+    if (auto st = check_page(new_page); !st) return st;
+    if (page_published(new_page) || page_state_of(new_page) != page_state::open ||
+        page_refcount(new_page) != 1)
+      return status::make(errc::invalid_argument, "replace_page: ", new_page,
+                          " is not a fresh caller-owned page from allocate_page");
+    (void)on_pool(new_page, [&](auto& pl) {
+      (void)pl.seal(new_page);
+      return pl.set_owner_flags(new_page, published_flag);
+    });
+    const page_id old = slot;
+    slot = new_page;
+    return unpublish(old);
+  }
+
+  // Decodes (layer, token, kv head) of a sequence through its page's tier codecs.
+  status read_token(seq_id s, int layer, std::int64_t token, int head, float* key, float* value) const
+    requires PageAlloc::host_accessible
+  {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
+    if (token < 0 || token >= r->length) return status::out_of_range("token", token, r->length);
+    if (head < 0 || head >= kv_heads) return status::out_of_range("kv head", head, kv_heads);
+    const page_id p = page_of(r->blocks[std::size_t(token / page_tokens)], layer);
+    const int t = int(token % page_tokens);
+    detail::with_index<num_tiers>(p.format, [&](auto I) {
+      using L = layout<I>;
+      const std::uint8_t* base = std::get<I>(pools_).host_page(p);
+      decode_vector<typename L::key_codec>(base + L::key_payload(head, t), base + L::key_meta(head, t),
+                                           key, make_codec_context(opt_.codec_seed, layer, head, kv_role::key));
+      decode_vector<typename L::value_codec>(base + L::value_payload(head, t),
+                                             base + L::value_meta(head, t), value,
+                                             make_codec_context(opt_.codec_seed, layer, head, kv_role::value));
+    });
+    return {};
+  }
+
+  // ---- blocks (for the prefix index) ------------------------------------------------------
+  status check_block(block_ref b) const {
+    if (!b.valid() || b.index >= block_capacity_) return status::out_of_range("block", b.index, block_capacity_);
+    const block_meta& m = (*block_meta_)[b.index];
+    if (m.state == page_state::free || m.generation != b.generation)
+      return status::make(errc::stale_id, "block ", b.index, "@", b.generation, " is stale (now ",
+                          m.state == page_state::free ? "free" : "reused", ")");
+    return {};
+  }
+  std::uint32_t block_refcount(block_ref b) const {
+    return check_block(b) ? (*block_meta_)[b.index].refcount : 0;
+  }
+  bool block_sealed(block_ref b) const {
+    return check_block(b) && (*block_meta_)[b.index].state == page_state::sealed;
+  }
+  page_id block_page(block_ref b, int layer) const {
+    return page_of(b.index, layer);
+  }
+  status retain_block(block_ref b) {
+    if (auto st = check_block(b); !st) return st;
+    if ((*block_meta_)[b.index].state != page_state::sealed)
+      return status::make(errc::not_writable, "retain_block: block ", b.index, " is open (private)");
+    ++(*block_meta_)[b.index].refcount;
+    return {};
+  }
+  status release_block(block_ref b) {
+    if (auto st = check_block(b); !st) return st;
+    drop_block(b.index);
+    return {};
+  }
+
+  // A new sequence made of the given sealed logical pages (a cached prefix).
+  result<seq_id> create_sequence_from_blocks(std::span<const block_ref> blocks) {
+    for (const block_ref& b : blocks) {
+      if (auto st = check_block(b); !st) return st;
+      if ((*block_meta_)[b.index].state != page_state::sealed)
+        return status::make(errc::not_writable, "block ", b.index, " is open; only sealed pages are shared");
+    }
+    if (std::int64_t(blocks.size()) > max_sequence_tokens / page_tokens)
+      return status::exceeds(errc::out_of_range, "prefix pages", blocks.size(), max_sequence_tokens / page_tokens);
+    if (seq_free_->empty())
+      return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences, " sequence slots are in use");
+    const std::uint32_t slot = seq_free_->back();
+    seq_record& c = (*seqs_)[slot];
+    if (auto st = reserve(c.blocks, blocks.size()); !st) return st;
+    seq_free_->pop_back();
+    for (const block_ref& b : blocks) {
+      ++(*block_meta_)[b.index].refcount;
+      c.blocks.push_back(b.index);
+    }
+    c.live = true;
+    c.length = std::int64_t(blocks.size()) * page_tokens;
+    ++live_seqs_;
+    return make_seq_id(slot, c.generation);
+  }
+
+  // ---- iteration (index builder, accounting, tests) ----------------------------------------
+  // f(logical, page_id) for each logical page of s at one layer; s and layer must be valid.
+  template <class F>
+  void for_each_page(seq_id s, int layer, F&& f) const {
+    const seq_record* r = find(s);
+    for (std::size_t i = 0; i < r->blocks.size(); ++i) f(std::int64_t(i), page_of(r->blocks[i], layer));
+  }
+  // f(block_ref, fill, refcount) for each live block.
+  template <class F>
+  void for_each_block(F&& f) const {
+    for (std::uint32_t b = 0; b < block_capacity_; ++b) {
+      const block_meta& m = (*block_meta_)[b];
+      if (m.state != page_state::free) f(block_ref{b, m.generation}, int(m.fill), m.refcount);
+    }
+  }
+  template <class F>
+  void for_each_sequence(F&& f) const {
+    for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
+      const seq_record& r = (*seqs_)[i];
+      if (r.live) f(make_seq_id(i, r.generation), r.length);
+    }
+  }
+  page_state page_state_of(page_id p) const {
+    page_state st = page_state::free;
+    (void)on_pool(p, [&](const auto& pl) { st = pl.state(p); return status{}; });
+    return st;
+  }
+
+  // Every structural invariant: each pool's free list and counts, block and sequence
+  // bookkeeping, and that page refcounts equal the number of blocks naming them (plus
+  // pages the caller holds, which the caller passes as `outstanding`).
+  status check_invariants(std::uint32_t outstanding_pages = 0) const {
+    status st;
+    detail::for_each_index<num_tiers>([&](auto I) {
+      if (st) (void)(st = std::get<I>(pools_).check_integrity());
+    });
+    if (!st) return st;
+    // Block refcounts: sequences' references plus external ones (prefix index) are
+    // at least the sequences' count.
+    std::vector<std::uint32_t> seq_refs(block_capacity_, 0);
+    std::uint32_t seqs = 0;
+    for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
+      const seq_record& r = (*seqs_)[i];
+      if (!r.live) {
+        if (!r.blocks.empty()) return status::make(errc::corrupt_data, "free sequence slot ", i, " holds pages");
+        continue;
+      }
+      ++seqs;
+      if (r.blocks.size() != std::size_t((r.length + page_tokens - 1) / page_tokens))
+        return status::make(errc::corrupt_data, "sequence slot ", i, " has ", r.blocks.size(),
+                            " logical pages for ", r.length, " tokens");
+      for (std::size_t j = 0; j < r.blocks.size(); ++j) {
+        const std::uint32_t b = r.blocks[j];
+        const block_meta& m = (*block_meta_)[b];
+        if (m.state == page_state::free)
+          return status::make(errc::corrupt_data, "sequence slot ", i, " names free block ", b);
+        const bool last = j + 1 == r.blocks.size();
+        const std::int64_t fill = last ? r.length - std::int64_t(j) * page_tokens : page_tokens;
+        if (std::int64_t(m.fill) != fill)
+          return status::make(errc::corrupt_data, "block ", b, " fill ", m.fill, " != ", fill);
+        if ((m.state == page_state::open) != (fill < page_tokens))
+          return status::make(errc::corrupt_data, "block ", b, " open/sealed state disagrees with its fill");
+        ++seq_refs[b];
+      }
+    }
+    if (seqs != live_seqs_) return status::make(errc::corrupt_data, "live sequence count ", live_seqs_, " != ", seqs);
+    std::array<std::uint64_t, num_tiers> named{};
+    std::uint32_t blocks = 0;
+    for (std::uint32_t b = 0; b < block_capacity_; ++b) {
+      const block_meta& m = (*block_meta_)[b];
+      if (m.state == page_state::free) {
+        if (m.refcount != 0) return status::make(errc::corrupt_data, "free block ", b, " has refcount ", m.refcount);
+        continue;
+      }
+      ++blocks;
+      if (m.refcount < seq_refs[b] || m.refcount == 0)
+        return status::make(errc::corrupt_data, "block ", b, " refcount ", m.refcount, " < ", seq_refs[b],
+                            " sequence references");
+      if (m.state == page_state::open && m.refcount != 1)
+        return status::make(errc::corrupt_data, "open block ", b, " is shared (refcount ", m.refcount, ")");
+      for (int l = 0; l < layers_; ++l) {
+        const page_id p = page_of(b, l);
+        if (auto c = check_page(p); !c) return c;
+        ++named[p.format];
+        if (!page_published(p))
+          return status::make(errc::corrupt_data, "block ", b, " layer ", l, " names unpublished ", p);
+        const page_state ps = page_state_of(p);
+        if (ps != m.state)
+          return status::make(errc::corrupt_data, "block ", b, " layer ", l, " page state differs from the block's");
+      }
+    }
+    if (blocks != live_blocks_) return status::make(errc::corrupt_data, "live block count ", live_blocks_, " != ", blocks);
+    std::uint64_t live_total = 0;
+    std::uint64_t named_total = 0;
+    detail::for_each_index<num_tiers>([&](auto I) {
+      live_total += std::get<I>(pools_).live_count();
+      named_total += named[I];
+    });
+    // Each block holds exactly one reference to each of its pages and pages are never
+    // shared between blocks, so live pages = named pages + the caller's outstanding pages.
+    if (live_total != named_total + outstanding_pages)
+      return status::make(errc::corrupt_data, "pools hold ", live_total, " live pages, blocks name ",
+                          named_total, ", caller holds ", outstanding_pages);
+    return {};
+  }
+
+ private:
+  static constexpr std::uint32_t no_block = std::numeric_limits<std::uint32_t>::max();
+  static constexpr std::uint8_t published_flag = 1;
+
+  // Drops a block's reference to one of its pages.
+  status unpublish(page_id p) {
+    return on_pool(p, [&](auto& pl) {
+      if (auto c = pl.check(p); !c) return c;
+      if (pl.refcount(p) == 1) (void)pl.set_owner_flags(p, 0);
+      return pl.release(p);
+    });
+  }
+  using block_list = std::vector<std::uint32_t, counted_allocator<std::uint32_t, MetaAlloc>>;
+  struct seq_record {
+    block_list blocks;
+    std::int64_t length = 0;
+    std::uint32_t generation = 0;
+    bool live = false;
+  };
+  struct block_meta {
+    std::uint32_t refcount = 0;
+    std::uint32_t generation = 0;
+    std::uint32_t fill = 0;
+    page_state state = page_state::free;
+  };
+  template <class T> using counted_vector = std::vector<T, counted_allocator<T, MetaAlloc>>;
+
+  paged_storage(const options& opt, PageAlloc&& pa, MetaAlloc&& ma)
+      : opt_(opt), layers_(opt.num_layers), page_alloc_(std::move(pa)), meta_alloc_(std::move(ma)) {
+    std::uint32_t bits = 1;
+    while ((std::uint64_t(1) << bits) < opt.max_sequences) ++bits;
+    seq_slot_bits_ = bits;
+  }
+
+  template <class T> counted_allocator<T, MetaAlloc> table_alloc() {
+    return counted_allocator<T, MetaAlloc>(meta_alloc_, lines_.page_tables);
+  }
+
+  status init(std::uint64_t total_pages) {
+    status st;
+    detail::for_each_index<num_tiers>([&](auto I) {
+      if (st)
+        (void)(st = std::get<I>(pools_).init(page_alloc_, meta_alloc_, lines_.pool_bookkeeping,
+                                             opt_.pages_per_tier[I], format_index(I)));
+    });
+    if (!st) return st;
+    // A live block holds num_layers distinct live pages, so this many blocks can exist.
+    block_capacity_ = std::uint32_t(total_pages / std::uint64_t(layers_));
+    try {
+      seqs_.emplace(table_alloc<seq_record>());
+      seqs_->reserve(opt_.max_sequences);
+      for (std::uint32_t i = 0; i < opt_.max_sequences; ++i)
+        seqs_->push_back(seq_record{block_list(table_alloc<std::uint32_t>()), 0, 0, false});
+      seq_free_.emplace(table_alloc<std::uint32_t>());
+      seq_free_->reserve(opt_.max_sequences);
+      for (std::uint32_t i = opt_.max_sequences; i-- > 0;) seq_free_->push_back(i);
+      block_meta_.emplace(std::size_t(block_capacity_), block_meta{}, table_alloc<block_meta>());
+      block_pages_.emplace(std::size_t(block_capacity_) * std::size_t(layers_), page_id{},
+                           table_alloc<page_id>());
+      block_free_.emplace(table_alloc<std::uint32_t>());
+      block_free_->reserve(block_capacity_);
+      for (std::uint32_t i = block_capacity_; i-- > 0;) block_free_->push_back(i);
+    } catch (const allocation_failure& e) {
+      return e.get_status();
+    }
+    return {};
+  }
+
+  seq_id make_seq_id(std::uint32_t slot, std::uint32_t generation) const {
+    const std::uint32_t gen_mask = (seq_slot_bits_ >= 32) ? 0u : (~0u >> seq_slot_bits_);
+    std::uint32_t v = ((generation & gen_mask) << seq_slot_bits_) | slot;
+    if (v == seq_id::invalid_value) v = slot;  // all-ones is reserved for "invalid"
+    return seq_id(v);
+  }
+  std::uint32_t slot_of(seq_id s) const { return s.value & ((1u << seq_slot_bits_) - 1u); }
+  const seq_record* find(seq_id s) const {
+    if (!s.valid()) return nullptr;
+    const std::uint32_t slot = slot_of(s);
+    if (slot >= opt_.max_sequences) return nullptr;
+    const seq_record& r = (*seqs_)[slot];
+    if (!r.live || !(make_seq_id(slot, r.generation) == s)) return nullptr;
+    return &r;
+  }
+  seq_record* find(seq_id s) { return const_cast<seq_record*>(std::as_const(*this).find(s)); }
+  status bad_seq(seq_id s) const {
+    if (s.valid() && slot_of(s) < opt_.max_sequences)
+      return status::make(errc::stale_id, s, " is not a live sequence (released, or never created)");
+    return status::make(errc::out_of_range, s, " is not a sequence id of this storage (",
+                        opt_.max_sequences, " slots)");
+  }
+
+  template <class V>
+  static status reserve(V& v, std::size_t n) {
+    try {
+      v.reserve(n);
+    } catch (const allocation_failure& e) {
+      return status::make(errc::capacity_exhausted, "page table growth to ", n,
+                          " entries failed; nothing changed (", e.get_status(), ")");
+    }
+    return {};
+  }
+
+  status can_allocate_blocks(std::size_t n) const {
+    if (n == 0) return {};
+    const std::uint64_t pages = std::uint64_t(n) * std::uint64_t(layers_);
+    if (pool<0>().free_count() < pages)
+      return status::make(errc::capacity_exhausted, "tier 0 pool has ", pool<0>().free_count(),
+                          " free pages, ", n, " new logical pages x ", layers_, " layers need ", pages);
+    if (block_free_->size() < n)
+      return status::make(errc::capacity_exhausted, "block table has ", block_free_->size(),
+                          " free entries, ", n, " needed");
+    return {};
+  }
+
+  // Caller checked can_allocate_blocks: the tier-0 allocations below cannot fail.
+  std::uint32_t new_block() {
+    const std::uint32_t b = block_free_->back();
+    block_free_->pop_back();
+    block_meta& m = (*block_meta_)[b];
+    m.refcount = 1;
+    m.fill = 0;
+    m.state = page_state::open;
+    for (int l = 0; l < layers_; ++l) {
+      const page_id p = *pool<0>().allocate();
+      (void)pool<0>().set_owner_flags(p, published_flag);
+      (*block_pages_)[std::size_t(b) * std::size_t(layers_) + std::size_t(l)] = p;
+    }
+    ++live_blocks_;
+    return b;
+  }
+
+  void drop_block(std::uint32_t b) {
+    block_meta& m = (*block_meta_)[b];
+    if (--m.refcount != 0) return;
+    for (int l = 0; l < layers_; ++l) {
+      page_id& p = (*block_pages_)[std::size_t(b) * std::size_t(layers_) + std::size_t(l)];
+      (void)unpublish(p);
+      p = page_id{};
+    }
+    m.state = page_state::free;
+    m.fill = 0;
+    ++m.generation;
+    block_free_->push_back(b);
+    --live_blocks_;
+  }
+
+  page_id page_of(std::uint32_t b, int layer) const {
+    return (*block_pages_)[std::size_t(b) * std::size_t(layers_) + std::size_t(layer)];
+  }
+
+  template <class F>
+  status on_pool(page_id p, F&& f) const {
+    if (p.format >= num_tiers) return status::out_of_range("page format (tier)", unsigned(p.format), num_tiers);
+    status st;
+    detail::with_index<num_tiers>(p.format, [&](auto I) { (void)(st = f(std::get<I>(pools_))); });
+    return st;
+  }
+  template <class F>
+  status on_pool(page_id p, F&& f) {
+    if (p.format >= num_tiers) return status::out_of_range("page format (tier)", unsigned(p.format), num_tiers);
+    status st;
+    detail::with_index<num_tiers>(p.format, [&](auto I) { (void)(st = f(std::get<I>(pools_))); });
+    return st;
+  }
+
+  status check_finite(std::span<const float> x, const char* what, std::int64_t n) const {
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      if (!std::isfinite(x[i])) {
+        const std::size_t per_token = std::size_t(kv_heads) * head_dim;
+        const std::size_t per_layer = std::size_t(n) * per_token;
+        return status::make(errc::non_finite_input, "append: ", what, "[", i, "] = ", x[i], " (layer ",
+                            i / per_layer, ", token ", (i % per_layer) / per_token, ", kv head ",
+                            (i % per_token) / head_dim, ") is not finite; nothing appended");
+      }
+    }
+    return {};
+  }
+
+  template <class C>
+  void encode_vector(const float* x, std::uint8_t* payload, std::uint8_t* meta, const codec_context& ctx) {
+    typename C::meta_type m{};
+    (void)C::encode(x, payload, m, ctx, &stats_);  // finiteness was checked up front
+    if constexpr (C::meta_bytes > 0) std::memcpy(meta, &m, C::meta_bytes);
+  }
+  template <class C>
+  static void decode_vector(const std::uint8_t* payload, const std::uint8_t* meta, float* out,
+                            const codec_context& ctx) {
+    typename C::meta_type m{};
+    if constexpr (C::meta_bytes > 0) std::memcpy(&m, meta, C::meta_bytes);
+    C::decode(payload, m, out, ctx);
+  }
+
+  void write_tokens(seq_record& r, std::int64_t start, std::int64_t n, const float* keys, const float* values) {
+    using L = layout<0>;
+    using KC = typename L::key_codec;
+    using VC = typename L::value_codec;
+    const std::size_t per_token = std::size_t(kv_heads) * head_dim;
+    for (int l = 0; l < layers_; ++l) {
+      const float* kl = keys + std::size_t(l) * std::size_t(n) * per_token;
+      const float* vl = values + std::size_t(l) * std::size_t(n) * per_token;
+      for (int h = 0; h < kv_heads; ++h) {
+        const codec_context kctx = make_codec_context(opt_.codec_seed, l, h, kv_role::key);
+        const codec_context vctx = make_codec_context(opt_.codec_seed, l, h, kv_role::value);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const std::int64_t pos = start + i;
+          const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
+          const int t = int(pos % page_tokens);
+          std::uint8_t* base = pool<0>().host_page(page_of(b, l));
+          const std::size_t off = std::size_t(i) * per_token + std::size_t(h) * head_dim;
+          encode_vector<KC>(kl + off, base + L::key_payload(h, t), base + L::key_meta(h, t), kctx);
+          encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t), vctx);
+        }
+      }
+    }
+    // Fill counts and sealing: a page that is full is immutable from now on.
+    const std::int64_t end = start + n;
+    for (std::size_t j = std::size_t(start / page_tokens); j < r.blocks.size(); ++j) {
+      block_meta& m = (*block_meta_)[r.blocks[j]];
+      const std::int64_t fill = std::min<std::int64_t>(end - std::int64_t(j) * page_tokens, page_tokens);
+      m.fill = std::uint32_t(fill);
+      if (fill == page_tokens && m.state == page_state::open) {
+        m.state = page_state::sealed;
+        for (int l = 0; l < layers_; ++l) (void)pool<0>().seal(page_of(r.blocks[j], l));
+      }
+    }
+  }
+
+  options opt_;
+  int layers_ = 1;
+  std::uint32_t seq_slot_bits_ = 1;
+  PageAlloc page_alloc_;
+  MetaAlloc meta_alloc_;
+  storage_lines lines_;
+  typename detail::pool_tuple<Geometry, Tiers, PageAlloc, MetaAlloc>::type pools_;
+  std::optional<counted_vector<seq_record>> seqs_;
+  std::optional<counted_vector<std::uint32_t>> seq_free_;
+  std::optional<counted_vector<block_meta>> block_meta_;
+  std::optional<counted_vector<page_id>> block_pages_;
+  std::optional<counted_vector<std::uint32_t>> block_free_;
+  std::uint32_t block_capacity_ = 0;
+  std::uint32_t live_seqs_ = 0;
+  std::uint32_t live_blocks_ = 0;
+  encode_stats stats_{};
+};
+
+}  // namespace tierkv
