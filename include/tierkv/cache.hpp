@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: Apache-2.0
+// tiered_cache: the façade an engine uses. It composes the paged storage (pools per
+// tier, page tables, fork), the tier controller (policy state, conversions, memory
+// pressure) and host decode attention, whose per-page attention mass feeds the
+// controller directly (no dense view). Thin on purpose: each part stays usable alone.
+//
+//   using cache = tierkv::tiered_cache<geometry, tierkv::tiers<fp8, tq3>>;
+//   auto c = cache::create(opts).value();
+//   auto s = c->create_sequence().value();
+//   c->append(s, n, keys, values);              // [layer][token][kv_head][dim]
+//   for (int l = 0; l < layers; ++l) c->attend(l, batch, queries, out);
+//   c->retier(step);                            // once per scheduler step
+//   std::cout << c->report();
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "tierkv/attention/host_decode.hpp"
+#include "tierkv/attention/host_workspace.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/memory/allocators.hpp"
+#include "tierkv/memory/counted_allocator.hpp"
+#include "tierkv/paging/index_builder.hpp"
+#include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/report.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
+#include "tierkv/tiering/tier_controller.hpp"
+#include "tierkv/tiering/tier_policy.hpp"
+#include "tierkv/tiering/tier_roles.hpp"
+
+namespace tierkv {
+
+template <class Policy, int NumTiers>
+struct tiered_cache_options {
+  storage_options<NumTiers> storage{};  // layers, sequences, pages per tier, codec seed
+  Policy policy{};
+  tier_controller_options tiering{};
+  int max_batch = 64;      // sequences per attend() call
+  int max_pages = 4096;    // logical pages per sequence that attend() can read
+  unsigned threads = 1;    // host attention workers (the caller included; 0 = all cores)
+  float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
+  float soft_cap = 0.f;       // logit soft cap (0 = off)
+};
+
+template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
+          allocator_policy PageAlloc = host_allocator, host_allocator_policy MetaAlloc = host_allocator,
+          class Roles = tier_roles<Tiers>>
+class tiered_cache {
+  static_assert(PageAlloc::host_accessible,
+                "tiered_cache: this façade attends and converts on the host, so its pages must be host "
+                "accessible (host_allocator or pinned_host_allocator); device caches compose cuda/ kernels");
+
+ public:
+  using storage_type = paged_storage<Geometry, Tiers, PageAlloc, MetaAlloc>;
+  using controller_type = tier_controller<storage_type, Policy, Roles>;
+  using options = tiered_cache_options<Policy, Tiers::size>;
+  static constexpr int num_tiers = Tiers::size;
+  static constexpr int head_dim = Geometry::head_dim;
+  static constexpr int q_heads = Geometry::q_heads;
+
+  tiered_cache(const tiered_cache&) = delete;
+  tiered_cache& operator=(const tiered_cache&) = delete;
+  ~tiered_cache() {
+    // Members that hold storage bookkeeping go first, the storage last.
+    mass_.reset();
+    index_.reset();
+    controller_.reset();
+  }
+
+  static result<std::unique_ptr<tiered_cache>> create(const options& opt, PageAlloc page_alloc = {},
+                                                      MetaAlloc meta_alloc = {}) {
+    if (opt.softmax_scale < 0.f || !std::isfinite(opt.softmax_scale))
+      return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale, " must be finite and >= 0");
+    auto s = storage_type::create(opt.storage, std::move(page_alloc), std::move(meta_alloc));
+    if (!s) return s.error_status();
+    std::unique_ptr<tiered_cache> c(new tiered_cache(opt, std::move(*s)));
+    auto ctl = controller_type::create(*c->storage_, opt.policy, opt.tiering);
+    if (!ctl) return ctl.error_status();
+    c->controller_ = std::move(*ctl);
+    auto idx = index_arrays<storage_type>::create(*c->storage_, opt.max_batch, opt.max_pages);
+    if (!idx) return idx.error_status();
+    c->index_.emplace(std::move(*idx));
+    try {  // per-page masses of one attend() call, charged with the index arrays they go with
+      c->mass_.emplace(std::size_t(opt.max_batch) * std::size_t(opt.max_pages), 0.f,
+                       counted_allocator<float, MetaAlloc>(c->storage_->meta_alloc(),
+                                                           c->storage_->lines().index_arrays));
+    } catch (const allocation_failure& e) {
+      return e.get_status();
+    }
+    return c;
+  }
+
+  // ---- sequences ---------------------------------------------------------------------------
+  result<seq_id> create_sequence() { return storage_->create_sequence(); }
+  result<seq_id> fork(seq_id parent) {
+    auto len = storage_->length(parent);
+    if (!len) return len.error_status();
+    if (*len % storage_type::page_tokens != 0)  // the open tail page is copied, in tier 0
+      if (auto st = controller_->make_room(std::uint32_t(storage_->num_layers())); !st) return st;
+    return storage_->fork(parent);
+  }
+  status release(seq_id s) { return storage_->release(s); }
+  result<std::int64_t> length(seq_id s) const { return storage_->length(s); }
+
+  // Appends n tokens ([layer][token][kv_head][dim] floats) to every layer. When tier 0
+  // is short, first demotes the pages the policy values least (tiering/tier_controller).
+  // Bad input (sizes, NaN/Inf) is refused before anything moves.
+  status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values) {
+    auto len = storage_->length(s);
+    if (!len) return len.error_status();
+    if (n < 0) return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
+    const std::size_t expect = std::size_t(n) * std::size_t(storage_->num_layers()) * Geometry::kv_heads * head_dim;
+    if (keys.size() != expect || values.size() != expect)
+      return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
+                          " floats for keys and for values, got ", keys.size(), " and ", values.size());
+    const auto finite = [](float x) { return std::isfinite(x); };
+    if (!std::all_of(keys.begin(), keys.end(), finite) || !std::all_of(values.begin(), values.end(), finite))
+      return storage_->append(s, n, keys, values);  // the storage names the offending value
+    if (auto st = make_room_for(s, n); !st) return st;
+    return storage_->append(s, n, keys, values);
+  }
+
+  // Structural metadata: pinned pages stay Anchor and are never demoted under pressure.
+  status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
+    return controller_->pin(s, first_page, pages, pinned);
+  }
+
+  // ---- attention -----------------------------------------------------------------------------
+  // Decode of one layer: queries [batch][q_heads][head_dim] (post-RoPE) -> out (same
+  // shape). Feeds each sequence's per-page attention mass to the controller; copies it
+  // to page_mass ([batch][max_pages]) and the LSE to lse ([batch][q_heads]) if given.
+  status attend(int layer, std::span<const seq_id> batch, std::span<const float> queries, std::span<float> out,
+                std::span<float> page_mass = {}, std::span<float> lse = {}) {
+    const std::size_t rows = batch.size() * std::size_t(q_heads) * head_dim;
+    if (queries.size() != rows || out.size() != rows)
+      return status::make(errc::invalid_argument, "attend: ", batch.size(), " sequences need ", rows,
+                          " query and output floats, got ", queries.size(), " and ", out.size());
+    const std::size_t stride = std::size_t(opt_.max_pages);
+    if (!page_mass.empty() && page_mass.size() < batch.size() * stride)
+      return status::make(errc::invalid_argument, "attend: page_mass holds ", page_mass.size(), " floats, ",
+                          batch.size() * stride, " needed (batch x max_pages)");
+    if (!lse.empty() && lse.size() < batch.size() * std::size_t(q_heads))
+      return status::make(errc::invalid_argument, "attend: lse holds ", lse.size(), " floats, ",
+                          batch.size() * std::size_t(q_heads), " needed");
+    auto view = index_->build(layer, batch);
+    if (!view) return view.error_status();
+    const auto pools = storage_->views();
+    host_decode_args<num_tiers> a;
+    a.queries = queries.data();
+    a.index = *view;
+    a.pools = pools.data();
+    a.source = layer_source{storage_->config().codec_seed, layer};
+    a.logits = logit_params{opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
+                            opt_.soft_cap};
+    a.out = out.data();
+    a.lse = lse.empty() ? nullptr : lse.data();
+    a.page_mass = mass_->data();
+    a.mass_stride = opt_.max_pages;
+    if (auto st = host_decode<Geometry, Tiers>(workspace_, a); !st) return st;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::span<const float> row(mass_->data() + b * stride, stride);
+      if (auto st = controller_->observe_mass(batch[b], layer, row); !st) return st;
+      if (!page_mass.empty()) std::copy(row.begin(), row.end(), page_mass.begin() + std::ptrdiff_t(b * stride));
+    }
+    return {};
+  }
+
+  // ---- tiering and accounting -----------------------------------------------------------------
+  retier_stats retier(std::uint64_t step) { return controller_->retier(step); }
+  memory_report report() const { return make_report(*storage_); }
+  status check_invariants() const { return controller_->check_invariants(); }
+
+  storage_type& storage() noexcept { return *storage_; }
+  const storage_type& storage() const noexcept { return *storage_; }
+  controller_type& controller() noexcept { return *controller_; }
+  const options& config() const noexcept { return opt_; }
+
+ private:
+  tiered_cache(const options& opt, std::unique_ptr<storage_type> s)
+      : opt_(opt), storage_(std::move(s)), workspace_(opt.threads) {}
+
+  // Tier-0 pages an append of n tokens to s needs, made free by the controller.
+  status make_room_for(seq_id s, std::int64_t n) {
+    auto len = storage_->length(s);
+    if (!len) return len.error_status();
+    constexpr std::int64_t T = storage_type::page_tokens;
+    const std::int64_t fresh = (*len + n + T - 1) / T - (*len + T - 1) / T;
+    if (fresh <= 0) return {};
+    const std::int64_t pages = fresh * storage_->num_layers();
+    if (pages > std::int64_t(storage_->template pool<0>().capacity()))
+      return status::exceeds(errc::capacity_exhausted, "tier-0 pages needed by the append", pages,
+                             storage_->template pool<0>().capacity());
+    return controller_->make_room(std::uint32_t(pages));
+  }
+
+  options opt_;
+  std::unique_ptr<storage_type> storage_;
+  std::unique_ptr<controller_type> controller_;
+  std::optional<index_arrays<storage_type>> index_;
+  std::optional<std::vector<float, counted_allocator<float, MetaAlloc>>> mass_;
+  host_attention_workspace workspace_;
+};
+
+}  // namespace tierkv

@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+// The default tier policy: Recent = the newest pages of a sequence, Anchor = attention
+// sinks, pinned pages, sensitive layers and pages whose smoothed attention mass stays
+// high, Stale = everything else.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "tierkv/core/status.hpp"
+#include "tierkv/tiering/tier_policy.hpp"
+
+namespace tierkv::policy {
+
+struct recency_anchor_options {
+  int recent_pages = 4;        // R: the newest R logical pages of a sequence are Recent
+  int sink_pages = 1;          // A: the first A logical pages (attention sinks) are Anchor
+  // Attention mass is taken relative to a uniform share (mass x pages of the sequence),
+  // smoothed by an EMA with weight ema_alpha for the newest step. A page becomes an
+  // anchor when the EMA rises above enter_mass and stops being one when it falls below
+  // leave_mass (hysteresis: a page hovering between the two keeps its role).
+  float ema_alpha = 0.25f;
+  float enter_mass = 4.0f;
+  float leave_mass = 2.0f;
+  std::uint64_t min_dwell_steps = 8;  // steps between two tier moves of one page
+  // Layer sensitivity: the first and last layers of a model carry more error through
+  // the network (public TurboQuant deployments kept them in FP8): their pages are Anchor.
+  int keep_first_layers = 1;
+  int keep_last_layers = 1;
+};
+
+class recency_anchor {
+ public:
+  using options = recency_anchor_options;
+  struct page_state {
+    float ema = 0.0f;       // smoothed relative attention mass
+    bool anchored = false;  // above enter_mass, not yet below leave_mass
+    bool observed = false;  // at least one mass observation
+  };
+
+  recency_anchor() = default;
+  explicit recency_anchor(const options& o) : opt_(o) {}
+  const options& knobs() const noexcept { return opt_; }
+
+  status validate() const {
+    if (opt_.recent_pages < 0) return status::make(errc::invalid_argument, "recent_pages = ", opt_.recent_pages, " < 0");
+    if (opt_.sink_pages < 0) return status::make(errc::invalid_argument, "sink_pages = ", opt_.sink_pages, " < 0");
+    if (!(opt_.ema_alpha > 0.0f && opt_.ema_alpha <= 1.0f))
+      return status::make(errc::invalid_argument, "ema_alpha = ", opt_.ema_alpha, " must lie in (0, 1]");
+    if (!std::isfinite(opt_.enter_mass) || !std::isfinite(opt_.leave_mass) || !(opt_.leave_mass >= 0.0f) ||
+        !(opt_.enter_mass >= opt_.leave_mass))
+      return status::make(errc::invalid_argument, "enter_mass = ", opt_.enter_mass, ", leave_mass = ", opt_.leave_mass,
+                          ": need finite 0 <= leave_mass <= enter_mass (hysteresis)");
+    if (opt_.keep_first_layers < 0 || opt_.keep_last_layers < 0)
+      return status::make(errc::invalid_argument, "keep_first_layers = ", opt_.keep_first_layers,
+                          ", keep_last_layers = ", opt_.keep_last_layers, ": must be >= 0");
+    return {};
+  }
+
+  void observe(page_state& s, float mass) const {
+    if (!std::isfinite(mass) || mass < 0.0f) return;  // a broken signal never moves a page
+    s.ema = s.observed ? s.ema + opt_.ema_alpha * (mass - s.ema) : mass;
+    s.observed = true;
+    if (!s.anchored && s.ema > opt_.enter_mass) s.anchored = true;
+    else if (s.anchored && s.ema < opt_.leave_mass) s.anchored = false;
+  }
+
+  bool sensitive_layer(int layer, int num_layers) const {
+    return layer < opt_.keep_first_layers || layer >= num_layers - opt_.keep_last_layers;
+  }
+
+  tier_role choose(const page_state& s, const page_facts& f) const {
+    if (f.age < opt_.recent_pages) return tier_role::recent;
+    if (f.pinned || sensitive_layer(f.layer, f.num_layers)) return tier_role::anchor;
+    if (f.position < opt_.sink_pages) return tier_role::anchor;
+    return s.anchored ? tier_role::anchor : tier_role::stale;
+  }
+
+  std::uint64_t min_dwell_steps() const { return opt_.min_dwell_steps; }
+
+  // Demotion order under pressure: plain pages by smoothed mass, then anchors by mass,
+  // then sinks, then Recent pages (oldest first), then sensitive layers; pinned never.
+  float keep_value(const page_state& s, const page_facts& f) const {
+    if (f.pinned) return std::numeric_limits<float>::infinity();
+    const float mass = s.ema < 1.0e3f ? s.ema : 1.0e3f;
+    float v = mass + (s.anchored ? 1.0e3f : 0.0f);
+    if (f.position < opt_.sink_pages) v += 1.0e4f;
+    if (f.age < opt_.recent_pages) v += 1.0e5f + float(opt_.recent_pages - f.age);
+    if (sensitive_layer(f.layer, f.num_layers)) v += 1.0e6f;
+    return v;
+  }
+
+ private:
+  options opt_{};
+};
+
+static_assert(check_tier_policy<recency_anchor>());
+
+}  // namespace tierkv::policy

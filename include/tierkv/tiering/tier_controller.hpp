@@ -1,0 +1,531 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tier controller: keeps a policy's per-page state (smoothed attention mass,
+// hysteresis), plans conversions from the policy's choices, applies them through the
+// conversion protocol (tiering/conversion.hpp), and makes room in tier 0 under memory
+// pressure by demoting the pages the policy values least.
+//
+// Threading: one controller per storage, driven by one thread (the scheduler's), like
+// the storage itself. Plans and stats are plain data.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/memory/counted_allocator.hpp"
+#include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/tiering/conversion.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
+#include "tierkv/tiering/tier_policy.hpp"
+#include "tierkv/tiering/tier_roles.hpp"
+
+namespace tierkv {
+
+// One planned tier move of one physical page (a logical page's layer), for every holder.
+struct conversion {
+  block_ref block;
+  int layer = 0;
+  int from = 0;       // tier index now
+  int to = 0;         // tier index wanted
+  float value = 0.f;  // the policy's keep value (orders the plan)
+  friend bool operator==(const conversion&, const conversion&) = default;
+};
+
+struct retier_stats {
+  std::uint64_t planned = 0;
+  std::uint64_t converted = 0;      // published conversions (promotions + demotions + others)
+  std::uint64_t promoted = 0;       // into tier 0
+  std::uint64_t demoted = 0;        // out of tier 0
+  std::uint64_t pressure_demoted = 0;   // demotions made by make_room
+  std::uint64_t shadow_promotions = 0;  // promotions served losslessly from a kept tier-0 copy
+  std::uint64_t deferred = 0;       // promotions held back by the tier-0 reserve
+  std::uint64_t failed = 0;         // conversions that failed (old page kept)
+  std::uint64_t injected_faults = 0;
+  std::uint64_t shadows_made = 0;
+  std::uint64_t shadows_dropped = 0;
+  std::uint64_t saturated = 0;      // encoder saturations while converting
+  status first_error;               // the first failure, ok when none
+
+  void add(const retier_stats& o) {
+    planned += o.planned; converted += o.converted; promoted += o.promoted; demoted += o.demoted;
+    pressure_demoted += o.pressure_demoted; shadow_promotions += o.shadow_promotions; deferred += o.deferred;
+    failed += o.failed; injected_faults += o.injected_faults; shadows_made += o.shadows_made;
+    shadows_dropped += o.shadows_dropped; saturated += o.saturated;
+    if (first_error.is_ok() && !o.first_error.is_ok()) first_error = o.first_error;
+  }
+};
+
+struct tier_controller_options {
+  // Promotions into tier 0 leave at least this share of its pages free, so a promotion
+  // never forces the next append to demote (which would flap).
+  int promotion_reserve_percent = 10;
+  // Keep a demoted page's tier-0 copy (a "shadow") while tier 0 has slack, so a quick
+  // promotion back is lossless and costs no encode. Shadows are dropped first, oldest
+  // first, whenever tier 0 keeps fewer than shadow_slack_percent of its pages free.
+  bool keep_shadows = false;
+  int shadow_slack_percent = 25;
+};
+
+template <class Storage, tier_policy Policy = policy::recency_anchor,
+          class Roles = tier_roles<typename Storage::tier_list>>
+class tier_controller {
+  static_assert(check_tier_policy<Policy>());
+  static_assert(std::is_same_v<typename Roles::tier_list, typename Storage::tier_list>,
+                "tier_controller: Roles must map roles onto the storage's tier list");
+
+ public:
+  using storage_type = Storage;
+  using policy_type = Policy;
+  using roles = Roles;
+  using options = tier_controller_options;
+  static constexpr int num_tiers = Storage::num_tiers;
+  static constexpr int append_tier = 0;
+
+  tier_controller(const tier_controller&) = delete;
+  tier_controller& operator=(const tier_controller&) = delete;
+  ~tier_controller() { drop_all_shadows(); }
+
+  // The storage must outlive the controller. Bookkeeping (per-page policy state, the
+  // plan buffer) is allocated once here from the storage's bookkeeping allocator and
+  // charged to its page_tables line; on failure nothing leaks.
+  static result<std::unique_ptr<tier_controller>> create(Storage& storage, Policy policy = {}, options opt = {}) {
+    if (auto st = policy.validate(); !st) return st;
+    if (opt.promotion_reserve_percent < 0 || opt.promotion_reserve_percent > 100)
+      return status::out_of_range("promotion_reserve_percent", opt.promotion_reserve_percent, 101);
+    if (opt.shadow_slack_percent < 0 || opt.shadow_slack_percent > 100)
+      return status::out_of_range("shadow_slack_percent", opt.shadow_slack_percent, 101);
+    std::unique_ptr<tier_controller> c(new tier_controller(storage, std::move(policy), opt));
+    try {
+      const std::size_t blocks = storage.block_capacity();
+      const std::size_t pages = blocks * std::size_t(storage.num_layers());
+      c->blocks_.emplace(blocks, block_rec{}, c->template alloc<block_rec>());
+      c->pages_.emplace(pages, page_rec{}, c->template alloc<page_rec>());
+      c->plan_.emplace(c->template alloc<conversion>());
+      c->plan_->reserve(pages);
+      c->seen_.emplace(blocks, std::uint8_t(0), c->template alloc<std::uint8_t>());
+    } catch (const allocation_failure& e) {
+      return e.get_status();
+    }
+    return c;
+  }
+
+  Storage& storage() noexcept { return *storage_; }
+  const Policy& policy() const noexcept { return policy_; }
+  const options& config() const noexcept { return opt_; }
+  std::uint32_t shadow_pages() const noexcept { return shadows_; }
+  const retier_stats& totals() const noexcept { return totals_; }
+
+  // Structural metadata from the engine: pinned logical pages are Anchor and never
+  // demoted under pressure (e.g. a system prompt). Unpinning returns them to the policy.
+  status pin(seq_id s, std::int64_t first, std::int64_t count, bool pinned = true) {
+    auto pages = storage_->logical_pages(s);
+    if (!pages) return pages.error_status();
+    if (first < 0 || count < 0 || first > *pages - count)
+      return status::make(errc::out_of_range, "pin: logical pages [", first, ", ", first + count, ") of ", s,
+                          " which has ", *pages, " pages");
+    for (std::int64_t i = first; i < first + count; ++i) sync(*storage_->block_of(s, i)).pinned = pinned;
+    return {};
+  }
+
+  // The decode path's per-page attention mass of sequence s at one layer (host_decode's
+  // page_mass row: one entry per logical page, summing to 1). Taken relative to a
+  // uniform share and kept until the next plan(), which smooths it into the policy's
+  // state; a page shared by several sequences keeps the largest of their values.
+  status observe_mass(seq_id s, int layer, std::span<const float> mass) {
+    auto pages = storage_->logical_pages(s);
+    if (!pages) return pages.error_status();
+    if (layer < 0 || layer >= storage_->num_layers()) return status::out_of_range("layer", layer, storage_->num_layers());
+    if (std::int64_t(mass.size()) < *pages)
+      return status::make(errc::invalid_argument, "observe_mass: ", mass.size(), " masses for ", s, " with ", *pages,
+                          " logical pages");
+    const float uniform = float(*pages);
+    for (std::int64_t i = 0; i < *pages; ++i) {
+      const float m = mass[std::size_t(i)] * uniform;
+      if (!std::isfinite(m) || m < 0.0f) continue;  // never let a broken signal move pages
+      const block_ref b = *storage_->block_of(s, i);
+      sync(b);
+      page_rec& r = page(b.index, layer);
+      r.pending = r.pending < 0.0f ? m : std::max(r.pending, m);
+    }
+    return {};
+  }
+
+  // Folds the observed masses into the policy's state and returns the conversions the
+  // policy wants at `step` (a monotone scheduler step): deterministic, ordered with
+  // moves out of tier 0 first (lowest value first), then moves into tier 0 (highest
+  // value first), ties by block and layer. The span lives until the next plan().
+  std::span<const conversion> plan(std::uint64_t step) {
+    step_ = std::max(step_, step);
+    refresh();
+    plan_->clear();
+    const int layers = storage_->num_layers();
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      block_rec& b = (*blocks_)[bi];
+      if (!b.live) continue;
+      const block_ref ref{bi, b.generation};
+      const bool sealed = storage_->block_sealed(ref);
+      for (int l = 0; l < layers; ++l) {
+        page_rec& r = page(bi, l);
+        if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
+        r.pending = -1.0f;
+        if (!sealed) continue;
+        const page_facts f = facts(bi, l, storage_->block_page(ref, l));
+        const int to = Roles::tier_of(policy_.choose(r.state, f));
+        if (to == f.tier || f.steps_since_move < policy_.min_dwell_steps()) continue;
+        plan_->push_back(conversion{ref, l, f.tier, to, policy_.keep_value(r.state, f)});
+      }
+    }
+    std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
+      const bool pa = a.to == append_tier, pb = b.to == append_tier;
+      if (pa != pb) return pb;  // out of tier 0 (or between other tiers) first
+      if (a.value != b.value) return pa ? a.value > b.value : a.value < b.value;
+      if (a.block.index != b.block.index) return a.block.index < b.block.index;
+      return a.layer < b.layer;
+    });
+    return {plan_->data(), plan_->size()};
+  }
+
+  // Applies conversions (from plan(), or the engine's own) through the protocol. A
+  // failed conversion leaves its page published at its old id and tier; the rest go on.
+  template <conversion_fault_hook Faults = no_faults>
+  retier_stats apply(std::span<const conversion> todo, Faults&& faults = {})
+    requires Storage::page_allocator::host_accessible
+  {
+    retier_stats st;
+    st.planned = todo.size();
+    trim_shadows(st);
+    const std::uint32_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);
+    for (const conversion& c : todo) {
+      if (!storage_->check_block(c.block) || c.layer < 0 || c.layer >= storage_->num_layers()) {
+        note_failure(st, status::make(errc::stale_id, "apply: block ", c.block.index, "@", c.block.generation,
+                                      " layer ", c.layer, " is no longer live"));
+        continue;
+      }
+      if (int(storage_->block_page(c.block, c.layer).format) != c.from) continue;  // moved since planned
+      page_rec& r = page(c.block.index, c.layer);
+      if (c.to == append_tier && r.shadow.valid() && r.shadow_of == storage_->block_page(c.block, c.layer)) {
+        promote_from_shadow(c, r, st, faults);
+        continue;
+      }
+      if (c.to == append_tier && storage_->free_pages(append_tier) <= reserve) {
+        ++st.deferred;
+        continue;
+      }
+      convert(c, r, st, faults, /*pressure=*/false);
+    }
+    totals_.add(st);
+    return st;
+  }
+
+  // plan(step) + apply(): one retier step.
+  template <conversion_fault_hook Faults = no_faults>
+  retier_stats retier(std::uint64_t step, Faults&& faults = {})
+    requires Storage::page_allocator::host_accessible
+  {
+    const auto todo = plan(step);
+    return apply(todo, faults);
+  }
+
+  // Makes `pages` tier-0 pages free (before an append): drops shadows, then demotes the
+  // sealed tier-0 pages of lowest keep value to the Stale tier. When even that cannot
+  // free enough, refuses with capacity_exhausted before changing anything. A conversion
+  // failing midway (an injected fault) returns its status; the demotions already done
+  // stay published and valid.
+  template <conversion_fault_hook Faults = no_faults>
+  status make_room(std::uint32_t pages, Faults&& faults = {})
+    requires Storage::page_allocator::host_accessible
+  {
+    if (storage_->free_pages(append_tier) >= pages) return {};
+    refresh();
+    const std::uint32_t free0 = storage_->free_pages(append_tier);
+    const std::uint32_t deficit = pages - free0;
+    constexpr int stale = Roles::stale;
+    if (stale == append_tier) return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages, ",
+                                                  pages, " needed, and the Stale role maps to tier 0 too");
+    // Candidates: sealed tier-0 pages the policy lets go, lowest value first.
+    plan_->clear();
+    const int layers = storage_->num_layers();
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      block_rec& b = (*blocks_)[bi];
+      if (!b.live) continue;
+      const block_ref ref{bi, b.generation};
+      if (!storage_->block_sealed(ref)) continue;
+      for (int l = 0; l < layers; ++l) {
+        const page_id p = storage_->block_page(ref, l);
+        if (p.format != append_tier) continue;
+        const page_facts f = facts(bi, l, p);
+        const float v = policy_.keep_value(page(bi, l).state, f);
+        if (std::isinf(v)) continue;
+        plan_->push_back(conversion{ref, l, append_tier, stale, v});
+      }
+    }
+    const std::uint64_t demotable = std::min<std::uint64_t>(plan_->size(), storage_->free_pages(stale));
+    if (std::uint64_t(shadows_) + demotable < deficit)
+      return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages and ", pages,
+                          " are needed; dropping ", shadows_, " shadow copies and demoting ", demotable,
+                          " pages (of ", plan_->size(), " demotable, ", storage_->free_pages(stale),
+                          " free in the Stale tier) cannot free ", deficit, "; nothing was changed");
+    retier_stats st;
+    while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
+    std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
+      if (a.value != b.value) return a.value < b.value;
+      if (a.block.index != b.block.index) return a.block.index < b.block.index;
+      return a.layer < b.layer;
+    });
+    for (const conversion& c : *plan_) {
+      if (storage_->free_pages(append_tier) >= pages) break;
+      ++st.planned;
+      convert(c, page(c.block.index, c.layer), st, faults, /*pressure=*/true);
+    }
+    totals_.add(st);
+    if (storage_->free_pages(append_tier) >= pages) return {};
+    if (!st.first_error.is_ok()) return st.first_error;
+    return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ", storage_->free_pages(append_tier),
+                        " free pages of ", pages, " needed");
+  }
+
+  // Storage invariants with the controller's own pages (shadows) accounted for, and
+  // the shadows' own consistency.
+  status check_invariants() const {
+    std::uint32_t n = 0;
+    for (const page_rec& r : *pages_) {
+      if (!r.shadow.valid()) continue;
+      ++n;
+      if (auto st = storage_->check_page(r.shadow); !st) return st;
+      if (r.shadow.format != append_tier || storage_->page_published(r.shadow))
+        return status::make(errc::corrupt_data, "shadow ", r.shadow, " is not a caller-owned tier-0 page");
+    }
+    if (n != shadows_) return status::make(errc::corrupt_data, "shadow count ", shadows_, " != ", n);
+    return storage_->check_invariants(shadows_);
+  }
+
+  // The policy state of (block, layer) (tests, reports).
+  const typename Policy::page_state& page_state_of(block_ref b, int layer) const {
+    return (*pages_)[std::size_t(b.index) * std::size_t(storage_->num_layers()) + std::size_t(layer)].state;
+  }
+
+ private:
+  struct block_rec {
+    std::uint32_t generation = 0;
+    bool live = false;
+    bool pinned = false;
+    std::uint32_t holders = 0;
+    std::int64_t position = page_facts::no_holder;
+    std::int64_t age = page_facts::no_holder;
+  };
+  struct page_rec {
+    typename Policy::page_state state{};
+    std::uint64_t last_move = 0;
+    float pending = -1.0f;  // this step's relative mass; < 0: none observed
+    page_id shadow;         // tier-0 copy kept after a demotion
+    page_id shadow_of;      // the page it was demoted into (the shadow is valid while published)
+    std::uint64_t shadow_step = 0;
+  };
+  template <class T> using counted_vector = std::vector<T, counted_allocator<T, typename Storage::meta_allocator>>;
+  template <class T> counted_allocator<T, typename Storage::meta_allocator> alloc() {
+    return counted_allocator<T, typename Storage::meta_allocator>(storage_->meta_alloc(), storage_->lines().page_tables);
+  }
+
+  tier_controller(Storage& s, Policy p, options o) : storage_(&s), policy_(std::move(p)), opt_(o) {}
+
+  page_rec& page(std::uint32_t block, int layer) {
+    return (*pages_)[std::size_t(block) * std::size_t(storage_->num_layers()) + std::size_t(layer)];
+  }
+
+  // The record of a live block, reset when the block slot holds a new logical page.
+  block_rec& sync(block_ref b) {
+    block_rec& r = (*blocks_)[b.index];
+    if (!r.live || r.generation != b.generation) {
+      forget(b.index);
+      r = block_rec{};
+      r.generation = b.generation;
+      r.live = true;
+      for (int l = 0; l < storage_->num_layers(); ++l) {
+        page_rec& p = page(b.index, l);
+        p = page_rec{};
+        p.last_move = step_;
+      }
+    }
+    return r;
+  }
+  // Gives back what the controller holds for a block slot whose page is gone.
+  void forget(std::uint32_t bi) {
+    for (int l = 0; l < storage_->num_layers(); ++l) {
+      page_rec& p = page(bi, l);
+      if (p.shadow.valid()) release_shadow(p);
+    }
+    (*blocks_)[bi].live = false;
+  }
+
+  // Recomputes holders, youngest age and smallest position of every live block.
+  void refresh() {
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      block_rec& r = (*blocks_)[bi];
+      r.holders = 0;
+      r.position = r.age = page_facts::no_holder;
+    }
+    auto& seen = *seen_;
+    std::fill(seen.begin(), seen.end(), std::uint8_t(0));
+    storage_->for_each_block([&](block_ref b, int, std::uint32_t) {
+      sync(b);
+      seen[b.index] = 1;
+    });
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi)
+      if ((*blocks_)[bi].live && !seen[bi]) forget(bi);
+    storage_->for_each_sequence([&](seq_id s, std::int64_t len) {
+      const std::int64_t n = (len + Storage::page_tokens - 1) / Storage::page_tokens;
+      for (std::int64_t i = 0; i < n; ++i) {
+        block_rec& r = (*blocks_)[storage_->block_of(s, i)->index];
+        ++r.holders;
+        r.position = std::min(r.position, i);
+        r.age = std::min(r.age, n - 1 - i);
+      }
+    });
+  }
+
+  page_facts facts(std::uint32_t bi, int layer, page_id p) const {
+    const block_rec& b = (*blocks_)[bi];
+    page_facts f;
+    f.layer = layer;
+    f.num_layers = storage_->num_layers();
+    f.tier = int(p.format);
+    f.position = b.position;
+    f.age = b.age;
+    f.holders = b.holders;
+    f.pinned = b.pinned;
+    const std::uint64_t last = (*pages_)[std::size_t(bi) * std::size_t(f.num_layers) + std::size_t(layer)].last_move;
+    f.steps_since_move = step_ - std::min(step_, last);
+    return f;
+  }
+
+  std::uint32_t percent_of_tier0(int percent) const {
+    return std::uint32_t(std::uint64_t(storage_->template pool<append_tier>().capacity()) * std::uint64_t(percent) / 100);
+  }
+
+  void note_failure(retier_stats& st, status s) {
+    ++st.failed;
+    if (s.code() == errc::injected_fault) ++st.injected_faults;
+    if (st.first_error.is_ok()) st.first_error = std::move(s);
+  }
+
+  template <class Faults>
+  void convert(const conversion& c, page_rec& r, retier_stats& st, Faults& faults, bool pressure) {
+    auto staged = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
+    if (!staged) return note_failure(st, staged.error_status());
+    staged_conversion sc = *staged;
+    conversion_counters counters;
+    if (auto s = fill_conversion_on_host(*storage_, sc, counters, faults); !s) {
+      abort_conversion(*storage_, sc);
+      return note_failure(st, std::move(s));
+    }
+    st.saturated += counters.saturated;
+    // A shadow: a byte copy of the tier-0 page being demoted, made only with slack.
+    page_id shadow;
+    const bool demotion = c.from == append_tier && c.to != append_tier;
+    if (demotion && opt_.keep_shadows && !pressure &&
+        storage_->free_pages(append_tier) > percent_of_tier0(opt_.shadow_slack_percent)) {
+      if (auto p = storage_->allocate_page(append_tier)) {
+        auto dst = storage_->page_bytes(*p);
+        auto src = storage_->page_bytes(sc.from);
+        if (dst && src && storage_->page_alloc().copy(dst->data(), src->data(), src->size()))
+          shadow = *p;
+        else
+          (void)storage_->release_page(*p);
+      }
+    }
+    const page_id published = sc.to;
+    if (auto s = publish_conversion(*storage_, sc, faults); !s) {
+      abort_conversion(*storage_, sc);
+      if (shadow.valid()) (void)storage_->release_page(shadow);
+      return note_failure(st, std::move(s));
+    }
+    if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
+    if (shadow.valid()) {
+      r.shadow = shadow;
+      r.shadow_of = published;
+      r.shadow_step = step_;
+      ++shadows_;
+      ++st.shadows_made;
+    }
+    r.last_move = step_;
+    ++st.converted;
+    if (c.to == append_tier) ++st.promoted;
+    if (demotion) ++st.demoted;
+    if (demotion && pressure) ++st.pressure_demoted;
+  }
+
+  template <class Faults>
+  void promote_from_shadow(const conversion& c, page_rec& r, retier_stats& st, Faults& faults) {
+    staged_conversion sc{c.block, c.layer, r.shadow_of, r.shadow};
+    if (auto s = publish_conversion(*storage_, sc, faults); !s) return note_failure(st, std::move(s));
+    r.shadow = page_id{};  // published: the block owns it
+    r.shadow_of = page_id{};
+    --shadows_;
+    r.last_move = step_;
+    ++st.converted;
+    ++st.promoted;
+    ++st.shadow_promotions;
+  }
+
+  void release_shadow(page_rec& r) {
+    (void)storage_->release_page(r.shadow);
+    r.shadow = page_id{};
+    r.shadow_of = page_id{};
+    --shadows_;
+  }
+  void drop_oldest_shadow(retier_stats& st) {
+    page_rec* oldest = nullptr;
+    for (page_rec& r : *pages_)
+      if (r.shadow.valid() && (oldest == nullptr || r.shadow_step < oldest->shadow_step)) oldest = &r;
+    if (oldest == nullptr) return;
+    release_shadow(*oldest);
+    ++st.shadows_dropped;
+  }
+  // Drops shadows that are stale (their page moved on) or that eat into tier 0's slack.
+  void trim_shadows(retier_stats& st) {
+    if (shadows_ == 0) return;
+    const int layers = storage_->num_layers();
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      const block_rec& b = (*blocks_)[bi];
+      for (int l = 0; l < layers; ++l) {
+        page_rec& r = page(bi, l);
+        if (!r.shadow.valid()) continue;
+        if (!b.live || !(storage_->block_page(block_ref{bi, b.generation}, l) == r.shadow_of)) {
+          release_shadow(r);
+          ++st.shadows_dropped;
+        }
+      }
+    }
+    const std::uint32_t slack = percent_of_tier0(opt_.shadow_slack_percent);
+    while (shadows_ > 0 && storage_->free_pages(append_tier) < slack) drop_oldest_shadow(st);
+  }
+  void drop_all_shadows() {
+    if (!pages_ || shadows_ == 0) return;
+    for (page_rec& r : *pages_)
+      if (r.shadow.valid()) release_shadow(r);
+  }
+
+  Storage* storage_;
+  Policy policy_;
+  options opt_;
+  std::optional<counted_vector<block_rec>> blocks_;
+  std::optional<counted_vector<page_rec>> pages_;
+  std::optional<counted_vector<conversion>> plan_;
+  std::optional<counted_vector<std::uint8_t>> seen_;
+  std::uint64_t step_ = 0;
+  std::uint32_t shadows_ = 0;
+  retier_stats totals_;
+};
+
+}  // namespace tierkv

@@ -1,0 +1,54 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tier roles: Recent, Anchor and Stale are roles a page plays, each mapped to one tier
+// of the cache's compile-time tier list (tier<KeyCodec, ValueCodec>, codec/tier.hpp).
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cstdint>
+#include <ostream>
+#include <string_view>
+
+#include "tierkv/codec/tier.hpp"
+
+namespace tierkv {
+
+enum class tier_role : std::uint8_t {
+  recent = 0,  // the newest pages of a sequence: read by every step, written last
+  anchor = 1,  // attention sinks, pinned pages, pages whose attention mass stays high
+  stale = 2,   // everything else: compressed
+};
+
+constexpr std::string_view to_string(tier_role r) noexcept {
+  switch (r) {
+    case tier_role::recent: return "recent";
+    case tier_role::anchor: return "anchor";
+    case tier_role::stale: return "stale";
+  }
+  return "unknown";
+}
+inline std::ostream& operator<<(std::ostream& out, tier_role r) { return out << to_string(r); }
+
+// Which tier index of TierList each role lives in. The default puts Recent and Anchor
+// in tier 0 (the tier pages are appended in, FP8 in the usual list) and Stale in the
+// last tier (TQ3). Roles may share a tier; the cost is one pool and one attention
+// inner loop per distinct tier, not per role.
+template <class TierList, int Recent = 0, int Anchor = 0, int Stale = TierList::size - 1>
+struct tier_roles {
+  static_assert(Recent >= 0 && Recent < TierList::size, "tier_roles: Recent is not an index of the tier list");
+  static_assert(Anchor >= 0 && Anchor < TierList::size, "tier_roles: Anchor is not an index of the tier list");
+  static_assert(Stale >= 0 && Stale < TierList::size, "tier_roles: Stale is not an index of the tier list");
+  static_assert(Recent == 0,
+                "tier_roles: Recent must be tier 0, the tier new tokens are appended in (pages are "
+                "written while open, and only sealed pages are converted)");
+  using tier_list = TierList;
+  static constexpr int recent = Recent;
+  static constexpr int anchor = Anchor;
+  static constexpr int stale = Stale;
+
+  static constexpr int tier_of(tier_role r) noexcept {
+    return r == tier_role::recent ? Recent : r == tier_role::anchor ? Anchor : Stale;
+  }
+};
+
+}  // namespace tierkv

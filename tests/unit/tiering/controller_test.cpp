@@ -1,0 +1,368 @@
+// SPDX-License-Identifier: Apache-2.0
+// The default policy and the tier controller: roles, hysteresis, dwell, planning order,
+// memory pressure, shadows, and bookkeeping allocation failures.
+#include <algorithm>
+
+#include "catch.hpp"
+#include "tiering_test_support.hpp"
+
+using namespace tiering_test;
+using tierkv::policy::recency_anchor;
+using controller2 = tier_controller<storage2>;
+
+namespace {
+
+recency_anchor::options plain_knobs() {
+  recency_anchor::options o;
+  o.recent_pages = 1;
+  o.sink_pages = 1;
+  o.ema_alpha = 1.0f;
+  o.enter_mass = 4.0f;
+  o.leave_mass = 2.0f;
+  o.min_dwell_steps = 0;
+  o.keep_first_layers = 0;
+  o.keep_last_layers = 0;
+  return o;
+}
+
+std::unique_ptr<storage2> make_storage(std::uint32_t t0, std::uint32_t t1, int layers = 2) {
+  storage2::options o;
+  o.num_layers = layers;
+  o.max_sequences = 8;
+  o.pages_per_tier = {t0, t1};
+  o.codec_seed = 11;
+  return std::move(storage2::create(o).value());
+}
+
+struct broken_policy {  // no keep_value
+  struct page_state { float x = 0; };
+  void observe(page_state&, float) const {}
+  tier_role choose(const page_state&, const page_facts&) const { return tier_role::stale; }
+  std::uint64_t min_dwell_steps() const { return 0; }
+  status validate() const { return {}; }
+};
+
+}  // namespace
+
+TEST_CASE("recency_anchor: roles, hysteresis and demotion order", "[tiering][policy]") {
+  static_assert(tier_policy<recency_anchor>);
+  static_assert(!tier_policy<broken_policy>);
+  auto k = plain_knobs();
+  k.recent_pages = 2;
+  k.keep_first_layers = 1;
+  k.keep_last_layers = 1;
+  const recency_anchor p(k);
+  REQUIRE(p.validate());
+  recency_anchor::page_state s;
+  page_facts f;
+  f.num_layers = 4;
+  f.layer = 1;
+  f.position = 5;
+  f.age = 7;
+  f.holders = 1;
+  CHECK(p.choose(s, f) == tier_role::stale);
+  f.age = 1;
+  CHECK(p.choose(s, f) == tier_role::recent);
+  f.age = 7;
+  f.position = 0;
+  CHECK(p.choose(s, f) == tier_role::anchor);  // a sink
+  f.position = 5;
+  f.layer = 0;
+  CHECK(p.choose(s, f) == tier_role::anchor);  // first layer
+  f.layer = 3;
+  CHECK(p.choose(s, f) == tier_role::anchor);  // last layer
+  f.layer = 2;
+  f.pinned = true;
+  CHECK(p.choose(s, f) == tier_role::anchor);
+  f.pinned = false;
+
+  // Hysteresis: enter above 4, leave below 2; values in between keep the role.
+  for (float m : {3.9f, 1.0f, 3.99f}) {
+    p.observe(s, m);
+    CHECK(!s.anchored);
+  }
+  p.observe(s, 4.5f);
+  CHECK(s.anchored);
+  CHECK(p.choose(s, f) == tier_role::anchor);
+  for (float m : {2.0f, 3.0f, 2.5f, 39.0f, 2.01f}) {
+    p.observe(s, m);
+    CHECK(s.anchored);
+  }
+  p.observe(s, std::numeric_limits<float>::quiet_NaN());  // ignored
+  p.observe(s, -1.0f);                                    // ignored
+  CHECK(s.anchored);
+  p.observe(s, 1.99f);
+  CHECK(!s.anchored);
+
+  // The EMA smooths: one spike does not make an anchor.
+  auto smooth = plain_knobs();
+  smooth.ema_alpha = 0.25f;
+  const recency_anchor ps(smooth);
+  recency_anchor::page_state e;
+  ps.observe(e, 1.0f);
+  ps.observe(e, 10.0f);  // ema = 1 + 0.25 * 9 = 3.25
+  CHECK(e.ema == Approx(3.25f));
+  CHECK(!e.anchored);
+  ps.observe(e, 10.0f);  // 4.9375
+  CHECK(e.anchored);
+
+  // Demotion order under pressure: plain < anchored < sink < recent < sensitive layer; pinned never.
+  recency_anchor::page_state lo, hi;
+  lo.ema = 0.5f;
+  hi.ema = 5.0f;
+  hi.anchored = true;
+  page_facts plain = f, sink = f, recent = f, sens = f, pinned = f;
+  sink.position = 0;
+  recent.age = 0;
+  sens.layer = 0;
+  pinned.pinned = true;
+  CHECK(p.keep_value(lo, plain) < p.keep_value(hi, plain));
+  CHECK(p.keep_value(hi, plain) < p.keep_value(lo, sink));
+  CHECK(p.keep_value(lo, sink) < p.keep_value(lo, recent));
+  CHECK(p.keep_value(hi, recent) < p.keep_value(lo, sens));
+  CHECK(std::isinf(p.keep_value(lo, pinned)));
+
+  auto bad = plain_knobs();
+  bad.enter_mass = 1.0f;  // below leave_mass
+  CHECK(recency_anchor(bad).validate().code() == errc::invalid_argument);
+  bad = plain_knobs();
+  bad.ema_alpha = 0.0f;
+  CHECK(recency_anchor(bad).validate().code() == errc::invalid_argument);
+  auto st = make_storage(8, 8);
+  CHECK(controller2::create(*st, recency_anchor(bad)).code() == errc::invalid_argument);
+}
+
+TEST_CASE("controller: recency and sinks demote, attention mass promotes, dwell holds", "[tiering][controller]") {
+  auto s = make_storage(32, 32);
+  auto knobs = plain_knobs();
+  knobs.min_dwell_steps = 3;
+  auto c = controller2::create(*s, recency_anchor(knobs)).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 88)));  // 5 sealed pages + an open tail (6 pages)
+  // New pages dwell from the step the controller first sees them: nothing moves before step 4.
+  CHECK(c->plan(1).empty());
+  CHECK(c->plan(3).empty());
+  const auto plan = c->plan(4);
+  // Pages 1..4 at both layers leave tier 0 (page 0 is a sink, page 5 is recent and open).
+  REQUIRE(plan.size() == 8);
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    CHECK(plan[i].from == 0);
+    CHECK(plan[i].to == 1);
+    if (i > 0)  // deterministic order: value, then block, then layer
+      CHECK(std::tie(plan[i - 1].value, plan[i - 1].block.index, plan[i - 1].layer) <
+            std::tie(plan[i].value, plan[i].block.index, plan[i].layer));
+  }
+  const retier_stats st = c->apply(plan);
+  CHECK(st.converted == 8);
+  CHECK(st.demoted == 8);
+  CHECK(st.first_error.is_ok());
+  REQUIRE(c->check_invariants());
+  CHECK(s->page(q, 0, 0).value().format == 0);
+  CHECK(s->page(q, 1, 3).value().format == 1);
+
+  // Page 2 of layer 0 draws most attention: it becomes an Anchor after the dwell.
+  std::vector<float> mass(6, 0.02f);
+  mass[2] = 0.9f;  // 5.4x a uniform share
+  REQUIRE(c->observe_mass(q, 0, mass));
+  CHECK(c->plan(5).empty());  // dwell: demoted at 4, may move from step 7
+  REQUIRE(c->observe_mass(q, 0, mass));
+  const auto promote = c->plan(7);
+  REQUIRE(promote.size() == 1);
+  CHECK(promote[0].layer == 0);
+  CHECK(promote[0].to == 0);
+  CHECK(promote[0].block == s->block_of(q, 2).value());
+  CHECK(c->apply(promote).promoted == 1);
+  CHECK(s->page(q, 0, 2).value().format == 0);
+  CHECK(s->page(q, 1, 2).value().format == 1);
+
+  // Between the thresholds it stays; below leave_mass it goes back after its dwell.
+  mass[2] = 0.5f;  // 3x
+  REQUIRE(c->observe_mass(q, 0, mass));
+  CHECK(c->plan(10).empty());
+  mass[2] = 0.1f;  // 0.6x
+  REQUIRE(c->observe_mass(q, 0, mass));
+  const auto back = c->plan(11);
+  REQUIRE(back.size() == 1);
+  CHECK(back[0].to == 1);
+  CHECK(c->apply(back).demoted == 1);
+
+  // Bad mass input is refused or ignored, never applied.
+  CHECK(c->observe_mass(q, 0, std::vector<float>(3, 0.f)).code() == errc::invalid_argument);
+  CHECK(c->observe_mass(q, 5, mass).code() == errc::out_of_range);
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("controller: sensitive layers, pinned pages and forks", "[tiering][controller]") {
+  auto s = make_storage(64, 64, 3);
+  auto knobs = plain_knobs();
+  knobs.keep_first_layers = 1;
+  knobs.keep_last_layers = 1;
+  auto c = controller2::create(*s, recency_anchor(knobs)).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 96)));  // 6 sealed pages
+  REQUIRE(c->pin(q, 1, 2));
+  CHECK(c->pin(q, 5, 2).code() == errc::out_of_range);
+  // A fork appending its own pages makes the shared pages old for it, but the parent still sees
+  // page 5 as its newest page: shared pages take the youngest age of their holders.
+  const seq_id f = s->fork(q).value();
+  REQUIRE(append_seeds(*s, f, seeds_from(500, 48)));
+  REQUIRE(c->apply(c->plan(1)).first_error.is_ok());
+  for (std::int64_t i = 0; i < 6; ++i) {
+    CHECK(s->page(q, 0, i).value().format == 0);  // first layer
+    CHECK(s->page(q, 2, i).value().format == 0);  // last layer
+    const bool stale = i == 3 || i == 4;          // 0 sink, 1-2 pinned, 5 newest of q
+    CHECK(s->page(q, 1, i).value().format == (stale ? 1 : 0));
+  }
+  for (std::int64_t i = 6; i < 9; ++i) CHECK(s->page(f, 1, i).value().format == (i < 8 ? 1 : 0));
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("controller: memory pressure demotes the least valuable pages, or refuses without a change", "[tiering][controller]") {
+  auto s = make_storage(12, 6);
+  auto knobs = plain_knobs();
+  knobs.recent_pages = 2;
+  auto c = controller2::create(*s, recency_anchor(knobs)).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 80)));  // 5 pages x 2 layers = 10 of 12 tier-0 pages
+  std::vector<float> mass{0.1f, 0.1f, 0.5f, 0.1f, 0.2f};
+  REQUIRE(c->observe_mass(q, 0, mass));
+  REQUIRE(c->observe_mass(q, 1, mass));
+  REQUIRE(c->pin(q, 1, 1));
+  (void)c->plan(0);  // folds the masses; the policy wants pages 1..2 stale only after dwell 0: apply nothing
+  // 4 free pages needed, 2 free: two demotions. Candidates by value: page 2 (mass 2.5, not anchored),
+  // then sink page 0; page 1 is pinned, pages 3-4 are recent.
+  REQUIRE(c->make_room(4));
+  CHECK(s->free_pages(0) == 4);
+  CHECK(s->page(q, 0, 2).value().format == 1);
+  CHECK(s->page(q, 1, 2).value().format == 1);
+  CHECK(s->page(q, 0, 1).value().format == 0);
+  CHECK(c->totals().pressure_demoted == 2);
+  REQUIRE(c->check_invariants());
+
+  // Needing more than can be freed refuses and changes nothing.
+  const std::uint32_t free0 = s->free_pages(0), free1 = s->free_pages(1);
+  std::vector<page_id> before;
+  for (int l = 0; l < 2; ++l)
+    for (std::int64_t i = 0; i < 5; ++i) before.push_back(s->page(q, l, i).value());
+  const status refused = c->make_room(12);
+  CHECK(refused.code() == errc::capacity_exhausted);
+  CHECK(refused.message().find("nothing was changed") != std::string::npos);
+  CHECK(s->free_pages(0) == free0);
+  CHECK(s->free_pages(1) == free1);
+  std::vector<page_id> after;
+  for (int l = 0; l < 2; ++l)
+    for (std::int64_t i = 0; i < 5; ++i) after.push_back(s->page(q, l, i).value());
+  CHECK(after == before);
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("controller: shadows make quick promotions lossless and give tier 0 back under pressure", "[tiering][controller]") {
+  auto s = make_storage(24, 16, 1);
+  auto knobs = plain_knobs();
+  knobs.enter_mass = 3.0f;
+  tier_controller_options opt;
+  opt.keep_shadows = true;
+  opt.shadow_slack_percent = 10;
+  opt.promotion_reserve_percent = 0;
+  auto c = controller2::create(*s, recency_anchor(knobs), opt).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 64)));  // pages 0..3; 1 and 2 go stale
+  const auto fp8_bytes = bytes_of(*s, s->page(q, 0, 2).value());
+  auto st = c->retier(1);
+  CHECK(st.demoted == 2);
+  CHECK(st.shadows_made == 2);
+  CHECK(c->shadow_pages() == 2);
+  REQUIRE(c->check_invariants());
+  std::vector<float> mass{0.05f, 0.05f, 0.85f, 0.05f};
+  REQUIRE(c->observe_mass(q, 0, mass));
+  st = c->retier(2);
+  CHECK(st.shadow_promotions == 1);
+  CHECK(bytes_of(*s, s->page(q, 0, 2).value()) == fp8_bytes);  // lossless: the original FP8 bytes
+  CHECK(c->shadow_pages() == 1);
+  REQUIRE(c->check_invariants());
+  // Pressure takes shadows back before it demotes anything.
+  const std::uint32_t need = s->free_pages(0) + 1;
+  REQUIRE(c->make_room(need));
+  CHECK(c->shadow_pages() == 0);
+  CHECK(c->totals().pressure_demoted == 0);
+  REQUIRE(c->check_invariants());
+  // Released sequences take their shadows with them.
+  REQUIRE(c->apply(c->plan(3)).first_error.is_ok());
+  REQUIRE(s->release(q));
+  (void)c->plan(4);
+  CHECK(c->shadow_pages() == 0);
+  CHECK(s->template pool<0>().live_count() == 0);
+  CHECK(s->template pool<1>().live_count() == 0);
+}
+
+TEST_CASE("controller: faults at every conversion step of a retier keep every page", "[tiering][controller][faults]") {
+  auto s = make_storage(64, 64);
+  auto c = controller2::create(*s, recency_anchor(plain_knobs())).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 96)));
+  // A dry run counts the hook calls of this step's conversions.
+  fault_injector count;
+  const auto plan = std::vector<conversion>(c->plan(1).begin(), c->plan(1).end());
+  REQUIRE(!plan.empty());
+  std::uint64_t injected = 0, lost = 0, kept = 0, total_calls = 0;
+  {
+    auto probe = make_storage(64, 64);
+    auto pc = controller2::create(*probe, recency_anchor(plain_knobs())).value();
+    const seq_id pq = probe->create_sequence().value();
+    REQUIRE(append_seeds(*probe, pq, seeds_from(1, 96)));
+    (void)pc->retier(1, count);
+    total_calls = count.calls;
+    CHECK(total_calls == plan.size() * conversion_steps);
+  }
+  for (std::uint64_t k = 1; k <= total_calls; ++k) {
+    std::vector<page_id> before;
+    for (int l = 0; l < 2; ++l)
+      for (std::int64_t i = 0; i < 6; ++i) before.push_back(s->page(q, l, i).value());
+    fault_injector f{0, k, 0};
+    const retier_stats st = c->apply(plan, f);
+    injected += f.injected;
+    CHECK(st.injected_faults == f.injected);
+    CHECK(st.failed == 1);
+    // The faulted page is the one at (k - 1) / steps in the plan; it kept its id.
+    const conversion& hit = plan[(k - 1) / conversion_steps];
+    const std::int64_t hit_index = [&] {
+      for (std::int64_t i = 0; i < 6; ++i)
+        if (s->block_of(q, i).value() == hit.block) return i;
+      return std::int64_t(-1);
+    }();
+    const page_id old = before[std::size_t(hit.layer * 6 + hit_index)];
+    const bool ok = s->page(q, hit.layer, hit_index).value() == old && s->page_published(old);
+    kept += ok;
+    lost += !ok;
+    REQUIRE(c->check_invariants());
+    // Put everything back in tier 0 for the next round.
+    for (int l = 0; l < 2; ++l)
+      for (std::int64_t i = 0; i < 6; ++i)
+        if (s->page(q, l, i).value().format != 0) {
+          conversion_counters cc;
+          REQUIRE(convert_page(*s, s->block_of(q, i).value(), l, 0, cc));
+        }
+  }
+  CHECK(injected == total_calls);
+  CHECK(lost == 0);
+  CHECK(kept == injected);
+}
+
+TEST_CASE("controller: bookkeeping allocation failures leak nothing", "[tiering][controller][faults]") {
+  auto s = make_storage(16, 16);
+  const std::size_t base = s->meta_alloc().bytes_allocated();
+  const std::size_t line = s->lines().page_tables;
+  int failures = 0;
+  for (std::uint64_t k = 1; k < 20; ++k) {
+    s->meta_alloc().fail_on(k);
+    auto c = controller2::create(*s, recency_anchor(plain_knobs()));
+    s->meta_alloc().reset();
+    if (c) break;
+    ++failures;
+    CHECK(c.code() == errc::injected_fault);
+    CHECK(s->meta_alloc().bytes_allocated() == base);
+    CHECK(s->lines().page_tables == line);
+  }
+  CHECK(failures >= 4);  // every allocation of create() was failed once
+  CHECK(s->meta_alloc().bytes_allocated() == base);
+}
