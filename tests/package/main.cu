@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// CUDA consumer of the installed package: the host/device headers compile under nvcc.
+// CUDA consumer of the installed package: the umbrella header and a kernel header compile
+// under nvcc with only what the exported target carries.
 #include <cstdio>
 #include <tierkv/tierkv.hpp>
+#include <tierkv/cuda/codec_kernels.cuh>
 
 __global__ void touch(int* out) {
   const tierkv::codec_context ctx = tierkv::make_codec_context(1, 2, 3, tierkv::kv_role::key);
