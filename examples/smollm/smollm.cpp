@@ -1,0 +1,162 @@
+// SPDX-License-Identifier: Apache-2.0
+// smollm: SmolLM2-135M on tierkv. Subcommands:
+//   generate  --prompt TEXT [--chat] [--arm A] [--max-new N]
+//   logits    --prompt TEXT            (top logits of the last position, for checks)
+//   tokenize  --prompt TEXT
+//   tasks     [--quick] [--arms a,b,..] [--out FILE.json]   needle + perplexity + agreement
+//   demo                                                     4K needle, dense vs tiered
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "runner.hpp"
+
+using namespace smollm;
+
+namespace {
+
+struct args {
+  std::map<std::string, std::string> kv;
+  std::vector<std::string> flags;
+  bool has(const std::string& f) const {
+    return std::find(flags.begin(), flags.end(), f) != flags.end();
+  }
+  std::string get(const std::string& k, const std::string& d = "") const {
+    auto it = kv.find(k);
+    return it == kv.end() ? d : it->second;
+  }
+  int get_int(const std::string& k, int d) const {
+    auto it = kv.find(k);
+    return it == kv.end() ? d : std::atoi(it->second.c_str());
+  }
+};
+
+args parse(int argc, char** argv, int from) {
+  args a;
+  static const char* boolean[] = {"--quick", "--chat", "--help", "--no-llamacpp-check"};
+  for (int i = from; i < argc; ++i) {
+    std::string s = argv[i];
+    bool is_flag = false;
+    for (const char* b : boolean) is_flag |= (s == b);
+    if (is_flag || i + 1 >= argc)
+      a.flags.push_back(s);
+    else
+      a.kv[s] = argv[++i];
+  }
+  return a;
+}
+
+void usage() {
+  std::fprintf(
+      stderr,
+      "usage: smollm COMMAND [--model FILE.gguf] [--threads N] ...\n"
+      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered] [--max-new N]\n"
+      "  logits   --prompt TEXT [--arm A]\n"
+      "  tokenize --prompt TEXT\n"
+      "  tasks    [--quick] [--arms dense,fp8,tq3,tiered] [--lengths 1024,4096] [--items N]\n"
+      "           [--out FILE.json] [--dump-items FILE.jsonl] [--ppl-text FILE]\n"
+      "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"
+      "           [--recent-pages 4] [--sink-pages 1] [--keep-first-layers 1] [--keep-last-layers "
+      "1]\n"
+      "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] [--codec-seed N]\n"
+      "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE]\n"
+               "  demo     [--tokens 4096]\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    usage();
+    return 2;
+  }
+  const std::string cmd = argv[1];
+  const args a = parse(argc, argv, 2);
+  if (a.has("--help")) {
+    usage();
+    return 0;
+  }
+  openblas_set_num_threads(a.get_int("--threads", 2));
+  try {
+    engine eng = engine::open(a.get("--model", ""));
+    auto& pol = eng.tiering.policy;
+    pol.sink_pages = a.get_int("--sink-pages", pol.sink_pages);
+    pol.recent_pages = a.get_int("--recent-pages", pol.recent_pages);
+    pol.keep_first_layers = a.get_int("--keep-first-layers", pol.keep_first_layers);
+    pol.keep_last_layers = a.get_int("--keep-last-layers", pol.keep_last_layers);
+    pol.enter_mass =
+        float(std::atof(a.get("--enter-mass", std::to_string(pol.enter_mass)).c_str()));
+    pol.leave_mass =
+        float(std::atof(a.get("--leave-mass", std::to_string(pol.leave_mass)).c_str()));
+    eng.tiering.use_mass = a.get_int("--use-mass", 1) != 0;
+    eng.tiering.center = a.get_int("--center", 1) != 0;
+    if (a.kv.count("--codec-seed")) eng.tiering.seed = std::stoull(a.get("--codec-seed"));
+    if (cmd == "tokenize") {
+      for (auto id : eng.tok.encode(a.get("--prompt"))) std::printf("%d ", id);
+      std::printf("\n");
+      return 0;
+    }
+    if (cmd == "generate" || cmd == "logits") {
+      std::string text = a.get("--prompt", "The capital of France is");
+      if (a.has("--chat")) text = chat_prompt(text);
+      const auto ids = eng.tok.encode(text);
+      auto kv = eng.make_backend(a.get("--arm", "dense"), int(ids.size()) + 512);
+      if (cmd == "logits") {
+        std::vector<float> logits;
+        eng.prefill(ids, *kv, logits, 256);
+        std::vector<int> order(logits.size());
+        std::iota(order.begin(), order.end(), 0);
+        std::partial_sort(order.begin(), order.begin() + 10, order.end(), [&](int x, int y) {
+          return logits[std::size_t(x)] > logits[std::size_t(y)];
+        });
+        for (int i = 0; i < 10; ++i)
+          std::printf("%6d %10.5f %s\n", order[std::size_t(i)],
+                      double(logits[std::size_t(order[std::size_t(i)])]),
+                      eng.tok.piece(order[std::size_t(i)]).c_str());
+        return 0;
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto out = eng.generate(ids, *kv, a.get_int("--max-new", 32), 256);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("%s\n", eng.tok.decode(out).c_str());
+      std::fprintf(stderr, "[%zu prompt tokens, %zu generated, %.2f s]\n", ids.size(), out.size(),
+                   s);
+      return 0;
+    }
+    if (cmd == "tasks") {
+      run_options o;
+      o.quick = a.has("--quick");
+      o.arms = a.get("--arms", o.arms);
+      o.out = a.get("--out", "");
+      o.dump_items = a.get("--dump-items", "");
+      o.items = a.get_int("--items", 0);
+      o.lengths = a.get("--lengths", "");
+      o.ppl_text = a.get("--ppl-text", o.ppl_text);
+      return run_tasks(eng, o);
+    }
+    if (cmd == "ppl") {  // one arm's chunked perplexity (policy sweeps)
+      auto toks = eng.tok.encode(read_text_file(a.get("--ppl-text", "/usr/share/common-licenses/GPL-3")), false);
+      toks.resize(std::min<std::size_t>(toks.size(), std::size_t(a.get_int("--tokens", 2048))));
+      auto kv = eng.make_backend(a.get("--arm", "dense"), int(toks.size()) + 80);
+      const ppl_result p = run_ppl(eng, *kv, toks, a.get_int("--chunk", 512), 0);
+      std::printf("%s ppl %.4f over %d tokens, %.3f bits per scalar, %.2f KiB/token, fp8 share %.3f\n",
+                  a.get("--arm", "dense").c_str(), p.ppl, p.scored, p.mem.bits_per_scalar(),
+                  p.mem.kib_per_token(), p.mem.fp8_fraction);
+      return 0;
+    }
+    if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 4096));
+    usage();
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "smollm: %s\n", e.what());
+    return 1;
+  }
+}
