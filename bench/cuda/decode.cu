@@ -103,6 +103,8 @@ struct row {
   std::string mix;
   double time_us, graph_us, bytes, gbps, frac_roofline;
   int chunks;
+  double cc_time_us = 0, cc_graph_us = 0;  // the CUDA-core split kernel, same run and inputs
+  double tc_waves3_us = 0;                  // tensor-core kernel, plan with waves = 3 (one wave)
 };
 std::vector<row> rows;
 std::string extra_json;
@@ -218,6 +220,29 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         }
         const double tg = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
         for (auto e : execs) CK(cudaGraphExecDestroy(e));
+        // The CUDA-core split kernel on the same inputs (decode_path::cuda_core).
+        const double tcc = median_us([&](int i) { die_if(cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
+                                     3, 25, s);
+        for (int set = 0; set < sets; ++set) {
+          cudaGraph_t g;
+          CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+          die_if(cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(*plan, inputs_for(set), ws, plan->workspace_bytes, s));
+          CK(cudaStreamEndCapture(s, &g));
+          CK(cudaGraphInstantiate(&execs[set], g, 0));
+          CK(cudaGraphDestroy(g));
+        }
+        const double tgcc = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
+        for (auto e : execs) CK(cudaGraphExecDestroy(e));
+        double t3 = 0;
+        {
+          auto plan3 = cuda::plan_decode<G, two_tiers>(cap, counts.data(), B, sms, 3);
+          die_if(plan3.error_status());
+          std::uint8_t* ws3;
+          CK(cudaMalloc(&ws3, plan3->workspace_bytes));
+          t3 = median_us([&](int i) { die_if(cuda::decode<G, two_tiers>(*plan3, inputs_for(i % sets), ws3, plan3->workspace_bytes, s)); },
+                         3, 25, s);
+          CK(cudaFree(ws3));
+        }
         int maxc = 0;
         {
           // chunk count the device computes for these sequences
@@ -228,9 +253,12 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         const double best = std::min(t, tg);
         row r{QH, H, D, L, B, mixes[mi], t, tg, bytes, bytes / best * 1e-3, 0, maxc};
         r.frac_roofline = r.gbps / copy_gbps;
+        r.cc_time_us = tcc;
+        r.cc_graph_us = tgcc;
+        r.tc_waves3_us = t3;
         rows.push_back(r);
-        std::printf("%3d %2d %3d %7d %3d %-7s %10.1f %10.1f %12.0f %8.1f %6.2f %4d\n", QH, H, D, L, B,
-                    mixes[mi], t, tg, bytes, r.gbps, r.frac_roofline, maxc);
+        std::printf("%3d %2d %3d %7d %3d %-7s %10.1f %10.1f %12.0f %8.1f %6.2f %4d %10.1f %10.1f %10.1f\n", QH, H, D, L, B,
+                    mixes[mi], t, tg, bytes, r.gbps, r.frac_roofline, maxc, tcc, tgcc, t3);
         std::fflush(stdout);
         CK(cudaFree(ws)); CK(cudaFree(q)); CK(cudaFree(out)); CK(cudaFree(lse)); CK(cudaFree(d_len));
         for (int f = 0; f < 2; ++f) { CK(cudaFree(d_ip[f])); CK(cudaFree(d_slot[f])); CK(cudaFree(d_log[f])); }
@@ -346,7 +374,7 @@ int main(int argc, char** argv) {
     CK(cudaFree(b));
   }
   std::printf("device %s, %d SMs, L2 %zu MB, copy %.0f GB/s (read + write)\n", prop.name, sms, l2_bytes >> 20, copy_gbps);
-  std::printf(" qh kv   d context   B mix       time_us   graph_us        bytes     GB/s  frac chunks\n");
+  std::printf(" qh kv   d context   B mix       time_us   graph_us        bytes     GB/s  frac chunks  cc_time_us cc_graph_us  waves3_us\n");
   const std::vector<int> ctx = quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
   const std::vector<int> bat = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
   bench_shape<geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>>(ctx, bat, s);
@@ -366,9 +394,10 @@ int main(int argc, char** argv) {
       const row& r = rows[i];
       std::fprintf(f, "%s{\"q_heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,\"context\":%d,\"batch\":%d,"
                       "\"mix\":\"%s\",\"time_us\":%.2f,\"graph_us\":%.2f,\"bytes_read\":%.0f,\"gbps\":%.1f,"
-                      "\"frac_of_copy_roofline\":%.3f,\"chunks_per_seq\":%d}\n",
+                      "\"frac_of_copy_roofline\":%.3f,\"chunks_per_seq\":%d,\"path\":\"tensor_core\","
+                      "\"cuda_core_time_us\":%.2f,\"cuda_core_graph_us\":%.2f,\"tensor_core_waves3_time_us\":%.2f}\n",
                    i ? "," : "", r.qh, r.kvh, r.d, r.context, r.batch, r.mix.c_str(), r.time_us, r.graph_us,
-                   r.bytes, r.gbps, r.frac_roofline, r.chunks);
+                   r.bytes, r.gbps, r.frac_roofline, r.chunks, r.cc_time_us, r.cc_graph_us, r.tc_waves3_us);
     }
     std::fprintf(f, "],\n\"retier_append\":[%s]}\n", extra_json.c_str());
     std::fclose(f);

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Mixed-format paged decode attention for one layer over a batch, split over
 // (sequence, KV head, chunk of pages) and merged by log-sum-exp in a second kernel.
+// Two split kernels behind one plan / workspace / merge: the tensor-core kernel
+// (decode_mma.cuh, the default) and the CUDA-core kernel below (decode_path::cuda_core).
 // Design, instruction counts and measurements: docs/gpu.md.
 #pragma once
 
@@ -69,7 +71,7 @@ struct decode_shape {
   static_assert(Geometry::page_tokens % tile == 0, "decode: page_tokens must be a multiple of 64 or below 64");
   static_assert(g <= 8,
                 "decode: the CUDA-core decode keeps group_size x 16 accumulators per thread; "
-                "group sizes above 8 need the tensor-core path (not built yet)");
+                "group sizes above 8 are not supported (the tensor-core kernel has 8 head columns)");
 
   // Shared memory in floats.
   static constexpr int q_raw = g * d;      // queries as given (float)
@@ -600,16 +602,25 @@ status check_pools(const decode_inputs<int(sizeof...(Tiers))>& in, tiers<Tiers..
 }
 
 }  // namespace detail
+}  // namespace tierkv::cuda
+
+#include "tierkv/cuda/decode_mma.cuh"
+
+namespace tierkv::cuda {
+
+// Which split kernel runs a decode step (same result up to rounding, same plan/workspace).
+// tensor_core: scores and values on mma.sync with f16 operands (queries split hi + lo, f16
+// probabilities; docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
+enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };
 
 // Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)
 // the per-page mass. Host-side checks only (no synchronization, no allocation): the
 // workspace (plan.workspace_bytes, device memory) must not be used by another stream
 // meanwhile. Capturable in a CUDA graph; replaying it reads the index arrays, lengths and
 // queries present at replay time (within the plan's capacity).
-template <class Geometry, class TierList>
+template <class Geometry, class TierList, decode_path Path = decode_path::tensor_core>
 status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, void* workspace,
               std::size_t workspace_bytes, cudaStream_t stream) {
-  using S = detail::decode_shape<Geometry>;
   if (in.index.batch < 0 || in.index.batch > plan.max_batch)
     return status::out_of_range("decode: batch", in.index.batch, plan.max_batch + 1);
   if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
@@ -630,13 +641,21 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   if (!bad) return bad;
   if (in.index.batch == 0) return status::ok();
 
-  TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_split_kernel<Geometry, TierList>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(S::smem_bytes)));
   TIERKV_CUDA_TRY(cudaMemsetAsync(static_cast<std::uint8_t*>(workspace) + plan.error_offset, 0,
                                   sizeof(int), stream));
   std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
   const dim3 grid_split(unsigned(plan.max_chunks), unsigned(Geometry::kv_heads), unsigned(in.index.batch));
-  detail::decode_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
+  if constexpr (Path == decode_path::tensor_core) {
+    using S = detail::mma_shape<Geometry>;
+    TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_mma_split_kernel<Geometry, TierList>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::smem_bytes)));
+    detail::decode_mma_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
+  } else {
+    using S = detail::decode_shape<Geometry>;
+    TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_split_kernel<Geometry, TierList>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::smem_bytes)));
+    detail::decode_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
+  }
   TIERKV_CUDA_TRY(cudaGetLastError());
   const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch));
   detail::decode_merge_kernel<Geometry, TierList><<<grid_merge, detail::decode_threads, 0, stream>>>(in, plan, ws);

@@ -94,15 +94,18 @@ struct page_works<Geometry, tiers<Tiers...>> {
 
 // Plans a decode for `capacity`, sized by a representative step: pages_per_format[b*N + f]
 // is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
-// size is chosen so that all (sequence, KV head, chunk) blocks fill about `waves` waves of
-// `sm_count` multiprocessors (3 = the blocks the split kernel keeps resident per SM, one
-// wave), and no chunk reads less than `min_chunk_bytes` (per-chunk setup and the merge
-// cost about as much as reading ~16 KB; docs/gpu.md).
+// size is chosen so that all (sequence, KV head, chunk) blocks number about `waves` x
+// `sm_count` (the split kernels keep 3 blocks resident per SM; 12 = about 4 waves, so the
+// last, partial wave costs little), but beyond one wave (3 x sm_count blocks) no chunk
+// gets fewer than `min_chunk_pages` average pages (the tensor-core kernel's 4 warps take
+// whole pages: 16 pages = 4 per warp), and no chunk reads less than `min_chunk_bytes`
+// (per-chunk setup and the merge cost about as much as reading ~16 KB). docs/gpu.md has the
+// H200 measurements behind these defaults.
 template <class Geometry, class TierList>
 result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int32_t* pages_per_format,
-                                int batch, int sm_count, int waves = 3,
+                                int batch, int sm_count, int waves = 12,
                                 std::int64_t min_chunk_bytes = 64 * 1024,
-                                balance by = balance::work) {
+                                balance by = balance::work, int min_chunk_pages = 16) {
   using costs = detail::page_costs<Geometry, TierList>;
   using works = detail::page_works<Geometry, TierList>;
   constexpr int n = costs::n;
@@ -119,14 +122,14 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
     return status::make(errc::invalid_argument,
                         "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",
                         capacity.max_pages_per_seq);
-  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1)
+  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1)
     return status::make(errc::invalid_argument, "plan_decode: sm_count = ", sm_count,
                         ", waves = ", waves, ", min_chunk_bytes = ", min_chunk_bytes,
-                        " must all be positive");
+                        ", min_chunk_pages = ", min_chunk_pages, " must all be positive");
   if (batch > 0 && pages_per_format == nullptr)
     return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
 
-  std::int64_t total = 0;
+  std::int64_t total = 0, pages = 0;
   for (int b = 0; b < batch; ++b)
     for (int f = 0; f < n; ++f) {
       const std::int32_t c = pages_per_format[std::size_t(b) * n + std::size_t(f)];
@@ -134,10 +137,19 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
         return status::make(errc::invalid_argument, "plan_decode: pages_per_format[", b, "][", f,
                             "] = ", c, " is negative");
       total += std::int64_t(c) * costs::value[f];
+      pages += c;
     }
   total *= Geometry::kv_heads;
-  const std::int64_t blocks_wanted = std::int64_t(sm_count) * waves;
-  std::int64_t target = blocks_wanted > 0 ? (total + blocks_wanted - 1) / blocks_wanted : 1;
+  pages *= Geometry::kv_heads;
+  auto per_block = [&](std::int64_t blocks) { return (total + blocks - 1) / blocks; };
+  constexpr int resident_blocks = 3;
+  std::int64_t target = per_block(std::int64_t(sm_count) * waves);
+  if (waves > resident_blocks && pages > 0) {
+    const std::int64_t floor_pages = total / pages * min_chunk_pages;  // average page bytes x pages
+    const std::int64_t one_wave = per_block(std::int64_t(sm_count) * resident_blocks);
+    const std::int64_t floor = floor_pages < one_wave ? floor_pages : one_wave;
+    if (target < floor) target = floor;
+  }
   if (target < min_chunk_bytes) target = min_chunk_bytes;
 
   decode_plan p;

@@ -1,0 +1,598 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tensor-core split kernel of the mixed-format decode (decode_path::tensor_core): the same
+// chunking, workspace states, merge and page-mass kernels as the CUDA-core kernel of
+// decode.cuh, with the score and value products on mma.sync m16n8k16 (f16 in, f32 acc).
+// Internal: included by decode.cuh (after its shared pieces); include decode.cuh.
+//
+// Shape (docs/gpu.md): each warp owns whole pages of the chunk (round robin), 16 tokens a
+// step. Tokens are the M rows, the group's query heads the N = 8 columns:
+//   S^T[16 tok x 8 heads] = K[16 x d] . Q^T[d x 8]   (A = key codes, B = queries)
+//   O^T[d x 8 heads]     += V^T[d x 16 tok] . P^T     (A = value codes, B = probabilities)
+// so codes go global -> registers -> f16 A fragments without shared memory. The k slots of
+// a fragment may be mapped to any coordinates as long as the other operand uses the same
+// map: keys take 4 contiguous codes per slot quadruple, values take the token pair of a
+// lane by one byte-permute. Queries are split into f16 hi + lo parts (two mma per step:
+// scores keep ~fp32 precision); per-token key scales and value scales multiply S^T rows.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace tierkv::cuda::detail {
+
+inline constexpr int mma_warps = 4;
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                          std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
+  std::uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+// Two E4M3 codes (low 16 bits) -> f16x2, exact.
+__device__ __forceinline__ std::uint32_t fp8x2_to_h2(std::uint32_t w) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  return std::uint32_t(r.x) | (std::uint32_t(r.y) << 16);
+}
+// TQ3: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> fp16 centroids x0..x3 as
+// the byte tables lo/hi (slice_unpack.cuh has the table).
+__device__ __forceinline__ void tq3_lookup(std::uint32_t sel, std::uint32_t& lo, std::uint32_t& hi) {
+  lo = __byte_perm(0xD80C604Eu, 0x4E600CD8u, sel);
+  hi = __byte_perm(0xB3BABDC0u, 0x403D3A33u, sel);
+}
+
+// TQ3 "effective words" of a token: per group of 32 rotated coordinates W0, W1, W2 and the
+// gathered bit-3 word; effective word e, nibble n = coordinate 32 group + 8 e + n (n < 8;
+// bit 3 of each nibble is masked by the caller). Lane `lane` owns effective words
+// lane*EW .. lane*EW + EW - 1; it loads the raw words of their groups (3 per group) and
+// forms an effective word when it is used (fewer registers in flight).
+template <int EW>
+struct tq3_lane_words {
+  static constexpr int groups = EW >= 4 ? EW / 4 : 1;
+  static constexpr int raw = 3 * groups;
+  static_assert(EW >= 4 ? EW % 4 == 0 : 4 % EW == 0, "tq3: effective words per lane");
+  __device__ __forceinline__ static void load(const std::uint8_t* row, int lane, std::uint32_t (&w)[raw]) {
+    const std::uint32_t* p = reinterpret_cast<const std::uint32_t*>(row) + ((lane * EW) / 4) * 3;
+#pragma unroll
+    for (int i = 0; i < raw; ++i) w[i] = __ldg(p + i);
+  }
+  __device__ __forceinline__ static std::uint32_t gather(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+    return ((a >> 3) & 0x11111111u) | ((b >> 2) & 0x22222222u) | ((c >> 1) & 0x44444444u);
+  }
+  // effective word k (0 <= k < EW) of this lane
+  __device__ __forceinline__ static std::uint32_t eff(const std::uint32_t (&w)[raw], int lane, int k) {
+    if constexpr (EW >= 4) {
+      const int gi = k / 4, e = k % 4;
+      return e < 3 ? w[3 * gi + e] : gather(w[3 * gi], w[3 * gi + 1], w[3 * gi + 2]);
+    } else {
+      const int e = (lane * EW) % 4 + k;  // runtime: select without indexing
+      const std::uint32_t g = gather(w[0], w[1], w[2]);
+      return e == 0 ? w[0] : e == 1 ? w[1] : e == 2 ? w[2] : g;
+    }
+  }
+};
+
+// Per-format operand builders. K side: lane c = lane % 4 of the quad; `keys(step)` gives the
+// A registers a0/a2 of one token (a1/a3 come from the token 8 rows below); key_coord(c, s, j)
+// is the coordinate of k-slot j (0,1 = slots 2c,2c+1; 2,3 = slots 2c+8,2c+9) of step s.
+// V side: lane g = lane / 4; rows g and g + 8 of value m-tile mt; value_coord(g, mt, r).
+template <class C, storage_format F = C::format> struct mma_codec;
+
+template <class C>
+struct mma_codec<C, storage_format::fp8_e4m3> {
+  static constexpr int D = C::head_dim;
+  static_assert(D % 64 == 0, "tensor-core decode: fp8 head_dim must be a multiple of 64");
+  // keys: lane c reads 16 bytes at 64 seg + 16 c; word w of segment seg is step 4 seg + w
+  static constexpr int key_words = D / 16;
+  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
+#pragma unroll
+    for (int seg = 0; seg < D / 64; ++seg) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + 64 * seg + 16 * c));
+      w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
+    }
+  }
+  __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& lo,
+                                                  std::uint32_t& hi) {
+    lo = fp8x2_to_h2(w[s]);
+    hi = fp8x2_to_h2(w[s] >> 16);
+  }
+  __device__ __forceinline__ static int key_coord(int c, int s, int j) { return 64 * (s / 4) + 16 * c + 4 * (s % 4) + j; }
+
+  // values: segments of SEG dims; lane g reads SEG/8 bytes at SEG seg + (SEG/8) g.
+  static constexpr int SEG = D >= 128 ? 128 : 64;
+  static constexpr int value_words = D / 32;
+  static constexpr int value_eff_words = value_words;
+  __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int, int k) {
+    return w[k];
+  }
+  __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
+#pragma unroll
+    for (int seg = 0; seg < D / SEG; ++seg) {
+      if constexpr (SEG == 128) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + SEG * seg + 16 * g));
+        w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
+      } else {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + SEG * seg + 8 * g));
+        w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
+      }
+    }
+  }
+  // word wi of tokens t0, t1 -> m-tiles 2 wi (bytes 0, 1) and 2 wi + 1 (bytes 2, 3):
+  // out[m][r] = (row g + 8 r: token t0, token t1)
+  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2]) {
+    const std::uint32_t x = __byte_perm(w0, w1, 0x5140);
+    const std::uint32_t y = __byte_perm(w0, w1, 0x7362);
+    out[0][0] = fp8x2_to_h2(x);
+    out[0][1] = fp8x2_to_h2(x >> 16);
+    out[1][0] = fp8x2_to_h2(y);
+    out[1][1] = fp8x2_to_h2(y >> 16);
+  }
+  static constexpr int value_mtiles_per_word = 2;
+  __device__ __forceinline__ static int value_coord(int g, int mt, int r) {
+    const int wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
+    constexpr int wps = SEG / 32;                 // words per segment and lane
+    return SEG * (wi / wps) + (SEG / 8) * g + 4 * (wi % wps) + j;
+  }
+};
+
+template <class C>
+struct mma_codec<C, storage_format::tq3> {
+  static constexpr int D = C::head_dim;
+  static_assert(D % 64 == 0, "tensor-core decode: tq3 head_dim must be a multiple of 64");
+  // keys: lane c owns D/32 effective words; word k holds steps 2k (nibbles 0-3), 2k+1 (4-7)
+  using KL = tq3_lane_words<D / 32>;
+  static constexpr int key_words = KL::raw;
+  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
+    KL::load(row, c, w);
+  }
+  __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a01,
+                                                  std::uint32_t& a23) {
+    const std::uint32_t sel = (KL::eff(w, c, s / 2) >> (16 * (s % 2))) & 0x7777u;
+    std::uint32_t lo, hi;
+    tq3_lookup(sel, lo, hi);
+    a01 = __byte_perm(lo, hi, 0x5140);
+    a23 = __byte_perm(lo, hi, 0x7362);
+  }
+  __device__ __forceinline__ static int key_coord(int c, int s, int j) {
+    const int idx = c * (D / 32) + s / 2;
+    return 32 * (idx / 4) + 8 * (idx % 4) + 4 * (s % 2) + j;
+  }
+  // values: lane g owns D/64 effective words; byte b of word k is m-tile 4 k + b, its
+  // nibbles 2b, 2b+1 rows g, g + 8
+  using VL = tq3_lane_words<D / 64>;
+  static constexpr int value_words = VL::raw;
+  static constexpr int value_eff_words = D / 64;
+  __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
+    VL::load(row, g, w);
+  }
+  __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int g, int k) {
+    return VL::eff(w, g, k);
+  }
+  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2]) {
+    const std::uint32_t x = __byte_perm(w0, w1, 0x5140) & 0x77777777u;  // bytes 0, 1 of t0, t1
+    const std::uint32_t y = __byte_perm(w0, w1, 0x7362) & 0x77777777u;  // bytes 2, 3
+    const std::uint32_t sels[4] = {x, x >> 16, y, y >> 16};
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      std::uint32_t lo, hi;
+      tq3_lookup(sels[b], lo, hi);  // x0 = t0 n_2b, x1 = t0 n_2b+1, x2 = t1 n_2b, x3 = t1 n_2b+1
+      out[b][0] = __byte_perm(lo, hi, 0x6240);
+      out[b][1] = __byte_perm(lo, hi, 0x7351);
+    }
+  }
+  static constexpr int value_mtiles_per_word = 4;
+  __device__ __forceinline__ static int value_coord(int g, int mt, int r) {
+    const int idx = g * value_eff_words + mt / 4;
+    return 32 * (idx / 4) + 8 * (idx % 4) + 2 * (mt % 4) + r;
+  }
+};
+
+
+template <class Geometry>
+struct mma_shape {
+  static constexpr int d = Geometry::head_dim;
+  static constexpr int g = Geometry::group_size;
+  static constexpr int qh = Geometry::q_heads;
+  static constexpr int steps = d / 16;  // k steps of the score product = m-tiles of the value product
+  // Q fragments live in shared memory (one LDS.128 per k step), so 3 blocks (12 warps) fit
+  // per SM at d = 256 without spills (ptxas -v, docs/gpu.md).
+  static constexpr int min_blocks = 3;
+  static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
+  static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
+  // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
+  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, then the
+  // query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte aligned: all counts are x 4).
+  static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 4 * 8 + steps * 32 * 4;
+  static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
+};
+
+struct mma_smem {
+  float* q_raw;
+  float* acc_part;
+  float* acc_total;
+  float* wstate;  // [warp][3][8]
+  float* m;
+  float* l;
+  float* m_ref;
+  float* qexp;
+  uint4* qfrag;
+};
+
+__device__ __forceinline__ float quad_col_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+__device__ __forceinline__ float quad_col_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 8);
+  return x + __shfl_xor_sync(0xffffffffu, x, 16);
+}
+__device__ __forceinline__ float exp2_rel(float x, float ref) {  // 2^(x - ref), 0 when either is -inf
+  return (x == -INFINITY || ref == -INFINITY) ? 0.f : exp2f(x - ref);
+}
+
+// One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
+// step; the value product accumulates p x value_scale relative to its own running max m_v
+// (so the f16 probabilities are <= 1 whatever the scales), rebased to m at the tier's end.
+template <class Geometry, class Tier, int N>
+__device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b, int kvh,
+                               int e_begin, int e_end, const mma_smem& sm, float* mass_ws, int* err) {
+  using S = mma_shape<Geometry>;
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  using layout = page_layout<Geometry, K, V>;
+  using KC = mma_codec<K>;
+  using VC = mma_codec<V>;
+  static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
+                "decode: per-token meta must be bf16 bits (docs/formats.md)");
+  constexpr int D = S::d, G = S::g, ST = S::steps;
+  // 16-token steps loaded together: 2 for rows of <= 128 key + value bytes (TQ3 at
+  // d <= 128, FP8 at d = 64) so a warp keeps >= 3 KB in flight; larger rows take 1 (more
+  // would spill at 168 registers, ptxas -v).
+  constexpr int U = K::payload_bytes + V::payload_bytes <= 128 ? 2 : 1;
+  const int tid = int(threadIdx.x);
+  const int warp = tid / 32, lane = tid % 32;
+  const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
+  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::key);
+  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::value);
+
+  // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
+  // into f16 hi + lo B fragments: column n = head qg, k slots of lane qc.
+  __syncthreads();
+  group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
+  __syncthreads();
+  for (int h = warp; h < G; h += mma_warps) {
+    float mx = 0.f;
+    for (int i = lane; i < D; i += 32) mx = fmaxf(mx, fabsf(sm.acc_part[h * D + i]));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    int e = 0;
+    if (mx > 0.f && mx < INFINITY) frexpf(mx, &e);
+    if (lane == 0) sm.qexp[h] = float(e);
+  }
+  __syncthreads();
+  {
+    const bool live = qg < G;
+    const float qs = live ? exp2f(-sm.qexp[qg]) : 0.f;
+    for (int s = warp; s < ST; s += mma_warps) {
+      std::uint32_t fr[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float x0 = 0.f, x1 = 0.f;
+        if (live) {
+          x0 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r)] * qs;
+          x1 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r + 1)] * qs;
+        }
+        const __half2 hh = __floats2half2_rn(x0, x1);
+        const float2 back = __half22float2(hh);
+        fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
+        fr[2 + r] = pack_half2(x0 - back.x, x1 - back.y);
+      }
+      sm.qfrag[s * 32 + lane] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
+    }
+  }
+  __syncthreads();
+  // Column scale (heads 2 qc, 2 qc + 1): softmax scale x log2(e) x 2^e.
+  float colscale[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int h = 2 * qc + j;
+    colscale[j] = h < G ? in.softmax_scale * log2e * exp2f(sm.qexp[h]) : 0.f;
+  }
+
+  float o[ST][4];
+#pragma unroll
+  for (int mt = 0; mt < ST; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  const format_pages_view fv = in.index.formats[f];
+  const pool_view pool = in.pools[f];
+  for (int e = e_begin + warp; e < e_end; e += mma_warps) {
+    const std::int32_t slot = fv.slot[e];
+    const std::int32_t logical = fv.logical[e];
+    if (slot < 0 || std::uint32_t(slot) >= pool.capacity || logical < 0) {
+      report_error(err, errc::out_of_range);
+      continue;  // uniform across the warp
+    }
+    const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+    const std::uint8_t* page = pool.page(std::uint32_t(slot));
+    const std::uint8_t* kbase = page + layout::key_payload(kvh, 0);
+    const std::uint8_t* vbase = page + layout::value_payload(kvh, 0);
+    const std::uint16_t* kmeta = reinterpret_cast<const std::uint16_t*>(page + layout::key_meta(kvh, 0));
+    const std::uint16_t* vmeta = reinterpret_cast<const std::uint16_t*>(page + layout::value_meta(kvh, 0));
+    float pl[2] = {0.f, 0.f};  // this page's mass relative to m (per-thread rows)
+    for (int t00 = 0; t00 < ntok; t00 += 16 * U) {
+      // ---- loads of U steps (more bytes in flight for the small TQ3 rows): key rows qg,
+      // qg + 8; value rows 2qc, 2qc+1, 2qc+8, 2qc+9 of each step
+      std::uint32_t kw[U][2][KC::key_words];
+      std::uint32_t vw[U][4][VC::value_words];
+      float ks[U][2], lvs[U][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t0 = t00 + 16 * u;
+        const int tb = t0 < ntok ? t0 : t00;  // a real token of the page for rows past its end
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int t = t0 + qg + 8 * r;
+          const int tc = t < ntok ? t : tb;
+          KC::load_key(kbase + std::size_t(tc) * K::payload_bytes, qc, kw[u][r]);
+          ks[u][r] = bf16_bits_to_float(__ldg(kmeta + tc));
+          lvs[u][r] = log2f(bf16_bits_to_float(__ldg(vmeta + tc)));
+        }
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int t = t0 + 2 * qc + (v & 1) + 8 * (v >> 1);
+          if (t < ntok) {
+            VC::load_value(vbase + std::size_t(t) * V::payload_bytes, qg, vw[u][v]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < VC::value_words; ++i) vw[u][v][i] = 0u;  // code 0 is finite in both formats
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t0 = t00 + 16 * u;
+        if (t0 >= ntok) break;  // uniform across the warp
+        // ---- scores S^T (rows tokens qg, qg + 8; columns heads 2qc, 2qc + 1)
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int s = 0; s < ST; ++s) {
+          std::uint32_t a[4];
+          KC::key_frag(kw[u][0], qc, s, a[0], a[2]);
+          KC::key_frag(kw[u][1], qc, s, a[1], a[3]);
+          const uint4 q = sm.qfrag[s * 32 + lane];
+          mma_16816(sc, a, q.x, q.y);
+          mma_16816(sc, a, q.z, q.w);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = i / 2;
+          sc[i] = t0 + qg + 8 * r < ntok ? sc[i] * ks[u][r] * colscale[i % 2] : -INFINITY;
+        }
+        // ---- online softmax per column; p for l, pv = p x value scale for the value product
+        float pv[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float mn = fmaxf(m[j], quad_col_max(fmaxf(sc[j], sc[j + 2])));
+          const float alpha = exp2_rel(m[j], mn);
+          const float p0 = exp2_rel(sc[j], mn), p1 = exp2_rel(sc[j + 2], mn);
+          l[j] = l[j] * alpha + p0 + p1;
+          pl[j] = pl[j] * alpha + p0 + p1;
+          m[j] = mn;
+          const float s0 = sc[j] + lvs[u][0], s1 = sc[j + 2] + lvs[u][1];
+          const float mvn = fmaxf(mv[j], quad_col_max(fmaxf(s0, s1)));
+          const float av = exp2_rel(mv[j], mvn);
+          pv[j] = exp2_rel(s0, mvn);
+          pv[j + 2] = exp2_rel(s1, mvn);
+          mv[j] = mvn;
+          if (__any_sync(0xffffffffu, av != 1.f)) {
+#pragma unroll
+            for (int mt = 0; mt < ST; ++mt) {
+              o[mt][j] *= av;
+              o[mt][j + 2] *= av;
+            }
+          }
+        }
+        // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes
+        const std::uint32_t pb0 = movmatrix_trans(pack_half2(pv[0], pv[1]));
+        const std::uint32_t pb1 = movmatrix_trans(pack_half2(pv[2], pv[3]));
+        // ---- values O^T += V^T P^T
+#pragma unroll
+        for (int wi = 0; wi < VC::value_eff_words; ++wi) {
+          constexpr int MPW = VC::value_mtiles_per_word;
+          std::uint32_t lo[MPW][2], hi[MPW][2];
+          VC::value_pairs(VC::value_word(vw[u][0], qg, wi), VC::value_word(vw[u][1], qg, wi), lo);  // tokens 2qc, 2qc + 1
+          VC::value_pairs(VC::value_word(vw[u][2], qg, wi), VC::value_word(vw[u][3], qg, wi), hi);  // 2qc + 8, 2qc + 9
+#pragma unroll
+          for (int k = 0; k < MPW; ++k) {
+            const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
+            mma_16816(o[wi * MPW + k], a, pb0, pb1);
+          }
+        }
+      }
+    }
+    if (mass_ws != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) pl[j] = quad_col_sum(pl[j]);
+      if (logical < plan.max_pages) {
+        if (qg == 0) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int h = 2 * qc + j;
+            if (h < G) {
+              const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(h);
+              mass_ws[row * std::size_t(plan.max_pages) + std::size_t(logical)] = m[j] + log2f(pl[j]);
+            }
+          }
+        }
+      } else if (lane == 0) {
+        report_error(err, errc::out_of_range);
+      }
+    }
+  }
+
+  // ---- the warps' states -> shared memory; rebase to the chunk's running max
+#pragma unroll
+  for (int j = 0; j < 2; ++j) l[j] = quad_col_sum(l[j]);
+  if (qg == 0) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float* ws = sm.wstate + warp * 24;
+      ws[2 * qc + j] = m[j];
+      ws[8 + 2 * qc + j] = mv[j];
+      ws[16 + 2 * qc + j] = l[j];
+    }
+  }
+  __syncthreads();
+  // the chunk's new running max of head h: previous tiers and every warp with mass
+  auto new_max = [&](int h) {
+    float x = sm.m[h];
+    for (int w = 0; w < mma_warps; ++w)
+      if (sm.wstate[w * 24 + 16 + h] > 0.f) x = fmaxf(x, sm.wstate[w * 24 + h]);
+    return x;
+  };
+  float fac[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int h = 2 * qc + j;
+    fac[j] = h < G ? exp2_rel(mv[j], new_max(h)) : 0.f;
+  }
+  const float mnew_t = tid < G ? new_max(tid) : 0.f;
+  // fixed warp order: deterministic
+  for (int w = 0; w < mma_warps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int mt = 0; mt < ST; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = 2 * qc + (i % 2);
+          if (h < G) {
+            float& dst = sm.acc_part[h * D + VC::value_coord(qg, mt, i / 2)];
+            const float v = o[mt][i] * fac[i % 2];
+            dst = w == 0 ? v : dst + v;
+          }
+        }
+    }
+    __syncthreads();
+  }
+  if (tid < G) {
+    float lt = sm.l[tid] * exp2_rel(sm.m[tid], mnew_t);
+    for (int w = 0; w < mma_warps; ++w) lt += sm.wstate[w * 24 + 16 + tid] * exp2_rel(sm.wstate[w * 24 + tid], mnew_t);
+    sm.l[tid] = lt;
+    sm.m[tid] = mnew_t;
+  }
+  // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
+  group_finalize<V, G>(sm.acc_part, vctx);
+  __syncthreads();
+  for (int i = tid; i < G * D; i += decode_threads) {
+    const int h = i / D;
+    sm.acc_total[i] = sm.acc_total[i] * exp2_rel(sm.m_ref[h], sm.m[h]) + sm.acc_part[i];
+  }
+  __syncthreads();
+  if (tid < G) sm.m_ref[tid] = sm.m[tid];
+  __syncthreads();
+}
+
+template <class Geometry, class TierList> struct mma_kernels;
+
+template <class Geometry, class... Tiers>
+struct mma_kernels<Geometry, tiers<Tiers...>> {
+  static constexpr int N = int(sizeof...(Tiers));
+  using S = mma_shape<Geometry>;
+
+  // grid (max_chunks, kv_heads, batch), 128 threads: the same chunks and workspace states
+  // as decode_kernels::split, so decode_kernels::merge / page_mass finish the step.
+  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+    constexpr int D = S::d, G = S::g;
+    std::int64_t cost[N];
+#pragma unroll
+    for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
+    const int c = int(blockIdx.x), kvh = int(blockIdx.y), b = int(blockIdx.z);
+    if (b >= in.index.batch) return;
+    const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+    if (c >= ch.chunks) return;
+    int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
+    float* mass_ws = plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
+
+    extern __shared__ float4 smem4[];
+    float* smem = reinterpret_cast<float*>(smem4);
+    mma_smem sm;
+    sm.q_raw = smem;
+    sm.acc_part = sm.q_raw + G * D;
+    sm.acc_total = sm.acc_part + G * D;
+    sm.wstate = sm.acc_total + G * D;
+    sm.m = sm.wstate + mma_warps * 24;
+    sm.l = sm.m + 8;
+    sm.m_ref = sm.l + 8;
+    sm.qexp = sm.m_ref + 8;
+    sm.qfrag = reinterpret_cast<uint4*>(sm.qexp + 8);
+
+    const int tid = int(threadIdx.x);
+    const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+    for (int i = tid; i < G * D; i += decode_threads) {
+      const std::size_t at = qrow * D + std::size_t(i);
+      sm.q_raw[i] = in.queries_type == query_type::bf16
+                        ? __bfloat162float(static_cast<const __nv_bfloat16*>(in.queries)[at])
+                        : static_cast<const float*>(in.queries)[at];
+      sm.acc_total[i] = 0.f;
+    }
+    if (tid < G) {
+      sm.m[tid] = -INFINITY;
+      sm.l[tid] = 0.f;
+      sm.m_ref[tid] = -INFINITY;
+    }
+    run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+    __syncthreads();
+
+    float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
+    float* accs = reinterpret_cast<float*>(workspace + plan.acc_offset);
+    for (int h = 0; h < G; ++h) {
+      const std::size_t at = (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c);
+      if (tid == 0) states[at] = make_float2(sm.m[h], sm.l[h]);
+      for (int i = tid; i < D; i += decode_threads) accs[at * D + std::size_t(i)] = sm.acc_total[h * D + i];
+    }
+  }
+
+  template <std::size_t... I>
+  static __device__ void run_tiers(const decode_inputs<N>& in, const decode_plan& plan, const chunking<N>& ch,
+                                   const std::int64_t (&cost)[N], int c, int b, int kvh, const mma_smem& sm,
+                                   float* mass_ws, int* err, std::index_sequence<I...>) {
+    (run_tier<int(I), Tiers>(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err), ...);
+  }
+  template <int F, class Tier>
+  static __device__ void run_tier(const decode_inputs<N>& in, const decode_plan& plan, const chunking<N>& ch,
+                                  const std::int64_t (&cost)[N], int c, int b, int kvh, const mma_smem& sm,
+                                  float* mass_ws, int* err) {
+    int lo = 0, hi = 0;
+    chunk_range<N>(ch, cost, c, F, lo, hi);
+    if (hi > lo)
+      mma_tier_pages<Geometry, Tier, N>(in, plan, F, b, kvh, ch.first[F] + lo, ch.first[F] + hi, sm, mass_ws, err);
+  }
+};
+
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads, mma_shape<Geometry>::min_blocks)
+decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+  mma_kernels<Geometry, TierList>::split(in, plan, workspace);
+}
+
+}  // namespace tierkv::cuda::detail
