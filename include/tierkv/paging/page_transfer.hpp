@@ -1,0 +1,518 @@
+// SPDX-License-Identifier: Apache-2.0
+// Page export/import: a run of a sequence's logical pages (all layers) as one
+// self-describing, versioned, checksummed byte buffer, and its verified import into
+// another storage of the same geometry and tier list (another host, or the host side
+// of another GPU). This is what disaggregated prefill/decode and offload connectors
+// move: compressed pages, never dense tensors. Byte format: docs/multigpu.md.
+//
+//   auto buf = tierkv::export_pages(src, seq).value();          // std::vector<uint8_t>
+//   ... send buf (NCCL, RDMA, file) ...
+//   auto dst_seq = tierkv::import_pages(dst, buf).value();      // verified, all or nothing
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/paging/paged_storage.hpp"
+
+namespace tierkv {
+
+static_assert(std::endian::native == std::endian::little,
+              "page_transfer: the buffer format is little-endian and is written with memcpy");
+
+inline constexpr std::array<char, 8> page_transfer_magic = {'T', 'K', 'V', 'P', 'A', 'G', 'E', 'S'};
+inline constexpr std::uint32_t page_transfer_version = 1;
+inline constexpr std::size_t page_transfer_header_bytes = 80;
+inline constexpr std::size_t page_transfer_tier_entry_bytes = 8;
+inline constexpr std::size_t page_transfer_record_bytes = 16;
+inline constexpr std::size_t page_transfer_checksum_bytes = 8;
+
+// Formats whose decoding depends on the codec context (the rotation seed derived from
+// cache seed, layer, KV head index and role). Pages in these formats decode correctly
+// only where the same KV head index is used (see head_slice below).
+constexpr bool format_uses_codec_context(storage_format f) noexcept { return f == storage_format::tq3; }
+
+// A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
+struct head_slice {
+  int begin = 0;
+  int count = -1;
+};
+
+// What a buffer says about itself (parsed by inspect_transfer; everything verified).
+struct transfer_tier_info {
+  storage_format key_format{};
+  storage_format value_format{};
+  std::uint32_t page_bytes = 0;  // bytes of one page (of the buffer's head slice)
+};
+struct transfer_info {
+  std::uint32_t version = 0;
+  std::uint64_t total_bytes = 0;
+  geometry_desc geometry{};       // kv_heads = heads in the buffer (the slice)
+  std::uint32_t head_begin = 0;   // first KV head of the slice in the source storage
+  std::uint32_t source_kv_heads = 0;
+  std::uint32_t num_layers = 0;
+  std::uint32_t num_tiers = 0;
+  std::uint64_t codec_seed = 0;
+  std::uint32_t first_logical = 0;  // the run's first logical page in the source sequence
+  std::uint32_t logical_pages = 0;
+  std::uint64_t tokens = 0;         // tokens the run holds (sum of the logical pages' fills)
+  std::vector<transfer_tier_info> tiers;
+  std::vector<std::uint64_t> pages_per_tier;  // records (logical page x layer) per tier
+  std::uint32_t last_fill = 0;                // fill of the run's last logical page
+  std::uint64_t checksum = 0;
+};
+
+namespace detail {
+
+// FNV-1a-64 over little-endian 8-byte words (then the remaining bytes one by one),
+// finished with the splitmix64 finalizer. Word-wise so checking a GiB-sized transfer
+// costs one multiply per 8 bytes; each step is a bijection of the state, so any
+// single changed word changes the sum. Integrity against corruption, not an adversary.
+inline std::uint64_t transfer_checksum(std::span<const std::uint8_t> bytes) noexcept {
+  constexpr std::uint64_t prime = 0x100000001b3ull;
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const std::size_t words = bytes.size() / 8;
+  for (std::size_t i = 0; i < words; ++i) {
+    std::uint64_t w;
+    std::memcpy(&w, bytes.data() + i * 8, 8);
+    h = (h ^ w) * prime;
+  }
+  for (std::size_t i = words * 8; i < bytes.size(); ++i) h = (h ^ bytes[i]) * prime;
+  return mix64(h ^ std::uint64_t(bytes.size()));
+}
+
+template <class T>
+void put(std::uint8_t* base, std::size_t off, T v) noexcept {
+  std::memcpy(base + off, &v, sizeof(T));
+}
+template <class T>
+T get(const std::uint8_t* base, std::size_t off) noexcept {
+  T v;
+  std::memcpy(&v, base + off, sizeof(T));
+  return v;
+}
+
+// Byte offsets of the four regions of a page of a head slice, in the source layout
+// and in the slice's own layout (a page_layout with kv_heads = slice count).
+template <class Layout>
+struct slice_regions {
+  std::size_t src[4];
+  std::size_t dst[4];
+  std::size_t len[4];
+  std::size_t slice_page_bytes;
+
+  static slice_regions make(int begin, int count) {
+    using K = typename Layout::key_codec;
+    using V = typename Layout::value_codec;
+    constexpr std::size_t T = std::size_t(Layout::tokens);
+    const std::size_t b = std::size_t(begin), n = std::size_t(count);
+    slice_regions r{};
+    r.len[0] = n * T * K::payload_bytes;
+    r.len[1] = n * T * V::payload_bytes;
+    r.len[2] = n * T * K::meta_bytes;
+    r.len[3] = n * T * V::meta_bytes;
+    r.src[0] = Layout::key_payload_offset + b * T * K::payload_bytes;
+    r.src[1] = Layout::value_payload_offset + b * T * V::payload_bytes;
+    r.src[2] = Layout::key_meta_offset + b * T * K::meta_bytes;
+    r.src[3] = Layout::value_meta_offset + b * T * V::meta_bytes;
+    // Same rule as page_layout: regions back to back, each 16-byte aligned.
+    r.dst[0] = 0;
+    r.dst[1] = Layout::align16(r.dst[0] + r.len[0]);
+    r.dst[2] = Layout::align16(r.dst[1] + r.len[1]);
+    r.dst[3] = Layout::align16(r.dst[2] + r.len[2]);
+    r.slice_page_bytes = Layout::align16(r.dst[3] + r.len[3]);
+    return r;
+  }
+};
+
+template <class Storage>
+std::size_t slice_page_bytes(int tier, int begin, int count) {
+  std::size_t out = 0;
+  with_index<Storage::num_tiers>(tier, [&](auto I) {
+    out = slice_regions<typename Storage::template layout<I>>::make(begin, count).slice_page_bytes;
+  });
+  return out;
+}
+
+template <class Storage>
+storage_format key_format_of(int tier) {
+  storage_format f{};
+  with_index<Storage::num_tiers>(tier, [&](auto I) { f = Storage::template key_codec<I>::format; });
+  return f;
+}
+template <class Storage>
+storage_format value_format_of(int tier) {
+  storage_format f{};
+  with_index<Storage::num_tiers>(tier, [&](auto I) { f = Storage::template value_codec<I>::format; });
+  return f;
+}
+
+inline status truncated(std::size_t have, std::size_t need, const char* what) {
+  return status::make(errc::corrupt_data, "page transfer: buffer of ", have, " bytes is truncated: ", what,
+                      " needs ", need, "; nothing imported");
+}
+
+}  // namespace detail
+
+// Parses and verifies a buffer on its own (no storage): magic, version, sizes, the
+// checksum, and the record sequence (logical pages 0.. in order, every layer once,
+// tiers inside the tier table, fills in [1, page_tokens], only the last logical page
+// partial). Any failure is errc::corrupt_data with the offending and expected values.
+inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf) {
+  using detail::get;
+  const std::uint8_t* b = buf.data();
+  constexpr std::size_t H = page_transfer_header_bytes;
+  if (buf.size() < H + page_transfer_checksum_bytes) return detail::truncated(buf.size(), H + 8, "the header");
+  if (std::memcmp(b, page_transfer_magic.data(), 8) != 0)
+    return status::make(errc::corrupt_data, "page transfer: bad magic (first bytes ",
+                        std::string(reinterpret_cast<const char*>(b), 8).c_str(), "), expected \"TKVPAGES\"");
+  transfer_info t;
+  t.version = get<std::uint32_t>(b, 8);
+  if (t.version != page_transfer_version)
+    return status::make(errc::corrupt_data, "page transfer: version ", t.version, " is not supported (expected ",
+                        page_transfer_version, ")");
+  const std::uint32_t header_bytes = get<std::uint32_t>(b, 12);
+  if (header_bytes != H)
+    return status::make(errc::corrupt_data, "page transfer: header_bytes = ", header_bytes, ", expected ", H);
+  t.total_bytes = get<std::uint64_t>(b, 16);
+  if (t.total_bytes != buf.size()) {
+    if (t.total_bytes > buf.size()) return detail::truncated(buf.size(), std::size_t(t.total_bytes), "total_bytes");
+    return status::make(errc::corrupt_data, "page transfer: header says ", t.total_bytes, " bytes, buffer has ",
+                        buf.size());
+  }
+  t.checksum = get<std::uint64_t>(b, buf.size() - 8);
+  const std::uint64_t sum = detail::transfer_checksum(buf.first(buf.size() - 8));
+  if (sum != t.checksum)
+    return status::make(errc::corrupt_data, "page transfer: checksum 0x", std::hex, sum, " of the content != 0x",
+                        t.checksum, " stored; the buffer is corrupt, nothing imported");
+  t.geometry.head_dim = int(get<std::uint32_t>(b, 24));
+  t.geometry.kv_heads = int(get<std::uint32_t>(b, 28));
+  t.geometry.group_size = int(get<std::uint32_t>(b, 32));
+  t.geometry.page_tokens = int(get<std::uint32_t>(b, 36));
+  t.head_begin = get<std::uint32_t>(b, 40);
+  t.source_kv_heads = get<std::uint32_t>(b, 44);
+  t.num_layers = get<std::uint32_t>(b, 48);
+  t.num_tiers = get<std::uint32_t>(b, 52);
+  t.codec_seed = get<std::uint64_t>(b, 56);
+  t.first_logical = get<std::uint32_t>(b, 64);
+  t.logical_pages = get<std::uint32_t>(b, 68);
+  t.tokens = get<std::uint64_t>(b, 72);
+  if (t.num_tiers < 1 || t.num_tiers > 255)
+    return status::make(errc::corrupt_data, "page transfer: num_tiers = ", t.num_tiers, " outside [1, 255]");
+  if (t.num_layers < 1 || t.geometry.page_tokens < 1 || t.geometry.kv_heads < 1)
+    return status::make(errc::corrupt_data, "page transfer: num_layers = ", t.num_layers, ", page_tokens = ",
+                        t.geometry.page_tokens, ", kv_heads = ", t.geometry.kv_heads, " must all be >= 1");
+  std::size_t off = H;
+  const std::size_t tier_table = std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+  if (buf.size() - 8 < off + tier_table) return detail::truncated(buf.size(), off + tier_table + 8, "the tier table");
+  for (std::uint32_t i = 0; i < t.num_tiers; ++i, off += page_transfer_tier_entry_bytes)
+    t.tiers.push_back({storage_format(b[off]), storage_format(b[off + 1]), get<std::uint32_t>(b, off + 4)});
+  t.pages_per_tier.assign(t.num_tiers, 0);
+  std::uint64_t tokens = 0;
+  for (std::uint32_t j = 0; j < t.logical_pages; ++j) {
+    std::uint32_t fill0 = 0;
+    for (std::uint32_t l = 0; l < t.num_layers; ++l) {
+      if (buf.size() - 8 < off + page_transfer_record_bytes)
+        return detail::truncated(buf.size(), off + page_transfer_record_bytes + 8, "a page record");
+      const std::uint32_t logical = get<std::uint32_t>(b, off);
+      const std::uint32_t layer = get<std::uint32_t>(b, off + 4);
+      const std::uint32_t tier = b[off + 8];
+      const std::uint32_t fill = get<std::uint32_t>(b, off + 12);
+      if (logical != j || layer != l)
+        return status::make(errc::corrupt_data, "page transfer: record (logical ", logical, ", layer ", layer,
+                            ") out of order, expected (", j, ", ", l, ")");
+      if (tier >= t.num_tiers)
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " layer ", l, " names tier ",
+                            tier, ", the tier table has ", t.num_tiers);
+      if (fill < 1 || fill > std::uint32_t(t.geometry.page_tokens))
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " fill = ", fill,
+                            " outside [1, ", t.geometry.page_tokens, "]");
+      if (l == 0) fill0 = fill;
+      if (fill != fill0)
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " layer ", l, " fill ", fill,
+                            " != layer 0's ", fill0);
+      if (fill < std::uint32_t(t.geometry.page_tokens) && j + 1 != t.logical_pages)
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " is partial (fill ", fill,
+                            ") but is not the run's last page");
+      if (fill < std::uint32_t(t.geometry.page_tokens) && tier != 0)
+        return status::make(errc::corrupt_data, "page transfer: partial logical page ", j,
+                            " is in tier ", tier, "; open pages are always in tier 0");
+      off += page_transfer_record_bytes;
+      const std::size_t pb = t.tiers[tier].page_bytes;
+      if (buf.size() - 8 < off + pb) return detail::truncated(buf.size(), off + pb + 8, "a page's bytes");
+      off += pb;
+      ++t.pages_per_tier[tier];
+    }
+    tokens += fill0;
+    t.last_fill = fill0;
+  }
+  if (off + 8 != buf.size())
+    return status::make(errc::corrupt_data, "page transfer: records end at byte ", off, ", checksum expected there but ",
+                        buf.size() - 8 - off, " bytes follow");
+  if (tokens != t.tokens)
+    return status::make(errc::corrupt_data, "page transfer: header says ", t.tokens, " tokens, the pages hold ", tokens);
+  return t;
+}
+
+// Bytes an export of `pages` logical pages (all layers) whose tiers are `tier_of(j, l)`.
+template <class Storage>
+result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first = 0, std::int64_t count = -1,
+                                head_slice heads = {}) {
+  auto n = s.logical_pages(seq);
+  if (!n) return n.error_status();
+  if (first < 0 || first > *n) return status::out_of_range("first logical page", first, *n + 1);
+  if (count < 0) count = *n - first;
+  if (count > *n - first)
+    return status::exceeds(errc::out_of_range, "export page count", count, *n - first);
+  if (heads.count < 0) heads.count = Storage::kv_heads - heads.begin;
+  if (heads.begin < 0 || heads.count < 1 || heads.begin + heads.count > Storage::kv_heads)
+    return status::make(errc::out_of_range, "head slice [", heads.begin, ", ", heads.begin + heads.count,
+                        ") is not a non-empty part of the ", Storage::kv_heads, " KV heads");
+  std::size_t total = page_transfer_header_bytes + std::size_t(Storage::num_tiers) * page_transfer_tier_entry_bytes +
+                      page_transfer_checksum_bytes;
+  for (std::int64_t j = first; j < first + count; ++j)
+    for (int l = 0; l < s.num_layers(); ++l) {
+      const page_id p = *s.page(seq, l, j);
+      total += page_transfer_record_bytes + detail::slice_page_bytes<Storage>(p.format, heads.begin, heads.count);
+    }
+  return total;
+}
+
+// Writes logical pages [first, first + count) of seq (all layers; KV heads of `heads`)
+// into out, which must hold exactly export_size(...) bytes (a pinned or registered
+// buffer, say). The storage is not changed.
+template <class Storage>
+status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> out, std::int64_t first = 0,
+                         std::int64_t count = -1, head_slice heads = {})
+  requires Storage::page_allocator::host_accessible
+{
+  auto size = export_size(s, seq, first, count, heads);
+  if (!size) return size.error_status();
+  if (out.size() != *size)
+    return status::make(errc::invalid_argument, "export: buffer holds ", out.size(), " bytes, the export needs ",
+                        *size);
+  const std::int64_t n = *s.logical_pages(seq);
+  const std::int64_t len = *s.length(seq);
+  if (count < 0) count = n - first;
+  if (heads.count < 0) heads.count = Storage::kv_heads - heads.begin;
+  using detail::put;
+  std::uint8_t* b = out.data();
+  std::memset(b, 0, page_transfer_header_bytes);
+  std::memcpy(b, page_transfer_magic.data(), 8);
+  put<std::uint32_t>(b, 8, page_transfer_version);
+  put<std::uint32_t>(b, 12, std::uint32_t(page_transfer_header_bytes));
+  put<std::uint64_t>(b, 16, std::uint64_t(out.size()));
+  put<std::uint32_t>(b, 24, std::uint32_t(Storage::head_dim));
+  put<std::uint32_t>(b, 28, std::uint32_t(heads.count));
+  put<std::uint32_t>(b, 32, std::uint32_t(Storage::geometry::group_size));
+  put<std::uint32_t>(b, 36, std::uint32_t(Storage::page_tokens));
+  put<std::uint32_t>(b, 40, std::uint32_t(heads.begin));
+  put<std::uint32_t>(b, 44, std::uint32_t(Storage::kv_heads));
+  put<std::uint32_t>(b, 48, std::uint32_t(s.num_layers()));
+  put<std::uint32_t>(b, 52, std::uint32_t(Storage::num_tiers));
+  put<std::uint64_t>(b, 56, s.config().codec_seed);
+  put<std::uint32_t>(b, 64, std::uint32_t(first));
+  put<std::uint32_t>(b, 68, std::uint32_t(count));
+  const std::int64_t end_tok = std::min<std::int64_t>(len, (first + count) * Storage::page_tokens);
+  put<std::uint64_t>(b, 72, std::uint64_t(std::max<std::int64_t>(0, end_tok - first * Storage::page_tokens)));
+  std::size_t off = page_transfer_header_bytes;
+  for (int t = 0; t < Storage::num_tiers; ++t, off += page_transfer_tier_entry_bytes) {
+    b[off] = std::uint8_t(detail::key_format_of<Storage>(t));
+    b[off + 1] = std::uint8_t(detail::value_format_of<Storage>(t));
+    put<std::uint16_t>(b, off + 2, 0);
+    put<std::uint32_t>(b, off + 4, std::uint32_t(detail::slice_page_bytes<Storage>(t, heads.begin, heads.count)));
+  }
+  for (std::int64_t j = first; j < first + count; ++j) {
+    const std::int64_t fill = std::min<std::int64_t>(len - j * Storage::page_tokens, Storage::page_tokens);
+    for (int l = 0; l < s.num_layers(); ++l) {
+      const page_id p = *s.page(seq, l, j);
+      put<std::uint32_t>(b, off, std::uint32_t(j - first));
+      put<std::uint32_t>(b, off + 4, std::uint32_t(l));
+      put<std::uint32_t>(b, off + 8, std::uint32_t(p.format));  // tier byte + 3 zero bytes
+      put<std::uint32_t>(b, off + 12, std::uint32_t(fill));
+      off += page_transfer_record_bytes;
+      detail::with_index<Storage::num_tiers>(p.format, [&](auto I) {
+        using L = typename Storage::template layout<I>;
+        const auto r = detail::slice_regions<L>::make(heads.begin, heads.count);
+        const std::uint8_t* src = s.template pool<I>().host_page(p);
+        std::memset(b + off, 0, r.slice_page_bytes);  // alignment padding is defined, so checksums are
+        for (int k = 0; k < 4; ++k)
+          if (r.len[k] != 0) std::memcpy(b + off + r.dst[k], src + r.src[k], r.len[k]);
+        off += r.slice_page_bytes;
+      });
+    }
+  }
+  detail::put<std::uint64_t>(b, off, detail::transfer_checksum(out.first(off)));
+  return {};
+}
+
+template <class Storage>
+result<std::vector<std::uint8_t>> export_pages(const Storage& s, seq_id seq, std::int64_t first = 0,
+                                               std::int64_t count = -1, head_slice heads = {})
+  requires Storage::page_allocator::host_accessible
+{
+  auto size = export_size(s, seq, first, count, heads);
+  if (!size) return size.error_status();
+  std::vector<std::uint8_t> out(*size);
+  if (auto st = export_pages_into(s, seq, std::span<std::uint8_t>(out), first, count, heads); !st) return st;
+  return out;
+}
+
+// Everything import_pages checks before it changes anything: the buffer on its own
+// (inspect_transfer), then that it fits this storage: geometry, layer count, tier list
+// and formats, page sizes, codec seed, and that no rotation-dependent page would be
+// decoded with another head's rotation.
+template <class Storage>
+result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8_t> buf) {
+  auto info = inspect_transfer(buf);
+  if (!info) return info;
+  const transfer_info& t = *info;
+  const auto mismatch = [](const char* what, auto got, auto want) {
+    return status::make(errc::geometry_mismatch, "page transfer: buffer ", what, " = ", got,
+                        ", this storage has ", want, "; nothing imported");
+  };
+  if (t.geometry.head_dim != Storage::head_dim) return mismatch("head_dim", t.geometry.head_dim, Storage::head_dim);
+  if (t.geometry.kv_heads != Storage::kv_heads) return mismatch("kv_heads", t.geometry.kv_heads, Storage::kv_heads);
+  if (t.geometry.group_size != Storage::geometry::group_size)
+    return mismatch("group_size", t.geometry.group_size, Storage::geometry::group_size);
+  if (t.geometry.page_tokens != Storage::page_tokens)
+    return mismatch("page_tokens", t.geometry.page_tokens, Storage::page_tokens);
+  if (t.num_layers != std::uint32_t(s.num_layers())) return mismatch("num_layers", t.num_layers, s.num_layers());
+  if (t.num_tiers != std::uint32_t(Storage::num_tiers)) return mismatch("num_tiers", t.num_tiers, Storage::num_tiers);
+  for (int i = 0; i < Storage::num_tiers; ++i) {
+    const transfer_tier_info& ti = t.tiers[std::size_t(i)];
+    const storage_format kf = detail::key_format_of<Storage>(i), vf = detail::value_format_of<Storage>(i);
+    if (ti.key_format != kf || ti.value_format != vf)
+      return status::make(errc::geometry_mismatch, "page transfer: tier ", i, " formats (key ", unsigned(ti.key_format),
+                          ", value ", unsigned(ti.value_format), ") != this storage's (key ", unsigned(kf), ", value ",
+                          unsigned(vf), "); storage_format tags, nothing imported");
+    const std::size_t pb = detail::slice_page_bytes<Storage>(i, 0, Storage::kv_heads);
+    if (ti.page_bytes != pb)
+      return status::make(errc::geometry_mismatch, "page transfer: tier ", i, " page_bytes = ", ti.page_bytes,
+                          ", this storage's pages have ", pb, "; nothing imported");
+  }
+  if (t.codec_seed != s.config().codec_seed)
+    return status::make(errc::geometry_mismatch, "page transfer: codec seed 0x", std::hex, t.codec_seed,
+                        " != this storage's 0x", s.config().codec_seed,
+                        " (rotations would differ); nothing imported");
+  if (t.head_begin != 0)
+    for (int i = 0; i < Storage::num_tiers; ++i) {
+      const transfer_tier_info& ti = t.tiers[std::size_t(i)];
+      if (t.pages_per_tier[std::size_t(i)] != 0 &&
+          (format_uses_codec_context(ti.key_format) || format_uses_codec_context(ti.value_format)))
+        return status::make(errc::geometry_mismatch, "page transfer: ", t.pages_per_tier[std::size_t(i)],
+                            " pages of tier ", i, " use a rotation seeded by the KV head index; the slice starts at ",
+                            "source head ", t.head_begin, " but this storage would decode it as head 0 "
+                            "(docs/multigpu.md, head-sharded caches); nothing imported");
+    }
+  return info;
+}
+
+// Imports a verified buffer as a NEW sequence of s holding the run's pages (its logical
+// page 0 is the run's first page), byte-identical to the source's. All or nothing: the
+// buffer and the capacities (sequence slot, blocks, every tier's pool at its peak use)
+// are checked first; a failure after that (bookkeeping memory) releases the partial
+// sequence, so every pool, block and sequence count is as before.
+//
+// Mechanism, through the storage's public hooks only: per logical page, append its fill
+// of zero tokens (a tier-0 block), then overwrite each layer's tier-0 page with the
+// buffer's bytes, or publish a page of the buffer's tier with replace_page.
+template <class Storage>
+result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf)
+  requires Storage::page_allocator::host_accessible
+{
+  auto info = verify_import(s, buf);
+  if (!info) return info.error_status();
+  const transfer_info& t = *info;
+  constexpr int T = Storage::page_tokens;
+  const int L = s.num_layers();
+  const std::uint32_t P = t.logical_pages;
+
+  // Capacity, before anything changes.
+  if (s.live_sequences() >= s.max_sequences())
+    return status::make(errc::capacity_exhausted, "import: all ", s.max_sequences(),
+                        " sequence slots are in use; nothing imported");
+  if (std::uint64_t(s.block_capacity() - s.live_blocks()) < P)
+    return status::make(errc::capacity_exhausted, "import: ", P, " logical pages need blocks, ",
+                        s.block_capacity() - s.live_blocks(), " are free; nothing imported");
+  // Tier 0 peaks while the last logical page is appended: the earlier pages' tier-0
+  // layers plus one fresh tier-0 page per layer.
+  std::uint64_t tier0_before_last = 0;
+  {
+    std::size_t off = page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+    for (std::uint32_t j = 0; j < P; ++j)
+      for (int l = 0; l < L; ++l) {
+        const std::uint32_t tier = buf[off + 8];
+        if (tier == 0 && j + 1 < P) ++tier0_before_last;
+        off += page_transfer_record_bytes + t.tiers[tier].page_bytes;
+      }
+  }
+  for (int i = 0; i < Storage::num_tiers; ++i) {
+    const std::uint64_t need = i == 0 ? (P == 0 ? 0 : tier0_before_last + std::uint64_t(L))
+                                      : t.pages_per_tier[std::size_t(i)];
+    if (s.free_pages(i) < need)
+      return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ", s.free_pages(i),
+                          " free pages, the import needs ", need, " at its peak; nothing imported");
+  }
+
+  auto seq = s.create_sequence();
+  if (!seq) return seq.error_status();
+  const auto fail = [&](status st) -> status {
+    (void)s.release(*seq);
+    return status::make(st.code(), st.message(), "; import rolled back, nothing imported");
+  };
+  std::vector<float> zeros;
+  try {
+    zeros.assign(std::size_t(L) * std::size_t(T) * Storage::kv_heads * Storage::head_dim, 0.f);
+  } catch (const std::bad_alloc&) {
+    return fail(status::make(errc::capacity_exhausted, "import: no host memory for the staging tokens"));
+  }
+  std::size_t off = page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+  for (std::uint32_t j = 0; j < P; ++j) {
+    const std::uint32_t fill = detail::get<std::uint32_t>(buf.data(), off + 12);
+    const std::size_t nfloat = std::size_t(L) * fill * Storage::kv_heads * Storage::head_dim;
+    const std::span<const float> z(zeros.data(), nfloat);
+    if (auto st = s.append(*seq, std::int64_t(fill), z, z); !st) return fail(st);
+    for (int l = 0; l < L; ++l) {
+      const int tier = buf[off + 8];
+      off += page_transfer_record_bytes;
+      const std::uint8_t* src = buf.data() + off;
+      const std::size_t pb = t.tiers[std::size_t(tier)].page_bytes;
+      off += pb;
+      const page_id old = *s.page(*seq, l, std::int64_t(j));
+      if (tier == 0) {
+        auto dst = s.page_bytes(old);
+        if (!dst) return fail(dst.error_status());
+        std::memcpy(dst->data(), src, pb);
+        continue;
+      }
+      auto fresh = s.allocate_page(tier);
+      if (!fresh) return fail(fresh.error_status());
+      auto dst = s.page_bytes(*fresh);
+      if (!dst) {
+        (void)s.release_page(*fresh);
+        return fail(dst.error_status());
+      }
+      std::memcpy(dst->data(), src, pb);
+      if (auto st = s.replace_page(*seq, l, std::int64_t(j), old, *fresh); !st) {
+        (void)s.release_page(*fresh);
+        return fail(st);
+      }
+    }
+  }
+  return *seq;
+}
+
+}  // namespace tierkv

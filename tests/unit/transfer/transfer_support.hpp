@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared pieces of the transfer tests: random K/V, host decode of one layer, retier.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "catch.hpp"
+#include "tierkv/attention/host_decode.hpp"
+#include "tierkv/codec/dense_bf16.hpp"
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq3.hpp"
+#include "tierkv/paging/index_builder.hpp"
+#include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/tiering/conversion.hpp"
+
+namespace tierkv::test_transfer {
+
+// [layer][token][kv_head][dim] floats: Gaussian with a few large channels (keys look like that).
+inline std::vector<float> random_kv(std::mt19937_64& rng, int layers, std::int64_t tokens, int heads, int dim) {
+  std::normal_distribution<float> g(0.f, 1.f);
+  std::vector<float> x(std::size_t(layers) * std::size_t(tokens) * std::size_t(heads) * std::size_t(dim));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = g(rng) * ((i % std::size_t(dim)) < 2 ? 8.f : 1.f);
+  return x;
+}
+
+// One decode step of one layer for one sequence: out [q_heads][head_dim], lse [q_heads].
+template <class Storage>
+status decode_layer(const Storage& s, seq_id seq, int layer, std::span<const float> queries, std::vector<float>& out,
+                    std::vector<float>& lse) {
+  using G = typename Storage::geometry;
+  const index_layout<Storage::num_tiers> layout{1, 512};
+  std::vector<std::uint8_t> buf(layout.bytes());
+  const seq_id batch[1] = {seq};
+  auto view = build_batch_index(s, layer, std::span<const seq_id>(batch, 1), layout, std::span<std::uint8_t>(buf));
+  if (!view) return view.error_status();
+  out.assign(std::size_t(G::q_heads) * G::head_dim, -1.f);
+  lse.assign(std::size_t(G::q_heads), -1.f);
+  const auto pools = s.views();
+  host_attention_workspace ws{1};
+  host_decode_args<Storage::num_tiers> a;
+  a.queries = queries.data();
+  a.index = *view;
+  a.pools = pools.data();
+  a.source = layer_source{s.config().codec_seed, layer};
+  a.logits.softmax_scale = 1.f / std::sqrt(float(G::head_dim));
+  a.out = out.data();
+  a.lse = lse.data();
+  return host_decode<G, typename Storage::tier_list>(ws, a);
+}
+
+// Moves (logical page j, layer l) of seq to tier `to` on the host (the controller's step).
+template <class Storage>
+status retier(Storage& s, seq_id seq, std::int64_t j, int layer, int to) {
+  auto b = s.block_of(seq, j);
+  if (!b) return b.error_status();
+  conversion_counters c;
+  auto p = convert_page(s, *b, layer, to, c);
+  return p ? status{} : p.error_status();
+}
+
+// Same bytes on both pages (whole page, padding and unused slots included).
+template <class SA, class SB>
+bool pages_equal(SA& a, page_id pa, SB& b, page_id pb) {
+  auto x = a.page_bytes(pa);
+  auto y = b.page_bytes(pb);
+  return x && y && x->size() == y->size() && std::equal(x->begin(), x->end(), y->begin());
+}
+
+}  // namespace tierkv::test_transfer
