@@ -2,7 +2,7 @@
 // Mixed-format paged decode attention for one layer over a batch, split over
 // (sequence, KV head, chunk of pages) and merged by log-sum-exp in a second kernel.
 // Two split kernels behind one plan / workspace / merge: the tensor-core kernel
-// (decode_mma.cuh, the default) and the CUDA-core kernel below (decode_path::cuda_core).
+// (detail/decode_mma.cuh, the default) and the CUDA-core kernel below (decode_path::cuda_core).
 // Design, instruction counts and measurements: docs/gpu.md.
 #pragma once
 
@@ -604,7 +604,7 @@ status check_pools(const decode_inputs<int(sizeof...(Tiers))>& in, tiers<Tiers..
 }  // namespace detail
 }  // namespace tierkv::cuda
 
-#include "tierkv/cuda/decode_mma.cuh"
+#include "tierkv/cuda/detail/decode_mma.cuh"
 
 namespace tierkv::cuda {
 
