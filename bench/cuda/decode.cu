@@ -18,60 +18,18 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/append.cuh"
+#include "bench_support.cuh"
 #include "tierkv/cuda/decode.cuh"
 #include "tierkv/cuda/retier.cuh"
 
 namespace {
 
 using namespace tierkv;
+using namespace tierkv::bench;
 using recent = tier<fp8_e4m3, fp8_e4m3>;
 using stale = tier<tq3_key, tq3_value>;
 using two_tiers = tiers<recent, stale>;
 
-void die_if(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-void die_if(const status& s) {
-  if (!s.is_ok()) {
-    std::fprintf(stderr, "%s\n", s.message().c_str());
-    std::exit(1);
-  }
-}
-#define CK(call) die_if((call), #call)
-
-// Random page bytes: FP8 codes never NaN, scales / norms positive and finite.
-__global__ void fill_pages(std::uint8_t* p, std::size_t n, std::uint64_t seed, int fp8) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    std::uint8_t v = std::uint8_t(mix64(seed ^ (i * 0x9e3779b97f4a7c15ull)) >> 24);
-    if (fp8 && (v & 0x7f) == 0x7f) v = 0x3c;
-    p[i] = v;
-  }
-}
-// Overwrites the meta region of each page with plausible bf16 values.
-__global__ void fill_meta(std::uint8_t* base, std::size_t page_bytes, std::size_t meta_offset,
-                          std::size_t meta_count, std::uint32_t pages, float lo, std::uint64_t seed) {
-  const std::size_t n = std::size_t(pages) * meta_count;
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    const std::size_t page = i / meta_count, j = i % meta_count;
-    const float u = float(mix64(seed + i) >> 40) * (1.f / 16777216.f);
-    const float v = lo * (0.5f + u);
-    std::uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    reinterpret_cast<std::uint16_t*>(base + page * page_bytes + meta_offset)[j] = std::uint16_t(bits >> 16);
-  }
-}
-__global__ void fill_floats(float* p, std::size_t n, std::uint64_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    const float u = float(mix64(seed + i) >> 40) * (1.f / 16777216.f);
-    p[i] = (u - 0.5f) * 3.f + (u > 0.5f ? 0.01f : -0.01f);
-  }
-}
 
 struct timer {
   cudaEvent_t a, b;
