@@ -22,6 +22,8 @@
 using namespace tierkv;
 
 namespace {
+
+using tierkv::measure::spearman;
 using fp8_tier = tier<fp8_e4m3, fp8_e4m3>;
 using tq3_tier = tier<tq3_key, tq3_value>;
 using mixed = tiers<fp8_tier, tq3_tier>;
@@ -90,30 +92,6 @@ struct cache {
   }
 };
 
-std::vector<double> ranks(const std::vector<double>& x) {
-  std::vector<std::size_t> idx(x.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return x[a] < x[b]; });
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < idx.size();) {  // average ranks of ties
-    std::size_t j = i;
-    while (j + 1 < idx.size() && x[idx[j + 1]] == x[idx[i]]) ++j;
-    for (std::size_t u = i; u <= j; ++u) r[idx[u]] = 0.5 * double(i + j);
-    i = j + 1;
-  }
-  return r;
-}
-double spearman(const std::vector<double>& a, const std::vector<double>& b) {
-  const auto ra = ranks(a), rb = ranks(b);
-  const double n = double(a.size()), mean = (n - 1) / 2;
-  double sab = 0, saa = 0, sbb = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    sab += (ra[i] - mean) * (rb[i] - mean);
-    saa += (ra[i] - mean) * (ra[i] - mean);
-    sbb += (rb[i] - mean) * (rb[i] - mean);
-  }
-  return sab / std::sqrt(saa * sbb);
-}
 double topk_overlap(const std::vector<double>& a, const std::vector<double>& b, std::size_t k) {
   auto top = [&](const std::vector<double>& x) {
     std::vector<std::size_t> idx(x.size());
