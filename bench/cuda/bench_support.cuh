@@ -58,6 +58,16 @@ __global__ void fill_floats(float* p, std::size_t n, std::uint64_t seed) {
   }
 }
 
+// Keeps the stream busy for `cycles` SM clocks (~100 us at 2e5): timed work enqueued behind
+// it starts as soon as it ends, so CUDA-event timings measure GPU time and not the host's
+// launch latency (an engine's decode steps are enqueued ahead, like here).
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+inline void spin(cudaStream_t s, long long cycles = 200000) { spin_kernel<<<1, 1, 0, s>>>(cycles); }
+
 }  // namespace tierkv::bench
 
 #define CK(call) ::tierkv::bench::die_if((call), #call)

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// gpubench_decode --out FILE.json [--commit SHA] [--quick]: mixed-format paged decode on the
+// gpubench_decode --out FILE.json [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
+//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N]: mixed-format paged decode on the
 // GPU over the benchmark shapes, contexts, batches and mixes (docs/gpu.md), the
 // device-to-device copy roofline measured in the same run, CUDA-graph replay, retier
 // throughput and append latency at B = 64. Random (never zero) pages, cache-cold: buffer
 // sets are rotated so every timed launch reads at least 4x the L2 size of fresh data.
+// Every timed call is enqueued behind a ~100 us spin kernel, so the times are GPU time
+// (an engine enqueues its steps ahead; host launch latency is not the kernels' cost).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,6 +47,7 @@ double median_us(F&& f, int warm, int reps, cudaStream_t s) {
   CK(cudaStreamSynchronize(s));
   std::vector<double> v;
   for (int i = 0; i < reps; ++i) {
+    spin(s);  // hides the host's launch latency: GPU time only
     CK(cudaEventRecord(t.a, s));
     f(warm + i);
     CK(cudaEventRecord(t.b, s));
@@ -69,10 +73,15 @@ std::string extra_json;
 double copy_gbps = 0;
 std::size_t l2_bytes = 0;
 int sms = 0;
+bool compare = false;  // also time the CUDA-core kernel and the one-wave plan (same inputs)
+int max_chunks = 64;   // decode_capacity::max_chunks_per_seq of the plans (its default)
+int only_dim = 0;      // 0: all shapes
+std::string only_mix;  // empty: fp8, tq3 and tiered
 
 template <class G>
 void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batches, cudaStream_t s) {
   constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens, QH = G::q_heads;
+  if (only_dim != 0 && only_dim != D) return;
   using KF = recent::key_codec<D>;
   using KT = stale::key_codec<D>;
   using VT = stale::value_codec<D>;
@@ -82,6 +91,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
   for (int L : contexts)
     for (int B : batches)
       for (int mi = 0; mi < 3; ++mi) {
+        if (!only_mix.empty() && only_mix != mixes[mi]) continue;
         const int n = L / T;
         std::vector<int> tier(n);
         const int recent_pages = (n * 27 + 99) / 100 - 1;
@@ -144,7 +154,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         CK(cudaMalloc(&out, sizeof(float) * B * QH * D));
         CK(cudaMalloc(&lse, sizeof(float) * B * QH));
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
-        cuda::decode_capacity cap{B, 64, 0, false};
+        cuda::decode_capacity cap{B, max_chunks, 0, false};
         auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), B, sms);
         die_if(plan.error_status());
         std::uint8_t* ws;
@@ -178,8 +188,11 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         }
         const double tg = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
         for (auto e : execs) CK(cudaGraphExecDestroy(e));
-        // The CUDA-core split kernel on the same inputs (decode_path::cuda_core).
-        const double tcc = median_us([&](int i) { die_if(cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
+        // With --compare: the CUDA-core split kernel on the same inputs (decode_path::cuda_core)
+        // and the tensor-core kernel under the one-wave plan (waves = 3).
+        double tcc = 0, tgcc = 0, t3 = 0;
+        if (compare) {
+        tcc = median_us([&](int i) { die_if(cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
                                      3, 25, s);
         for (int set = 0; set < sets; ++set) {
           cudaGraph_t g;
@@ -189,9 +202,8 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
           CK(cudaGraphInstantiate(&execs[set], g, 0));
           CK(cudaGraphDestroy(g));
         }
-        const double tgcc = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
+        tgcc = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
         for (auto e : execs) CK(cudaGraphExecDestroy(e));
-        double t3 = 0;
         {
           auto plan3 = cuda::plan_decode<G, two_tiers>(cap, counts.data(), B, sms, 3);
           die_if(plan3.error_status());
@@ -201,11 +213,12 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
                          3, 25, s);
           CK(cudaFree(ws3));
         }
+        }
         int maxc = 0;
         {
           // chunk count the device computes for these sequences
           const std::int64_t tot = std::int64_t(n8) * plan->page_cost[0] + std::int64_t(n3) * plan->page_cost[1];
-          maxc = int(std::min<std::int64_t>({(tot + plan->target_chunk_bytes - 1) / plan->target_chunk_bytes, 64, n}));
+          maxc = int(std::min<std::int64_t>({(tot + plan->target_chunk_bytes - 1) / plan->target_chunk_bytes, max_chunks, n}));
         }
         const double bytes = bytes_per_set + double(B) * QH * D * 8.0;  // pages + queries + outputs
         const double best = std::min(t, tg);
@@ -308,11 +321,21 @@ void bench_retier_append(cudaStream_t s) {
 
 int main(int argc, char** argv) {
   std::string out_path, commit = "unknown";
-  bool quick = false;
+  bool quick = false, retier = true, decode = true;
+  std::vector<int> ctx_only, batch_only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
     else if (!std::strcmp(argv[i], "--commit") && i + 1 < argc) commit = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--compare")) compare = true;
+    else if (!std::strcmp(argv[i], "--no-retier")) retier = false;
+    else if (!std::strcmp(argv[i], "--retier-only")) decode = false;
+    else if (!std::strcmp(argv[i], "--ctx") && i + 1 < argc) ctx_only.push_back(std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) batch_only.push_back(std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--dim") && i + 1 < argc) only_dim = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--max-chunks") && i + 1 < argc) max_chunks = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--mix") && i + 1 < argc) only_mix = argv[++i];
+    else { std::fprintf(stderr, "gpubench_decode: unknown argument %s\n", argv[i]); return 2; }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -333,14 +356,20 @@ int main(int argc, char** argv) {
   }
   std::printf("device %s, %d SMs, L2 %zu MB, copy %.0f GB/s (read + write)\n", prop.name, sms, l2_bytes >> 20, copy_gbps);
   std::printf(" qh kv   d context   B mix       time_us   graph_us        bytes     GB/s  frac chunks  cc_time_us cc_graph_us  waves3_us\n");
-  const std::vector<int> ctx = quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
-  const std::vector<int> bat = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
-  bench_shape<geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>>(ctx, bat, s);
-  bench_shape<geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>>(ctx, bat, s);
-  bench_shape<geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>>(ctx, bat, s);
-  bench_retier_append<geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>>(s);
-  bench_retier_append<geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>>(s);
-  bench_retier_append<geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>>(s);
+  std::vector<int> ctx = quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
+  std::vector<int> bat = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
+  if (!ctx_only.empty()) ctx = ctx_only;
+  if (!batch_only.empty()) bat = batch_only;
+  if (decode) {
+    bench_shape<geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>>(ctx, bat, s);
+    bench_shape<geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>>(ctx, bat, s);
+    bench_shape<geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>>(ctx, bat, s);
+  }
+  if (retier) {
+    bench_retier_append<geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>>(s);
+    bench_retier_append<geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>>(s);
+    bench_retier_append<geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>>(s);
+  }
   CK(cudaStreamDestroy(s));
 
   if (!out_path.empty()) {

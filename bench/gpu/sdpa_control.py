@@ -5,7 +5,7 @@
 Same shapes, contexts and batches as bench/cuda/decode.cu; for each the best of the flash,
 efficient and cuDNN backends (median of CUDA-event timings after warm-up). Cache-cold like
 the tierkv bench: K/V sets are rotated so each timed call reads at least 4x the L2 of fresh
-data. Writes JSON to --out. Usage: sdpa_control.py --out FILE [--quick]
+data; each timed call is enqueued behind a ~100 us sleep kernel (GPU time, no launch latency). Writes JSON to --out. Usage: sdpa_control.py --out FILE [--quick]
 """
 import argparse
 import json
@@ -29,6 +29,7 @@ def median_us(fn, sets, warm=3, reps=25):
     for i in range(reps):
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200000)  # hides the host's launch latency, as bench/cuda/decode.cu does
         a.record()
         fn(i % sets)
         b.record()

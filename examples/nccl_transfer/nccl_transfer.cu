@@ -84,7 +84,7 @@ std::vector<float> decode_all_layers(const storage_t& s, tierkv::seq_id seq, con
     a.queries = q.data() + std::size_t(l) * geo::q_heads * geo::head_dim;
     a.index = *view;
     a.pools = pools.data();
-    a.source = tierkv::layer_source{s.config().codec_seed, l};
+    a.source = tierkv::layer_source{s.config().codec_seed, l, s.config().head_base};
     a.logits.softmax_scale = 1.f / std::sqrt(float(geo::head_dim));
     a.out = out.data() + std::size_t(l) * geo::q_heads * geo::head_dim;
     require(tierkv::host_decode<geo, tier_list>(ws, a), "host_decode");

@@ -30,6 +30,7 @@
 #include "tierkv/attention/tile.hpp"
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/dense.hpp"
+#include "tierkv/codec/rotation.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/memory/page_layout.hpp"
@@ -59,6 +60,13 @@ struct tiering_options {
   // q·mu_k to every logit of the tier (a shift of its partial state's max) and l·mu_v to
   // its accumulator.
   bool center = true;
+  // The same centring on the FP8 tiers (E4M3's relative error then falls on the deviation
+  // from the mean instead of on the offset channels).
+  bool center_fp8 = true;
+  // FP8 keys stored in the rotated domain of the TQ3 codec (seeded Hadamard, the same seed):
+  // E4M3's relative error then spreads over all coordinates instead of landing on the
+  // outlier channels that queries and keys share, and the query is rotated once per head.
+  bool rotate_fp8_keys = false;
   std::uint64_t seed = 0x7469657221ull;  // cache-wide seed of the TQ3 rotations
 };
 
@@ -85,7 +93,19 @@ class paged_backend final : public kv_backend {
   template <int I>
   using tile = tierkv::attention_tile<key_codec<I>, value_codec<I>>;
   template <int I>
-  static constexpr bool centered_tier = key_codec<I>::format == tierkv::storage_format::tq3;
+  static constexpr bool is_tq3_tier = key_codec<I>::format == tierkv::storage_format::tq3;
+  template <int I>
+  static constexpr bool is_fp8_tier = key_codec<I>::format == tierkv::storage_format::fp8_e4m3;
+  // FP8 tiers whose keys are stored rotated (option rotate_fp8_keys).
+  template <int I>
+  bool rotated() const {
+    return is_fp8_tier<I> && opt_.rotate_fp8_keys;
+  }
+  // Tiers whose pages store keys and values minus the channel means.
+  template <int I>
+  bool centered() const {
+    return (is_tq3_tier<I> && opt_.center) || (is_fp8_tier<I> && opt_.center_fp8);
+  }
   using state = tierkv::partial_state<HD>;
 
   struct page {
@@ -134,7 +154,7 @@ class paged_backend final : public kv_backend {
 
   void append(int layer, int n, const float* k, const float* v) override {
     auto& pl = pages_[std::size_t(layer)];
-    if (len_ == 0 && opt_.center) {  // the channel means of the first chunk
+    if (len_ == 0 && (opt_.center || opt_.center_fp8)) {  // the channel means of the first chunk
       for (int h = 0; h < H; ++h)
         for (int d = 0; d < HD; ++d) {
           double sk = 0, sv = 0;
@@ -216,10 +236,10 @@ class paged_backend final : public kv_backend {
     m.fp8_fraction = pages > 0 ? fp8 / pages : 0;
     bool any_centered = false;
     [&]<int... Is>(std::integer_sequence<int, Is...>) {
-      any_centered = ((centered_tier<Is>) || ...);
+      any_centered = (centered<Is>() || ...);
     }
     (std::make_integer_sequence<int, num_tiers>{});
-    if (opt_.center && any_centered)
+    if (any_centered)
       m.bytes += double(sizeof(float)) * double(mu_k_.size() + mu_v_.size());
     return m;
   }
@@ -248,7 +268,7 @@ class paged_backend final : public kv_backend {
     typename KC::meta_type km{};
     typename VC::meta_type vm{};
     float kc[HD], vc[HD];
-    if (centered_tier<I> && opt_.center) {
+    if (centered<I>()) {
       const float* mk = mu_k(layer, h);
       const float* mv = mu_v(layer, h);
       for (int d = 0; d < HD; ++d) {
@@ -257,6 +277,12 @@ class paged_backend final : public kv_backend {
       }
       k = kc;
       v = vc;
+    }
+    float kr[HD];
+    if (rotated<I>()) {
+      std::copy(k, k + HD, kr);
+      tierkv::randomized_hadamard<HD>::forward(kr, kctx(layer, h).seed);
+      k = kr;
     }
     tierkv::errc e = KC::encode(k, pg + L::key_payload(h, slot), km, kctx(layer, h), &stats_);
     if (e != tierkv::errc::ok) return e;
@@ -276,8 +302,9 @@ class paged_backend final : public kv_backend {
       const auto km = tierkv::detail::load_meta<KC>(pg + L::key_meta(h, 0), t);
       const auto vm = tierkv::detail::load_meta<VC>(pg + L::value_meta(h, 0), t);
       KC::decode(pg + L::key_payload(h, t), km, k + std::size_t(t) * HD, kctx(layer, h));
+      if (rotated<I>()) tierkv::randomized_hadamard<HD>::inverse(k + std::size_t(t) * HD, kctx(layer, h).seed);
       VC::decode(pg + L::value_payload(h, t), vm, v + std::size_t(t) * HD, vctx(layer, h));
-      if (centered_tier<I> && opt_.center) {
+      if (centered<I>()) {
         const float* mk = mu_k(layer, h);
         const float* mv = mu_v(layer, h);
         for (int d = 0; d < HD; ++d) {
@@ -304,9 +331,11 @@ class paged_backend final : public kv_backend {
         visit(tier, [&](auto I) {
           constexpr int ti = I.value;
           float prepared[G * HD];
-          for (int r = 0; r < G; ++r)
+          for (int r = 0; r < G; ++r) {
             key_codec<ti>::prepare_query(q + std::size_t(g * G + r) * HD, prepared + r * HD,
                                          kctx(layer, g));
+            if (rotated<ti>()) tierkv::randomized_hadamard<HD>::forward(prepared + r * HD, kctx(layer, g).seed);
+          }
           state st[G];
           for (auto& x : st) x.clear();
           float scores[G * P];
@@ -324,7 +353,7 @@ class paged_backend final : public kv_backend {
           if (!any) return;
           for (int r = 0; r < G; ++r) {
             value_codec<ti>::finalize(st[r].acc, vctx(layer, g));
-            if (centered_tier<ti> && opt_.center && !st[r].empty()) {
+            if (centered<ti>() && !st[r].empty()) {
               // Undo the centring: every logit of this tier is short by scale * q·mu_k (a
               // shift of the state's max), every value by mu_v (l * mu_v in the accumulator).
               const float* qr = q + std::size_t(g * G + r) * HD;

@@ -161,7 +161,7 @@ class tiered_cache {
     a.queries = queries.data();
     a.index = *view;
     a.pools = pools.data();
-    a.source = layer_source{storage_->config().codec_seed, layer};
+    a.source = layer_source{storage_->config().codec_seed, layer, storage_->config().head_base};
     a.logits = logit_params{opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
                             opt_.soft_cap};
     a.out = out.data();

@@ -61,6 +61,7 @@ struct host_batch {
 
   std::uint64_t seed = 0x5eed;
   int layer = 3;
+  int head_base = 0;  // global index of KV head 0 (a tensor-parallel rank): contexts use head_base + h
   std::vector<std::int32_t> seq_len;
   std::vector<std::uint8_t> pool[2];
   std::vector<std::int32_t> indptr[2], slot[2], logical[2];
@@ -136,8 +137,8 @@ struct host_batch {
         for (int t = 0; t < T && i * T + t < lens[b]; ++t) {
           const int tok = i * T + t;
           for (int h = 0; h < H; ++h) {
-            const codec_context kc = make_codec_context(seed, layer, h, kv_role::key);
-            const codec_context vc = make_codec_context(seed, layer, h, kv_role::value);
+            const codec_context kc = make_codec_context(seed, layer, head_base + h, kv_role::key);
+            const codec_context vc = make_codec_context(seed, layer, head_base + h, kv_role::value);
             std::vector<float> dec(D);
             for (int role = 0; role < 2; ++role) {
               for (int d = 0; d < D; ++d) kv[d] = nd(rng) + (role == 0 && d % 17 == 0 ? key_offset : 0.f);
@@ -254,6 +255,7 @@ struct device_batch {
     in.softmax_scale = 1.f / std::sqrt(float(G::head_dim));
     in.cache_seed = h.seed;
     in.layer = h.layer;
+    in.head_base = h.head_base;
     in.out = out.p;
     in.lse = lse.p;
     if (with_mass) {
@@ -281,10 +283,12 @@ double out_tol(cuda::decode_path path, bool has_tq3) {
 
 template <class G, cuda::decode_path Path>
 void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves,
-                     std::int64_t min_chunk, float key_offset, int value_spread, float q_scale) {
+                     std::int64_t min_chunk, float key_offset, int value_spread, float q_scale,
+                     int head_base) {
   constexpr int D = G::head_dim, QH = G::q_heads;
   std::mt19937_64 rng(rng_seed);
   host_batch<G> h;
+  h.head_base = head_base;
   h.build(lens, m, rng, key_offset, value_spread, q_scale);
   const int B = h.batch();
   int max_pages = 1;
@@ -345,7 +349,7 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   pool_view pools[2] = {{h.pool[0].data(), host_batch<G>::L8::page_bytes, std::uint32_t(h.pages_cap[0])},
                         {h.pool[1].data(), host_batch<G>::L3::page_bytes, std::uint32_t(h.pages_cap[1])}};
   ha.pools = pools;
-  ha.source = {h.seed, h.layer};
+  ha.source = {h.seed, h.layer, h.head_base};
   ha.logits.softmax_scale = float(scale);
   std::vector<float> hout(std::size_t(B) * QH * D), hlse(std::size_t(B) * QH);
   ha.out = hout.data();
@@ -364,11 +368,11 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
 template <class G>
 void check_case(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves = 4,
                 std::int64_t min_chunk = 32 * 1024, float key_offset = 0.f, int value_spread = 0,
-                float q_scale = 1.f) {
+                float q_scale = 1.f, int head_base = 0) {
   check_case_path<G, cuda::decode_path::tensor_core>(lens, m, rng_seed, waves, min_chunk, key_offset,
-                                                     value_spread, q_scale);
+                                                     value_spread, q_scale, head_base);
   check_case_path<G, cuda::decode_path::cuda_core>(lens, m, rng_seed, waves, min_chunk, key_offset,
-                                                   value_spread, q_scale);
+                                                   value_spread, q_scale, head_base);
 }
 
 using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
@@ -394,6 +398,9 @@ TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {
   }
   SECTION("very unequal lengths, many chunks") {
     check_case<g_qwen>({9000, 2, 300}, mix::tiered, 43, 16, 1024);
+  }
+  SECTION("a tensor-parallel rank's heads (head_base 4: contexts of global heads 4..11)") {
+    check_case<g_llama>({3000, 650}, mix::tiered, 47, 4, 32 * 1024, 0.f, 0, 1.f, 4);
   }
   SECTION("one chunk per sequence") { check_case<g_qwen>({5000, 70}, mix::tiered, 44, 1, 1ll << 40); }
   SECTION("small pages, group 1") { check_case<g_small_pages>({1000, 17, 16, 1}, mix::tiered, 45, 8, 256); }

@@ -33,7 +33,7 @@ T* to_device(const std::vector<T>& h) {
 // Fills every vector of `pages` pages of tier Tr by encoding random/adversarial floats.
 template <class G, class Tr>
 std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int layer, std::mt19937_64& rng,
-                                     int* poisoned) {
+                                     int* poisoned, int head_base) {
   constexpr int D = G::head_dim;
   using K = typename Tr::template key_codec<D>;
   using V = typename Tr::template value_codec<D>;
@@ -56,7 +56,7 @@ std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int la
             x[d] = s;
           }
           std::uint8_t* page = pool.data() + std::size_t(p) * L::page_bytes;
-          const codec_context ctx = make_codec_context(cache_seed, layer, h, role == 0 ? kv_role::key : kv_role::value);
+          const codec_context ctx = make_codec_context(cache_seed, layer, head_base + h, role == 0 ? kv_role::key : kv_role::value);
           if (role == 0) {
             (void)K::encode(x.data(), page + L::key_payload(h, t), *reinterpret_cast<bf16_bits*>(page + L::key_meta(h, t)), ctx, nullptr);
           } else {
@@ -75,7 +75,7 @@ std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int la
 template <class G, class From, class To>
 void host_retier(const std::vector<std::uint8_t>& src, std::vector<std::uint8_t>& dst,
                  const std::vector<std::int32_t>& ss, const std::vector<std::int32_t>& ds,
-                 std::uint64_t cache_seed, int layer) {
+                 std::uint64_t cache_seed, int layer, int head_base) {
   constexpr int D = G::head_dim;
   using SK = typename From::template key_codec<D>;
   using SV = typename From::template value_codec<D>;
@@ -89,8 +89,8 @@ void host_retier(const std::vector<std::uint8_t>& src, std::vector<std::uint8_t>
     std::uint8_t* dp = dst.data() + std::size_t(ds[i]) * DL::page_bytes;
     for (int h = 0; h < G::kv_heads; ++h)
       for (int t = 0; t < G::page_tokens; ++t) {
-        const codec_context kc = make_codec_context(cache_seed, layer, h, kv_role::key);
-        const codec_context vc = make_codec_context(cache_seed, layer, h, kv_role::value);
+        const codec_context kc = make_codec_context(cache_seed, layer, head_base + h, kv_role::key);
+        const codec_context vc = make_codec_context(cache_seed, layer, head_base + h, kv_role::value);
         SK::decode(sp + SL::key_payload(h, t), *reinterpret_cast<const bf16_bits*>(sp + SL::key_meta(h, t)), x.data(), kc);
         (void)DK::encode(x.data(), dp + DL::key_payload(h, t), *reinterpret_cast<bf16_bits*>(dp + DL::key_meta(h, t)), kc, nullptr);
         SV::decode(sp + SL::value_payload(h, t), *reinterpret_cast<const bf16_bits*>(sp + SL::value_meta(h, t)), x.data(), vc);
@@ -100,7 +100,7 @@ void host_retier(const std::vector<std::uint8_t>& src, std::vector<std::uint8_t>
 }
 
 template <class G, class From, class To>
-void check_retier(int pages, std::uint64_t seed) {
+void check_retier(int pages, std::uint64_t seed, int head_base = 0) {
   constexpr int D = G::head_dim;
   using DL = page_layout<G, typename To::template key_codec<D>, typename To::template value_codec<D>>;
   using SL = page_layout<G, typename From::template key_codec<D>, typename From::template value_codec<D>>;
@@ -108,7 +108,7 @@ void check_retier(int pages, std::uint64_t seed) {
   const std::uint64_t cache_seed = rng();
   const int layer = 5;
   int poisoned = 0;
-  auto src = make_pages<G, From>(pages, cache_seed, layer, rng, &poisoned);
+  auto src = make_pages<G, From>(pages, cache_seed, layer, rng, &poisoned, head_base);
   const int dst_cap = pages + 2;
   std::vector<std::uint8_t> dst(DL::page_bytes * std::size_t(dst_cap), 0x3C);
   std::vector<std::int32_t> ss(pages), ds(pages);
@@ -130,6 +130,7 @@ void check_retier(int pages, std::uint64_t seed) {
   in.layer = layer;
   in.pages = pages;
   in.cache_seed = cache_seed;
+  in.head_base = head_base;
   in.error = derr;
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
@@ -140,7 +141,7 @@ void check_retier(int pages, std::uint64_t seed) {
   int err = 0;
   CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
   CHECK(err == (poisoned ? int(errc::non_finite_input) : 0));
-  host_retier<G, From, To>(src, dst, ss, ds, cache_seed, layer);
+  host_retier<G, From, To>(src, dst, ss, ds, cache_seed, layer, head_base);
   std::size_t diff = 0, first = got.size();
   for (std::size_t i = 0; i < got.size(); ++i)
     if (got[i] != dst[i]) { ++diff; first = std::min(first, i); }
@@ -166,6 +167,11 @@ TEST_CASE("gpu retier TQ3 -> FP8 (promotion) equals the host codecs bit for bit"
   check_retier<g_qwen, stale, recent>(24, 5);
   check_retier<g_llama, stale, recent>(20, 6);
   check_retier<g_smol, stale, recent>(40, 7);
+}
+
+TEST_CASE("gpu retier of a tensor-parallel rank's pages uses the global heads' rotations", "[cuda][retier]") {
+  check_retier<g_llama, recent, stale>(12, 8, 8);  // rank 1 of 2 of a 16-head model
+  check_retier<g_llama, stale, recent>(12, 9, 8);
 }
 
 TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {

@@ -24,10 +24,13 @@
 namespace tierkv {
 
 // Which layer of which cache a host attention call reads: codec contexts (rotation
-// seeds) come from make_codec_context(cache_seed, layer, kv_head, role).
+// seeds) come from make_codec_context(cache_seed, layer, head_base + kv_head, role).
+// head_base is the storage's (storage_options::head_base): the global index of its
+// first KV head, non-zero on tensor-parallel ranks r > 0.
 struct layer_source {
   std::uint64_t cache_seed = 0;
   int layer = 0;
+  int head_base = 0;
 };
 
 namespace detail {
@@ -200,8 +203,9 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
 
     // Queries prepared once per (row, tier) with the KEY context; the states of this
     // tier accumulate in the VALUE codec's domain until finalize below.
-    const codec_context kctx = make_codec_context(src.cache_seed, src.layer, j.kv_head, kv_role::key);
-    const codec_context vctx = make_codec_context(src.cache_seed, src.layer, j.kv_head, kv_role::value);
+    const int g = src.head_base + j.kv_head;
+    const codec_context kctx = make_codec_context(src.cache_seed, src.layer, g, kv_role::key);
+    const codec_context vctx = make_codec_context(src.cache_seed, src.layer, g, kv_role::value);
     for (int r = 0; r < j.rows; ++r)
       key_codec::prepare_query(j.queries[r], s.prepared + std::size_t(r) * head_dim, kctx);
     state* st = s.tier_states + std::size_t(I) * std::size_t(j.rows);

@@ -44,9 +44,13 @@ namespace detail {
 inline constexpr int tq3_lanes = 32;  // the canonical warp
 
 // Unit-variance Lloyd–Max centroids of N(0,1), code 0 = most negative.
+// Centroid of a code: codes 0..3 are -2.1519, -1.3439, -0.7560, -0.2451 and 4..7 their
+// mirror. Selects rather than an indexed array, which device code would place in local memory.
 TIERKV_HD_INLINE float tq3_centroid(int code) {
-  const float c[8] = {-2.1519f, -1.3439f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3439f, 2.1519f};
-  return c[code & 7];
+  const bool pos = (code & 4) != 0;
+  const int m = pos ? (code & 3) : 3 - (code & 3);  // magnitude rank 0..3
+  const float mag = m == 0 ? 0.2451f : m == 1 ? 0.7560f : m == 2 ? 1.3439f : 2.1519f;
+  return pos ? mag : -mag;
 }
 inline constexpr float tq3_threshold1 = 0.5005f;
 inline constexpr float tq3_threshold2 = 1.0500f;

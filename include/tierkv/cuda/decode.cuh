@@ -38,7 +38,8 @@ struct decode_inputs {
   const void* queries = nullptr;       // [batch][q_heads][head_dim], post-RoPE
   query_type queries_type = query_type::f32;
   float softmax_scale = 0.f;           // natural-log units, usually 1/sqrt(head_dim)
-  std::uint64_t cache_seed = 0;        // codec contexts: make_codec_context(seed, layer, head, role)
+  std::uint64_t cache_seed = 0;        // codec contexts: make_codec_context(seed, layer, head_base + head, role)
+  int head_base = 0;                   // global index of KV head 0 (a tensor-parallel rank's first head)
   int layer = 0;
   float* out = nullptr;                // [batch][q_heads][head_dim]
   float* lse = nullptr;                // optional [batch][q_heads], natural log; -inf when empty
@@ -85,6 +86,27 @@ struct decode_shape {
   static constexpr int floats = q_raw + q_prep + acc_part + acc_total + scores + probs + vscale + per_head;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
+
+// P consecutive floats at p (16-byte aligned when P % 4 == 0): vector loads.
+template <int P>
+__device__ __forceinline__ void load_lane_floats(const float* p, float (&a)[P]) {
+  if constexpr (P % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < P; i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(p + i);
+      a[i] = v.x; a[i + 1] = v.y; a[i + 2] = v.z; a[i + 3] = v.w;
+    }
+  } else if constexpr (P % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < P; i += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(p + i);
+      a[i] = v.x; a[i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < P; ++i) a[i] = p[i];
+  }
+}
 
 // Per-sequence chunking shared by the decode and merge kernels (same arithmetic, so the
 // merge knows which chunk states exist without any extra buffer).
@@ -224,8 +246,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
   const int slice = tid % LPT;
   const int tg = tid / LPT;
   const int warp = tid / 32, lane = tid % 32;
-  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::key);
-  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::value);
+  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
   const float score_scale = in.softmax_scale * log2e * KR::code_scale;
 
   // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
@@ -513,8 +535,16 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
   }
 
   // grid (q_heads, batch): log-sum-exp merge of the chunk states; writes out and lse.
+  // Every loop runs over the chunks in parallel (a serial walk costs one L2 round trip per
+  // chunk: ~30 us at 64 chunks, the whole budget of a small-batch step): the states are
+  // reduced by the block, each warp sums the accumulators of every 4th chunk with its lanes
+  // on contiguous dims, and the 4 warp sums are added in a fixed order (deterministic).
   static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
     constexpr int D = S::d;
+    constexpr int PL = (D + 31) / 32;  // dims per lane
+    __shared__ float red[decode_warps];
+    __shared__ float part[decode_warps][PL * 32];
+    __shared__ float wts[decode_capacity_max_chunks];
     std::int64_t cost[N];
 #pragma unroll
     for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
@@ -526,20 +556,60 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
                            row * std::size_t(plan.max_chunks);
     const float* accs = reinterpret_cast<const float*>(workspace + plan.acc_offset) +
                         row * std::size_t(plan.max_chunks) * D;
+    const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    auto block_reduce = [&](float x, bool is_max) {
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = is_max ? fmaxf(x, y) : x + y;
+      }
+      __syncthreads();
+      if (lane == 0) red[warp] = x;
+      __syncthreads();
+      x = red[0];
+#pragma unroll
+      for (int w = 1; w < decode_warps; ++w) x = is_max ? fmaxf(x, red[w]) : x + red[w];
+      return x;
+    };
     float mx = -INFINITY;
-    for (int k = 0; k < ch.chunks; ++k)
-      if (states[k].y > 0.f) mx = fmaxf(mx, states[k].x);
-    float l = 0.f;
-    for (int k = 0; k < ch.chunks; ++k)
-      if (states[k].y > 0.f) l += states[k].y * exp2f(states[k].x - mx);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int i = int(threadIdx.x); i < D; i += decode_threads) {
-      float o = 0.f;
-      for (int k = 0; k < ch.chunks; ++k)
-        if (states[k].y > 0.f) o = fmaf(accs[std::size_t(k) * D + std::size_t(i)], exp2f(states[k].x - mx), o);
-      in.out[row * D + std::size_t(i)] = o * inv;
+    for (int k = tid; k < ch.chunks; k += decode_threads) {
+      const float2 st = states[k];
+      if (st.y > 0.f) mx = fmaxf(mx, st.x);
     }
-    if (threadIdx.x == 0 && in.lse != nullptr)
+    mx = block_reduce(mx, true);
+    float l = 0.f;
+    for (int k = tid; k < ch.chunks; k += decode_threads) {
+      const float2 st = states[k];
+      const float w = st.y > 0.f ? exp2f(st.x - mx) : 0.f;
+      wts[k] = w;
+      l += st.y * w;
+    }
+    l = block_reduce(l, false);  // its barriers also publish wts
+    // Unconditional, independent loads (a chunk of weight 0 is skipped by a select), so
+    // several chunks' accumulators are in flight per warp.
+    float o[PL];
+#pragma unroll
+    for (int i = 0; i < PL; ++i) o[i] = 0.f;
+    const bool live = lane * PL < D;
+#pragma unroll 4
+    for (int k = warp; k < ch.chunks; k += decode_warps) {
+      const float w = wts[k];
+      float a[PL];
+      load_lane_floats<PL>(accs + std::size_t(k) * D + std::size_t(live ? lane : 0) * PL, a);
+#pragma unroll
+      for (int i = 0; i < PL; ++i) o[i] = w != 0.f ? fmaf(a[i], w, o[i]) : o[i];
+    }
+#pragma unroll
+    for (int i = 0; i < PL; ++i) part[warp][lane * PL + i] = live ? o[i] : 0.f;
+    __syncthreads();
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int i = tid; i < D; i += decode_threads) {
+      float x = part[0][i];
+#pragma unroll
+      for (int w = 1; w < decode_warps; ++w) x += part[w][i];
+      in.out[row * D + std::size_t(i)] = x * inv;
+    }
+    if (tid == 0 && in.lse != nullptr)
       in.lse[row] = l > 0.f ? (mx + log2f(l)) / log2e : -INFINITY;
   }
 
@@ -646,10 +716,10 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
   const dim3 grid_split(unsigned(plan.max_chunks), unsigned(Geometry::kv_heads), unsigned(in.index.batch));
   if constexpr (Path == decode_path::tensor_core) {
-    using S = detail::mma_shape<Geometry>;
+    using S = detail::mma_smem_size<Geometry, TierList>;
     TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_mma_split_kernel<Geometry, TierList>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::smem_bytes)));
-    detail::decode_mma_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes)));
+    detail::decode_mma_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::bytes, stream>>>(in, plan, ws);
   } else {
     using S = detail::decode_shape<Geometry>;
     TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_split_kernel<Geometry, TierList>,

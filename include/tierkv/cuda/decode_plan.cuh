@@ -15,6 +15,10 @@
 
 namespace tierkv::cuda {
 
+// The most chunks one sequence may be split in (the merge kernel keeps a weight per chunk
+// in shared memory).
+inline constexpr int decode_capacity_max_chunks = 4096;
+
 // What a plan must hold: the largest batch, the most chunks a sequence may be split in
 // (the workspace holds one partial state per chunk), and for the optional per-page
 // attention mass the most logical pages a sequence may have.
@@ -115,9 +119,9 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
                         capacity.max_batch, " must be at least 1");
   if (batch < 0 || batch > capacity.max_batch)
     return status::out_of_range("plan_decode: batch", batch, capacity.max_batch + 1);
-  if (capacity.max_chunks_per_seq < 1 || capacity.max_chunks_per_seq > 4096)
+  if (capacity.max_chunks_per_seq < 1 || capacity.max_chunks_per_seq > decode_capacity_max_chunks)
     return status::make(errc::invalid_argument, "plan_decode: capacity.max_chunks_per_seq = ",
-                        capacity.max_chunks_per_seq, " must lie in [1, 4096]");
+                        capacity.max_chunks_per_seq, " must lie in [1, ", decode_capacity_max_chunks, "]");
   if (capacity.page_mass && capacity.max_pages_per_seq < 1)
     return status::make(errc::invalid_argument,
                         "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",

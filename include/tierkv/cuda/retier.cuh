@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Retier kernels: convert whole pages between two tiers (FP8 -> TQ3 demotion, TQ3 -> FP8
 // promotion, or any pair of supported formats) over a list of (source, destination) page
-// slots, one warp per token vector, on the caller's stream. Codes equal the host codecs'
+// slots, one warp per token vector (warps loop over the vectors), on the caller's stream. Codes equal the host codecs'
 // decode-then-encode bit for bit (tests/cuda/retier.cu).
 #pragma once
 
@@ -34,6 +34,7 @@ struct retier_inputs {
   int layer = 0;
   int pages = 0;
   std::uint64_t cache_seed = 0;
+  int head_base = 0;  // global index of KV head 0: contexts use head_base + head (tensor parallel)
   int* error = nullptr;  // optional: first device errc (0 = ok)
 };
 
@@ -52,12 +53,11 @@ __device__ __forceinline__ void warp_decode_any(const std::uint8_t* payload, typ
 }
 template <class C, int P>
 __device__ __forceinline__ bool warp_encode_any(const float (&x)[P], std::uint8_t* payload,
-                                                typename C::meta_type* meta, std::uint64_t seed,
-                                                std::uint8_t* scratch, int lane) {
+                                                typename C::meta_type* meta, std::uint64_t seed, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     return warp_encode_fp8<C, P>(x, payload, meta, lane);
   } else if constexpr (C::format == storage_format::tq3) {
-    return warp_encode_tq3<C, P>(x, payload, meta, seed, scratch, lane);
+    return warp_encode_tq3<C, P>(x, payload, meta, seed, lane);
   } else {
     static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3 or tq3");
     return false;
@@ -65,20 +65,19 @@ __device__ __forceinline__ bool warp_encode_any(const float (&x)[P], std::uint8_
 }
 
 inline constexpr int retier_warps = 8;
+// Blocks of a launch: enough to fill an H200 several times over; warps then loop over the
+// vectors (grid stride), so a large batch does not pay a block launch per 8 vectors.
+inline constexpr std::int64_t retier_max_blocks = 132 * 16;
 
-// grid.x = pages * kv_heads * page_tokens * 2 / retier_warps: warp w converts one
-// (page, role, head, token) vector; consecutive warps take consecutive tokens.
+// One (page, role, head, token) vector per warp iteration; consecutive warps take
+// consecutive tokens.
 template <class Geometry, class From, class To>
-__global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs in) {
+__device__ __forceinline__ void retier_vector(const retier_inputs& in, std::int64_t w, int lane) {
   constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, T = Geometry::page_tokens;
   constexpr int P = D / 32;
-  __shared__ std::uint8_t scratch[retier_warps][D];
-  const int wib = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const std::int64_t w = std::int64_t(blockIdx.x) * retier_warps + wib;
-  const std::int64_t per_page = std::int64_t(H) * T * 2;
-  if (w >= std::int64_t(in.pages) * per_page) return;
+  constexpr int per_page = H * T * 2;
   const int i = int(w / per_page);
-  const int r = int(w % per_page);
+  const int r = int(w - std::int64_t(i) * per_page);
   const int t = r % T, h = (r / T) % H, role = r / (T * H);
   const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
   if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
@@ -87,7 +86,7 @@ __global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs
   }
   const int layer = in.layer_of ? in.layer_of[i] : in.layer;
   const kv_role kr = role == 0 ? kv_role::key : kv_role::value;
-  const std::uint64_t seed = make_codec_context(in.cache_seed, layer, h, kr).seed;
+  const std::uint64_t seed = make_codec_context(in.cache_seed, layer, in.head_base + h, kr).seed;
   const std::uint8_t* sp = in.src.page(std::uint32_t(s));
   std::uint8_t* dp = in.dst.page(std::uint32_t(d));
   float x[P];
@@ -100,8 +99,7 @@ __global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs
     const auto meta = *reinterpret_cast<const typename SK::meta_type*>(sp + SL::key_meta(h, t));
     warp_decode_any<SK, P>(sp + SL::key_payload(h, t), meta, seed, x, lane);
     ok = warp_encode_any<DK, P>(x, dp + DL::key_payload(h, t),
-                                reinterpret_cast<typename DK::meta_type*>(dp + DL::key_meta(h, t)),
-                                seed, scratch[wib], lane);
+                                reinterpret_cast<typename DK::meta_type*>(dp + DL::key_meta(h, t)), seed, lane);
   } else {
     using SV = typename From::template value_codec<D>;
     using DV = typename To::template value_codec<D>;
@@ -110,10 +108,18 @@ __global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs
     const auto meta = *reinterpret_cast<const typename SV::meta_type*>(sp + SL::value_meta(h, t));
     warp_decode_any<SV, P>(sp + SL::value_payload(h, t), meta, seed, x, lane);
     ok = warp_encode_any<DV, P>(x, dp + DL::value_payload(h, t),
-                                reinterpret_cast<typename DV::meta_type*>(dp + DL::value_meta(h, t)),
-                                seed, scratch[wib], lane);
+                                reinterpret_cast<typename DV::meta_type*>(dp + DL::value_meta(h, t)), seed, lane);
   }
   if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+}
+
+template <class Geometry, class From, class To>
+__global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs in) {
+  const int wib = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const std::int64_t total = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2;
+  const std::int64_t stride = std::int64_t(gridDim.x) * retier_warps;
+  for (std::int64_t w = std::int64_t(blockIdx.x) * retier_warps + wib; w < total; w += stride)
+    retier_vector<Geometry, From, To>(in, w, lane);
 }
 
 }  // namespace detail
@@ -137,8 +143,8 @@ status retier(const retier_inputs& in, cudaStream_t stream) {
     return status::make(errc::geometry_mismatch, "retier: dst.page_bytes = ", in.dst.page_bytes,
                         " but tier To's layout needs ", dst_layout::page_bytes);
   const std::int64_t warps = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2;
-  const std::int64_t blocks = (warps + detail::retier_warps - 1) / detail::retier_warps;
-  if (blocks > 0x7fffffff) return status::exceeds(errc::invalid_argument, "retier: blocks", blocks, 0x7fffffff);
+  std::int64_t blocks = (warps + detail::retier_warps - 1) / detail::retier_warps;
+  if (blocks > detail::retier_max_blocks) blocks = detail::retier_max_blocks;
   detail::retier_kernel<Geometry, From, To><<<unsigned(blocks), detail::retier_warps * 32, 0, stream>>>(in);
   return check_launch("retier_kernel");
 }

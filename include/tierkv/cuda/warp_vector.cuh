@@ -7,6 +7,8 @@
 
 #include "tierkv/core/config.hpp"
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -61,13 +63,22 @@ __device__ __forceinline__ void store_bytes(std::uint8_t* p, const std::uint8_t 
   }
 }
 
-// x <- D x on this lane's coordinates [lane*P, lane*P + P).
+// x <- D x on this lane's coordinates [lane*P, lane*P + P): a sign-bit flip, exact. When P
+// divides 64 the lane's coordinates share one 64-bit sign word: one splitmix64 per lane.
 template <int P>
 __device__ __forceinline__ void warp_signs(float (&x)[P], std::uint64_t seed, int lane) {
+  if constexpr (64 % P == 0) {
+    const int first = lane * P;
+    const std::uint64_t w = rotation_sign_word(seed, first >> 6) >> (first & 63);
 #pragma unroll
-  for (int r = 0; r < P; ++r) {
-    const int i = lane * P + r;
-    if (rotation_sign_negative(seed, i)) x[r] = -x[r];
+    for (int r = 0; r < P; ++r)
+      x[r] = __uint_as_float(__float_as_uint(x[r]) ^ (std::uint32_t((w >> r) & 1u) << 31));
+  } else {
+#pragma unroll
+    for (int r = 0; r < P; ++r) {
+      const int i = lane * P + r;
+      if (rotation_sign_negative(seed, i)) x[r] = -x[r];
+    }
   }
 }
 
@@ -142,15 +153,68 @@ __device__ __forceinline__ void warp_decode_fp8(const std::uint8_t* payload,
   const float s = bf16_to_float(meta);
   std::uint8_t codes[P];
   load_bytes<P>(payload + lane * P, codes);
+  if constexpr (P % 2 == 0) {
+    // cvt.f16x2.e4m3x2 (or e5m2x2): two codes per instruction, exact like code_value
+    constexpr __nv_fp8_interpretation_t kind =
+        Codec::format == storage_format::fp8_e4m3 ? __NV_E4M3 : __NV_E5M2;
 #pragma unroll
-  for (int r = 0; r < P; ++r) x[r] = Codec::code_value(codes[r]) * s;
+    for (int r = 0; r < P; r += 2) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(codes[r] | (codes[r + 1] << 8)), kind);
+      __half_raw lo, hi;
+      lo.x = h.x;
+      hi.x = h.y;
+      x[r] = __half2float(__half(lo)) * s;
+      x[r + 1] = __half2float(__half(hi)) * s;
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < P; ++r) x[r] = Codec::code_value(codes[r]) * s;
+  }
 }
 
-// TQ3 encode (exactly tq3_codec::encode). `codes` is this warp's shared scratch of d bytes.
+// Packs this lane's P TQ3 codes (coordinates [lane*P, lane*P + P)) into the payload's
+// 3-word groups (docs/formats.md): each lane ORs its codes into the three words of its
+// group, the 32 / P lanes of a group OR-reduce by shuffles, and lanes store whole words.
+template <int P>
+__device__ __forceinline__ void warp_pack_tq3(const std::uint32_t (&code)[P], std::uint8_t* payload, int lane) {
+  static_assert(P <= 32 && 32 % P == 0, "warp_pack_tq3: a lane's coordinates lie in one group");
+  constexpr int lanes_per_group = 32 / P;
+  std::uint32_t w[3] = {0u, 0u, 0u};
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    const int j = (lane * P + r) & 31;
+    const std::uint32_t c = code[r] & 7u;
+    if (j < 24) {
+      const std::uint32_t v = c << (4 * (j & 7));
+#pragma unroll
+      for (int t = 0; t < 3; ++t) w[t] |= (j >> 3) == t ? v : 0u;
+    } else {
+      const int sh = 4 * (j - 24) + 3;
+#pragma unroll
+      for (int t = 0; t < 3; ++t) w[t] |= ((c >> t) & 1u) << sh;
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < lanes_per_group; o <<= 1)
+#pragma unroll
+    for (int t = 0; t < 3; ++t) w[t] |= __shfl_xor_sync(full_warp, w[t], o);
+  std::uint32_t* out = reinterpret_cast<std::uint32_t*>(payload) + 3 * ((lane * P) >> 5);
+  const int li = lane % lanes_per_group;
+  if constexpr (lanes_per_group >= 3) {
+    if (li < 3) out[li] = li == 0 ? w[0] : li == 1 ? w[1] : w[2];
+  } else if (li == 0) {
+#pragma unroll
+    for (int t = 0; t < 3; ++t) out[t] = w[t];
+  }
+}
+
+// TQ3 encode (exactly tq3_codec::encode), codes packed in registers (warp_pack_tq3).
+// The payload must be 4-byte aligned.
 template <class Codec, int P>
 __device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_t* payload,
                                                 typename Codec::meta_type* meta, std::uint64_t seed,
-                                                std::uint8_t* codes, int lane) {
+                                                int lane) {
   constexpr int D = Codec::head_dim;
   static_assert(P * 32 == D, "warp_encode_tq3: one warp owns d/32 coordinates per lane");
   float amax = 0.f;
@@ -162,22 +226,13 @@ __device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_
   }
   finite = __all_sync(full_warp, finite);
   amax = warp_max(amax);
+  std::uint32_t codes[P];
   if (!finite || amax == 0.f) {
-    for (int i = lane; i < int(Codec::payload_bytes); i += 32) payload[i] = 0;
-    if (finite) {
-      // all-zero vector: zero_code everywhere, alpha 0
-      for (int i = lane; i < D; i += 32) codes[i] = std::uint8_t(Codec::zero_code);
-    }
-    __syncwarp();
-    if (finite) {
-      for (int g = lane; g < Codec::groups; g += 32) {
-        std::uint32_t w[3];
-        tierkv::detail::tq3_pack_group(codes + 32 * g, w);
-        for (int t = 0; t < 3; ++t) tierkv::detail::store_le32(payload + 12 * g + 4 * t, w[t]);
-      }
-    }
+    // all-zero vector: zero_code everywhere, alpha 0; non-finite: zero payload, poison meta
+#pragma unroll
+    for (int r = 0; r < P; ++r) codes[r] = finite ? std::uint32_t(Codec::zero_code) : 0u;
+    warp_pack_tq3<P>(codes, payload, lane);
     if (lane == 0) *meta = finite ? typename Codec::meta_type(0) : Codec::poison_meta;
-    __syncwarp();
     return finite;
   }
   const int k = tierkv::detail::unit_exponent(amax);
@@ -196,24 +251,18 @@ __device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_
 #pragma unroll
   for (int r = 0; r < P; ++r) {
     const int code = tierkv::detail::tq3_quantize(z[r], bounds);
-    codes[lane * P + r] = std::uint8_t(code);
+    codes[r] = std::uint32_t(code);
     const float c = tierkv::detail::tq3_centroid(code);
     s_zc = fmaf(z[r], c, s_zc);
     s_cc = fmaf(c, c, s_cc);
   }
   s_zc = warp_sum_canonical(s_zc);
   s_cc = warp_sum_canonical(s_cc);
-  __syncwarp();
-  for (int g = lane; g < Codec::groups; g += 32) {
-    std::uint32_t w[3];
-    tierkv::detail::tq3_pack_group(codes + 32 * g, w);
-    for (int t = 0; t < 3; ++t) reinterpret_cast<std::uint32_t*>(payload)[3 * g + t] = w[t];
-  }
+  warp_pack_tq3<P>(codes, payload, lane);
   if (lane == 0) {
     bool saturated = false;
     *meta = tierkv::detail::tq3_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
   }
-  __syncwarp();
   return true;
 }
 

@@ -6,10 +6,13 @@
 //   * every structural operation (create, append of the rank's head slice of K/V, fork,
 //     release, retier decisions) is decided once and applied to all ranks in the same
 //     order, so page tables (tier and page id of every logical page and layer) agree;
-//   * each rank's codec contexts use its LOCAL KV head index (paged_storage and the
-//     attention passes know no head offset), so a rank is self-consistent; pages sliced
-//     out of an unsharded cache import into rank r > 0 only in context-free formats
-//     (FP8, dense) -- import_pages refuses rotation-dependent (TQ3) slices with head_begin > 0.
+//   * rank r's storage is created with head_base = r * kv_heads / T (rank_options), so its
+//     codec contexts are those of the GLOBAL KV heads it holds: its pages, TQ3 included,
+//     are byte for byte the head slices of an unsharded cache with the same seed and the
+//     same operations, and a head slice [b, b + n) of any cache imports into a storage
+//     whose head_base is b (import_pages checks it for rotation-dependent formats).
+//   * the CUDA decode/retier inputs know no head_base yet: GPU ranks r > 0 with TQ3
+//     tiers need it there too (docs/multigpu.md, limits).
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -53,6 +56,16 @@ inline result<rank_heads> heads_of_rank(int kv_heads, int group_size, int ranks,
   return rank_heads{rank * n, n, rank * n * group_size, n * group_size};
 }
 
+// Rank r's storage options: the unsharded cache's `opt` with head_base advanced by the
+// rank's first KV head (r * kv_heads / T when the unsharded cache starts at head 0).
+template <int NumTiers>
+result<storage_options<NumTiers>> rank_options(storage_options<NumTiers> opt, int kv_heads, int ranks, int rank) {
+  auto h = heads_of_rank(kv_heads, 1, ranks, rank);
+  if (!h) return h.error_status();
+  opt.head_base += h->kv_begin;
+  return opt;
+}
+
 // Rank r's slice of a token-major tensor [rows][heads][dim] (K/V of an append, or
 // queries / outputs): heads [begin, begin + count) of every row, in order.
 inline status slice_heads(std::span<const float> all, int heads, int dim, int begin, int count,
@@ -88,7 +101,7 @@ inline status join_heads(std::span<const float> part, int heads, int dim, int be
 }
 
 // Exports rank r's head slice (of T) of logical pages [first, first + count) of seq,
-// for import_pages into that rank's cache (see the contract above for TQ3 pages).
+// for import_pages into that rank's cache (made with rank_options, so TQ3 pages fit).
 template <class Storage>
 result<std::vector<std::uint8_t>> export_rank_pages(const Storage& s, seq_id seq, int ranks, int rank,
                                                     std::int64_t first = 0, std::int64_t count = -1)

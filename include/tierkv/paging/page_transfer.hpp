@@ -40,8 +40,9 @@ inline constexpr std::size_t page_transfer_record_bytes = 16;
 inline constexpr std::size_t page_transfer_checksum_bytes = 8;
 
 // Formats whose decoding depends on the codec context (the rotation seed derived from
-// cache seed, layer, KV head index and role). Pages in these formats decode correctly
-// only where the same KV head index is used (see head_slice below).
+// cache seed, layer, global KV head index and role). Pages in these formats decode
+// correctly only in a storage that gives them the same global head index, i.e. whose
+// head_base is the slice's first global head (see verify_import).
 constexpr bool format_uses_codec_context(storage_format f) noexcept { return f == storage_format::tq3; }
 
 // A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
@@ -60,7 +61,7 @@ struct transfer_info {
   std::uint32_t version = 0;
   std::uint64_t total_bytes = 0;
   geometry_desc geometry{};       // kv_heads = heads in the buffer (the slice)
-  std::uint32_t head_begin = 0;   // first KV head of the slice in the source storage
+  std::uint32_t head_begin = 0;   // global index of the slice's first KV head (source head_base + slice begin)
   std::uint32_t source_kv_heads = 0;
   std::uint32_t num_layers = 0;
   std::uint32_t num_tiers = 0;
@@ -318,7 +319,9 @@ status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> o
   put<std::uint32_t>(b, 28, std::uint32_t(heads.count));
   put<std::uint32_t>(b, 32, std::uint32_t(Storage::geometry::group_size));
   put<std::uint32_t>(b, 36, std::uint32_t(Storage::page_tokens));
-  put<std::uint32_t>(b, 40, std::uint32_t(heads.begin));
+  // Global head index (the source's head_base + the slice's begin): what the rotations of
+  // the slice's pages are seeded with, so what the destination's head_base must be.
+  put<std::uint32_t>(b, 40, std::uint32_t(s.config().head_base + heads.begin));
   put<std::uint32_t>(b, 44, std::uint32_t(Storage::kv_heads));
   put<std::uint32_t>(b, 48, std::uint32_t(s.num_layers()));
   put<std::uint32_t>(b, 52, std::uint32_t(Storage::num_tiers));
@@ -347,9 +350,23 @@ status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> o
         using L = typename Storage::template layout<I>;
         const auto r = detail::slice_regions<L>::make(heads.begin, heads.count);
         const std::uint8_t* src = s.template pool<I>().host_page(p);
-        std::memset(b + off, 0, r.slice_page_bytes);  // alignment padding is defined, so checksums are
-        for (int k = 0; k < 4; ++k)
-          if (r.len[k] != 0) std::memcpy(b + off + r.dst[k], src + r.src[k], r.len[k]);
+        // Padding and the token slots past a partial page's fill are zero, so an export
+        // depends only on the stored tokens (not on what a recycled page held before).
+        std::memset(b + off, 0, r.slice_page_bytes);
+        if (fill == Storage::page_tokens) {
+          for (int k = 0; k < 4; ++k)
+            if (r.len[k] != 0) std::memcpy(b + off + r.dst[k], src + r.src[k], r.len[k]);
+        } else {
+          // Each region is [head][token slot][bytes per slot]: copy the first `fill` slots per head.
+          for (int k = 0; k < 4; ++k) {
+            const std::size_t slot = r.len[k] / (std::size_t(heads.count) * std::size_t(Storage::page_tokens));
+            const std::size_t head_bytes = slot * std::size_t(Storage::page_tokens);
+            for (int h = 0; h < heads.count && slot != 0; ++h) {
+              const std::size_t at = std::size_t(h) * head_bytes;
+              std::memcpy(b + off + r.dst[k] + at, src + r.src[k] + at, slot * std::size_t(fill));
+            }
+          }
+        }
         off += r.slice_page_bytes;
       });
     }
@@ -373,7 +390,8 @@ result<std::vector<std::uint8_t>> export_pages(const Storage& s, seq_id seq, std
 // Everything import_pages checks before it changes anything: the buffer on its own
 // (inspect_transfer), then that it fits this storage: geometry, layer count, tier list
 // and formats, page sizes, codec seed, and that no rotation-dependent page would be
-// decoded with another head's rotation.
+// decoded with another head's rotation (the slice's first global head must be this
+// storage's head_base; context-free formats import at any head_base).
 template <class Storage>
 result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8_t> buf) {
   auto info = inspect_transfer(buf);
@@ -407,21 +425,23 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
     return status::make(errc::geometry_mismatch, "page transfer: codec seed 0x", std::hex, t.codec_seed,
                         " != this storage's 0x", s.config().codec_seed,
                         " (rotations would differ); nothing imported");
-  if (t.head_begin != 0)
+  const int head_base = s.config().head_base;
+  if (t.head_begin != std::uint32_t(head_base))
     for (int i = 0; i < Storage::num_tiers; ++i) {
       const transfer_tier_info& ti = t.tiers[std::size_t(i)];
       if (t.pages_per_tier[std::size_t(i)] != 0 &&
           (format_uses_codec_context(ti.key_format) || format_uses_codec_context(ti.value_format)))
         return status::make(errc::geometry_mismatch, "page transfer: ", t.pages_per_tier[std::size_t(i)],
-                            " pages of tier ", i, " use a rotation seeded by the KV head index; the slice starts at ",
-                            "source head ", t.head_begin, " but this storage would decode it as head 0 "
-                            "(docs/multigpu.md, head-sharded caches); nothing imported");
+                            " pages of tier ", i, " use a rotation seeded by the global KV head index; the buffer's ",
+                            "slice starts at global head ", t.head_begin, ", this storage's head_base = ", head_base,
+                            " (they must be equal: docs/multigpu.md, head-sharded caches); nothing imported");
     }
   return info;
 }
 
 // Imports a verified buffer as a NEW sequence of s holding the run's pages (its logical
-// page 0 is the run's first page), byte-identical to the source's. All or nothing: the
+// page 0 is the run's first page), byte-identical to the source's (a partial last page:
+// its filled token slots; the slots past the fill are zero). All or nothing: the
 // buffer and the capacities (sequence slot, blocks, every tier's pool at its peak use)
 // are checked first; a failure after that (bookkeeping memory) releases the partial
 // sequence, so every pool, block and sequence count is as before.

@@ -55,6 +55,9 @@ struct storage_options {
   std::uint32_t max_sequences = 1024;
   std::array<std::uint32_t, NumTiers> pages_per_tier{};  // pool capacities, in physical pages
   std::uint64_t codec_seed = 0;                            // rotation seeds (make_codec_context)
+  // Global index of this storage's first KV head: codec contexts use head_base + local
+  // head, so a tensor-parallel rank's pages are the head slices of an unsharded cache's.
+  int head_base = 0;
 };
 
 // The byte lines the storage charges its host bookkeeping to (see report.hpp).
@@ -135,6 +138,9 @@ class paged_storage {
     if (max_seqs < 1 || max_seqs > (1u << 24))
       return status::make(errc::invalid_argument, "max_sequences = ", max_seqs,
                           " must lie in [1, 2^24]");
+    const int head_base = opt.head_base;
+    if (head_base < 0 || head_base > (1 << 24))
+      return status::make(errc::invalid_argument, "head_base = ", head_base, " must lie in [0, 2^24]");
     std::uint64_t total_pages = 0;
     for (int t = 0; t < num_tiers; ++t) {
       if (opt.pages_per_tier[std::size_t(t)] == 0)
@@ -408,14 +414,15 @@ class paged_storage {
     if (head < 0 || head >= kv_heads) return status::out_of_range("kv head", head, kv_heads);
     const page_id p = page_of(r->blocks[std::size_t(token / page_tokens)], layer);
     const int t = int(token % page_tokens);
+    const int g = opt_.head_base + head;  // the global head names the rotation
     detail::with_index<num_tiers>(p.format, [&](auto I) {
       using L = layout<I>;
       const std::uint8_t* base = std::get<I>(pools_).host_page(p);
       decode_vector<typename L::key_codec>(base + L::key_payload(head, t), base + L::key_meta(head, t),
-                                           key, make_codec_context(opt_.codec_seed, layer, head, kv_role::key));
+                                           key, make_codec_context(opt_.codec_seed, layer, g, kv_role::key));
       decode_vector<typename L::value_codec>(base + L::value_payload(head, t),
                                              base + L::value_meta(head, t), value,
-                                             make_codec_context(opt_.codec_seed, layer, head, kv_role::value));
+                                             make_codec_context(opt_.codec_seed, layer, g, kv_role::value));
     });
     return {};
   }
@@ -783,8 +790,9 @@ class paged_storage {
       const float* kl = keys + std::size_t(l) * std::size_t(n) * per_token;
       const float* vl = values + std::size_t(l) * std::size_t(n) * per_token;
       for (int h = 0; h < kv_heads; ++h) {
-        const codec_context kctx = make_codec_context(opt_.codec_seed, l, h, kv_role::key);
-        const codec_context vctx = make_codec_context(opt_.codec_seed, l, h, kv_role::value);
+        const int g = opt_.head_base + h;  // global KV head: ranks encode as the unsharded cache
+        const codec_context kctx = make_codec_context(opt_.codec_seed, l, g, kv_role::key);
+        const codec_context vctx = make_codec_context(opt_.codec_seed, l, g, kv_role::value);
         for (std::int64_t i = 0; i < n; ++i) {
           const std::int64_t pos = start + i;
           const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];

@@ -130,6 +130,7 @@ status fill_conversion_on_host(Storage& storage, const staged_conversion& c, con
   constexpr int H = Storage::kv_heads;
   constexpr int T = Storage::page_tokens;
   const std::uint64_t seed = storage.config().codec_seed;
+  const int head_base = storage.config().head_base;  // contexts of the global KV heads
   status out;
   detail::with_index<Storage::num_tiers>(int(c.from.format), [&](auto SI) {
     detail::with_index<Storage::num_tiers>(int(c.to.format), [&](auto TI) {
@@ -144,8 +145,8 @@ status fill_conversion_on_host(Storage& storage, const staged_conversion& c, con
         const std::uint8_t* s = src->data();
         std::uint8_t* d = dst->data();
         for (int h = 0; h < H && out; ++h) {
-          const codec_context kctx = make_codec_context(seed, c.layer, h, kv_role::key);
-          const codec_context vctx = make_codec_context(seed, c.layer, h, kv_role::value);
+          const codec_context kctx = make_codec_context(seed, c.layer, head_base + h, kv_role::key);
+          const codec_context vctx = make_codec_context(seed, c.layer, head_base + h, kv_role::value);
           for (int t = 0; t < T; ++t) {
             errc e = detail::transcode_vector<typename SL::key_codec, typename TL::key_codec>(
                 s + SL::key_payload(h, t), s + SL::key_meta(h, t), d + TL::key_payload(h, t), d + TL::key_meta(h, t),

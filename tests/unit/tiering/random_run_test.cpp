@@ -173,7 +173,7 @@ struct runner {
     a.queries = query;
     a.index = *view;
     a.pools = pools.data();
-    a.source = layer_source{s->config().codec_seed, layer};
+    a.source = layer_source{s->config().codec_seed, layer, s->config().head_base};
     a.logits.softmax_scale = 0.125f;
     a.out = out;
     a.page_mass = mass.data();

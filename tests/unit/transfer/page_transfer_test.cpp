@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "tierkv/paging/head_shard.hpp"
 #include "transfer_support.hpp"
 
 using namespace tierkv;
@@ -119,7 +120,7 @@ TEST_CASE("export/import round trip: byte-identical pages, identical decode", "[
       for (int l = 0; l < layers; ++l) {
         const page_id ps = src->page(q, l, j).value(), pd = dst->page(*d, l, j).value();
         CHECK(ps.format == pd.format);
-        CHECK(pages_equal(*src, ps, *dst, pd));
+        CHECK(pages_equal(*src, ps, *dst, pd, fill_of(*src, q, j)));
       }
     check_same_outputs(*src, q, *dst, *d, rng);
     // The imported sequence is a normal one: it appends, and re-exports to the same bytes.
@@ -288,7 +289,7 @@ TEST_CASE("import into full pools or failing bookkeeping imports nothing", "[tra
       dst->meta_alloc().reset();
       REQUIRE(dst->check_invariants());
       if (r) {
-        CHECK(pages_equal(*src, src->page(q, 2, 5).value(), *dst, dst->page(*r, 2, 5).value()));
+        CHECK(pages_equal(*src, src->page(q, 2, 5).value(), *dst, dst->page(*r, 2, 5).value(), fill_of(*src, q, 5)));
         check_same_outputs(*src, q, *dst, *r, rng);
         break;
       }
@@ -303,32 +304,153 @@ TEST_CASE("import into full pools or failing bookkeeping imports nothing", "[tra
   }
 }
 
-TEST_CASE("head slices: context-free formats import anywhere, TQ3 only at head 0", "[transfer]") {
+TEST_CASE("head slices: context-free formats import anywhere, TQ3 where head_base is the slice's first head",
+          "[transfer]") {
   std::mt19937_64 rng(15);
   auto src = make();
-  const seq_id q = fill(*src, rng, 16 * 3);
+  const seq_id q = fill(*src, rng, 16 * 3 + 6);
   using half = geometry<head_dim<64>, kv_heads<2>, group_size<2>, page_tokens<16>>;
   using half_storage = paged_storage<half, two>;
-  auto dst = half_storage::create({layers, 4, {64, 64}, seed}).value();
-  // Slice [0, 2): allowed with TQ3 pages (the destination's head i is the source's head i).
+  const auto make_half = [](int head_base) {
+    half_storage::options o{layers, 4, {64, 64}, seed};
+    o.head_base = head_base;
+    return half_storage::create(o).value();
+  };
+  auto dst0 = make_half(0);  // holds global heads [0, 2)
+  auto dst2 = make_half(2);  // holds global heads [2, 4): rank 1 of 2
+  const auto same_tokens = [&](half_storage& d, seq_id sd, int base) {
+    float k[64], v[64], ks[64], vs[64];
+    for (int h = 0; h < 2; ++h)
+      for (std::int64_t t : {0, 17, 47, 53}) {
+        REQUIRE(d.read_token(sd, 1, t, h, k, v));
+        REQUIRE(src->read_token(q, 1, t, base + h, ks, vs));
+        CHECK(std::memcmp(k, ks, sizeof k) == 0);
+        CHECK(std::memcmp(v, vs, sizeof v) == 0);
+      }
+  };
+  // Slice [0, 2) into head_base 0: the destination's head i is the source's head i.
   auto lo = export_pages(*src, q, 0, -1, head_slice{0, 2});
   REQUIRE(lo);
-  auto d = import_pages(*dst, *lo);
+  REQUIRE(inspect_transfer(*lo)->pages_per_tier[1] > 0);  // TQ3 pages are in the slice
+  auto d = import_pages(*dst0, *lo);
   REQUIRE(d);
-  float k[64], v[64], ks[64], vs[64];
-  for (int h = 0; h < 2; ++h)
-    for (std::int64_t t : {0, 17, 47}) {
-      REQUIRE(dst->read_token(*d, 1, t, h, k, v));
-      REQUIRE(src->read_token(q, 1, t, h, ks, vs));
-      CHECK(std::memcmp(k, ks, sizeof k) == 0);
-      CHECK(std::memcmp(v, vs, sizeof v) == 0);
-    }
-  // Slice [2, 4) holds TQ3 pages whose rotation belongs to source heads 2, 3: refused.
+  same_tokens(*dst0, *d, 0);
+
+  // Slice [2, 4): its TQ3 rotations belong to global heads 2, 3.
   auto hi = export_pages(*src, q, 0, -1, head_slice{2, 2});
   REQUIRE(hi);
-  auto r = import_pages(*dst, *hi);
-  CHECK(r.code() == errc::geometry_mismatch);
-  CHECK(r.error_status().message().find("source head 2") != std::string::npos);
-  CHECK(dst->live_sequences() == 1);
+  CHECK(inspect_transfer(*hi)->head_begin == 2u);
+  {  // refused at head_base 0, nothing changes
+    const auto before = std::array{dst0->live_sequences(), dst0->live_blocks(), dst0->free_pages(0),
+                                   dst0->free_pages(1)};
+    auto r = import_pages(*dst0, *hi);
+    CHECK(r.code() == errc::geometry_mismatch);
+    INFO(r.error_status());
+    CHECK(r.error_status().message().find("global head 2") != std::string::npos);
+    CHECK(r.error_status().message().find("head_base = 0") != std::string::npos);
+    CHECK(before == std::array{dst0->live_sequences(), dst0->live_blocks(), dst0->free_pages(0),
+                               dst0->free_pages(1)});
+    CHECK(dst0->check_invariants());
+  }
+  // ... and imported at head_base 2: same tokens, same decode as the unsharded cache's heads.
+  auto d2 = import_pages(*dst2, *hi);
+  REQUIRE(d2);
+  REQUIRE(dst2->check_invariants());
+  same_tokens(*dst2, *d2, 2);
+  const auto qs = random_kv(rng, 1, 1, geo::q_heads, geo::head_dim);
+  std::vector<float> qh(qs.size() / 2);
+  REQUIRE(slice_heads(qs, geo::q_heads, geo::head_dim, 4, 4, qh));  // query heads of KV heads 2, 3
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> ow, lw, oh, lh;
+    REQUIRE(decode_layer(*src, q, l, qs, ow, lw));
+    REQUIRE(decode_layer(*dst2, *d2, l, qh, oh, lh));
+    CHECK(std::memcmp(oh.data(), ow.data() + 4 * geo::head_dim, oh.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(lh.data(), lw.data() + 4, lh.size() * sizeof(float)) == 0);
+  }
+  // A re-export from head_base 2 names global head 2 again, so it moves to another rank 1 only.
+  auto again = export_pages(*dst2, *d2);
+  REQUIRE(again);
+  CHECK(inspect_transfer(*again)->head_begin == 2u);
+  CHECK(import_pages(*make_half(2), *again));
+  CHECK(import_pages(*make_half(0), *again).code() == errc::geometry_mismatch);
+  CHECK(import_pages(*dst2, *lo).code() == errc::geometry_mismatch);  // [0, 2) into head_base 2
+
+  // Context-free pages (one open FP8 page) import at any head_base.
+  auto fp8_src = make();
+  const seq_id f = fill(*fp8_src, rng, 9);
+  auto fp8_hi = export_pages(*fp8_src, f, 0, -1, head_slice{2, 2});
+  REQUIRE(fp8_hi);
+  CHECK(inspect_transfer(*fp8_hi)->pages_per_tier[1] == 0u);
+  CHECK(import_pages(*make_half(0), *fp8_hi));
+  CHECK(import_pages(*make_half(2), *fp8_hi));
   CHECK(export_pages(*src, q, 0, -1, head_slice{3, 2}).code() == errc::out_of_range);
+}
+
+TEST_CASE("export of a partial page: zero bytes past the fill, whatever the page held", "[transfer]") {
+  std::mt19937_64 rng(16);
+  auto src = make();
+  const int fill5 = 5;
+  const seq_id q = fill(*src, rng, 16 * 2 + fill5);
+  const std::int64_t last = 2;
+  using L = storage_t::layout<0>;  // an open page is in tier 0
+  using K = L::key_codec;
+  using V = L::value_codec;
+  // The source's unused slots hold the pool's poison: the test has something to see.
+  {
+    auto pb = src->page_bytes(src->page(q, 0, last).value()).value();
+    CHECK(pb[L::key_payload(0, fill5)] == page_poison_byte);
+  }
+  for (const head_slice hs : {head_slice{0, 4}, head_slice{1, 2}}) {
+    CAPTURE(hs.begin, hs.count);
+    const auto buf = export_pages(*src, q, 0, -1, hs).value();
+    const auto info = inspect_transfer(buf).value();
+    const auto r = detail::slice_regions<L>::make(hs.begin, hs.count);
+    const std::size_t units[4] = {K::payload_bytes, V::payload_bytes, K::meta_bytes, V::meta_bytes};
+    std::size_t off = page_transfer_header_bytes + 2 * page_transfer_tier_entry_bytes;
+    int checked = 0;
+    for (std::uint32_t j = 0; j < info.logical_pages; ++j)
+      for (int l = 0; l < layers; ++l) {
+        const std::uint32_t tier = buf[off + 8];
+        const std::uint32_t fill = detail::get<std::uint32_t>(buf.data(), off + 12);
+        off += page_transfer_record_bytes;
+        if (j == last) {
+          REQUIRE(tier == 0u);
+          REQUIRE(fill == std::uint32_t(fill5));
+          const std::uint8_t* page = buf.data() + off;
+          const std::uint8_t* sp = src->page_bytes(src->page(q, l, j).value()).value().data();
+          std::size_t nonzero = 0, differ = 0;
+          for (int k = 0; k < 4; ++k)
+            for (int h = 0; h < hs.count; ++h) {
+              const std::size_t head = r.dst[k] + std::size_t(h) * geo::page_tokens * units[k];
+              const std::size_t shead = r.src[k] + std::size_t(h) * geo::page_tokens * units[k];
+              for (std::size_t i = fill * units[k]; i < geo::page_tokens * units[k]; ++i) nonzero += page[head + i] != 0;
+              differ += std::memcmp(page + head, sp + shead, fill * units[k]) != 0;  // the filled part is copied
+            }
+          CHECK(nonzero == 0);
+          CHECK(differ == 0);
+          ++checked;
+        }
+        off += info.tiers[tier].page_bytes;
+      }
+    CHECK(checked == layers);
+
+    // Scribbling over the unused slots changes nothing in the export; the import has zeros there.
+    for (int l = 0; l < layers; ++l) {
+      auto pb = src->page_bytes(src->page(q, l, last).value()).value();
+      for (int h = 0; h < geo::kv_heads; ++h)
+        for (int t = fill5; t < geo::page_tokens; ++t) pb[L::value_payload(h, t)] = std::uint8_t(rng());
+    }
+    CHECK(export_pages(*src, q, 0, -1, hs).value() == buf);
+  }
+  auto dst = make();
+  const auto buf = export_pages(*src, q).value();
+  auto d = import_pages(*dst, buf);
+  REQUIRE(d);
+  for (int l = 0; l < layers; ++l) {
+    auto pd = dst->page_bytes(dst->page(*d, l, last).value()).value();
+    CHECK(pd[L::key_payload(3, fill5)] == 0);
+    CHECK(pd[L::value_meta(3, geo::page_tokens - 1)] == 0);
+    CHECK(pages_equal(*src, src->page(q, l, last).value(), *dst, dst->page(*d, l, last).value(), fill5));
+  }
+  CHECK(export_pages(*dst, *d).value() == buf);
 }

@@ -2,8 +2,10 @@
 // Shared pieces of the transfer tests: random K/V, host decode of one layer, retier.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <span>
 #include <vector>
@@ -45,7 +47,7 @@ status decode_layer(const Storage& s, seq_id seq, int layer, std::span<const flo
   a.queries = queries.data();
   a.index = *view;
   a.pools = pools.data();
-  a.source = layer_source{s.config().codec_seed, layer};
+  a.source = layer_source{s.config().codec_seed, layer, s.config().head_base};
   a.logits.softmax_scale = 1.f / std::sqrt(float(G::head_dim));
   a.out = out.data();
   a.lse = lse.data();
@@ -62,12 +64,36 @@ status retier(Storage& s, seq_id seq, std::int64_t j, int layer, int to) {
   return p ? status{} : p.error_status();
 }
 
-// Same bytes on both pages (whole page, padding and unused slots included).
+// Tokens in logical page j of seq (page_tokens unless it is the open last page).
+template <class Storage>
+int fill_of(const Storage& s, seq_id seq, std::int64_t j) {
+  const std::int64_t left = s.length(seq).value() - j * Storage::page_tokens;
+  return int(std::min<std::int64_t>(left, Storage::page_tokens));
+}
+
+// Same bytes on both pages: the whole page (padding and unused slots included) when
+// fill is page_tokens or < 0; else the first `fill` token slots of every head in each of
+// the four regions (what an export carries of a partial page; the rest is zero there).
 template <class SA, class SB>
-bool pages_equal(SA& a, page_id pa, SB& b, page_id pb) {
+bool pages_equal(SA& a, page_id pa, SB& b, page_id pb, int fill = -1) {
   auto x = a.page_bytes(pa);
   auto y = b.page_bytes(pb);
-  return x && y && x->size() == y->size() && std::equal(x->begin(), x->end(), y->begin());
+  if (!x || !y || x->size() != y->size()) return false;
+  if (fill < 0 || fill >= SA::page_tokens) return std::equal(x->begin(), x->end(), y->begin());
+  if (pa.format != pb.format) return false;
+  bool same = true;
+  detail::with_index<SA::num_tiers>(pa.format, [&](auto I) {
+    using L = typename SA::template layout<I>;
+    const auto eq = [&](std::size_t off, std::size_t n) {
+      return n == 0 || std::memcmp(x->data() + off, y->data() + off, n) == 0;
+    };
+    for (int h = 0; h < SA::kv_heads; ++h)
+      for (int t = 0; t < fill; ++t)
+        same = same && eq(L::key_payload(h, t), L::key_codec::payload_bytes) &&
+               eq(L::value_payload(h, t), L::value_codec::payload_bytes) &&
+               eq(L::key_meta(h, t), L::key_codec::meta_bytes) && eq(L::value_meta(h, t), L::value_codec::meta_bytes);
+  });
+  return same;
 }
 
 }  // namespace tierkv::test_transfer

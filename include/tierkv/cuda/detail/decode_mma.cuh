@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -39,6 +40,16 @@ __device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
   std::uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
+}
+// cp.async of 16 bytes global -> shared (both 16-byte aligned), bypassing L1.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
@@ -66,10 +77,11 @@ struct tq3_lane_words {
   static constexpr int groups = EW >= 4 ? EW / 4 : 1;
   static constexpr int raw = 3 * groups;
   static_assert(EW >= 4 ? EW % 4 == 0 : 4 % EW == 0, "tq3: effective words per lane");
+  template <bool Shared>
   __device__ __forceinline__ static void load(const std::uint8_t* row, int lane, std::uint32_t (&w)[raw]) {
     const std::uint32_t* p = reinterpret_cast<const std::uint32_t*>(row) + ((lane * EW) / 4) * 3;
 #pragma unroll
-    for (int i = 0; i < raw; ++i) w[i] = __ldg(p + i);
+    for (int i = 0; i < raw; ++i) w[i] = Shared ? p[i] : __ldg(p + i);
   }
   __device__ __forceinline__ static std::uint32_t gather(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
     return ((a >> 3) & 0x11111111u) | ((b >> 2) & 0x22222222u) | ((c >> 1) & 0x44444444u);
@@ -99,10 +111,12 @@ struct mma_codec<C, storage_format::fp8_e4m3> {
   static_assert(D % 64 == 0, "tensor-core decode: fp8 head_dim must be a multiple of 64");
   // keys: lane c reads 16 bytes at 64 seg + 16 c; word w of segment seg is step 4 seg + w
   static constexpr int key_words = D / 16;
+  template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
 #pragma unroll
     for (int seg = 0; seg < D / 64; ++seg) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + 64 * seg + 16 * c));
+      const uint4* a = reinterpret_cast<const uint4*>(row + 64 * seg + 16 * c);
+      const uint4 v = Shared ? *a : __ldg(a);
       w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
     }
   }
@@ -120,14 +134,17 @@ struct mma_codec<C, storage_format::fp8_e4m3> {
   __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int, int k) {
     return w[k];
   }
+  template <bool Shared>
   __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
 #pragma unroll
     for (int seg = 0; seg < D / SEG; ++seg) {
       if constexpr (SEG == 128) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + SEG * seg + 16 * g));
+        const uint4* a = reinterpret_cast<const uint4*>(row + SEG * seg + 16 * g);
+        const uint4 v = Shared ? *a : __ldg(a);
         w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
       } else {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + SEG * seg + 8 * g));
+        const uint2* a = reinterpret_cast<const uint2*>(row + SEG * seg + 8 * g);
+        const uint2 v = Shared ? *a : __ldg(a);
         w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
       }
     }
@@ -157,8 +174,9 @@ struct mma_codec<C, storage_format::tq3> {
   // keys: lane c owns D/32 effective words; word k holds steps 2k (nibbles 0-3), 2k+1 (4-7)
   using KL = tq3_lane_words<D / 32>;
   static constexpr int key_words = KL::raw;
+  template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
-    KL::load(row, c, w);
+    KL::template load<Shared>(row, c, w);
   }
   __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a01,
                                                   std::uint32_t& a23) {
@@ -177,8 +195,9 @@ struct mma_codec<C, storage_format::tq3> {
   using VL = tq3_lane_words<D / 64>;
   static constexpr int value_words = VL::raw;
   static constexpr int value_eff_words = D / 64;
+  template <bool Shared>
   __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
-    VL::load(row, g, w);
+    VL::template load<Shared>(row, g, w);
   }
   __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int g, int k) {
     return VL::eff(w, g, k);
@@ -211,7 +230,10 @@ struct mma_shape {
   static constexpr int steps = d / 16;  // k steps of the score product = m-tiles of the value product
   // Q fragments live in shared memory (one LDS.128 per k step), so 3 blocks (12 warps) fit
   // per SM at d = 256 without spills (ptxas -v, docs/gpu.md).
-  static constexpr int min_blocks = 3;
+  // d <= 128 fits 4 blocks (16 warps; <= 128 registers, no spills, ptxas -v): more warps to
+  // hide the mma and unpack dependency chains (ncu at d = 256: 6.3 cycles per issued
+  // instruction per warp, 0.7 eligible warps per scheduler).
+  static constexpr int min_blocks = d <= 128 ? 4 : 3;
   static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
   static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
@@ -221,7 +243,39 @@ struct mma_shape {
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
+// Tiers whose pages the tensor-core kernel stages through shared memory (cp.async, two
+// 16-token slots per warp): TQ3 rows (<= 96 bytes at d = 256) fit 3 blocks per SM; FP8 rows
+// are loaded directly (16-byte loads already, and two 8 KB slots per warp would not fit).
+template <class Geometry, class Tier>
+struct mma_staged {
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  static constexpr bool value = K::format == storage_format::tq3 && V::format == storage_format::tq3;
+};
+// One slot: 16 key rows, 16 value rows, 16 key metas, 16 value metas (bf16), as in the page.
+template <class Geometry, class Tier>
+struct mma_staging {
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  static constexpr std::size_t key_bytes = 16 * K::payload_bytes;
+  static constexpr std::size_t value_bytes = 16 * V::payload_bytes;
+  static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0, "decode: staged rows must be whole 16-byte units");
+  static constexpr std::size_t slot_bytes = key_bytes + value_bytes + 64;
+  static constexpr int key_chunks = int(key_bytes / 16);
+  static constexpr int value_chunks = int(value_bytes / 16);
+  static constexpr int chunks = key_chunks + value_chunks + 4;
+  // both slots of every warp
+  static constexpr std::size_t block_bytes = mma_staged<Geometry, Tier>::value ? 2 * std::size_t(mma_warps) * slot_bytes : 0;
+};
+template <class Geometry, class TierList> struct mma_smem_size;
+template <class Geometry, class... Tiers>
+struct mma_smem_size<Geometry, tiers<Tiers...>> {
+  static constexpr std::size_t ring = std::max({std::size_t(0), mma_staging<Geometry, Tiers>::block_bytes...});
+  static constexpr std::size_t bytes = mma_shape<Geometry>::smem_bytes + ring;
+};
+
 struct mma_smem {
+  std::uint8_t* ring;  // staging slots (mma_staging), 16-byte aligned
   float* q_raw;
   float* acc_part;
   float* acc_total;
@@ -266,11 +320,13 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // d <= 128, FP8 at d = 64) so a warp keeps >= 3 KB in flight; larger rows take 1 (more
   // would spill at 168 registers, ptxas -v).
   constexpr int U = K::payload_bytes + V::payload_bytes <= 128 ? 2 : 1;
+  constexpr bool staged = mma_staged<Geometry, Tier>::value;
+  using staging = mma_staging<Geometry, Tier>;
   const int tid = int(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
-  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::key);
-  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, kvh, kv_role::value);
+  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
 
   // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
   // into f16 hi + lo B fragments: column n = head qg, k slots of lane qc.
@@ -325,128 +381,230 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 
   const format_pages_view fv = in.index.formats[f];
   const pool_view pool = in.pools[f];
-  for (int e = e_begin + warp; e < e_end; e += mma_warps) {
-    const std::int32_t slot = fv.slot[e];
-    const std::int32_t logical = fv.logical[e];
-    if (slot < 0 || std::uint32_t(slot) >= pool.capacity || logical < 0) {
-      report_error(err, errc::out_of_range);
-      continue;  // uniform across the warp
+
+  // One 16-token step: key rows qg, qg + 8 (kw, ks), value rows 2qc, 2qc+1, 2qc+8, 2qc+9 (vw),
+  // log2 value scales lvs; rows at or past ntok are masked (scores) or zero (value codes).
+  auto step_math = [&](const std::uint32_t (&kw)[2][KC::key_words], const std::uint32_t (&vw)[4][VC::value_words],
+                       const float (&ks)[2], const float (&lvs)[2], int t0, int ntok, float (&pl)[2]) {
+    // ---- scores S^T (rows tokens qg, qg + 8; columns heads 2qc, 2qc + 1)
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      std::uint32_t a[4];
+      KC::key_frag(kw[0], qc, s, a[0], a[2]);
+      KC::key_frag(kw[1], qc, s, a[1], a[3]);
+      const uint4 q = sm.qfrag[s * 32 + lane];
+      mma_16816(sc, a, q.x, q.y);
+      mma_16816(sc, a, q.z, q.w);
     }
-    const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
-    const std::uint8_t* page = pool.page(std::uint32_t(slot));
-    const std::uint8_t* kbase = page + layout::key_payload(kvh, 0);
-    const std::uint8_t* vbase = page + layout::value_payload(kvh, 0);
-    const std::uint16_t* kmeta = reinterpret_cast<const std::uint16_t*>(page + layout::key_meta(kvh, 0));
-    const std::uint16_t* vmeta = reinterpret_cast<const std::uint16_t*>(page + layout::value_meta(kvh, 0));
-    float pl[2] = {0.f, 0.f};  // this page's mass relative to m (per-thread rows)
-    for (int t00 = 0; t00 < ntok; t00 += 16 * U) {
-      // ---- loads of U steps (more bytes in flight for the small TQ3 rows): key rows qg,
-      // qg + 8; value rows 2qc, 2qc+1, 2qc+8, 2qc+9 of each step
-      std::uint32_t kw[U][2][KC::key_words];
-      std::uint32_t vw[U][4][VC::value_words];
-      float ks[U][2], lvs[U][2];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int t0 = t00 + 16 * u;
-        const int tb = t0 < ntok ? t0 : t00;  // a real token of the page for rows past its end
+    for (int i = 0; i < 4; ++i) {
+      const int r = i / 2;
+      sc[i] = t0 + qg + 8 * r < ntok ? sc[i] * ks[r] * colscale[i % 2] : -INFINITY;
+    }
+    // ---- online softmax per column; p for l, pv = p x value scale for the value product
+    float pv[4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int t = t0 + qg + 8 * r;
-          const int tc = t < ntok ? t : tb;
-          KC::load_key(kbase + std::size_t(tc) * K::payload_bytes, qc, kw[u][r]);
-          ks[u][r] = bf16_bits_to_float(__ldg(kmeta + tc));
-          lvs[u][r] = log2f(bf16_bits_to_float(__ldg(vmeta + tc)));
-        }
+    for (int j = 0; j < 2; ++j) {
+      const float mn = fmaxf(m[j], quad_col_max(fmaxf(sc[j], sc[j + 2])));
+      const float alpha = exp2_rel(m[j], mn);
+      const float p0 = exp2_rel(sc[j], mn), p1 = exp2_rel(sc[j + 2], mn);
+      l[j] = l[j] * alpha + p0 + p1;
+      pl[j] = pl[j] * alpha + p0 + p1;
+      m[j] = mn;
+      const float s0 = sc[j] + lvs[0], s1 = sc[j + 2] + lvs[1];
+      const float mvn = fmaxf(mv[j], quad_col_max(fmaxf(s0, s1)));
+      const float av = exp2_rel(mv[j], mvn);
+      pv[j] = exp2_rel(s0, mvn);
+      pv[j + 2] = exp2_rel(s1, mvn);
+      mv[j] = mvn;
+      if (__any_sync(0xffffffffu, av != 1.f)) {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const int t = t0 + 2 * qc + (v & 1) + 8 * (v >> 1);
-          if (t < ntok) {
-            VC::load_value(vbase + std::size_t(t) * V::payload_bytes, qg, vw[u][v]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < VC::value_words; ++i) vw[u][v][i] = 0u;  // code 0 is finite in both formats
-          }
+        for (int mt = 0; mt < ST; ++mt) {
+          o[mt][j] *= av;
+          o[mt][j + 2] *= av;
         }
       }
+    }
+    // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes
+    const std::uint32_t pb0 = movmatrix_trans(pack_half2(pv[0], pv[1]));
+    const std::uint32_t pb1 = movmatrix_trans(pack_half2(pv[2], pv[3]));
+    // ---- values O^T += V^T P^T
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int t0 = t00 + 16 * u;
-        if (t0 >= ntok) break;  // uniform across the warp
-        // ---- scores S^T (rows tokens qg, qg + 8; columns heads 2qc, 2qc + 1)
-        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int wi = 0; wi < VC::value_eff_words; ++wi) {
+      constexpr int MPW = VC::value_mtiles_per_word;
+      std::uint32_t lo[MPW][2], hi[MPW][2];
+      VC::value_pairs(VC::value_word(vw[0], qg, wi), VC::value_word(vw[1], qg, wi), lo);  // tokens 2qc, 2qc + 1
+      VC::value_pairs(VC::value_word(vw[2], qg, wi), VC::value_word(vw[3], qg, wi), hi);  // 2qc + 8, 2qc + 9
 #pragma unroll
-        for (int s = 0; s < ST; ++s) {
-          std::uint32_t a[4];
-          KC::key_frag(kw[u][0], qc, s, a[0], a[2]);
-          KC::key_frag(kw[u][1], qc, s, a[1], a[3]);
-          const uint4 q = sm.qfrag[s * 32 + lane];
-          mma_16816(sc, a, q.x, q.y);
-          mma_16816(sc, a, q.z, q.w);
-        }
+      for (int k = 0; k < MPW; ++k) {
+        const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
+        mma_16816(o[wi * MPW + k], a, pb0, pb1);
+      }
+    }
+  };
+  // The page's log2 mass (relative to nothing: m + log2 l of its own tokens) per query head.
+  auto write_page_mass = [&](std::int32_t logical, float (&pl)[2]) {
+    if (mass_ws == nullptr) return;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = i / 2;
-          sc[i] = t0 + qg + 8 * r < ntok ? sc[i] * ks[u][r] * colscale[i % 2] : -INFINITY;
-        }
-        // ---- online softmax per column; p for l, pv = p x value scale for the value product
-        float pv[4];
+    for (int j = 0; j < 2; ++j) pl[j] = quad_col_sum(pl[j]);
+    if (logical < plan.max_pages) {
+      if (qg == 0) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const float mn = fmaxf(m[j], quad_col_max(fmaxf(sc[j], sc[j + 2])));
-          const float alpha = exp2_rel(m[j], mn);
-          const float p0 = exp2_rel(sc[j], mn), p1 = exp2_rel(sc[j + 2], mn);
-          l[j] = l[j] * alpha + p0 + p1;
-          pl[j] = pl[j] * alpha + p0 + p1;
-          m[j] = mn;
-          const float s0 = sc[j] + lvs[u][0], s1 = sc[j + 2] + lvs[u][1];
-          const float mvn = fmaxf(mv[j], quad_col_max(fmaxf(s0, s1)));
-          const float av = exp2_rel(mv[j], mvn);
-          pv[j] = exp2_rel(s0, mvn);
-          pv[j + 2] = exp2_rel(s1, mvn);
-          mv[j] = mvn;
-          if (__any_sync(0xffffffffu, av != 1.f)) {
-#pragma unroll
-            for (int mt = 0; mt < ST; ++mt) {
-              o[mt][j] *= av;
-              o[mt][j + 2] *= av;
-            }
-          }
-        }
-        // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes
-        const std::uint32_t pb0 = movmatrix_trans(pack_half2(pv[0], pv[1]));
-        const std::uint32_t pb1 = movmatrix_trans(pack_half2(pv[2], pv[3]));
-        // ---- values O^T += V^T P^T
-#pragma unroll
-        for (int wi = 0; wi < VC::value_eff_words; ++wi) {
-          constexpr int MPW = VC::value_mtiles_per_word;
-          std::uint32_t lo[MPW][2], hi[MPW][2];
-          VC::value_pairs(VC::value_word(vw[u][0], qg, wi), VC::value_word(vw[u][1], qg, wi), lo);  // tokens 2qc, 2qc + 1
-          VC::value_pairs(VC::value_word(vw[u][2], qg, wi), VC::value_word(vw[u][3], qg, wi), hi);  // 2qc + 8, 2qc + 9
-#pragma unroll
-          for (int k = 0; k < MPW; ++k) {
-            const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
-            mma_16816(o[wi * MPW + k], a, pb0, pb1);
+          const int h = 2 * qc + j;
+          if (h < G) {
+            const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(h);
+            mass_ws[row * std::size_t(plan.max_pages) + std::size_t(logical)] = m[j] + log2f(pl[j]);
           }
         }
       }
+    } else if (lane == 0) {
+      report_error(err, errc::out_of_range);
     }
-    if (mass_ws != nullptr) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) pl[j] = quad_col_sum(pl[j]);
-      if (logical < plan.max_pages) {
-        if (qg == 0) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int h = 2 * qc + j;
-            if (h < G) {
-              const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(h);
-              mass_ws[row * std::size_t(plan.max_pages) + std::size_t(logical)] = m[j] + log2f(pl[j]);
-            }
-          }
-        }
-      } else if (lane == 0) {
+  };
+  auto valid_page = [&](int e) {
+    const std::int32_t slot = fv.slot[e];
+    return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
+  };
+
+  if constexpr (staged) {
+    // Staged path (TQ3 tiers): a warp's pages are one stream of 16-token steps; step i+1 is
+    // copied global -> shared memory by cp.async (16-byte, coalesced: a step's key rows,
+    // value rows and metas are contiguous in the page) while step i is computed from the
+    // other slot. Registers hold no loads in flight, and the uncoalesced 4-byte loads of
+    // the direct path (ncu: 77% excess L2 sectors at d = 256) become 16-byte ones.
+    std::uint8_t* ring = sm.ring + std::size_t(warp) * 2 * staging::slot_bytes;
+    auto next_valid = [&](int e) {
+      for (; e < e_end; e += mma_warps) {
+        if (valid_page(e)) return e;
         report_error(err, errc::out_of_range);
       }
+      return e;
+    };
+    auto issue = [&](int e, int step, int slot_index) {
+      const std::uint8_t* page = pool.page(std::uint32_t(fv.slot[e]));
+      std::uint8_t* dst = ring + std::size_t(slot_index) * staging::slot_bytes;
+      const std::uint8_t* src_k = page + layout::key_payload(kvh, 16 * step);
+      const std::uint8_t* src_v = page + layout::value_payload(kvh, 16 * step);
+      const std::uint8_t* src_km = page + layout::key_meta(kvh, 16 * step);
+      const std::uint8_t* src_vm = page + layout::value_meta(kvh, 16 * step);
+      for (int c = lane; c < staging::chunks; c += 32) {
+        const std::uint8_t* src;
+        if (c < staging::key_chunks) src = src_k + 16 * c;
+        else if (c < staging::key_chunks + staging::value_chunks) src = src_v + 16 * (c - staging::key_chunks);
+        else if (c < staging::key_chunks + staging::value_chunks + 2) src = src_km + 16 * (c - staging::key_chunks - staging::value_chunks);
+        else src = src_vm + 16 * (c - staging::key_chunks - staging::value_chunks - 2);
+        cp_async_16(dst + 16 * c, src);
+      }
+      cp_async_commit();
+    };
+    int e = next_valid(e_begin + warp), step = 0, cur = 0;
+    if (e < e_end) issue(e, 0, 0);
+    int ntok = 0;
+    std::int32_t logical = 0;
+    float pl[2] = {0.f, 0.f};
+    while (e < e_end) {
+      if (step == 0) {
+        logical = fv.logical[e];
+        ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+        pl[0] = pl[1] = 0.f;
+      }
+      int ne = e, ns = step + 1;
+      if (16 * ns >= ntok) {
+        ne = next_valid(e + mma_warps);
+        ns = 0;
+      }
+      if (ne < e_end) issue(ne, ns, cur ^ 1);
+      else cp_async_commit();  // an empty group keeps the wait count uniform
+      cp_async_wait<1>();
+      __syncwarp();
+      const std::uint8_t* slot_p = ring + std::size_t(cur) * staging::slot_bytes;
+      const std::uint8_t* kst = slot_p;
+      const std::uint8_t* vst = slot_p + staging::key_bytes;
+      const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
+      const std::uint16_t* vms = kms + 16;
+      const int t0 = 16 * step;
+      std::uint32_t kw[2][KC::key_words];
+      std::uint32_t vw[4][VC::value_words];
+      float ks[2], lvs[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = qg + 8 * r;
+        const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
+        KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
+        ks[r] = bf16_bits_to_float(kms[rc]);
+        lvs[r] = log2f(bf16_bits_to_float(vms[rc]));
+      }
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int row = 2 * qc + (v & 1) + 8 * (v >> 1);
+        if (t0 + row < ntok) {
+          VC::template load_value<true>(vst + std::size_t(row) * V::payload_bytes, qg, vw[v]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VC::value_words; ++i) vw[v][i] = 0u;  // code 0 is finite
+        }
+      }
+      __syncwarp();  // every lane has read slot `cur` before a later issue overwrites it
+      step_math(kw, vw, ks, lvs, t0, ntok, pl);
+      if (ns == 0) write_page_mass(logical, pl);
+      e = ne;
+      step = ns;
+      cur ^= 1;
+    }
+    cp_async_wait<0>();
+  } else {
+    for (int e = e_begin + warp; e < e_end; e += mma_warps) {
+      if (!valid_page(e)) {
+        report_error(err, errc::out_of_range);
+        continue;  // uniform across the warp
+      }
+      const std::int32_t slot = fv.slot[e];
+      const std::int32_t logical = fv.logical[e];
+      const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+      const std::uint8_t* page = pool.page(std::uint32_t(slot));
+      const std::uint8_t* kbase = page + layout::key_payload(kvh, 0);
+      const std::uint8_t* vbase = page + layout::value_payload(kvh, 0);
+      const std::uint16_t* kmeta = reinterpret_cast<const std::uint16_t*>(page + layout::key_meta(kvh, 0));
+      const std::uint16_t* vmeta = reinterpret_cast<const std::uint16_t*>(page + layout::value_meta(kvh, 0));
+      float pl[2] = {0.f, 0.f};  // this page's mass relative to m (per-thread rows)
+      for (int t00 = 0; t00 < ntok; t00 += 16 * U) {
+        // ---- loads of U steps (more bytes in flight for the small rows)
+        std::uint32_t kw[U][2][KC::key_words];
+        std::uint32_t vw[U][4][VC::value_words];
+        float ks[U][2], lvs[U][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int t0 = t00 + 16 * u;
+          const int tb = t0 < ntok ? t0 : t00;  // a real token of the page for rows past its end
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int t = t0 + qg + 8 * r;
+            const int tc = t < ntok ? t : tb;
+            KC::template load_key<false>(kbase + std::size_t(tc) * K::payload_bytes, qc, kw[u][r]);
+            ks[u][r] = bf16_bits_to_float(__ldg(kmeta + tc));
+            lvs[u][r] = log2f(bf16_bits_to_float(__ldg(vmeta + tc)));
+          }
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const int t = t0 + 2 * qc + (v & 1) + 8 * (v >> 1);
+            if (t < ntok) {
+              VC::template load_value<false>(vbase + std::size_t(t) * V::payload_bytes, qg, vw[u][v]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < VC::value_words; ++i) vw[u][v][i] = 0u;  // code 0 is finite in both formats
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int t0 = t00 + 16 * u;
+          if (t0 >= ntok) break;  // uniform across the warp
+          step_math(kw[u], vw[u], ks[u], lvs[u], t0, ntok, pl);
+        }
+      }
+      write_page_mass(logical, pl);
     }
   }
 
@@ -545,6 +703,7 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
     sm.m_ref = sm.l + 8;
     sm.qexp = sm.m_ref + 8;
     sm.qfrag = reinterpret_cast<uint4*>(sm.qexp + 8);
+    sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
 
     const int tid = int(threadIdx.x);
     const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
