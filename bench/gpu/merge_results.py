@@ -28,7 +28,10 @@ def main():
     out = dict(date=date, gpu=tk["gpu"], commit=tk["commit"], copy_gbps=tk["copy_gbps"], sms=tk["sms"],
                l2_bytes=tk["l2_bytes"], torch=sd.get("torch"), command="scripts/gpu-bench",
                time_us_note="time_us: stream launch (split + merge kernels), graph_us: CUDA-graph replay; "
-                            "gbps = bytes_read / min(time_us, graph_us)",
+                            "each timed call is enqueued behind a ~100 us spin kernel so host launch latency is "
+                            "hidden (GPU time; the SDPA control is timed the same way, behind torch.cuda._sleep); "
+                            "gbps = bytes_read / min(time_us, graph_us); cuda_core_* and tensor_core_waves3_* "
+                            "are 0 unless gpubench_decode ran with --compare",
                rows=rows, retier_append=tk.get("retier_append", []), sdpa_rows=sd["rows"])
     json.dump(out, open(sys.argv[3], "w"), indent=1)
     print(f"{'qh':>3} {'kv':>2} {'d':>3} {'ctx':>7} {'B':>3} {'mix':7} {'us':>9} {'GB/s':>7} {'roof':>5} {'sdpa_us':>9} {'x':>5}")
