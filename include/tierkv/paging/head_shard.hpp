@@ -11,8 +11,7 @@
 //     are byte for byte the head slices of an unsharded cache with the same seed and the
 //     same operations, and a head slice [b, b + n) of any cache imports into a storage
 //     whose head_base is b (import_pages checks it for rotation-dependent formats).
-//   * the CUDA decode/retier inputs know no head_base yet: GPU ranks r > 0 with TQ3
-//     tiers need it there too (docs/multigpu.md, limits).
+//   * on the GPU, pass the same head_base in cuda::decode_inputs / cuda::retier_inputs.
 #pragma once
 
 #include "tierkv/core/config.hpp"
