@@ -234,6 +234,11 @@ struct mma_shape {
   // hide the mma and unpack dependency chains (ncu at d = 256: 6.3 cycles per issued
   // instruction per warp, 0.7 eligible warps per scheduler).
   static constexpr int min_blocks = d <= 128 ? 4 : 3;
+  // Independent accumulator chains of the score product (query hi / lo parts). H200 A/B at
+  // 128K B=32 (run 6, docs/gpu.md): two chains took d = 256 fp8 / tq3 / tiered from 3.12 /
+  // 2.44 / 2.58 ms to 2.74 / 2.33 / 2.41 ms and d = 64 1-2% down, but d = 128 (at its
+  // 128-register cap, 20 bytes of spill) up to 2.5% slower.
+  static constexpr int score_chains = d == 128 ? 1 : 2;
   static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
   static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
@@ -387,7 +392,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   auto step_math = [&](const std::uint32_t (&kw)[2][KC::key_words], const std::uint32_t (&vw)[4][VC::value_words],
                        const float (&ks)[2], const float (&lvs)[2], int t0, int ntok, float (&pl)[2]) {
     // ---- scores S^T (rows tokens qg, qg + 8; columns heads 2qc, 2qc + 1)
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    // Query hi and lo parts in two independent accumulator chains (summed at the end) where
+    // it measured faster: one chain of 2 x d/16 dependent mma was the step's critical path at
+    // d = 256 (ncu: 6.3 cycles per issued instruction per warp, 3 warps per scheduler).
+    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc_lo[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       std::uint32_t a[4];
@@ -395,7 +403,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       KC::key_frag(kw[1], qc, s, a[1], a[3]);
       const uint4 q = sm.qfrag[s * 32 + lane];
       mma_16816(sc, a, q.x, q.y);
-      mma_16816(sc, a, q.z, q.w);
+      mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
+    }
+    if constexpr (S::score_chains == 2) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
