@@ -329,15 +329,22 @@ class paged_storage {
     detail::with_index<num_tiers>(tier, [&](auto I) { (void)(out = std::get<I>(pools_).allocate()); });
     return out;
   }
-  // Drops a caller-owned page (one from allocate_page that was not published).
+  // Drops a caller-owned reference: a page from allocate_page that was not published, or
+  // one taken by retain_page. The page table's own reference is never dropped here.
   status release_page(page_id p) {
     return on_pool(p, [&](auto& pl) {
       if (auto c = pl.check(p); !c) return c;
-      if (pl.owner_flags(p) & published_flag)
+      if ((pl.owner_flags(p) & published_flag) && pl.refcount(p) <= 1)
         return status::make(errc::not_writable, "release_page: ", p,
                             " is published in a page table; release its sequences instead");
       return pl.release(p);
     });
+  }
+  // One more reference to a live page, owned by the caller until release_page. A device
+  // driver takes one on a page it is about to replace, so the slot is not handed out again
+  // while decodes in flight may still read it (cuda/retier_driver.cuh).
+  status retain_page(page_id p) {
+    return on_pool(p, [&](auto& pl) { return pl.retain(p); });
   }
   bool page_published(page_id p) const {
     bool out = false;
@@ -593,11 +600,12 @@ class paged_storage {
   static constexpr std::uint32_t no_block = std::numeric_limits<std::uint32_t>::max();
   static constexpr std::uint8_t published_flag = 1;
 
-  // Drops a block's reference to one of its pages.
+  // Drops a block's reference to one of its pages. A page is named by one block slot, so
+  // it is no longer published even when the caller still holds a reference (retain_page).
   status unpublish(page_id p) {
     return on_pool(p, [&](auto& pl) {
       if (auto c = pl.check(p); !c) return c;
-      if (pl.refcount(p) == 1) (void)pl.set_owner_flags(p, 0);
+      (void)pl.set_owner_flags(p, 0);
       return pl.release(p);
     });
   }

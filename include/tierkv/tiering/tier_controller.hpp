@@ -117,7 +117,7 @@ class tier_controller {
     } catch (const allocation_failure& e) {
       return e.get_status();
     }
-    return c;
+    return result<std::unique_ptr<tier_controller>>(std::move(c));  // explicit: nvcc does not move implicitly here
   }
 
   Storage& storage() noexcept { return *storage_; }
@@ -226,6 +226,66 @@ class tier_controller {
     }
     totals_.add(st);
     return st;
+  }
+
+  // Two-phase apply for a fill the caller runs elsewhere (a GPU batch, cuda/retier_driver.cuh).
+  // stage() reserves the target page of each conversion of `todo` that apply() would run
+  // (live, unmoved, not deferred by the tier-0 reserve) into `out` and returns how many;
+  // nothing is published and the old pages stay readable. commit() then publishes staged[i]
+  // where filled[i] is true and releases the other reserved pages, with apply()'s
+  // bookkeeping (dwell, counters). Shadows are neither made nor used on this path.
+  template <conversion_fault_hook Faults = no_faults>
+  std::size_t stage(std::span<const conversion> todo, std::span<staged_conversion> out, retier_stats& st,
+                    Faults&& faults = {}) {
+    st.planned += todo.size();
+    const std::uint32_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);
+    std::size_t n = 0;
+    for (const conversion& c : todo) {
+      if (n == out.size()) break;
+      if (!storage_->check_block(c.block) || c.layer < 0 || c.layer >= storage_->num_layers()) {
+        note_failure(st, status::make(errc::stale_id, "stage: block ", c.block.index, "@", c.block.generation,
+                                      " layer ", c.layer, " is no longer live"));
+        continue;
+      }
+      if (int(storage_->block_page(c.block, c.layer).format) != c.from) continue;  // moved since planned
+      if (c.to == append_tier && storage_->free_pages(append_tier) <= reserve) {
+        ++st.deferred;
+        continue;
+      }
+      auto staged = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
+      if (!staged) {
+        note_failure(st, staged.error_status());
+        continue;
+      }
+      out[n++] = *staged;
+    }
+    return n;
+  }
+  template <conversion_fault_hook Faults = no_faults>
+  void commit(std::span<staged_conversion> staged, std::span<const bool> filled, retier_stats& st,
+              Faults&& faults = {}) {
+    for (std::size_t i = 0; i < staged.size(); ++i) {
+      staged_conversion& sc = staged[i];
+      if (!(i < filled.size() && filled[i])) {
+        abort_conversion(*storage_, sc);
+        note_failure(st, status::make(errc::non_finite_input, "commit: the fill of block ", sc.block.index,
+                                      " layer ", sc.layer, " failed; the old page stays published"));
+        continue;
+      }
+      const int from = int(sc.from.format), to = int(sc.to.format);
+      if (auto s = publish_conversion(*storage_, sc, faults); !s) {
+        abort_conversion(*storage_, sc);
+        note_failure(st, std::move(s));
+        continue;
+      }
+      page_rec& r = page(sc.block.index, sc.layer);
+      if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
+      r.last_move = step_;
+      ++st.converted;
+      if (to == append_tier) ++st.promoted;
+      if (from == append_tier && to != append_tier) ++st.demoted;
+    }
+    totals_.add(st);
   }
 
   // plan(step) + apply(): one retier step.

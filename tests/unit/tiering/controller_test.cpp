@@ -366,3 +366,77 @@ TEST_CASE("controller: bookkeeping allocation failures leak nothing", "[tiering]
   CHECK(failures >= 4);  // every allocation of create() was failed once
   CHECK(s->meta_alloc().bytes_allocated() == base);
 }
+
+TEST_CASE("controller: two-phase stage / commit (a device fill) equals apply, and an unfilled batch changes nothing",
+          "[tiering][controller]") {
+  auto a = make_storage(32, 32);
+  auto b = make_storage(32, 32);
+  auto knobs = plain_knobs();
+  auto ca = controller2::create(*a, recency_anchor(knobs)).value();
+  auto cb = controller2::create(*b, recency_anchor(knobs)).value();
+  const seq_id qa = a->create_sequence().value();
+  const seq_id qb = b->create_sequence().value();
+  REQUIRE(append_seeds(*a, qa, seeds_from(1, 88)));
+  REQUIRE(append_seeds(*b, qb, seeds_from(1, 88)));
+  const auto plan_a = ca->plan(1);
+  const auto plan_b = cb->plan(1);
+  REQUIRE(plan_a.size() == 8);
+  REQUIRE(plan_b.size() == 8);
+
+  SECTION("filled: the same pages move as with apply, and the bytes match") {
+    const retier_stats sa = ca->apply(plan_a);
+    std::vector<staged_conversion> staged(plan_b.size());
+    retier_stats sb;
+    const std::size_t n = cb->stage(plan_b, staged, sb);
+    REQUIRE(n == 8);
+    for (std::size_t i = 0; i < n; ++i) CHECK(b->page_published(staged[i].from));  // nothing published yet
+    conversion_counters counters;
+    for (std::size_t i = 0; i < n; ++i) REQUIRE(fill_conversion_on_host(*b, staged[i], counters));
+    // A holder of an old page (a device driver) keeps its slot alive past the publication.
+    REQUIRE(b->retain_page(staged[0].from));
+    const page_id held = staged[0].from;
+    const bool filled[8] = {true, true, true, true, true, true, true, true};
+    cb->commit(std::span<staged_conversion>(staged.data(), n), filled, sb);
+    CHECK(sb.converted == sa.converted);
+    CHECK(sb.demoted == sa.demoted);
+    CHECK(sb.first_error.is_ok());
+    CHECK(!b->page_published(held));
+    CHECK(b->check_page(held));  // still live: held by us
+    REQUIRE(b->check_invariants(1));
+    REQUIRE(b->release_page(held));
+    CHECK(!b->check_page(held));  // back in its pool
+    REQUIRE(b->check_invariants());
+    for (int l = 0; l < 2; ++l)
+      for (std::int64_t p = 0; p < 6; ++p) {
+        const page_id pa = a->page(qa, l, p).value(), pb = b->page(qb, l, p).value();
+        REQUIRE(pa.format == pb.format);
+        const auto ba = a->page_bytes(pa).value(), bb = b->page_bytes(pb).value();
+        CHECK(std::equal(ba.begin(), ba.end(), bb.begin()));
+      }
+    REQUIRE(cb->check_invariants());
+  }
+  SECTION("unfilled: every old page stays published, every reserved page goes back") {
+    std::vector<page_id> before;
+    for (int l = 0; l < 2; ++l)
+      for (std::int64_t p = 0; p < 6; ++p) before.push_back(b->page(qb, l, p).value());
+    const std::uint32_t free0 = b->free_pages(0), free1 = b->free_pages(1);
+    std::vector<staged_conversion> staged(plan_b.size());
+    retier_stats sb;
+    const std::size_t n = cb->stage(plan_b, staged, sb);
+    REQUIRE(n == 8);
+    CHECK(b->free_pages(1) == free1 - 8);
+    const bool filled[8] = {};
+    cb->commit(std::span<staged_conversion>(staged.data(), n), filled, sb);
+    CHECK(sb.converted == 0);
+    CHECK(sb.failed == 8);
+    std::size_t i = 0;
+    for (int l = 0; l < 2; ++l)
+      for (std::int64_t p = 0; p < 6; ++p) CHECK(b->page(qb, l, p).value() == before[i++]);
+    CHECK(b->free_pages(0) == free0);
+    CHECK(b->free_pages(1) == free1);
+    // A published page's own reference cannot be dropped through release_page.
+    CHECK(b->release_page(before[0]).code() == errc::not_writable);
+    REQUIRE(b->check_invariants());
+    REQUIRE(cb->check_invariants());
+  }
+}

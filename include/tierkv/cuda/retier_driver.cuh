@@ -1,0 +1,233 @@
+// SPDX-License-Identifier: Apache-2.0
+// The driver of asynchronous retiering on the GPU: a tier controller's conversions of one
+// step are reserved on the host, filled by one cuda::retier launch per (from, to) tier pair
+// on a side stream (after the sources are immutable on the main stream), published only once
+// that batch has completed without a device error, and the replaced pages' slots go back to
+// their pools only once the decodes that could still read them have completed. It runs the
+// protocol of retier_async.cuh for a paged_storage whose pools the GPU can address (device
+// memory, or page-locked host memory through unified addressing).
+//
+// Per scheduler step, in this order (one batch in flight at a time):
+//   reclaim();                         // old slots of the previous batch whose decodes are done
+//   try_publish(ctl, stats);           // publish the previous batch if it has completed
+//   ... build index arrays, enqueue appends ...
+//   enqueue(ctl, plan, main, stats);   // reserve + launch this step's batch on the side stream
+//   ... enqueue this step's decodes on main (they read the old, still published pages) ...
+//   mark_decodes_enqueued(main);       // after the last decode whose index arrays predate publication
+// A failed batch (a device error flag: a non-finite source vector, a bad slot) publishes
+// nothing: every old page stays published at its old id and tier, the reserved pages go back.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/check.cuh"
+#include "tierkv/cuda/retier.cuh"
+#include "tierkv/cuda/retier_async.cuh"
+#include "tierkv/tiering/conversion.hpp"
+#include "tierkv/tiering/tier_controller.hpp"
+
+namespace tierkv::cuda {
+
+template <class Storage>
+class retier_driver {
+  static constexpr int N = Storage::num_tiers;
+  using G = typename Storage::geometry;
+
+ public:
+  retier_driver(const retier_driver&) = delete;
+  retier_driver& operator=(const retier_driver&) = delete;
+  ~retier_driver() { free_buffers(); }
+
+  // A driver for `storage` converting up to `max_batch_pages` pages per step on `side`
+  // (create_side_stream(): non-blocking, lowest priority).
+  static result<std::unique_ptr<retier_driver>> create(Storage& storage, int max_batch_pages, cudaStream_t side) {
+    if (max_batch_pages < 1)
+      return status::make(errc::invalid_argument, "retier_driver: max_batch_pages = ", max_batch_pages,
+                          " must be at least 1");
+    std::unique_ptr<retier_driver> p(new retier_driver(storage, max_batch_pages, side));
+    retier_driver& d = *p;
+    auto ev = retier_async_events::create();
+    if (!ev) return ev.error_status();
+    d.ev_ = std::move(*ev);
+    const std::size_t n = std::size_t(max_batch_pages);
+    TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&d.done_, cudaEventDisableTiming));
+    TIERKV_CUDA_TRY(cudaMallocHost(&d.h_lists_, 3 * n * sizeof(std::int32_t) + sizeof(int)));
+    TIERKV_CUDA_TRY(cudaMalloc(&d.d_lists_, 3 * n * sizeof(std::int32_t) + sizeof(int)));
+    d.h_error_ = reinterpret_cast<int*>(d.h_lists_ + 3 * n);
+    d.d_error_ = reinterpret_cast<int*>(d.d_lists_ + 3 * n);
+    d.staged_.resize(n);
+    d.filled_.reset(new bool[n]);
+    d.retained_.reserve(n);
+    d.old_.reserve(n);
+    return result<std::unique_ptr<retier_driver>>(std::move(p));
+  }
+
+  bool batch_in_flight() const noexcept { return in_flight_ > 0; }
+  // Pages replaced but not yet back in their pools (their decodes may still run).
+  std::size_t pages_held() const noexcept { return old_.size(); }
+
+  // Reserves the target pages of `plan` (through ctl.stage), and enqueues their fill: the side
+  // stream waits until this point of `main` (the sources are immutable from here on), then one
+  // retier launch per tier pair. Returns the number of staged conversions (0: nothing to do,
+  // or a batch or its old pages are still in flight -- call reclaim / try_publish first).
+  template <class Controller>
+  result<std::size_t> enqueue(Controller& ctl, std::span<const conversion> plan, cudaStream_t main,
+                              retier_stats& stats) {
+    if (in_flight_ > 0 || !old_.empty() || plan.empty()) return std::size_t(0);
+    const std::size_t n = ctl.stage(plan, std::span<staged_conversion>(staged_), stats);
+    if (n == 0) return std::size_t(0);
+    // Group by (from, to) so each pair is one contiguous launch.
+    std::stable_sort(staged_.begin(), staged_.begin() + std::ptrdiff_t(n), [](const auto& a, const auto& b) {
+      return std::pair(int(a.from.format), int(a.to.format)) < std::pair(int(b.from.format), int(b.to.format));
+    });
+    const std::size_t cap = std::size_t(max_);
+    std::int32_t* hs = h_lists_;
+    std::int32_t* hd = h_lists_ + cap;
+    std::int32_t* hl = h_lists_ + 2 * cap;
+    for (std::size_t i = 0; i < n; ++i) {
+      hs[i] = std::int32_t(staged_[i].from.slot);
+      hd[i] = std::int32_t(staged_[i].to.slot);
+      hl[i] = staged_[i].layer;
+    }
+    *h_error_ = 0;
+    status st = launch(n, main);
+    if (!st) {
+      // Nothing was published; the stream may hold part of the batch: let it finish before
+      // the reserved pages go back, then abort them all.
+      (void)cudaStreamSynchronize(side_);
+      for (std::size_t i = 0; i < n; ++i) filled_[i] = false;
+      ctl.commit(std::span<staged_conversion>(staged_.data(), n), std::span<const bool>(filled_.get(), n), stats);
+      return st;
+    }
+    in_flight_ = n;
+    return n;
+  }
+
+  // Publishes the batch in flight once it has completed (non-blocking: false while it runs).
+  // The replaced pages are held (retain_page) until mark_decodes_enqueued's event completes.
+  template <class Controller>
+  result<bool> try_publish(Controller& ctl, retier_stats& stats) {
+    if (in_flight_ == 0) return false;
+    auto done = detail::event_done(done_, "retier_driver: cudaEventQuery");
+    if (!done) return done.error_status();
+    if (!*done) return false;
+    const std::size_t n = in_flight_;
+    in_flight_ = 0;
+    const bool ok = *h_error_ == 0;
+    retained_.clear();
+    for (std::size_t i = 0; i < n; ++i) {
+      filled_[i] = ok && storage_->retain_page(staged_[i].from).is_ok();
+      retained_.push_back(filled_[i] ? staged_[i].from : page_id{});
+    }
+    if (!ok)
+      stats.first_error = status::make(static_cast<errc>(*h_error_), "retier_driver: the batch of ", n,
+                                       " pages failed on the device (", to_string(static_cast<errc>(*h_error_)),
+                                       "); nothing was published");
+    ctl.commit(std::span<staged_conversion>(staged_.data(), n), std::span<const bool>(filled_.get(), n), stats);
+    for (const page_id p : retained_) {
+      if (!p.valid()) continue;
+      if (storage_->page_published(p))
+        (void)storage_->release_page(p);  // its publish failed: drop the extra reference only
+      else
+        old_.push_back(p);
+    }
+    return true;
+  }
+
+  // Records, on `main`, the point after which no enqueued decode can read the replaced pages.
+  status mark_decodes_enqueued(cudaStream_t main) {
+    if (old_.empty()) return {};
+    marked_ = true;
+    return mark_old_pages_last_read(ev_, main);
+  }
+
+  // Gives the replaced pages back to their pools once their decodes have completed
+  // (non-blocking). Returns how many went back.
+  result<std::size_t> reclaim() {
+    if (old_.empty() || !marked_) return std::size_t(0);
+    auto idle = old_pages_idle(ev_);
+    if (!idle) return idle.error_status();
+    if (!*idle) return std::size_t(0);
+    const std::size_t n = old_.size();
+    for (const page_id p : old_) (void)storage_->release_page(p);
+    old_.clear();
+    marked_ = false;
+    return n;
+  }
+
+ private:
+  retier_driver(Storage& s, int max_batch_pages, cudaStream_t side) : storage_(&s), max_(max_batch_pages), side_(side) {}
+
+  status launch(std::size_t n, cudaStream_t main) {
+    const std::size_t cap = std::size_t(max_);
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(d_lists_, h_lists_, 3 * cap * sizeof(std::int32_t) + sizeof(int),
+                                    cudaMemcpyHostToDevice, side_));
+    if (auto st = mark_sources_ready(ev_, main); !st) return st;
+    const auto views = storage_->views();
+    std::size_t i = 0;
+    while (i < n) {
+      const int from = int(staged_[i].from.format), to = int(staged_[i].to.format);
+      std::size_t j = i;
+      while (j < n && int(staged_[j].from.format) == from && int(staged_[j].to.format) == to) ++j;
+      retier_inputs in;
+      in.src = views[std::size_t(from)];
+      in.dst = views[std::size_t(to)];
+      in.src_slot = d_lists_ + i;
+      in.dst_slot = d_lists_ + cap + i;
+      in.layer_of = d_lists_ + 2 * cap + i;
+      in.pages = int(j - i);
+      in.cache_seed = storage_->config().codec_seed;
+      in.head_base = storage_->config().head_base;
+      in.error = d_error_;
+      status st;
+      tierkv::detail::with_index<N>(from, [&](auto F) {
+        tierkv::detail::with_index<N>(to, [&](auto T) {
+          using tl = typename Storage::tier_list;
+          if constexpr (F.value != T.value)
+            st = enqueue_retier_async<G, tier_at_t<tl, F.value>, tier_at_t<tl, T.value>>(in, ev_, side_);
+        });
+      });
+      if (!st) return st;
+      i = j;
+    }
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(h_error_, d_error_, sizeof(int), cudaMemcpyDeviceToHost, side_));
+    return check(cudaEventRecord(done_, side_), "retier_driver: cudaEventRecord");
+  }
+
+  void free_buffers() noexcept {
+    if (done_) cudaEventDestroy(done_);
+    if (h_lists_) cudaFreeHost(h_lists_);
+    if (d_lists_) cudaFree(d_lists_);
+    done_ = nullptr;
+    h_lists_ = nullptr;
+    d_lists_ = nullptr;
+  }
+
+  Storage* storage_ = nullptr;
+  int max_ = 0;
+  cudaStream_t side_ = nullptr;
+  retier_async_events ev_;
+  cudaEvent_t done_ = nullptr;        // the batch and its error flag copy have completed
+  std::int32_t* h_lists_ = nullptr;   // pinned: src slots, dst slots, layers [max_ each], error flag
+  std::int32_t* d_lists_ = nullptr;   // their device copy
+  int* h_error_ = nullptr;
+  int* d_error_ = nullptr;
+  std::vector<staged_conversion> staged_;
+  std::unique_ptr<bool[]> filled_;
+  std::vector<page_id> retained_;
+  std::vector<page_id> old_;          // replaced pages held until their decodes completed
+  std::size_t in_flight_ = 0;
+  bool marked_ = false;
+};
+
+}  // namespace tierkv::cuda
