@@ -88,6 +88,26 @@ void check_same(A& a, B& b, const std::vector<seq_id>& sa, const std::vector<seq
   }
 }
 
+// A main stream, a low-priority side stream and a driver over `gs` (64 pages per batch).
+struct driver_fixture {
+  cudaStream_t main = nullptr, side = nullptr;
+  std::unique_ptr<cuda::retier_driver<gpu_storage>> drv;
+  explicit driver_fixture(gpu_storage& gs) {
+    CUDA_OK(cudaStreamCreate(&main));
+    auto s = cuda::create_side_stream();
+    REQUIRE(s);
+    side = *s;
+    auto d = cuda::retier_driver<gpu_storage>::create(gs, 64, side);
+    REQUIRE(d);
+    drv = std::move(*d);
+  }
+  ~driver_fixture() {
+    drv.reset();
+    cudaStreamDestroy(main);
+    cudaStreamDestroy(side);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("retier_driver: GPU batches equal the host controller step by step", "[cuda][retier][driver]") {
@@ -95,12 +115,9 @@ TEST_CASE("retier_driver: GPU batches equal the host controller step by step", "
   auto gs = make_storage<gpu_storage>();
   auto hc = std::move(host_ctl::create(*hs, knobs()).value());
   auto gc = std::move(gpu_ctl::create(*gs, knobs()).value());
-  cudaStream_t main = nullptr;
-  CUDA_OK(cudaStreamCreate(&main));
-  auto side = cuda::create_side_stream();
-  REQUIRE(side);
-  auto drv = cuda::retier_driver<gpu_storage>::create(*gs, 64, *side);
-  REQUIRE(drv);
+  driver_fixture fx(*gs);
+  cudaStream_t main = fx.main;
+  auto& drv = fx.drv;
 
   std::mt19937_64 rng(5);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -136,12 +153,12 @@ TEST_CASE("retier_driver: GPU batches equal the host controller step by step", "
 
     retier_stats gst;
     const auto plan = gc->plan(std::uint64_t(step));
-    auto n = (*drv)->enqueue(*gc, plan, main, gst);
+    auto n = drv->enqueue(*gc, plan, main, gst);
     REQUIRE(n);
     CHECK(*n == hst.converted + hst.failed);  // the same conversions staged
-    CUDA_OK(cudaStreamSynchronize(*side));
+    CUDA_OK(cudaStreamSynchronize(fx.side));
     if (*n > 0) {
-      auto pub = (*drv)->try_publish(*gc, gst);
+      auto pub = drv->try_publish(*gc, gst);
       REQUIRE(pub);
       REQUIRE(*pub);
     }
@@ -149,11 +166,11 @@ TEST_CASE("retier_driver: GPU batches equal the host controller step by step", "
     CHECK(gst.converted == hst.converted);
     CHECK(gst.promoted == hst.promoted);
     // the replaced pages are held until the decodes that may read them are done
-    CHECK(gs->check_invariants(std::uint32_t((*drv)->pages_held())).is_ok());
-    REQUIRE((*drv)->mark_decodes_enqueued(main).is_ok());
+    CHECK(gs->check_invariants(std::uint32_t(drv->pages_held())).is_ok());
+    REQUIRE(drv->mark_decodes_enqueued(main).is_ok());
     CUDA_OK(cudaStreamSynchronize(main));
-    REQUIRE((*drv)->reclaim());
-    CHECK((*drv)->pages_held() == 0);
+    REQUIRE(drv->reclaim());
+    CHECK(drv->pages_held() == 0);
     REQUIRE(gs->check_invariants().is_ok());
     REQUIRE(hs->check_invariants().is_ok());
     check_same(*hs, *gs, sh, sg);
@@ -163,20 +180,15 @@ TEST_CASE("retier_driver: GPU batches equal the host controller step by step", "
   INFO("converted " << converted << " promoted " << promoted);
   CHECK(converted > 50);
   CHECK(promoted > 0);
-  CUDA_OK(cudaStreamDestroy(main));
-  CUDA_OK(cudaStreamDestroy(*side));
 }
 
 TEST_CASE("retier_driver: ordering against the main stream, and a failed batch publishes nothing",
           "[cuda][retier][driver]") {
   auto gs = make_storage<gpu_storage>();
   auto gc = std::move(gpu_ctl::create(*gs, knobs(0)).value());
-  cudaStream_t main = nullptr;
-  CUDA_OK(cudaStreamCreate(&main));
-  auto side = cuda::create_side_stream();
-  REQUIRE(side);
-  auto drv = cuda::retier_driver<gpu_storage>::create(*gs, 64, *side);
-  REQUIRE(drv);
+  driver_fixture fx(*gs);
+  cudaStream_t main = fx.main;
+  auto& drv = fx.drv;
   const seq_id s = gs->create_sequence().value();
   std::mt19937_64 rng(9);
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -192,28 +204,28 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
     retier_stats st;
     const auto plan = gc->plan(1);
     REQUIRE(!plan.empty());
-    auto staged = (*drv)->enqueue(*gc, plan, main, st);
+    auto staged = drv->enqueue(*gc, plan, main, st);
     REQUIRE(staged);
     REQUIRE(*staged > 0);
-    auto early = (*drv)->try_publish(*gc, st);
+    auto early = drv->try_publish(*gc, st);
     REQUIRE(early);
     CHECK(!*early);  // the batch is still waiting for the main stream
     const auto page0 = gs->page(s, 1, 1).value();
     CHECK(int(page0.format) == 0);  // still the old page
-    CUDA_OK(cudaStreamSynchronize(*side));
-    auto late = (*drv)->try_publish(*gc, st);
+    CUDA_OK(cudaStreamSynchronize(fx.side));
+    auto late = drv->try_publish(*gc, st);
     REQUIRE(late);
     REQUIRE(*late);
     CHECK(st.converted == *staged);
-    CHECK((*drv)->pages_held() == *staged);
+    CHECK(drv->pages_held() == *staged);
     spin_kernel<<<1, 1, 0, main>>>(200000000);  // a "decode" still reading the old pages
-    REQUIRE((*drv)->mark_decodes_enqueued(main).is_ok());
-    auto none = (*drv)->reclaim();
+    REQUIRE(drv->mark_decodes_enqueued(main).is_ok());
+    auto none = drv->reclaim();
     REQUIRE(none);
     CHECK(*none == 0);
-    CHECK(gs->check_invariants(std::uint32_t((*drv)->pages_held())).is_ok());
+    CHECK(gs->check_invariants(std::uint32_t(drv->pages_held())).is_ok());
     CUDA_OK(cudaStreamSynchronize(main));
-    auto back = (*drv)->reclaim();
+    auto back = drv->reclaim();
     REQUIRE(back);
     CHECK(*back == *staged);
     CHECK(gs->check_invariants().is_ok());
@@ -234,17 +246,17 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
       for (int p = 0; p < 8; ++p) before.push_back(gs->page(s, l, p).value());
     const std::uint32_t free0 = gs->free_pages(0), free1 = gs->free_pages(1);
     retier_stats st;
-    auto staged = (*drv)->enqueue(*gc, plan, main, st);
+    auto staged = drv->enqueue(*gc, plan, main, st);
     REQUIRE(staged);
     REQUIRE(*staged > 0);
-    CUDA_OK(cudaStreamSynchronize(*side));
-    auto pub = (*drv)->try_publish(*gc, st);
+    CUDA_OK(cudaStreamSynchronize(fx.side));
+    auto pub = drv->try_publish(*gc, st);
     REQUIRE(pub);
     REQUIRE(*pub);
     CHECK(st.converted == 0);
     CHECK(st.failed == *staged);
     CHECK(st.first_error.code() == errc::non_finite_input);
-    CHECK((*drv)->pages_held() == 0);
+    CHECK(drv->pages_held() == 0);
     std::size_t i = 0;
     for (int l = 0; l < gs->num_layers(); ++l)
       for (int p = 0; p < 8; ++p) CHECK(gs->page(s, l, p).value() == before[i++]);
@@ -252,6 +264,4 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
     CHECK(gs->free_pages(1) == free1);
     CHECK(gs->check_invariants().is_ok());
   }
-  CUDA_OK(cudaStreamDestroy(main));
-  CUDA_OK(cudaStreamDestroy(*side));
 }

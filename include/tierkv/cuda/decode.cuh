@@ -220,6 +220,20 @@ __device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int
   hi = int(first_at_or_after(z));
 }
 
+// One KV head's regions of a page: key / value payload rows and their bf16 metas.
+template <class Layout>
+struct head_regions {
+  const std::uint8_t* keys;
+  const std::uint8_t* values;
+  const std::uint16_t* key_meta;
+  const std::uint16_t* value_meta;
+  __device__ __forceinline__ head_regions(const std::uint8_t* page, int kvh)
+      : keys(page + Layout::key_payload(kvh, 0)),
+        values(page + Layout::value_payload(kvh, 0)),
+        key_meta(reinterpret_cast<const std::uint16_t*>(page + Layout::key_meta(kvh, 0))),
+        value_meta(reinterpret_cast<const std::uint16_t*>(page + Layout::value_meta(kvh, 0))) {}
+};
+
 __device__ __forceinline__ void report_error(int* flag, errc e) {
   if (flag) atomicCAS(flag, 0, int(e));
 }
@@ -341,11 +355,7 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
       continue;  // uniform across the block: every thread reads the same entry
     }
     const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
-    const std::uint8_t* page = pool.page(std::uint32_t(slot));
-    const std::uint8_t* kbase = page + layout::key_payload(kvh, 0);
-    const std::uint8_t* vbase = page + layout::value_payload(kvh, 0);
-    const std::uint16_t* kmeta = reinterpret_cast<const std::uint16_t*>(page + layout::key_meta(kvh, 0));
-    const std::uint16_t* vmeta = reinterpret_cast<const std::uint16_t*>(page + layout::value_meta(kvh, 0));
+    const head_regions<layout> hr(pool.page(std::uint32_t(slot)), kvh);
     if (warp == 0 && lane < G) {
       sm.page_m[lane] = -INFINITY;
       sm.page_l[lane] = 0.f;
@@ -362,9 +372,9 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
         const int u = u0 + uu;
         const int t = t0 + tg + u * NTG;
         if (u < IT && tg + u * NTG < TILE && t < ntok) {
-          kr[uu] = KR::load(kbase + std::size_t(t) * K::payload_bytes, slice);
-          km[uu] = bf16_bits_to_float(__ldg(kmeta + t));
-          vm[uu] = bf16_bits_to_float(__ldg(vmeta + t));
+          kr[uu] = KR::load(hr.keys + std::size_t(t) * K::payload_bytes, slice);
+          km[uu] = bf16_bits_to_float(__ldg(hr.key_meta + t));
+          vm[uu] = bf16_bits_to_float(__ldg(hr.value_meta + t));
         }
       }
 #pragma unroll
@@ -451,7 +461,7 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
         for (int uu = 0; uu < IB; ++uu) {
           const int u = u0 + uu;
           const int t = t0 + tg + u * NTG;
-          if (u < IT && tg + u * NTG < TILE && t < ntok) vr[uu] = VR::load(vbase + std::size_t(t) * V::payload_bytes, slice);
+          if (u < IT && tg + u * NTG < TILE && t < ntok) vr[uu] = VR::load(hr.values + std::size_t(t) * V::payload_bytes, slice);
         }
 #pragma unroll
         for (int uu = 0; uu < IB; ++uu) {

@@ -575,11 +575,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       const std::int32_t slot = fv.slot[e];
       const std::int32_t logical = fv.logical[e];
       const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
-      const std::uint8_t* page = pool.page(std::uint32_t(slot));
-      const std::uint8_t* kbase = page + layout::key_payload(kvh, 0);
-      const std::uint8_t* vbase = page + layout::value_payload(kvh, 0);
-      const std::uint16_t* kmeta = reinterpret_cast<const std::uint16_t*>(page + layout::key_meta(kvh, 0));
-      const std::uint16_t* vmeta = reinterpret_cast<const std::uint16_t*>(page + layout::value_meta(kvh, 0));
+      const head_regions<layout> hr(pool.page(std::uint32_t(slot)), kvh);
       float pl[2] = {0.f, 0.f};  // this page's mass relative to m (per-thread rows)
       for (int t00 = 0; t00 < ntok; t00 += 16 * U) {
         // ---- loads of U steps (more bytes in flight for the small rows)
@@ -594,15 +590,15 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           for (int r = 0; r < 2; ++r) {
             const int t = t0 + qg + 8 * r;
             const int tc = t < ntok ? t : tb;
-            KC::template load_key<false>(kbase + std::size_t(tc) * K::payload_bytes, qc, kw[u][r]);
-            ks[u][r] = bf16_bits_to_float(__ldg(kmeta + tc));
-            lvs[u][r] = log2f(bf16_bits_to_float(__ldg(vmeta + tc)));
+            KC::template load_key<false>(hr.keys + std::size_t(tc) * K::payload_bytes, qc, kw[u][r]);
+            ks[u][r] = bf16_bits_to_float(__ldg(hr.key_meta + tc));
+            lvs[u][r] = log2f(bf16_bits_to_float(__ldg(hr.value_meta + tc)));
           }
 #pragma unroll
           for (int v = 0; v < 4; ++v) {
             const int t = t0 + 2 * qc + (v & 1) + 8 * (v >> 1);
             if (t < ntok) {
-              VC::template load_value<false>(vbase + std::size_t(t) * V::payload_bytes, qg, vw[u][v]);
+              VC::template load_value<false>(hr.values + std::size_t(t) * V::payload_bytes, qg, vw[u][v]);
             } else {
 #pragma unroll
               for (int i = 0; i < VC::value_words; ++i) vw[u][v][i] = 0u;  // code 0 is finite in both formats
