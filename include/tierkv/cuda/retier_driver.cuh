@@ -46,7 +46,13 @@ class retier_driver {
  public:
   retier_driver(const retier_driver&) = delete;
   retier_driver& operator=(const retier_driver&) = delete;
-  ~retier_driver() { free_buffers(); }
+  // Waits for a batch still on the side stream before freeing its lists. Pages of a batch that
+  // was never published stay reserved in the storage, and held pages stay held: publish and
+  // reclaim before destroying the driver.
+  ~retier_driver() {
+    if (in_flight_ > 0 && side_) (void)cudaStreamSynchronize(side_);
+    free_buffers();
+  }
 
   // A driver for `storage` converting up to `max_batch_pages` pages per step on `side`
   // (create_side_stream(): non-blocking, lowest priority).
