@@ -13,6 +13,7 @@
 #include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/error_traits.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/codec/tq3.hpp"
 

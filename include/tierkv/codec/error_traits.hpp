@@ -17,6 +17,7 @@
 #include "tierkv/codec/dense.hpp"
 #include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/codec/tq3.hpp"
 
@@ -163,6 +164,11 @@ template <> struct codec_error_traits<fp8_e4m3> {
 };
 template <> struct codec_error_traits<fp8_e5m2> {
   static constexpr double rel_mse = 0.00263, ip_rms_sqrt_d = 0.0705, ip_bias = -0.0014;
+};
+// Uniform 8-bit codes of the rotated vector: 16x lower MSE than E4M3, 5x lower inner-product
+// rms, unbiased (gain 1.0000).
+template <> struct codec_error_traits<int8_rotated> {
+  static constexpr double rel_mse = 4.24e-5, ip_rms_sqrt_d = 0.00653, ip_bias = 0.0;
 };
 // Keys: alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain 1.000) and halves the rms
 // against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340 at d = 128).

@@ -11,6 +11,7 @@
 #include "catch.hpp"
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
 
 using namespace tierkv;
@@ -29,13 +30,16 @@ tier_of_page_fn recent_anchor(int anchor = 1, double recent_share = 0.27) {
   };
 }
 
+using int8r_tier = tier<int8_rotated, int8_rotated>;
+using mixed_int8r = tiers<int8r_tier, tq3_tier>;  // the same roles with INT8 of rotated vectors
+
 enum class arm { fp8, tq3, mix };
 
-template <class Geo>
+template <class Geo, class TierList = mixed>
 decode_errors run_arm(arm which, const std::vector<std::int32_t>& lens, std::uint64_t seed,
                       const kv_data_options& opt = {}, logit_params lp = {}) {
   std::mt19937_64 rng(seed);
-  mixed_cache<Geo, mixed> c;
+  mixed_cache<Geo, TierList> c;
   c.seed = seed * 7 + 1;
   c.layer = int(seed % 5);
   tier_of_page_fn f = which == arm::fp8   ? tier_of_page_fn([](int, int, int) { return 0; })
@@ -48,12 +52,12 @@ decode_errors run_arm(arm which, const std::vector<std::int32_t>& lens, std::uin
   return check_decode(c, q, lp, ws);
 }
 
-template <class Geo>
+template <class Geo, class TierList = mixed>
 void sweep_codecs(std::uint64_t seed) {
   constexpr int P = Geo::page_tokens;
   const std::vector<std::int32_t> lens = {0, 1, 5, P, P + 3, 13 * P + 9};
   for (arm a : {arm::fp8, arm::tq3, arm::mix}) {
-    const auto e = run_arm<Geo>(a, lens, seed);
+    const auto e = run_arm<Geo, TierList>(a, lens, seed);
     INFO("arm " << int(a) << " head_dim " << Geo::head_dim << " group " << Geo::group_size);
     CHECK_FALSE(e.non_finite);
     // The attention math itself: float rounding only. (FP8/TQ3 pages' unused slots
@@ -73,6 +77,25 @@ TEST_CASE("FP8, TQ3 and mixed pages: attention math equals float64 on the decode
   sweep_codecs<geometry<head_dim<128>, kv_heads<2>, group_size<2>, page_tokens<16>>>(3);
   sweep_codecs<geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<64>>>(4);
   sweep_codecs<geometry<head_dim<256>, kv_heads<1>, group_size<8>, page_tokens<16>>>(5);
+}
+
+TEST_CASE("int8_rotated and mixed int8_rotated/TQ3 pages: exact math on decoded vectors, error far below FP8",
+          "[attention][codec][int8_rotated]") {
+  // arm::fp8 here means tier 0 everywhere, i.e. all int8_rotated.
+  sweep_codecs<geometry<head_dim<64>, kv_heads<2>, group_size<3>, page_tokens<16>>, mixed_int8r>(6);
+  sweep_codecs<geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<64>>, mixed_int8r>(7);
+  using Geo = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<64>>;
+  const std::vector<std::int32_t> lens = {2048};
+  const auto f = run_arm<Geo>(arm::fp8, lens, 11);
+  const auto i8 = run_arm<Geo, mixed_int8r>(arm::fp8, lens, 11);
+  const auto m8 = run_arm<Geo>(arm::mix, lens, 11);
+  const auto mi = run_arm<Geo, mixed_int8r>(arm::mix, lens, 11);
+  std::printf("mean rel err vs original: fp8 %.5f int8_rotated %.5f; mixed with fp8 %.4f, with int8_rotated %.4f\n",
+              f.mean_rel_original, i8.mean_rel_original, m8.mean_rel_original, mi.mean_rel_original);
+  CHECK(i8.mean_rel_original > 1e-4);  // lossy: an exact match would mean the codec was bypassed
+  CHECK(i8.mean_rel_original * 3 < f.mean_rel_original);
+  CHECK(mi.mean_rel_original <= m8.mean_rel_original);
+  CHECK(i8.max_lse_original < 0.005);
 }
 
 TEST_CASE("FP8, TQ3 and mixed pages: error against the original vectors lies in the codec bands",

@@ -1,0 +1,163 @@
+// SPDX-License-Identifier: Apache-2.0
+// INT8 of the rotated vector (int8_rotated): the seeded randomized-Hadamard rotation of the
+// TQ3 codec, then symmetric 8-bit codes with one bf16 scale per vector.
+//
+// Why next to FP8: E4M3 keeps 3 mantissa bits, so every element carries a relative error of
+// up to 2^-4 whatever the scale. After the rotation a token vector has no outlier channel
+// (its coordinates are close to Gaussian), so a uniform grid over [-amax, amax] resolves it
+// ~4x finer at the same 8 bits plus scale (docs/formats.md; measured on SmolLM2 in
+// docs/model.md). The host attention path reads it like TQ3: the query is rotated once,
+// values accumulate in the rotated domain, finalize() rotates the accumulator back.
+//
+// Format (docs/formats.md): z = H_un D (x 2^k), the unnormalized rotation of x scaled by the
+// power of two k that puts max|x| in [1, 2); payload = head_dim int8 codes c_i =
+// round(z_i / s) in [-127, 127] (two's complement bytes); meta = alpha = s 2^-k as bf16 bits,
+// rounded UP so no code exceeds 127. The decoded vector is D H_un (alpha c) / d. A zero vector
+// stores alpha 0 and zero codes. Inputs beyond +-2^120 are clipped there (and counted as
+// saturated): it keeps alpha finite for every head_dim up to 512.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tierkv/codec/bf16.hpp"
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/float_bits.hpp"
+#include "tierkv/codec/rotation.hpp"
+#include "tierkv/core/config.hpp"
+
+namespace tierkv {
+
+template <int HeadDim>
+struct int8_rotated_codec {
+  static_assert(is_power_of_two<HeadDim> && HeadDim >= 8 && HeadDim <= 512,
+                "int8_rotated: head_dim must be a power of two in [8, 512] (the Walsh-Hadamard "
+                "rotation needs it); keep other head_dims in FP8");
+  using meta_type = bf16_bits;  // alpha
+
+  static constexpr storage_format format = storage_format::int8_rotated;
+  static constexpr int head_dim = HeadDim;
+  static constexpr std::size_t payload_bytes = std::size_t(HeadDim);
+  static constexpr std::size_t meta_bytes = sizeof(meta_type);
+  static constexpr const char* name = "int8_rotated";
+  static constexpr int max_code = 127;
+  static constexpr float input_limit = 1.32922800e36f;  // 2^120
+  // Written on non-finite input: codes 0 and a NaN alpha (a slot read by mistake is loud).
+  static constexpr meta_type poison_meta = bf16_quiet_nan;
+
+  TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type& meta,
+                               const codec_context& ctx, encode_stats* stats) {
+    float amax = 0.0f;
+    std::uint64_t clipped = 0;
+    for (int i = 0; i < HeadDim; ++i) {
+      if (!detail::is_finite_bits(x[i])) {
+        for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
+        meta = poison_meta;
+        return errc::non_finite_input;
+      }
+      float a = detail::abs_bits(x[i]);
+      if (a > input_limit) {
+        a = input_limit;
+        ++clipped;
+      }
+      amax = a > amax ? a : amax;
+    }
+    if (stats) stats->saturated += clipped;
+    if (amax == 0.0f) {
+      for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
+      meta = 0;
+      return errc::ok;
+    }
+    const int k = detail::unit_exponent(amax);
+    float z[HeadDim];
+    for (int i = 0; i < HeadDim; ++i) {
+      float v = x[i];
+      v = v > input_limit ? input_limit : (v < -input_limit ? -input_limit : v);
+      z[i] = detail::scale_pow2(v, k);  // exact: |z| < 2
+    }
+    apply_rotation_signs<HeadDim>(z, ctx.seed);
+    walsh_hadamard_unnormalized<HeadDim>(z);  // |z| < 2 d: no overflow
+    float zmax = 0.0f;
+    for (int i = 0; i < HeadDim; ++i) {
+      const float a = detail::abs_bits(z[i]);
+      zmax = a > zmax ? a : zmax;
+    }
+    meta = alpha_for(zmax, k);
+    // The step in z's units: alpha 2^k, exact (a power-of-two scaling back into range).
+    const float step = detail::scale_pow2(bf16_to_float(meta), k);
+    for (int i = 0; i < HeadDim; ++i) {
+      const float q = z[i] / step;
+      int c = int(q + (q >= 0.0f ? 0.5f : -0.5f));  // round half away from zero
+      c = c > max_code ? max_code : (c < -max_code ? -max_code : c);
+      payload[i] = std::uint8_t(std::int8_t(c));
+    }
+    return errc::ok;
+  }
+
+  // alpha = zmax / 127 * 2^-k rounded up to bf16 (bumped until zmax / (alpha 2^k) <= 127),
+  // and at least the least positive bf16: no code exceeds 127.
+  TIERKV_HD static meta_type alpha_for(float zmax, int k) {
+    if (!(zmax > 0.0f)) return 0;
+    bf16_bits s = float_to_bf16_up(detail::scale_pow2(zmax / float(max_code), -k));
+    if (s == 0) s = 1;
+    while (zmax / detail::scale_pow2(bf16_to_float(s), k) > float(max_code)) ++s;
+    return s;
+  }
+
+  TIERKV_HD static float code_value(std::uint8_t c) { return float(std::int8_t(c)); }
+
+  TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type& meta, float* out,
+                               const codec_context& ctx) {
+    for (int i = 0; i < HeadDim; ++i) out[i] = 0.0f;
+    accumulate(1.0f, payload, meta, out);
+    finalize(out, ctx);
+  }
+
+  // q'' = H_un D q / d, so that dot(q'', codes) * alpha = q . x_hat.
+  TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context& ctx) {
+    if (out != q)
+      for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
+    apply_rotation_signs<HeadDim>(out, ctx.seed);
+    walsh_hadamard_unnormalized<HeadDim>(out);
+    scale_by_inverse_dim(out);
+  }
+
+  TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < HeadDim; i += 4)
+      for (int u = 0; u < 4; ++u) s[u] += q[i + u] * code_value(payload[i + u]);
+    return ((s[0] + s[1]) + (s[2] + s[3])) * bf16_to_float(meta);
+  }
+
+  // acc (rotated domain, unscaled) += p alpha c; finalize maps it back.
+  TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type& meta,
+                                   float* acc) {
+    const float w = p * bf16_to_float(meta);
+    for (int i = 0; i < HeadDim; ++i) acc[i] += w * code_value(payload[i]);
+  }
+
+  // acc <- D H_un acc / d: the inverse rotation (linear, so it commutes with merges of
+  // partial states of this codec and seed).
+  TIERKV_HD static void finalize(float* acc, const codec_context& ctx) {
+    walsh_hadamard_unnormalized<HeadDim>(acc);
+    scale_by_inverse_dim(acc);
+    apply_rotation_signs<HeadDim>(acc, ctx.seed);
+  }
+
+ private:
+  TIERKV_HD static void scale_by_inverse_dim(float* x) {
+    int lg = 0;
+    while ((1 << lg) < HeadDim) ++lg;
+    const float s = detail::exp2i(-lg);  // exact
+    for (int i = 0; i < HeadDim; ++i) x[i] *= s;
+  }
+};
+
+struct int8_rotated {
+  template <int HeadDim> using bind = int8_rotated_codec<HeadDim>;
+};
+
+static_assert(vector_codec<int8_rotated_codec<128>>);
+static_assert(codec_family<int8_rotated>);
+
+}  // namespace tierkv
