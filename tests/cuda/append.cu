@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// GPU append into open FP8 pages: codes and scales equal the host codec's encode() bit for
+// GPU append into open FP8 (or int8_rotated) pages: codes and scales equal the host codec's encode() bit for
 // bit (fp32 and bf16 inputs, decode and prefill, all layers), bad slots and non-finite
 // input are reported, nothing else in the pool is touched.
 #include "catch.hpp"
@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/append.cuh"
 
@@ -44,10 +45,12 @@ float adversarial(std::mt19937_64& rng, int i) {
   }
 }
 
-template <class G>
+template <class G, class Tier = recent>
 void check_append(int tokens, int layers, bool bf16, std::uint64_t seed) {
   constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens;
-  using C = recent::key_codec<D>;
+  using C = typename Tier::template key_codec<D>;
+  constexpr std::uint64_t cache_seed = 0xC0FFEE;
+  constexpr int layer_base = 5, head_base = 2;  // contexts of layers 5.., global heads 2..
   using L = page_layout<G, C, C>;
   std::mt19937_64 rng(seed);
   const int pages = tokens / 3 + 4;
@@ -98,7 +101,10 @@ void check_append(int tokens, int layers, bool bf16, std::uint64_t seed) {
   in.layers = layers;
   in.pool = {dpool, L::page_bytes, std::uint32_t(cap)};
   in.error = derr;
-  REQUIRE(cuda::append<G, recent>(in, nullptr).is_ok());
+  in.cache_seed = cache_seed;
+  in.layer_base = layer_base;
+  in.head_base = head_base;
+  REQUIRE(cuda::append<G, Tier>(in, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<std::uint8_t> got(pool.size());
   CUDA_OK(cudaMemcpy(got.data(), dpool, got.size(), cudaMemcpyDeviceToHost));
@@ -114,8 +120,10 @@ void check_append(int tokens, int layers, bool bf16, std::uint64_t seed) {
         const std::size_t at = (std::size_t(l) * tokens + n) * H * D + std::size_t(h) * D;
         auto* km = reinterpret_cast<bf16_bits*>(page + L::key_meta(h, offset[n]));
         auto* vm = reinterpret_cast<bf16_bits*>(page + L::value_meta(h, offset[n]));
-        REQUIRE(C::encode(k.data() + at, page + L::key_payload(h, offset[n]), *km, {}, nullptr) == errc::ok);
-        REQUIRE(C::encode(v.data() + at, page + L::value_payload(h, offset[n]), *vm, {}, nullptr) == errc::ok);
+        const auto kc = make_codec_context(cache_seed, layer_base + l, head_base + h, kv_role::key);
+        const auto vc = make_codec_context(cache_seed, layer_base + l, head_base + h, kv_role::value);
+        REQUIRE(C::encode(k.data() + at, page + L::key_payload(h, offset[n]), *km, kc, nullptr) == errc::ok);
+        REQUIRE(C::encode(v.data() + at, page + L::value_payload(h, offset[n]), *vm, vc, nullptr) == errc::ok);
       }
   std::size_t diff = 0;
   for (std::size_t i = 0; i < pool.size(); ++i) diff += pool[i] != got[i];
@@ -135,6 +143,14 @@ TEST_CASE("gpu append equals the host FP8 encoder bit for bit", "[cuda][append]"
   check_append<g_smol>(1, 1, false, 3);
   check_append<g_smol>(517, 3, false, 4);
   check_append<g_smol>(128, 1, true, 5);
+}
+
+TEST_CASE("gpu append into int8_rotated pages equals the host encoder bit for bit", "[cuda][append][int8_rotated]") {
+  using recent_int8r = tier<int8_rotated, int8_rotated>;
+  check_append<g_qwen, recent_int8r>(64, 1, false, 11);
+  check_append<g_qwen, recent_int8r>(300, 2, true, 12);
+  check_append<g_smol, recent_int8r>(1, 1, false, 13);
+  check_append<g_smol, recent_int8r>(517, 3, false, 14);
 }
 
 TEST_CASE("gpu append reports bad slots and non-finite input", "[cuda][append]") {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/retier.cuh"
 
@@ -172,6 +173,17 @@ TEST_CASE("gpu retier TQ3 -> FP8 (promotion) equals the host codecs bit for bit"
 TEST_CASE("gpu retier of a tensor-parallel rank's pages uses the global heads' rotations", "[cuda][retier]") {
   check_retier<g_llama, recent, stale>(12, 8, 8);  // rank 1 of 2 of a 16-head model
   check_retier<g_llama, stale, recent>(12, 9, 8);
+}
+
+TEST_CASE("gpu retier int8_rotated <-> TQ3 and <-> FP8 equals the host codecs bit for bit", "[cuda][retier][int8_rotated]") {
+  using recent_int8r = tier<int8_rotated, int8_rotated>;
+  check_retier<g_qwen, recent_int8r, stale>(12, 11);
+  check_retier<g_llama, recent_int8r, stale>(10, 12, 8);
+  check_retier<g_smol, recent_int8r, stale>(20, 13);
+  check_retier<g_smol, stale, recent_int8r>(20, 14);
+  check_retier<g_llama, stale, recent_int8r>(10, 15);
+  check_retier<g_qwen, recent, recent_int8r>(8, 16);
+  check_retier<g_smol, recent_int8r, recent>(20, 17);
 }
 
 TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {

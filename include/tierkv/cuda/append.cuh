@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Append kernel: writes new tokens' keys and values (one decode token or a prefill chunk
-// per sequence, one layer or all layers) into open FP8 pages, computing per-token scales,
-// at the slots the engine's slot mapping names. Codes and scales equal the host codec's
-// encode() bit for bit (tests/cuda/append.cu).
+// per sequence, one layer or all layers) into open pages of the append tier (FP8 E4M3 or
+// int8_rotated), computing per-token scales, at the slots the engine's slot mapping names.
+// Codes and scales equal the host codec's encode() bit for bit (tests/cuda/append.cu).
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -20,6 +20,7 @@
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
+#include "tierkv/cuda/warp_vector.cuh"
 #include "tierkv/memory/page_layout.hpp"
 
 namespace tierkv::cuda {
@@ -41,7 +42,12 @@ struct append_inputs {
   const std::int32_t* offset = nullptr;  // [tokens]
   int tokens = 0;
   int layers = 1;
-  pool_view pool;                        // the FP8 tier's pool
+  pool_view pool;                        // the append tier's pool
+  // Rotated formats (int8_rotated): codec contexts are make_codec_context(cache_seed, layer,
+  // head_base + h, role), as in paged_storage. layer_base is the layer of k's layer 0.
+  std::uint64_t cache_seed = 0;
+  int head_base = 0;
+  int layer_base = 0;
   // Optional: first device error (errc as int; 0 = ok): out_of_range for a slot beyond the
   // pool or an offset beyond page_tokens (nothing written for that token), non_finite_input
   // for NaN/Inf (the codec's poison is written: zero codes, NaN scale).
@@ -119,16 +125,51 @@ __global__ void __launch_bounds__(256) append_fp8_kernel(append_inputs in) {
   if (lane == 0) *meta = scale;
 }
 
+// int8_rotated: one warp per token vector through warp_encode_int8r (the rotation needs the
+// whole vector in the warp: head_dim a multiple of 32).
+template <class Geometry, class Codec>
+__global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
+  constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, P = D / 32;
+  using layout = page_layout<Geometry, Codec, Codec>;
+  const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
+  const int lane = int(threadIdx.x) % 32;
+  const int layer = int(blockIdx.y);
+  if (warp >= in.tokens * H * 2) return;
+  const int role = warp % 2, h = (warp / 2) % H, n = warp / (2 * H);
+  const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
+  const std::int32_t off = in.offset[n];
+  if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 || off >= Geometry::page_tokens) {
+    if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
+    return;
+  }
+  const void* src = role == 0 ? in.k : in.v;
+  const std::int64_t base = std::int64_t(layer) * in.layer_stride + (std::int64_t(n) * H + h) * D + lane * P;
+  float x[P];
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] = load_input(src, in.type, base + r);
+  std::uint8_t* page = in.pool.page(std::uint32_t(slot));
+  const std::uint64_t seed = make_codec_context(in.cache_seed, in.layer_base + layer, in.head_base + h,
+                                                role == 0 ? kv_role::key : kv_role::value).seed;
+  const bool ok = warp_encode_int8r<Codec, P>(
+      x, page + (role == 0 ? layout::key_payload(h, off) : layout::value_payload(h, off)),
+      reinterpret_cast<typename Codec::meta_type*>(page + (role == 0 ? layout::key_meta(h, off) : layout::value_meta(h, off))),
+      seed, lane);
+  if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+}
+
 }  // namespace detail
 
-// Enqueues the append on `stream`. Tier must have FP8 E4M3 keys and values (the tier new
-// tokens go to). No synchronization, no allocation.
+// Enqueues the append on `stream`. Tier must store keys and values in one format, FP8 E4M3
+// or int8_rotated (the tier new tokens go to). No synchronization, no allocation.
 template <class Geometry, class Tier>
 status append(const append_inputs& in, cudaStream_t stream) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  static_assert(std::is_same_v<K, V> && K::format == storage_format::fp8_e4m3,
-                "cuda::append: the append tier must store keys and values as fp8_e4m3");
+  static_assert(std::is_same_v<K, V> &&
+                    (K::format == storage_format::fp8_e4m3 || K::format == storage_format::int8_rotated),
+                "cuda::append: the append tier must store keys and values as fp8_e4m3 or int8_rotated");
+  static_assert(K::format != storage_format::int8_rotated || Geometry::head_dim % 32 == 0,
+                "cuda::append: int8_rotated needs head_dim a multiple of 32 (one warp per vector)");
   using layout = page_layout<Geometry, K, V>;
   if (in.tokens < 0 || in.layers < 1 || in.layers > 65535)
     return status::make(errc::invalid_argument, "append: tokens = ", in.tokens, ", layers = ",
@@ -138,7 +179,7 @@ status append(const append_inputs& in, cudaStream_t stream) {
     return status::make(errc::invalid_argument, "append: k, v, slot, offset and pool.base must be set");
   if (in.pool.page_bytes != layout::page_bytes)
     return status::make(errc::geometry_mismatch, "append: pool.page_bytes = ", in.pool.page_bytes,
-                        " but the FP8 page layout needs ", layout::page_bytes);
+                        " but the append tier's page layout needs ", layout::page_bytes);
   if (in.layers > 1 && (in.layer_stride < std::int64_t(in.tokens) * Geometry::kv_heads * Geometry::head_dim ||
                         in.slot_layer_stride < in.tokens))
     return status::make(errc::invalid_argument, "append: layer_stride = ", in.layer_stride,
@@ -147,8 +188,13 @@ status append(const append_inputs& in, cudaStream_t stream) {
   const std::int64_t warps = std::int64_t(in.tokens) * Geometry::kv_heads * 2;
   const std::int64_t blocks = (warps + 7) / 8;
   if (blocks > 0x7fffffff) return status::exceeds(errc::invalid_argument, "append: blocks", blocks, 0x7fffffff);
-  detail::append_fp8_kernel<Geometry, K><<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
-  return check_launch("append_fp8_kernel");
+  if constexpr (K::format == storage_format::fp8_e4m3) {
+    detail::append_fp8_kernel<Geometry, K><<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
+    return check_launch("append_fp8_kernel");
+  } else {
+    detail::append_int8r_kernel<Geometry, K><<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
+    return check_launch("append_int8r_kernel");
+  }
 }
 
 }  // namespace tierkv::cuda

@@ -47,8 +47,10 @@ __device__ __forceinline__ void warp_decode_any(const std::uint8_t* payload, typ
     warp_decode_fp8<C, P>(payload, meta, x, lane);
   } else if constexpr (C::format == storage_format::tq3) {
     warp_decode_tq3<C, P>(payload, meta, seed, x, lane);
+  } else if constexpr (C::format == storage_format::int8_rotated) {
+    warp_decode_int8r<C, P>(payload, meta, seed, x, lane);
   } else {
-    static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3 or tq3");
+    static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3 or int8_rotated");
   }
 }
 template <class C, int P>
@@ -58,8 +60,10 @@ __device__ __forceinline__ bool warp_encode_any(const float (&x)[P], std::uint8_
     return warp_encode_fp8<C, P>(x, payload, meta, lane);
   } else if constexpr (C::format == storage_format::tq3) {
     return warp_encode_tq3<C, P>(x, payload, meta, seed, lane);
+  } else if constexpr (C::format == storage_format::int8_rotated) {
+    return warp_encode_int8r<C, P>(x, payload, meta, seed, lane);
   } else {
-    static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3 or tq3");
+    static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3 or int8_rotated");
     return false;
   }
 }

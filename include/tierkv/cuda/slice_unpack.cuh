@@ -22,7 +22,7 @@ template <class C, storage_format F = C::format>
 struct slice_reader {
   static_assert(tierkv::detail::dependent_false<C>,
                 "cuda decode: no device inner loop for this codec's storage_format; "
-                "supported: fp8_e4m3, tq3");
+                "supported: fp8_e4m3, tq3, int8_rotated");
 };
 
 // bf16 bits (per-token scale or norm, docs/formats.md) to float: exact.
@@ -50,6 +50,29 @@ struct slice_reader<C, storage_format::fp8_e4m3> {
     const float2 a = __half22float2(__half2(lo));
     const float2 b = __half22float2(__half2(hi));
     x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+  }
+  __device__ __forceinline__ static void unpack(const raw& r, int, float (&x)[16]) {
+    unpack4(r.x, x + 0);
+    unpack4(r.y, x + 4);
+    unpack4(r.z, x + 8);
+    unpack4(r.w, x + 12);
+  }
+};
+
+// int8_rotated: 16 codes are one 16-byte load; each signed byte converts exactly.
+template <class C>
+struct slice_reader<C, storage_format::int8_rotated> {
+  static_assert(C::payload_bytes == std::size_t(C::head_dim),
+                "int8_rotated reader: payload must be head_dim bytes (docs/formats.md)");
+  using raw = uint4;
+  static constexpr float code_scale = 1.f;  // dot = alpha * sum q''_i c_i (codec/int8_rotated.hpp)
+
+  __device__ __forceinline__ static raw load(const std::uint8_t* payload, int slice) {
+    return __ldg(reinterpret_cast<const uint4*>(payload) + slice);
+  }
+  __device__ __forceinline__ static void unpack4(std::uint32_t w, float* x) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = float(std::int8_t(std::uint8_t(w >> (8 * j))));
   }
   __device__ __forceinline__ static void unpack(const raw& r, int, float (&x)[16]) {
     unpack4(r.x, x + 0);

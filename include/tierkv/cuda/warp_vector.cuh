@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// One warp per token vector: FP8 E4M3 and TQ3 encode / decode with the element ownership
+// One warp per token vector: FP8 E4M3, TQ3 and int8_rotated encode / decode with the element ownership
 // and summation order the host codecs define as canonical (codec/tq3.hpp: lane l owns
 // coordinates [l*d/32, (l+1)*d/32), fmaf in ascending order, then a xor butterfly over
 // 16, 8, 4, 2, 1), so the codes equal the host encoder's bit for bit.
@@ -16,6 +16,7 @@
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/float_bits.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/rotation.hpp"
 #include "tierkv/codec/tq3.hpp"
 
@@ -281,6 +282,73 @@ __device__ __forceinline__ void warp_decode_tq3(const std::uint8_t* payload,
     const int j = lane * P + r;
     x[r] = 0.0f + w * tierkv::detail::tq3_centroid(tierkv::detail::tq3_unpack(words, j % 32));
   }
+  warp_wht<P>(x, lane);
+  const float s = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] *= s;
+  warp_signs<P>(x, seed, lane);
+}
+
+// int8_rotated encode (exactly int8_rotated_codec::encode): the same power-of-two scaling
+// and rotation as TQ3, a warp maximum, then the codec's alpha_for and per-element rounding.
+template <class Codec, int P>
+__device__ __forceinline__ bool warp_encode_int8r(const float (&x)[P], std::uint8_t* payload,
+                                                  typename Codec::meta_type* meta, std::uint64_t seed,
+                                                  int lane) {
+  static_assert(P * 32 == Codec::head_dim, "warp_encode_int8r: one warp owns d/32 coordinates per lane");
+  float amax = 0.f;
+  bool finite = true;
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    finite = finite && tierkv::detail::is_finite_bits(x[r]);
+    amax = fmaxf(amax, fminf(tierkv::detail::abs_bits(x[r]), Codec::input_limit));
+  }
+  finite = __all_sync(full_warp, finite);
+  amax = warp_max(amax);
+  std::uint8_t codes[P];
+  if (!finite || amax == 0.f) {
+#pragma unroll
+    for (int r = 0; r < P; ++r) codes[r] = 0;
+    store_bytes<P>(payload + lane * P, codes);
+    if (lane == 0) *meta = finite ? typename Codec::meta_type(0) : Codec::poison_meta;
+    return finite;
+  }
+  const int k = tierkv::detail::unit_exponent(amax);
+  float z[P];
+#pragma unroll
+  for (int r = 0; r < P; ++r)
+    z[r] = tierkv::detail::scale_pow2(fmaxf(fminf(x[r], Codec::input_limit), -Codec::input_limit), k);
+  warp_signs<P>(z, seed, lane);
+  warp_wht<P>(z, lane);
+  float zmax = 0.f;
+#pragma unroll
+  for (int r = 0; r < P; ++r) zmax = fmaxf(zmax, tierkv::detail::abs_bits(z[r]));
+  zmax = warp_max(zmax);
+  const typename Codec::meta_type alpha = Codec::alpha_for(zmax, k);
+  const float step = tierkv::detail::scale_pow2(bf16_to_float(alpha), k);
+#pragma unroll
+  for (int r = 0; r < P; ++r) {
+    const float q = __fdiv_rn(z[r], step);
+    int c = int(q + (q >= 0.0f ? 0.5f : -0.5f));
+    c = c > Codec::max_code ? Codec::max_code : (c < -Codec::max_code ? -Codec::max_code : c);
+    codes[r] = std::uint8_t(std::int8_t(c));
+  }
+  store_bytes<P>(payload + lane * P, codes);
+  if (lane == 0) *meta = alpha;
+  return true;
+}
+
+// int8_rotated decode (exactly int8_rotated_codec::decode: alpha*c, D H_un / d).
+template <class Codec, int P>
+__device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload,
+                                                  typename Codec::meta_type meta, std::uint64_t seed,
+                                                  float (&x)[P], int lane) {
+  constexpr int D = Codec::head_dim;
+  const float w = 1.0f * bf16_to_float(meta);
+  std::uint8_t codes[P];
+  load_bytes<P>(payload + lane * P, codes);
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] = 0.0f + w * float(std::int8_t(codes[r]));
   warp_wht<P>(x, lane);
   const float s = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
 #pragma unroll

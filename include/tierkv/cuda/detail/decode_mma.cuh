@@ -60,6 +60,19 @@ __device__ __forceinline__ std::uint32_t fp8x2_to_h2(std::uint32_t w) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
   return std::uint32_t(r.x) | (std::uint32_t(r.y) << 16);
 }
+// int8 x2 (low 16 bits) -> half2, exact: byte b + 128 placed in the mantissa of 1024
+// (0x6400 | u = 1024 + u), minus 1152.
+__device__ __forceinline__ std::uint32_t s8x2_to_h2(std::uint32_t w) {
+  const std::uint32_t h = __byte_perm(w ^ 0x8080u, 0x64646464u, 0x4140);
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __half2(__half(1152.f), __half(1152.f)));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+struct fp8_to_h2 {
+  __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return fp8x2_to_h2(w); }
+};
+struct s8_to_h2 {
+  __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2(w); }
+};
 // TQ3: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> fp16 centroids x0..x3 as
 // the byte tables lo/hi (slice_unpack.cuh has the table).
 __device__ __forceinline__ void tq3_lookup(std::uint32_t sel, std::uint32_t& lo, std::uint32_t& hi) {
@@ -105,10 +118,11 @@ struct tq3_lane_words {
 // V side: lane g = lane / 4; rows g and g + 8 of value m-tile mt; value_coord(g, mt, r).
 template <class C, storage_format F = C::format> struct mma_codec;
 
-template <class C>
-struct mma_codec<C, storage_format::fp8_e4m3> {
+// One byte per coordinate (FP8 E4M3, int8_rotated): Cvt turns two codes into a half2.
+template <class C, class Cvt>
+struct mma_byte_codec {
   static constexpr int D = C::head_dim;
-  static_assert(D % 64 == 0, "tensor-core decode: fp8 head_dim must be a multiple of 64");
+  static_assert(D % 64 == 0, "tensor-core decode: fp8 / int8 head_dim must be a multiple of 64");
   // keys: lane c reads 16 bytes at 64 seg + 16 c; word w of segment seg is step 4 seg + w
   static constexpr int key_words = D / 16;
   template <bool Shared>
@@ -122,8 +136,8 @@ struct mma_codec<C, storage_format::fp8_e4m3> {
   }
   __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& lo,
                                                   std::uint32_t& hi) {
-    lo = fp8x2_to_h2(w[s]);
-    hi = fp8x2_to_h2(w[s] >> 16);
+    lo = Cvt::x2(w[s]);
+    hi = Cvt::x2(w[s] >> 16);
   }
   __device__ __forceinline__ static int key_coord(int c, int s, int j) { return 64 * (s / 4) + 16 * c + 4 * (s % 4) + j; }
 
@@ -154,10 +168,10 @@ struct mma_codec<C, storage_format::fp8_e4m3> {
   __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2]) {
     const std::uint32_t x = __byte_perm(w0, w1, 0x5140);
     const std::uint32_t y = __byte_perm(w0, w1, 0x7362);
-    out[0][0] = fp8x2_to_h2(x);
-    out[0][1] = fp8x2_to_h2(x >> 16);
-    out[1][0] = fp8x2_to_h2(y);
-    out[1][1] = fp8x2_to_h2(y >> 16);
+    out[0][0] = Cvt::x2(x);
+    out[0][1] = Cvt::x2(x >> 16);
+    out[1][0] = Cvt::x2(y);
+    out[1][1] = Cvt::x2(y >> 16);
   }
   static constexpr int value_mtiles_per_word = 2;
   __device__ __forceinline__ static int value_coord(int g, int mt, int r) {
@@ -166,6 +180,10 @@ struct mma_codec<C, storage_format::fp8_e4m3> {
     return SEG * (wi / wps) + (SEG / 8) * g + 4 * (wi % wps) + j;
   }
 };
+template <class C>
+struct mma_codec<C, storage_format::fp8_e4m3> : mma_byte_codec<C, fp8_to_h2> {};
+template <class C>
+struct mma_codec<C, storage_format::int8_rotated> : mma_byte_codec<C, s8_to_h2> {};
 
 template <class C>
 struct mma_codec<C, storage_format::tq3> {
