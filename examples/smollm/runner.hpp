@@ -202,7 +202,7 @@ inline int run_tasks(engine& eng, const run_options& o) {
        << eng.tiering.policy.recent_pages << ",\"sink_pages\":" << eng.tiering.policy.sink_pages
        << ",\"keep_first_layers\":" << eng.tiering.policy.keep_first_layers
        << ",\"keep_last_layers\":" << eng.tiering.policy.keep_last_layers
-       << ",\"use_mass\":" << eng.tiering.use_mass << ",\"center\":" << eng.tiering.center << ",\"center_fp8\":" << eng.tiering.center_fp8 << ",\"rotate_fp8_keys\":" << eng.tiering.rotate_fp8_keys
+       << ",\"use_mass\":" << eng.tiering.use_mass << ",\"center\":" << eng.tiering.center << ",\"center_fp8\":" << eng.tiering.center_fp8 << ",\"rotate_fp8_keys\":" << eng.tiering.rotate_fp8_keys << ",\"rotate_fp8_values\":" << eng.tiering.rotate_fp8_values
        << ",\"enter_mass\":" << eng.tiering.policy.enter_mass
        << ",\"leave_mass\":" << eng.tiering.policy.leave_mass << "},\"arms\":{";
 
