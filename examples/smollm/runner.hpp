@@ -18,7 +18,7 @@ namespace smollm {
 
 struct run_options {
   bool quick = false;
-  std::string arms = "dense,tiered,tq3,fp8";
+  std::string arms = "dense,tiered,tiered_int8r,tq3,fp8,int8r";
   std::string out;         // JSON with per-arm results
   std::string dump_items;  // prompts for the llama.cpp peer (peer_llamacpp.py)
   int items = 0;           // items per (task, length); 0 = the profile's default

@@ -58,10 +58,10 @@ void usage() {
   std::fprintf(
       stderr,
       "usage: smollm COMMAND [--model FILE.gguf] [--threads N] ...\n"
-      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered] [--max-new N]\n"
+      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered|int8r|tiered_int8r] [--max-new N]\n"
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"
-      "  tasks    [--quick] [--arms dense,fp8,tq3,tiered] [--lengths 1024,4096] [--items N]\n"
+      "  tasks    [--quick] [--arms dense,tiered,tiered_int8r,tq3,fp8,int8r] [--lengths 1024,4096] [--items N]\n"
       "           [--out FILE.json] [--dump-items FILE.jsonl] [--ppl-text FILE]\n"
       "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"
       "           [--recent-pages 4] [--sink-pages 1] [--keep-first-layers 1] [--keep-last-layers "

@@ -51,47 +51,53 @@ def main():
               "  %.0f" % arm.get("prefill_tokens_per_s", 0))
 
     m = {}
-    for name, key in (("dense", "dense"), ("tiered", "tiered"), ("fp8", "fp8"), ("tq3", "tq3")):
-        if key in arms:
+    for name in ("dense", "tiered", "tiered_int8r", "fp8", "int8r", "tq3"):
+        if name in arms:
             for L in lengths:
-                m["niah_acc_%s_%s" % (name, L)] = arms[key]["niah"][L]["acc"]
+                m["niah_acc_%s_%s" % (name, L)] = arms[name]["niah"][L]["acc"]
     m["ppl_dense"] = arms.get("dense", {}).get("ppl")
     m["ppl_tiered"] = arms.get("tiered", {}).get("ppl")
+    m["ppl_tiered_int8r"] = arms.get("tiered_int8r", {}).get("ppl")
     m["ppl_tq3_only"] = arms.get("tq3", {}).get("ppl")
     m["ppl_fp8"] = arms.get("fp8", {}).get("ppl")
+    m["ppl_int8r"] = arms.get("int8r", {}).get("ppl")
     m["ppl_llamacpp_q4_0"] = arms.get("llamacpp_q4_0", {}).get("ppl")
     m["ppl_llamacpp_q8_0"] = arms.get("llamacpp_q8_0", {}).get("ppl")
-    t = arms.get("tiered")
-    if t:
+    # The tiered arms: "tiered" (FP8 recent/anchor tier, the arm) and "tiered_int8r"
+    # (int8_rotated recent/anchor tier); each gets the bar's metrics under its own suffix.
+    tiered_arms = [n for n in ("tiered", "tiered_int8r") if n in arms]
+    for n in tiered_arms:
+        t = arms[n]
         bits = [t["ppl_bits_per_scalar"]] + [v["max_bits_per_scalar"] for L, v in t["niah"].items()
                                               if L in ("4k", "8k")]
-        m["bits_per_scalar_tiered"] = max(bits)
-        m["kib_per_token_tiered"] = t["ppl_kib_per_token"]
-        m["agree64_tiered"] = t["agree64"]
-        m["agree_text64_tiered"] = t.get("agree_text64")
-    for name in ("fp8", "tq3", "llamacpp_q8_0", "llamacpp_q4_0"):
+        m["bits_per_scalar_" + n] = max(bits)
+        m["kib_per_token_" + n] = t["ppl_kib_per_token"]
+        m["agree64_" + n] = t["agree64"]
+        m["agree_text64_" + n] = t.get("agree_text64")
+        if dense:
+            right = {item_key(it) for it in dense["items"] if it["score"] == 1.0 and it["target"] in (4096, 8192)}
+            lost = [it for it in t["items"] if item_key(it) in right and it["score"] < 1.0]
+            m["niah_items_lost_%s_4k_8k" % n] = len(lost)
+            m["niah_items_dense_right_4k_8k"] = len(right)
+    for name in ("fp8", "int8r", "tq3", "llamacpp_q8_0", "llamacpp_q4_0"):
         if name in arms:
             m["bits_per_scalar_" + name] = arms[name]["ppl_bits_per_scalar"]
             m["agree64_" + name] = arms[name].get("agree64")
-    if dense and t:
-        right = {item_key(it) for it in dense["items"] if it["score"] == 1.0 and it["target"] in (4096, 8192)}
-        lost = [it for it in t["items"] if item_key(it) in right and it["score"] < 1.0]
-        m["niah_items_lost_tiered_4k_8k"] = len(lost)
-        m["niah_items_dense_right_4k_8k"] = len(right)
     m = {k: v for k, v in m.items() if v is not None}
 
     print()
-    if dense and t:
-        checks = [("tiered <= 4.6 bits per scalar", m["bits_per_scalar_tiered"] <= 4.6),
-                  ("no 4K/8K needle item lost vs dense (%d of %d)" % (m["niah_items_lost_tiered_4k_8k"],
-                                                                     m["niah_items_dense_right_4k_8k"]),
-                   m["niah_items_lost_tiered_4k_8k"] == 0),
-                  ("ppl within 1%% of dense (%+.2f%%)" % (100 * (m["ppl_tiered"] / m["ppl_dense"] - 1)),
-                   m["ppl_tiered"] <= 1.01 * m["ppl_dense"])]
+    for n in tiered_arms if dense else []:
+        ppl, bits = m["ppl_" + n], m["bits_per_scalar_" + n]
+        checks = [("%s <= 4.6 bits per scalar" % n, bits <= 4.6),
+                  ("%s: no 4K/8K needle item lost vs dense (%d of %d)" % (
+                      n, m["niah_items_lost_%s_4k_8k" % n], m["niah_items_dense_right_4k_8k"]),
+                   m["niah_items_lost_%s_4k_8k" % n] == 0),
+                  ("%s: ppl within 1%% of dense (%+.2f%%)" % (n, 100 * (ppl / m["ppl_dense"] - 1)),
+                   ppl <= 1.01 * m["ppl_dense"])]
         if "ppl_llamacpp_q4_0" in m:
-            checks.append(("better ppl than llama.cpp q4_0 (%.4f vs %.4f) at fewer bits (%.3f vs 4.5)" %
-                           (m["ppl_tiered"], m["ppl_llamacpp_q4_0"], m["bits_per_scalar_tiered"]),
-                           m["ppl_tiered"] < m["ppl_llamacpp_q4_0"] and m["bits_per_scalar_tiered"] < 4.5))
+            checks.append(("%s: better ppl than llama.cpp q4_0 (%.4f vs %.4f) at fewer bits (%.3f vs 4.5)" %
+                           (n, ppl, m["ppl_llamacpp_q4_0"], bits),
+                           ppl < m["ppl_llamacpp_q4_0"] and bits < 4.5))
         for text, ok in checks:
             print("bar: %-4s %s" % ("MET" if ok else "MISS", text))
     record = {"name": "model", "date": datetime.datetime.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
