@@ -323,12 +323,14 @@ inline int run_demo(engine& eng, int tokens) {
   std::printf(
       "Prompt: %zu tokens of haystack with one hidden 'special magic number' (expected: %s)\n\n",
       it.prompt.size(), it.answers[0].c_str());
-  std::vector<std::string> arms{"dense", "tiered"};
-  try {
-    (void)eng.make_backend("tiered", 16);
-  } catch (const std::exception& e) {
-    std::printf("(tiered arm unavailable in this build: %s)\n", e.what());
-    arms = {"dense"};
+  std::vector<std::string> arms{"dense"};
+  for (const char* t : {"tiered", "tiered_int8r"}) {
+    try {
+      (void)eng.make_backend(t, 16);
+      arms.push_back(t);
+    } catch (const std::exception& e) {
+      std::printf("(%s arm unavailable in this build: %s)\n", t, e.what());
+    }
   }
   double dense_kib = 0;
   for (const auto& arm : arms) {
@@ -340,8 +342,9 @@ inline int run_demo(engine& eng, int tokens) {
     const double kib = g.mem.kib_per_token();
     if (arm == "dense") dense_kib = kib;
     std::printf("[%s KV cache]%s\n  answer: ...is%s  %s\n", arm.c_str(),
-                arm == "dense" ? " float32, the control"
-                               : " Recent + Anchor pages FP8, Stale pages TQ3 (tierkv)",
+                arm == "dense"    ? " float32, the control"
+                : arm == "tiered" ? " Recent + Anchor pages FP8 E4M3, Stale pages TQ3 (tierkv)"
+                                  : " Recent + Anchor pages int8_rotated, Stale pages TQ3 (tierkv)",
                 text.c_str(), niah_score(it, text) == 1.0 ? "(correct)" : "(wrong)");
     std::printf("  memory: %.2f KiB per token (all %d layers), %.2f bits per stored scalar", kib,
                 eng.net.config().layers, g.mem.bits_per_scalar());
