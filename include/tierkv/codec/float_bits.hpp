@@ -25,6 +25,23 @@ TIERKV_HD_INLINE bool is_finite_bits(float x) {
 
 TIERKV_HD_INLINE float abs_bits(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); }
 
+// The largest |x_i| of x[0, n) with each |x_i| clipped at `limit` (clipped counts the
+// elements beyond it); false, with amax unspecified, when x holds NaN or Inf.
+TIERKV_HD_INLINE bool clipped_amax(const float* x, int n, float limit, float& amax, std::uint64_t& clipped) {
+  amax = 0.0f;
+  clipped = 0;
+  for (int i = 0; i < n; ++i) {
+    if (!is_finite_bits(x[i])) return false;
+    float a = abs_bits(x[i]);
+    if (a > limit) {
+      a = limit;
+      ++clipped;
+    }
+    amax = a > amax ? a : amax;
+  }
+  return true;
+}
+
 // 2^k as a float for k in [-126, 127] (normal range), built from its bits.
 TIERKV_HD_INLINE constexpr float exp2i(int k) { return bits_float(std::uint32_t(k + 127) << 23); }
 

@@ -51,18 +51,10 @@ struct fp8_codec {
                                const codec_context&, encode_stats* stats) {
     float amax = 0.0f;
     std::uint64_t clipped = 0;
-    for (int i = 0; i < HeadDim; ++i) {
-      if (!detail::is_finite_bits(x[i])) {
-        for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
-        meta = poison_meta;
-        return errc::non_finite_input;
-      }
-      float a = detail::abs_bits(x[i]);
-      if (a > input_limit) {
-        a = input_limit;
-        ++clipped;
-      }
-      amax = a > amax ? a : amax;
+    if (!detail::clipped_amax(x, HeadDim, input_limit, amax, clipped)) {
+      for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
+      meta = poison_meta;
+      return errc::non_finite_input;
     }
     meta = scale_for(amax);
     if (meta == 0) {

@@ -49,18 +49,10 @@ struct int8_rotated_codec {
                                const codec_context& ctx, encode_stats* stats) {
     float amax = 0.0f;
     std::uint64_t clipped = 0;
-    for (int i = 0; i < HeadDim; ++i) {
-      if (!detail::is_finite_bits(x[i])) {
-        for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
-        meta = poison_meta;
-        return errc::non_finite_input;
-      }
-      float a = detail::abs_bits(x[i]);
-      if (a > input_limit) {
-        a = input_limit;
-        ++clipped;
-      }
-      amax = a > amax ? a : amax;
+    if (!detail::clipped_amax(x, HeadDim, input_limit, amax, clipped)) {
+      for (int j = 0; j < HeadDim; ++j) payload[j] = 0;
+      meta = poison_meta;
+      return errc::non_finite_input;
     }
     if (stats) stats->saturated += clipped;
     if (amax == 0.0f) {
@@ -115,11 +107,7 @@ struct int8_rotated_codec {
 
   // q'' = H_un D q / d, so that dot(q'', codes) * alpha = q . x_hat.
   TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context& ctx) {
-    if (out != q)
-      for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
-    apply_rotation_signs<HeadDim>(out, ctx.seed);
-    walsh_hadamard_unnormalized<HeadDim>(out);
-    scale_by_inverse_dim(out);
+    rotated_domain<HeadDim>::prepare_query(q, out, ctx.seed);
   }
 
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
@@ -136,20 +124,9 @@ struct int8_rotated_codec {
     for (int i = 0; i < HeadDim; ++i) acc[i] += w * code_value(payload[i]);
   }
 
-  // acc <- D H_un acc / d: the inverse rotation (linear, so it commutes with merges of
-  // partial states of this codec and seed).
+  // acc <- D H_un acc / d: the inverse rotation.
   TIERKV_HD static void finalize(float* acc, const codec_context& ctx) {
-    walsh_hadamard_unnormalized<HeadDim>(acc);
-    scale_by_inverse_dim(acc);
-    apply_rotation_signs<HeadDim>(acc, ctx.seed);
-  }
-
- private:
-  TIERKV_HD static void scale_by_inverse_dim(float* x) {
-    int lg = 0;
-    while ((1 << lg) < HeadDim) ++lg;
-    const float s = detail::exp2i(-lg);  // exact
-    for (int i = 0; i < HeadDim; ++i) x[i] *= s;
+    rotated_domain<HeadDim>::finalize(acc, ctx.seed);
   }
 };
 

@@ -14,6 +14,10 @@ namespace tierkv {
 
 template <int N> inline constexpr bool is_power_of_two = N > 0 && (N & (N - 1)) == 0;
 
+namespace detail {
+template <int N> inline constexpr int log2_of = N <= 1 ? 0 : 1 + log2_of<N / 2>;
+}  // namespace detail
+
 // Signs of coordinates [64*block, 64*block + 64): bit i%64 set means D_ii = -1.
 TIERKV_HD_INLINE constexpr std::uint64_t rotation_sign_word(std::uint64_t seed, int block) {
   return mix64(seed ^ (0xd1b54a32d192ed03ull * std::uint64_t(block + 1)));
@@ -76,6 +80,34 @@ struct randomized_hadamard {
     while ((1 << lg) < N) ++lg;
     const float s = (lg % 2 == 0) ? detail::exp2i(-lg / 2)
                                   : detail::exp2i(-(lg + 1) / 2) * 1.41421356237309505f;
+    for (int i = 0; i < N; ++i) x[i] *= s;
+  }
+};
+
+// The attention domain of the rotated codecs (TQ3, int8_rotated), which store codes of
+// z = H_un D x (up to a per-vector scale): a query prepared as q'' = H_un D q / N gives
+// q . x_hat = scale * sum q''_i c_i, and an accumulator of p * scale * c maps back with
+// D H_un / N once per partial state (linear, so it commutes with merges of states of the same
+// codec and seed). 1/N is a power of two: exact.
+template <int N>
+struct rotated_domain {
+  static_assert(is_power_of_two<N>, "rotated_domain: N must be a power of two");
+  TIERKV_HD static void prepare_query(const float* q, float* out, std::uint64_t seed) {
+    if (out != q)
+      for (int i = 0; i < N; ++i) out[i] = q[i];
+    apply_rotation_signs<N>(out, seed);
+    walsh_hadamard_unnormalized<N>(out);
+    scale_by_inverse_dim(out);
+  }
+  TIERKV_HD static void finalize(float* acc, std::uint64_t seed) {
+    walsh_hadamard_unnormalized<N>(acc);
+    scale_by_inverse_dim(acc);
+    apply_rotation_signs<N>(acc, seed);
+  }
+
+ private:
+  TIERKV_HD static void scale_by_inverse_dim(float* x) {
+    const float s = detail::exp2i(-detail::log2_of<N>);
     for (int i = 0; i < N; ++i) x[i] *= s;
   }
 };

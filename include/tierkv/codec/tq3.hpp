@@ -145,8 +145,6 @@ TIERKV_HD float canonical_dot(const float* a, const float* b) {
   return part[0];
 }
 
-template <int N> inline constexpr int log2_of = N <= 1 ? 0 : 1 + log2_of<N / 2>;
-
 }  // namespace detail
 
 template <int HeadDim, tq3_norm Norm>
@@ -237,11 +235,7 @@ struct tq3_codec {
 
   // q'' = H_un D q / d, so that dot(q'', k) = alpha · sum q''_i c_i = q · k_hat.
   TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context& ctx) {
-    if (out != q)
-      for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
-    apply_rotation_signs<HeadDim>(out, ctx.seed);
-    walsh_hadamard_unnormalized<HeadDim>(out);
-    scale_by_inverse_dim(out);
+    rotated_domain<HeadDim>::prepare_query(q, out, ctx.seed);
   }
 
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
@@ -290,15 +284,7 @@ struct tq3_codec {
   // acc <- D H_un acc / d: the inverse rotation (linear, so it commutes with merges of
   // partial states of this codec and seed).
   TIERKV_HD static void finalize(float* acc, const codec_context& ctx) {
-    walsh_hadamard_unnormalized<HeadDim>(acc);
-    scale_by_inverse_dim(acc);
-    apply_rotation_signs<HeadDim>(acc, ctx.seed);
-  }
-
- private:
-  TIERKV_HD static void scale_by_inverse_dim(float* x) {
-    const float s = detail::exp2i(-detail::log2_of<HeadDim>);  // exact
-    for (int i = 0; i < HeadDim; ++i) x[i] *= s;
+    rotated_domain<HeadDim>::finalize(acc, ctx.seed);
   }
 };
 

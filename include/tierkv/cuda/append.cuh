@@ -61,31 +61,56 @@ __device__ __forceinline__ float load_input(const void* p, input_type t, std::in
                                : static_cast<const float*>(p)[i];
 }
 
+// The token vector of this warp (blockIdx.y = layer; warps: token-major, then head, then
+// role): its source in k / v and its payload and meta in the page. valid = false (and
+// out_of_range reported) for a slot beyond the pool or an offset beyond page_tokens.
+template <class Geometry, class Codec>
+struct append_target {
+  using layout = page_layout<Geometry, Codec, Codec>;
+  bool valid = false;
+  int role = 0, h = 0, layer = 0;
+  const void* src = nullptr;
+  std::int64_t base = 0;  // first element of the vector in src
+  std::uint8_t* payload = nullptr;
+  typename Codec::meta_type* meta = nullptr;
+
+  __device__ append_target(const append_inputs& in, int warp, int lane) {
+    constexpr int D = Geometry::head_dim, H = Geometry::kv_heads;
+    layer = int(blockIdx.y);
+    role = warp % 2;
+    h = (warp / 2) % H;
+    const int n = warp / (2 * H);
+    const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
+    const std::int32_t off = in.offset[n];
+    if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 || off >= Geometry::page_tokens) {
+      if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
+      return;
+    }
+    valid = true;
+    src = role == 0 ? in.k : in.v;
+    base = std::int64_t(layer) * in.layer_stride + (std::int64_t(n) * H + h) * D;
+    std::uint8_t* page = in.pool.page(std::uint32_t(slot));
+    payload = page + (role == 0 ? layout::key_payload(h, off) : layout::value_payload(h, off));
+    meta = reinterpret_cast<typename Codec::meta_type*>(
+        page + (role == 0 ? layout::key_meta(h, off) : layout::value_meta(h, off)));
+  }
+};
+
 // One warp encodes one token vector: the maximum is a warp reduction (order-free, so
 // exact), the scale is the codec's scale_for(), and each element is converted on its
 // own exactly as fp8_codec::encode_with_scale does.
 template <class Geometry, class Codec>
 __global__ void __launch_bounds__(256) append_fp8_kernel(append_inputs in) {
   constexpr int D = Geometry::head_dim, H = Geometry::kv_heads;
-  using layout = page_layout<Geometry, Codec, Codec>;
   const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
-  const int per_layer = in.tokens * H * 2;
-  const int layer = int(blockIdx.y);
-  if (warp >= per_layer) return;
-  const int role = warp % 2, h = (warp / 2) % H, n = warp / (2 * H);
-  const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
-  const std::int32_t off = in.offset[n];
-  if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 || off >= Geometry::page_tokens) {
-    if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
-    return;
-  }
-  const void* src = role == 0 ? in.k : in.v;
-  const std::int64_t base = std::int64_t(layer) * in.layer_stride + (std::int64_t(n) * H + h) * D;
-  std::uint8_t* page = in.pool.page(std::uint32_t(slot));
-  std::uint8_t* payload = page + (role == 0 ? layout::key_payload(h, off) : layout::value_payload(h, off));
-  auto* meta = reinterpret_cast<typename Codec::meta_type*>(
-      page + (role == 0 ? layout::key_meta(h, off) : layout::value_meta(h, off)));
+  if (warp >= in.tokens * H * 2) return;
+  const append_target<Geometry, Codec> at(in, warp, lane);
+  if (!at.valid) return;
+  const void* src = at.src;
+  const std::int64_t base = at.base;
+  std::uint8_t* payload = at.payload;
+  auto* meta = at.meta;
 
   constexpr int per_lane = (D + 31) / 32;
   float x[per_lane];
@@ -130,30 +155,17 @@ __global__ void __launch_bounds__(256) append_fp8_kernel(append_inputs in) {
 template <class Geometry, class Codec>
 __global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
   constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, P = D / 32;
-  using layout = page_layout<Geometry, Codec, Codec>;
   const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
-  const int layer = int(blockIdx.y);
   if (warp >= in.tokens * H * 2) return;
-  const int role = warp % 2, h = (warp / 2) % H, n = warp / (2 * H);
-  const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
-  const std::int32_t off = in.offset[n];
-  if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 || off >= Geometry::page_tokens) {
-    if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
-    return;
-  }
-  const void* src = role == 0 ? in.k : in.v;
-  const std::int64_t base = std::int64_t(layer) * in.layer_stride + (std::int64_t(n) * H + h) * D + lane * P;
+  const append_target<Geometry, Codec> at(in, warp, lane);
+  if (!at.valid) return;
   float x[P];
 #pragma unroll
-  for (int r = 0; r < P; ++r) x[r] = load_input(src, in.type, base + r);
-  std::uint8_t* page = in.pool.page(std::uint32_t(slot));
-  const std::uint64_t seed = make_codec_context(in.cache_seed, in.layer_base + layer, in.head_base + h,
-                                                role == 0 ? kv_role::key : kv_role::value).seed;
-  const bool ok = warp_encode_int8r<Codec, P>(
-      x, page + (role == 0 ? layout::key_payload(h, off) : layout::value_payload(h, off)),
-      reinterpret_cast<typename Codec::meta_type*>(page + (role == 0 ? layout::key_meta(h, off) : layout::value_meta(h, off))),
-      seed, lane);
+  for (int r = 0; r < P; ++r) x[r] = load_input(at.src, in.type, at.base + lane * P + r);
+  const std::uint64_t seed = make_codec_context(in.cache_seed, in.layer_base + at.layer, in.head_base + at.h,
+                                                at.role == 0 ? kv_role::key : kv_role::value).seed;
+  const bool ok = warp_encode_int8r<Codec, P>(x, at.payload, at.meta, seed, lane);
   if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
 }
 

@@ -270,15 +270,11 @@ __device__ __forceinline__ void group_finalize(float* acc, const codec_context& 
   if constexpr (rotated_format<C>) {
     constexpr int P = D / 32;
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-    const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
     for (int h = warp; h < G; h += decode_warps) {
       float x[P];
 #pragma unroll
       for (int r = 0; r < P; ++r) x[r] = acc[h * D + lane * P + r];
-      warp_wht<P>(x, lane);
-#pragma unroll
-      for (int r = 0; r < P; ++r) x[r] *= inv_d;
-      warp_signs<P>(x, ctx.seed, lane);
+      warp_inverse_rotation<D, P>(x, ctx.seed, lane);
 #pragma unroll
       for (int r = 0; r < P; ++r) acc[h * D + lane * P + r] = x[r];
     }

@@ -108,6 +108,17 @@ __device__ __forceinline__ void warp_wht(float (&x)[P], int lane) {
   }
 }
 
+// x <- D H_un x / d on a warp-held vector (the rotated codecs' decode and finalize; the
+// stage order of rotated_domain::finalize, so bit-identical to it).
+template <int D, int P>
+__device__ __forceinline__ void warp_inverse_rotation(float (&x)[P], std::uint64_t seed, int lane) {
+  warp_wht<P>(x, lane);
+  const float s = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] *= s;
+  warp_signs<P>(x, seed, lane);
+}
+
 // FP8 E4M3 encode of a vector held as x[P] per lane (exactly fp8_codec::encode).
 // Returns false (and writes the codec's poison) on non-finite input.
 template <class Codec, int P>
@@ -282,11 +293,7 @@ __device__ __forceinline__ void warp_decode_tq3(const std::uint8_t* payload,
     const int j = lane * P + r;
     x[r] = 0.0f + w * tierkv::detail::tq3_centroid(tierkv::detail::tq3_unpack(words, j % 32));
   }
-  warp_wht<P>(x, lane);
-  const float s = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
-#pragma unroll
-  for (int r = 0; r < P; ++r) x[r] *= s;
-  warp_signs<P>(x, seed, lane);
+  warp_inverse_rotation<D, P>(x, seed, lane);
 }
 
 // int8_rotated encode (exactly int8_rotated_codec::encode): the same power-of-two scaling
@@ -349,11 +356,7 @@ __device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload,
   load_bytes<P>(payload + lane * P, codes);
 #pragma unroll
   for (int r = 0; r < P; ++r) x[r] = 0.0f + w * float(std::int8_t(codes[r]));
-  warp_wht<P>(x, lane);
-  const float s = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
-#pragma unroll
-  for (int r = 0; r < P; ++r) x[r] *= s;
-  warp_signs<P>(x, seed, lane);
+  warp_inverse_rotation<D, P>(x, seed, lane);
 }
 
 }  // namespace tierkv::cuda::detail
