@@ -114,7 +114,8 @@ def cmd_peer(a):
         return
     import numpy as np
     items = [json.loads(l) for l in open(a.items)]
-    ppl_item = [x for x in items if x["kind"] == "ppl"][0]
+    ppl_items = [x for x in items if x["kind"] == "ppl"]
+    ppl_item = ppl_items[0] if ppl_items else None  # an items file may hold needles only
     niah = [x for x in items if x["kind"] == "niah"]
     result = {"llama_cpp_version": llama_cpp.__version__, "arms": {}}
     for kv in a.kv.split(","):
@@ -139,32 +140,35 @@ def cmd_peer(a):
             print("llama.cpp-%-5s %-10s %6d %5d %6.2f  %s" % (kv, it["task"], len(it["prompt"]), it["index"], score,
                                                           text.replace("\n", " ")[:60]), flush=True)
         arm["niah"] = {k: {"acc": v[0] / v[1], "all_correct": v[2] / v[1], "items": v[1]} for k, v in acc.items()}
-        # Chunked perplexity: same tokens, same chunking, tokens after the first chunk scored.
-        llm2 = load(kv, 8192, ppl_item["chunk"], a.threads, True)
-        toks = ppl_item["tokens"]
-        C = ppl_item["chunk"]
-        llm2.reset()
-        t0 = time.time()
-        scores = eval_all(llm2, toks)
-        nll, n = 0.0, 0
-        for p in range(C - 1, len(toks) - 1):
-            row = scores[p].astype(np.float64)
-            m = row.max()
-            nll += m + math.log(np.exp(row - m).sum()) - row[toks[p + 1]]
-            n += 1
-        arm["ppl"] = math.exp(nll / n)
-        arm["ppl_scored"] = n
-        cont = []
-        for i in range(ppl_item["continue"]):
-            nxt = int(np.argmax(llm2.scores[llm2.n_tokens - 1]))
-            cont.append(nxt)
-            if i + 1 < ppl_item["continue"]:
-                llm2.eval([nxt])
-        arm["continuation"] = cont
+        llm2 = None
+        if ppl_item is not None:
+            # Chunked perplexity: same tokens, same chunking, tokens after the first chunk scored.
+            llm2 = load(kv, 8192, ppl_item["chunk"], a.threads, True)
+            toks = ppl_item["tokens"]
+            C = ppl_item["chunk"]
+            llm2.reset()
+            t0 = time.time()
+            scores = eval_all(llm2, toks)
+            nll, n = 0.0, 0
+            for p in range(C - 1, len(toks) - 1):
+                row = scores[p].astype(np.float64)
+                m = row.max()
+                nll += m + math.log(np.exp(row - m).sum()) - row[toks[p + 1]]
+                n += 1
+            arm["ppl"] = math.exp(nll / n)
+            arm["ppl_scored"] = n
+            cont = []
+            for i in range(ppl_item["continue"]):
+                nxt = int(np.argmax(llm2.scores[llm2.n_tokens - 1]))
+                cont.append(nxt)
+                if i + 1 < ppl_item["continue"]:
+                    llm2.eval([nxt])
+            arm["continuation"] = cont
         arm["prefill_tokens_per_s"] = pre_tok / pre_s if pre_s else 0
         arm["decode_tokens_per_s"] = dec_tok / dec_s if dec_s else 0
         arm["seconds"] = time.time() - t_start
-        print("llama.cpp-%-5s ppl %.4f over %d tokens (%.1f s)" % (kv, arm["ppl"], n, time.time() - t0), flush=True)
+        if ppl_item is not None:
+            print("llama.cpp-%-5s ppl %.4f over %d tokens (%.1f s)" % (kv, arm["ppl"], n, time.time() - t0), flush=True)
         result["arms"]["llamacpp_" + kv] = arm
         del llm, llm2
         json.dump(result, open(a.out, "w"))  # after every arm: a long run that stops keeps what it measured
