@@ -104,13 +104,15 @@ class paged_backend final : public kv_backend {
   template <int I>
   using tile = tierkv::attention_tile<key_codec<I>, value_codec<I>>;
   template <int I>
-  static constexpr bool is_tq3_tier = key_codec<I>::format == tierkv::storage_format::tq3;
+  static constexpr bool is_tq3_tier = key_codec<I>::format == tierkv::storage_format::tq3 ||
+                                      value_codec<I>::format == tierkv::storage_format::tq3;
   template <int I>
   static constexpr bool is_fp8_tier = key_codec<I>::format == tierkv::storage_format::fp8_e4m3;
   // The high-fidelity (8-bit) tiers, whose page share the metrics report as fp8 share.
   template <int I>
   static constexpr bool is_8bit_tier =
-      is_fp8_tier<I> || key_codec<I>::format == tierkv::storage_format::int8_rotated;
+      is_fp8_tier<I> || (key_codec<I>::format == tierkv::storage_format::int8_rotated &&
+                         value_codec<I>::format == tierkv::storage_format::int8_rotated);
   // FP8 tiers whose keys are stored rotated (option rotate_fp8_keys).
   template <int I>
   bool rotated() const {
@@ -521,6 +523,11 @@ inline std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& arm, k
 #if SMOLLM_HAVE_TQ3
   if (arm == "tiered_int8r")
     return std::make_unique<paged_backend<smol_geometry, int8r_tier, tq3_tier>>(arm, s, opt, true);
+  // Diagnostic (not a budget configuration: Stale pages cost 5.75 bits): Stale keys in
+  // int8_rotated, Stale values in TQ3, to tell key (routing) error from value error.
+  using stale_k8_tier = tierkv::tier<tierkv::int8_rotated, tierkv::tq3_value>;
+  if (arm == "tiered_k8")
+    return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k8_tier>>(arm, s, opt, true);
 #endif
 #endif
   throw std::runtime_error("unknown or unavailable KV arm '" + arm + "' (dense, paged_f32" +
