@@ -418,30 +418,21 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // it measured faster: one chain of 2 x d/16 dependent mma was the step's critical path at
     // d = 256 (ncu: 6.3 cycles per issued instruction per warp, 3 warps per scheduler).
     float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc_lo[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (hi_query_only) {
-      // TQ3 keys: the f16 query alone (two chains over even / odd k steps).
-#pragma unroll
-      for (int s = 0; s < ST; ++s) {
-        std::uint32_t a[4];
-        KC::key_frag(kw[0], qc, s, a[0], a[2]);
-        KC::key_frag(kw[1], qc, s, a[1], a[3]);
-        const uint2 q = *reinterpret_cast<const uint2*>(&sm.qfrag[s * 32 + lane]);
-        mma_16816(s % 2 ? sc_lo : sc, a, q.x, q.y);
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
-    } else {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
       std::uint32_t a[4];
       KC::key_frag(kw[0], qc, s, a[0], a[2]);
       KC::key_frag(kw[1], qc, s, a[1], a[3]);
-      const uint4 q = sm.qfrag[s * 32 + lane];
-      mma_16816(sc, a, q.x, q.y);
-      mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
+      if constexpr (hi_query_only) {  // TQ3 keys: the f16 query alone, chains over even / odd k steps
+        const uint2 q = *reinterpret_cast<const uint2*>(&sm.qfrag[s * 32 + lane]);
+        mma_16816(s % 2 ? sc_lo : sc, a, q.x, q.y);
+      } else {
+        const uint4 q = sm.qfrag[s * 32 + lane];
+        mma_16816(sc, a, q.x, q.y);
+        mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
+      }
     }
-    }
-    if constexpr (!hi_query_only && S::score_chains == 2) {
+    if constexpr (hi_query_only || S::score_chains == 2) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
     }
