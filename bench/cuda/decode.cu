@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // gpubench_decode --out FILE.json [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
-//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N] [--int8r | --int8r-only]: mixed-format paged decode on the
+//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N] [--int8r | --int8r-only] [--k4 | --k4-only]: mixed-format paged decode on the
 // GPU over the benchmark shapes, contexts, batches and mixes (docs/gpu.md), the
 // device-to-device copy roofline measured in the same run, CUDA-graph replay, retier
 // throughput and append latency at B = 64. Random (never zero) pages, cache-cold: buffer
@@ -21,6 +21,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
+#include "tierkv/codec/tq4.hpp"
 #include "tierkv/cuda/append.cuh"
 #include "bench_support.cuh"
 #include "tierkv/cuda/decode.cuh"
@@ -79,22 +80,25 @@ int max_chunks = 64;   // decode_capacity::max_chunks_per_seq of the plans (its 
 int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
 
-template <class G, class Recent = recent>
+template <class G, class Recent = recent, class Stale = stale>
 void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batches, cudaStream_t s) {
   constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens, QH = G::q_heads;
   if (only_dim != 0 && only_dim != D) return;
   using KF = typename Recent::template key_codec<D>;
-  using KT = stale::key_codec<D>;
-  using VT = stale::value_codec<D>;
+  using KT = typename Stale::template key_codec<D>;
+  using VT = typename Stale::template value_codec<D>;
   using L8 = page_layout<G, KF, KF>;
   using L3 = page_layout<G, KT, VT>;
   constexpr bool int8r = KF::format == storage_format::int8_rotated;
-  const char* mixes[] = {int8r ? "int8r" : "fp8", "tq3", int8r ? "tiered_int8r" : "tiered"};
+  constexpr bool k4 = KT::format == storage_format::tq4;  // Stale: TQ4 keys, TQ3 values
+  const char* mixes[] = {int8r ? "int8r" : "fp8", k4 ? "tq4k" : "tq3",
+                         k4 ? (int8r ? "tiered_k4" : "tiered_fp8_k4") : (int8r ? "tiered_int8r" : "tiered")};
   for (int L : contexts)
     for (int B : batches)
       for (int mi = 0; mi < 3; ++mi) {
         if (!only_mix.empty() && only_mix != mixes[mi]) continue;
-        if (int8r && mi == 1) continue;  // all-TQ3 does not depend on the recent tier
+        if (k4 && mi == 0) continue;              // all-recent pages do not depend on the Stale tier
+        if (int8r && !k4 && mi == 1) continue;    // all-Stale pages do not depend on the recent tier
         const int n = L / T;
         std::vector<int> tier(n);
         const int recent_pages = (n * 27 + 99) / 100 - 1;
@@ -158,7 +162,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         CK(cudaMalloc(&lse, sizeof(float) * B * QH));
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
         cuda::decode_capacity cap{B, max_chunks, 0, false};
-        auto plan = cuda::plan_decode<G, tiers<Recent, stale>>(cap, counts.data(), B, sms);
+        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms);
         die_if(plan.error_status());
         std::uint8_t* ws;
         CK(cudaMalloc(&ws, plan->workspace_bytes));
@@ -177,14 +181,14 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
           in.lse = lse;
           return in;
         };
-        const double t = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, stale>>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
+        const double t = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, Stale>>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
                                    3, 25, s);
         // Graph replay: one graph per set, captured once.
         std::vector<cudaGraphExec_t> execs(sets);
         for (int set = 0; set < sets; ++set) {
           cudaGraph_t g;
           CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-          die_if(cuda::decode<G, tiers<Recent, stale>>(*plan, inputs_for(set), ws, plan->workspace_bytes, s));
+          die_if(cuda::decode<G, tiers<Recent, Stale>>(*plan, inputs_for(set), ws, plan->workspace_bytes, s));
           CK(cudaStreamEndCapture(s, &g));
           CK(cudaGraphInstantiate(&execs[set], g, 0));
           CK(cudaGraphDestroy(g));
@@ -195,12 +199,12 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         // and the tensor-core kernel under the one-wave plan (waves = 3).
         double tcc = 0, tgcc = 0, t3 = 0;
         if (compare) {
-        tcc = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, stale>, cuda::decode_path::cuda_core>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
+        tcc = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, Stale>, cuda::decode_path::cuda_core>(*plan, inputs_for(i % sets), ws, plan->workspace_bytes, s)); },
                                      3, 25, s);
         for (int set = 0; set < sets; ++set) {
           cudaGraph_t g;
           CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-          die_if(cuda::decode<G, tiers<Recent, stale>, cuda::decode_path::cuda_core>(*plan, inputs_for(set), ws, plan->workspace_bytes, s));
+          die_if(cuda::decode<G, tiers<Recent, Stale>, cuda::decode_path::cuda_core>(*plan, inputs_for(set), ws, plan->workspace_bytes, s));
           CK(cudaStreamEndCapture(s, &g));
           CK(cudaGraphInstantiate(&execs[set], g, 0));
           CK(cudaGraphDestroy(g));
@@ -208,11 +212,11 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         tgcc = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
         for (auto e : execs) CK(cudaGraphExecDestroy(e));
         {
-          auto plan3 = cuda::plan_decode<G, tiers<Recent, stale>>(cap, counts.data(), B, sms, 3);
+          auto plan3 = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 3);
           die_if(plan3.error_status());
           std::uint8_t* ws3;
           CK(cudaMalloc(&ws3, plan3->workspace_bytes));
-          t3 = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, stale>>(*plan3, inputs_for(i % sets), ws3, plan3->workspace_bytes, s)); },
+          t3 = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, Stale>>(*plan3, inputs_for(i % sets), ws3, plan3->workspace_bytes, s)); },
                          3, 25, s);
           CK(cudaFree(ws3));
         }
@@ -240,12 +244,12 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
       }
 }
 
-template <class G, class Recent = recent>
+template <class G, class Recent = recent, class Stale = stale>
 void bench_retier_append(cudaStream_t s) {
   constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens;
   using KF = typename Recent::template key_codec<D>;
-  using KT = stale::key_codec<D>;
-  using VT = stale::value_codec<D>;
+  using KT = typename Stale::template key_codec<D>;
+  using VT = typename Stale::template value_codec<D>;
   using L8 = page_layout<G, KF, KF>;
   using L3 = page_layout<G, KT, VT>;
   const int pages = int(std::min<std::size_t>(16384, (std::size_t(1) << 30) / L8::page_bytes));
@@ -266,11 +270,11 @@ void bench_retier_append(cudaStream_t s) {
   r.dst_slot = d_ids;
   r.pages = pages;
   r.cache_seed = 5;
-  const double t_down = median_us([&](int) { die_if(cuda::retier<G, Recent, stale>(r, s)); }, 2, 9, s);
+  const double t_down = median_us([&](int) { die_if(cuda::retier<G, Recent, Stale>(r, s)); }, 2, 9, s);
   cuda::retier_inputs u = r;
   u.src = r.dst;
   u.dst = r.src;
-  const double t_up = median_us([&](int) { die_if(cuda::retier<G, stale, Recent>(u, s)); }, 2, 9, s);
+  const double t_up = median_us([&](int) { die_if(cuda::retier<G, Stale, Recent>(u, s)); }, 2, 9, s);
   const double in8 = double(L8::page_bytes) * pages, in3 = double(L3::page_bytes) * pages;
   // Append: B = 64 sequences, one token each, one layer.
   const int Bq = 64;
@@ -305,16 +309,16 @@ void bench_retier_append(cudaStream_t s) {
   CK(cudaGraphDestroy(g));
   char buf[1024];
   std::snprintf(buf, sizeof buf,
-                "%s{\"recent_format\":\"%s\",\"q_heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,\"pages\":%d,"
+                "%s{\"recent_format\":\"%s\",\"stale_key_format\":\"%s\",\"q_heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,\"pages\":%d,"
                 "\"fp8_to_tq3_us\":%.2f,\"fp8_to_tq3_gbps_fp8_input\":%.1f,"
                 "\"tq3_to_fp8_us\":%.2f,\"tq3_to_fp8_gbps_fp8_output\":%.1f,"
                 "\"append_b64_us\":%.2f,\"append_b64_graph_us\":%.2f}",
-                extra_json.empty() ? "" : ",", KF::name, G::q_heads, H, D, pages, t_down, in8 / t_down * 1e-3, t_up,
+                extra_json.empty() ? "" : ",", KF::name, KT::name, G::q_heads, H, D, pages, t_down, in8 / t_down * 1e-3, t_up,
                 in8 / t_up * 1e-3, t_app, t_app_g);
   extra_json += buf;
-  std::printf("retier %s %d/%d/%d: fp8->tq3 %.1f us (%.0f GB/s fp8 in, %.2f of copy; %.0f GB/s in+out) "
+  std::printf("retier %s -> %s keys %d/%d/%d: fp8->tq3 %.1f us (%.0f GB/s fp8 in, %.2f of copy; %.0f GB/s in+out) "
               "tq3->fp8 %.1f us (%.0f GB/s fp8 out); append B=64 %.2f us (graph %.2f us)\n",
-              KF::name, G::q_heads, H, D, t_down, in8 / t_down * 1e-3, in8 / t_down * 1e-3 / copy_gbps,
+              KF::name, KT::name, G::q_heads, H, D, t_down, in8 / t_down * 1e-3, in8 / t_down * 1e-3 / copy_gbps,
               (in8 + in3) / t_down * 1e-3, t_up, in8 / t_up * 1e-3, t_app, t_app_g);
   CK(cudaFree(p8)); CK(cudaFree(p3)); CK(cudaFree(d_ids)); CK(cudaFree(k)); CK(cudaFree(v));
   CK(cudaFree(d_slot)); CK(cudaFree(d_off));
@@ -326,6 +330,7 @@ int main(int argc, char** argv) {
   std::string out_path, commit = "unknown";
   bool quick = false, retier = true, decode = true;
   bool with_int8r = false, int8r_only = false;  // also / only the int8_rotated recent tier
+  bool with_k4 = false, k4_only = false;        // also / only int8_rotated + TQ4-key Stale tiers
   std::vector<int> ctx_only, batch_only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
@@ -341,6 +346,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--mix") && i + 1 < argc) only_mix = argv[++i];
     else if (!std::strcmp(argv[i], "--int8r")) with_int8r = true;
     else if (!std::strcmp(argv[i], "--int8r-only")) with_int8r = int8r_only = true;
+    else if (!std::strcmp(argv[i], "--k4")) with_k4 = true;
+    else if (!std::strcmp(argv[i], "--k4-only")) with_k4 = k4_only = true;
     else { std::fprintf(stderr, "gpubench_decode: unknown argument %s\n", argv[i]); return 2; }
   }
   cudaDeviceProp prop;
@@ -370,25 +377,37 @@ int main(int argc, char** argv) {
   using g128 = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
   using g64 = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
   using recent_int8r = tier<int8_rotated, int8_rotated>;
-  if (decode && !int8r_only) {
+  using stale_k4 = tier<tq4_key, tq3_value>;
+  const bool base = !int8r_only && !k4_only;
+  if (decode && base) {
     bench_shape<g256>(ctx, bat, s);
     bench_shape<g128>(ctx, bat, s);
     bench_shape<g64>(ctx, bat, s);
   }
-  if (decode && with_int8r) {
+  if (decode && with_k4) {
+    bench_shape<g256, recent_int8r, stale_k4>(ctx, bat, s);
+    bench_shape<g128, recent_int8r, stale_k4>(ctx, bat, s);
+    bench_shape<g64, recent_int8r, stale_k4>(ctx, bat, s);
+  }
+  if (decode && with_int8r && !k4_only) {
     bench_shape<g256, recent_int8r>(ctx, bat, s);
     bench_shape<g128, recent_int8r>(ctx, bat, s);
     bench_shape<g64, recent_int8r>(ctx, bat, s);
   }
-  if (retier && !int8r_only) {
+  if (retier && base) {
     bench_retier_append<g256>(s);
     bench_retier_append<g128>(s);
     bench_retier_append<g64>(s);
   }
-  if (retier && with_int8r) {
+  if (retier && with_int8r && !k4_only) {
     bench_retier_append<g256, recent_int8r>(s);
     bench_retier_append<g128, recent_int8r>(s);
     bench_retier_append<g64, recent_int8r>(s);
+  }
+  if (retier && with_k4) {
+    bench_retier_append<g256, recent_int8r, stale_k4>(s);
+    bench_retier_append<g128, recent_int8r, stale_k4>(s);
+    bench_retier_append<g64, recent_int8r, stale_k4>(s);
   }
   CK(cudaStreamDestroy(s));
 

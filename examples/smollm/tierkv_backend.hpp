@@ -50,6 +50,7 @@
 #endif
 #if __has_include("tierkv/codec/tq3.hpp")
 #include "tierkv/codec/tq3.hpp"
+#include "tierkv/codec/tq4.hpp"
 #define SMOLLM_HAVE_TQ3 1
 #else
 #define SMOLLM_HAVE_TQ3 0
@@ -528,13 +529,17 @@ inline std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& arm, k
   using stale_k8_tier = tierkv::tier<tierkv::int8_rotated, tierkv::tq3_value>;
   if (arm == "tiered_k8")
     return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k8_tier>>(arm, s, opt, true);
+  // Stale keys in TQ4 (routing precision for multi-needle retrieval), values in TQ3.
+  using stale_k4_tier = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
+  if (arm == "tiered_k4")
+    return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k4_tier>>(arm, s, opt, true);
 #endif
 #endif
   throw std::runtime_error("unknown or unavailable KV arm '" + arm + "' (dense, paged_f32" +
                            (SMOLLM_HAVE_FP8 ? ", fp8" : "") + (SMOLLM_HAVE_TQ3 ? ", tq3" : "") +
                            (SMOLLM_HAVE_FP8 && SMOLLM_HAVE_TQ3 ? ", tiered" : "") +
                            (SMOLLM_HAVE_INT8R ? ", int8r" : "") +
-                           (SMOLLM_HAVE_INT8R && SMOLLM_HAVE_TQ3 ? ", tiered_int8r" : "") + ")");
+                           (SMOLLM_HAVE_INT8R && SMOLLM_HAVE_TQ3 ? ", tiered_int8r, tiered_k4, tiered_k8" : "") + ")");
 }
 
 }  // namespace smollm

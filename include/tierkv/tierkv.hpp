@@ -16,6 +16,7 @@
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/codec/tq3.hpp"
+#include "tierkv/codec/tq4.hpp"
 
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/memory/page_layout.hpp"

@@ -15,6 +15,7 @@
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/codec/tq4.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/decode.cuh"
 
@@ -51,12 +52,12 @@ struct dbuf {
 enum class mix { all_fp8, all_tq3, tiered, interleaved };
 
 // A batch on the host: pages of both tiers, the CSR index, and the raw vectors.
-template <class G, class Recent = recent>
+template <class G, class Recent = recent, class Stale = stale>
 struct host_batch {
   static constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens;
   using KF = typename Recent::template key_codec<D>;
-  using KT = stale::key_codec<D>;
-  using VT = stale::value_codec<D>;
+  using KT = typename Stale::template key_codec<D>;
+  using VT = typename Stale::template value_codec<D>;
   using L8 = page_layout<G, KF, KF>;
   using L3 = page_layout<G, KT, VT>;
 
@@ -218,7 +219,7 @@ double rel_l2(const std::vector<float>& a, const std::vector<double>& ref, std::
 
 // Device copy of a host batch (index arrays sized for `cap_entries` so a graph can replay
 // other batches in the same buffers).
-template <class G, class Recent = recent>
+template <class G, class Recent = recent, class Stale = stale>
 struct device_batch {
   dbuf<std::uint8_t> pool0, pool1;
   dbuf<std::int32_t> seq_len, indptr0, indptr1, slot0, slot1, logical0, logical1;
@@ -231,7 +232,7 @@ struct device_batch {
         out(std::size_t(max_batch) * G::q_heads * G::head_dim), lse(std::size_t(max_batch) * G::q_heads),
         mass(std::size_t(max_batch) * stride), mass_stride(stride) {}
 
-  void upload(const host_batch<G, Recent>& h) {
+  void upload(const host_batch<G, Recent, Stale>& h) {
     pool0.put(h.pool[0]);
     pool1.put(h.pool[1]);
     seq_len.put(h.seq_len);
@@ -244,14 +245,14 @@ struct device_batch {
     q.put(h.q);
     CUDA_OK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // NaN: every output must be written
   }
-  cuda::decode_inputs<2> inputs(const host_batch<G, Recent>& h, int batch, bool with_mass) {
+  cuda::decode_inputs<2> inputs(const host_batch<G, Recent, Stale>& h, int batch, bool with_mass) {
     cuda::decode_inputs<2> in;
     in.index.batch = batch;
     in.index.seq_len = seq_len.p;
     in.index.formats[0] = {indptr0.p, slot0.p, logical0.p};
     in.index.formats[1] = {indptr1.p, slot1.p, logical1.p};
-    in.pools[0] = {pool0.p, host_batch<G, Recent>::L8::page_bytes, std::uint32_t(h.pages_cap[0])};
-    in.pools[1] = {pool1.p, host_batch<G, Recent>::L3::page_bytes, std::uint32_t(h.pages_cap[1])};
+    in.pools[0] = {pool0.p, host_batch<G, Recent, Stale>::L8::page_bytes, std::uint32_t(h.pages_cap[0])};
+    in.pools[1] = {pool1.p, host_batch<G, Recent, Stale>::L3::page_bytes, std::uint32_t(h.pages_cap[1])};
     in.queries = q.p;
     in.softmax_scale = 1.f / std::sqrt(float(G::head_dim));
     in.cache_seed = h.seed;
@@ -267,8 +268,8 @@ struct device_batch {
   }
 };
 
-template <class G, class R>
-std::vector<std::int32_t> page_counts(const host_batch<G, R>& h) {
+template <class HB>
+std::vector<std::int32_t> page_counts(const HB& h) {
   std::vector<std::int32_t> c;
   for (int b = 0; b < h.batch(); ++b)
     for (int f = 0; f < 2; ++f) c.push_back(h.indptr[f][b + 1] - h.indptr[f][b]);
@@ -282,29 +283,29 @@ double out_tol(cuda::decode_path path, bool has_tq3) {
   return path == cuda::decode_path::tensor_core ? 2e-4 : 2e-5;
 }
 
-template <class G, cuda::decode_path Path, class Recent = recent>
+template <class G, cuda::decode_path Path, class Recent = recent, class Stale = stale>
 void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves,
                      std::int64_t min_chunk, float key_offset, int value_spread, float q_scale,
                      int head_base) {
   constexpr int D = G::head_dim, QH = G::q_heads;
   std::mt19937_64 rng(rng_seed);
-  host_batch<G, Recent> h;
+  host_batch<G, Recent, Stale> h;
   h.head_base = head_base;
   h.build(lens, m, rng, key_offset, value_spread, q_scale);
   const int B = h.batch();
   int max_pages = 1;
   for (int l : lens) max_pages = std::max(max_pages, (l + G::page_tokens - 1) / G::page_tokens);
   const int entries = std::max<int>(1, int(std::max(h.slot[0].size(), h.slot[1].size())));
-  device_batch<G, Recent> dev(h.pool[0].size(), h.pool[1].size(), B, entries, max_pages);
+  device_batch<G, Recent, Stale> dev(h.pool[0].size(), h.pool[1].size(), B, entries, max_pages);
   dev.upload(h);
   cuda::decode_capacity cap{B, 64, max_pages, true};
   const auto counts = page_counts(h);
   // min_chunk_pages = 1: the cases below ask for many small chunks on purpose
-  auto plan = cuda::plan_decode<G, tiers<Recent, stale>>(cap, counts.data(), B, 132, waves, min_chunk, cuda::balance::work, 1);
+  auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, 132, waves, min_chunk, cuda::balance::work, 1);
   REQUIRE(plan.has_value());
   dbuf<std::uint8_t> ws(plan->workspace_bytes);
   auto in = dev.inputs(h, B, true);
-  REQUIRE(cuda::decode<G, tiers<Recent, stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+  REQUIRE(cuda::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
   auto derr = cuda::decode_device_error(*plan, ws.p, nullptr);
   REQUIRE(derr.has_value());
@@ -347,32 +348,32 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   ha.index.batch = B;
   ha.index.seq_len = h.seq_len.data();
   for (int f = 0; f < 2; ++f) ha.index.formats[f] = {h.indptr[f].data(), h.slot[f].data(), h.logical[f].data()};
-  pool_view pools[2] = {{h.pool[0].data(), host_batch<G, Recent>::L8::page_bytes, std::uint32_t(h.pages_cap[0])},
-                        {h.pool[1].data(), host_batch<G, Recent>::L3::page_bytes, std::uint32_t(h.pages_cap[1])}};
+  pool_view pools[2] = {{h.pool[0].data(), host_batch<G, Recent, Stale>::L8::page_bytes, std::uint32_t(h.pages_cap[0])},
+                        {h.pool[1].data(), host_batch<G, Recent, Stale>::L3::page_bytes, std::uint32_t(h.pages_cap[1])}};
   ha.pools = pools;
   ha.source = {h.seed, h.layer, h.head_base};
   ha.logits.softmax_scale = float(scale);
   std::vector<float> hout(std::size_t(B) * QH * D), hlse(std::size_t(B) * QH);
   ha.out = hout.data();
   ha.lse = hlse.data();
-  REQUIRE(host_decode<G, tiers<Recent, stale>>(hws, ha).is_ok());
+  REQUIRE(host_decode<G, tiers<Recent, Stale>>(hws, ha).is_ok());
   std::vector<double> hout_d(hout.begin(), hout.end());
   const double herr = rel_l2(out, hout_d, hout.size());
   INFO("vs host path rel_l2 " << herr);
   CHECK(herr < tol);
   std::printf("decode %-11s %-12s %3d/%d/%3d mix %d B %d: rel_l2 vs float64 %.2e, vs host path %.2e\n",
               Path == cuda::decode_path::tensor_core ? "tensor_core" : "cuda_core",
-              host_batch<G, Recent>::KF::name, QH, G::kv_heads, D, int(m), B, err, herr);
+              host_batch<G, Recent, Stale>::KF::name, QH, G::kv_heads, D, int(m), B, err, herr);
 }
 
 // Both split kernels on the same case. Recent: the tier of the "fp8" pages of a mix.
-template <class G, class Recent = recent>
+template <class G, class Recent = recent, class Stale = stale>
 void check_case(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves = 4,
                 std::int64_t min_chunk = 32 * 1024, float key_offset = 0.f, int value_spread = 0,
                 float q_scale = 1.f, int head_base = 0) {
-  check_case_path<G, cuda::decode_path::tensor_core, Recent>(lens, m, rng_seed, waves, min_chunk, key_offset,
+  check_case_path<G, cuda::decode_path::tensor_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
                                                              value_spread, q_scale, head_base);
-  check_case_path<G, cuda::decode_path::cuda_core, Recent>(lens, m, rng_seed, waves, min_chunk, key_offset,
+  check_case_path<G, cuda::decode_path::cuda_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
                                                            value_spread, q_scale, head_base);
 }
 
@@ -403,6 +404,22 @@ TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)", "[cuda][
   check_case<g_small_pages, recent_int8r>({1000, 17, 16, 1}, mix::tiered, 91, 8, 256);
   check_case<g_llama, recent_int8r>({2000, 500}, mix::tiered, 92, 4, 32 * 1024, 8.f, 40);
   check_case<g_qwen, recent_int8r>({1500, 3}, mix::all_fp8, 93, 4, 32 * 1024, 0.f, 0, 1e-7f, 4);
+}
+
+TEST_CASE("gpu decode: TQ4 keys with TQ3 values in the Stale tier", "[cuda][decode][tq4]") {
+  using recent_int8r = tier<int8_rotated, int8_rotated>;
+  using stale_k4 = tier<tq4_key, tq3_value>;
+  const std::vector<int> lens = {3000, 1, 700, 64, 129};
+  for (mix m : {mix::all_tq3, mix::tiered, mix::interleaved}) {  // all_tq3: every page in the Stale tier
+    check_case<g_qwen, recent_int8r, stale_k4>(lens, m, 161 + int(m));
+    check_case<g_llama, recent, stale_k4>(lens, m, 171 + int(m));
+    check_case<g_smol, recent_int8r, stale_k4>(lens, m, 181 + int(m));
+  }
+  check_case<g_small_pages, recent_int8r, stale_k4>({1000, 17, 16, 1}, mix::tiered, 191, 8, 256);
+  // a key offset channel (the score's 1024 + c fold sees large query sums) and value spread
+  check_case<g_llama, recent_int8r, stale_k4>({2000, 500}, mix::all_tq3, 192, 4, 32 * 1024, 8.f, 40);
+  check_case<g_qwen, recent, stale_k4>({1500, 3}, mix::all_tq3, 193, 4, 32 * 1024, 0.f, 0, 1e-7f, 4);
+  check_case<g_smol, recent, stale_k4>({1500, 3}, mix::all_tq3, 194, 4, 32 * 1024, 0.f, 0, 30.f);
 }
 
 TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {

@@ -12,6 +12,7 @@
 
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/codec/tq4.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/retier.cuh"
 
@@ -184,6 +185,17 @@ TEST_CASE("gpu retier int8_rotated <-> TQ3 and <-> FP8 equals the host codecs bi
   check_retier<g_llama, stale, recent_int8r>(10, 15);
   check_retier<g_qwen, recent, recent_int8r>(8, 16);
   check_retier<g_smol, recent_int8r, recent>(20, 17);
+}
+
+TEST_CASE("gpu retier to and from TQ4-key Stale pages equals the host codecs bit for bit", "[cuda][retier][tq4]") {
+  using recent_int8r = tier<int8_rotated, int8_rotated>;
+  using stale_k4 = tier<tq4_key, tq3_value>;
+  check_retier<g_qwen, recent_int8r, stale_k4>(12, 21);
+  check_retier<g_llama, recent, stale_k4>(10, 22, 8);
+  check_retier<g_smol, recent_int8r, stale_k4>(20, 23);
+  check_retier<g_smol, stale_k4, recent_int8r>(20, 24);
+  check_retier<g_llama, stale_k4, recent>(10, 25);
+  check_retier<g_qwen, stale, stale_k4>(8, 26);  // TQ3 keys -> TQ4 keys (decode, re-encode)
 }
 
 TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {

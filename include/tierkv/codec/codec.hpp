@@ -21,6 +21,7 @@ enum class storage_format : std::uint8_t {
   fp8_e5m2 = 3,
   tq3 = 4,
   int8_rotated = 5,
+  tq4 = 6,
 };
 
 enum class kv_role : std::uint8_t { key = 0, value = 1 };

@@ -58,7 +58,7 @@ constexpr unsigned full_mask = 0xFFFFFFFFu;
 template <class Codec> struct is_fp8 : std::false_type {};
 template <int D, fp8_kind K> struct is_fp8<fp8_codec<D, K>> : std::true_type {};
 template <class Codec> struct is_tq3 : std::false_type {};
-template <int D, tq3_norm N> struct is_tq3<tq3_codec<D, N>> : std::true_type {};
+template <int D, tq_norm N> struct is_tq3<tq3_codec<D, N>> : std::true_type {};
 
 __device__ inline void store_u32(std::uint8_t* p, std::uint32_t w) {
   if ((reinterpret_cast<std::uintptr_t>(p) & 3u) == 0u)
@@ -217,10 +217,10 @@ __device__ void tq3_encode_warp(const encode_batch<Codec>& b, int v, int lane,
     }
     const float s_zc = warp_sum_canonical(pzc);
     const float s_cc = warp_sum_canonical(pcc);
-    meta = tierkv::detail::tq3_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
+    meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
   }
   __syncwarp();
-  if (lane < Codec::groups) {
+  if (lane < Codec::head_dim / 32) {
     std::uint32_t w[3];
     tierkv::detail::tq3_pack_group(codes + 32 * lane, w);
     for (int t = 0; t < 3; ++t) store_u32(out + 12 * lane + 4 * t, w[t]);

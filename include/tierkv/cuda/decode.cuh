@@ -242,7 +242,8 @@ __device__ __forceinline__ void report_error(int* flag, errc e) {
 // the warp Walsh-Hadamard of warp_vector.cuh, whose stage order makes it bit-identical to
 // the codec's serial functions (int8_rotated: the same rotation); FP8's are the identity.
 template <class C>
-inline constexpr bool rotated_format = C::format == storage_format::tq3 || C::format == storage_format::int8_rotated;
+inline constexpr bool rotated_format =
+    C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
 template <class C, int G>
 __device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
   constexpr int D = C::head_dim;
@@ -260,7 +261,7 @@ __device__ __forceinline__ void group_prepare_query(const float* q, float* out, 
       for (int r = 0; r < P; ++r) out[h * D + lane * P + r] = x[r] * inv_d;
     }
   } else {
-    static_assert(C::format == storage_format::fp8_e4m3, "decode: prepare_query for fp8, tq3 or int8_rotated only");
+    static_assert(C::format == storage_format::fp8_e4m3, "decode: prepare_query for fp8, tq3, tq4 or int8_rotated only");
     for (int i = int(threadIdx.x); i < G * D; i += decode_threads) out[i] = q[i];
   }
 }
@@ -279,7 +280,7 @@ __device__ __forceinline__ void group_finalize(float* acc, const codec_context& 
       for (int r = 0; r < P; ++r) acc[h * D + lane * P + r] = x[r];
     }
   } else {
-    static_assert(C::format == storage_format::fp8_e4m3, "decode: finalize for fp8, tq3 or int8_rotated only");
+    static_assert(C::format == storage_format::fp8_e4m3, "decode: finalize for fp8, tq3, tq4 or int8_rotated only");
   }
 }
 

@@ -45,12 +45,12 @@ __device__ __forceinline__ void warp_decode_any(const std::uint8_t* payload, typ
                                                 std::uint64_t seed, float (&x)[P], int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     warp_decode_fp8<C, P>(payload, meta, x, lane);
-  } else if constexpr (C::format == storage_format::tq3) {
-    warp_decode_tq3<C, P>(payload, meta, seed, x, lane);
+  } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
+    warp_decode_tq<C, P>(payload, meta, seed, x, lane);
   } else if constexpr (C::format == storage_format::int8_rotated) {
     warp_decode_int8r<C, P>(payload, meta, seed, x, lane);
   } else {
-    static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3 or int8_rotated");
+    static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
   }
 }
 template <class C, int P>
@@ -58,12 +58,12 @@ __device__ __forceinline__ bool warp_encode_any(const float (&x)[P], std::uint8_
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     return warp_encode_fp8<C, P>(x, payload, meta, lane);
-  } else if constexpr (C::format == storage_format::tq3) {
-    return warp_encode_tq3<C, P>(x, payload, meta, seed, lane);
+  } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
+    return warp_encode_tq<C, P>(x, payload, meta, seed, lane);
   } else if constexpr (C::format == storage_format::int8_rotated) {
     return warp_encode_int8r<C, P>(x, payload, meta, seed, lane);
   } else {
-    static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3 or int8_rotated");
+    static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
     return false;
   }
 }

@@ -22,7 +22,7 @@ template <class C, storage_format F = C::format>
 struct slice_reader {
   static_assert(tierkv::detail::dependent_false<C>,
                 "cuda decode: no device inner loop for this codec's storage_format; "
-                "supported: fp8_e4m3, tq3, int8_rotated");
+                "supported: fp8_e4m3, tq3, tq4 (keys), int8_rotated");
 };
 
 // bf16 bits (per-token scale or norm, docs/formats.md) to float: exact.
@@ -134,6 +134,27 @@ struct slice_reader<C, storage_format::tq3> {
       lookup8(r.x, x);
       lookup8(r.y, x + 8);
     }
+  }
+};
+
+// TQ4: 16 nibble codes are one 8-byte load (docs/formats.md: word w holds coordinates
+// 8w..8w+7); level c - 7.5 (codec/tq4.hpp).
+template <class C>
+struct slice_reader<C, storage_format::tq4> {
+  static_assert(C::payload_bytes * 2 == std::size_t(C::head_dim), "tq4 reader: payload must be head_dim/2 bytes");
+  using raw = uint2;
+  static constexpr float code_scale = 1.f;
+
+  __device__ __forceinline__ static raw load(const std::uint8_t* payload, int slice) {
+    return __ldg(reinterpret_cast<const uint2*>(payload) + slice);
+  }
+  __device__ __forceinline__ static void unpack8(std::uint32_t w, float* x) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) x[n] = float((w >> (4 * n)) & 15u) - C::grid::offset;
+  }
+  __device__ __forceinline__ static void unpack(const raw& r, int, float (&x)[16]) {
+    unpack8(r.x, x);
+    unpack8(r.y, x + 8);
   }
 };
 

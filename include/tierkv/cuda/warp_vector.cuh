@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// One warp per token vector: FP8 E4M3, TQ3 and int8_rotated encode / decode with the element ownership
-// and summation order the host codecs define as canonical (codec/tq3.hpp: lane l owns
+// One warp per token vector: FP8 E4M3, TQ3, TQ4 and int8_rotated encode / decode with the element
+// ownership and summation order the host codecs define as canonical (codec/turboquant.hpp: lane l owns
 // coordinates [l*d/32, (l+1)*d/32), fmaf in ascending order, then a xor butterfly over
 // 16, 8, 4, 2, 1), so the codes equal the host encoder's bit for bit.
 #pragma once
@@ -19,6 +19,7 @@
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/rotation.hpp"
 #include "tierkv/codec/tq3.hpp"
+#include "tierkv/codec/tq4.hpp"
 
 namespace tierkv::cuda::detail {
 
@@ -221,14 +222,35 @@ __device__ __forceinline__ void warp_pack_tq3(const std::uint32_t (&code)[P], st
   }
 }
 
-// TQ3 encode (exactly tq3_codec::encode), codes packed in registers (warp_pack_tq3).
+// Packs this lane's P TQ4 codes (coordinates [lane*P, lane*P + P)) as P/2 nibble bytes at
+// payload + lane*P/2 (docs/formats.md: coordinate 2b in the low nibble of byte b).
+template <int P>
+__device__ __forceinline__ void warp_pack_tq4(const std::uint32_t (&code)[P], std::uint8_t* payload, int lane) {
+  static_assert(P % 2 == 0, "warp_pack_tq4: whole bytes per lane (head_dim >= 64)");
+  std::uint8_t b[P / 2];
+#pragma unroll
+  for (int i = 0; i < P / 2; ++i) b[i] = std::uint8_t((code[2 * i] & 15u) | ((code[2 * i + 1] & 15u) << 4));
+  store_bytes<P / 2>(payload + lane * (P / 2), b);
+}
+
+template <class Codec, int P>
+__device__ __forceinline__ void warp_pack_tq(const std::uint32_t (&code)[P], std::uint8_t* payload, int lane) {
+  if constexpr (Codec::format == storage_format::tq3) {
+    warp_pack_tq3<P>(code, payload, lane);
+  } else {
+    static_assert(Codec::format == storage_format::tq4, "warp_pack_tq: a TQ3 or TQ4 codec");
+    warp_pack_tq4<P>(code, payload, lane);
+  }
+}
+
+// TQ3 / TQ4 encode (exactly tq_codec::encode), codes packed in registers.
 // The payload must be 4-byte aligned.
 template <class Codec, int P>
-__device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_t* payload,
-                                                typename Codec::meta_type* meta, std::uint64_t seed,
-                                                int lane) {
+__device__ __forceinline__ bool warp_encode_tq(const float (&x)[P], std::uint8_t* payload,
+                                               typename Codec::meta_type* meta, std::uint64_t seed, int lane) {
   constexpr int D = Codec::head_dim;
-  static_assert(P * 32 == D, "warp_encode_tq3: one warp owns d/32 coordinates per lane");
+  using grid = typename Codec::grid;
+  static_assert(P * 32 == D, "warp_encode_tq: one warp owns d/32 coordinates per lane");
   float amax = 0.f;
   bool finite = true;
 #pragma unroll
@@ -243,7 +265,7 @@ __device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_
     // all-zero vector: zero_code everywhere, alpha 0; non-finite: zero payload, poison meta
 #pragma unroll
     for (int r = 0; r < P; ++r) codes[r] = finite ? std::uint32_t(Codec::zero_code) : 0u;
-    warp_pack_tq3<P>(codes, payload, lane);
+    warp_pack_tq<Codec, P>(codes, payload, lane);
     if (lane == 0) *meta = finite ? typename Codec::meta_type(0) : Codec::poison_meta;
     return finite;
   }
@@ -258,40 +280,45 @@ __device__ __forceinline__ bool warp_encode_tq3(const float (&x)[P], std::uint8_
   sumsq = warp_sum_canonical(sumsq);
   warp_signs<P>(z, seed, lane);
   warp_wht<P>(z, lane);
-  const tierkv::detail::tq3_bounds bounds = tierkv::detail::tq3_make_bounds(sqrtf(sumsq));
+  const typename grid::bounds bounds = grid::make_bounds(sqrtf(sumsq));
   float s_zc = 0.f, s_cc = 0.f;
 #pragma unroll
   for (int r = 0; r < P; ++r) {
-    const int code = tierkv::detail::tq3_quantize(z[r], bounds);
+    const int code = grid::quantize(z[r], bounds);
     codes[r] = std::uint32_t(code);
-    const float c = tierkv::detail::tq3_centroid(code);
+    const float c = grid::level(code);
     s_zc = fmaf(z[r], c, s_zc);
     s_cc = fmaf(c, c, s_cc);
   }
   s_zc = warp_sum_canonical(s_zc);
   s_cc = warp_sum_canonical(s_cc);
-  warp_pack_tq3<P>(codes, payload, lane);
+  warp_pack_tq<Codec, P>(codes, payload, lane);
   if (lane == 0) {
     bool saturated = false;
-    *meta = tierkv::detail::tq3_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
+    *meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
   }
   return true;
 }
 
-// TQ3 decode (exactly tq3_codec::decode: alpha*c, inverse rotation D H_un / d).
+// TQ3 / TQ4 decode (exactly tq_codec::decode: alpha*c, inverse rotation D H_un / d).
 template <class Codec, int P>
-__device__ __forceinline__ void warp_decode_tq3(const std::uint8_t* payload,
-                                                typename Codec::meta_type meta, std::uint64_t seed,
-                                                float (&x)[P], int lane) {
+__device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload, typename Codec::meta_type meta,
+                                               std::uint64_t seed, float (&x)[P], int lane) {
   constexpr int D = Codec::head_dim;
+  using grid = typename Codec::grid;
   const float w = 1.0f * bf16_to_float(meta);
-  // This lane's P <= 16 coordinates lie in one 32-coordinate group: three aligned words.
-  const std::uint32_t* grp = reinterpret_cast<const std::uint32_t*>(payload) + 3 * ((lane * P) / 32);
-  const std::uint32_t words[3] = {grp[0], grp[1], grp[2]};
+  if constexpr (Codec::format == storage_format::tq3) {
+    // This lane's P <= 16 coordinates lie in one 32-coordinate group: three aligned words.
+    const std::uint32_t* grp = reinterpret_cast<const std::uint32_t*>(payload) + 3 * ((lane * P) / 32);
+    const std::uint32_t words[3] = {grp[0], grp[1], grp[2]};
 #pragma unroll
-  for (int r = 0; r < P; ++r) {
-    const int j = lane * P + r;
-    x[r] = 0.0f + w * tierkv::detail::tq3_centroid(tierkv::detail::tq3_unpack(words, j % 32));
+    for (int r = 0; r < P; ++r) x[r] = 0.0f + w * grid::level(tierkv::detail::tq3_unpack(words, (lane * P + r) % 32));
+  } else {
+    static_assert(P % 2 == 0, "warp_decode_tq: TQ4 needs whole bytes per lane (head_dim >= 64)");
+    std::uint8_t b[P / 2];
+    load_bytes<P / 2>(payload + lane * (P / 2), b);
+#pragma unroll
+    for (int r = 0; r < P; ++r) x[r] = 0.0f + w * grid::level((b[r / 2] >> (4 * (r % 2))) & 15);
   }
   warp_inverse_rotation<D, P>(x, seed, lane);
 }

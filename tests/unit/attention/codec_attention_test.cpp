@@ -13,6 +13,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
+#include "tierkv/codec/tq4.hpp"
 
 using namespace tierkv;
 using namespace tierkv::test;
@@ -32,6 +33,8 @@ tier_of_page_fn recent_anchor(int anchor = 1, double recent_share = 0.27) {
 
 using int8r_tier = tier<int8_rotated, int8_rotated>;
 using mixed_int8r = tiers<int8r_tier, tq3_tier>;  // the same roles with INT8 of rotated vectors
+using k4_tier = tier<tq4_key, tq3_value>;         // Stale keys at 4 bits, values at 3
+using mixed_k4 = tiers<int8r_tier, k4_tier>;
 
 enum class arm { fp8, tq3, mix };
 
@@ -96,6 +99,24 @@ TEST_CASE("int8_rotated and mixed int8_rotated/TQ3 pages: exact math on decoded 
   CHECK(i8.mean_rel_original * 3 < f.mean_rel_original);
   CHECK(mi.mean_rel_original <= m8.mean_rel_original);
   CHECK(i8.max_lse_original < 0.005);
+}
+
+TEST_CASE("TQ4-key Stale pages: exact math on decoded vectors; key error between TQ3 and 8 bits",
+          "[attention][codec][tq4]") {
+  // arm::tq3 here means tier 1 everywhere, i.e. all TQ4 keys + TQ3 values.
+  sweep_codecs<geometry<head_dim<64>, kv_heads<2>, group_size<3>, page_tokens<16>>, mixed_k4>(8);
+  sweep_codecs<geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<64>>, mixed_k4>(9);
+  sweep_codecs<geometry<head_dim<256>, kv_heads<1>, group_size<6>, page_tokens<32>>, mixed_k4>(10);
+  using Geo = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<64>>;
+  const std::vector<std::int32_t> lens = {2048};
+  // Sharp attention (scale 0.5 on unit-variance data), where key error moves the routing.
+  const logit_params sharp{0.5f, 0.f};
+  const auto t3 = run_arm<Geo, mixed_int8r>(arm::tq3, lens, 12, {}, sharp);
+  const auto t4 = run_arm<Geo, mixed_k4>(arm::tq3, lens, 12, {}, sharp);
+  std::printf("sharp attention, mean rel err vs original: all TQ3 %.4f, TQ4 keys + TQ3 values %.4f\n",
+              t3.mean_rel_original, t4.mean_rel_original);
+  CHECK(t4.mean_rel_original < t3.mean_rel_original);
+  CHECK(t4.max_lse_original < t3.max_lse_original);
 }
 
 TEST_CASE("FP8, TQ3 and mixed pages: error against the original vectors lies in the codec bands",

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "rotated_reference.hpp"
 #include "test_helpers.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 
@@ -14,27 +15,12 @@ using namespace tierkv;
 
 namespace {
 
-// H D x in float64 (unnormalized H).
-template <int N> std::vector<double> hd64(const std::vector<double>& x, std::uint64_t seed) {
-  std::vector<double> y(N, 0.0);
-  for (int i = 0; i < N; ++i)
-    for (int j = 0; j < N; ++j)
-      y[std::size_t(i)] += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) *
-                           (rotation_sign_negative(seed, j) ? -1.0 : 1.0) * x[std::size_t(j)];
-  return y;
-}
-
 // D H (alpha c) / N in float64: the decoded vector from codes and the stored alpha.
 template <int N> std::vector<double> reference_decode(const std::uint8_t* payload, double alpha,
                                                       std::uint64_t seed) {
-  std::vector<double> y(N, 0.0);
-  for (int i = 0; i < N; ++i) {
-    double s = 0;
-    for (int j = 0; j < N; ++j)
-      s += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) * alpha * double(std::int8_t(payload[j]));
-    y[std::size_t(i)] = (rotation_sign_negative(seed, i) ? -1.0 : 1.0) * s / double(N);
-  }
-  return y;
+  std::vector<double> levels(N);
+  for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * double(std::int8_t(payload[j]));
+  return codec_test::rotated_decode64<N>(levels, seed);
 }
 
 template <int N> void check_against_reference(double input_scale, std::uint64_t seed) {
@@ -49,7 +35,7 @@ template <int N> void check_against_reference(double input_scale, std::uint64_t 
     bf16_bits meta = 0;
     REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
     const double alpha = double(bf16_to_float(meta));
-    const auto z = hd64<N>(std::vector<double>(x.begin(), x.end()), ctx.seed);
+    const auto z = codec_test::hd64<N>(std::vector<double>(x.begin(), x.end()), ctx.seed);
     double zmax = 0, xn2 = 0;
     for (int i = 0; i < N; ++i) zmax = std::max(zmax, std::fabs(z[std::size_t(i)]));
     for (float e : x) xn2 += double(e) * e;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "rotated_reference.hpp"
 #include "test_helpers.hpp"
 #include "tierkv/codec/tq3.hpp"
 
@@ -16,16 +17,6 @@ namespace {
 
 const double kCentroid[8] = {-2.1519, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1519};
 const double kThreshold[3] = {0.5005, 1.0500, 1.7479};
-
-// H D x in float64 (unnormalized H).
-template <int N> std::vector<double> hd64(const std::vector<double>& x, std::uint64_t seed) {
-  std::vector<double> y(N, 0.0);
-  for (int i = 0; i < N; ++i)
-    for (int j = 0; j < N; ++j)
-      y[std::size_t(i)] += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) *
-                           (rotation_sign_negative(seed, j) ? -1.0 : 1.0) * x[std::size_t(j)];
-  return y;
-}
 
 struct reference_result {
   std::vector<int> codes;
@@ -38,7 +29,7 @@ template <int N> reference_result reference_encode(const std::vector<float>& x, 
   double n2 = 0;
   for (double v : xd) n2 += v * v;
   const double n = std::sqrt(n2);
-  const auto z = hd64<N>(xd, seed);  // = sqrt(N) * H_norm D x
+  const auto z = codec_test::hd64<N>(xd, seed);  // = sqrt(N) * H_norm D x
   reference_result r;
   r.norm = n;
   double uuh = 0, uh2 = 0;
@@ -57,17 +48,12 @@ template <int N> reference_result reference_encode(const std::vector<float>& x, 
   return r;
 }
 
-// D H (alpha c) / N in float64: the decoded vector from codes and the stored alpha.
+// D H (alpha c) / N in float64 from the codes and the stored alpha.
 template <int N> std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes,
                                                       double alpha, std::uint64_t seed) {
-  std::vector<double> y(N, 0.0);
-  for (int i = 0; i < N; ++i) {
-    double s = 0;
-    for (int j = 0; j < N; ++j)
-      s += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) * alpha * kCentroid[codes[std::size_t(j)]];
-    y[std::size_t(i)] = (rotation_sign_negative(seed, i) ? -1.0 : 1.0) * s / double(N);
-  }
-  return y;
+  std::vector<double> levels(N);
+  for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * kCentroid[codes[std::size_t(j)]];
+  return codec_test::rotated_decode64<N>(levels, seed);
 }
 
 template <class C> void check_against_reference(double input_scale) {
@@ -92,8 +78,8 @@ template <class C> void check_against_reference(double input_scale) {
       (gap < 1e-5 ? near_threshold_mismatches : far_mismatches) += 1;
     }
     // alpha: float64 formula from the float64 reference, within bf16 rounding.
-    const double want_alpha = C::norm == tq3_norm::unbiased_inner_product ? ref.alpha_key
-                              : C::norm == tq3_norm::least_squares        ? ref.alpha_value
+    const double want_alpha = C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key
+                              : C::norm == tq_norm::least_squares        ? ref.alpha_value
                                                                           : ref.norm;
     CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
     // decode vs float64 decode of the same codes and alpha.
@@ -235,7 +221,7 @@ TEST_CASE("tq3: zero vectors, NaN/Inf, huge and subnormal inputs", "[tq3]") {
   encode_stats st;
   REQUIRE(C::encode(h.data(), payload.data(), meta, ctx, &st) == errc::ok);
   CHECK(st.saturated == 1);
-  CHECK(bf16_to_float(meta) == detail::tq3_alpha_limit);
+  CHECK(bf16_to_float(meta) == detail::tq_alpha_limit);
   C::decode(payload.data(), meta, y.data(), ctx);
   CHECK(codec_test::all_finite(y));
   double cosv = codec_test::dot64(y.data(), g.data(), 256) /

@@ -239,6 +239,51 @@ struct mma_codec<C, storage_format::tq3> {
   }
 };
 
+// TQ4 keys: a lane's words hold 8 nibble codes each (docs/formats.md: coordinates 8w..8w+7);
+// lane c reads 16 bytes at 64 seg + 16 c (8 bytes at 8 c when a row is 32 bytes). One lop3
+// turns nibbles n, n + 4 of a word into the half2 (1024 + c_n, 1024 + c_n+4), exactly (0x6400
+// is 1024 and the code lands in its mantissa). The level is c - 7.5, so the score product
+// sums q (1024 + c) and mma_tier_pages subtracts key_offset x (sum of the f16 query) per head.
+// Keys only: values would need the offset times each head's sum of p in the accumulator.
+template <class C>
+struct mma_codec<C, storage_format::tq4> {
+  static constexpr int D = C::head_dim;
+  static_assert(D % 64 == 0, "tensor-core decode: tq4 head_dim must be a multiple of 64");
+  static constexpr int row_bytes = D / 2;
+  static constexpr int lane_bytes = row_bytes >= 64 ? 16 : 8;  // per lane and 4-lane segment
+  static constexpr int seg_bytes = 4 * lane_bytes;
+  static constexpr int words_per_seg = lane_bytes / 4;
+  static constexpr int key_words = D / 32;  // 8 codes = 2 k steps per word
+  static constexpr float key_offset = 1024.f + C::grid::offset;
+  template <bool Shared>
+  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
+#pragma unroll
+    for (int seg = 0; seg < row_bytes / seg_bytes; ++seg) {
+      if constexpr (lane_bytes == 16) {
+        const uint4* a = reinterpret_cast<const uint4*>(row + seg_bytes * seg + 16 * c);
+        const uint4 v = Shared ? *a : __ldg(a);
+        w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
+      } else {
+        const uint2* a = reinterpret_cast<const uint2*>(row + seg_bytes * seg + 8 * c);
+        const uint2 v = Shared ? *a : __ldg(a);
+        w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
+      }
+    }
+  }
+  // step s: word s / 2, nibbles 2h, 2h + 4 (slots 0, 1) and 2h + 1, 2h + 5 (slots 2, 3), h = s % 2
+  __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a01,
+                                                  std::uint32_t& a23) {
+    const std::uint32_t x = w[s / 2] >> (8 * (s % 2));
+    a01 = (x & 0x000F000Fu) | 0x64006400u;
+    a23 = ((x >> 4) & 0x000F000Fu) | 0x64006400u;
+  }
+  __device__ __forceinline__ static int key_coord(int c, int s, int j) {
+    const int k = s / 2, h = s % 2;
+    const int byte = (k / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (k % words_per_seg);
+    return 2 * byte + 2 * h + (j >= 2 ? 1 : 0) + 4 * (j & 1);
+  }
+};
+
 
 template <class Geometry>
 struct mma_shape {
@@ -260,9 +305,10 @@ struct mma_shape {
   static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
   static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
-  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, then the
-  // query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte aligned: all counts are x 4).
-  static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 4 * 8 + steps * 32 * 4;
+  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the f16
+  // query, then the query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte aligned: all
+  // counts are x 4).
+  static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 5 * 8 + steps * 32 * 4;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
@@ -273,7 +319,8 @@ template <class Geometry, class Tier>
 struct mma_staged {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  static constexpr bool value = K::format == storage_format::tq3 && V::format == storage_format::tq3;
+  static constexpr bool value =
+      (K::format == storage_format::tq3 || K::format == storage_format::tq4) && V::format == storage_format::tq3;
 };
 // One slot: 16 key rows, 16 value rows, 16 key metas, 16 value metas (bf16), as in the page.
 template <class Geometry, class Tier>
@@ -307,6 +354,7 @@ struct mma_smem {
   float* l;
   float* m_ref;
   float* qexp;
+  float* qsum;  // per head: sum over coordinates of the f16 (hi) query fragment values
   uint4* qfrag;
 };
 
@@ -344,10 +392,15 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // would spill at 168 registers, ptxas -v).
   constexpr int U = K::payload_bytes + V::payload_bytes <= 128 ? 2 : 1;
   constexpr bool staged = mma_staged<Geometry, Tier>::value;
-  // TQ3 keys score with the f16 (hi) query only: its rounding (2^-12 relative per element)
-  // is ~0.2% of TQ3's own inner-product error (docs/gpu.md), and it halves the score mma.
-  // 8-bit keys keep the hi + lo split (~fp32 queries).
-  constexpr bool hi_query_only = K::format == storage_format::tq3;
+  // TQ3 / TQ4 keys score with the f16 (hi) query only: its rounding (2^-12 relative per
+  // element) is ~0.2% of TQ3's own inner-product error (~0.35% of TQ4's; docs/gpu.md), and it
+  // halves the score mma. 8-bit keys keep the hi + lo split (~fp32 queries).
+  constexpr bool hi_query_only = K::format == storage_format::tq3 || K::format == storage_format::tq4;
+  // TQ4 key codes enter the mma as 1024 + c: subtract key_offset x sum(q_hi) per head.
+  constexpr bool key_offset = K::format == storage_format::tq4;
+  static_assert(V::format != storage_format::tq4,
+                "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
+                "8-bit value codec, or decode_path::cuda_core");
   using staging = mma_staging<Geometry, Tier>;
   const int tid = int(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
@@ -368,6 +421,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     int e = 0;
     if (mx > 0.f && mx < INFINITY) frexpf(mx, &e);
     if (lane == 0) sm.qexp[h] = float(e);
+    if constexpr (key_offset) {  // the f16 values the fragments below will hold, summed
+      const float qs = exp2f(-float(e));
+      float sum = 0.f;
+      for (int i = lane; i < D; i += 32) sum += __half2float(__float2half_rn(sm.acc_part[h * D + i] * qs));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) sm.qsum[h] = sum;
+    }
   }
   __syncthreads();
   {
@@ -397,6 +458,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   for (int j = 0; j < 2; ++j) {
     const int h = 2 * qc + j;
     colscale[j] = h < G ? in.softmax_scale * log2e * exp2f(sm.qexp[h]) : 0.f;
+  }
+  float koff[2] = {0.f, 0.f};
+  if constexpr (key_offset) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) koff[j] = 2 * qc + j < G ? KC::key_offset * sm.qsum[2 * qc + j] : 0.f;
   }
 
   float o[ST][4];
@@ -435,6 +501,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     if constexpr (hi_query_only || S::score_chains == 2) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
+    }
+    if constexpr (key_offset) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[i] -= koff[i % 2];
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -737,7 +807,8 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
     sm.l = sm.m + 8;
     sm.m_ref = sm.l + 8;
     sm.qexp = sm.m_ref + 8;
-    sm.qfrag = reinterpret_cast<uint4*>(sm.qexp + 8);
+    sm.qsum = sm.qexp + 8;
+    sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 8);
     sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
 
     const int tid = int(threadIdx.x);
