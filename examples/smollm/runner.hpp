@@ -18,10 +18,12 @@ namespace smollm {
 
 struct run_options {
   bool quick = false;
-  std::string arms = "dense,tiered,tiered_int8r,tq3,fp8,int8r";
+  std::string arms = "dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r";
   std::string out;         // JSON with per-arm results
   std::string dump_items;  // prompts for the llama.cpp peer (peer_llamacpp.py)
   int items = 0;           // items per (task, length); 0 = the profile's default
+  int first_item = 0;      // index of the first item (extend an earlier run with new items)
+  bool ppl = true;         // false: needle items only (ppl fields stay 0)
   std::string lengths;     // e.g. "1024,4096"; empty = the profile's
   std::string ppl_text = "/usr/share/common-licenses/GPL-3";
   std::uint64_t seed = 20261129;
@@ -163,7 +165,7 @@ inline int run_tasks(engine& eng, const run_options& o) {
   std::vector<niah_item> items;
   for (int L : lengths)
     for (const auto& t : task_names)
-      for (int i = 0; i < per; ++i) {
+      for (int i = o.first_item; i < o.first_item + per; ++i) {
         items.push_back(make_niah_item(eng.tok, t, L, i, o.seed));
         items.back().max_new = max_new;
       }
@@ -256,6 +258,7 @@ inline int run_tasks(engine& eng, const run_options& o) {
               "KiB/tok", "output");
   // Perplexity first (one long prefill per arm), then the needle items, every arm per item.
   for (const std::string& arm : arms) {
+    if (!o.ppl) break;
     auto kv = eng.make_backend(arm, int(ppl_toks.size()) + 80);
     arm_totals& t = A[arm];
     t.ppl = run_ppl(eng, *kv, ppl_toks, ppl_chunk, 64);
@@ -324,7 +327,7 @@ inline int run_demo(engine& eng, int tokens) {
       "Prompt: %zu tokens of haystack with one hidden 'special magic number' (expected: %s)\n\n",
       it.prompt.size(), it.answers[0].c_str());
   std::vector<std::string> arms{"dense"};
-  for (const char* t : {"tiered", "tiered_int8r"}) {
+  for (const char* t : {"tiered", "tiered_k4"}) {
     try {
       (void)eng.make_backend(t, 16);
       arms.push_back(t);
@@ -344,7 +347,7 @@ inline int run_demo(engine& eng, int tokens) {
     std::printf("[%s KV cache]%s\n  answer: ...is%s  %s\n", arm.c_str(),
                 arm == "dense"    ? " float32, the control"
                 : arm == "tiered" ? " Recent + Anchor pages FP8 E4M3, Stale pages TQ3 (tierkv)"
-                                  : " Recent + Anchor pages int8_rotated, Stale pages TQ3 (tierkv)",
+                                  : " Recent + Anchor pages int8_rotated, Stale pages TQ4 keys + TQ3 values (tierkv)",
                 text.c_str(), niah_score(it, text) == 1.0 ? "(correct)" : "(wrong)");
     std::printf("  memory: %.2f KiB per token (all %d layers), %.2f bits per stored scalar", kib,
                 eng.net.config().layers, g.mem.bits_per_scalar());

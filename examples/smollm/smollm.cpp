@@ -41,7 +41,7 @@ struct args {
 
 args parse(int argc, char** argv, int from) {
   args a;
-  static const char* boolean[] = {"--quick", "--chat", "--help", "--no-llamacpp-check"};
+  static const char* boolean[] = {"--quick", "--chat", "--help", "--no-llamacpp-check", "--no-ppl"};
   for (int i = from; i < argc; ++i) {
     std::string s = argv[i];
     bool is_flag = false;
@@ -58,11 +58,11 @@ void usage() {
   std::fprintf(
       stderr,
       "usage: smollm COMMAND [--model FILE.gguf] [--threads N] ...\n"
-      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered|int8r|tiered_int8r] [--max-new N]\n"
+      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered|int8r|tiered_int8r|tiered_k4] [--max-new N]\n"
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"
-      "  tasks    [--quick] [--arms dense,tiered,tiered_int8r,tq3,fp8,int8r] [--lengths 1024,4096] [--items N]\n"
-      "           [--out FILE.json] [--dump-items FILE.jsonl] [--ppl-text FILE]\n"
+      "  tasks    [--quick] [--arms dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r] [--lengths 1024,4096] [--items N]\n"
+      "           [--first-item I] [--no-ppl] [--out FILE.json] [--dump-items FILE.jsonl] [--ppl-text FILE]\n"
       "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"
       "           [--recent-pages 4] [--sink-pages 1] [--keep-first-layers 1] [--keep-last-layers "
       "1]\n"
@@ -141,6 +141,8 @@ int main(int argc, char** argv) {
       o.out = a.get("--out", "");
       o.dump_items = a.get("--dump-items", "");
       o.items = a.get_int("--items", 0);
+      o.first_item = a.get_int("--first-item", 0);
+      o.ppl = !a.has("--no-ppl");
       o.lengths = a.get("--lengths", "");
       o.ppl_text = a.get("--ppl-text", o.ppl_text);
       return run_tasks(eng, o);

@@ -51,21 +51,23 @@ def main():
               "  %.0f" % arm.get("prefill_tokens_per_s", 0))
 
     m = {}
-    for name in ("dense", "tiered", "tiered_int8r", "fp8", "int8r", "tq3"):
+    for name in ("dense", "tiered", "tiered_k4", "tiered_int8r", "fp8", "int8r", "tq3"):
         if name in arms:
             for L in lengths:
                 m["niah_acc_%s_%s" % (name, L)] = arms[name]["niah"][L]["acc"]
     m["ppl_dense"] = arms.get("dense", {}).get("ppl")
     m["ppl_tiered"] = arms.get("tiered", {}).get("ppl")
     m["ppl_tiered_int8r"] = arms.get("tiered_int8r", {}).get("ppl")
+    m["ppl_tiered_k4"] = arms.get("tiered_k4", {}).get("ppl")
     m["ppl_tq3_only"] = arms.get("tq3", {}).get("ppl")
     m["ppl_fp8"] = arms.get("fp8", {}).get("ppl")
     m["ppl_int8r"] = arms.get("int8r", {}).get("ppl")
     m["ppl_llamacpp_q4_0"] = arms.get("llamacpp_q4_0", {}).get("ppl")
     m["ppl_llamacpp_q8_0"] = arms.get("llamacpp_q8_0", {}).get("ppl")
-    # The tiered arms: "tiered" (FP8 recent/anchor tier, the arm) and "tiered_int8r"
-    # (int8_rotated recent/anchor tier); each gets the bar's metrics under its own suffix.
-    tiered_arms = [n for n in ("tiered", "tiered_int8r") if n in arms]
+    # The tiered arms: "tiered" (FP8 recent/anchor tier, the arm), "tiered_int8r"
+    # (int8_rotated recent/anchor tier) and "tiered_k4" (that, with TQ4 Stale keys); each gets
+    # the bar's metrics under its own suffix.
+    tiered_arms = [n for n in ("tiered", "tiered_k4", "tiered_int8r") if n in arms]
     for n in tiered_arms:
         t = arms[n]
         bits = [t["ppl_bits_per_scalar"]] + [v["max_bits_per_scalar"] for L, v in t["niah"].items()

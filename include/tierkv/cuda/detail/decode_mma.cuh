@@ -134,6 +134,9 @@ struct mma_byte_codec {
       w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
     }
   }
+  // Keys convert to their levels (folding int8's 1152 offset into the query sum, as TQ4 does,
+  // measured 1-2% faster at d = 256 but 3.5% slower at d = 128: docs/gpu.md).
+  static constexpr float key_offset = 0.f;
   __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& lo,
                                                   std::uint32_t& hi) {
     lo = Cvt::x2(w[s]);
@@ -192,6 +195,7 @@ struct mma_codec<C, storage_format::tq3> {
   // keys: lane c owns D/32 effective words; word k holds steps 2k (nibbles 0-3), 2k+1 (4-7)
   using KL = tq3_lane_words<D / 32>;
   static constexpr int key_words = KL::raw;
+  static constexpr float key_offset = 0.f;  // the centroid table holds the levels themselves
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
     KL::template load<Shared>(row, c, w);
@@ -305,8 +309,8 @@ struct mma_shape {
   static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
   static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
-  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the f16
-  // query, then the query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte aligned: all
+  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the
+  // query fragments, then the query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte aligned: all
   // counts are x 4).
   static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 5 * 8 + steps * 32 * 4;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
@@ -354,7 +358,7 @@ struct mma_smem {
   float* l;
   float* m_ref;
   float* qexp;
-  float* qsum;  // per head: sum over coordinates of the f16 (hi) query fragment values
+  float* qsum;  // per head: sum of the f16 (hi) query fragment values (TQ4 keys)
   uint4* qfrag;
 };
 
@@ -396,8 +400,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // element) is ~0.2% of TQ3's own inner-product error (~0.35% of TQ4's; docs/gpu.md), and it
   // halves the score mma. 8-bit keys keep the hi + lo split (~fp32 queries).
   constexpr bool hi_query_only = K::format == storage_format::tq3 || K::format == storage_format::tq4;
-  // TQ4 key codes enter the mma as 1024 + c: subtract key_offset x sum(q_hi) per head.
-  constexpr bool key_offset = K::format == storage_format::tq4;
+  // Key codes that enter the mma as level + KC::key_offset (TQ4: 1024 + c): subtract
+  // key_offset x (sum of the f16 query) per head.
+  constexpr bool key_offset = KC::key_offset != 0.f;
+  static_assert(!key_offset || hi_query_only, "decode: a key offset is folded into the hi query's sum only");
   static_assert(V::format != storage_format::tq4,
                 "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
                 "8-bit value codec, or decode_path::cuda_core");
