@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // gpubench_decode --out FILE.json [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
-//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N] [--int8r | --int8r-only] [--k4 | --k4-only]: mixed-format paged decode on the
+//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N] [--int8r | --int8r-only] [--k4 | --k4-only] [--balance bytes|work]: mixed-format paged decode on the
 // GPU over the benchmark shapes, contexts, batches and mixes (docs/gpu.md), the
 // device-to-device copy roofline measured in the same run, CUDA-graph replay, retier
 // throughput and append latency at B = 64. Random (never zero) pages, cache-cold: buffer
@@ -79,6 +79,7 @@ bool compare = false;  // also time the CUDA-core kernel and the one-wave plan (
 int max_chunks = 64;   // decode_capacity::max_chunks_per_seq of the plans (its default)
 int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
+cuda::balance balance_by = cuda::balance::work;  // --balance bytes|work
 
 template <class G, class Recent = recent, class Stale = stale>
 void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batches, cudaStream_t s) {
@@ -162,7 +163,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         CK(cudaMalloc(&lse, sizeof(float) * B * QH));
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
         cuda::decode_capacity cap{B, max_chunks, 0, false};
-        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms);
+        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 12, 64 * 1024, balance_by);
         die_if(plan.error_status());
         std::uint8_t* ws;
         CK(cudaMalloc(&ws, plan->workspace_bytes));
@@ -212,7 +213,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         tgcc = median_us([&](int i) { CK(cudaGraphLaunch(execs[i % sets], s)); }, 3, 25, s);
         for (auto e : execs) CK(cudaGraphExecDestroy(e));
         {
-          auto plan3 = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 3);
+          auto plan3 = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 3, 64 * 1024, balance_by);
           die_if(plan3.error_status());
           std::uint8_t* ws3;
           CK(cudaMalloc(&ws3, plan3->workspace_bytes));
@@ -346,6 +347,12 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--mix") && i + 1 < argc) only_mix = argv[++i];
     else if (!std::strcmp(argv[i], "--int8r")) with_int8r = true;
     else if (!std::strcmp(argv[i], "--int8r-only")) with_int8r = int8r_only = true;
+    else if (!std::strcmp(argv[i], "--balance") && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v == "bytes") balance_by = cuda::balance::bytes;
+      else if (v == "work") balance_by = cuda::balance::work;
+      else { std::fprintf(stderr, "gpubench_decode: --balance bytes|work, got %s\n", v.c_str()); return 2; }
+    }
     else if (!std::strcmp(argv[i], "--k4")) with_k4 = true;
     else if (!std::strcmp(argv[i], "--k4-only")) with_k4 = k4_only = true;
     else { std::fprintf(stderr, "gpubench_decode: unknown argument %s\n", argv[i]); return 2; }

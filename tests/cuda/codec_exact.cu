@@ -16,6 +16,7 @@
 #include "catch.hpp"
 #include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/error_traits.hpp"
+#include "tierkv/codec/tq4.hpp"
 #include "tierkv/cuda/codec_kernels.cuh"
 
 using namespace tierkv;
@@ -249,4 +250,8 @@ TEST_CASE("cuda codecs: device codes equal host codes bit for bit", "[cuda][code
   check_codec_exact<fp8_e5m2::bind<128>>(1 << 18);
   check_codec_exact<fp8_e4m3::bind<80>>(1 << 16);
   check_codec_exact<dense_bf16::bind<128>>(1 << 16);
+  // TQ4 runs the host code path on the device (one thread per vector, cuda::encode / decode).
+  check_codec_exact<tq4_key::bind<64>>(1 << 17);
+  check_codec_exact<tq4_value::bind<128>>(1 << 16);
+  check_codec_exact<tq4_key::bind<256>>(1 << 15);
 }
