@@ -5,6 +5,8 @@
 
 #include "catch.hpp"
 #include "tierkv/cache.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/codec/tq4.hpp"
 #include "tiering_test_support.hpp"
 
 using namespace tiering_test;
@@ -12,6 +14,8 @@ using namespace tiering_test;
 namespace {
 
 using cache_t = tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
+// The recommended quality configuration: int8_rotated Recent/Anchor pages, Stale keys TQ4.
+using k4_tiers = tiers<tier<int8_rotated, int8_rotated>, tier<tq4_key, tq3_value>>;
 constexpr int D = tiny::head_dim, QH = tiny::q_heads, G = tiny::group_size;
 
 // float64 decode of one query row set against token vectors given by fetch(t, h, k, v).
@@ -54,8 +58,10 @@ double rel_l2(const float* got, const std::vector<double>& ref) {
 
 }  // namespace
 
-TEST_CASE("tiered_cache: an engine's decode loop with retiering, checked against float64", "[tiering][cache]") {
-  cache_t::options opt;
+TEMPLATE_TEST_CASE("tiered_cache: an engine's decode loop with retiering, checked against float64",
+                   "[tiering][cache]", two_tiers, k4_tiers) {
+  using cache_t = tiered_cache<tiny, TestType, policy::recency_anchor, host_allocator, failing_allocator>;
+  typename cache_t::options opt;
   opt.storage.num_layers = 3;
   opt.storage.max_sequences = 4;
   opt.storage.pages_per_tier = {60, 60};
@@ -77,7 +83,7 @@ TEST_CASE("tiered_cache: an engine's decode loop with retiering, checked against
   const auto add = [&](std::size_t b, int n) {
     auto seeds = seeds_from(next, n);
     next += std::uint64_t(n);
-    make_kv<cache_t::storage_type>(3, seeds, k, v);
+    make_kv<typename cache_t::storage_type>(3, seeds, k, v);
     REQUIRE(cache->append(batch[b], n, k, v));
     tokens[b].insert(tokens[b].end(), seeds.begin(), seeds.end());
   };
@@ -154,7 +160,7 @@ TEST_CASE("tiered_cache: an engine's decode loop with retiering, checked against
   CHECK(cache->length(f).value() + 20 == cache->length(batch[0]).value());
   REQUIRE(cache->release(batch[1]));
   std::vector<float> bad(k.size(), 0.f);
-  make_kv<cache_t::storage_type>(3, seeds_from(9, 1), k, v);
+  make_kv<typename cache_t::storage_type>(3, seeds_from(9, 1), k, v);
   bad.resize(k.size());
   bad[5] = std::nanf("");
   const std::int64_t before = cache->length(f).value();
