@@ -83,6 +83,11 @@ int main() {
   small_row<fp8_e4m3, 256>(rep, "fp8_e4m3");
   small_row<fp8_e5m2, 128>(rep, "fp8_e5m2");
   small_row<dense_bf16, 128>(rep, "dense_bf16");
+  small_row<int8_rotated, 128>(rep, "int8_rotated");
+  small_row<tq4_key, 64>(rep, "tq4_key");
+  small_row<tq4_key, 128>(rep, "tq4_key");
+  small_row<tq4_key, 256>(rep, "tq4_key");
+  small_row<tq4_value, 128>(rep, "tq4_value");
 
   const double e4 = fp8_max_rel_err<fp8_kind::e4m3>();
   const double e5 = fp8_max_rel_err<fp8_kind::e5m2>();
