@@ -92,43 +92,11 @@ TEST_CASE("int8_rotated: scale, codes, decode and dot match a float64 reference"
 }
 
 TEST_CASE("int8_rotated: accumulate + finalize equals the sum of p * decoded values", "[int8_rotated][codec]") {
-  constexpr int N = 128;
-  using C = int8_rotated_codec<N>;
-  codec_test::gaussian_source rng(7);
-  const codec_context ctx{12345};
-  std::vector<float> acc(N, 0.f);
-  std::vector<double> want(N, 0.0);
-  for (int t = 0; t < 20; ++t) {
-    const auto x = codec_test::gaussian(rng, N);
-    std::vector<std::uint8_t> payload(N);
-    bf16_bits meta = 0;
-    REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-    const float p = 0.05f * float(t + 1);
-    C::accumulate(p, payload.data(), meta, acc.data());
-    std::vector<float> y(N);
-    C::decode(payload.data(), meta, y.data(), ctx);
-    for (int i = 0; i < N; ++i) want[std::size_t(i)] += double(p) * y[std::size_t(i)];
-  }
-  C::finalize(acc.data(), ctx);
-  for (int i = 0; i < N; ++i) CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(1e-4));
+  codec_test::check_accumulate_finalize<int8_rotated_codec<128>>(7, 12345, 20, 1e-4);
 }
 
 TEST_CASE("int8_rotated: scale invariance: x * 2^j gives the same codes and alpha * 2^j", "[int8_rotated][codec]") {
-  constexpr int N = 64;
-  using C = int8_rotated_codec<N>;
-  codec_test::gaussian_source rng(9);
-  const codec_context ctx{777};
-  const auto x = codec_test::gaussian(rng, N);
-  std::vector<std::uint8_t> p0(N), p1(N);
-  bf16_bits m0 = 0, m1 = 0;
-  REQUIRE(C::encode(x.data(), p0.data(), m0, ctx, nullptr) == errc::ok);
-  for (int j : {-60, -7, 5, 90}) {
-    std::vector<float> xs(N);
-    for (int i = 0; i < N; ++i) xs[std::size_t(i)] = std::ldexp(x[std::size_t(i)], j);
-    REQUIRE(C::encode(xs.data(), p1.data(), m1, ctx, nullptr) == errc::ok);
-    CHECK(p1 == p0);
-    CHECK(bf16_to_float(m1) == std::ldexp(bf16_to_float(m0), j));
-  }
+  codec_test::check_scale_invariance<int8_rotated_codec<64>>(9, 777, {-60, -7, 5, 90});
 }
 
 TEST_CASE("int8_rotated: zero vectors, NaN/Inf, huge and subnormal inputs", "[int8_rotated][codec]") {

@@ -3,11 +3,19 @@
 // the decode D H (alpha c) / N, written from the definitions (no fast transform).
 #pragma once
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <vector>
 
+#include "catch.hpp"
+#include "test_helpers.hpp"
+#include "tierkv/codec/bf16.hpp"
 #include "tierkv/codec/rotation.hpp"
+#include "tierkv/codec/turboquant.hpp"
 
 namespace codec_test {
 
@@ -31,6 +39,130 @@ template <int N> std::vector<double> rotated_decode64(const std::vector<double>&
     y[std::size_t(i)] = (tierkv::rotation_sign_negative(seed, i) ? -1.0 : 1.0) * s / double(N);
   }
   return y;
+}
+
+// encode(x * 2^j) gives the same codes and alpha * 2^j for every j (the power-of-two prescaling
+// is exact); another rotation seed gives other codes.
+template <class C>
+void check_scale_invariance(std::uint64_t rng_seed, std::uint64_t ctx_seed, std::initializer_list<int> js) {
+  constexpr int N = C::head_dim;
+  gaussian_source rng(rng_seed);
+  const tierkv::codec_context ctx{ctx_seed};
+  const auto x = gaussian(rng, N);
+  std::vector<std::uint8_t> p0(C::payload_bytes), p1(C::payload_bytes);
+  tierkv::bf16_bits m0 = 0, m1 = 0;
+  REQUIRE(C::encode(x.data(), p0.data(), m0, ctx, nullptr) == tierkv::errc::ok);
+  for (int j : js) {
+    std::vector<float> xs(N);
+    for (int i = 0; i < N; ++i) xs[std::size_t(i)] = std::ldexp(x[std::size_t(i)], j);
+    REQUIRE(C::encode(xs.data(), p1.data(), m1, ctx, nullptr) == tierkv::errc::ok);
+    INFO("j = " << j);
+    CHECK(p1 == p0);
+    CHECK(double(tierkv::bf16_to_float(m1)) == std::ldexp(double(tierkv::bf16_to_float(m0)), j));
+  }
+  REQUIRE(C::encode(x.data(), p1.data(), m1, tierkv::codec_context{ctx_seed + 1}, nullptr) == tierkv::errc::ok);
+  CHECK(p1 != p0);
+}
+
+// accumulate(p, ...) over `tokens` vectors then finalize equals sum p * decode (the rotated
+// accumulator maps back once, linearly).
+template <class C>
+void check_accumulate_finalize(std::uint64_t rng_seed, std::uint64_t ctx_seed, int tokens, double margin) {
+  constexpr int N = C::head_dim;
+  gaussian_source rng(rng_seed);
+  const tierkv::codec_context ctx{ctx_seed};
+  std::vector<float> acc(N, 0.0f);
+  std::vector<double> want(N, 0.0);
+  for (int t = 0; t < tokens; ++t) {
+    const auto v = gaussian(rng, N);
+    std::vector<std::uint8_t> payload(C::payload_bytes);
+    typename C::meta_type meta{};
+    REQUIRE(C::encode(v.data(), payload.data(), meta, ctx, nullptr) == tierkv::errc::ok);
+    const float p = float(t + 1) / float(tokens * (tokens + 1) / 2);
+    C::accumulate(p, payload.data(), meta, acc.data());
+    std::vector<float> y(N);
+    C::decode(payload.data(), meta, y.data(), ctx);
+    for (int i = 0; i < N; ++i) want[std::size_t(i)] += double(p) * y[std::size_t(i)];
+  }
+  C::finalize(acc.data(), ctx);
+  for (int i = 0; i < N; ++i) CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(margin));
+}
+
+// NaN or +-Inf at element `at`: errc::non_finite_input, zero codes and the poison alpha, so a
+// slot read by mistake decodes to NaN.
+template <class C>
+void check_non_finite_poisons(const tierkv::codec_context& ctx, int at) {
+  constexpr int N = C::head_dim;
+  std::vector<std::uint8_t> payload(C::payload_bytes, 0xEE);
+  tierkv::bf16_bits meta = 0x1111;
+  std::vector<float> y(N);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> x(N, 0.5f);
+    x[std::size_t(at)] = bad;
+    CHECK(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == tierkv::errc::non_finite_input);
+    CHECK(meta == C::poison_meta);
+    CHECK(std::all_of(payload.begin(), payload.end(), [](std::uint8_t b) { return b == 0; }));
+    C::decode(payload.data(), meta, y.data(), ctx);
+    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); }));
+  }
+}
+
+// TQ3 / TQ4 (tq_codec) on adversarial input: a zero vector (alpha 0, exact zeros); NaN and
+// +-Inf (poison); every element near FLT_MAX (alpha clipped at tq_alpha_limit and counted,
+// decode finite and in the right direction); subnormal elements (same direction, alpha > 0);
+// one nonzero element (decode finite, that element close to it). Returns the zero vector's
+// payload so a caller can check its codes.
+template <class C>
+std::vector<std::uint8_t> check_tq_edge_inputs(const tierkv::codec_context& ctx, std::uint64_t rng_seed, double min_cosine,
+                                               double one_hot_rel) {
+  constexpr int N = C::head_dim;
+  std::vector<std::uint8_t> payload(C::payload_bytes, 0xEE), zero_payload;
+  tierkv::bf16_bits meta = 0x1111;
+  std::vector<float> y(N), q(N, 1.0f), z(N, 0.0f);
+  z[std::size_t(N / 3)] = -0.0f;
+  REQUIRE(C::encode(z.data(), payload.data(), meta, ctx, nullptr) == tierkv::errc::ok);
+  CHECK(meta == 0);
+  zero_payload = payload;
+  C::decode(payload.data(), meta, y.data(), ctx);
+  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0.0f; }));
+  CHECK(C::dot(q.data(), payload.data(), meta) == 0.0f);
+
+  check_non_finite_poisons<C>(ctx, N - 5);
+
+  gaussian_source rng(rng_seed);
+  const auto g = gaussian(rng, N);
+  auto cosine = [&](const std::vector<float>& a) {
+    return dot64(a.data(), g.data(), N) / std::sqrt(dot64(a.data(), a.data(), N) * dot64(g.data(), g.data(), N));
+  };
+  std::vector<float> h(N), sub(N);
+  for (int i = 0; i < N; ++i) {
+    h[std::size_t(i)] = g[std::size_t(i)] * 1e38f;
+    sub[std::size_t(i)] = g[std::size_t(i)] * 1e-40f;
+  }
+  tierkv::encode_stats st;
+  REQUIRE(C::encode(h.data(), payload.data(), meta, ctx, &st) == tierkv::errc::ok);
+  CHECK(st.saturated == 1);
+  CHECK(tierkv::bf16_to_float(meta) == tierkv::detail::tq_alpha_limit);
+  C::decode(payload.data(), meta, y.data(), ctx);
+  CHECK(all_finite(y));
+  CHECK(cosine(y) > min_cosine);
+  st = {};
+  REQUIRE(C::encode(sub.data(), payload.data(), meta, ctx, &st) == tierkv::errc::ok);
+  CHECK(st.saturated == 0);
+  C::decode(payload.data(), meta, y.data(), ctx);
+  CHECK(all_finite(y));
+  CHECK(tierkv::bf16_to_float(meta) > 0.0f);
+  CHECK(cosine(y) > min_cosine);
+  for (int i : {0, N / 2 - 28, N - 1}) {
+    std::vector<float> e(N, 0.0f);
+    e[std::size_t(i)] = -3.0f;
+    REQUIRE(C::encode(e.data(), payload.data(), meta, ctx, nullptr) == tierkv::errc::ok);
+    C::decode(payload.data(), meta, y.data(), ctx);
+    CHECK(all_finite(y));
+    CHECK(double(y[std::size_t(i)]) == Approx(-3.0).epsilon(one_hot_rel));
+  }
+  return zero_payload;
 }
 
 }  // namespace codec_test

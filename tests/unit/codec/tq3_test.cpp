@@ -117,24 +117,7 @@ TEST_CASE("tq3: codes, alpha, decode and dot match a float64 reference", "[tq3]"
 }
 
 TEST_CASE("tq3: accumulate + finalize equals sum of p * decoded values", "[tq3]") {
-  using C = tq3_value::bind<128>;
-  codec_test::gaussian_source rng(77);
-  const codec_context ctx{12345};
-  std::vector<float> acc(128, 0.0f);
-  std::vector<double> want(128, 0.0);
-  for (int t = 0; t < 16; ++t) {
-    auto v = codec_test::gaussian(rng, 128);
-    std::vector<std::uint8_t> payload(C::payload_bytes);
-    bf16_bits meta = 0;
-    REQUIRE(C::encode(v.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-    const float p = float(t + 1) / 136.0f;
-    C::accumulate(p, payload.data(), meta, acc.data());
-    std::vector<float> y(128);
-    C::decode(payload.data(), meta, y.data(), ctx);
-    for (int i = 0; i < 128; ++i) want[std::size_t(i)] += double(p) * y[std::size_t(i)];
-  }
-  C::finalize(acc.data(), ctx);
-  for (int i = 0; i < 128; ++i) CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(1e-5));
+  codec_test::check_accumulate_finalize<tq3_value::bind<128>>(77, 12345, 16, 1e-5);
 }
 
 TEST_CASE("tq3: packing layout of docs/formats.md", "[tq3]") {
@@ -167,87 +150,16 @@ TEST_CASE("tq3: packing layout of docs/formats.md", "[tq3]") {
 }
 
 TEST_CASE("tq3: scale invariance: x * 2^j gives the same codes and alpha * 2^j", "[tq3]") {
-  using C = tq3_key::bind<128>;
-  codec_test::gaussian_source rng(11);
-  const codec_context ctx{99};
-  auto x = codec_test::gaussian(rng, 128);
-  std::vector<std::uint8_t> p0(C::payload_bytes), p1(C::payload_bytes);
-  bf16_bits m0 = 0, m1 = 0;
-  REQUIRE(C::encode(x.data(), p0.data(), m0, ctx, nullptr) == errc::ok);
-  for (int j : {-120, -60, -1, 1, 30, 100}) {
-    std::vector<float> xs(128);
-    for (int i = 0; i < 128; ++i) xs[std::size_t(i)] = std::ldexp(x[std::size_t(i)], j);
-    REQUIRE(C::encode(xs.data(), p1.data(), m1, ctx, nullptr) == errc::ok);
-    INFO("j = " << j);
-    CHECK(p1 == p0);
-    CHECK(double(bf16_to_float(m1)) == std::ldexp(double(bf16_to_float(m0)), j));
-  }
-  // A different seed gives a different rotation and so different codes.
-  REQUIRE(C::encode(x.data(), p1.data(), m1, codec_context{100}, nullptr) == errc::ok);
-  CHECK(p1 != p0);
+  codec_test::check_scale_invariance<tq3_key::bind<128>>(11, 99, {-120, -60, -1, 1, 30, 100});
 }
 
 TEST_CASE("tq3: zero vectors, NaN/Inf, huge and subnormal inputs", "[tq3]") {
   using C = tq3_value::bind<256>;
-  const codec_context ctx{5};
-  std::vector<std::uint8_t> payload(C::payload_bytes, 0xEE);
-  bf16_bits meta = 0x1111;
-  std::vector<float> y(256), q(256, 1.0f);
-  std::vector<float> z(256, 0.0f);
-  z[7] = -0.0f;
-  REQUIRE(C::encode(z.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-  CHECK(meta == 0);
-  C::decode(payload.data(), meta, y.data(), ctx);
-  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0.0f; }));
-  CHECK(C::dot(q.data(), payload.data(), meta) == 0.0f);
-
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                    -std::numeric_limits<float>::infinity()}) {
-    std::vector<float> x(256, 0.5f);
-    x[200] = bad;
-    CHECK(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::non_finite_input);
-    CHECK(meta == C::poison_meta);
-    CHECK(std::all_of(payload.begin(), payload.end(), [](std::uint8_t b) { return b == 0; }));
-    C::decode(payload.data(), meta, y.data(), ctx);
-    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); }));
-  }
-
-  codec_test::gaussian_source rng(8);
-  auto g = codec_test::gaussian(rng, 256);
-  // Huge: every element near FLT_MAX; the norm is clipped (counted), decode stays finite
-  // and points the right way.
-  std::vector<float> h(256);
-  for (int i = 0; i < 256; ++i) h[std::size_t(i)] = g[std::size_t(i)] * 1e38f;
-  encode_stats st;
-  REQUIRE(C::encode(h.data(), payload.data(), meta, ctx, &st) == errc::ok);
-  CHECK(st.saturated == 1);
-  CHECK(bf16_to_float(meta) == detail::tq_alpha_limit);
-  C::decode(payload.data(), meta, y.data(), ctx);
-  CHECK(codec_test::all_finite(y));
-  double cosv = codec_test::dot64(y.data(), g.data(), 256) /
-                std::sqrt(codec_test::dot64(y.data(), y.data(), 256) * codec_test::dot64(g.data(), g.data(), 256));
-  CHECK(cosv > 0.97);
-  // Subnormal elements: same direction; alpha underflows gracefully (no NaN).
-  std::vector<float> s(256);
-  for (int i = 0; i < 256; ++i) s[std::size_t(i)] = g[std::size_t(i)] * 1e-40f;
-  st = {};
-  REQUIRE(C::encode(s.data(), payload.data(), meta, ctx, &st) == errc::ok);
-  CHECK(st.saturated == 0);
-  C::decode(payload.data(), meta, y.data(), ctx);
-  CHECK(codec_test::all_finite(y));
-  CHECK(bf16_to_float(meta) > 0.0f);
-  cosv = codec_test::dot64(y.data(), g.data(), 256) /
-         std::sqrt(codec_test::dot64(y.data(), y.data(), 256) * codec_test::dot64(g.data(), g.data(), 256));
-  CHECK(cosv > 0.97);
-  // A single nonzero element anywhere (the most concentrated input).
-  for (int i : {0, 100, 255}) {
-    std::vector<float> e(256, 0.0f);
-    e[std::size_t(i)] = -3.0f;
-    REQUIRE(C::encode(e.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-    C::decode(payload.data(), meta, y.data(), ctx);
-    CHECK(codec_test::all_finite(y));
-    CHECK(double(y[std::size_t(i)]) < -1.0);
-  }
+  const auto zero = codec_test::check_tq_edge_inputs<C>(codec_context{5}, 8, 0.97, 0.67);
+  std::vector<std::uint8_t> codes(256);
+  C::unpack(zero.data(), codes.data());
+  CHECK(std::all_of(codes.begin(), codes.end(), [](std::uint8_t c) { return c == C::zero_code; }));
+  codec_test::check_tq_edge_inputs<tq3_key::bind<64>>(codec_context{3}, 11, 0.97, 0.67);
 }
 
 TEST_CASE("tq3: sizes and bits per scalar", "[tq3]") {

@@ -115,24 +115,8 @@ TEST_CASE("tq4: codes, alpha, decode and dot match a float64 reference", "[tq4][
 }
 
 TEST_CASE("tq4: accumulate + finalize equals the sum of p * decoded values", "[tq4][codec]") {
-  using C = tq4_value::bind<128>;
-  codec_test::gaussian_source rng(78);
-  const codec_context ctx{4321};
-  std::vector<float> acc(128, 0.0f);
-  std::vector<double> want(128, 0.0);
-  for (int t = 0; t < 16; ++t) {
-    auto v = codec_test::gaussian(rng, 128);
-    std::vector<std::uint8_t> payload(C::payload_bytes);
-    bf16_bits meta = 0;
-    REQUIRE(C::encode(v.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-    const float p = float(t + 1) / 136.0f;
-    C::accumulate(p, payload.data(), meta, acc.data());
-    std::vector<float> y(128);
-    C::decode(payload.data(), meta, y.data(), ctx);
-    for (int i = 0; i < 128; ++i) want[std::size_t(i)] += double(p) * y[std::size_t(i)];
-  }
-  C::finalize(acc.data(), ctx);
-  for (int i = 0; i < 128; ++i) CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(1e-5));
+  codec_test::check_accumulate_finalize<tq4_value::bind<128>>(78, 4321, 16, 1e-5);
+  codec_test::check_accumulate_finalize<tq4_key::bind<256>>(79, 17, 20, 1e-5);
 }
 
 TEST_CASE("tq4: nibble packing of docs/formats.md", "[tq4][codec]") {
@@ -153,95 +137,21 @@ TEST_CASE("tq4: nibble packing of docs/formats.md", "[tq4][codec]") {
 }
 
 TEST_CASE("tq4: scale invariance: x * 2^j gives the same codes and alpha * 2^j", "[tq4][codec]") {
-  using C = tq4_key::bind<128>;
-  codec_test::gaussian_source rng(12);
-  const codec_context ctx{98};
-  auto x = codec_test::gaussian(rng, 128);
-  std::vector<std::uint8_t> p0(C::payload_bytes), p1(C::payload_bytes);
-  bf16_bits m0 = 0, m1 = 0;
-  REQUIRE(C::encode(x.data(), p0.data(), m0, ctx, nullptr) == errc::ok);
-  for (int j : {-120, -60, -1, 1, 30, 100}) {
-    std::vector<float> xs(128);
-    for (int i = 0; i < 128; ++i) xs[std::size_t(i)] = std::ldexp(x[std::size_t(i)], j);
-    REQUIRE(C::encode(xs.data(), p1.data(), m1, ctx, nullptr) == errc::ok);
-    INFO("j = " << j);
-    CHECK(p1 == p0);
-    CHECK(double(bf16_to_float(m1)) == std::ldexp(double(bf16_to_float(m0)), j));
-  }
-  REQUIRE(C::encode(x.data(), p1.data(), m1, codec_context{97}, nullptr) == errc::ok);
-  CHECK(p1 != p0);
+  codec_test::check_scale_invariance<tq4_key::bind<128>>(12, 98, {-120, -60, -1, 1, 30, 100});
+  codec_test::check_scale_invariance<tq4_value::bind<64>>(13, 5, {-7, 90});
 }
 
 TEST_CASE("tq4: zero vectors, NaN/Inf, huge and subnormal inputs", "[tq4][codec]") {
-  using C = tq4_key::bind<256>;
-  const codec_context ctx{6};
-  std::vector<std::uint8_t> payload(C::payload_bytes, 0xEE);
-  bf16_bits meta = 0x1111;
-  std::vector<float> y(256), q(256, 1.0f);
-  std::vector<float> z(256, 0.0f);
-  z[9] = -0.0f;
-  REQUIRE(C::encode(z.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-  CHECK(meta == 0);
-  CHECK(std::all_of(payload.begin(), payload.end(), [](std::uint8_t b) { return b == 0x88; }));
-  C::decode(payload.data(), meta, y.data(), ctx);
-  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0.0f; }));
-  CHECK(C::dot(q.data(), payload.data(), meta) == 0.0f);
-
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                    -std::numeric_limits<float>::infinity()}) {
-    std::vector<float> x(256, 0.5f);
-    x[31] = bad;
-    CHECK(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::non_finite_input);
-    CHECK(meta == C::poison_meta);
-    CHECK(std::all_of(payload.begin(), payload.end(), [](std::uint8_t b) { return b == 0; }));
-    C::decode(payload.data(), meta, y.data(), ctx);
-    CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); }));
-  }
-
-  codec_test::gaussian_source rng(9);
-  auto g = codec_test::gaussian(rng, 256);
-  auto cosine = [&](const std::vector<float>& a) {
-    return codec_test::dot64(a.data(), g.data(), 256) /
-           std::sqrt(codec_test::dot64(a.data(), a.data(), 256) * codec_test::dot64(g.data(), g.data(), 256));
-  };
-  // Huge: every element near FLT_MAX; alpha is clipped (counted), decode stays finite.
-  std::vector<float> h(256);
-  for (int i = 0; i < 256; ++i) h[std::size_t(i)] = g[std::size_t(i)] * 1e38f;
-  encode_stats st;
-  REQUIRE(C::encode(h.data(), payload.data(), meta, ctx, &st) == errc::ok);
-  CHECK(st.saturated == 1);
-  CHECK(bf16_to_float(meta) == detail::tq_alpha_limit);
-  C::decode(payload.data(), meta, y.data(), ctx);
-  CHECK(codec_test::all_finite(y));
-  CHECK(cosine(y) > 0.99);
+  // one-hot: every rotated coordinate has the same magnitude, all in the clip region's neighbours
+  const auto zero = codec_test::check_tq_edge_inputs<tq4_key::bind<256>>(codec_context{6}, 9, 0.99, 0.05);
+  CHECK(std::all_of(zero.begin(), zero.end(), [](std::uint8_t b) { return b == 0x88; }));  // codes 8
+  codec_test::check_tq_edge_inputs<tq4_value::bind<64>>(codec_context{7}, 10, 0.99, 0.05);
   // The largest alpha times the largest level through a 512-point WHT stays finite.
-  {
-    using C512 = tq4_key::bind<512>;
-    std::vector<std::uint8_t> p(C512::payload_bytes, 0xFF);  // every code 15
-    std::vector<float> out(512);
-    C512::decode(p.data(), float_to_bf16(detail::tq_alpha_limit), out.data(), ctx);
-    CHECK(codec_test::all_finite(out));
-  }
-  // Subnormal elements: same direction; alpha stays positive.
-  std::vector<float> s(256);
-  for (int i = 0; i < 256; ++i) s[std::size_t(i)] = g[std::size_t(i)] * 1e-40f;
-  st = {};
-  REQUIRE(C::encode(s.data(), payload.data(), meta, ctx, &st) == errc::ok);
-  CHECK(st.saturated == 0);
-  C::decode(payload.data(), meta, y.data(), ctx);
-  CHECK(codec_test::all_finite(y));
-  CHECK(bf16_to_float(meta) > 0.0f);
-  CHECK(cosine(y) > 0.99);
-  // A single nonzero element anywhere (the most concentrated input: every rotated
-  // coordinate has the same magnitude, so all sit in the clip region's neighbours).
-  for (int i : {0, 100, 255}) {
-    std::vector<float> e(256, 0.0f);
-    e[std::size_t(i)] = -3.0f;
-    REQUIRE(C::encode(e.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-    C::decode(payload.data(), meta, y.data(), ctx);
-    CHECK(codec_test::all_finite(y));
-    CHECK(double(y[std::size_t(i)]) == Approx(-3.0).epsilon(0.05));
-  }
+  using C512 = tq4_key::bind<512>;
+  std::vector<std::uint8_t> p(C512::payload_bytes, 0xFF);  // every code 15
+  std::vector<float> out(512);
+  C512::decode(p.data(), float_to_bf16(detail::tq_alpha_limit), out.data(), codec_context{6});
+  CHECK(codec_test::all_finite(out));
 }
 
 TEST_CASE("tq4: error against TQ3 and the recorded traits", "[tq4][codec][traits]") {

@@ -116,6 +116,29 @@ struct tq3_lane_words {
 // A registers a0/a2 of one token (a1/a3 come from the token 8 rows below); key_coord(c, s, j)
 // is the coordinate of k-slot j (0,1 = slots 2c,2c+1; 2,3 = slots 2c+8,2c+9) of step s.
 // V side: lane g = lane / 4; rows g and g + 8 of value m-tile mt; value_coord(g, mt, r).
+// Lane i of `Lanes` reads `Bytes` (8 or 16) of every Lanes*Bytes-byte segment of a row, in
+// one load each (coalesced across the lanes): words [Bytes/4 seg, Bytes/4 (seg + 1)) hold
+// bytes [Bytes i, Bytes (i + 1)) of segment seg.
+template <int Bytes, int Lanes, bool Shared, int Words>
+__device__ __forceinline__ void load_lane_segments(const std::uint8_t* row, int i, std::uint32_t (&w)[Words]) {
+  static_assert(Bytes == 8 || Bytes == 16, "load_lane_segments: 8- or 16-byte loads");
+  constexpr int per = Bytes / 4;
+  static_assert(Words % per == 0, "load_lane_segments: whole loads per lane");
+#pragma unroll
+  for (int seg = 0; seg < Words / per; ++seg) {
+    const std::uint8_t* p = row + Lanes * Bytes * seg + Bytes * i;
+    if constexpr (Bytes == 16) {
+      const uint4* a = reinterpret_cast<const uint4*>(p);
+      const uint4 v = Shared ? *a : __ldg(a);
+      w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
+    } else {
+      const uint2* a = reinterpret_cast<const uint2*>(p);
+      const uint2 v = Shared ? *a : __ldg(a);
+      w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
+    }
+  }
+}
+
 template <class C, storage_format F = C::format> struct mma_codec;
 
 // One byte per coordinate (FP8 E4M3, int8_rotated): Cvt turns two codes into a half2.
@@ -127,12 +150,7 @@ struct mma_byte_codec {
   static constexpr int key_words = D / 16;
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
-#pragma unroll
-    for (int seg = 0; seg < D / 64; ++seg) {
-      const uint4* a = reinterpret_cast<const uint4*>(row + 64 * seg + 16 * c);
-      const uint4 v = Shared ? *a : __ldg(a);
-      w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
-    }
+    load_lane_segments<16, 4, Shared>(row, c, w);
   }
   // Keys convert to their levels (folding int8's 1152 offset into the query sum, as TQ4 does,
   // measured 1-2% faster at d = 256 but 3.5% slower at d = 128: docs/gpu.md).
@@ -153,18 +171,7 @@ struct mma_byte_codec {
   }
   template <bool Shared>
   __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
-#pragma unroll
-    for (int seg = 0; seg < D / SEG; ++seg) {
-      if constexpr (SEG == 128) {
-        const uint4* a = reinterpret_cast<const uint4*>(row + SEG * seg + 16 * g);
-        const uint4 v = Shared ? *a : __ldg(a);
-        w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
-      } else {
-        const uint2* a = reinterpret_cast<const uint2*>(row + SEG * seg + 8 * g);
-        const uint2 v = Shared ? *a : __ldg(a);
-        w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
-      }
-    }
+    load_lane_segments<SEG / 8, 8, Shared>(row, g, w);
   }
   // word wi of tokens t0, t1 -> m-tiles 2 wi (bytes 0, 1) and 2 wi + 1 (bytes 2, 3):
   // out[m][r] = (row g + 8 r: token t0, token t1)
@@ -261,18 +268,7 @@ struct mma_codec<C, storage_format::tq4> {
   static constexpr float key_offset = 1024.f + C::grid::offset;
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
-#pragma unroll
-    for (int seg = 0; seg < row_bytes / seg_bytes; ++seg) {
-      if constexpr (lane_bytes == 16) {
-        const uint4* a = reinterpret_cast<const uint4*>(row + seg_bytes * seg + 16 * c);
-        const uint4 v = Shared ? *a : __ldg(a);
-        w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
-      } else {
-        const uint2* a = reinterpret_cast<const uint2*>(row + seg_bytes * seg + 8 * c);
-        const uint2 v = Shared ? *a : __ldg(a);
-        w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
-      }
-    }
+    load_lane_segments<lane_bytes, 4, Shared>(row, c, w);
   }
   // step s: word s / 2, nibbles 2h, 2h + 4 (slots 0, 1) and 2h + 1, 2h + 5 (slots 2, 3), h = s % 2
   __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a01,
