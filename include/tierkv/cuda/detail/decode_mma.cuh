@@ -305,9 +305,9 @@ struct mma_shape {
   static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
   static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
-  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the
-  // query fragments, then the query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte aligned: all
-  // counts are x 4).
+  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the f16
+  // query (TQ4 keys), then the query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte
+  // aligned: all counts are x 4).
   static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 5 * 8 + steps * 32 * 4;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
@@ -491,7 +491,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       std::uint32_t a[4];
       KC::key_frag(kw[0], qc, s, a[0], a[2]);
       KC::key_frag(kw[1], qc, s, a[1], a[3]);
-      if constexpr (hi_query_only) {  // TQ3 keys: the f16 query alone, chains over even / odd k steps
+      if constexpr (hi_query_only) {  // TQ3 / TQ4 keys: the f16 query alone, chains over even / odd k steps
         const uint2 q = *reinterpret_cast<const uint2*>(&sm.qfrag[s * 32 + lane]);
         mma_16816(s % 2 ? sc_lo : sc, a, q.x, q.y);
       } else {
