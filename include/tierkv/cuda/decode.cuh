@@ -87,27 +87,6 @@ struct decode_shape {
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
-// P consecutive floats at p (16-byte aligned when P % 4 == 0): vector loads.
-template <int P>
-__device__ __forceinline__ void load_lane_floats(const float* p, float (&a)[P]) {
-  if constexpr (P % 4 == 0) {
-#pragma unroll
-    for (int i = 0; i < P; i += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(p + i);
-      a[i] = v.x; a[i + 1] = v.y; a[i + 2] = v.z; a[i + 3] = v.w;
-    }
-  } else if constexpr (P % 2 == 0) {
-#pragma unroll
-    for (int i = 0; i < P; i += 2) {
-      const float2 v = *reinterpret_cast<const float2*>(p + i);
-      a[i] = v.x; a[i + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < P; ++i) a[i] = p[i];
-  }
-}
-
 // Per-sequence chunking shared by the decode and merge kernels (same arithmetic, so the
 // merge knows which chunk states exist without any extra buffer). When a sequence gets at
 // least one chunk per format it holds, chunks never mix formats: format f gets per[f] of the
@@ -606,83 +585,85 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
                                            sm, mass_ws, err);
   }
 
-  // grid (q_heads, batch): log-sum-exp merge of the chunk states; writes out and lse.
-  // Every loop runs over the chunks in parallel (a serial walk costs one L2 round trip per
-  // chunk: ~30 us at 64 chunks, the whole budget of a small-batch step): the states are
-  // reduced by the block, each warp sums the accumulators of every 4th chunk with its lanes
-  // on contiguous dims, and the 4 warp sums are added in a fixed order (deterministic).
+  // grid (q_heads, batch, merge_slices<D>): log-sum-exp merge of the chunk states of one
+  // query head over merge_slice dims; writes out and (slice 0) lse. Small batches are
+  // latency-bound here (a serial walk costs one L2 round trip per chunk), so: every warp finds
+  // the max over all chunk states itself (no block barrier), the warps take every 4th chunk,
+  // and the first batch of accumulator loads is issued before the max is known: with up to
+  // 64 chunks a block waits for about two round trips. The 4 warp sums are added in a fixed
+  // order (deterministic).
+  static constexpr int merge_slice = 64;  // dims per block: lanes hold 2 each
+  static constexpr int merge_batch = 16;  // chunks per warp with loads in flight
   static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
     constexpr int D = S::d;
-    constexpr int PL = (D + 31) / 32;  // dims per lane
-    __shared__ float red[decode_warps];
-    __shared__ float part[decode_warps][PL * 32];
-    __shared__ float wts[decode_capacity_max_chunks];
+    constexpr int U = merge_batch;
+    static_assert(D % 2 == 0, "decode merge: float2 lanes");
+    __shared__ float part[decode_warps][merge_slice + 1];
     std::int64_t cost[N];
 #pragma unroll
     for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
-    const int h = int(blockIdx.x), b = int(blockIdx.y);
+    const int h = int(blockIdx.x), b = int(blockIdx.y), slice = int(blockIdx.z);
     if (b >= in.index.batch) return;
     const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+    const int chunks = ch.chunks;
     const std::size_t row = std::size_t(b) * S::qh + std::size_t(h);
     const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
                            row * std::size_t(plan.max_chunks);
-    const float* accs = reinterpret_cast<const float*>(workspace + plan.acc_offset) +
-                        row * std::size_t(plan.max_chunks) * D;
     const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
-    auto block_reduce = [&](float x, bool is_max) {
+    const int dim = slice * merge_slice + 2 * lane;
+    const bool live = dim < D;
+    const float* accs = reinterpret_cast<const float*>(workspace + plan.acc_offset) +
+                        row * std::size_t(plan.max_chunks) * D + (live ? dim : 0);
+    // Unconditional, independent loads (a chunk past the end reads chunk 0 and gets weight 0).
+    float2 a[U], st[U];
+    auto load = [&](int k0) {
 #pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) {
-        const float y = __shfl_xor_sync(0xffffffffu, x, o);
-        x = is_max ? fmaxf(x, y) : x + y;
+      for (int j = 0; j < U; ++j) {
+        const int k = k0 + decode_warps * j;
+        const int kk = k < chunks ? k : 0;
+        a[j] = __ldg(reinterpret_cast<const float2*>(accs + std::size_t(kk) * D));
+        st[j] = __ldg(states + kk);
+        if (k >= chunks) st[j].y = 0.f;
       }
-      __syncthreads();
-      if (lane == 0) red[warp] = x;
-      __syncthreads();
-      x = red[0];
-#pragma unroll
-      for (int w = 1; w < decode_warps; ++w) x = is_max ? fmaxf(x, red[w]) : x + red[w];
-      return x;
     };
+    load(warp);
     float mx = -INFINITY;
-    for (int k = tid; k < ch.chunks; k += decode_threads) {
-      const float2 st = states[k];
-      if (st.y > 0.f) mx = fmaxf(mx, st.x);
+    for (int k = lane; k < chunks; k += 32) {
+      const float2 s = __ldg(states + k);
+      if (s.y > 0.f) mx = fmaxf(mx, s.x);
     }
-    mx = block_reduce(mx, true);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float2 o = make_float2(0.f, 0.f);
     float l = 0.f;
-    for (int k = tid; k < ch.chunks; k += decode_threads) {
-      const float2 st = states[k];
-      const float w = st.y > 0.f ? exp2f(st.x - mx) : 0.f;
-      wts[k] = w;
-      l += st.y * w;
+    for (int k0 = warp;;) {
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        const float w = st[j].y > 0.f ? exp2f(st[j].x - mx) : 0.f;
+        l = fmaf(st[j].y, w, l);
+        o.x = w != 0.f ? fmaf(a[j].x, w, o.x) : o.x;  // a select: an unused chunk's slot may hold anything
+        o.y = w != 0.f ? fmaf(a[j].y, w, o.y) : o.y;
+      }
+      k0 += decode_warps * U;
+      if (k0 >= chunks) break;
+      load(k0);
     }
-    l = block_reduce(l, false);  // its barriers also publish wts
-    // Unconditional, independent loads (a chunk of weight 0 is skipped by a select), so
-    // several chunks' accumulators are in flight per warp.
-    float o[PL];
-#pragma unroll
-    for (int i = 0; i < PL; ++i) o[i] = 0.f;
-    const bool live = lane * PL < D;
-#pragma unroll 4
-    for (int k = warp; k < ch.chunks; k += decode_warps) {
-      const float w = wts[k];
-      float a[PL];
-      load_lane_floats<PL>(accs + std::size_t(k) * D + std::size_t(live ? lane : 0) * PL, a);
-#pragma unroll
-      for (int i = 0; i < PL; ++i) o[i] = w != 0.f ? fmaf(a[i], w, o[i]) : o[i];
-    }
-#pragma unroll
-    for (int i = 0; i < PL; ++i) part[warp][lane * PL + i] = live ? o[i] : 0.f;
+    part[warp][2 * lane] = o.x;
+    part[warp][2 * lane + 1] = o.y;
+    if (lane == 0) part[warp][merge_slice] = l;
     __syncthreads();
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int i = tid; i < D; i += decode_threads) {
-      float x = part[0][i];
+    float lt = part[0][merge_slice];
 #pragma unroll
-      for (int w = 1; w < decode_warps; ++w) x += part[w][i];
-      in.out[row * D + std::size_t(i)] = x * inv;
+    for (int w = 1; w < decode_warps; ++w) lt += part[w][merge_slice];
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    if (tid < merge_slice && slice * merge_slice + tid < D) {
+      float x = part[0][tid];
+#pragma unroll
+      for (int w = 1; w < decode_warps; ++w) x += part[w][tid];
+      in.out[row * D + std::size_t(slice * merge_slice + tid)] = x * inv;
     }
-    if (tid == 0 && in.lse != nullptr)
-      in.lse[row] = l > 0.f ? (mx + log2f(l)) / log2e : -INFINITY;
+    if (tid == 0 && slice == 0 && in.lse != nullptr)
+      in.lse[row] = lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;
   }
 
   // grid (batch): per-page mass averaged over q_heads, from the log2 page masses.
@@ -799,7 +780,9 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
     detail::decode_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
   }
   TIERKV_CUDA_TRY(cudaGetLastError());
-  const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch));
+  using MK = detail::decode_kernels<Geometry, TierList>;
+  const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch),
+                        unsigned((Geometry::head_dim + MK::merge_slice - 1) / MK::merge_slice));
   detail::decode_merge_kernel<Geometry, TierList><<<grid_merge, detail::decode_threads, 0, stream>>>(in, plan, ws);
   TIERKV_CUDA_TRY(cudaGetLastError());
   if (in.page_mass != nullptr) {

@@ -51,6 +51,24 @@ template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
+// Chunks x 16 contiguous bytes global -> shared by a warp's lanes (lane i: chunks i, i + 32,
+// ...). The chunk offsets are immediates of one base address pair: a register pair per
+// chunk address spilled the FP8 step at d = 256 (17 copies per lane, 168 registers).
+template <int Off>
+__device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem), "l"(gmem), "n"(Off) : "memory");
+}
+template <int Chunks, int I = 0>
+__device__ __forceinline__ void cp_async_region_from(unsigned smem, const std::uint8_t* gmem, int lane) {
+  if constexpr (I < (Chunks + 31) / 32) {
+    if (Chunks % 32 == 0 || lane + 32 * I < Chunks) cp_async_16_at<512 * I>(smem, gmem);
+    cp_async_region_from<Chunks, I + 1>(smem, gmem, lane);
+  }
+}
+template <int Chunks>
+__device__ __forceinline__ void cp_async_region(std::uint8_t* dst, const std::uint8_t* src, int lane) {
+  cp_async_region_from<Chunks>(static_cast<unsigned>(__cvta_generic_to_shared(dst + 16 * lane)), src + 16 * lane, lane);
+}
 __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const std::uint32_t*>(&h);
@@ -312,17 +330,8 @@ struct mma_shape {
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
-// Tiers whose pages the tensor-core kernel stages through shared memory (cp.async, two
-// 16-token slots per warp): TQ3 rows (<= 96 bytes at d = 256) fit 3 blocks per SM; FP8 rows
-// are loaded directly (16-byte loads already, and two 8 KB slots per warp would not fit).
-template <class Geometry, class Tier>
-struct mma_staged {
-  using K = typename Tier::template key_codec<Geometry::head_dim>;
-  using V = typename Tier::template value_codec<Geometry::head_dim>;
-  static constexpr bool value =
-      (K::format == storage_format::tq3 || K::format == storage_format::tq4) && V::format == storage_format::tq3;
-};
-// One slot: 16 key rows, 16 value rows, 16 key metas, 16 value metas (bf16), as in the page.
+// A warp's staging slot: 16 key rows, 16 value rows, 16 key metas, 16 value metas (bf16), as
+// in the page. One slot per warp: 33 KB per block for FP8 at d = 256 (3 blocks per SM fit).
 template <class Geometry, class Tier>
 struct mma_staging {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
@@ -333,9 +342,7 @@ struct mma_staging {
   static constexpr std::size_t slot_bytes = key_bytes + value_bytes + 64;
   static constexpr int key_chunks = int(key_bytes / 16);
   static constexpr int value_chunks = int(value_bytes / 16);
-  static constexpr int chunks = key_chunks + value_chunks + 4;
-  // both slots of every warp
-  static constexpr std::size_t block_bytes = mma_staged<Geometry, Tier>::value ? 2 * std::size_t(mma_warps) * slot_bytes : 0;
+  static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
 template <class Geometry, class TierList> struct mma_smem_size;
 template <class Geometry, class... Tiers>
@@ -368,8 +375,24 @@ __device__ __forceinline__ float quad_col_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 8);
   return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
-__device__ __forceinline__ float exp2_rel(float x, float ref) {  // 2^(x - ref), 0 when either is -inf
-  return (x == -INFINITY || ref == -INFINITY) ? 0.f : exp2f(x - ref);
+// The step's exponentials and logarithms on the MUFU unit alone: exp2f / log2f compile to ~8 /
+// ~30 instructions of range handling each (SASS of run 8: 12 exp2 and 2 log2 per 16-token
+// step, ~150 of a TQ3 step's ~1260 instructions at d = 256). ex2.approx: ~2 ulp, results below
+// 2^-126 flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx: ~2^-22
+// absolute, 0 -> -inf. The f16 probabilities that consume them keep 11 bits.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// 2^(x - ref) for ref >= x (a running max); 0 when ref is -inf (then x is too) or x is -inf.
+__device__ __forceinline__ float exp2_rel(float x, float ref) {
+  return ref == -INFINITY ? 0.f : fast_exp2(x - ref);
 }
 
 // One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
@@ -387,11 +410,6 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
                 "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, ST = S::steps;
-  // 16-token steps loaded together: 2 for rows of <= 128 key + value bytes (TQ3 at
-  // d <= 128, FP8 at d = 64) so a warp keeps >= 3 KB in flight; larger rows take 1 (more
-  // would spill at 168 registers, ptxas -v).
-  constexpr int U = K::payload_bytes + V::payload_bytes <= 128 ? 2 : 1;
-  constexpr bool staged = mma_staged<Geometry, Tier>::value;
   // TQ3 / TQ4 keys score with the f16 (hi) query only: its rounding (2^-12 relative per
   // element) is ~0.2% of TQ3's own inner-product error (~0.35% of TQ4's; docs/gpu.md), and it
   // halves the score mma. 8-bit keys keep the hi + lo split (~fp32 queries).
@@ -579,140 +597,93 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
   };
 
-  if constexpr (staged) {
-    // Staged path (TQ3 tiers): a warp's pages are one stream of 16-token steps; step i+1 is
-    // copied global -> shared memory by cp.async (16-byte, coalesced: a step's key rows,
-    // value rows and metas are contiguous in the page) while step i is computed from the
-    // other slot. Registers hold no loads in flight, and the uncoalesced 4-byte loads of
-    // the direct path (ncu: 77% excess L2 sectors at d = 256) become 16-byte ones.
-    std::uint8_t* ring = sm.ring + std::size_t(warp) * 2 * staging::slot_bytes;
-    auto next_valid = [&](int e) {
-      for (; e < e_end; e += mma_warps) {
-        if (valid_page(e)) return e;
-        report_error(err, errc::out_of_range);
-      }
-      return e;
-    };
-    auto issue = [&](int e, int step, int slot_index) {
-      const std::uint8_t* page = pool.page(std::uint32_t(fv.slot[e]));
-      std::uint8_t* dst = ring + std::size_t(slot_index) * staging::slot_bytes;
-      const std::uint8_t* src_k = page + layout::key_payload(kvh, 16 * step);
-      const std::uint8_t* src_v = page + layout::value_payload(kvh, 16 * step);
-      const std::uint8_t* src_km = page + layout::key_meta(kvh, 16 * step);
-      const std::uint8_t* src_vm = page + layout::value_meta(kvh, 16 * step);
-      for (int c = lane; c < staging::chunks; c += 32) {
-        const std::uint8_t* src;
-        if (c < staging::key_chunks) src = src_k + 16 * c;
-        else if (c < staging::key_chunks + staging::value_chunks) src = src_v + 16 * (c - staging::key_chunks);
-        else if (c < staging::key_chunks + staging::value_chunks + 2) src = src_km + 16 * (c - staging::key_chunks - staging::value_chunks);
-        else src = src_vm + 16 * (c - staging::key_chunks - staging::value_chunks - 2);
-        cp_async_16(dst + 16 * c, src);
-      }
-      cp_async_commit();
-    };
-    int e = next_valid(e_begin + warp), step = 0, cur = 0;
-    if (e < e_end) issue(e, 0, 0);
-    int ntok = 0;
-    std::int32_t logical = 0;
-    float pl[2] = {0.f, 0.f};
-    while (e < e_end) {
-      if (step == 0) {
-        logical = fv.logical[e];
-        ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
-        pl[0] = pl[1] = 0.f;
-      }
-      int ne = e, ns = step + 1;
-      if (16 * ns >= ntok) {
-        ne = next_valid(e + mma_warps);
-        ns = 0;
-      }
-      if (ne < e_end) issue(ne, ns, cur ^ 1);
-      else cp_async_commit();  // an empty group keeps the wait count uniform
-      cp_async_wait<1>();
-      __syncwarp();
-      const std::uint8_t* slot_p = ring + std::size_t(cur) * staging::slot_bytes;
-      const std::uint8_t* kst = slot_p;
-      const std::uint8_t* vst = slot_p + staging::key_bytes;
-      const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
-      const std::uint16_t* vms = kms + 16;
-      const int t0 = 16 * step;
-      std::uint32_t kw[2][KC::key_words];
-      std::uint32_t vw[4][VC::value_words];
-      float ks[2], lvs[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = qg + 8 * r;
-        const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
-        KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
-        ks[r] = bf16_bits_to_float(kms[rc]);
-        lvs[r] = log2f(bf16_bits_to_float(vms[rc]));
-      }
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const int row = 2 * qc + (v & 1) + 8 * (v >> 1);
-        if (t0 + row < ntok) {
-          VC::template load_value<true>(vst + std::size_t(row) * V::payload_bytes, qg, vw[v]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < VC::value_words; ++i) vw[v][i] = 0u;  // code 0 is finite
-        }
-      }
-      __syncwarp();  // every lane has read slot `cur` before a later issue overwrites it
-      step_math(kw, vw, ks, lvs, t0, ntok, pl);
-      if (ns == 0) write_page_mass(logical, pl);
-      e = ne;
-      step = ns;
-      cur ^= 1;
+  // A warp's pages are one stream of 16-token steps, staged through one shared-memory slot
+  // per warp: the slot is read into registers, then step i+1 is copied into it by cp.async
+  // (16-byte, coalesced: a step's key rows, value rows and metas are contiguous in the page)
+  // while step i is computed. So every format keeps a whole step of loads in flight per warp
+  // without holding registers for them (the direct loads of runs 1-8 paid a full memory
+  // round trip per step; TQ3's 12-byte groups were also uncoalesced: ncu, 77% excess L2
+  // sectors at d = 256).
+  std::uint8_t* slot_p = sm.ring + std::size_t(warp) * staging::slot_bytes;
+  auto next_valid = [&](int e) {
+    for (; e < e_end; e += mma_warps) {
+      if (valid_page(e)) return e;
+      report_error(err, errc::out_of_range);
+    }
+    return e;
+  };
+  auto issue = [&](int e, int step) {
+    const std::uint8_t* page = pool.page(std::uint32_t(fv.slot[e]));
+    // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
+    // compiled to ~200 instructions per step, SASS of run 8).
+    cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, 16 * step), lane);
+    cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, page + layout::value_payload(kvh, 16 * step), lane);
+    if (lane < 4) {  // the 16 bf16 key metas, then the 16 value metas: 2 x 32 bytes
+      const std::uint8_t* src = lane < 2 ? page + layout::key_meta(kvh, 16 * step) + 16 * lane
+                                         : page + layout::value_meta(kvh, 16 * step) + 16 * (lane - 2);
+      cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
+    }
+    cp_async_commit();
+  };
+  // Value rows past ntok hold whatever the page holds there. Their probabilities are 0, so
+  // only codes that can decode to NaN / Inf (FP8 E4M3: 0x7F, 0xFF) must be zeroed; every
+  // TQ3 code is a finite centroid and every int8 code a finite level.
+  constexpr bool zero_tail_values = V::format == storage_format::fp8_e4m3;
+  const std::uint8_t* kst = slot_p;
+  const std::uint8_t* vst = slot_p + staging::key_bytes;
+  const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
+  const std::uint16_t* vms = kms + 16;
+  int e = next_valid(e_begin + warp), step = 0;
+  if (e < e_end) issue(e, 0);
+  int ntok = 0;
+  std::int32_t logical = 0;
+  float pl[2] = {0.f, 0.f};
+  while (e < e_end) {
+    if (step == 0) {
+      logical = fv.logical[e];
+      ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+      pl[0] = pl[1] = 0.f;
+    }
+    int ne = e, ns = step + 1;
+    if (16 * ns >= ntok) {
+      ne = next_valid(e + mma_warps);
+      ns = 0;
     }
     cp_async_wait<0>();
-  } else {
-    for (int e = e_begin + warp; e < e_end; e += mma_warps) {
-      if (!valid_page(e)) {
-        report_error(err, errc::out_of_range);
-        continue;  // uniform across the warp
-      }
-      const std::int32_t slot = fv.slot[e];
-      const std::int32_t logical = fv.logical[e];
-      const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
-      const head_regions<layout> hr(pool.page(std::uint32_t(slot)), kvh);
-      float pl[2] = {0.f, 0.f};  // this page's mass relative to m (per-thread rows)
-      for (int t00 = 0; t00 < ntok; t00 += 16 * U) {
-        // ---- loads of U steps (more bytes in flight for the small rows)
-        std::uint32_t kw[U][2][KC::key_words];
-        std::uint32_t vw[U][4][VC::value_words];
-        float ks[U][2], lvs[U][2];
+    __syncwarp();
+    const int t0 = 16 * step;
+    std::uint32_t kw[2][KC::key_words];
+    std::uint32_t vw[4][VC::value_words];
+    float ks[2], lvs[2];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int t0 = t00 + 16 * u;
-          const int tb = t0 < ntok ? t0 : t00;  // a real token of the page for rows past its end
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int t = t0 + qg + 8 * r;
-            const int tc = t < ntok ? t : tb;
-            KC::template load_key<false>(hr.keys + std::size_t(tc) * K::payload_bytes, qc, kw[u][r]);
-            ks[u][r] = bf16_bits_to_float(__ldg(hr.key_meta + tc));
-            lvs[u][r] = log2f(bf16_bits_to_float(__ldg(hr.value_meta + tc)));
-          }
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            const int t = t0 + 2 * qc + (v & 1) + 8 * (v >> 1);
-            if (t < ntok) {
-              VC::template load_value<false>(hr.values + std::size_t(t) * V::payload_bytes, qg, vw[u][v]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < VC::value_words; ++i) vw[u][v][i] = 0u;  // code 0 is finite in both formats
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int t0 = t00 + 16 * u;
-          if (t0 >= ntok) break;  // uniform across the warp
-          step_math(kw[u], vw[u], ks[u], lvs[u], t0, ntok, pl);
-        }
-      }
-      write_page_mass(logical, pl);
+    for (int r = 0; r < 2; ++r) {
+      const int row = qg + 8 * r;
+      const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
+      KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
+      ks[r] = bf16_bits_to_float(kms[rc]);
+      lvs[r] = fast_log2(bf16_bits_to_float(vms[rc]));
     }
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int row = 2 * qc + (v & 1) + 8 * (v >> 1);
+      VC::template load_value<true>(vst + std::size_t(row) * V::payload_bytes, qg, vw[v]);
+    }
+    if constexpr (zero_tail_values) {
+      if (t0 + 16 > ntok) {  // the last step of a partial page only (uniform across the warp)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const bool tail = t0 + 2 * qc + (v & 1) + 8 * (v >> 1) >= ntok;
+#pragma unroll
+          for (int i = 0; i < VC::value_words; ++i) vw[v][i] = tail ? 0u : vw[v][i];
+        }
+      }
+    }
+    __syncwarp();  // every lane has read the slot before the next step overwrites it
+    if (ne < e_end) issue(ne, ns);
+    step_math(kw, vw, ks, lvs, t0, ntok, pl);
+    if (ns == 0) write_page_mass(logical, pl);
+    e = ne;
+    step = ns;
   }
 
   // ---- the warps' states -> shared memory; rebase to the chunk's running max
