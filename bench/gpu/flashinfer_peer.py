@@ -11,7 +11,7 @@ timed call is enqueued behind a ~100 us sleep kernel. The first row of each (sha
 checked against a float32 reference. FlashInfer JIT-compiles its kernels with nvcc at first use: all
 modules are built up front, in parallel (prewarm). The JSON is rewritten after every row, so a run
 stopped by its time limit still leaves what it measured. Usage: flashinfer_peer.py --out FILE [--quick]
-[--ctx N ...] [--batch N ...] [--head-dim D ...] [--kv-dtype bf16|fp8 ...] [--backends tc,cc]
+[--ctx N ...] [--batch N ...] [--head-dim D ...] [--kv-dtype bf16|fp8 ...] [--backends tc,cc] [--jit-only]
 """
 import argparse
 import concurrent.futures
@@ -153,6 +153,7 @@ def main():
     ap.add_argument("--head-dim", type=int, nargs="*")
     ap.add_argument("--kv-dtype", nargs="*", choices=list(KV_DTYPES))
     ap.add_argument("--backends", default="tc,cc", help="tc (tensor cores), cc (CUDA cores) or both")
+    ap.add_argument("--jit-only", action="store_true", help="build the modules and stop (a later run reuses them)")
     args = ap.parse_args()
 
     def dump(out):
@@ -177,6 +178,8 @@ def main():
     jit_err, out["jit"] = prewarm(flashinfer, [(hq, hkv, d, KV_DTYPES[k], name, tc) for hq, hkv, d in shapes
                                                for k in kv_names for name, tc in backends])
     dump(out)
+    if args.jit_only:
+        return
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # must be zero at first use
     wrappers = {name: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
                 for name, tc in backends}

@@ -460,8 +460,10 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
     if (mass_ws != nullptr && warp == 0 && lane < G) {
       if (logical < plan.max_pages) {
         const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(lane);
-        mass_ws[row * std::size_t(plan.max_pages) + std::size_t(logical)] =
-            sm.page_m[lane] + log2f(sm.page_l[lane]);
+        constexpr int SL = mass_slots_per_page<Geometry>;
+        float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(logical)) * SL;
+        slots[0] = sm.page_m[lane] + log2f(sm.page_l[lane]);  // the whole page in its first slot
+        for (int k = 1; k < SL; ++k) slots[k] = -INFINITY;
       } else {
         report_error(err, errc::out_of_range);
       }
@@ -676,13 +678,19 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
       pages += in.index.formats[f].indptr[b + 1] - in.index.formats[f].indptr[b];
     if (pages > plan.max_pages) pages = plan.max_pages;
     if (pages > in.page_mass_stride) pages = in.page_mass_stride;
+    constexpr int SL = mass_slots_per_page<Geometry>;
     for (int p = int(threadIdx.x); p < pages; p += decode_threads) {
+      // the slots the split kernels wrote: one per step of the page (at least one)
+      const int steps = std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
       float s = 0.f;
       for (int h = 0; h < S::qh; ++h) {
         const std::size_t row = std::size_t(b) * S::qh + std::size_t(h);
         const float lse2 = in.lse[row] * log2e;
-        const float lm = mass_ws[row * std::size_t(plan.max_pages) + std::size_t(p)];
-        if (lse2 != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2);
+        const float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(p)) * SL;
+        for (int k = 0; k < steps; ++k) {
+          const float lm = slots[k];
+          if (lse2 != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2);
+        }
       }
       in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] = s / float(S::qh);
     }

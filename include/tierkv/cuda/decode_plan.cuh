@@ -18,6 +18,11 @@ namespace tierkv::cuda {
 // The most chunks one sequence may be split in (the merge kernel keeps a weight per chunk
 // in shared memory).
 inline constexpr int decode_capacity_max_chunks = 4096;
+// Attention-mass slots per page in the workspace: one per 16-token step, because the
+// tensor-core kernel's warps may split a page's steps between them (the CUDA-core kernel
+// writes a page's mass to its first slot); the page-mass kernel adds a page's slots.
+template <class Geometry>
+inline constexpr int mass_slots_per_page = Geometry::page_tokens / 16;
 
 // What a plan must hold: the largest batch, the most chunks a sequence may be split in
 // (the workspace holds one partial state per chunk), and for the optional per-page
@@ -48,7 +53,7 @@ struct decode_plan {
   // Offsets inside the workspace (bytes, 256-aligned).
   std::size_t state_offset = 0;  // float2 {m (log2 units), l} [max_batch][q_heads][max_chunks]
   std::size_t acc_offset = 0;    // float [max_batch][q_heads][max_chunks][head_dim]
-  std::size_t mass_offset = 0;   // float [max_batch][q_heads][max_pages] (log2 page mass)
+  std::size_t mass_offset = 0;   // float [max_batch][q_heads][max_pages][mass_slots_per_page] (log2 masses)
   std::size_t error_offset = 0;  // one int: first device-side errc (0 = ok)
 };
 
@@ -180,7 +185,8 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   p.acc_offset = detail::align256(p.state_offset + rows * p.max_chunks * 2 * sizeof(float));
   p.mass_offset = detail::align256(p.acc_offset + rows * p.max_chunks *
                                                       std::size_t(Geometry::head_dim) * sizeof(float));
-  p.error_offset = detail::align256(p.mass_offset + rows * std::size_t(p.max_pages) * sizeof(float));
+  p.error_offset = detail::align256(p.mass_offset + rows * std::size_t(p.max_pages) *
+                                                        std::size_t(mass_slots_per_page<Geometry>) * sizeof(float));
   p.workspace_bytes = detail::align256(p.error_offset + sizeof(int));
   return p;
 }
