@@ -11,17 +11,22 @@ def main():
     cp = r["copy_gbps"]
     print(f"{r['gpu']}, {r['sms']} SMs, date {r['date']}, commit {r['commit']}, "
           f"device-to-device copy {cp:.0f} GB/s (read + write), PyTorch {r.get('torch')}\n")
-    print("| q/kv/d | context | B | mix | tierkv µs (stream / graph) | bytes read (MB) | GB/s | of copy | SDPA BF16 µs | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    peer = "flashinfer_rows" in r
+    print("| q/kv/d | context | B | mix | tierkv µs (stream / graph) | bytes read (MB) | GB/s | of copy | SDPA BF16 µs | speedup |"
+          + (" FlashInfer BF16 / FP8 µs | vs FlashInfer FP8 |" if peer else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if peer else ""))
+
+    def num(v, fmt):
+        return format(v, fmt) if v else "-"
+
     for x in r["rows"]:
-        sp = x.get("speedup_vs_sdpa")
-        sd = x.get("sdpa_bf16_us")
-        print(f"| {x['q_heads']}/{x['kv_heads']}/{x['head_dim']} | {x['context'] // 1024}K | {x['batch']} | {x['mix']} | "
-              f"{x['time_us']:.1f} / {x['graph_us']:.1f} | {x['bytes_read'] / 1e6:.1f} | {x['gbps']:.0f} | "
-              f"{x['gbps'] / cp:.2f} | {sd:.1f} | {sp:.2f} |" if sd else
-              f"| {x['q_heads']}/{x['kv_heads']}/{x['head_dim']} | {x['context'] // 1024}K | {x['batch']} | {x['mix']} | "
-              f"{x['time_us']:.1f} / {x['graph_us']:.1f} | {x['bytes_read'] / 1e6:.1f} | {x['gbps']:.0f} | "
-              f"{x['gbps'] / cp:.2f} | - | - |")
+        line = (f"| {x['q_heads']}/{x['kv_heads']}/{x['head_dim']} | {x['context'] // 1024}K | {x['batch']} | {x['mix']} | "
+                f"{x['time_us']:.1f} / {x['graph_us']:.1f} | {x['bytes_read'] / 1e6:.1f} | {x['gbps']:.0f} | "
+                f"{x['gbps'] / cp:.2f} | {num(x.get('sdpa_bf16_us'), '.1f')} | {num(x.get('speedup_vs_sdpa'), '.2f')} |")
+        if peer:
+            line += (f" {num(x.get('flashinfer_bf16_us'), '.1f')} / {num(x.get('flashinfer_fp8_us'), '.1f')} |"
+                     f" {num(x.get('speedup_vs_flashinfer_fp8'), '.2f')} |")
+        print(line)
     print("\n| q/kv/d | pages | FP8→TQ3 µs | GB/s of FP8 input | TQ3→FP8 µs | GB/s of FP8 output | append B=64 µs (stream / graph) |")
     print("|---|---|---|---|---|---|---|")
     for x in r.get("retier_append", []):

@@ -108,12 +108,15 @@ struct page_works<Geometry, tiers<Tiers...>> {
 // last, partial wave costs little), but beyond one wave (3 x sm_count blocks) no chunk
 // gets fewer than `min_chunk_pages` average pages (the tensor-core kernel's 4 warps take
 // whole pages: 16 pages = 4 per warp), and no chunk reads less than `min_chunk_bytes`
-// (per-chunk setup and the merge cost about as much as reading ~16 KB). docs/gpu.md has the
+// (per-chunk setup and the merge cost about as much as reading ~16 KB; with 64 KB, the default
+// until run 9, TQ3 pages at d = 64 got 26 chunks per sequence where FP8 got 64: H200 A/B at
+// B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by > 2%).
+// docs/gpu.md has the
 // H200 measurements behind these defaults.
 template <class Geometry, class TierList>
 result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int32_t* pages_per_format,
                                 int batch, int sm_count, int waves = 12,
-                                std::int64_t min_chunk_bytes = 64 * 1024,
+                                std::int64_t min_chunk_bytes = 16 * 1024,
                                 balance by = balance::work, int min_chunk_pages = 16) {
   using costs = detail::page_costs<Geometry, TierList>;
   using works = detail::page_works<Geometry, TierList>;
