@@ -78,6 +78,7 @@ int sms = 0;
 bool compare = false;  // also time the CUDA-core kernel and the one-wave plan (same inputs)
 int max_chunks = 64;   // decode_capacity::max_chunks_per_seq of the plans (its default)
 std::int64_t min_chunk_kb = 16;  // plan_decode's min_chunk_bytes / 1024 (its default)
+int resident = 3;                // plan_decode's resident_blocks (its default)
 int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
 cuda::balance balance_by = cuda::balance::work;  // --balance bytes|work
@@ -164,7 +165,8 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         CK(cudaMalloc(&lse, sizeof(float) * B * QH));
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
         cuda::decode_capacity cap{B, max_chunks, 0, false};
-        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 12, min_chunk_kb * 1024, balance_by);
+        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 12, min_chunk_kb * 1024, balance_by, 16,
+                                                               resident);
         die_if(plan.error_status());
         std::uint8_t* ws;
         CK(cudaMalloc(&ws, plan->workspace_bytes));
@@ -346,6 +348,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--dim") && i + 1 < argc) only_dim = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--max-chunks") && i + 1 < argc) max_chunks = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--min-chunk-kb") && i + 1 < argc) min_chunk_kb = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--resident") && i + 1 < argc) resident = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--mix") && i + 1 < argc) only_mix = argv[++i];
     else if (!std::strcmp(argv[i], "--int8r")) with_int8r = true;
     else if (!std::strcmp(argv[i], "--int8r-only")) with_int8r = int8r_only = true;

@@ -18,7 +18,6 @@ import concurrent.futures
 import json
 import math
 import os
-import statistics
 import time
 
 # FlashInfer reads these when it is imported. Its JIT cache defaults to ~/.cache/flashinfer, and the
@@ -32,28 +31,12 @@ os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
 
 import torch  # noqa: E402
 
+from gpu_timing import median_us  # noqa: E402
+
 SHAPES = [(24, 4, 256), (32, 8, 128), (9, 3, 64)]
 PAGE = 64
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BACKENDS = {"tc": ("tensor_cores", True), "cc": ("cuda_cores", False)}
-
-
-def median_us(fn, sets, warm=3, reps=25):
-    """sdpa_control.py's timing: warm-up, then the median of CUDA-event times, each call behind a sleep."""
-    for i in range(warm):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(200000)  # hides the host's launch latency
-        a.record()
-        fn(i % sets)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def reference_err(out, q, k, v, indptr, indices, hq, hkv, d):

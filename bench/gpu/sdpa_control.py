@@ -10,32 +10,16 @@ data; each timed call is enqueued behind a ~100 us sleep kernel (GPU time, no la
 import argparse
 import json
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpu_timing import median_us
+
 SHAPES = [(24, 4, 256), (32, 8, 128), (9, 3, 64)]
 BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
             ("cudnn", SDPBackend.CUDNN_ATTENTION)]
-
-
-def median_us(fn, sets, warm=3, reps=25):
-    for i in range(warm):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(200000)  # hides the host's launch latency, as bench/cuda/decode.cu does
-        a.record()
-        fn(i % sets)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main():

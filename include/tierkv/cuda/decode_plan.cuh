@@ -23,6 +23,10 @@ inline constexpr int decode_capacity_max_chunks = 4096;
 // writes a page's mass to its first slot); the page-mass kernel adds a page's slots.
 template <class Geometry>
 inline constexpr int mass_slots_per_page = Geometry::page_tokens / 16;
+// Blocks of the tensor-core split kernel resident per SM (its register budget: 168 registers
+// at head_dim 256, 128 at head_dim <= 128; docs/gpu.md): one wave for the planner.
+template <class Geometry>
+inline constexpr int tensor_core_resident_blocks = Geometry::head_dim <= 128 ? 4 : 3;
 
 // What a plan must hold: the largest batch, the most chunks a sequence may be split in
 // (the workspace holds one partial state per chunk), and for the optional per-page
@@ -104,20 +108,22 @@ struct page_works<Geometry, tiers<Tiers...>> {
 // Plans a decode for `capacity`, sized by a representative step: pages_per_format[b*N + f]
 // is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
 // size is chosen so that all (sequence, KV head, chunk) blocks number about `waves` x
-// `sm_count` (the split kernels keep 3 blocks resident per SM; 12 = about 4 waves, so the
-// last, partial wave costs little), but beyond one wave (3 x sm_count blocks) no chunk
-// gets fewer than `min_chunk_pages` average pages (the tensor-core kernel's 4 warps take
-// whole pages: 16 pages = 4 per warp), and no chunk reads less than `min_chunk_bytes`
-// (per-chunk setup and the merge cost about as much as reading ~16 KB; with 64 KB, the default
-// until run 9, TQ3 pages at d = 64 got 26 chunks per sequence where FP8 got 64: H200 A/B at
-// B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by > 2%).
-// docs/gpu.md has the
-// H200 measurements behind these defaults.
+// `sm_count` (12 = about 4 waves of 3 resident blocks per SM, so the last, partial wave
+// costs little), but beyond one wave (`resident_blocks` x sm_count blocks; 3 although the
+// tensor-core kernel keeps 4 per SM at head_dim <= 128: planning with 4 measured -12..-15% at
+// (32,8,128) 32K B = 1 but +7..+23% at 8K B = 8 for single-format batches, H200 A/B in
+// docs/gpu.md) no chunk gets fewer than `min_chunk_pages` average pages (large chunks
+// hand whole pages to the kernel's 4 warps: 16 pages = 4 per warp), and no chunk reads less
+// than `min_chunk_bytes` (per-chunk setup and the merge cost about as much as reading ~16 KB;
+// with 64 KB, the default until run 9, TQ3 pages at d = 64 got 26 chunks per sequence where
+// FP8 got 64: H200 A/B at B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us,
+// no row slower by > 2%). docs/gpu.md has the H200 measurements behind these defaults.
 template <class Geometry, class TierList>
 result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int32_t* pages_per_format,
                                 int batch, int sm_count, int waves = 12,
                                 std::int64_t min_chunk_bytes = 16 * 1024,
-                                balance by = balance::work, int min_chunk_pages = 16) {
+                                balance by = balance::work, int min_chunk_pages = 16,
+                                int resident_blocks = 3) {
   using costs = detail::page_costs<Geometry, TierList>;
   using works = detail::page_works<Geometry, TierList>;
   constexpr int n = costs::n;
@@ -134,10 +140,11 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
     return status::make(errc::invalid_argument,
                         "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",
                         capacity.max_pages_per_seq);
-  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1)
+  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1 || resident_blocks < 1)
     return status::make(errc::invalid_argument, "plan_decode: sm_count = ", sm_count,
                         ", waves = ", waves, ", min_chunk_bytes = ", min_chunk_bytes,
-                        ", min_chunk_pages = ", min_chunk_pages, " must all be positive");
+                        ", min_chunk_pages = ", min_chunk_pages, ", resident_blocks = ", resident_blocks,
+                        " must all be positive");
   if (batch > 0 && pages_per_format == nullptr)
     return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
 
@@ -154,7 +161,6 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   total *= Geometry::kv_heads;
   pages *= Geometry::kv_heads;
   auto per_block = [&](std::int64_t blocks) { return (total + blocks - 1) / blocks; };
-  constexpr int resident_blocks = 3;
   std::int64_t target = per_block(std::int64_t(sm_count) * waves);
   if (waves > resident_blocks && pages > 0) {
     const std::int64_t floor_pages = total / pages * min_chunk_pages;  // average page bytes x pages
