@@ -4,11 +4,13 @@
 // decode.cuh, with the score and value products on mma.sync m16n8k16 (f16 in, f32 acc).
 // Internal: included by decode.cuh (after its shared pieces); include decode.cuh.
 //
-// Shape (docs/gpu.md): each warp owns whole pages of the chunk (round robin), 16 tokens a
-// step. Tokens are the M rows, the group's query heads the N = 8 columns:
+// Shape (docs/gpu.md): each warp walks a stream of 16-token steps of the chunk's pages
+// (whole pages round robin, or a balanced range of steps in small chunks), each step staged
+// global -> shared memory by cp.async and read into registers. Tokens are the M rows, the
+// group's query heads the N = 8 columns:
 //   S^T[16 tok x 8 heads] = K[16 x d] . Q^T[d x 8]   (A = key codes, B = queries)
 //   O^T[d x 8 heads]     += V^T[d x 16 tok] . P^T     (A = value codes, B = probabilities)
-// so codes go global -> registers -> f16 A fragments without shared memory. The k slots of
+// so codes become f16 A fragments in registers, with no shared-memory transpose. The k slots of
 // a fragment may be mapped to any coordinates as long as the other operand uses the same
 // map: keys take 4 contiguous codes per slot quadruple, values take the token pair of a
 // lane by one byte-permute. Queries are split into f16 hi + lo parts (two mma per step:
