@@ -587,8 +587,8 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
                                            sm, mass_ws, err);
   }
 
-  // grid (q_heads, batch, merge_slices<D>): log-sum-exp merge of the chunk states of one
-  // query head over merge_slice dims; writes out and (slice 0) lse. Small batches are
+  // grid (q_heads, batch, ceil(D / merge_slice)): log-sum-exp merge of the chunk states of
+  // one query head over merge_slice dims; writes out and (slice 0) lse. Small batches are
   // latency-bound here (a serial walk costs one L2 round trip per chunk), so: every warp finds
   // the max over all chunk states itself (no block barrier), the warps take every 4th chunk,
   // and the first batch of accumulator loads is issued before the max is known: with up to

@@ -15,18 +15,14 @@
 
 namespace tierkv::cuda {
 
-// The most chunks one sequence may be split in (the merge kernel keeps a weight per chunk
-// in shared memory).
+// The most chunks one sequence may be split in (the workspace holds a state and an
+// accumulator per chunk).
 inline constexpr int decode_capacity_max_chunks = 4096;
 // Attention-mass slots per page in the workspace: one per 16-token step, because the
 // tensor-core kernel's warps may split a page's steps between them (the CUDA-core kernel
 // writes a page's mass to its first slot); the page-mass kernel adds a page's slots.
 template <class Geometry>
 inline constexpr int mass_slots_per_page = Geometry::page_tokens / 16;
-// Blocks of the tensor-core split kernel resident per SM (its register budget: 168 registers
-// at head_dim 256, 128 at head_dim <= 128; docs/gpu.md): one wave for the planner.
-template <class Geometry>
-inline constexpr int tensor_core_resident_blocks = Geometry::head_dim <= 128 ? 4 : 3;
 
 // What a plan must hold: the largest batch, the most chunks a sequence may be split in
 // (the workspace holds one partial state per chunk), and for the optional per-page

@@ -44,10 +44,6 @@ __device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
   return y;
 }
 // cp.async of 16 bytes global -> shared (both 16-byte aligned), bypassing L1.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
@@ -59,6 +55,9 @@ __device__ __forceinline__ void cp_async_wait() {
 template <int Off>
 __device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem), "l"(gmem), "n"(Off) : "memory");
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  cp_async_16_at<0>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
 }
 template <int Chunks, int I = 0>
 __device__ __forceinline__ void cp_async_region_from(unsigned smem, const std::uint8_t* gmem, int lane) {
@@ -316,7 +315,7 @@ struct mma_shape {
   // d <= 128 fits 4 blocks (16 warps; <= 128 registers, no spills, ptxas -v): more warps to
   // hide the mma and unpack dependency chains (ncu at d = 256: 6.3 cycles per issued
   // instruction per warp, 0.7 eligible warps per scheduler).
-  static constexpr int min_blocks = tensor_core_resident_blocks<Geometry>;
+  static constexpr int min_blocks = d <= 128 ? 4 : 3;
   // Independent accumulator chains of the score product (query hi / lo parts). H200 A/B at
   // 128K B=32 (run 6, docs/gpu.md): two chains took d = 256 fp8 / tq3 / tiered from 3.12 /
   // 2.44 / 2.58 ms to 2.74 / 2.33 / 2.41 ms and d = 64 1-2% down, but d = 128 (at its
@@ -501,7 +500,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   const pool_view pool = in.pools[f];
 
   // One 16-token step: key rows qg, qg + 8 (kw, ks), value rows 2qc, 2qc+1, 2qc+8, 2qc+9 (vw),
-  // log2 value scales lvs; rows at or past ntok are masked (scores) or zero (value codes).
+  // log2 value scales lvs; rows at or past ntok are masked in the scores (read_values below
+  // says which value codes must be zeroed there).
   // Scores and online softmax of one step; returns P^T as the value product's B fragments.
   auto step_scores = [&](const std::uint32_t (&kw)[2][KC::key_words], const float (&ks)[2], const float (&lvs)[2],
                          int t0, int ntok, float (&ps)[2], std::uint32_t& pb0, std::uint32_t& pb1) {
@@ -677,9 +677,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   constexpr bool phased = 2 * KC::key_words + 4 * VC::value_words >= 64;
   // Which steps a warp takes. Small chunks (< 4 pages per warp): the steps of the tier's pages
   // in this chunk split into 4 contiguous ranges, balanced to a step (whole pages per warp
-  // left up to a page of 4 steps idle per warp on the critical path of small batches; H200
-  // A/B at B = 1: -14% at d = 256 and 64). Larger chunks: whole pages round robin (stride 4
-  // pages), which measured 7% faster than contiguous ranges for TQ3 at d = 128, B = 32.
+  // left up to a page of 4 steps idle per warp on the critical path of small batches; part
+  // of run 9's A/B, docs/gpu.md: B = 1 -10..-18% at d = 256). Larger chunks: whole pages round
+  // robin (stride 4 pages), as before run 9; contiguous ranges there measured the same (+-1%).
   // Every page has SL steps but the last, which may be partial (the sequence's newest page);
   // a step past a page's tokens is masked.
   const int pages = e_end - e_begin;
