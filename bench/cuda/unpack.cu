@@ -2,7 +2,8 @@
 // gpubench_unpack [--out FILE.json]: throughput of the code -> f16 operand conversions the
 // tensor-core decode runs per 4 codes (docs/gpu.md), each in a dependent-free loop over many
 // warps so the issue rate, not latency, decides:
-//   tq3_table: TQ3 today: 2 prmt table lookups (low / high bytes) + 2 prmt interleaves;
+//   tq3_table: TQ3 values (f16): 2 prmt table lookups (low / high bytes) + 2 prmt interleaves
+//              (TQ3 keys take 1 prmt into int8 levels since the int8 key product);
 //   tq3_e4m3:  TQ3 with E4M3-exact levels (a lead, not built): 1 prmt lookup of E4M3 bytes
 //              + 2 cvt.f16x2.e4m3x2;
 //   fp8_cvt:   FP8 E4M3 pages: 2 cvt.f16x2.e4m3x2;
@@ -21,6 +22,7 @@
 #include <string>
 
 #include "bench_support.cuh"
+#include "tierkv/codec/tq3.hpp"
 
 namespace {
 
@@ -49,8 +51,8 @@ __global__ void __launch_bounds__(256) unpack_kernel(int iters, std::uint32_t se
       std::uint32_t a = w[s], b = 0u;  // baseline: the loop's own multiply-add and xor
       if constexpr (V == tq3_table) {
         const std::uint32_t sel = w[s] & 0x7777u;
-        const std::uint32_t lo = __byte_perm(0xD80C604Eu, 0x4E600CD8u, sel);
-        const std::uint32_t hi = __byte_perm(0xB3BABDC0u, 0x403D3A33u, sel);
+        const std::uint32_t lo = __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
+        const std::uint32_t hi = __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
         a = __byte_perm(lo, hi, 0x5140);
         b = __byte_perm(lo, hi, 0x7362);
       } else if constexpr (V == tq3_e4m3) {

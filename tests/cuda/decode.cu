@@ -276,10 +276,12 @@ std::vector<std::int32_t> page_counts(const HB& h) {
   return c;
 }
 
-// Tolerances per path: the tensor-core path rounds the probabilities to f16 (queries are
-// split hi + lo, so scores keep ~fp32 precision); TQ3 adds the fp16 centroid table.
+// Tolerances per path: the tensor-core path rounds the probabilities to f16 (f16 queries are
+// split hi + lo, so FP8 scores keep ~fp32 precision; int8 keys score against the query
+// rounded to 2^-13 of its largest element); TQ3 pages are 3-bit codes whose scores move the
+// softmax most.
 double out_tol(cuda::decode_path path, bool has_tq3) {
-  if (has_tq3) return 2e-3;  // fp16 centroid table (|rel| <= 2.4e-4 per entry)
+  if (has_tq3) return 2e-3;
   return path == cuda::decode_path::tensor_core ? 2e-4 : 2e-5;
 }
 

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // TQ3: 3-bit TurboQuant-style token-vector codec (tq3_key, tq3_value), the grid of the
 // rotated scalar codec in codec/turboquant.hpp: each sqrt(d)·y_i is quantized to the nearest
-// of the 8 unit-variance Lloyd–Max centroids of N(0, 1), and the 3-bit codes are packed as
-// 3 words per 32 coordinates (docs/formats.md).
+// of 8 levels for N(0, 1), and the 3-bit codes are packed as 3 words per 32 coordinates
+// (docs/formats.md). The levels are the Lloyd–Max centroids moved onto an int8 grid
+// (±14, ±44, ±79, ±127, times a common scale that alpha absorbs): the GPU scores TQ3 keys as
+// int8 x int8 tensor-core products, a code becoming its int8 level by one byte-permute per
+// four codes. Gaussian MSE 0.034564 against Lloyd–Max's 0.034548 (+0.05%, docs/codecs.md).
 #pragma once
 
 #include <cstddef>
@@ -17,18 +20,48 @@ namespace tierkv {
 
 namespace detail {
 
-// Unit-variance Lloyd–Max centroids of N(0,1), code 0 = most negative.
-// Centroid of a code: codes 0..3 are -2.1519, -1.3439, -0.7560, -0.2451 and 4..7 their
-// mirror. Selects rather than an indexed array, which device code would place in local memory.
-TIERKV_HD_INLINE float tq3_centroid(int code) {
+// The level of a code, code 0 = most negative: the int8 level L (codes 0..3: -127, -79,
+// -44, -14; 4..7 their mirror) over 64, exact in f32, f16 and bf16 (tq3_level_int / 64).
+// Selects rather than an indexed array, which device code would place in local memory.
+TIERKV_HD_INLINE constexpr int tq3_level_int(int code) {
   const bool pos = (code & 4) != 0;
   const int m = pos ? (code & 3) : 3 - (code & 3);  // magnitude rank 0..3
-  const float mag = m == 0 ? 0.2451f : m == 1 ? 0.7560f : m == 2 ? 1.3439f : 2.1519f;
+  const int mag = m == 0 ? 14 : m == 1 ? 44 : m == 2 ? 79 : 127;
   return pos ? mag : -mag;
 }
-inline constexpr float tq3_threshold1 = 0.5005f;
-inline constexpr float tq3_threshold2 = 1.0500f;
-inline constexpr float tq3_threshold3 = 1.7479f;
+inline constexpr float tq3_level_scale = 1.0f / 64.0f;  // level = L / 64 (exact)
+TIERKV_HD_INLINE float tq3_centroid(int code) { return float(tq3_level_int(code)) * tq3_level_scale; }
+
+// Byte tables of the GPU lookups (one byte-permute maps the 4 code nibbles of a selector to 4
+// table bytes): word 0 holds codes 0-3, word 1 codes 4-7. f16 levels: bits of L/64 (1 <= |L|
+// <= 127, normal and exact), split into low and high bytes; s8: the int8 levels themselves.
+constexpr std::uint32_t tq3_f16_bits(int code) {
+  const int l = tq3_level_int(code), m = l < 0 ? -l : l;
+  int e = 0;
+  while ((2 << e) <= m) ++e;  // 2^e <= m < 2^(e+1)
+  const std::uint32_t mant = std::uint32_t(m - (1 << e)) << (10 - e);
+  return (l < 0 ? 0x8000u : 0u) | (std::uint32_t(e + 9) << 10) | mant;  // exponent e - 6 + 15
+}
+template <class F>
+constexpr std::uint32_t tq3_table_word(int first_code, F byte_of) {
+  std::uint32_t w = 0;
+  for (int i = 0; i < 4; ++i) w |= (byte_of(first_code + i) & 0xffu) << (8 * i);
+  return w;
+}
+inline constexpr std::uint32_t tq3_f16_lo0 = tq3_table_word(0, [](int c) { return tq3_f16_bits(c); });
+inline constexpr std::uint32_t tq3_f16_lo1 = tq3_table_word(4, [](int c) { return tq3_f16_bits(c); });
+inline constexpr std::uint32_t tq3_f16_hi0 = tq3_table_word(0, [](int c) { return tq3_f16_bits(c) >> 8; });
+inline constexpr std::uint32_t tq3_f16_hi1 = tq3_table_word(4, [](int c) { return tq3_f16_bits(c) >> 8; });
+inline constexpr std::uint32_t tq3_s8_0 = tq3_table_word(0, [](int c) { return std::uint32_t(tq3_level_int(c)); });
+inline constexpr std::uint32_t tq3_s8_1 = tq3_table_word(4, [](int c) { return std::uint32_t(tq3_level_int(c)); });
+static_assert(tq3_f16_bits(0) == 0xBFF0u && tq3_f16_bits(4) == 0x3300u && tq3_f16_bits(6) == 0x3CF0u,
+              "tq3: f16 level bits");
+static_assert(tq3_s8_0 == 0xF2D4B181u && tq3_s8_1 == 0x7F4F2C0Eu, "tq3: int8 level table");
+// Nearest-level thresholds for N(0, 1): the midpoints of adjacent int8 levels (29, 61.5, 103)
+// times a = 0.0169736, the unit scale of the levels that minimizes the Gaussian MSE.
+inline constexpr float tq3_threshold1 = 0.49223481f;
+inline constexpr float tq3_threshold2 = 1.04387727f;
+inline constexpr float tq3_threshold3 = 1.74828226f;
 
 // Decision bounds for z = sqrt(d)·y·|x'| (the unnormalized WHT output), i.e. the unit
 // thresholds times n = |x'|: comparing z to t·n avoids dividing every coordinate.
@@ -66,11 +99,12 @@ TIERKV_HD_INLINE int tq3_unpack(const std::uint32_t* w, int j) {
 
 }  // namespace detail
 
-// The 8-level Lloyd–Max grid (tq_codec's Grid).
+// The 8-level grid (tq_codec's Grid): Lloyd–Max centroids on an int8 grid.
 struct tq3_grid {
   static constexpr storage_format format = storage_format::tq3;
   static constexpr int bits = 3;
   static constexpr int zero_code = 4;  // codes stored for an all-zero vector (alpha 0)
+  static constexpr float plain_scale = 1.08631131f;  // 64 x 0.0169736: L / 64 -> unit variance
   static constexpr const char* key_name = "tq3_key";
   static constexpr const char* value_name = "tq3_value";
   static constexpr const char* plain_name = "tq3_plain";
@@ -118,13 +152,13 @@ struct tq3_grid {
   template <int D>
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float t[8] = {-2.1519f, -1.3439f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3439f, 2.1519f};
+    const float t[8] = {-1.984375f, -1.234375f, -0.6875f, -0.21875f, 0.21875f, 0.6875f, 1.234375f, 1.984375f};
     for_each_code<D>(payload, [&](int stream, int i, std::uint32_t code) { s[stream] += q[i] * t[code]; });
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <int D>
   TIERKV_HD static void accumulate(float w, const std::uint8_t* payload, float* acc) {
-    const float t[8] = {-2.1519f, -1.3439f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3439f, 2.1519f};
+    const float t[8] = {-1.984375f, -1.234375f, -0.6875f, -0.21875f, 0.21875f, 0.6875f, 1.234375f, 1.984375f};
     for_each_code<D>(payload, [&](int, int i, std::uint32_t code) { acc[i] += w * t[code]; });
   }
 };

@@ -29,6 +29,7 @@ struct tq4_grid {
   static constexpr storage_format format = storage_format::tq4;
   static constexpr int bits = 4;
   static constexpr int zero_code = 8;  // codes stored for an all-zero vector (alpha 0)
+  static constexpr float plain_scale = 1.0f;  // tq4_plain keeps |x| as it was measured
   static constexpr const char* key_name = "tq4_key";
   static constexpr const char* value_name = "tq4_value";
   static constexpr const char* plain_name = "tq4_plain";

@@ -53,9 +53,11 @@ inline constexpr float tq_alpha_limit = 5.19229686e33f;  // 2^112
 // The stored alpha from the canonical sums over the scaled vector x' = x·2^k:
 // sumsq = |x'|^2, s_zc = sum z_i c_i, s_cc = sum c_i^2 (z = H_un D x', c = grid levels).
 // With u_hat = D H c / d:  <u, u_hat> = s_zc / (|x'| d),  |u_hat|^2 = s_cc / d.
-// Invariant to a common scale of the levels: alpha absorbs it.
+// Invariant to a common scale of the levels: alpha absorbs it, except plain's |x|, which
+// assumes unit-variance levels and is multiplied by the grid's plain_scale (the factor from
+// its levels to unit-variance ones).
 TIERKV_HD_INLINE bf16_bits tq_alpha(tq_norm mode, int d, float sumsq, float s_zc, float s_cc, int k,
-                                    bool* saturated) {
+                                    float plain_scale, bool* saturated) {
   float a;
   if (mode == tq_norm::unbiased_inner_product) {
     const float t = sumsq * float(d);  // exact: d is a power of two
@@ -63,7 +65,7 @@ TIERKV_HD_INLINE bf16_bits tq_alpha(tq_norm mode, int d, float sumsq, float s_zc
   } else if (mode == tq_norm::least_squares) {
     a = s_zc / s_cc;
   } else {
-    a = sqrtf(sumsq);
+    a = sqrtf(sumsq) * plain_scale;
   }
   a = scale_pow2(a, -k);
   if (!(a <= tq_alpha_limit)) {  // also catches an overflow to +Inf
@@ -109,6 +111,7 @@ TIERKV_HD float canonical_dot(const float* a, const float* b) {
 //   bounds make_bounds(float n)        per-vector decision data for z ~ N(0, n^2);
 //   int quantize(float z, bounds)       the code of one rotated coordinate;
 //   float level(int code)               its grid level c (any common scale: alpha absorbs it);
+//   plain_scale                         level x plain_scale is unit-variance (plain's |x| alpha);
 //   pack<D> / unpack<D>                 codes <-> payload bytes (docs/formats.md);
 //   dot<D>(q, payload)                  sum q_i c_i;  accumulate<D>(w, payload, acc): acc += w c.
 template <int HeadDim, tq_norm Norm, class Grid>
@@ -169,7 +172,7 @@ struct tq_codec {
     const float s_zc = detail::canonical_dot<HeadDim>(z, c);
     const float s_cc = detail::canonical_dot<HeadDim>(c, c);
     bool saturated = false;
-    meta = detail::tq_alpha(Norm, HeadDim, sumsq, s_zc, s_cc, k, &saturated);
+    meta = detail::tq_alpha(Norm, HeadDim, sumsq, s_zc, s_cc, k, Grid::plain_scale, &saturated);
     if (saturated && stats) ++stats->saturated;
     Grid::template pack<HeadDim>(codes, payload);
     return errc::ok;

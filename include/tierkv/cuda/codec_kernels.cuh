@@ -217,7 +217,7 @@ __device__ void tq3_encode_warp(const encode_batch<Codec>& b, int v, int lane,
     }
     const float s_zc = warp_sum_canonical(pzc);
     const float s_cc = warp_sum_canonical(pcc);
-    meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
+    meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, Codec::grid::plain_scale, &saturated);
   }
   __syncwarp();
   if (lane < Codec::head_dim / 32) {

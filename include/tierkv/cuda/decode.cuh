@@ -217,6 +217,77 @@ __device__ __forceinline__ void report_error(int* flag, errc e) {
   if (flag) atomicCAS(flag, 0, int(e));
 }
 
+// The group's G x D queries (bf16 or f32) -> q_raw, and acc_total <- 0, by the block. Whole
+// 16-byte units per thread, every load issued before the first store: one element per
+// iteration put an L2 round trip per element on every chunk's start (ncu, (24,4,256) 32K
+// B = 1: 3.5% of the split kernel's stall samples).
+template <int G, int D, class Inputs>
+__device__ __forceinline__ void load_group_queries(const Inputs& in, std::size_t qrow, float* q_raw, float* acc_total) {
+  constexpr int V = G * D / 4;  // float4 units
+  constexpr int per = (V + decode_threads - 1) / decode_threads;
+  static_assert(D % 4 == 0, "decode: head_dim must be a multiple of 4");
+  const int tid = int(threadIdx.x);
+  const bool bf16 = in.queries_type == query_type::bf16;
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(in.queries) + qrow * D * (bf16 ? 2 : 4);
+  if (base % (bf16 ? 8 : 16) != 0) {  // an unaligned caller buffer: element by element
+    for (int i = tid; i < G * D; i += decode_threads) {
+      const std::size_t at = qrow * D + std::size_t(i);
+      q_raw[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(in.queries)[at])
+                      : static_cast<const float*>(in.queries)[at];
+      acc_total[i] = 0.f;
+    }
+    return;
+  }
+  float4 v[per];
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) {
+      if (bf16) {
+        const uint2 w = __ldg(reinterpret_cast<const uint2*>(base) + i);
+        v[k] = make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                           __uint_as_float(w.y & 0xffff0000u));
+      } else {
+        v[k] = __ldg(reinterpret_cast<const float4*>(base) + i);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) {
+      reinterpret_cast<float4*>(q_raw)[i] = v[k];
+      reinterpret_cast<float4*>(acc_total)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+// The chunk's state of the group's heads -> workspace: {m, l} per head and the G x D
+// accumulator, in 16-byte units with every shared load before the first global store (one
+// element per iteration and head was 9.7% of the split kernel's stall samples at B = 1).
+template <int G, int D>
+__device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::uint8_t* workspace, std::size_t qrow,
+                                                  int c, const float* m, const float* l, const float* acc_total) {
+  constexpr int V = G * D / 4, VH = D / 4;
+  constexpr int per = (V + decode_threads - 1) / decode_threads;
+  const int tid = int(threadIdx.x);
+  float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
+  float4* accs = reinterpret_cast<float4*>(workspace + plan.acc_offset);
+  auto at = [&](int h) { return (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c); };
+  float4 v[per];
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) v[k] = reinterpret_cast<const float4*>(acc_total)[i];
+  }
+  if (tid < G) states[at(tid)] = make_float2(m[tid], l[tid]);
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) accs[at(i / VH) * VH + std::size_t(i % VH)] = v[k];
+  }
+}
+
 // The codec's prepare_query / finalize over the group's heads, one warp per head. TQ3 uses
 // the warp Walsh-Hadamard of warp_vector.cuh, whose stage order makes it bit-identical to
 // the codec's serial functions (int8_rotated: the same rotation); FP8's are the identity.
@@ -545,13 +616,7 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
 
     const int tid = int(threadIdx.x);
     const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-    for (int i = tid; i < G * D; i += decode_threads) {
-      const std::size_t at = qrow * D + std::size_t(i);
-      sm.q_raw[i] = in.queries_type == query_type::bf16
-                        ? __bfloat162float(static_cast<const __nv_bfloat16*>(in.queries)[at])
-                        : static_cast<const float*>(in.queries)[at];
-      sm.acc_total[i] = 0.f;
-    }
+    load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
     if (tid < G) {
       sm.m[tid] = -INFINITY;
       sm.l[tid] = 0.f;
@@ -560,13 +625,7 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
     run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
     __syncthreads();  // a chunk without pages ran no tier: order the init before the write
 
-    float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
-    float* accs = reinterpret_cast<float*>(workspace + plan.acc_offset);
-    for (int h = 0; h < G; ++h) {
-      const std::size_t at = (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c);
-      if (tid == 0) states[at] = make_float2(sm.m[h], sm.l[h]);
-      for (int i = tid; i < D; i += decode_threads) accs[at * D + std::size_t(i)] = sm.acc_total[h * D + i];
-    }
+    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
   }
 
   template <std::size_t... I>

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/tq3.hpp"
 
 namespace tierkv::cuda::detail {
 
@@ -102,11 +103,11 @@ struct slice_reader<C, storage_format::tq3> {
     const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(payload) + (slice >> 1) * 3;
     return make_uint3(__ldg(w), __ldg(w + 1), __ldg(w + 2));
   }
-  // fp16 of the unit-variance Lloyd-Max centroids, code 0 = -2.1519 ... code 7 = +2.1519:
-  // 0xC04E 0xBD60 0xBA0C 0xB3D8 0x33D8 0x3A0C 0x3D60 0x404E (see table_word()).
+  // fp16 of the levels (exact), code 0 = -127/64 ... code 7 = +127/64 (codec/tq3.hpp):
+  // 0xBFF0 0xBCF0 0xB980 0xB300 0x3300 0x3980 0x3CF0 0x3FF0.
   __device__ __forceinline__ static void lookup4(std::uint32_t sel, float* x) {
-    constexpr std::uint32_t lo0 = 0xD80C604Eu, lo1 = 0x4E600CD8u;  // low bytes, codes 0-3 / 4-7
-    constexpr std::uint32_t hi0 = 0xB3BABDC0u, hi1 = 0x403D3A33u;  // high bytes
+    constexpr std::uint32_t lo0 = tierkv::detail::tq3_f16_lo0, lo1 = tierkv::detail::tq3_f16_lo1;  // low bytes, codes 0-3 / 4-7
+    constexpr std::uint32_t hi0 = tierkv::detail::tq3_f16_hi0, hi1 = tierkv::detail::tq3_f16_hi1;  // high bytes
     const std::uint32_t lo = __byte_perm(lo0, lo1, sel);
     const std::uint32_t hi = __byte_perm(hi0, hi1, sel);
     const std::uint32_t h01 = __byte_perm(lo, hi, 0x5140);

@@ -295,7 +295,7 @@ __device__ __forceinline__ bool warp_encode_tq(const float (&x)[P], std::uint8_t
   warp_pack_tq<Codec, P>(codes, payload, lane);
   if (lane == 0) {
     bool saturated = false;
-    *meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, &saturated);
+    *meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, grid::plain_scale, &saturated);
   }
   return true;
 }

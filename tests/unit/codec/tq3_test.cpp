@@ -15,8 +15,9 @@ using namespace tierkv;
 
 namespace {
 
-const double kCentroid[8] = {-2.1519, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1519};
-const double kThreshold[3] = {0.5005, 1.0500, 1.7479};
+// The int8-grid levels L / 64 and their unit-variance decision thresholds (codec/tq3.hpp).
+const double kCentroid[8] = {-127 / 64., -79 / 64., -44 / 64., -14 / 64., 14 / 64., 44 / 64., 79 / 64., 127 / 64.};
+const double kThreshold[3] = {0.49223481171792629, 1.04387727312594713, 1.74828226230849682};
 
 struct reference_result {
   std::vector<int> codes;
@@ -80,7 +81,7 @@ template <class C> void check_against_reference(double input_scale) {
     // alpha: float64 formula from the float64 reference, within bf16 rounding.
     const double want_alpha = C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key
                               : C::norm == tq_norm::least_squares        ? ref.alpha_value
-                                                                          : ref.norm;
+                                                                          : ref.norm * tq3_grid::plain_scale;
     CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
     // decode vs float64 decode of the same codes and alpha.
     const auto yref = reference_decode<N>(codes, double(bf16_to_float(meta)), ctx.seed);

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace tierkv::cuda::detail {
 
@@ -36,6 +37,14 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// int8 x int8 -> int32 (exact): TQ3 and int8_rotated key products.
+__device__ __forceinline__ void mma_16832_s8(int (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
@@ -92,11 +101,15 @@ struct fp8_to_h2 {
 struct s8_to_h2 {
   __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2(w); }
 };
-// TQ3: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> fp16 centroids x0..x3 as
-// the byte tables lo/hi (slice_unpack.cuh has the table).
+// TQ3: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> the low / high bytes of
+// their f16 levels x0..x3 (codec/tq3.hpp has the tables).
 __device__ __forceinline__ void tq3_lookup(std::uint32_t sel, std::uint32_t& lo, std::uint32_t& hi) {
-  lo = __byte_perm(0xD80C604Eu, 0x4E600CD8u, sel);
-  hi = __byte_perm(0xB3BABDC0u, 0x403D3A33u, sel);
+  lo = __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
+  hi = __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
+}
+// ... -> their int8 levels, one byte each (the A register of an int8 mma).
+__device__ __forceinline__ std::uint32_t tq3_lookup_s8(std::uint32_t sel) {
+  return __byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, sel);
 }
 
 // TQ3 "effective words" of a token: per group of 32 rotated coordinates W0, W1, W2 and the
@@ -180,6 +193,20 @@ struct mma_byte_codec {
     hi = Cvt::x2(w[s] >> 16);
   }
   __device__ __forceinline__ static int key_coord(int c, int s, int j) { return 64 * (s / 4) + 16 * c + 4 * (s % 4) + j; }
+  // int8 codes (int8_rotated) are their own levels: they enter an int8 mma as loaded. k32 step
+  // s takes words 2s (k slots 4c..4c+3) and 2s + 1 (slots 16+4c..); key_coord_s8's j = 0..7.
+  static constexpr bool s8_keys = std::is_same_v<Cvt, s8_to_h2>;
+  static constexpr float key_level_scale = 1.f;
+  // 20-bit queries (3 int8 digits): int8_rotated's own inner-product error is ~0.0065/sqrt(d),
+  // so its scores are checked against the host path at ~fp32 precision; 13 bits moved the LSE
+  // by up to 6e-4 (test_cuda_decode, run 10).
+  static constexpr int query_parts = 3;
+  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a0,
+                                                     std::uint32_t& a2) {
+    a0 = w[2 * s];
+    a2 = w[2 * s + 1];
+  }
+  __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) { return key_coord(c, 2 * s + j / 4, j % 4); }
 
   // values: segments of SEG dims; lane g reads SEG/8 bytes at SEG seg + (SEG/8) g.
   static constexpr int SEG = D >= 128 ? 128 : 64;
@@ -218,25 +245,32 @@ template <class C>
 struct mma_codec<C, storage_format::tq3> {
   static constexpr int D = C::head_dim;
   static_assert(D % 64 == 0, "tensor-core decode: tq3 head_dim must be a multiple of 64");
-  // keys: lane c owns D/32 effective words; word k holds steps 2k (nibbles 0-3), 2k+1 (4-7)
+  // keys: lane c owns D/32 effective words, word s is k32 step s
   using KL = tq3_lane_words<D / 32>;
   static constexpr int key_words = KL::raw;
-  static constexpr float key_offset = 0.f;  // the centroid table holds the levels themselves
+  static constexpr float key_offset = 0.f;  // the table holds the levels themselves
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
     KL::template load<Shared>(row, c, w);
   }
-  __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a01,
-                                                  std::uint32_t& a23) {
-    const std::uint32_t sel = (KL::eff(w, c, s / 2) >> (16 * (s % 2))) & 0x7777u;
-    std::uint32_t lo, hi;
-    tq3_lookup(sel, lo, hi);
-    a01 = __byte_perm(lo, hi, 0x5140);
-    a23 = __byte_perm(lo, hi, 0x7362);
+  // Keys score on int8 mma: k32 step s is effective word s, its nibbles 0-3 (k slots 4c..4c+3)
+  // and 4-7 (16+4c..) one byte-permute each into int8 levels (L, level = L / 64). The f16 path
+  // took 4 permutes per 4 codes (two table halves and two interleaves) on the ALU pipe, the
+  // bound of a TQ3 step (ncu at 128K B = 32: PRMT 37% of its instructions).
+  static constexpr bool s8_keys = true;
+  static constexpr float key_level_scale = tierkv::detail::tq3_level_scale;
+  // 13-bit queries (2 int8 digits): rounding at 2^-14 of the head's largest element, far below
+  // TQ3's own inner-product error (rms 0.12/sqrt(d)).
+  static constexpr int query_parts = 2;
+  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a0,
+                                                     std::uint32_t& a2) {
+    const std::uint32_t e = KL::eff(w, c, s) & 0x77777777u;
+    a0 = tq3_lookup_s8(e);
+    a2 = tq3_lookup_s8(e >> 16);
   }
-  __device__ __forceinline__ static int key_coord(int c, int s, int j) {
-    const int idx = c * (D / 32) + s / 2;
-    return 32 * (idx / 4) + 8 * (idx % 4) + 4 * (s % 2) + j;
+  __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) {
+    const int idx = c * (D / 32) + s;
+    return 32 * (idx / 4) + 8 * (idx % 4) + j;
   }
   // values: lane g owns D/64 effective words; byte b of word k is m-tile 4 k + b, its
   // nibbles 2b, 2b+1 rows g, g + 8
@@ -285,6 +319,8 @@ struct mma_codec<C, storage_format::tq4> {
   static constexpr int words_per_seg = lane_bytes / 4;
   static constexpr int key_words = D / 32;  // 8 codes = 2 k steps per word
   static constexpr float key_offset = 1024.f + C::grid::offset;
+  static constexpr bool s8_keys = false;
+  static constexpr int query_parts = 1;  // f16 query (hi only)
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
     load_lane_segments<lane_bytes, 4, Shared>(row, c, w);
@@ -414,10 +450,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
                 "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, ST = S::steps;
   constexpr int SL = mass_slots_per_page<Geometry>;  // 16-token steps per page
-  // TQ3 / TQ4 keys score with the f16 (hi) query only: its rounding (2^-12 relative per
-  // element) is ~0.2% of TQ3's own inner-product error (~0.35% of TQ4's; docs/gpu.md), and it
-  // halves the score mma. 8-bit keys keep the hi + lo split (~fp32 queries).
-  constexpr bool hi_query_only = K::format == storage_format::tq3 || K::format == storage_format::tq4;
+  // Int8 keys (TQ3 levels, int8_rotated codes) score on int8 mma against the query rounded to
+  // 13 (TQ3) or 20 (int8_rotated) bits of its largest element, as int8 digits (s8_keys). TQ4
+  // keys score with the f16 (hi) query only: its rounding (2^-12 relative per element) is
+  // ~0.35% of TQ4's own inner-product error (docs/gpu.md), and it halves the score mma. FP8
+  // keeps the f16 hi + lo split (~fp32 queries).
+  constexpr bool s8_keys = KC::s8_keys;
+  constexpr int KS = s8_keys ? D / 32 : ST;  // k steps of the score product
+  constexpr bool hi_query_only = K::format == storage_format::tq4;
   // Key codes that enter the mma as level + KC::key_offset (TQ4: 1024 + c): subtract
   // key_offset x (sum of the f16 query) per head.
   constexpr bool key_offset = KC::key_offset != 0.f;
@@ -433,18 +473,26 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
 
   // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
-  // into f16 hi + lo B fragments: column n = head qg, k slots of lane qc.
+  // into hi + lo B fragments (f16, or int8 for int8 keys): column n = head qg, k slots of lane qc.
   __syncthreads();
   group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
   __syncthreads();
   for (int h = warp; h < G; h += mma_warps) {
     float mx = 0.f;
-    for (int i = lane; i < D; i += 32) mx = fmaxf(mx, fabsf(sm.acc_part[h * D + i]));
+    bool finite = true;
+    for (int i = lane; i < D; i += 32) {
+      const float a = fabsf(sm.acc_part[h * D + i]);
+      finite = finite && a < INFINITY;  // false for NaN too
+      mx = fmaxf(mx, a);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     int e = 0;
     if (mx > 0.f && mx < INFINITY) frexpf(mx, &e);
-    if (lane == 0) sm.qexp[h] = float(e);
+    // A non-finite query element would round to an int8 code silently: its head's scores are
+    // made NaN instead, as the f16 path's are.
+    finite = __all_sync(0xffffffffu, finite);
+    if (lane == 0) sm.qexp[h] = s8_keys && !finite ? NAN : float(e);
     if constexpr (key_offset) {  // the f16 values the fragments below will hold, summed
       const float qs = exp2f(-float(e));
       float sum = 0.f;
@@ -455,33 +503,66 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     }
   }
   __syncthreads();
+  // int8 queries: Q = rint(q 2^(bits - e)), |Q| < 2^bits with bits = 7 P - 1, as P balanced
+  // base-128 digits in [-64, 64] (low digits in [-64, 63]), digit p in its own int8 fragment;
+  // the score is the sum of 128^p (K.digit_p), each product exact in int32.
+  constexpr int QP = s8_keys ? KC::query_parts : 1;
+  constexpr int s8_query_bits = 7 * QP - 1;
   {
     const bool live = qg < G;
-    const float qs = live ? exp2f(-sm.qexp[qg]) : 0.f;
-    for (int s = warp; s < ST; s += mma_warps) {
-      std::uint32_t fr[4];
+    if constexpr (s8_keys) {
+      const float qs = live ? exp2f(float(s8_query_bits) - sm.qexp[qg]) : 0.f;
+      uint2* qf = reinterpret_cast<uint2*>(sm.qfrag);
+      for (int s = warp; s < KS; s += mma_warps) {
+        std::uint32_t dg[QP][2] = {};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float x0 = 0.f, x1 = 0.f;
-        if (live) {
-          x0 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r)] * qs;
-          x1 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r + 1)] * qs;
+        for (int j = 0; j < 8; ++j) {
+          int q = live ? __float2int_rn(sm.acc_part[qg * D + KC::key_coord_s8(qc, s, j)] * qs) : 0;
+#pragma unroll
+          for (int p = 0; p < QP; ++p) {
+            const int d = p + 1 < QP ? ((q + 64) & 127) - 64 : q;
+            q = (q - d) >> 7;  // exact: q - d is a multiple of 128
+            dg[p][j / 4] |= (std::uint32_t(d) & 0xffu) << (8 * (j % 4));
+          }
         }
-        const __half2 hh = __floats2half2_rn(x0, x1);
-        const float2 back = __half22float2(hh);
-        fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
-        fr[2 + r] = pack_half2(x0 - back.x, x1 - back.y);
+#pragma unroll
+        for (int p = 0; p < QP; ++p) qf[(s * QP + p) * 32 + lane] = make_uint2(dg[p][0], dg[p][1]);
       }
-      sm.qfrag[s * 32 + lane] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
+    } else {
+      const float qs = live ? exp2f(-sm.qexp[qg]) : 0.f;
+      for (int s = warp; s < KS; s += mma_warps) {
+        std::uint32_t fr[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float x0 = 0.f, x1 = 0.f;
+          if (live) {
+            x0 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r)] * qs;
+            x1 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r + 1)] * qs;
+          }
+          const __half2 hh = __floats2half2_rn(x0, x1);
+          const float2 back = __half22float2(hh);
+          fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
+          fr[2 + r] = pack_half2(x0 - back.x, x1 - back.y);
+        }
+        sm.qfrag[s * 32 + lane] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
+      }
     }
   }
   __syncthreads();
-  // Column scale (heads 2 qc, 2 qc + 1): softmax scale x log2(e) x 2^e.
+  // Column scale (heads 2 qc, 2 qc + 1): softmax scale x log2(e) x the query's scale (2^e, or
+  // 2^(e - bits) for int8 queries) x the scale of the int8 key levels.
   float colscale[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int h = 2 * qc + j;
-    colscale[j] = h < G ? in.softmax_scale * log2e * exp2f(sm.qexp[h]) : 0.f;
+    colscale[j] = 0.f;
+    if (h < G) {
+      if constexpr (s8_keys) {
+        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h] - float(s8_query_bits)) * KC::key_level_scale;
+      } else {
+        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h]);
+      }
+    }
   }
   float koff[2] = {0.f, 0.f};
   if constexpr (key_offset) {
@@ -510,23 +591,46 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // it measured faster: one chain of 2 x d/16 dependent mma was the step's critical path at
     // d = 256 (ncu: 6.3 cycles per issued instruction per warp, 3 warps per scheduler).
     float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc_lo[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (s8_keys) {  // int8 levels x int8 query digits: one chain per digit
+      int acc[QP][4] = {};
+      const uint2* qf = reinterpret_cast<const uint2*>(sm.qfrag);
 #pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      std::uint32_t a[4];
-      KC::key_frag(kw[0], qc, s, a[0], a[2]);
-      KC::key_frag(kw[1], qc, s, a[1], a[3]);
-      if constexpr (hi_query_only) {  // TQ3 / TQ4 keys: the f16 query alone, chains over even / odd k steps
-        const uint2 q = *reinterpret_cast<const uint2*>(&sm.qfrag[s * 32 + lane]);
-        mma_16816(s % 2 ? sc_lo : sc, a, q.x, q.y);
-      } else {
-        const uint4 q = sm.qfrag[s * 32 + lane];
-        mma_16816(sc, a, q.x, q.y);
-        mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
+      for (int s = 0; s < KS; ++s) {
+        std::uint32_t a[4];
+        KC::key_frag_s8(kw[0], qc, s, a[0], a[2]);
+        KC::key_frag_s8(kw[1], qc, s, a[1], a[3]);
+#pragma unroll
+        for (int p = 0; p < QP; ++p) {
+          const uint2 q = qf[(s * QP + p) * 32 + lane];
+          mma_16832_s8(acc[p], a, q.x, q.y);
+        }
       }
-    }
-    if constexpr (hi_query_only || S::score_chains == 2) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
+      for (int i = 0; i < 4; ++i) {  // |acc| <= 64 x 127 x 512 < 2^23: exact in f32
+        float x = float(acc[QP - 1][i]);
+#pragma unroll
+        for (int p = QP - 2; p >= 0; --p) x = fmaf(x, 128.f, float(acc[p][i]));
+        sc[i] = x;
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < ST; ++s) {
+        std::uint32_t a[4];
+        KC::key_frag(kw[0], qc, s, a[0], a[2]);
+        KC::key_frag(kw[1], qc, s, a[1], a[3]);
+        if constexpr (hi_query_only) {  // TQ4 keys: the f16 query alone, chains over even / odd k steps
+          const uint2 q = *reinterpret_cast<const uint2*>(&sm.qfrag[s * 32 + lane]);
+          mma_16816(s % 2 ? sc_lo : sc, a, q.x, q.y);
+        } else {
+          const uint4 q = sm.qfrag[s * 32 + lane];
+          mma_16816(sc, a, q.x, q.y);
+          mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
+        }
+      }
+      if constexpr (hi_query_only || S::score_chains == 2) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
+      }
     }
     if constexpr (key_offset) {
 #pragma unroll
@@ -869,13 +973,7 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
 
     const int tid = int(threadIdx.x);
     const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-    for (int i = tid; i < G * D; i += decode_threads) {
-      const std::size_t at = qrow * D + std::size_t(i);
-      sm.q_raw[i] = in.queries_type == query_type::bf16
-                        ? __bfloat162float(static_cast<const __nv_bfloat16*>(in.queries)[at])
-                        : static_cast<const float*>(in.queries)[at];
-      sm.acc_total[i] = 0.f;
-    }
+    load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
     if (tid < G) {
       sm.m[tid] = -INFINITY;
       sm.l[tid] = 0.f;
@@ -884,13 +982,7 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
     run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
     __syncthreads();
 
-    float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
-    float* accs = reinterpret_cast<float*>(workspace + plan.acc_offset);
-    for (int h = 0; h < G; ++h) {
-      const std::size_t at = (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c);
-      if (tid == 0) states[at] = make_float2(sm.m[h], sm.l[h]);
-      for (int i = tid; i < D; i += decode_threads) accs[at * D + std::size_t(i)] = sm.acc_total[h * D + i];
-    }
+    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
   }
 
   template <std::size_t... I>
