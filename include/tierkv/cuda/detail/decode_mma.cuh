@@ -39,13 +39,23 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// int8 x int8 -> int32 (exact): TQ3 and int8_rotated key products.
+// int8 (or uint8: UnsignedA) x int8 -> int32, exact: the key products of TQ3, TQ4 and
+// int8_rotated (native IMMA.16832 on sm_90).
+template <bool UnsignedA>
 __device__ __forceinline__ void mma_16832_s8(int (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (UnsignedA) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 }
 __device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
   std::uint32_t y;
@@ -184,9 +194,7 @@ struct mma_byte_codec {
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
     load_lane_segments<16, 4, Shared>(row, c, w);
   }
-  // Keys convert to their levels (folding int8's 1152 offset into the query sum, as TQ4 does,
-  // measured 1-2% faster at d = 256 but 3.5% slower at d = 128: docs/gpu.md).
-  static constexpr float key_offset = 0.f;
+  // FP8 keys convert to their f16 levels (int8_rotated keys take key_frag_s8 below).
   __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& lo,
                                                   std::uint32_t& hi) {
     lo = Cvt::x2(w[s]);
@@ -196,7 +204,8 @@ struct mma_byte_codec {
   // int8 codes (int8_rotated) are their own levels: they enter an int8 mma as loaded. k32 step
   // s takes words 2s (k slots 4c..4c+3) and 2s + 1 (slots 16+4c..); key_coord_s8's j = 0..7.
   static constexpr bool s8_keys = std::is_same_v<Cvt, s8_to_h2>;
-  static constexpr float key_level_scale = 1.f;
+  static constexpr bool key_unsigned = false;
+  static constexpr float key_level_scale = 1.f, key_level_offset = 0.f;
   // 20-bit queries (3 int8 digits): int8_rotated's own inner-product error is ~0.0065/sqrt(d),
   // so its scores are checked against the host path at ~fp32 precision; 13 bits moved the LSE
   // by up to 6e-4 (test_cuda_decode, run 10).
@@ -248,7 +257,6 @@ struct mma_codec<C, storage_format::tq3> {
   // keys: lane c owns D/32 effective words, word s is k32 step s
   using KL = tq3_lane_words<D / 32>;
   static constexpr int key_words = KL::raw;
-  static constexpr float key_offset = 0.f;  // the table holds the levels themselves
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
     KL::template load<Shared>(row, c, w);
@@ -258,7 +266,8 @@ struct mma_codec<C, storage_format::tq3> {
   // took 4 permutes per 4 codes (two table halves and two interleaves) on the ALU pipe, the
   // bound of a TQ3 step (ncu at 128K B = 32: PRMT 37% of its instructions).
   static constexpr bool s8_keys = true;
-  static constexpr float key_level_scale = tierkv::detail::tq3_level_scale;
+  static constexpr bool key_unsigned = false;
+  static constexpr float key_level_scale = tierkv::detail::tq3_level_scale, key_level_offset = 0.f;
   // 13-bit queries (2 int8 digits): rounding at 2^-14 of the head's largest element, far below
   // TQ3's own inner-product error (rms 0.12/sqrt(d)).
   static constexpr int query_parts = 2;
@@ -303,12 +312,14 @@ struct mma_codec<C, storage_format::tq3> {
   }
 };
 
-// TQ4 keys: a lane's words hold 8 nibble codes each (docs/formats.md: coordinates 8w..8w+7);
-// lane c reads 16 bytes at 64 seg + 16 c (8 bytes at 8 c when a row is 32 bytes). One lop3
-// turns nibbles n, n + 4 of a word into the half2 (1024 + c_n, 1024 + c_n+4), exactly (0x6400
-// is 1024 and the code lands in its mantissa). The level is c - 7.5, so the score product
-// sums q (1024 + c) and mma_tier_pages subtracts key_offset x (sum of the f16 query) per head.
-// Keys only: values would need the offset times each head's sum of p in the accumulator.
+// TQ4 keys: a lane's words hold 8 nibble codes each (docs/formats.md: coordinate 2b in the
+// low nibble of byte b); lane c reads 16 bytes at 64 seg + 16 c (8 bytes at 8 c when a row is
+// 32 bytes). k32 step s is word s: `w & 0x0F0F0F0F` (the low nibbles: k slots 4c..4c+3) and
+// `(w >> 4) & 0x0F0F0F0F` (the high nibbles: 16+4c..) are 4 codes c each as uint8, one lop3
+// per 4 codes, into a uint8 x int8 mma. The level is c - 7.5: mma_tier_pages subtracts
+// 7.5 x (the head's sum of its int8-rounded query), an exact integer. (Run 8-9: f16 (1024 + c)
+// against the f16 hi query, one lop3 per 2 codes.) Keys only: values would need the offset
+// times each head's sum of p in the accumulator.
 template <class C>
 struct mma_codec<C, storage_format::tq4> {
   static constexpr int D = C::head_dim;
@@ -317,28 +328,25 @@ struct mma_codec<C, storage_format::tq4> {
   static constexpr int lane_bytes = row_bytes >= 64 ? 16 : 8;  // per lane and 4-lane segment
   static constexpr int seg_bytes = 4 * lane_bytes;
   static constexpr int words_per_seg = lane_bytes / 4;
-  static constexpr int key_words = D / 32;  // 8 codes = 2 k steps per word
-  static constexpr float key_offset = 1024.f + C::grid::offset;
-  static constexpr bool s8_keys = false;
-  static constexpr int query_parts = 1;  // f16 query (hi only)
+  static constexpr int key_words = D / 32;  // 8 codes = one k32 step per word
+  static constexpr bool s8_keys = true;
+  static constexpr bool key_unsigned = true;
+  static constexpr float key_level_scale = 1.f, key_level_offset = C::grid::offset;
+  static constexpr int query_parts = 2;  // 13 bits: as TQ3, far below TQ4's own error
   template <bool Shared>
   __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
     load_lane_segments<lane_bytes, 4, Shared>(row, c, w);
   }
-  // step s: word s / 2, nibbles 2h, 2h + 4 (slots 0, 1) and 2h + 1, 2h + 5 (slots 2, 3), h = s % 2
-  __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a01,
-                                                  std::uint32_t& a23) {
-    const std::uint32_t x = w[s / 2] >> (8 * (s % 2));
-    a01 = (x & 0x000F000Fu) | 0x64006400u;
-    a23 = ((x >> 4) & 0x000F000Fu) | 0x64006400u;
+  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a0,
+                                                     std::uint32_t& a2) {
+    a0 = w[s] & 0x0F0F0F0Fu;
+    a2 = (w[s] >> 4) & 0x0F0F0F0Fu;
   }
-  __device__ __forceinline__ static int key_coord(int c, int s, int j) {
-    const int k = s / 2, h = s % 2;
-    const int byte = (k / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (k % words_per_seg);
-    return 2 * byte + 2 * h + (j >= 2 ? 1 : 0) + 4 * (j & 1);
+  __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) {
+    const int byte = (s / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (s % words_per_seg) + j % 4;
+    return 2 * byte + (j >= 4 ? 1 : 0);
   }
 };
-
 
 template <class Geometry>
 struct mma_shape {
@@ -360,9 +368,9 @@ struct mma_shape {
   static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
   static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
-  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the f16
-  // query (TQ4 keys), then the query B fragments [step][lane][hi0 hi1 lo0 lo1] (16-byte
-  // aligned: all counts are x 4).
+  // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the
+  // int8-rounded query (TQ4 keys), then the query B fragments (f16 [step][lane][hi0 hi1 lo0
+  // lo1], or int8 [step][digit][lane][2]: at most as large) (16-byte aligned: all counts x 4).
   static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 5 * 8 + steps * 32 * 4;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
@@ -400,7 +408,7 @@ struct mma_smem {
   float* l;
   float* m_ref;
   float* qexp;
-  float* qsum;  // per head: sum of the f16 (hi) query fragment values (TQ4 keys)
+  float* qsum;  // per head: sum of the int8-rounded query (TQ4 keys' level offset)
   uint4* qfrag;
 };
 
@@ -450,18 +458,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
                 "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, ST = S::steps;
   constexpr int SL = mass_slots_per_page<Geometry>;  // 16-token steps per page
-  // Int8 keys (TQ3 levels, int8_rotated codes) score on int8 mma against the query rounded to
-  // 13 (TQ3) or 20 (int8_rotated) bits of its largest element, as int8 digits (s8_keys). TQ4
-  // keys score with the f16 (hi) query only: its rounding (2^-12 relative per element) is
-  // ~0.35% of TQ4's own inner-product error (docs/gpu.md), and it halves the score mma. FP8
-  // keeps the f16 hi + lo split (~fp32 queries).
+  // Int8 keys (TQ3 and TQ4 levels, int8_rotated codes) score on int8 mma against the query
+  // rounded to 13 (TQ3, TQ4) or 20 (int8_rotated) bits of its largest element, as int8 digits
+  // (s8_keys). FP8 keys take the f16 hi + lo split (~fp32 queries).
   constexpr bool s8_keys = KC::s8_keys;
   constexpr int KS = s8_keys ? D / 32 : ST;  // k steps of the score product
-  constexpr bool hi_query_only = K::format == storage_format::tq4;
-  // Key codes that enter the mma as level + KC::key_offset (TQ4: 1024 + c): subtract
-  // key_offset x (sum of the f16 query) per head.
-  constexpr bool key_offset = KC::key_offset != 0.f;
-  static_assert(!key_offset || hi_query_only, "decode: a key offset is folded into the hi query's sum only");
+  // Key codes that enter the mma as level + offset (TQ4: c = level + 7.5, as uint8): subtract
+  // the offset x (the head's sum of its rounded query, an exact integer) per head.
+  constexpr bool key_offset = s8_keys && KC::key_level_offset != 0.f;
   static_assert(V::format != storage_format::tq4,
                 "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
                 "8-bit value codec, or decode_path::cuda_core");
@@ -472,6 +476,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
   const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
 
+  // int8 queries: Q = rint(q 2^(bits - e)), |Q| < 2^bits with bits = 7 P - 1, as P balanced
+  // base-128 digits in [-64, 64] (low digits in [-64, 63]), digit p in its own int8 fragment;
+  // the score is the sum of 128^p (K.digit_p), each product exact in int32.
+  constexpr int QP = s8_keys ? KC::query_parts : 1;
+  constexpr int s8_query_bits = 7 * QP - 1;
   // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
   // into hi + lo B fragments (f16, or int8 for int8 keys): column n = head qg, k slots of lane qc.
   __syncthreads();
@@ -493,21 +502,16 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // made NaN instead, as the f16 path's are.
     finite = __all_sync(0xffffffffu, finite);
     if (lane == 0) sm.qexp[h] = s8_keys && !finite ? NAN : float(e);
-    if constexpr (key_offset) {  // the f16 values the fragments below will hold, summed
-      const float qs = exp2f(-float(e));
-      float sum = 0.f;
-      for (int i = lane; i < D; i += 32) sum += __half2float(__float2half_rn(sm.acc_part[h * D + i] * qs));
+    if constexpr (key_offset) {  // the int8-rounded query the fragments below will hold, summed
+      const float qs = exp2f(float(s8_query_bits) - float(e));
+      int sum = 0;
+      for (int i = lane; i < D; i += 32) sum += __float2int_rn(sm.acc_part[h * D + i] * qs);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (lane == 0) sm.qsum[h] = sum;
+      if (lane == 0) sm.qsum[h] = float(sum);  // |sum| < 2^13 x 512: exact
     }
   }
   __syncthreads();
-  // int8 queries: Q = rint(q 2^(bits - e)), |Q| < 2^bits with bits = 7 P - 1, as P balanced
-  // base-128 digits in [-64, 64] (low digits in [-64, 63]), digit p in its own int8 fragment;
-  // the score is the sum of 128^p (K.digit_p), each product exact in int32.
-  constexpr int QP = s8_keys ? KC::query_parts : 1;
-  constexpr int s8_query_bits = 7 * QP - 1;
   {
     const bool live = qg < G;
     if constexpr (s8_keys) {
@@ -567,7 +571,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   float koff[2] = {0.f, 0.f};
   if constexpr (key_offset) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) koff[j] = 2 * qc + j < G ? KC::key_offset * sm.qsum[2 * qc + j] : 0.f;
+    for (int j = 0; j < 2; ++j) koff[j] = 2 * qc + j < G ? KC::key_level_offset * sm.qsum[2 * qc + j] : 0.f;
   }
 
   float o[ST][4];
@@ -602,7 +606,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
         for (int p = 0; p < QP; ++p) {
           const uint2 q = qf[(s * QP + p) * 32 + lane];
-          mma_16832_s8(acc[p], a, q.x, q.y);
+          mma_16832_s8<KC::key_unsigned>(acc[p], a, q.x, q.y);
         }
       }
 #pragma unroll
@@ -618,16 +622,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t a[4];
         KC::key_frag(kw[0], qc, s, a[0], a[2]);
         KC::key_frag(kw[1], qc, s, a[1], a[3]);
-        if constexpr (hi_query_only) {  // TQ4 keys: the f16 query alone, chains over even / odd k steps
-          const uint2 q = *reinterpret_cast<const uint2*>(&sm.qfrag[s * 32 + lane]);
-          mma_16816(s % 2 ? sc_lo : sc, a, q.x, q.y);
-        } else {
-          const uint4 q = sm.qfrag[s * 32 + lane];
-          mma_16816(sc, a, q.x, q.y);
-          mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
-        }
+        const uint4 q = sm.qfrag[s * 32 + lane];
+        mma_16816(sc, a, q.x, q.y);
+        mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
       }
-      if constexpr (hi_query_only || S::score_chains == 2) {
+      if constexpr (S::score_chains == 2) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
       }
