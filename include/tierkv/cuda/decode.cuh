@@ -288,9 +288,10 @@ __device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::
   }
 }
 
-// The codec's prepare_query / finalize over the group's heads, one warp per head. TQ3 uses
-// the warp Walsh-Hadamard of warp_vector.cuh, whose stage order makes it bit-identical to
-// the codec's serial functions (int8_rotated: the same rotation); FP8's are the identity.
+// The codec's prepare_query / finalize over the group's heads, one warp per head (head h on
+// warp h % decode_warps). TQ3 uses the warp Walsh-Hadamard of warp_vector.cuh, whose stage
+// order makes it bit-identical to the codec's serial functions (int8_rotated: the same
+// rotation); FP8's are the identity.
 template <class C>
 inline constexpr bool rotated_format =
     C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
@@ -310,9 +311,11 @@ __device__ __forceinline__ void group_prepare_query(const float* q, float* out, 
 #pragma unroll
       for (int r = 0; r < P; ++r) out[h * D + lane * P + r] = x[r] * inv_d;
     }
-  } else {
+  } else {  // identity, by the same head -> warp map (the tensor-core kernel relies on it)
     static_assert(C::format == storage_format::fp8_e4m3, "decode: prepare_query for fp8, tq3, tq4 or int8_rotated only");
-    for (int i = int(threadIdx.x); i < G * D; i += decode_threads) out[i] = q[i];
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    for (int h = warp; h < G; h += decode_warps)
+      for (int i = lane; i < D; i += 32) out[h * D + i] = q[h * D + i];
   }
 }
 template <class C, int G>

@@ -33,7 +33,9 @@ static_assert(std::endian::native == std::endian::little,
               "page_transfer: the buffer format is little-endian and is written with memcpy");
 
 inline constexpr std::array<char, 8> page_transfer_magic = {'T', 'K', 'V', 'P', 'A', 'G', 'E', 'S'};
-inline constexpr std::uint32_t page_transfer_version = 1;
+// 2: TQ3 levels moved onto the int8 grid (codec/tq3.hpp), so a version-1 buffer's TQ3 codes
+// and alpha would decode to other values: refused rather than read.
+inline constexpr std::uint32_t page_transfer_version = 2;
 inline constexpr std::size_t page_transfer_header_bytes = 80;
 inline constexpr std::size_t page_transfer_tier_entry_bytes = 8;
 inline constexpr std::size_t page_transfer_record_bytes = 16;

@@ -172,9 +172,15 @@ TEST_CASE("import verifies first and imports nothing on any mismatch", "[transfe
   }
   SECTION("bad version") {
     auto b = good;
-    b[8] = 2;
+    b[8] = 3;
     reseal(b);
-    refused(b, errc::corrupt_data, "version 2");
+    refused(b, errc::corrupt_data, "version 3");
+  }
+  SECTION("version 1 (TQ3 on the Lloyd-Max centroids) is refused") {
+    auto b = good;
+    b[8] = 1;
+    reseal(b);
+    refused(b, errc::corrupt_data, "version 1");
   }
   SECTION("checksum failure anywhere") {
     for (std::size_t i : {std::size_t(20), std::size_t(100), good.size() / 2, good.size() - 9, good.size() - 1}) {

@@ -447,7 +447,7 @@ __device__ __forceinline__ float exp2_rel(float x, float ref) {
 // (so the f16 probabilities are <= 1 whatever the scales), rebased to m at the tier's end.
 template <class Geometry, class Tier, int N>
 __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b, int kvh,
-                               int e_begin, int e_end, const mma_smem& sm, float* mass_ws, int* err) {
+                               int e_begin, int e_end, bool sole, const mma_smem& sm, float* mass_ws, int* err) {
   using S = mma_shape<Geometry>;
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
@@ -485,7 +485,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // into hi + lo B fragments (f16, or int8 for int8 keys): column n = head qg, k slots of lane qc.
   __syncthreads();
   group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
-  __syncthreads();
+  // group_prepare_query gives head h to warp h % 4, as the loop below does: a warp reads
+  // only what it wrote (no block barrier; at B = 1 the per-chunk prologue and epilogue are
+  // about half of the split kernel's stall samples, ncu run 10).
+  static_assert(mma_warps == decode_warps, "decode: the prologue's head-to-warp map");
+  __syncwarp();
   for (int h = warp; h < G; h += mma_warps) {
     float mx = 0.f;
     bool finite = true;
@@ -924,6 +928,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   }
   // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
   group_finalize<V, G>(sm.acc_part, vctx);
+  // The chunk's only tier: acc_part is the chunk's accumulator, relative to m (the split
+  // kernel stores it after its barrier). Otherwise fold it into acc_total.
+  if (sole) return;
   __syncthreads();
   for (int i = tid; i < G * D; i += decode_threads) {
     const int h = i / D;
@@ -978,26 +985,27 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
       sm.l[tid] = 0.f;
       sm.m_ref[tid] = -INFINITY;
     }
-    run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+    // The tiers with pages in this chunk (by-format chunks, the usual case, have one).
+    int lo[N], hi[N], with_pages = 0;
+#pragma unroll
+    for (int f = 0; f < N; ++f) {
+      chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+      with_pages += hi[f] > lo[f];
+    }
+    run_tiers(in, plan, ch, lo, hi, with_pages == 1, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
     __syncthreads();
 
-    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
+    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, with_pages == 1 ? sm.acc_part : sm.acc_total);
   }
 
   template <std::size_t... I>
   static __device__ void run_tiers(const decode_inputs<N>& in, const decode_plan& plan, const chunking<N>& ch,
-                                   const std::int64_t (&cost)[N], int c, int b, int kvh, const mma_smem& sm,
-                                   float* mass_ws, int* err, std::index_sequence<I...>) {
-    (run_tier<int(I), Tiers>(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err), ...);
-  }
-  template <int F, class Tier>
-  static __device__ void run_tier(const decode_inputs<N>& in, const decode_plan& plan, const chunking<N>& ch,
-                                  const std::int64_t (&cost)[N], int c, int b, int kvh, const mma_smem& sm,
-                                  float* mass_ws, int* err) {
-    int lo = 0, hi = 0;
-    chunk_range<N>(ch, cost, c, F, lo, hi);
-    if (hi > lo)
-      mma_tier_pages<Geometry, Tier, N>(in, plan, F, b, kvh, ch.first[F] + lo, ch.first[F] + hi, sm, mass_ws, err);
+                                   const int (&lo)[N], const int (&hi)[N], bool sole, int b, int kvh,
+                                   const mma_smem& sm, float* mass_ws, int* err, std::index_sequence<I...>) {
+    ((hi[I] > lo[I] ? mma_tier_pages<Geometry, Tiers, N>(in, plan, int(I), b, kvh, ch.first[I] + lo[I],
+                                                          ch.first[I] + hi[I], sole, sm, mass_ws, err)
+                    : void()),
+     ...);
   }
 };
 
