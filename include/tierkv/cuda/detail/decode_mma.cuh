@@ -78,6 +78,29 @@ __device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) 
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   cp_async_16_at<0>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
 }
+// Two immediates: the shared-memory side of a padded row layout differs from the global one.
+template <int GOff, int SOff>
+__device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(smem), "l"(gmem), "n"(SOff), "n"(GOff)
+               : "memory");
+}
+// Rows of Cpr 16-byte chunks (Cpr divides 32), contiguous in global memory, to shared memory
+// rows `Stride` bytes apart: chunk q = lane + 32 I is row q / Cpr, column q % Cpr, so a lane's
+// shared address is a base of its own plus an immediate per I.
+template <int Chunks, int Cpr, int Stride, int I = 0>
+__device__ __forceinline__ void cp_async_rows_from(unsigned smem, const std::uint8_t* gmem, int lane) {
+  if constexpr (I < (Chunks + 31) / 32) {
+    if (Chunks % 32 == 0 || lane + 32 * I < Chunks) cp_async_16_at<512 * I, (32 / Cpr) * Stride * I>(smem, gmem);
+    cp_async_rows_from<Chunks, Cpr, Stride, I + 1>(smem, gmem, lane);
+  }
+}
+template <int Chunks, int Cpr, int Stride>
+__device__ __forceinline__ void cp_async_rows(std::uint8_t* dst, const std::uint8_t* src, int lane) {
+  static_assert(32 % Cpr == 0, "cp_async_rows: chunks per row must divide 32");
+  const int row = lane / Cpr, col = lane % Cpr;
+  cp_async_rows_from<Chunks, Cpr, Stride>(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * Stride + 16 * col)),
+                                          src + 16 * lane, lane);
+}
 template <int Chunks, int I = 0>
 __device__ __forceinline__ void cp_async_region_from(unsigned smem, const std::uint8_t* gmem, int lane) {
   if constexpr (I < (Chunks + 31) / 32) {
@@ -382,11 +405,19 @@ struct mma_staging {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
   static constexpr std::size_t key_bytes = 16 * K::payload_bytes;
-  static constexpr std::size_t value_bytes = 16 * V::payload_bytes;
+  // 8-bit value rows at d >= 128 are read as 16 bytes at 16 g of rows 2c, 2c + 1, ... (lane
+  // 4g + c): rows d bytes apart put the 4 rows of a quarter-warp on the same banks (4-way
+  // conflicts, ncu run 10: 4x the ideal wavefronts). A 16-byte pad per row moves row 2c by
+  // 8c banks.
+  static constexpr bool pad_values = V::payload_bytes == std::size_t(Geometry::head_dim) && Geometry::head_dim >= 128 &&
+                                     V::payload_bytes / 16 <= 32 && 32 % (V::payload_bytes / 16) == 0;
+  static constexpr std::size_t value_stride = V::payload_bytes + (pad_values ? 16 : 0);
+  static constexpr std::size_t value_bytes = 16 * value_stride;
   static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0, "decode: staged rows must be whole 16-byte units");
   static constexpr std::size_t slot_bytes = key_bytes + value_bytes + 64;
   static constexpr int key_chunks = int(key_bytes / 16);
-  static constexpr int value_chunks = int(value_bytes / 16);
+  static constexpr int value_chunks = int(16 * V::payload_bytes / 16);
+  static constexpr int value_cpr = int(V::payload_bytes / 16);
   static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
 template <class Geometry, class TierList> struct mma_smem_size;
@@ -743,8 +774,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     cp_async_commit();
   };
   auto issue_values = [&](const std::uint8_t* page, int step) {
-    if (page != nullptr)
-      cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, page + layout::value_payload(kvh, 16 * step), lane);
+    if (page != nullptr) {
+      const std::uint8_t* src = page + layout::value_payload(kvh, 16 * step);
+      if constexpr (staging::pad_values)
+        cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(slot_p + staging::key_bytes, src,
+                                                                                            lane);
+      else
+        cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, src, lane);
+    }
     cp_async_commit();
   };
   // Value rows past ntok hold whatever the page holds there. Their probabilities are 0, so
@@ -765,7 +802,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const int row = 2 * qc + (v & 1) + 8 * (v >> 1);
-      VC::template load_value<true>(vst + std::size_t(row) * V::payload_bytes, qg, vw[v]);
+      VC::template load_value<true>(vst + std::size_t(row) * staging::value_stride, qg, vw[v]);
     }
     if constexpr (zero_tail_values) {
       if (t0 + 16 > ntok) {  // the last step of a partial page only (uniform across the warp)
