@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tensor-core split kernel of the mixed-format decode (decode_path::tensor_core): the same
 // chunking, workspace states, merge and page-mass kernels as the CUDA-core kernel of
-// decode.cuh, with the score and value products on mma.sync m16n8k16 (f16 in, f32 acc).
+// decode.cuh, with the score and value products on the tensor cores: mma.sync m16n8k16 (f16
+// in, f32 acc) for values and FP8 keys, m16n8k32 (int8 in, int32 acc) for TQ3, TQ4 and
+// int8_rotated keys.
 // Internal: included by decode.cuh (after its shared pieces); include decode.cuh.
 //
 // Shape (docs/gpu.md): each warp walks a stream of 16-token steps of the chunk's pages
@@ -10,11 +12,12 @@
 // group's query heads the N = 8 columns:
 //   S^T[16 tok x 8 heads] = K[16 x d] . Q^T[d x 8]   (A = key codes, B = queries)
 //   O^T[d x 8 heads]     += V^T[d x 16 tok] . P^T     (A = value codes, B = probabilities)
-// so codes become f16 A fragments in registers, with no shared-memory transpose. The k slots of
-// a fragment may be mapped to any coordinates as long as the other operand uses the same
-// map: keys take 4 contiguous codes per slot quadruple, values take the token pair of a
-// lane by one byte-permute. Queries are split into f16 hi + lo parts (two mma per step:
-// scores keep ~fp32 precision); per-token key scales and value scales multiply S^T rows.
+// so codes become f16 (or int8) A fragments in registers, with no shared-memory transpose.
+// The k slots of a fragment may be mapped to any coordinates as long as the other operand
+// uses the same map: keys take 4 contiguous codes per slot quadruple, values take the token
+// pair of a lane by one byte-permute. Queries are split into f16 hi + lo parts (FP8 keys:
+// scores keep ~fp32 precision) or int8 digits (13 or 20 bits); per-token key scales and value
+// scales multiply S^T rows.
 #pragma once
 
 #include "tierkv/core/config.hpp"
