@@ -802,8 +802,9 @@ status check_pools(const decode_inputs<int(sizeof...(Tiers))>& in, tiers<Tiers..
 namespace tierkv::cuda {
 
 // Which split kernel runs a decode step (same result up to rounding, same plan/workspace).
-// tensor_core: scores and values on mma.sync with f16 operands (queries split hi + lo, f16
-// probabilities; docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
+// tensor_core: scores and values on mma.sync (f16 operands, FP8 queries split hi + lo; int8
+// operands for TQ3, TQ4 and int8_rotated keys, queries as int8 digits; f16 probabilities;
+// docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
 enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };
 
 // Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)

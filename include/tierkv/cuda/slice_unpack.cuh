@@ -86,7 +86,7 @@ struct slice_reader<C, storage_format::int8_rotated> {
 // TQ3: a group of 32 rotated coordinates is three words W0..W2; a slice is half a
 // group. Half 0 = coordinates 0..15 = the nibbles of W0 and W1; half 1 = 16..31 = the
 // nibbles of W2 and the gathered bit-3 word. Each nibble (masked to 3 bits) is a
-// __byte_perm selector into an 8-entry table of the centroids' fp16 bytes: one
+// __byte_perm selector into an 8-entry table of the levels' fp16 bytes: one
 // byte-permute looks up 4 low bytes, one 4 high bytes, two more interleave them into
 // two half2 values.
 template <class C>
@@ -95,7 +95,7 @@ struct slice_reader<C, storage_format::tq3> {
   static_assert(C::payload_bytes * 8 == std::size_t(3 * C::head_dim),
                 "tq3 reader: payload must be 3*head_dim/8 bytes (docs/formats.md)");
   using raw = uint3;
-  // The codec's domain: dot = alpha * sum q''_i c_i with the unit-variance centroids c and
+  // The codec's domain: dot = alpha * sum q''_i c_i with the grid levels c (L / 64) and
   // the query prepared as H D q / d (codec/tq3.hpp), so no extra factor here.
   static constexpr float code_scale = 1.f;
 
