@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -115,6 +116,37 @@ TEST_CASE("tq3: codes, alpha, decode and dot match a float64 reference", "[tq3]"
   check_against_reference<tq3_key::bind<128>>(250.0);
   check_against_reference<tq3_plain::bind<128>>(1.0);
   check_against_reference<tq3_value::bind<256>>(1e10);
+}
+
+TEST_CASE("tq3: levels are int8 L / 64, and the GPU lookup tables hold exactly them", "[tq3]") {
+  // The GPU decode reads levels from byte tables (one byte-permute per 4 codes): int8 L for
+  // the key product, the f16 bits of L / 64 (low and high bytes) for the value product.
+  auto table_byte = [](std::uint32_t w0, std::uint32_t w1, int code) {
+    return (code < 4 ? w0 >> (8 * code) : w1 >> (8 * (code - 4))) & 0xffu;
+  };
+  auto f16_value = [](std::uint32_t h) {  // normal f16 only (the levels are)
+    const double mant = 1.0 + double(h & 0x3ffu) / 1024.0;
+    const int e = int((h >> 10) & 0x1fu) - 15;
+    REQUIRE(((h >> 10) & 0x1fu) != 0u);
+    return ((h & 0x8000u) ? -1.0 : 1.0) * std::ldexp(mant, e);
+  };
+  for (int code = 0; code < 8; ++code) {
+    const int L = detail::tq3_level_int(code);
+    CHECK(double(tq3_grid::level(code)) == double(L) / 64.0);
+    CHECK(double(tq3_grid::level(code)) == kCentroid[code]);
+    CHECK(std::int8_t(table_byte(detail::tq3_s8_0, detail::tq3_s8_1, code)) == L);
+    const std::uint32_t h = table_byte(detail::tq3_f16_lo0, detail::tq3_f16_lo1, code) |
+                            (table_byte(detail::tq3_f16_hi0, detail::tq3_f16_hi1, code) << 8);
+    CHECK(f16_value(h) == double(L) / 64.0);
+    if (code > 0) CHECK(detail::tq3_level_int(code - 1) < L);  // ascending
+    CHECK(detail::tq3_level_int(7 - code) == -L);               // symmetric
+  }
+  // Thresholds: the midpoints of adjacent levels at the unit scale 0.0169736 (Gaussian MSE optimum).
+  const double a = 0.016973614197169872;
+  CHECK(double(detail::tq3_threshold1) == Approx(a * (14 + 44) / 2).epsilon(1e-7));
+  CHECK(double(detail::tq3_threshold2) == Approx(a * (44 + 79) / 2).epsilon(1e-7));
+  CHECK(double(detail::tq3_threshold3) == Approx(a * (79 + 127) / 2).epsilon(1e-7));
+  CHECK(double(tq3_grid::plain_scale) == Approx(64 * a).epsilon(1e-7));
 }
 
 TEST_CASE("tq3: accumulate + finalize equals sum of p * decoded values", "[tq3]") {
