@@ -29,6 +29,7 @@
 
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/attention/host_prefill.hpp"
+#include "tierkv/attention/int8_query.hpp"
 #include "tierkv/attention/partial_state.hpp"
 
 #include "tierkv/tiering/recency_anchor.hpp"

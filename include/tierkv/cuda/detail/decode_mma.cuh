@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "tierkv/attention/int8_query.hpp"
+
 namespace tierkv::cuda::detail {
 
 inline constexpr int mma_warps = 4;
@@ -510,11 +512,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
   const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
 
-  // int8 queries: Q = rint(q 2^(bits - e)), |Q| < 2^bits with bits = 7 P - 1, as P balanced
-  // base-128 digits in [-64, 64] (low digits in [-64, 63]), digit p in its own int8 fragment;
-  // the score is the sum of 128^p (K.digit_p), each product exact in int32.
+  // int8 queries: Q = rint(q 2^(bits - e)) as QP balanced base-128 digits
+  // (attention/int8_query.hpp), digit p in its own int8 fragment; the score is the sum of
+  // 128^p (K.digit_p), each product exact in int32.
   constexpr int QP = s8_keys ? KC::query_parts : 1;
-  constexpr int s8_query_bits = 7 * QP - 1;
+  constexpr int s8_query_bits = int8_query_bits<QP>;
   // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
   // into hi + lo B fragments (f16, or int8 for int8 keys): column n = head qg, k slots of lane qc.
   __syncthreads();
@@ -559,13 +561,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t dg[QP][2] = {};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          int q = live ? __float2int_rn(sm.acc_part[qg * D + KC::key_coord_s8(qc, s, j)] * qs) : 0;
+          int d[QP];
+          int8_query_digits<QP>(live ? __float2int_rn(sm.acc_part[qg * D + KC::key_coord_s8(qc, s, j)] * qs) : 0, d);
 #pragma unroll
-          for (int p = 0; p < QP; ++p) {
-            const int d = p + 1 < QP ? ((q + 64) & 127) - 64 : q;
-            q = (q - d) >> 7;  // exact: q - d is a multiple of 128
-            dg[p][j / 4] |= (std::uint32_t(d) & 0xffu) << (8 * (j % 4));
-          }
+          for (int p = 0; p < QP; ++p) dg[p][j / 4] |= (std::uint32_t(d[p]) & 0xffu) << (8 * (j % 4));
         }
 #pragma unroll
         for (int p = 0; p < QP; ++p) qf[(s * QP + p) * 32 + lane] = make_uint2(dg[p][0], dg[p][1]);
