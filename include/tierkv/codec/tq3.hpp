@@ -31,6 +31,15 @@ TIERKV_HD_INLINE constexpr int tq3_level_int(int code) {
 }
 inline constexpr float tq3_level_scale = 1.0f / 64.0f;  // level = L / 64 (exact)
 TIERKV_HD_INLINE float tq3_centroid(int code) { return float(tq3_level_int(code)) * tq3_level_scale; }
+// All 8 levels, for the host loops that index them by code.
+struct tq3_level_table {
+  float v[8];
+};
+TIERKV_HD_INLINE tq3_level_table tq3_levels() {
+  tq3_level_table t{};
+  for (int c = 0; c < 8; ++c) t.v[c] = tq3_centroid(c);
+  return t;
+}
 
 // Byte tables of the GPU lookups (one byte-permute maps the 4 code nibbles of a selector to 4
 // table bytes): word 0 holds codes 0-3, word 1 codes 4-7. f16 levels: bits of L/64 (1 <= |L|
@@ -152,14 +161,14 @@ struct tq3_grid {
   template <int D>
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float t[8] = {-1.984375f, -1.234375f, -0.6875f, -0.21875f, 0.21875f, 0.6875f, 1.234375f, 1.984375f};
-    for_each_code<D>(payload, [&](int stream, int i, std::uint32_t code) { s[stream] += q[i] * t[code]; });
+    const detail::tq3_level_table t = detail::tq3_levels();
+    for_each_code<D>(payload, [&](int stream, int i, std::uint32_t code) { s[stream] += q[i] * t.v[code]; });
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <int D>
   TIERKV_HD static void accumulate(float w, const std::uint8_t* payload, float* acc) {
-    const float t[8] = {-1.984375f, -1.234375f, -0.6875f, -0.21875f, 0.21875f, 0.6875f, 1.234375f, 1.984375f};
-    for_each_code<D>(payload, [&](int, int i, std::uint32_t code) { acc[i] += w * t[code]; });
+    const detail::tq3_level_table t = detail::tq3_levels();
+    for_each_code<D>(payload, [&](int, int i, std::uint32_t code) { acc[i] += w * t.v[code]; });
   }
 };
 

@@ -73,25 +73,20 @@ template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
-// Chunks x 16 contiguous bytes global -> shared by a warp's lanes (lane i: chunks i, i + 32,
-// ...). The chunk offsets are immediates of one base address pair: a register pair per
-// chunk address spilled the FP8 step at d = 256 (17 copies per lane, 168 registers).
-template <int Off>
-__device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(smem), "l"(gmem), "n"(Off) : "memory");
-}
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  cp_async_16_at<0>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
-}
-// Two immediates: the shared-memory side of a padded row layout differs from the global one.
+// 16 bytes global + GOff -> shared + SOff (immediates of one base address pair: a register pair
+// per chunk address spilled the FP8 step at d = 256, 17 copies per lane, 168 registers).
 template <int GOff, int SOff>
 __device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(smem), "l"(gmem), "n"(SOff), "n"(GOff)
                : "memory");
 }
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  cp_async_16_at<0, 0>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
+}
 // Rows of Cpr 16-byte chunks (Cpr divides 32), contiguous in global memory, to shared memory
-// rows `Stride` bytes apart: chunk q = lane + 32 I is row q / Cpr, column q % Cpr, so a lane's
-// shared address is a base of its own plus an immediate per I.
+// rows `Stride` bytes apart, by a warp's lanes (lane i: chunks i, i + 32, ...): chunk
+// q = lane + 32 I is row q / Cpr, column q % Cpr, so a lane's shared address is a base of its
+// own plus an immediate per I.
 template <int Chunks, int Cpr, int Stride, int I = 0>
 __device__ __forceinline__ void cp_async_rows_from(unsigned smem, const std::uint8_t* gmem, int lane) {
   if constexpr (I < (Chunks + 31) / 32) {
@@ -106,16 +101,10 @@ __device__ __forceinline__ void cp_async_rows(std::uint8_t* dst, const std::uint
   cp_async_rows_from<Chunks, Cpr, Stride>(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * Stride + 16 * col)),
                                           src + 16 * lane, lane);
 }
-template <int Chunks, int I = 0>
-__device__ __forceinline__ void cp_async_region_from(unsigned smem, const std::uint8_t* gmem, int lane) {
-  if constexpr (I < (Chunks + 31) / 32) {
-    if (Chunks % 32 == 0 || lane + 32 * I < Chunks) cp_async_16_at<512 * I>(smem, gmem);
-    cp_async_region_from<Chunks, I + 1>(smem, gmem, lane);
-  }
-}
+// Chunks x 16 contiguous bytes to contiguous shared memory: one 512-byte "row" per 32 chunks.
 template <int Chunks>
 __device__ __forceinline__ void cp_async_region(std::uint8_t* dst, const std::uint8_t* src, int lane) {
-  cp_async_region_from<Chunks>(static_cast<unsigned>(__cvta_generic_to_shared(dst + 16 * lane)), src + 16 * lane, lane);
+  cp_async_rows<Chunks, 32, 512>(dst, src, lane);
 }
 __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
@@ -421,7 +410,7 @@ struct mma_staging {
   static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0, "decode: staged rows must be whole 16-byte units");
   static constexpr std::size_t slot_bytes = key_bytes + value_bytes + 64;
   static constexpr int key_chunks = int(key_bytes / 16);
-  static constexpr int value_chunks = int(16 * V::payload_bytes / 16);
+  static constexpr int value_chunks = int(V::payload_bytes);  // 16 rows of payload / 16 chunks
   static constexpr int value_cpr = int(V::payload_bytes / 16);
   static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
@@ -1031,10 +1020,11 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
       chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
       with_pages += hi[f] > lo[f];
     }
-    run_tiers(in, plan, ch, lo, hi, with_pages == 1, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+    const bool sole = with_pages == 1;
+    run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
     __syncthreads();
 
-    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, with_pages == 1 ? sm.acc_part : sm.acc_total);
+    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sole ? sm.acc_part : sm.acc_total);
   }
 
   template <std::size_t... I>
