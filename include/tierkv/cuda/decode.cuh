@@ -295,6 +295,41 @@ __device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::
 template <class C>
 inline constexpr bool rotated_format =
     C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
+// A lane's P consecutive floats of shared memory as 16-byte (or 8-byte) vectors: lanes P words
+// apart make scalar accesses P-way bank conflicted (d = 256: 8-way; ~0.7 us of a chunk for
+// each of prepare_query and finalize at B = 1, per-CTA %clock64 trace, session 7).
+template <int P>
+__device__ __forceinline__ void load_lane_floats(const float* p, float (&x)[P]) {
+  if constexpr (P % 4 == 0) {
+#pragma unroll
+    for (int r = 0; r < P; r += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(p + r);
+      x[r] = v.x, x[r + 1] = v.y, x[r + 2] = v.z, x[r + 3] = v.w;
+    }
+  } else if constexpr (P % 2 == 0) {
+#pragma unroll
+    for (int r = 0; r < P; r += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(p + r);
+      x[r] = v.x, x[r + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < P; ++r) x[r] = p[r];
+  }
+}
+template <int P>
+__device__ __forceinline__ void store_lane_floats(float* p, const float (&x)[P]) {
+  if constexpr (P % 4 == 0) {
+#pragma unroll
+    for (int r = 0; r < P; r += 4) *reinterpret_cast<float4*>(p + r) = make_float4(x[r], x[r + 1], x[r + 2], x[r + 3]);
+  } else if constexpr (P % 2 == 0) {
+#pragma unroll
+    for (int r = 0; r < P; r += 2) *reinterpret_cast<float2*>(p + r) = make_float2(x[r], x[r + 1]);
+  } else {
+#pragma unroll
+    for (int r = 0; r < P; ++r) p[r] = x[r];
+  }
+}
 template <class C, int G>
 __device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
   constexpr int D = C::head_dim;
@@ -304,12 +339,12 @@ __device__ __forceinline__ void group_prepare_query(const float* q, float* out, 
     const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
     for (int h = warp; h < G; h += decode_warps) {
       float x[P];
-#pragma unroll
-      for (int r = 0; r < P; ++r) x[r] = q[h * D + lane * P + r];
+      load_lane_floats<P>(q + h * D + lane * P, x);
       warp_signs<P>(x, ctx.seed, lane);
       warp_wht<P>(x, lane);
 #pragma unroll
-      for (int r = 0; r < P; ++r) out[h * D + lane * P + r] = x[r] * inv_d;
+      for (int r = 0; r < P; ++r) x[r] *= inv_d;
+      store_lane_floats<P>(out + h * D + lane * P, x);
     }
   } else {  // identity, by the same head -> warp map (the tensor-core kernel relies on it)
     static_assert(C::format == storage_format::fp8_e4m3, "decode: prepare_query for fp8, tq3, tq4 or int8_rotated only");
@@ -326,15 +361,28 @@ __device__ __forceinline__ void group_finalize(float* acc, const codec_context& 
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
     for (int h = warp; h < G; h += decode_warps) {
       float x[P];
-#pragma unroll
-      for (int r = 0; r < P; ++r) x[r] = acc[h * D + lane * P + r];
+      load_lane_floats<P>(acc + h * D + lane * P, x);
       warp_inverse_rotation<D, P>(x, ctx.seed, lane);
-#pragma unroll
-      for (int r = 0; r < P; ++r) acc[h * D + lane * P + r] = x[r];
+      store_lane_floats<P>(acc + h * D + lane * P, x);
     }
   } else {
     static_assert(C::format == storage_format::fp8_e4m3, "decode: finalize for fp8, tq3, tq4 or int8_rotated only");
   }
+}
+
+// Programmatic dependent launch (sm_90): every split block allows the merge grid to launch
+// as soon as all split blocks run, so the merge's launch and chunking overlap the split's
+// last blocks; the merge waits for the split grid's completion (and its memory) before it
+// reads the workspace. Without the launch attribute (or before sm_90) both are no-ops.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 struct decode_smem {
@@ -671,6 +719,7 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
     const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
     const int chunks = ch.chunks;
     const std::size_t row = std::size_t(b) * S::qh + std::size_t(h);
+    wait_for_prerequisite_grid();  // the split kernel's chunk states
     const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
                            row * std::size_t(plan.max_chunks);
     const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
@@ -762,6 +811,7 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads, decode_shape<Geometry>::min_blocks)
 decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+  allow_dependent_launch();
   decode_kernels<Geometry, TierList>::split(in, plan, workspace);
 }
 template <class Geometry, class TierList>
@@ -854,8 +904,19 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   using MK = detail::decode_kernels<Geometry, TierList>;
   const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch),
                         unsigned((Geometry::head_dim + MK::merge_slice - 1) / MK::merge_slice));
-  detail::decode_merge_kernel<Geometry, TierList><<<grid_merge, detail::decode_threads, 0, stream>>>(in, plan, ws);
-  TIERKV_CUDA_TRY(cudaGetLastError());
+  {
+    cudaLaunchAttribute pdl[1];
+    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid_merge;
+    cfg.blockDim = dim3(detail::decode_threads);
+    cfg.stream = stream;
+    cfg.attrs = pdl;
+    cfg.numAttrs = 1;
+    TIERKV_CUDA_TRY(cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<Geometry, TierList>, in, plan,
+                                       static_cast<const std::uint8_t*>(ws)));
+  }
   if (in.page_mass != nullptr) {
     detail::decode_page_mass_kernel<Geometry, TierList><<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
     TIERKV_CUDA_TRY(cudaGetLastError());

@@ -39,8 +39,11 @@ struct batch_index_view {
 
   // Tokens of logical page `logical_page` that are live in sequence b.
   TIERKV_HD int tokens_in_page(int b, int logical_page, int page_tokens) const {
-    const int start = logical_page * page_tokens;
-    const int left = seq_len[b] - start;
+    return tokens_in_page_of(seq_len[b], logical_page, page_tokens);
+  }
+  // The same, given the sequence's length (a kernel that loaded it ahead of its use).
+  TIERKV_HD static int tokens_in_page_of(int length, int logical_page, int page_tokens) {
+    const int left = length - logical_page * page_tokens;
     return left < page_tokens ? (left < 0 ? 0 : left) : page_tokens;
   }
 };

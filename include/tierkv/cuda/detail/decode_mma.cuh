@@ -233,6 +233,9 @@ struct mma_byte_codec {
     a2 = w[2 * s + 1];
   }
   __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) { return key_coord(c, 2 * s + j / 4, j % 4); }
+  // The 8 coordinates of (c, s) are [key_coord_s8(c, s, 0), +8) (mma_tier_pages reads them as
+  // two 16-byte vectors): slot j is coordinate base + query_offset_s8(j).
+  static constexpr int query_offset_s8(int j) { return j; }
 
   // values: segments of SEG dims; lane g reads SEG/8 bytes at SEG seg + (SEG/8) g.
   static constexpr int SEG = D >= 128 ? 128 : 64;
@@ -298,6 +301,7 @@ struct mma_codec<C, storage_format::tq3> {
     const int idx = c * (D / 32) + s;
     return 32 * (idx / 4) + 8 * (idx % 4) + j;
   }
+  static constexpr int query_offset_s8(int j) { return j; }
   // values: lane g owns D/64 effective words; byte b of word k is m-tile 4 k + b, its
   // nibbles 2b, 2b+1 rows g, g + 8
   using VL = tq3_lane_words<D / 64>;
@@ -363,6 +367,7 @@ struct mma_codec<C, storage_format::tq4> {
     const int byte = (s / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (s % words_per_seg) + j % 4;
     return 2 * byte + (j >= 4 ? 1 : 0);
   }
+  static constexpr int query_offset_s8(int j) { return 2 * (j % 4) + (j >= 4 ? 1 : 0); }
 };
 
 template <class Geometry>
@@ -414,12 +419,26 @@ struct mma_staging {
   static constexpr int value_cpr = int(V::payload_bytes / 16);
   static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
+// The end of a tier's pages: each warp's accumulator fragments (d/4 values per lane, value
+// k = 4 mt + i of o[mt][i]) go to its slice of the idle staging ring in fragment order, row k
+// of 32 lanes padded to 33 words, so the stores and the block's sum (32 consecutive k of one
+// lane) are free of bank conflicts. Stored at their head coordinates instead (the layout
+// before session 7), the rows of a quarter-warp's heads lay d words apart and the value
+// coordinates of its row groups 16 or 64 words apart: 16- to 32-way conflicts, 3-4 us of
+// a chunk at d = 256 (per-CTA %clock64 trace, B = 1).
+template <class Geometry>
+struct mma_fold {
+  static constexpr int values = Geometry::head_dim / 4;  // per lane: d/16 m-tiles x 4
+  static constexpr int row = 33;
+  static constexpr int slice = values * row;  // floats per warp
+  static constexpr std::size_t bytes = std::size_t(mma_warps) * slice * sizeof(float);
+};
+
 template <class Geometry, class TierList> struct mma_smem_size;
 template <class Geometry, class... Tiers>
 struct mma_smem_size<Geometry, tiers<Tiers...>> {
   // The ring also holds the warps' accumulators when a tier's pages are done (the fold).
-  static constexpr std::size_t fold = std::size_t(mma_warps) * Geometry::group_size * Geometry::head_dim * sizeof(float);
-  static constexpr std::size_t ring = std::max({fold, mma_staging<Geometry, Tiers>::block_bytes...});
+  static constexpr std::size_t ring = std::max({mma_fold<Geometry>::bytes, mma_staging<Geometry, Tiers>::block_bytes...});
   static constexpr std::size_t bytes = mma_shape<Geometry>::smem_bytes + ring;
 };
 
@@ -509,6 +528,91 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
   // into hi + lo B fragments (f16, or int8 for int8 keys): column n = head qg, k slots of lane qc.
   __syncthreads();
+  // The warp's first step is copied before the query prologue, which hides its memory round
+  // trip (B = 1: 1-2 us of a chunk, per-CTA %clock64 trace).
+  const format_pages_view fv = in.index.formats[f];
+  const pool_view pool = in.pools[f];
+  auto valid_page = [&](int e) {
+    const std::int32_t slot = fv.slot[e];
+    return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
+  };
+
+  // A warp's pages are one stream of 16-token steps, staged through one shared-memory slot
+  // per warp in two cp.async groups: K (key rows + metas) and V (value rows). Step i+1 is
+  // copied as soon as step i's rows are in registers, while step i's scores, softmax and
+  // value product run, so every format keeps about a step of loads in flight per warp
+  // without registers held for them. The direct loads of runs 1-8 paid a full memory round
+  // trip per step, and TQ3's 12-byte groups were uncoalesced (ncu: 77% excess L2 sectors at
+  // d = 256). `phased` below: where key and value codes do not fit the registers together,
+  // the K group is read and reissued before the scores, the V group before the values.
+  std::uint8_t* slot_p = sm.ring + std::size_t(warp) * staging::slot_bytes;
+  const std::uint8_t* kst = slot_p;
+  const std::uint8_t* vst = slot_p + staging::key_bytes;
+  const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
+  const std::uint16_t* vms = kms + 16;
+  // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
+  // compiled to ~200 instructions per step, SASS of run 8). An empty group when there is no
+  // next step keeps the wait counts uniform.
+  auto issue_keys = [&](const std::uint8_t* page, int step) {
+    if (page != nullptr) {
+      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, 16 * step), lane);
+      if (lane < 4) {  // the 16 bf16 key metas, then the 16 value metas: 2 x 32 bytes
+        const std::uint8_t* src = lane < 2 ? page + layout::key_meta(kvh, 16 * step) + 16 * lane
+                                           : page + layout::value_meta(kvh, 16 * step) + 16 * (lane - 2);
+        cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
+      }
+    }
+    cp_async_commit();
+  };
+  auto issue_values = [&](const std::uint8_t* page, int step) {
+    if (page != nullptr) {
+      const std::uint8_t* src = page + layout::value_payload(kvh, 16 * step);
+      if constexpr (staging::pad_values)
+        cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(slot_p + staging::key_bytes, src,
+                                                                                            lane);
+      else
+        cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, src, lane);
+    }
+    cp_async_commit();
+  };
+  // Which steps a warp takes. Small chunks (< 4 pages per warp): the steps of the tier's pages
+  // in this chunk split into 4 contiguous ranges, balanced to a step (whole pages per warp
+  // left up to a page of 4 steps idle per warp on the critical path of small batches; part
+  // of run 9's A/B, docs/gpu.md: B = 1 -10..-18% at d = 256). Larger chunks: whole pages round
+  // robin (stride 4 pages), as before run 9; contiguous ranges there measured the same (+-1%).
+  const int pages = e_end - e_begin;
+  const bool ranges = pages < 4 * mma_warps;
+  const int stride = ranges ? 1 : mma_warps;  // pages from one of the warp's pages to its next
+  // The ranges split the steps as if every page were full, so the first step's address needs
+  // no index load but its slot; the sequence's last page may be partial, and j_end is clamped
+  // to its tokens once that step is in flight. Step indices are unsigned: j / SL and j % SL
+  // are shifts for the usual page sizes.
+  const unsigned nominal = unsigned(pages) * SL;
+  unsigned j_end = ranges ? nominal * unsigned(warp + 1) / mma_warps : nominal;
+  // j, or the first step of the warp's next page with a valid slot (j_end when none is left)
+  auto valid_from = [&](unsigned j) {
+    while (j < j_end && !valid_page(e_begin + int(j / SL))) {
+      report_error(err, errc::out_of_range);
+      j = (j / SL + stride) * SL;
+    }
+    return j < j_end ? j : j_end;
+  };
+  auto page_at = [&](unsigned j) {  // the page of step j; null past the warp's steps
+    return j < j_end ? pool.page(std::uint32_t(fv.slot[e_begin + int(j / SL)])) : nullptr;
+  };
+  // The last page's index and the sequence's length load alongside the first step's slot
+  // (used after that step is issued).
+  const std::int32_t last = pages > 0 ? __ldg(fv.logical + e_end - 1) : -1;
+  const int length = __ldg(in.index.seq_len + b);
+  unsigned j = valid_from(ranges ? nominal * unsigned(warp) / mma_warps : unsigned(warp) * SL);
+  const std::uint8_t* page = page_at(j);
+  issue_keys(page, int(j % SL));
+  issue_values(page, int(j % SL));
+  if (pages > 0) {  // every page has SL steps but the last (a step past a page's tokens is masked)
+    const int last_tok = last >= 0 ? in.index.tokens_in_page_of(length, last, Geometry::page_tokens) : Geometry::page_tokens;
+    const unsigned total_steps = unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + 15) / 16));
+    if (j_end > total_steps) j_end = total_steps;
+  }
   group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
   // group_prepare_query gives head h to warp h % 4, as the loop below does: a warp reads
   // only what it wrote (no block barrier; at B = 1 the per-chunk prologue and epilogue are
@@ -542,39 +646,54 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   }
   __syncthreads();
   {
-    const bool live = qg < G;
+    // The block builds the fragments item by item, reading the prepared query as 16-byte
+    // vectors in an order with few bank conflicts: per lane (head qg, column pair qc) its
+    // coordinates lie a multiple of 32 words apart across qg and qc, so the per-lane loop of
+    // scalar loads (before session 7) was 16- to 32-way conflicted (~1.7 us of a chunk at d = 256).
     if constexpr (s8_keys) {
-      const float qs = live ? exp2f(float(s8_query_bits) - sm.qexp[qg]) : 0.f;
+      // item (lane, k step s), s fastest: the 8 coordinates [key_coord_s8(qc, s, 0), +8) of head qg
       uint2* qf = reinterpret_cast<uint2*>(sm.qfrag);
-      for (int s = warp; s < KS; s += mma_warps) {
+      for (int t = tid; t < KS * 32; t += decode_threads) {
+        const int s = t % KS, ln = t / KS, g = ln / 4, c = ln % 4;
         std::uint32_t dg[QP][2] = {};
+        if (g < G) {
+          const float qs = exp2f(float(s8_query_bits) - sm.qexp[g]);
+          const float4* src = reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord_s8(c, s, 0));
+          const float4 a = src[0], b = src[1];
+          const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          int d[QP];
-          int8_query_digits<QP>(live ? __float2int_rn(sm.acc_part[qg * D + KC::key_coord_s8(qc, s, j)] * qs) : 0, d);
+          for (int j = 0; j < 8; ++j) {
+            int d[QP];
+            int8_query_digits<QP>(__float2int_rn(x[KC::query_offset_s8(j)] * qs), d);
 #pragma unroll
-          for (int p = 0; p < QP; ++p) dg[p][j / 4] |= (std::uint32_t(d[p]) & 0xffu) << (8 * (j % 4));
+            for (int p = 0; p < QP; ++p) dg[p][j / 4] |= (std::uint32_t(d[p]) & 0xffu) << (8 * (j % 4));
+          }
         }
 #pragma unroll
-        for (int p = 0; p < QP; ++p) qf[(s * QP + p) * 32 + lane] = make_uint2(dg[p][0], dg[p][1]);
+        for (int p = 0; p < QP; ++p) qf[(s * QP + p) * 32 + ln] = make_uint2(dg[p][0], dg[p][1]);
       }
     } else {
-      const float qs = live ? exp2f(-sm.qexp[qg]) : 0.f;
-      for (int s = warp; s < KS; s += mma_warps) {
+      // item (k step s, lane), lane fastest: the 4 coordinates [key_coord(qc, s, 0), +4) of head qg
+      for (int t = tid; t < KS * 32; t += decode_threads) {
+        const int ln = t % 32, s = t / 32, g = ln / 4, c = ln % 4;
+        float x[4] = {0.f, 0.f, 0.f, 0.f};
+        if (g < G) {
+          const float qs = exp2f(-sm.qexp[g]);
+          const float4 a = *reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord(c, s, 0));
+          x[0] = a.x * qs;
+          x[1] = a.y * qs;
+          x[2] = a.z * qs;
+          x[3] = a.w * qs;
+        }
         std::uint32_t fr[4];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float x0 = 0.f, x1 = 0.f;
-          if (live) {
-            x0 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r)] * qs;
-            x1 = sm.acc_part[qg * D + KC::key_coord(qc, s, 2 * r + 1)] * qs;
-          }
-          const __half2 hh = __floats2half2_rn(x0, x1);
+          const __half2 hh = __floats2half2_rn(x[2 * r], x[2 * r + 1]);
           const float2 back = __half22float2(hh);
           fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
-          fr[2 + r] = pack_half2(x0 - back.x, x1 - back.y);
+          fr[2 + r] = pack_half2(x[2 * r] - back.x, x[2 * r + 1] - back.y);
         }
-        sm.qfrag[s * 32 + lane] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
+        sm.qfrag[s * 32 + ln] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
       }
     }
   }
@@ -607,8 +726,6 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  const format_pages_view fv = in.index.formats[f];
-  const pool_view pool = in.pools[f];
 
   // One 16-token step: key rows qg, qg + 8 (kw, ks), value rows 2qc, 2qc+1, 2qc+8, 2qc+9 (vw),
   // log2 value scales lvs; rows at or past ntok are masked in the scores (read_values below
@@ -732,49 +849,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       report_error(err, errc::out_of_range);
     }
   };
-  auto valid_page = [&](int e) {
-    const std::int32_t slot = fv.slot[e];
-    return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
-  };
 
-  // A warp's pages are one stream of 16-token steps, staged through one shared-memory slot
-  // per warp in two cp.async groups: K (key rows + metas) and V (value rows). Step i+1 is
-  // copied as soon as step i's rows are in registers, while step i's scores, softmax and
-  // value product run, so every format keeps about a step of loads in flight per warp
-  // without registers held for them. The direct loads of runs 1-8 paid a full memory round
-  // trip per step, and TQ3's 12-byte groups were uncoalesced (ncu: 77% excess L2 sectors at
-  // d = 256). `phased` below: where key and value codes do not fit the registers together,
-  // the K group is read and reissued before the scores, the V group before the values.
-  std::uint8_t* slot_p = sm.ring + std::size_t(warp) * staging::slot_bytes;
-  const std::uint8_t* kst = slot_p;
-  const std::uint8_t* vst = slot_p + staging::key_bytes;
-  const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
-  const std::uint16_t* vms = kms + 16;
-  // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
-  // compiled to ~200 instructions per step, SASS of run 8). An empty group when there is no
-  // next step keeps the wait counts uniform.
-  auto issue_keys = [&](const std::uint8_t* page, int step) {
-    if (page != nullptr) {
-      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, 16 * step), lane);
-      if (lane < 4) {  // the 16 bf16 key metas, then the 16 value metas: 2 x 32 bytes
-        const std::uint8_t* src = lane < 2 ? page + layout::key_meta(kvh, 16 * step) + 16 * lane
-                                           : page + layout::value_meta(kvh, 16 * step) + 16 * (lane - 2);
-        cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
-      }
-    }
-    cp_async_commit();
-  };
-  auto issue_values = [&](const std::uint8_t* page, int step) {
-    if (page != nullptr) {
-      const std::uint8_t* src = page + layout::value_payload(kvh, 16 * step);
-      if constexpr (staging::pad_values)
-        cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(slot_p + staging::key_bytes, src,
-                                                                                            lane);
-      else
-        cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, src, lane);
-    }
-    cp_async_commit();
-  };
   // Value rows past ntok hold whatever the page holds there. Their probabilities are 0, so
   // only codes that can decode to NaN / Inf (FP8 E4M3: 0x7F, 0xFF) must be zeroed; every
   // TQ3 code is a finite centroid and every int8 code a finite level.
@@ -810,39 +885,6 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // registers together: 8-bit rows at d >= 256 (64 words per lane; spilled at 168 registers).
   // Elsewhere one wait per step keeps a whole step in flight: phasing cost TQ3 3-8% (H200 A/B).
   constexpr bool phased = 2 * KC::key_words + 4 * VC::value_words >= 64;
-  // Which steps a warp takes. Small chunks (< 4 pages per warp): the steps of the tier's pages
-  // in this chunk split into 4 contiguous ranges, balanced to a step (whole pages per warp
-  // left up to a page of 4 steps idle per warp on the critical path of small batches; part
-  // of run 9's A/B, docs/gpu.md: B = 1 -10..-18% at d = 256). Larger chunks: whole pages round
-  // robin (stride 4 pages), as before run 9; contiguous ranges there measured the same (+-1%).
-  // Every page has SL steps but the last, which may be partial (the sequence's newest page);
-  // a step past a page's tokens is masked.
-  const int pages = e_end - e_begin;
-  int total_steps = 0;
-  if (pages > 0) {
-    const std::int32_t last = fv.logical[e_end - 1];
-    const int last_tok = last >= 0 ? in.index.tokens_in_page(b, last, Geometry::page_tokens) : Geometry::page_tokens;
-    total_steps = (pages - 1) * SL + std::max(1, (last_tok + 15) / 16);
-  }
-  const bool ranges = pages < 4 * mma_warps;
-  const int stride = ranges ? 1 : mma_warps;  // pages from one of the warp's pages to its next
-  // Step indices are unsigned: j / SL and j % SL are shifts for the usual page sizes.
-  const unsigned j_end = unsigned(ranges ? std::int64_t(total_steps) * (warp + 1) / mma_warps : total_steps);
-  // j, or the first step of the warp's next page with a valid slot (j_end when none is left)
-  auto valid_from = [&](unsigned j) {
-    while (j < j_end && !valid_page(e_begin + int(j / SL))) {
-      report_error(err, errc::out_of_range);
-      j = (j / SL + stride) * SL;
-    }
-    return j < j_end ? j : j_end;
-  };
-  auto page_at = [&](unsigned j) {  // the page of step j; null past the warp's steps
-    return j < j_end ? pool.page(std::uint32_t(fv.slot[e_begin + int(j / SL)])) : nullptr;
-  };
-  unsigned j = valid_from(unsigned(ranges ? std::int64_t(total_steps) * warp / mma_warps : warp * SL));
-  const std::uint8_t* page = page_at(j);
-  issue_keys(page, int(j % SL));
-  issue_values(page, int(j % SL));
   int ntok = 0;
   std::int32_t logical = -1;
   while (j < j_end) {
@@ -929,23 +971,29 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   }
   const float mnew_t = tid < G ? new_max(tid) : 0.f;
   // Each warp writes its rescaled accumulator to its own slice of the (now idle) staging
-  // ring; one barrier, then the block sums the slices in a fixed warp order (deterministic).
-  // Folding the warps one after another behind a barrier each put 4 x d/16 x 4 shared
-  // read-modify-writes on every chunk's critical path (ncu, B = 1: ~25% of a warp's instructions).
+  // ring (mma_fold); one barrier, then the block sums the slices in a fixed warp order
+  // (deterministic). Folding the warps one after another behind a barrier each put 4 x d/16
+  // x 4 shared read-modify-writes on every chunk's critical path (ncu, B = 1: ~25% of a
+  // warp's instructions).
+  using fold_shape = mma_fold<Geometry>;
   float* fold = reinterpret_cast<float*>(sm.ring);
 #pragma unroll
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int h = 2 * qc + (i % 2);
-      if (h < G) fold[(warp * G + h) * D + VC::value_coord(qg, mt, i / 2)] = o[mt][i] * fac[i % 2];
-    }
+    for (int i = 0; i < 4; ++i) fold[warp * fold_shape::slice + (4 * mt + i) * fold_shape::row + lane] = o[mt][i] * fac[i % 2];
   __syncthreads();
-  for (int i = tid; i < G * D; i += decode_threads) {
-    float x = fold[i];
+  static_assert(fold_shape::values * 32 % decode_threads == 0, "decode: whole fold rounds per thread");
+#pragma unroll 4
+  for (int n = 0; n < fold_shape::values * 32 / decode_threads; ++n) {
+    const int e = tid + n * decode_threads;
+    const int k = e % fold_shape::values, src = e / fold_shape::values;  // value k of lane src
+    const int h = 2 * (src % 4) + k % 2;
+    if (h < G) {
+      float x = fold[k * fold_shape::row + src];
 #pragma unroll
-    for (int w = 1; w < mma_warps; ++w) x += fold[w * G * D + i];
-    sm.acc_part[i] = x;
+      for (int w = 1; w < mma_warps; ++w) x += fold[w * fold_shape::slice + k * fold_shape::row + src];
+      sm.acc_part[h * D + VC::value_coord(src / 4, k / 4, (k % 4) / 2)] = x;
+    }
   }
   __syncthreads();
   if (tid < G) {
@@ -1041,6 +1089,7 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads, mma_shape<Geometry>::min_blocks)
 decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+  allow_dependent_launch();  // decode.cuh: the merge kernel's programmatic launch
   mma_kernels<Geometry, TierList>::split(in, plan, workspace);
 }
 
