@@ -106,6 +106,21 @@ struct chunking {
   int start[N];  // by_format: its first chunk
 };
 
+// floor(a / b) for 0 <= a < 2^62, 0 < b and a quotient below 2^50 (chunk counts and page
+// indices; a larger one, only from a hand-made plan, is clamped to max_chunks anyway): the
+// double quotient is within 1 of the exact one, then one integer correction (checked against
+// int64 division on 5e7 random pairs). An int64 division compiles to a ~100-instruction routine,
+// and the chunking needs several before a block issues its first load (tiered chunks at
+// B = 1: ~1 us of per-CTA %clock64 trace, against ~0.25 us for one format).
+__device__ __forceinline__ std::int64_t div_floor(std::int64_t a, std::int64_t b) {
+  std::int64_t q = std::int64_t(double(a) / double(b));
+  if (q * b > a)
+    --q;
+  else if ((q + 1) * b <= a)
+    ++q;
+  return q;
+}
+
 template <int N>
 __device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>& index, int b,
                                                       const std::int64_t (&cost)[N],
@@ -121,7 +136,7 @@ __device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>&
     pages += c.count[f];
     formats += c.count[f] > 0;
   }
-  std::int64_t k = (c.total + target - 1) / target;
+  std::int64_t k = div_floor(c.total + target - 1, target);
   if (k > max_chunks) k = max_chunks;
   if (k > pages) k = pages;
   c.chunks = int(k);
@@ -131,7 +146,7 @@ __device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>&
 #pragma unroll
     for (int f = 0; f < N; ++f) {
       const std::int64_t t = std::int64_t(c.count[f]) * cost[f];
-      c.per[f] = c.count[f] > 0 ? int(std::int64_t(c.chunks) * t / c.total) : 0;
+      c.per[f] = c.count[f] > 0 ? int(div_floor(std::int64_t(c.chunks) * t, c.total)) : 0;
       if (c.count[f] > 0 && c.per[f] < 1) c.per[f] = 1;
       if (c.per[f] > c.count[f]) c.per[f] = c.count[f];
       assigned += c.per[f];
@@ -182,17 +197,17 @@ __device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int
       lo = hi = 0;
       return;
     }
-    lo = int(std::int64_t(c.count[f]) * j / c.per[f]);
-    hi = int(std::int64_t(c.count[f]) * (j + 1) / c.per[f]);
+    lo = int(div_floor(std::int64_t(c.count[f]) * j, c.per[f]));
+    hi = int(div_floor(std::int64_t(c.count[f]) * (j + 1), c.per[f]));
     return;
   }
-  const std::int64_t a = c.total * k / c.chunks;
-  const std::int64_t z = c.total * (k + 1) / c.chunks;
+  const std::int64_t a = div_floor(c.total * k, c.chunks);
+  const std::int64_t z = div_floor(c.total * (k + 1), c.chunks);
   std::int64_t base = 0;
   for (int i = 0; i < f; ++i) base += std::int64_t(c.count[i]) * cost[i];
   auto first_at_or_after = [&](std::int64_t x) {
     if (x <= base) return std::int64_t(0);
-    std::int64_t i = (x - base + cost[f] - 1) / cost[f];
+    std::int64_t i = div_floor(x - base + cost[f] - 1, cost[f]);
     return i > c.count[f] ? std::int64_t(c.count[f]) : i;
   };
   lo = int(first_at_or_after(a));

@@ -259,9 +259,9 @@ struct mma_byte_codec {
     out[1][1] = Cvt::x2(y >> 16);
   }
   static constexpr int value_mtiles_per_word = 2;
-  __device__ __forceinline__ static int value_coord(int g, int mt, int r) {
-    const int wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
-    constexpr int wps = SEG / 32;                 // words per segment and lane
+  __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
+    const unsigned wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
+    constexpr unsigned wps = SEG / 32;                 // words per segment and lane
     return SEG * (wi / wps) + (SEG / 8) * g + 4 * (wi % wps) + j;
   }
 };
@@ -327,8 +327,8 @@ struct mma_codec<C, storage_format::tq3> {
     }
   }
   static constexpr int value_mtiles_per_word = 4;
-  __device__ __forceinline__ static int value_coord(int g, int mt, int r) {
-    const int idx = g * value_eff_words + mt / 4;
+  __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
+    const unsigned idx = g * value_eff_words + mt / 4;
     return 32 * (idx / 4) + 8 * (idx % 4) + 2 * (mt % 4) + r;
   }
 };
@@ -653,10 +653,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     if constexpr (s8_keys) {
       // item (lane, k step s), s fastest: the 8 coordinates [key_coord_s8(qc, s, 0), +8) of head qg
       uint2* qf = reinterpret_cast<uint2*>(sm.qfrag);
-      for (int t = tid; t < KS * 32; t += decode_threads) {
-        const int s = t % KS, ln = t / KS, g = ln / 4, c = ln % 4;
+      for (unsigned t = tid; t < KS * 32; t += decode_threads) {
+        const unsigned s = t % KS, ln = t / KS, g = ln / 4, c = ln % 4;
         std::uint32_t dg[QP][2] = {};
-        if (g < G) {
+        if (g < unsigned(G)) {
           const float qs = exp2f(float(s8_query_bits) - sm.qexp[g]);
           const float4* src = reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord_s8(c, s, 0));
           const float4 a = src[0], b = src[1];
@@ -674,10 +674,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       }
     } else {
       // item (k step s, lane), lane fastest: the 4 coordinates [key_coord(qc, s, 0), +4) of head qg
-      for (int t = tid; t < KS * 32; t += decode_threads) {
-        const int ln = t % 32, s = t / 32, g = ln / 4, c = ln % 4;
+      for (unsigned t = tid; t < KS * 32; t += decode_threads) {
+        const unsigned ln = t % 32, s = t / 32, g = ln / 4, c = ln % 4;
         float x[4] = {0.f, 0.f, 0.f, 0.f};
-        if (g < G) {
+        if (g < unsigned(G)) {
           const float qs = exp2f(-sm.qexp[g]);
           const float4 a = *reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord(c, s, 0));
           x[0] = a.x * qs;
@@ -984,16 +984,16 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   __syncthreads();
   static_assert(fold_shape::values * 32 % decode_threads == 0, "decode: whole fold rounds per thread");
 #pragma unroll 4
-  for (int n = 0; n < fold_shape::values * 32 / decode_threads; ++n) {
-    const int e = tid + n * decode_threads;
-    const int k = e % fold_shape::values, src = e / fold_shape::values;  // value k of lane src
-    const int h = 2 * (src % 4) + k % 2;
-    if (h < G) {
-      float x = fold[k * fold_shape::row + src];
+  for (unsigned n = 0; n < fold_shape::values * 32 / decode_threads; ++n) {
+    // value k of lane src (unsigned: the divisions are shifts); the loads unconditional (a
+    // dead column's slots are read, not stored), so the unrolled rounds' loads overlap
+    const unsigned e = unsigned(tid) + n * decode_threads;
+    const unsigned k = e % fold_shape::values, src = e / fold_shape::values;
+    float x = fold[k * fold_shape::row + src];
 #pragma unroll
-      for (int w = 1; w < mma_warps; ++w) x += fold[w * fold_shape::slice + k * fold_shape::row + src];
-      sm.acc_part[h * D + VC::value_coord(src / 4, k / 4, (k % 4) / 2)] = x;
-    }
+    for (int w = 1; w < mma_warps; ++w) x += fold[w * fold_shape::slice + k * fold_shape::row + src];
+    const unsigned h = 2 * (src % 4) + k % 2;
+    if (h < unsigned(G)) sm.acc_part[h * D + VC::value_coord(src / 4, k / 4, (k % 4) / 2)] = x;
   }
   __syncthreads();
   if (tid < G) {
