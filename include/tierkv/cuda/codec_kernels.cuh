@@ -15,6 +15,7 @@
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/core/config.hpp"
 #include "tierkv/core/status.hpp"
+#include "tierkv/cuda/warp_vector.cuh"
 
 namespace tierkv::cuda {
 
@@ -53,8 +54,6 @@ inline constexpr int codec_warps_per_block = 4;
 
 namespace detail {
 
-constexpr unsigned full_mask = 0xFFFFFFFFu;
-
 template <class Codec> struct is_fp8 : std::false_type {};
 template <int D, fp8_kind K> struct is_fp8<fp8_codec<D, K>> : std::true_type {};
 template <class Codec> struct is_tq3 : std::false_type {};
@@ -71,48 +70,14 @@ __device__ inline std::uint32_t load_u32(const std::uint8_t* p) {
   return tierkv::detail::load_le32(p);
 }
 
-// The canonical xor-butterfly of codec/tq3.hpp: s_l + s_(l^o), o = 16, 8, 4, 2, 1.
+// One warp per vector: the canonical sums, maximum, signs and Walsh-Hadamard are
+// warp_vector.cuh's with 32 lanes per vector.
 __device__ inline float warp_sum_canonical(float s) {
-  for (int o = 16; o >= 1; o >>= 1) s = s + __shfl_xor_sync(full_mask, s, o);
-  return s;
+  float part[1] = {s};
+  return group_sum_canonical<32>(part);
 }
-__device__ inline float warp_max(float s) {
-  for (int o = 16; o >= 1; o >>= 1) {
-    const float t = __shfl_xor_sync(full_mask, s, o);
-    s = t > s ? t : s;
-  }
-  return s;
-}
-
-// Unnormalized WHT over a warp, lane owning coordinates [lane*Per, lane*Per + Per):
-// the same stages and operand order as walsh_hadamard_unnormalized (bit-exact).
-template <int Per>
-__device__ inline void warp_wht(float (&v)[Per], int lane) {
-  for (int h = 1; h < Per; h <<= 1)
-    for (int i = 0; i < Per; i += 2 * h)
-      for (int j = i; j < i + h; ++j) {
-        const float a = v[j], b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
-  for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
-#pragma unroll
-    for (int r = 0; r < Per; ++r) {
-      const float other = __shfl_xor_sync(full_mask, v[r], m);
-      v[r] = upper ? other - v[r] : v[r] + other;
-    }
-  }
-}
-
-template <int Per>
-__device__ inline void warp_apply_signs(float (&v)[Per], std::uint64_t seed, int lane) {
-  const int first = lane * Per;  // Per <= 16 divides 64: one sign word per lane
-  const std::uint64_t w = rotation_sign_word(seed, first >> 6);
-#pragma unroll
-  for (int r = 0; r < Per; ++r)
-    v[r] = tierkv::detail::bits_float(tierkv::detail::float_bits(v[r]) ^
-                                      (std::uint32_t((w >> ((first + r) & 63)) & 1u) << 31));
+__device__ inline float warp_max_nonnegative(float s) {  // s >= 0: bit order is value order
+  return __uint_as_float(group_max_bits<32>(__float_as_uint(s)));
 }
 
 template <class Codec>
@@ -133,7 +98,7 @@ __device__ void fp8_encode_warp(const encode_batch<Codec>& b, int v, int lane) {
     }
     amax = a > amax ? a : amax;
   }
-  if (__any_sync(full_mask, bad)) {
+  if (__any_sync(full_warp, bad)) {
     for (int i = lane; i < D; i += 32) out[i] = 0;
     if (lane == 0) {
       b.meta[v] = Codec::poison_meta;
@@ -141,7 +106,7 @@ __device__ void fp8_encode_warp(const encode_batch<Codec>& b, int v, int lane) {
     }
     return;
   }
-  amax = warp_max(amax);
+  amax = warp_max_nonnegative(amax);
   const bf16_bits scale = Codec::scale_for(amax);
   const float s = bf16_to_float(scale);
   for (int i = lane; i < D; i += 32) {
@@ -154,7 +119,7 @@ __device__ void fp8_encode_warp(const encode_batch<Codec>& b, int v, int lane) {
     if (xi < -Codec::input_limit) xi = -Codec::input_limit;
     out[i] = float_to_fp8<Codec::format_t::max_code == 0x7E ? fp8_kind::e4m3 : fp8_kind::e5m2>(xi / s);
   }
-  for (int o = 16; o >= 1; o >>= 1) clipped += __shfl_xor_sync(full_mask, clipped, o);
+  for (int o = 16; o >= 1; o >>= 1) clipped += __shfl_xor_sync(full_warp, clipped, o);
   if (lane == 0) {
     b.meta[v] = scale;
     if (b.status) b.status[v] = errc::ok;
@@ -180,7 +145,7 @@ __device__ void tq3_encode_warp(const encode_batch<Codec>& b, int v, int lane,
     const float a = tierkv::detail::abs_bits(z[r]);
     amax = a > amax ? a : amax;
   }
-  if (__any_sync(full_mask, bad)) {
+  if (__any_sync(full_warp, bad)) {
     for (int i = lane; i < int(Codec::payload_bytes); i += 32) out[i] = 0;
     if (lane == 0) {
       b.meta[v] = Codec::poison_meta;
@@ -188,7 +153,7 @@ __device__ void tq3_encode_warp(const encode_batch<Codec>& b, int v, int lane,
     }
     return;
   }
-  amax = warp_max(amax);
+  amax = warp_max_nonnegative(amax);
   bf16_bits meta = 0;
   bool saturated = false;
   if (amax == 0.0f) {
@@ -203,7 +168,7 @@ __device__ void tq3_encode_warp(const encode_batch<Codec>& b, int v, int lane,
       part = fmaf(z[r], z[r], part);
     }
     const float sumsq = warp_sum_canonical(part);
-    warp_apply_signs<Per>(z, seed, lane);
+    warp_signs<Per>(z, seed, lane);
     warp_wht<Per>(z, lane);
     const auto bounds = tierkv::detail::tq3_make_bounds(sqrtf(sumsq));
     float pzc = 0.0f, pcc = 0.0f;
@@ -255,7 +220,7 @@ __device__ void tq3_decode_warp(const decode_batch<Codec>& b, int v, int lane) {
   const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
 #pragma unroll
   for (int r = 0; r < Per; ++r) y[r] *= inv_d;
-  warp_apply_signs<Per>(y, seed, lane);
+  warp_signs<Per>(y, seed, lane);
   float* out = b.out + std::size_t(v) * b.out_stride + first;
 #pragma unroll
   for (int r = 0; r < Per; ++r) out[r] = y[r];

@@ -1,15 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 // Retier kernels: convert whole pages between two tiers (FP8 -> TQ3 demotion, TQ3 -> FP8
 // promotion, or any pair of supported formats) over a list of (source, destination) page
-// slots, one warp per token vector (warps loop over the vectors), on the caller's stream. Codes equal the host codecs'
-// decode-then-encode bit for bit (tests/cuda/retier.cu).
+// slots, on the caller's stream. Codes equal the host codecs' decode-then-encode bit for bit
+// (tests/cuda/retier.cu).
+//
+// A token vector is held by a lane group of G = d/64 lanes, 64 coordinates each (one lane
+// below d = 128; warp_vector.cuh), so a warp converts 32/G consecutive tokens of one (page,
+// role, head) per iteration: the canonical sums and most of the Walsh-Hadamard run in
+// registers rather than through warp shuffles (one warp per vector spent ~66 shuffles per
+// vector and was instruction-bound), the per-page work (slot checks, page pointers, codec seed)
+// is done once per 32/G vectors, and an FP8 source is read as its code values with the scale
+// folded into the encoder's power-of-two multiply and the rotation's signs flipped on the codes.
 #pragma once
 
 #include "tierkv/core/config.hpp"
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/tier.hpp"
@@ -40,90 +50,117 @@ struct retier_inputs {
 
 namespace detail {
 
-template <class C, int P>
-__device__ __forceinline__ void warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
-                                                std::uint64_t seed, float (&x)[P], int lane) {
+template <class C>
+inline constexpr bool rotated_codec =
+    C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
+
+// The source vector (FP8: factored, the scale apart) and the destination encode. For a rotated
+// destination (same seed) the vector comes as D x (lane_vector's Signed): FP8 flips the codes'
+// signs, a rotated source leaves out its last D, and the encoder its first.
+template <class C, int N, bool Signed>
+__device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
+                                                std::uint64_t seed, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    warp_decode_fp8<C, P>(payload, meta, x, lane);
-  } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-    warp_decode_tq<C, P>(payload, meta, seed, x, lane);
-  } else if constexpr (C::format == storage_format::int8_rotated) {
-    warp_decode_int8r<C, P>(payload, meta, seed, x, lane);
+    return warp_decode_fp8<C, N, Signed && N % 4 == 0>(payload, meta, lane, seed);
   } else {
-    static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
+    float x[N];
+    if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
+      warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane);
+    } else if constexpr (C::format == storage_format::int8_rotated) {
+      warp_decode_int8r<C, N, Signed>(payload, meta, seed, x, lane);
+    } else {
+      static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
+    }
+    return make_lane_vector<Signed>(x);
   }
 }
-template <class C, int P>
-__device__ __forceinline__ bool warp_encode_any(const float (&x)[P], std::uint8_t* payload,
+template <class C, int N, bool F, bool S>
+__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, std::uint8_t* payload,
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_encode_fp8<C, P>(x, payload, meta, lane);
+    return warp_encode_fp8<C, N>(v, payload, meta, lane);
   } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-    return warp_encode_tq<C, P>(x, payload, meta, seed, lane);
+    return warp_encode_tq<C, N>(v, payload, meta, seed, lane);
   } else if constexpr (C::format == storage_format::int8_rotated) {
-    return warp_encode_int8r<C, P>(x, payload, meta, seed, lane);
+    return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
   } else {
     static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
     return false;
   }
 }
 
-inline constexpr int retier_warps = 8;
-// Blocks of a launch: enough to fill an H200 several times over; warps then loop over the
-// vectors (grid stride), so a large batch does not pay a block launch per 8 vectors.
-inline constexpr std::int64_t retier_max_blocks = 132 * 16;
-
-// One (page, role, head, token) vector per warp iteration; consecutive warps take
-// consecutive tokens.
-template <class Geometry, class From, class To>
-__device__ __forceinline__ void retier_vector(const retier_inputs& in, std::int64_t w, int lane) {
-  constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, T = Geometry::page_tokens;
-  constexpr int P = D / 32;
-  constexpr int per_page = H * T * 2;
-  const int i = int(w / per_page);
-  const int r = int(w - std::int64_t(i) * per_page);
-  const int t = r % T, h = (r / T) % H, role = r / (T * H);
-  const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
-  if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
-    if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
-    return;
-  }
-  const int layer = in.layer_of ? in.layer_of[i] : in.layer;
-  const kv_role kr = role == 0 ? kv_role::key : kv_role::value;
-  const std::uint64_t seed = make_codec_context(in.cache_seed, layer, in.head_base + h, kr).seed;
-  const std::uint8_t* sp = in.src.page(std::uint32_t(s));
-  std::uint8_t* dp = in.dst.page(std::uint32_t(d));
-  float x[P];
-  bool ok;
-  if (role == 0) {
-    using SK = typename From::template key_codec<D>;
-    using DK = typename To::template key_codec<D>;
-    using SL = page_layout<Geometry, SK, typename From::template value_codec<D>>;
-    using DL = page_layout<Geometry, DK, typename To::template value_codec<D>>;
-    const auto meta = *reinterpret_cast<const typename SK::meta_type*>(sp + SL::key_meta(h, t));
-    warp_decode_any<SK, P>(sp + SL::key_payload(h, t), meta, seed, x, lane);
-    ok = warp_encode_any<DK, P>(x, dp + DL::key_payload(h, t),
-                                reinterpret_cast<typename DK::meta_type*>(dp + DL::key_meta(h, t)), seed, lane);
-  } else {
-    using SV = typename From::template value_codec<D>;
-    using DV = typename To::template value_codec<D>;
-    using SL = page_layout<Geometry, typename From::template key_codec<D>, SV>;
-    using DL = page_layout<Geometry, typename To::template key_codec<D>, DV>;
-    const auto meta = *reinterpret_cast<const typename SV::meta_type*>(sp + SL::value_meta(h, t));
-    warp_decode_any<SV, P>(sp + SL::value_payload(h, t), meta, seed, x, lane);
-    ok = warp_encode_any<DV, P>(x, dp + DL::value_payload(h, t),
-                                reinterpret_cast<typename DV::meta_type*>(dp + DL::value_meta(h, t)), seed, lane);
-  }
-  if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+// Lanes per vector: the largest power of two <= d/64 (64 coordinates per lane at d = 64, 128,
+// 256, 512), one lane per vector below d = 128, at most 32.
+constexpr int retier_lanes(int d) {
+  int g = 1;
+  while (g < 32 && 2 * g * 64 <= d) g *= 2;
+  return g;
 }
 
+inline constexpr int retier_warps = 4;       // 128 threads per block
+inline constexpr int retier_min_blocks = 4;  // per SM: at most 128 registers per thread
+// Blocks of a launch: enough to fill an H200 several times over; warps then loop over the
+// work (grid stride), so a large batch does not pay a block launch per few vectors.
+inline constexpr std::int64_t retier_max_blocks = 132 * 16;
+
+// This lane's vector (kv head h, token t) of one role of a page: decode with From's codec,
+// encode with To's. False for a non-finite vector (the destination holds the codec's poison).
+template <class Geometry, class From, class To, int Role>
+__device__ __forceinline__ bool retier_vector(const std::uint8_t* sp, std::uint8_t* dp, int h, int t,
+                                              std::uint64_t seed, int lane) {
+  constexpr int D = Geometry::head_dim, N = D / retier_lanes(D);
+  using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
+  using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
+  using SC = std::conditional_t<Role == 0, typename SL::key_codec, typename SL::value_codec>;
+  using DC = std::conditional_t<Role == 0, typename DL::key_codec, typename DL::value_codec>;
+  const std::size_t s_payload = Role == 0 ? SL::key_payload(h, t) : SL::value_payload(h, t);
+  const std::size_t s_meta = Role == 0 ? SL::key_meta(h, t) : SL::value_meta(h, t);
+  const std::size_t d_payload = Role == 0 ? DL::key_payload(h, t) : DL::value_payload(h, t);
+  const std::size_t d_meta = Role == 0 ? DL::key_meta(h, t) : DL::value_meta(h, t);
+  const auto v = warp_decode_any<SC, N, rotated_codec<DC>>(sp + s_payload,
+                                                          *reinterpret_cast<const typename SC::meta_type*>(sp + s_meta), seed, lane);
+  return warp_encode_any<DC, N>(v, dp + d_payload, reinterpret_cast<typename DC::meta_type*>(dp + d_meta), seed, lane);
+}
+
+// Work unit: 32/G consecutive vectors of a page (in-page order role, head, token; G lanes
+// each), so with page_tokens >= 32/G a warp's vectors are consecutive tokens of one (role,
+// head). Pages hold 2 * kv_heads * page_tokens vectors, a multiple of 32 (page_tokens % 16 ==
+// 0): units never straddle pages. The slot checks, page pointers and codec seed are worked
+// out once per unit; (page, unit) advance by the grid's warp count in 32-bit arithmetic.
 template <class Geometry, class From, class To>
-__global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs in) {
-  const int wib = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const std::int64_t total = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2;
-  const std::int64_t stride = std::int64_t(gridDim.x) * retier_warps;
-  for (std::int64_t w = std::int64_t(blockIdx.x) * retier_warps + wib; w < total; w += stride)
-    retier_vector<Geometry, From, To>(in, w, lane);
+__global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_kernel(retier_inputs in) {
+  constexpr int H = Geometry::kv_heads, T = Geometry::page_tokens;
+  constexpr int G = retier_lanes(Geometry::head_dim), V = 32 / G;
+  constexpr unsigned units = unsigned(2 * H * T / V);
+  static_assert((2 * H * T) % V == 0, "retier: a page holds whole units of 32/G vectors");
+  const int lane = int(threadIdx.x) % 32;
+  const unsigned warp = blockIdx.x * unsigned(retier_warps) + threadIdx.x / 32;
+  const unsigned warps = gridDim.x * unsigned(retier_warps);
+  const unsigned di = warps / units, dr = warps % units;
+  unsigned i = warp / units, r = warp % units;
+  while (i < unsigned(in.pages)) {
+    const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
+    if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
+      if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
+    } else {
+      const int layer = in.layer_of ? in.layer_of[i] : in.layer;
+      const int v = int(r) * V + lane / G;  // (role * H + h) * T + t
+      const int t = v % T, row = v / T, h = row % H, role = row / H;
+      const std::uint64_t seed =
+          make_codec_context(in.cache_seed, layer, in.head_base + h, role == 0 ? kv_role::key : kv_role::value).seed;
+      const std::uint8_t* sp = in.src.page(std::uint32_t(s));
+      std::uint8_t* dp = in.dst.page(std::uint32_t(d));
+      const bool ok = role == 0 ? retier_vector<Geometry, From, To, 0>(sp, dp, h, t, seed, lane)
+                                : retier_vector<Geometry, From, To, 1>(sp, dp, h, t, seed, lane);
+      if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+    }
+    i += di;
+    r += dr;
+    if (r >= units) {
+      r -= units;
+      ++i;
+    }
+  }
 }
 
 }  // namespace detail
@@ -133,7 +170,7 @@ __global__ void __launch_bounds__(retier_warps * 32) retier_kernel(retier_inputs
 template <class Geometry, class From, class To>
 status retier(const retier_inputs& in, cudaStream_t stream) {
   constexpr int D = Geometry::head_dim;
-  static_assert(D % 32 == 0, "cuda::retier: head_dim must be a multiple of 32 (one warp per vector)");
+  static_assert(D % 32 == 0, "cuda::retier: head_dim must be a multiple of 32 (canonical 32-lane sums)");
   using src_layout = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   using dst_layout = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
   if (in.pages < 0) return status::make(errc::invalid_argument, "retier: pages = ", in.pages, " is negative");
@@ -146,7 +183,8 @@ status retier(const retier_inputs& in, cudaStream_t stream) {
   if (in.dst.page_bytes != dst_layout::page_bytes)
     return status::make(errc::geometry_mismatch, "retier: dst.page_bytes = ", in.dst.page_bytes,
                         " but tier To's layout needs ", dst_layout::page_bytes);
-  const std::int64_t warps = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2;
+  constexpr int vectors_per_warp = 32 / detail::retier_lanes(D);
+  const std::int64_t warps = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2 / vectors_per_warp;
   std::int64_t blocks = (warps + detail::retier_warps - 1) / detail::retier_warps;
   if (blocks > detail::retier_max_blocks) blocks = detail::retier_max_blocks;
   detail::retier_kernel<Geometry, From, To><<<unsigned(blocks), detail::retier_warps * 32, 0, stream>>>(in);
