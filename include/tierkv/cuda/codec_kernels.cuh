@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Batch encode / decode kernels for the codecs (used by tests, append and retier).
 // One warp per vector for FP8 and TQ3 (bit-exact with the host encoders: the TQ3 warp
-// path reproduces the canonical warp order of codec/tq3.hpp), one thread per vector for
-// any other codec. Launch helpers take a cudaStream_t, never synchronize, never allocate.
+// path reproduces the canonical warp order of codec/tq3.hpp with warp_vector.cuh's 32-lane
+// helpers), one thread per vector for any other codec. Launch helpers take a cudaStream_t,
+// never synchronize, never allocate.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -76,11 +76,12 @@ __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typ
 }
 template <class C, int N, bool F, bool S>
 __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, std::uint8_t* payload,
-                                                typename C::meta_type* meta, std::uint64_t seed, int lane) {
+                                                typename C::meta_type* meta, std::uint64_t seed, int lane,
+                                                tq_norm norm) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     return warp_encode_fp8<C, N>(v, payload, meta, lane);
   } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-    return warp_encode_tq<C, N>(v, payload, meta, seed, lane);
+    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm);
   } else if constexpr (C::format == storage_format::int8_rotated) {
     return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
   } else {
@@ -103,23 +104,38 @@ inline constexpr int retier_min_blocks = 4;  // per SM: at most 128 registers pe
 // work (grid stride), so a large batch does not pay a block launch per few vectors.
 inline constexpr std::int64_t retier_max_blocks = 132 * 16;
 
-// This lane's vector (kv head h, token t) of one role of a page: decode with From's codec,
-// encode with To's. False for a non-finite vector (the destination holds the codec's poison).
+// Whether a tier keeps keys and values in one format (FP8, int8_rotated, TQ3: the key and value
+// codecs then differ at most in TQ's norm): a retier between two such tiers runs one code path
+// for both roles, the role choosing page offsets and the norm at run time (half the code).
+template <class Tier, int D>
+inline constexpr bool one_format =
+    Tier::template key_codec<D>::format == Tier::template value_codec<D>::format;
+template <class From, class To, int D>
+inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
+
+// This lane's vector (kv head h, token t) of a page: decode with From's codec, encode with To's.
+// Role 0 / 1: the key / value codecs; Role 2 (roles_alike): the key codecs' code, with the value
+// role's offsets and norm where `value`. False for a non-finite vector (the destination holds
+// the codec's poison).
 template <class Geometry, class From, class To, int Role>
-__device__ __forceinline__ bool retier_vector(const std::uint8_t* sp, std::uint8_t* dp, int h, int t,
+__device__ __forceinline__ bool retier_vector(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
                                               std::uint64_t seed, int lane) {
   constexpr int D = Geometry::head_dim, N = D / retier_lanes(D);
   using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
-  using SC = std::conditional_t<Role == 0, typename SL::key_codec, typename SL::value_codec>;
-  using DC = std::conditional_t<Role == 0, typename DL::key_codec, typename DL::value_codec>;
-  const std::size_t s_payload = Role == 0 ? SL::key_payload(h, t) : SL::value_payload(h, t);
-  const std::size_t s_meta = Role == 0 ? SL::key_meta(h, t) : SL::value_meta(h, t);
-  const std::size_t d_payload = Role == 0 ? DL::key_payload(h, t) : DL::value_payload(h, t);
-  const std::size_t d_meta = Role == 0 ? DL::key_meta(h, t) : DL::value_meta(h, t);
+  using SC = std::conditional_t<Role == 1, typename SL::value_codec, typename SL::key_codec>;
+  using DC = std::conditional_t<Role == 1, typename DL::value_codec, typename DL::key_codec>;
+  const bool v_role = Role == 1 || (Role == 2 && value);
+  const std::size_t s_payload = v_role ? SL::value_payload(h, t) : SL::key_payload(h, t);
+  const std::size_t s_meta = v_role ? SL::value_meta(h, t) : SL::key_meta(h, t);
+  const std::size_t d_payload = v_role ? DL::value_payload(h, t) : DL::key_payload(h, t);
+  const std::size_t d_meta = v_role ? DL::value_meta(h, t) : DL::key_meta(h, t);
+  tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
+  if constexpr (rotated_codec<DC> && DC::format != storage_format::int8_rotated)
+    norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
   const auto v = warp_decode_any<SC, N, rotated_codec<DC>>(sp + s_payload,
                                                           *reinterpret_cast<const typename SC::meta_type*>(sp + s_meta), seed, lane);
-  return warp_encode_any<DC, N>(v, dp + d_payload, reinterpret_cast<typename DC::meta_type*>(dp + d_meta), seed, lane);
+  return warp_encode_any<DC, N>(v, dp + d_payload, reinterpret_cast<typename DC::meta_type*>(dp + d_meta), seed, lane, norm);
 }
 
 // Work unit: 32/G consecutive vectors of a page (in-page order role, head, token; G lanes
@@ -150,8 +166,12 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
           make_codec_context(in.cache_seed, layer, in.head_base + h, role == 0 ? kv_role::key : kv_role::value).seed;
       const std::uint8_t* sp = in.src.page(std::uint32_t(s));
       std::uint8_t* dp = in.dst.page(std::uint32_t(d));
-      const bool ok = role == 0 ? retier_vector<Geometry, From, To, 0>(sp, dp, h, t, seed, lane)
-                                : retier_vector<Geometry, From, To, 1>(sp, dp, h, t, seed, lane);
+      bool ok;
+      if constexpr (roles_alike<From, To, Geometry::head_dim>)
+        ok = retier_vector<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, lane);
+      else
+        ok = role == 0 ? retier_vector<Geometry, From, To, 0>(sp, dp, h, t, false, seed, lane)
+                       : retier_vector<Geometry, From, To, 1>(sp, dp, h, t, true, seed, lane);
       if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
     }
     i += di;

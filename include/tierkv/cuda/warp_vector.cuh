@@ -3,9 +3,10 @@
 // a vector held by G consecutive, aligned lanes of a warp. A helper's layout follows from its
 // per-lane count N = d/G (G a power of two dividing 32): lane gl = lane % G of the group owns
 // coordinates [gl*N, gl*N + N). G = 32 (N = d/32) is one warp per vector (decode's
-// prepare_query / finalize, append's int8_rotated encode); the retier kernel uses N = 64
-// (G = d/64 lanes, 32/G vectors per warp), which moves most butterfly stages and most of the
-// Walsh-Hadamard from shuffles into registers (cuda/retier.cuh).
+// prepare_query / finalize, append's int8_rotated encode, codec_kernels.cuh's batch kernels);
+// the retier kernel uses N = 64 (G = d/64 lanes, 32/G vectors per warp), which moves most
+// butterfly stages and most of the Walsh-Hadamard from shuffles into registers
+// (cuda/retier.cuh).
 //
 // Calling convention: all 32 lanes of a warp call a helper together (converged), each group
 // with its own vector; groups of one lane (G = 1) may also diverge. Shuffles take the full-warp
@@ -697,12 +698,14 @@ constexpr std::uint32_t packer_code(int code) {
   return Grid::format == storage_format::tq3 ? tq_packer_bias + std::uint32_t(code) : std::uint32_t(code);
 }
 
-// TQ3 / TQ4 encode (exactly tq_codec::encode), codes packed in registers. A zero or
-// non-finite vector runs the common path on substitute numbers, then takes zero_code codes
-// and alpha 0, or zero codes and the poison (returning false).
+// TQ3 / TQ4 encode (exactly tq_codec::encode), codes packed in registers; `norm` the alpha
+// correction (the codec's, or its sibling family's: key and value codecs differ only there). A
+// zero or non-finite vector runs the common path on substitute numbers, then takes zero_code
+// codes and alpha 0, or zero codes and the poison (returning false).
 template <class Codec, int N, bool F, bool S>
 __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, std::uint8_t* payload,
-                                               typename Codec::meta_type* meta, std::uint64_t seed, int lane) {
+                                               typename Codec::meta_type* meta, std::uint64_t seed, int lane,
+                                               tq_norm norm = Codec::norm) {
   constexpr int D = Codec::head_dim;
   using grid = typename Codec::grid;
   using lg = lane_group<D, N>;
@@ -734,7 +737,7 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
   pk.store(payload, lane);
   if (gl == 0) {
     bool saturated = false;
-    *meta = coded    ? tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, grid::plain_scale, &saturated)
+    *meta = coded    ? tierkv::detail::tq_alpha(norm, D, sumsq, s_zc, s_cc, k, grid::plain_scale, &saturated)
             : finite ? typename Codec::meta_type(0)
                      : Codec::poison_meta;
   }
