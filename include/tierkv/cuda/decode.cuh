@@ -310,40 +310,25 @@ __device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::
 template <class C>
 inline constexpr bool rotated_format =
     C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
-// A lane's P consecutive floats of shared memory as 16-byte (or 8-byte) vectors: lanes P words
-// apart make scalar accesses P-way bank conflicted (d = 256: 8-way; ~0.7 us of a chunk for
-// each of prepare_query and finalize at B = 1, per-CTA %clock64 trace, session 7).
+// A lane's P consecutive floats of shared memory in the widest aligned vectors (warp_vector.cuh's
+// load_words): lanes P words apart make scalar accesses P-way bank conflicted (d = 256: 8-way;
+// ~0.7 us of a chunk for each of prepare_query and finalize at B = 1, per-CTA %clock64 trace,
+// session 7).
+template <int P>
+inline constexpr int lane_float_alignment = P % 4 == 0 ? 16 : P % 2 == 0 ? 8 : 4;
 template <int P>
 __device__ __forceinline__ void load_lane_floats(const float* p, float (&x)[P]) {
-  if constexpr (P % 4 == 0) {
+  std::uint32_t w[P];
+  load_words<lane_float_alignment<P>, P>(reinterpret_cast<const std::uint8_t*>(p), w);
 #pragma unroll
-    for (int r = 0; r < P; r += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(p + r);
-      x[r] = v.x, x[r + 1] = v.y, x[r + 2] = v.z, x[r + 3] = v.w;
-    }
-  } else if constexpr (P % 2 == 0) {
-#pragma unroll
-    for (int r = 0; r < P; r += 2) {
-      const float2 v = *reinterpret_cast<const float2*>(p + r);
-      x[r] = v.x, x[r + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int r = 0; r < P; ++r) x[r] = p[r];
-  }
+  for (int r = 0; r < P; ++r) x[r] = __uint_as_float(w[r]);
 }
 template <int P>
 __device__ __forceinline__ void store_lane_floats(float* p, const float (&x)[P]) {
-  if constexpr (P % 4 == 0) {
+  std::uint32_t w[P];
 #pragma unroll
-    for (int r = 0; r < P; r += 4) *reinterpret_cast<float4*>(p + r) = make_float4(x[r], x[r + 1], x[r + 2], x[r + 3]);
-  } else if constexpr (P % 2 == 0) {
-#pragma unroll
-    for (int r = 0; r < P; r += 2) *reinterpret_cast<float2*>(p + r) = make_float2(x[r], x[r + 1]);
-  } else {
-#pragma unroll
-    for (int r = 0; r < P; ++r) p[r] = x[r];
-  }
+  for (int r = 0; r < P; ++r) w[r] = __float_as_uint(x[r]);
+  store_words<lane_float_alignment<P>, P>(reinterpret_cast<std::uint8_t*>(p), w);
 }
 template <class C, int G>
 __device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
