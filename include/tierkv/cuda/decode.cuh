@@ -303,13 +303,6 @@ __device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::
   }
 }
 
-// The codec's prepare_query / finalize over the group's heads, one warp per head (head h on
-// warp h % decode_warps). TQ3 uses the warp Walsh-Hadamard of warp_vector.cuh, whose stage
-// order makes it bit-identical to the codec's serial functions (int8_rotated: the same
-// rotation); FP8's are the identity.
-template <class C>
-inline constexpr bool rotated_format =
-    C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
 // A lane's P consecutive floats of shared memory in the widest aligned vectors (warp_vector.cuh's
 // load_words): lanes P words apart make scalar accesses P-way bank conflicted (d = 256: 8-way;
 // ~0.7 us of a chunk for each of prepare_query and finalize at B = 1, per-CTA %clock64 trace,
@@ -330,6 +323,10 @@ __device__ __forceinline__ void store_lane_floats(float* p, const float (&x)[P])
   for (int r = 0; r < P; ++r) w[r] = __float_as_uint(x[r]);
   store_words<lane_float_alignment<P>, P>(reinterpret_cast<std::uint8_t*>(p), w);
 }
+// The codec's prepare_query / finalize over the group's heads, one warp per head (head h on
+// warp h % decode_warps). TQ3 uses the warp Walsh-Hadamard of warp_vector.cuh, whose stage
+// order makes it bit-identical to the codec's serial functions (int8_rotated: the same
+// rotation); FP8's are the identity.
 template <class C, int G>
 __device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
   constexpr int D = C::head_dim;

@@ -50,10 +50,6 @@ struct retier_inputs {
 
 namespace detail {
 
-template <class C>
-inline constexpr bool rotated_codec =
-    C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
-
 // The source vector (FP8: factored, the scale apart) and the destination encode. For a rotated
 // destination (same seed) the vector comes as D x (lane_vector's Signed): FP8 flips the codes'
 // signs, a rotated source leaves out its last D, and the encoder its first.
@@ -131,9 +127,9 @@ __device__ __forceinline__ bool retier_vector(const std::uint8_t* sp, std::uint8
   const std::size_t d_payload = v_role ? DL::value_payload(h, t) : DL::key_payload(h, t);
   const std::size_t d_meta = v_role ? DL::value_meta(h, t) : DL::key_meta(h, t);
   tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
-  if constexpr (rotated_codec<DC> && DC::format != storage_format::int8_rotated)
+  if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
-  const auto v = warp_decode_any<SC, N, rotated_codec<DC>>(sp + s_payload,
+  const auto v = warp_decode_any<SC, N, rotated_format<DC>>(sp + s_payload,
                                                           *reinterpret_cast<const typename SC::meta_type*>(sp + s_meta), seed, lane);
   return warp_encode_any<DC, N>(v, dp + d_payload, reinterpret_cast<typename DC::meta_type*>(dp + d_meta), seed, lane, norm);
 }

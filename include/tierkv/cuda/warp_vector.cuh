@@ -49,6 +49,12 @@
 
 namespace tierkv::cuda::detail {
 
+// Codecs that store a vector in the seeded rotation's domain (decode prepares queries and
+// finalizes outputs there; retier flips or skips the rotation's signs for them).
+template <class C>
+inline constexpr bool rotated_format =
+    C::format == storage_format::tq3 || C::format == storage_format::tq4 || C::format == storage_format::int8_rotated;
+
 inline constexpr unsigned full_warp = 0xffffffffu;
 
 // A vector of D coordinates held N per lane: G lanes, each holding R canonical lanes of P.
