@@ -63,6 +63,9 @@ inline constexpr std::uint32_t tq3_f16_hi0 = tq3_table_word(0, [](int c) { retur
 inline constexpr std::uint32_t tq3_f16_hi1 = tq3_table_word(4, [](int c) { return tq3_f16_bits(c) >> 8; });
 inline constexpr std::uint32_t tq3_s8_0 = tq3_table_word(0, [](int c) { return std::uint32_t(tq3_level_int(c)); });
 inline constexpr std::uint32_t tq3_s8_1 = tq3_table_word(4, [](int c) { return std::uint32_t(tq3_level_int(c)); });
+// u8: the biased levels L + 128 (1..255), which the GPU value path widens to f16 (decode_mma.cuh).
+inline constexpr std::uint32_t tq3_u8_0 = tq3_s8_0 ^ 0x80808080u;
+inline constexpr std::uint32_t tq3_u8_1 = tq3_s8_1 ^ 0x80808080u;
 static_assert(tq3_f16_bits(0) == 0xBFF0u && tq3_f16_bits(4) == 0x3300u && tq3_f16_bits(6) == 0x3CF0u,
               "tq3: f16 level bits");
 static_assert(tq3_s8_0 == 0xF2D4B181u && tq3_s8_1 == 0x7F4F2C0Eu, "tq3: int8 level table");

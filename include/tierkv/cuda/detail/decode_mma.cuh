@@ -128,11 +128,21 @@ struct fp8_to_h2 {
 struct s8_to_h2 {
   __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2(w); }
 };
-// TQ3: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> the low / high bytes of
-// their f16 levels x0..x3 (codec/tq3.hpp has the tables).
-__device__ __forceinline__ void tq3_lookup(std::uint32_t sel, std::uint32_t& lo, std::uint32_t& hi) {
-  lo = __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
-  hi = __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
+// TQ3 values: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> their biased levels
+// u = L + 128, one byte each (codec/tq3.hpp has the tables).
+__device__ __forceinline__ std::uint32_t tq3_lookup_u8(std::uint32_t sel) {
+  return __byte_perm(tierkv::detail::tq3_u8_0, tierkv::detail::tq3_u8_1, sel);
+}
+// Bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased levels -> the half2 of L / 1024: each
+// byte becomes an f16 subnormal u 2^-24 (high byte 0), and u 2^-24 x 2^14 - 2^-3 = L / 1024
+// exactly. A byte-permute and an fma: the f16 tables took two permutes per pair of codes on
+// the ALU pipe, the TQ3 step's bound (ncu: 66% busy, PRMT a quarter of its instructions).
+template <unsigned Sel>
+__device__ __forceinline__ std::uint32_t tq3_widen(std::uint32_t u) {
+  const std::uint32_t h = __byte_perm(u, 0u, Sel);
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
+                            __half2(__half(-0.125f), __half(-0.125f)));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
 }
 // ... -> their int8 levels, one byte each (the A register of an int8 mma).
 __device__ __forceinline__ std::uint32_t tq3_lookup_s8(std::uint32_t sel) {
@@ -259,6 +269,7 @@ struct mma_byte_codec {
     out[1][1] = Cvt::x2(y >> 16);
   }
   static constexpr int value_mtiles_per_word = 2;
+  static constexpr float value_log2_unit = 0.f;  // the fragments hold the code values
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
     constexpr unsigned wps = SEG / 32;                 // words per segment and lane
@@ -320,12 +331,13 @@ struct mma_codec<C, storage_format::tq3> {
     const std::uint32_t sels[4] = {x, x >> 16, y, y >> 16};
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      std::uint32_t lo, hi;
-      tq3_lookup(sels[b], lo, hi);  // x0 = t0 n_2b, x1 = t0 n_2b+1, x2 = t1 n_2b, x3 = t1 n_2b+1
-      out[b][0] = __byte_perm(lo, hi, 0x6240);
-      out[b][1] = __byte_perm(lo, hi, 0x7351);
+      const std::uint32_t u = tq3_lookup_u8(sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
+      out[b][0] = tq3_widen<0x4240>(u);
+      out[b][1] = tq3_widen<0x4341>(u);
     }
   }
+  // The fragments hold L / 1024, 1/16 of the levels L / 64: the value scale's log2 takes + 4.
+  static constexpr float value_log2_unit = 4.f;
   static constexpr int value_mtiles_per_word = 4;
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned idx = g * value_eff_words + mt / 4;
@@ -861,7 +873,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
       KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
       ks[r] = bf16_bits_to_float(kms[rc]);
-      lvs[r] = fast_log2(bf16_bits_to_float(vms[rc]));
+      lvs[r] = fast_log2(bf16_bits_to_float(vms[rc])) + VC::value_log2_unit;
     }
   };
   auto read_values = [&](int t0, int ntok, std::uint32_t (&vw)[4][VC::value_words]) {
