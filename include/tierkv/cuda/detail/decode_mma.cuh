@@ -128,10 +128,32 @@ struct fp8_to_h2 {
 struct s8_to_h2 {
   __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2(w); }
 };
+// The TQ3 lookups' selectors: code words with bit 3 of each nibble cleared by one and (the
+// lookup of the high 16 bits takes a shift), and the generic prmt, which reads the 4 nibbles
+// of c[15:0]. __byte_perm masks its selector to 3-bit fields on every call, and the compiler
+// then also narrowed the word's mask per 16-bit half: 3 and 1 ALU instructions more per 8
+// codes than needed (d = 256 SASS: 64 ands and 32 shifts a step for 32 words).
+template <std::uint32_t Mask>
+__device__ __forceinline__ std::uint32_t mask_codes(std::uint32_t w) {
+  std::uint32_t r;
+  asm("and.b32 %0, %1, %2;" : "=r"(r) : "r"(w), "n"(Mask));
+  return r;
+}
+__device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+  std::uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+// The bits of a where m is set, of b elsewhere (one lop3).
+__device__ __forceinline__ std::uint32_t bit_select(std::uint32_t a, std::uint32_t b, std::uint32_t m) {
+  std::uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
+  return r;
+}
 // TQ3 values: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> their biased levels
 // u = L + 128, one byte each (codec/tq3.hpp has the tables).
 __device__ __forceinline__ std::uint32_t tq3_lookup_u8(std::uint32_t sel) {
-  return __byte_perm(tierkv::detail::tq3_u8_0, tierkv::detail::tq3_u8_1, sel);
+  return prmt(tierkv::detail::tq3_u8_0, tierkv::detail::tq3_u8_1, sel);
 }
 // Bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased levels -> the half2 of L / 1024: each
 // byte becomes an f16 subnormal u 2^-24 (high byte 0), and u 2^-24 x 2^14 - 2^-3 = L / 1024
@@ -144,9 +166,9 @@ __device__ __forceinline__ std::uint32_t tq3_widen(std::uint32_t u) {
                             __half2(__half(-0.125f), __half(-0.125f)));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
-// ... -> their int8 levels, one byte each (the A register of an int8 mma).
+// TQ3 keys: the same nibbles -> their int8 levels, one byte each (the A register of an int8 mma).
 __device__ __forceinline__ std::uint32_t tq3_lookup_s8(std::uint32_t sel) {
-  return __byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, sel);
+  return prmt(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, sel);
 }
 
 // TQ3 "effective words" of a token: per group of 32 rotated coordinates W0, W1, W2 and the
@@ -165,8 +187,11 @@ struct tq3_lane_words {
 #pragma unroll
     for (int i = 0; i < raw; ++i) w[i] = Shared ? p[i] : __ldg(p + i);
   }
+  // bits 3 of the nibbles of a, b, c -> bits 0, 1, 2 by two bit-selects (one lop3 each; bit 3
+  // is left as is, since the caller masks it): written as masks and ors, the compiler narrowed
+  // the masks and took three lop3
   __device__ __forceinline__ static std::uint32_t gather(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
-    return ((a >> 3) & 0x11111111u) | ((b >> 2) & 0x22222222u) | ((c >> 1) & 0x44444444u);
+    return bit_select(bit_select(a >> 3, b >> 2, 0x11111111u), c >> 1, 0x33333333u);
   }
   // effective word k (0 <= k < EW) of this lane
   __device__ __forceinline__ static std::uint32_t eff(const std::uint32_t (&w)[raw], int lane, int k) {
@@ -304,7 +329,7 @@ struct mma_codec<C, storage_format::tq3> {
   static constexpr int query_parts = 2;
   __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a0,
                                                      std::uint32_t& a2) {
-    const std::uint32_t e = KL::eff(w, c, s) & 0x77777777u;
+    const std::uint32_t e = mask_codes<0x77777777u>(KL::eff(w, c, s));
     a0 = tq3_lookup_s8(e);
     a2 = tq3_lookup_s8(e >> 16);
   }
@@ -326,8 +351,8 @@ struct mma_codec<C, storage_format::tq3> {
     return VL::eff(w, g, k);
   }
   __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2]) {
-    const std::uint32_t x = __byte_perm(w0, w1, 0x5140) & 0x77777777u;  // bytes 0, 1 of t0, t1
-    const std::uint32_t y = __byte_perm(w0, w1, 0x7362) & 0x77777777u;  // bytes 2, 3
+    const std::uint32_t x = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x5140));  // bytes 0, 1 of t0, t1
+    const std::uint32_t y = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x7362));  // bytes 2, 3
     const std::uint32_t sels[4] = {x, x >> 16, y, y >> 16};
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
@@ -873,7 +898,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
       KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
       ks[r] = bf16_bits_to_float(kms[rc]);
-      lvs[r] = fast_log2(bf16_bits_to_float(vms[rc])) + VC::value_log2_unit;
+      lvs[r] = fast_log2(bf16_bits_to_float(vms[rc]));
+      if constexpr (VC::value_log2_unit != 0.f) lvs[r] += VC::value_log2_unit;  // (x + 0 is not x for -0)
     }
   };
   auto read_values = [&](int t0, int ntok, std::uint32_t (&vw)[4][VC::value_words]) {
