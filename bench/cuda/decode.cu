@@ -170,6 +170,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         die_if(plan.error_status());
         std::uint8_t* ws;
         CK(cudaMalloc(&ws, plan->workspace_bytes));
+        die_if(cuda::decode_workspace_init(*plan, ws, plan->workspace_bytes, s));
         auto inputs_for = [&](int set) {
           cuda::decode_inputs<2> in;
           in.index.batch = B;
@@ -220,6 +221,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
           die_if(plan3.error_status());
           std::uint8_t* ws3;
           CK(cudaMalloc(&ws3, plan3->workspace_bytes));
+          die_if(cuda::decode_workspace_init(*plan3, ws3, plan3->workspace_bytes, s));
           t3 = median_us([&](int i) { die_if(cuda::decode<G, tiers<Recent, Stale>>(*plan3, inputs_for(i % sets), ws3, plan3->workspace_bytes, s)); },
                          3, 25, s);
           CK(cudaFree(ws3));

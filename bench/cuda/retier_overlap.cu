@@ -120,6 +120,7 @@ void bench_shape(int B, int layers, cudaStream_t s, cudaStream_t side, cudaStrea
   die_if(plan.error_status());
   std::uint8_t* ws;
   CK(cudaMalloc(&ws, plan->workspace_bytes));
+  die_if(cuda::decode_workspace_init(*plan, ws, plan->workspace_bytes, s));
   // L layer decodes; after_first() runs after the first layer's enqueue (where a step's
   // retier batch is enqueued, so it can start while the first layer runs).
   auto decode_set = [&](int set, cudaStream_t st, auto&& after_first) {

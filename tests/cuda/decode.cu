@@ -306,6 +306,7 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, 132, waves, min_chunk, cuda::balance::work, 1);
   REQUIRE(plan.has_value());
   dbuf<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, B, true);
   REQUIRE(cuda::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
@@ -467,6 +468,7 @@ TEST_CASE("gpu decode: the chunk split does not change the result", "[cuda][deco
                                                 variant ? 512 : (1ll << 40), cuda::balance::work, 1);
     REQUIRE(plan.has_value());
     dbuf<std::uint8_t> ws(plan->workspace_bytes);
+    REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
     auto in = dev.inputs(h, 2, false);
     REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
     CUDA_OK(cudaDeviceSynchronize());
@@ -495,6 +497,7 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
   auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), max_batch, 132);
   REQUIRE(plan.has_value());
   dbuf<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
   dev.upload(first);
@@ -551,12 +554,42 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
   auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132);
   REQUIRE(plan.has_value());
   dbuf<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, 2, false);
-  SECTION("slot beyond the pool: device error, no fault") {
-    REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
-    auto e = cuda::decode_device_error(*plan, ws.p, nullptr);
-    REQUIRE(e.has_value());
-    CHECK(*e == errc::out_of_range);
+  SECTION("slot beyond the pool: device error, no fault; the next good step reads ok") {
+    // Garbage left in the workspace must not show as an error, and an error must not outlive
+    // its step (a later good step on the same workspace reads ok), on both paths and for a
+    // plan with an odd chunk count.
+    cuda::decode_capacity cap7{2, 7, 8, false};
+    auto plan7 = cuda::plan_decode<G, two_tiers>(cap7, counts.data(), 2, 132);
+    REQUIRE(plan7.has_value());
+    REQUIRE(plan7->workspace_bytes <= ws.n);
+    auto run = [&](const cuda::decode_plan& p, cuda::decode_path path) {
+      CUDA_OK(cudaMemset(ws.p, 0x5a, ws.n));
+      REQUIRE(cuda::decode_workspace_init(p, ws.p, ws.n, nullptr).is_ok());
+      REQUIRE((path == cuda::decode_path::tensor_core
+                   ? cuda::decode<G, two_tiers>(p, in, ws.p, ws.n, nullptr)
+                   : cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(p, in, ws.p, ws.n, nullptr))
+                  .is_ok());
+      auto e = cuda::decode_device_error(p, ws.p, nullptr);
+      REQUIRE(e.has_value());
+      return *e;
+    };
+    for (const auto* p : {&*plan, &*plan7})
+      for (auto path : {cuda::decode_path::tensor_core, cuda::decode_path::cuda_core}) {
+        INFO("max_chunks " << p->max_chunks << " path " << int(path));
+        CHECK(run(*p, path) == errc::out_of_range);
+      }
+    CUDA_OK(cudaMemset(ws.p, 0x5a, ws.n));  // not initialized: said so, not a made-up error
+    CHECK(cuda::decode_device_error(*plan, ws.p, nullptr).code() == errc::invalid_argument);
+    h.slot[1][0] = 0;  // a valid slot: the same workspace now reports no error
+    dev.upload(h);
+    in = dev.inputs(h, 2, false);
+    for (const auto* p : {&*plan, &*plan7})
+      for (auto path : {cuda::decode_path::tensor_core, cuda::decode_path::cuda_core}) {
+        INFO("max_chunks " << p->max_chunks << " path " << int(path));
+        CHECK(run(*p, path) == errc::ok);
+      }
   }
   SECTION("host checks") {
     CHECK(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() == errc::capacity_exhausted);

@@ -703,7 +703,7 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
   // order (deterministic).
   static constexpr int merge_slice = 64;  // dims per block: lanes hold 2 each
   static constexpr int merge_batch = 16;  // chunks per warp with loads in flight
-  static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
+  static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
     constexpr int D = S::d;
     constexpr int U = merge_batch;
     static_assert(D % 2 == 0, "decode merge: float2 lanes");
@@ -717,6 +717,10 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
     const int chunks = ch.chunks;
     const std::size_t row = std::size_t(b) * S::qh + std::size_t(h);
     wait_for_prerequisite_grid();  // the split kernel's chunk states
+    // The step's error word -> its result, and back to 0 for the next step (no memset per
+    // step: decode_workspace_init zeroes it once).
+    if (h == 0 && b == 0 && slice == 0 && threadIdx.x == 0)
+      *reinterpret_cast<int*>(workspace + plan.result_offset) = atomicExch(reinterpret_cast<int*>(workspace + plan.error_offset), 0);
     const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
                            row * std::size_t(plan.max_chunks);
     const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
@@ -813,7 +817,7 @@ decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uin
 }
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads)
-decode_merge_kernel(decode_inputs<TierList::size> in, decode_plan plan, const std::uint8_t* workspace) {
+decode_merge_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
   decode_kernels<Geometry, TierList>::merge(in, plan, workspace);
 }
 template <class Geometry, class TierList>
@@ -854,10 +858,22 @@ namespace tierkv::cuda {
 // docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
 enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };
 
+// Zeroes a new workspace's error words, once (a step leaves them zeroed for the next: no
+// memset per step, which cost ~0.8 us of a B = 1 step, H200 A/B in docs/gpu.md).
+inline status decode_workspace_init(const decode_plan& plan, void* workspace, std::size_t workspace_bytes,
+                                    cudaStream_t stream) {
+  if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
+    return status::exceeds(errc::capacity_exhausted, "decode_workspace_init: plan.workspace_bytes",
+                           plan.workspace_bytes, workspace_bytes);
+  TIERKV_CUDA_TRY(cudaMemsetAsync(static_cast<std::uint8_t*>(workspace) + plan.error_offset, 0,
+                                  plan.result_offset + sizeof(int) - plan.error_offset, stream));
+  return status::ok();
+}
+
 // Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)
 // the per-page mass. Host-side checks only (no synchronization, no allocation): the
-// workspace (plan.workspace_bytes, device memory) must not be used by another stream
-// meanwhile. Capturable in a CUDA graph; replaying it reads the index arrays, lengths and
+// workspace (plan.workspace_bytes, device memory, decode_workspace_init'ed once) must not be
+// used by another stream meanwhile. Capturable in a CUDA graph; replaying it reads the index arrays, lengths and
 // queries present at replay time (within the plan's capacity).
 template <class Geometry, class TierList, decode_path Path = decode_path::tensor_core>
 status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, void* workspace,
@@ -882,8 +898,6 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   if (!bad) return bad;
   if (in.index.batch == 0) return status::ok();
 
-  TIERKV_CUDA_TRY(cudaMemsetAsync(static_cast<std::uint8_t*>(workspace) + plan.error_offset, 0,
-                                  sizeof(int), stream));
   std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
   const dim3 grid_split(unsigned(plan.max_chunks), unsigned(Geometry::kv_heads), unsigned(in.index.batch));
   if constexpr (Path == decode_path::tensor_core) {
@@ -912,7 +926,7 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
     cfg.attrs = pdl;
     cfg.numAttrs = 1;
     TIERKV_CUDA_TRY(cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<Geometry, TierList>, in, plan,
-                                       static_cast<const std::uint8_t*>(ws)));
+                                       ws));
   }
   if (in.page_mass != nullptr) {
     detail::decode_page_mass_kernel<Geometry, TierList><<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
@@ -926,9 +940,12 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
 inline result<errc> decode_device_error(const decode_plan& plan, const void* workspace,
                                         cudaStream_t stream) {
   int code = 0;
-  TIERKV_CUDA_TRY(cudaMemcpyAsync(&code, static_cast<const std::uint8_t*>(workspace) + plan.error_offset,
+  TIERKV_CUDA_TRY(cudaMemcpyAsync(&code, static_cast<const std::uint8_t*>(workspace) + plan.result_offset,
                                   sizeof(int), cudaMemcpyDeviceToHost, stream));
   TIERKV_CUDA_TRY(cudaStreamSynchronize(stream));
+  if (code < 0 || code > int(errc::injected_fault))
+    return status::make(errc::invalid_argument, "decode_device_error: the workspace holds ", code,
+                        ", no error code: it was not decode_workspace_init'ed before its first step");
   return static_cast<errc>(code);
 }
 

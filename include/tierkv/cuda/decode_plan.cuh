@@ -54,7 +54,8 @@ struct decode_plan {
   std::size_t state_offset = 0;  // float2 {m (log2 units), l} [max_batch][q_heads][max_chunks]
   std::size_t acc_offset = 0;    // float [max_batch][q_heads][max_chunks][head_dim]
   std::size_t mass_offset = 0;   // float [max_batch][q_heads][max_pages][mass_slots_per_page] (log2 masses)
-  std::size_t error_offset = 0;  // one int: first device-side errc (0 = ok)
+  std::size_t error_offset = 0;   // one int: the running step's first device-side errc (0 between steps)
+  std::size_t result_offset = 0;  // one int: the last step's errc (decode_device_error)
 };
 
 namespace detail {
@@ -192,7 +193,8 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
                                                       std::size_t(Geometry::head_dim) * sizeof(float));
   p.error_offset = detail::align256(p.mass_offset + rows * std::size_t(p.max_pages) *
                                                         std::size_t(mass_slots_per_page<Geometry>) * sizeof(float));
-  p.workspace_bytes = detail::align256(p.error_offset + sizeof(int));
+  p.result_offset = p.error_offset + sizeof(int);
+  p.workspace_bytes = detail::align256(p.result_offset + sizeof(int));
   return p;
 }
 
