@@ -50,14 +50,28 @@ struct retier_inputs {
 
 namespace detail {
 
+// An FP8 source's D on the codes (warp_decode_fp8), for a rotated destination of the row's seed;
+// nothing for other pairs.
+template <bool Used, int N, int G>
+struct row_signs {
+  __device__ row_signs(std::uint64_t, int) {}
+  __device__ const e4m3_sign_masks<N, G>* get() const { return nullptr; }
+};
+template <int N, int G>
+struct row_signs<true, N, G> {
+  e4m3_sign_masks<N, G> masks;
+  __device__ row_signs(std::uint64_t seed, int lane) : masks(seed, lane) {}
+  __device__ const e4m3_sign_masks<N, G>* get() const { return &masks; }
+};
+
 // The source vector (FP8: factored, the scale apart) and the destination encode. For a rotated
 // destination (same seed) the vector comes as D x (lane_vector's Signed): FP8 flips the codes'
-// signs, a rotated source leaves out its last D, and the encoder its first.
-template <class C, int N, bool Signed>
+// signs (`signs`), a rotated source leaves out its last D, and the encoder its first.
+template <class C, int N, bool Signed, int G>
 __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
-                                                std::uint64_t seed, int lane) {
+                                                std::uint64_t seed, const e4m3_sign_masks<N, G>* signs, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_decode_fp8<C, N, Signed && N % 4 == 0>(payload, meta, lane, seed);
+    return warp_decode_fp8<C, N, Signed && N % 4 == 0>(payload, meta, lane, signs);
   } else {
     float x[N];
     if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
@@ -94,6 +108,13 @@ constexpr int retier_lanes(int d) {
   return g;
 }
 
+// Units of 32/G vectors a warp converts per task: a whole row of page_tokens tokens (one kv
+// head and role), so the row's seed work is shared; one where 32/G does not divide page_tokens.
+template <class Geometry>
+inline constexpr int units_per_row = Geometry::page_tokens % (32 / retier_lanes(Geometry::head_dim)) == 0
+                                         ? Geometry::page_tokens / (32 / retier_lanes(Geometry::head_dim))
+                                         : 1;
+
 inline constexpr int retier_warps = 4;       // 128 threads per block
 inline constexpr int retier_min_blocks = 4;  // per SM: at most 128 registers per thread
 // Blocks of a launch: enough to fill an H200 several times over; warps then loop over the
@@ -109,54 +130,64 @@ inline constexpr bool one_format =
 template <class From, class To, int D>
 inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
 
-// This lane's vector (kv head h, token t) of a page: decode with From's codec, encode with To's.
-// Role 0 / 1: the key / value codecs; Role 2 (roles_alike): the key codecs' code, with the value
-// role's offsets and norm where `value`. False for a non-finite vector (the destination holds
-// the codec's poison).
+// The vectors of this lane's row (kv head h, tokens t, t + 32/G, ... below units_per_row * 32/G
+// further on) of a page: decode with From's codecs, encode with To's. Role 0 / 1: the key / value
+// codecs; Role 2 (roles_alike): the key codecs' code, with the value role's offsets and norm
+// where `value`. The row's seed work (the FP8 sign masks) is done once. False if any vector was
+// non-finite (its destination holds the codec's poison).
 template <class Geometry, class From, class To, int Role>
-__device__ __forceinline__ bool retier_vector(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
-                                              std::uint64_t seed, int lane) {
-  constexpr int D = Geometry::head_dim, N = D / retier_lanes(D);
+__device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
+                                           std::uint64_t seed, int lane) {
+  constexpr int D = Geometry::head_dim, G = retier_lanes(D), N = D / G, V = 32 / G;
   using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
   using SC = std::conditional_t<Role == 1, typename SL::value_codec, typename SL::key_codec>;
   using DC = std::conditional_t<Role == 1, typename DL::value_codec, typename DL::key_codec>;
   const bool v_role = Role == 1 || (Role == 2 && value);
-  const std::size_t s_payload = v_role ? SL::value_payload(h, t) : SL::key_payload(h, t);
-  const std::size_t s_meta = v_role ? SL::value_meta(h, t) : SL::key_meta(h, t);
-  const std::size_t d_payload = v_role ? DL::value_payload(h, t) : DL::key_payload(h, t);
-  const std::size_t d_meta = v_role ? DL::value_meta(h, t) : DL::key_meta(h, t);
+  const std::uint8_t* s_payload = sp + (v_role ? SL::value_payload(h, t) : SL::key_payload(h, t));
+  const std::uint8_t* s_meta = sp + (v_role ? SL::value_meta(h, t) : SL::key_meta(h, t));
+  std::uint8_t* d_payload = dp + (v_role ? DL::value_payload(h, t) : DL::key_payload(h, t));
+  std::uint8_t* d_meta = dp + (v_role ? DL::value_meta(h, t) : DL::key_meta(h, t));
   tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
   if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
-  const auto v = warp_decode_any<SC, N, rotated_format<DC>>(sp + s_payload,
-                                                          *reinterpret_cast<const typename SC::meta_type*>(sp + s_meta), seed, lane);
-  return warp_encode_any<DC, N>(v, dp + d_payload, reinterpret_cast<typename DC::meta_type*>(dp + d_meta), seed, lane, norm);
+  const row_signs<SC::format == storage_format::fp8_e4m3 && rotated_format<DC> && N % 4 == 0, N, G> signs(seed, lane);
+  bool ok = true;
+#pragma unroll 1
+  for (int u = 0; u < units_per_row<Geometry>; ++u) {
+    const auto v = warp_decode_any<SC, N, rotated_format<DC>>(
+        s_payload + std::size_t(u) * V * SC::payload_bytes,
+        reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), lane);
+    ok &= warp_encode_any<DC, N>(v, d_payload + std::size_t(u) * V * DC::payload_bytes,
+                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm);
+  }
+  return ok;
 }
 
-// Work unit: 32/G consecutive vectors of a page (in-page order role, head, token; G lanes
-// each), so with page_tokens >= 32/G a warp's vectors are consecutive tokens of one (role,
-// head). Pages hold 2 * kv_heads * page_tokens vectors, a multiple of 32 (page_tokens % 16 ==
-// 0): units never straddle pages. The slot checks, page pointers and codec seed are worked
-// out once per unit; (page, unit) advance by the grid's warp count in 32-bit arithmetic.
+// Work unit (task): the units_per_row * 32/G consecutive vectors of a page from one of its
+// (role, head) rows (in-page order role, head, token; G lanes per vector), or, where a row holds
+// fewer than 32/G vectors, 32/G vectors over consecutive rows. Pages hold 2 * kv_heads *
+// page_tokens vectors, a multiple of 32 (page_tokens % 16 == 0): tasks never straddle pages.
+// The slot checks, page pointers, codec seed and sign masks are worked out once per task (not
+// per 32/G vectors); (page, task) advance by the grid's warp count in 32-bit arithmetic.
 template <class Geometry, class From, class To>
 __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_kernel(retier_inputs in) {
   constexpr int H = Geometry::kv_heads, T = Geometry::page_tokens;
-  constexpr int G = retier_lanes(Geometry::head_dim), V = 32 / G;
-  constexpr unsigned units = unsigned(2 * H * T / V);
-  static_assert((2 * H * T) % V == 0, "retier: a page holds whole units of 32/G vectors");
+  constexpr int G = retier_lanes(Geometry::head_dim), V = 32 / G, W = units_per_row<Geometry> * V;
+  constexpr unsigned tasks = unsigned(2 * H * T / W);
+  static_assert((2 * H * T) % W == 0, "retier: a page holds whole tasks");
   const int lane = int(threadIdx.x) % 32;
   const unsigned warp = blockIdx.x * unsigned(retier_warps) + threadIdx.x / 32;
   const unsigned warps = gridDim.x * unsigned(retier_warps);
-  const unsigned di = warps / units, dr = warps % units;
-  unsigned i = warp / units, r = warp % units;
+  const unsigned di = warps / tasks, dr = warps % tasks;
+  unsigned i = warp / tasks, r = warp % tasks;
   while (i < unsigned(in.pages)) {
     const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
     if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
       if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
     } else {
       const int layer = in.layer_of ? in.layer_of[i] : in.layer;
-      const int v = int(r) * V + lane / G;  // (role * H + h) * T + t
+      const int v = int(r) * W + lane / G;  // (role * H + h) * T + t
       const int t = v % T, row = v / T, h = row % H, role = row / H;
       const std::uint64_t seed =
           make_codec_context(in.cache_seed, layer, in.head_base + h, role == 0 ? kv_role::key : kv_role::value).seed;
@@ -164,16 +195,16 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
       std::uint8_t* dp = in.dst.page(std::uint32_t(d));
       bool ok;
       if constexpr (roles_alike<From, To, Geometry::head_dim>)
-        ok = retier_vector<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, lane);
+        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, lane);
       else
-        ok = role == 0 ? retier_vector<Geometry, From, To, 0>(sp, dp, h, t, false, seed, lane)
-                       : retier_vector<Geometry, From, To, 1>(sp, dp, h, t, true, seed, lane);
+        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, lane)
+                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, lane);
       if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
     }
     i += di;
     r += dr;
-    if (r >= units) {
-      r -= units;
+    if (r >= tasks) {
+      r -= tasks;
       ++i;
     }
   }
@@ -199,7 +230,7 @@ status retier(const retier_inputs& in, cudaStream_t stream) {
   if (in.dst.page_bytes != dst_layout::page_bytes)
     return status::make(errc::geometry_mismatch, "retier: dst.page_bytes = ", in.dst.page_bytes,
                         " but tier To's layout needs ", dst_layout::page_bytes);
-  constexpr int vectors_per_warp = 32 / detail::retier_lanes(D);
+  constexpr int vectors_per_warp = 32 / detail::retier_lanes(D) * detail::units_per_row<Geometry>;
   const std::int64_t warps = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2 / vectors_per_warp;
   std::int64_t blocks = (warps + detail::retier_warps - 1) / detail::retier_warps;
   if (blocks > detail::retier_max_blocks) blocks = detail::retier_max_blocks;

@@ -94,6 +94,14 @@ __device__ __forceinline__ std::uint32_t group_max_bits(std::uint32_t m) {
   return m;
 }
 
+// sum over the group of integers (order-free).
+template <int G>
+__device__ __forceinline__ int group_sum_int(int s) {
+#pragma unroll
+  for (int o = G / 2; o >= 1; o >>= 1) s += __shfl_xor_sync(full_warp, s, o);
+  return s;
+}
+
 // Bit pattern of this lane's max |x_i|: for non-negative floats the unsigned order of the bit
 // patterns is the order of the values, and Inf and NaN patterns lie above every finite one, so
 // one integer maximum gives both the largest magnitude and the finiteness of the vector.
@@ -496,14 +504,29 @@ __device__ __forceinline__ float f16_bits_to_float(std::uint32_t bits16) {
   return __half2float(__half(r));
 }
 
+// The rotation's D as xor masks on a lane's N E4M3 codes (word i holds coordinates gl*N + 4i ..
+// gl*N + 4i + 3): the sign bits 7, 15, 23, 31. A function of the seed and the lane alone, so a
+// caller decoding many vectors of one seed (the retier kernel: a row of tokens) makes it once.
+template <int N, int G>
+struct e4m3_sign_masks {
+  static_assert(N % 4 == 0, "e4m3_sign_masks: whole code words");
+  std::uint32_t w[N / 4];
+  __device__ __forceinline__ e4m3_sign_masks(std::uint64_t seed, int lane) {
+    std::uint32_t bits[(N + 31) / 32];
+    lane_sign_bits<N, G>(seed, lane, bits);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) w[i] = e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
+  }
+};
+
 // FP8 E4M3 decode (exactly fp8_codec::decode), factored: the code values (each exactly
 // code_value(c), by one cvt.f16x2.e4m3x2 per two codes), the scale apart (x_r * scale is the
 // host's product), and the largest |code value| from f16 maxima (NaN codes propagate). Signed:
-// D x for a rotated encoder of seed `seed`, by flipping the codes' sign bits.
+// D x for a rotated encoder, by flipping the codes' sign bits with `signs` (that seed's masks).
 template <class Codec, int N, bool Signed = false>
-__device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(const std::uint8_t* payload,
-                                                                        typename Codec::meta_type meta, int lane,
-                                                                        std::uint64_t seed = 0) {
+__device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(
+    const std::uint8_t* payload, typename Codec::meta_type meta, int lane,
+    const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G>* signs = nullptr) {
   static_assert(Codec::format == storage_format::fp8_e4m3, "warp_decode_fp8: an E4M3 codec");
   static_assert(!Signed || N % 4 == 0, "warp_decode_fp8: signs on whole code words");
   using lg = lane_group<Codec::head_dim, N>;
@@ -513,11 +536,9 @@ __device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(const st
   if constexpr (N % 4 == 0) {
     std::uint32_t w[N / 4];
     load_words<lane_alignment(Codec::payload_bytes, N)>(p, w);
-    if constexpr (Signed) {  // D on the codes: the sign bits of four codes to bits 7, 15, 23, 31
-      std::uint32_t bits[(N + 31) / 32];
-      lane_sign_bits<N, lg::G>(seed, lane, bits);
+    if constexpr (Signed) {  // D on the codes
 #pragma unroll
-      for (int i = 0; i < N / 4; ++i) w[i] ^= e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
+      for (int i = 0; i < N / 4; ++i) w[i] ^= signs->w[i];
     }
     __half2 m = __float2half2_rn(0.0f);
 #pragma unroll
@@ -600,6 +621,24 @@ struct tq_packer {
         for (int t = 0; t < 3; ++t) w[t] |= ((c >> t) & 1u) << sh;
       }
     }
+  }
+  // TQ3 with whole words: sum L^2 over the lane's codes (level = L / 64), by one byte permute per
+  // four codes to their int8 levels (the nibbles' top bits are clear) and a 4-way byte dot product.
+  __device__ __forceinline__ int level_square_sum() const {
+    static_assert(tq3 && whole, "level_square_sum: TQ3 codes in whole words");
+    int s = 0;
+#pragma unroll
+    for (int g = 0; g < groups; ++g)
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const std::uint32_t q = t < 3 ? w[3 * g + t] : high[g];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int l = int(__byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, q >> (16 * h)));
+          s = __dp4a(l, l, s);
+        }
+      }
+    return s;
   }
   // Where `take` holds, the codes of `other` instead.
   __device__ __forceinline__ void replace_if(bool take, const tq_packer& other) {
@@ -724,6 +763,10 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
   const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
   // Quantize, pack and form the canonical partial sums of z.c and c.c in one pass (the
   // fmaf order of group_dot_canonical), so codes and levels need no registers of their own.
+  // TQ3 codes in whole words take c.c from the packed codes instead: every c_i^2 = L_i^2 / 4096
+  // and every partial sum of them is a multiple of 2^-12 below 2^11 (d 127^2 < 2^23), exact in
+  // any order, so the host's canonical sum is sum L_i^2 / 4096, an integer sum.
+  constexpr bool integer_cc = grid::format == storage_format::tq3 && tq_packer<Codec, N>::whole;
   tq_packer<Codec, N> pk, special;
   float p_zc[lg::R], p_cc[lg::R];
 #pragma unroll
@@ -733,12 +776,16 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
     float c;
     const std::uint32_t code = quantize_level<grid>(z[r], bounds, c);
     p_zc[r / lg::P] = fmaf(z[r], c, p_zc[r / lg::P]);
-    p_cc[r / lg::P] = fmaf(c, c, p_cc[r / lg::P]);
+    if constexpr (!integer_cc) p_cc[r / lg::P] = fmaf(c, c, p_cc[r / lg::P]);
     pk.add(r, code, gl);
     special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
   }
   const float s_zc = group_sum_canonical<lg::G>(p_zc);
-  const float s_cc = group_sum_canonical<lg::G>(p_cc);
+  float s_cc;
+  if constexpr (integer_cc)
+    s_cc = float(group_sum_int<lg::G>(pk.level_square_sum())) * (tierkv::detail::tq3_level_scale * tierkv::detail::tq3_level_scale);
+  else
+    s_cc = group_sum_canonical<lg::G>(p_cc);
   pk.replace_if(!coded, special);
   pk.store(payload, lane);
   if (gl == 0) {
