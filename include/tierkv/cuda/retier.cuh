@@ -84,20 +84,33 @@ __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typ
     return make_lane_vector<Signed>(x);
   }
 }
-template <class C, int N, bool F, bool S>
+template <class C, int N, bool F, bool S, class Exchange>
 __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, std::uint8_t* payload,
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                tq_norm norm) {
+                                                tq_norm norm, const Exchange& ex) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     return warp_encode_fp8<C, N>(v, payload, meta, lane);
   } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm);
+    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
   } else if constexpr (C::format == storage_format::int8_rotated) {
     return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
   } else {
     static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
     return false;
   }
+}
+
+// The TQ3 encoder's layout exchange (warp_vector.cuh) where its runs hold whole canonical lanes
+// (d <= 256); none for other destinations.
+template <class DC, int N, int G>
+using retier_exchange = std::conditional_t<DC::format == storage_format::tq3 && 32 % (G * G) == 0 && N % (8 * G) == 0,
+                                           lane_exchange<N, G>, no_exchange>;
+template <class X>
+__device__ __forceinline__ X make_exchange(float4* area) {
+  if constexpr (X::runs)
+    return X{area};
+  else
+    return X{};
 }
 
 // Lanes per vector: the largest power of two <= d/64 (64 coordinates per lane at d = 64, 128,
@@ -137,7 +150,7 @@ inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
 // non-finite (its destination holds the codec's poison).
 template <class Geometry, class From, class To, int Role>
 __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
-                                           std::uint64_t seed, int lane) {
+                                           std::uint64_t seed, float4* area, int lane) {
   constexpr int D = Geometry::head_dim, G = retier_lanes(D), N = D / G, V = 32 / G;
   using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
@@ -152,6 +165,7 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
   const row_signs<SC::format == storage_format::fp8_e4m3 && rotated_format<DC> && N % 4 == 0, N, G> signs(seed, lane);
+  const auto ex = make_exchange<retier_exchange<DC, N, G>>(area);
   bool ok = true;
 #pragma unroll 1
   for (int u = 0; u < units_per_row<Geometry>; ++u) {
@@ -159,7 +173,7 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
         s_payload + std::size_t(u) * V * SC::payload_bytes,
         reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), lane);
     ok &= warp_encode_any<DC, N>(v, d_payload + std::size_t(u) * V * DC::payload_bytes,
-                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm);
+                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm, ex);
   }
   return ok;
 }
@@ -181,6 +195,15 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
   const unsigned warps = gridDim.x * unsigned(retier_warps);
   const unsigned di = warps / tasks, dr = warps % tasks;
   unsigned i = warp / tasks, r = warp % tasks;
+  constexpr int D = Geometry::head_dim;
+  constexpr int kx = retier_exchange<typename To::template key_codec<D>, D / G, G>::float4s;
+  constexpr int vx = retier_exchange<typename To::template value_codec<D>, D / G, G>::float4s;
+  constexpr int area_float4s = kx > vx ? kx : vx;  // per warp
+  float4* area = nullptr;
+  if constexpr (area_float4s > 0) {
+    __shared__ float4 exchange_area[retier_warps * area_float4s];
+    area = exchange_area + threadIdx.x / 32 * area_float4s;
+  }
   while (i < unsigned(in.pages)) {
     const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
     if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
@@ -195,10 +218,10 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
       std::uint8_t* dp = in.dst.page(std::uint32_t(d));
       bool ok;
       if constexpr (roles_alike<From, To, Geometry::head_dim>)
-        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, lane);
+        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, area, lane);
       else
-        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, lane)
-                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, lane);
+        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, area, lane)
+                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area, lane);
       if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
     }
     i += di;

@@ -298,11 +298,10 @@ __device__ __forceinline__ void warp_signs(float (&x)[N], std::uint64_t seed, in
     x[r] = __uint_as_float(__float_as_uint(x[r]) ^ ((bits[r / 32] << (31 - r % 32)) & 0x80000000u));
 }
 
-// Unnormalized Walsh-Hadamard of a vector held N per lane by G lanes, in the stage order of
-// walsh_hadamard_unnormalized: strides below N inside the lane, the rest across the group
-// (lower index a + b, upper a - b; as fmaf(+-1, own, other), one rounding of the same sum).
-template <int N, int G = 32>
-__device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
+// The stages of the unnormalized Walsh-Hadamard with strides below N, on a lane's N consecutive
+// coordinates (walsh_hadamard_unnormalized's order: lower index a + b, upper a - b).
+template <int N>
+__device__ __forceinline__ void lane_wht(float (&x)[N]) {
 #pragma unroll
   for (int h = 1; h < N; h <<= 1)
 #pragma unroll
@@ -312,6 +311,14 @@ __device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
       x[j] = a + b;
       x[j + h] = a - b;
     }
+}
+
+// Unnormalized Walsh-Hadamard of a vector held N per lane by G lanes, in the stage order of
+// walsh_hadamard_unnormalized: strides below N inside the lane, the rest across the group
+// (lower index a + b, upper a - b; as fmaf(+-1, own, other), one rounding of the same sum).
+template <int N, int G = 32>
+__device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
+  lane_wht<N>(x);
 #pragma unroll
   for (int lm = 1; lm < G; lm <<= 1) {
     const float own_sign = (lane & lm) != 0 ? -1.0f : 1.0f;
@@ -622,23 +629,16 @@ struct tq_packer {
       }
     }
   }
-  // TQ3 with whole words: sum L^2 over the lane's codes (level = L / 64), by one byte permute per
-  // four codes to their int8 levels (the nibbles' top bits are clear) and a 4-way byte dot product.
-  __device__ __forceinline__ int level_square_sum() const {
-    static_assert(tq3 && whole, "level_square_sum: TQ3 codes in whole words");
-    int s = 0;
+  // TQ3 with whole words: the lane's codes from nibble words in coordinate order (eight codes
+  // each; per group codes 0-23 in words 0-2 and 24-31 in the fourth).
+  __device__ __forceinline__ void set_words(const std::uint32_t (&q)[4 * groups]) {
+    static_assert(tq3 && whole, "set_words: TQ3 codes in whole words");
 #pragma unroll
-    for (int g = 0; g < groups; ++g)
+    for (int g = 0; g < groups; ++g) {
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const std::uint32_t q = t < 3 ? w[3 * g + t] : high[g];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int l = int(__byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, q >> (16 * h)));
-          s = __dp4a(l, l, s);
-        }
-      }
-    return s;
+      for (int t = 0; t < 3; ++t) w[3 * g + t] = q[4 * g + t];
+      high[g] = q[4 * g + 3];
+    }
   }
   // Where `take` holds, the codes of `other` instead.
   __device__ __forceinline__ void replace_if(bool take, const tq_packer& other) {
@@ -743,14 +743,180 @@ constexpr std::uint32_t packer_code(int code) {
   return Grid::format == storage_format::tq3 ? tq_packer_bias + std::uint32_t(code) : std::uint32_t(code);
 }
 
+// ---- layout exchange (TQ3 encode in runs) ------------------------------------------------
+
+// A warp's shared-memory scratch that moves vectors held N coordinates per lane by G lanes
+// between two layouts: A, lane gl holding [gl N, gl N + N) (every other helper's), and runs,
+// lane gl holding the G runs [g N + gl S, g N + gl S + S) (S = N/G, g < G) in y[g S ..], where
+// the Walsh-Hadamard's strides N .. D/2 lie inside the lane (no shuffles) and a canonical lane's
+// P = D/32 coordinates still lie in one run (S a multiple of P: G^2 divides 32). Row L of the
+// float area holds lane L's layout-A floats as 16-byte chunks with a gap after each run's
+// chunks, at an odd pitch: at N = 64 (G = 2, 4) the row writes and the run reads of a
+// quarter-warp then hit eight different bank quads. Code words return to layout A through a
+// second area. G = 1: the layouts coincide (copies, no shared memory).
+struct no_exchange {
+  static constexpr bool runs = false;
+  static constexpr int float4s = 0;
+};
+template <int N, int G>
+struct lane_exchange {
+  static constexpr bool runs = true;
+  static_assert(32 % (G * G) == 0 && N % (8 * G) == 0, "lane_exchange: runs of whole canonical lanes and code words");
+  static constexpr int S = N / G, run_chunks = S / 4, words = N / 8, run_words = S / 8;
+  static constexpr int pitch = (N / 4 + G - 1) | 1;                         // float4s per row
+  static constexpr int float4s = G == 1 ? 0 : 32 * pitch + 32 * words / 4;  // per warp
+  float4* area;  // this warp's float4s
+  static constexpr int chunk_at(int c) { return c + c / run_chunks; }
+
+  // y (runs) from x (layout A).
+  __device__ __forceinline__ void to_runs(const float (&x)[N], float (&y)[N], int lane) const {
+    if constexpr (G == 1) {
+#pragma unroll
+      for (int r = 0; r < N; ++r) y[r] = x[r];
+    } else {
+      float4* row = area + lane * pitch;
+#pragma unroll
+      for (int c = 0; c < N / 4; ++c) row[chunk_at(c)] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+      __syncwarp();
+      const int gl = lane & (G - 1);
+      const float4* runs = area + (lane - gl) * pitch + chunk_at(run_chunks * gl);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int c = 0; c < run_chunks; ++c) {
+          const float4 v = runs[g * pitch + c];
+          float* o = y + g * S + 4 * c;
+          o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+        }
+    }
+  }
+  // The lane's layout-A code words (eight codes each, coordinate order) from its runs' words
+  // (run g's in q[g S/8 ..]). Between this and the next to_runs every lane passes a
+  // __syncwarp (to_runs' or this one's), so the two areas need no more.
+  __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words], std::uint32_t (&w)[words],
+                                                  int lane) const {
+    if constexpr (G == 1) {
+#pragma unroll
+      for (int i = 0; i < words; ++i) w[i] = q[i];
+    } else {
+      std::uint8_t* rows = reinterpret_cast<std::uint8_t*>(area + 32 * pitch);
+      const int gl = lane & (G - 1);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        std::uint32_t part[run_words];
+#pragma unroll
+        for (int k = 0; k < run_words; ++k) part[k] = q[g * run_words + k];
+        store_words<4 * run_words>(rows + 4 * ((lane - gl + g) * words + gl * run_words), part);
+      }
+      __syncwarp();
+      load_words<16>(rows + 4 * lane * words, w);
+    }
+  }
+};
+
+// The canonical butterfly (group_sum_canonical) over partial sums held in runs: part[g][i] is
+// canonical lane g 32/G + gl 32/G^2 + i. Stages 16 .. 32/G over g in registers, then across the
+// group, then over i in registers.
+template <int G>
+__device__ __forceinline__ float runs_sum_canonical(float (&part)[G][32 / (G * G)]) {
+  constexpr int I = 32 / (G * G);
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) {
+    if (o >= 32 / G) {
+#pragma unroll
+      for (int g = 0; g < G / 2; ++g)  // only g < o G/32 feeds the result
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+          if (g < o * G / 32) part[g][i] = part[g][i] + part[g + o * G / 32][i];
+    } else if (o >= I) {
+#pragma unroll
+      for (int i = 0; i < I; ++i) part[0][i] = part[0][i] + __shfl_xor_sync(full_warp, part[0][i], o / I);
+    } else {
+#pragma unroll
+      for (int i = 0; i < I / 2; ++i)
+        if (i < o) part[0][i] = part[0][i] + part[0][i + o];
+    }
+  }
+  return part[0][0];
+}
+
+// sum L^2 over TQ3 codes held eight to a word in 3-bit nibbles (level = L / 64): one byte
+// permute per four codes to their int8 levels (the nibbles' top bits are clear) and a 4-way
+// byte dot product.
+template <int W>
+__device__ __forceinline__ int tq3_level_square_sum(const std::uint32_t (&q)[W]) {
+  int s = 0;
+#pragma unroll
+  for (int i = 0; i < W; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int l = int(__byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, q[i] >> (16 * h)));
+      s = __dp4a(l, l, s);
+    }
+  return s;
+}
+
+// TQ3 encode's rotation and quantization in runs (lane_exchange): the in-lane Walsh-Hadamard
+// stages, the exchange, the remaining stages in registers, then per coordinate the code (into
+// nibble words) and the canonical partial sums of z.c. c.c comes from the codes: every c_i^2 =
+// L_i^2 / 4096 and every partial sum of them is a multiple of 2^-12 below 2^11 (d 127^2 <
+// 2^23), exact in any order, so the host's canonical sum is the integer sum L_i^2 / 4096.
+// The codes go back to layout A into `pk`.
+template <class Codec, int N, int G>
+__device__ __forceinline__ void tq3_quantize_runs(float (&z)[N], float sumsq, const lane_exchange<N, G>& ex, int lane,
+                                                  tq_packer<Codec, N>& pk, float& s_zc, float& s_cc) {
+  using grid = typename Codec::grid;
+  using X = lane_exchange<N, G>;
+  constexpr int P = Codec::head_dim / 32;
+  static_assert(grid::format == storage_format::tq3 && X::S % P == 0, "tq3_quantize_runs: TQ3, whole canonical lanes per run");
+  lane_wht<N>(z);
+  float y[N];
+  ex.to_runs(z, y, lane);
+#pragma unroll
+  for (int hg = 1; hg < G; hg <<= 1)  // strides hg N: run g with run g + hg
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if ((g & hg) == 0)
+#pragma unroll
+        for (int j = 0; j < X::S; ++j) {
+          const float a = y[g * X::S + j], b = y[(g + hg) * X::S + j];
+          y[g * X::S + j] = a + b;
+          y[(g + hg) * X::S + j] = a - b;
+        }
+  const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
+  float p_zc[G][32 / (G * G)];
+  std::uint32_t q[X::words];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int i = 0; i < 32 / (G * G); ++i) p_zc[g][i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < X::words; ++i) q[i] = tq_packer<Codec, N>::word_start;
+#pragma unroll
+  for (int r = 0; r < N; ++r) {  // y[r]: run r / S, coordinate r % S of it
+    float c;
+    const std::uint32_t code = quantize_level<grid>(y[r], bounds, c);
+    float& part = p_zc[r / X::S][r % X::S / P];
+    part = fmaf(y[r], c, part);
+    q[r / 8] += code << (4 * (r % 8));
+  }
+  s_zc = runs_sum_canonical<G>(p_zc);
+  s_cc = float(group_sum_int<G>(tq3_level_square_sum(q))) *
+         (tierkv::detail::tq3_level_scale * tierkv::detail::tq3_level_scale);
+  std::uint32_t w[X::words];
+  ex.words_from_runs(q, w, lane);
+  pk.set_words(w);
+}
+
 // TQ3 / TQ4 encode (exactly tq_codec::encode), codes packed in registers; `norm` the alpha
 // correction (the codec's, or its sibling family's: key and value codecs differ only there). A
 // zero or non-finite vector runs the common path on substitute numbers, then takes zero_code
-// codes and alpha 0, or zero codes and the poison (returning false).
-template <class Codec, int N, bool F, bool S>
+// codes and alpha 0, or zero codes and the poison (returning false). With a lane_exchange (TQ3)
+// the rotation's cross-lane half and the quantization run in runs (tq3_quantize_runs).
+template <class Codec, int N, bool F, bool S, class Exchange = no_exchange>
 __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, std::uint8_t* payload,
                                                typename Codec::meta_type* meta, std::uint64_t seed, int lane,
-                                               tq_norm norm = Codec::norm) {
+                                               tq_norm norm = Codec::norm, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   using grid = typename Codec::grid;
   using lg = lane_group<D, N>;
@@ -759,33 +925,31 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
   const auto [finite, coded, k] = rotated_input<lg::G>(v, __FLT_MAX__, z);
   const float sumsq = group_dot_canonical<D, N>(z, z);
   if constexpr (!lane_vector<N, F, S>::rotation_signed) warp_signs<N, lg::G>(z, seed, lane);
-  warp_wht<N, lg::G>(z, lane);
-  const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
-  // Quantize, pack and form the canonical partial sums of z.c and c.c in one pass (the
-  // fmaf order of group_dot_canonical), so codes and levels need no registers of their own.
-  // TQ3 codes in whole words take c.c from the packed codes instead: every c_i^2 = L_i^2 / 4096
-  // and every partial sum of them is a multiple of 2^-12 below 2^11 (d 127^2 < 2^23), exact in
-  // any order, so the host's canonical sum is sum L_i^2 / 4096, an integer sum.
-  constexpr bool integer_cc = grid::format == storage_format::tq3 && tq_packer<Codec, N>::whole;
   tq_packer<Codec, N> pk, special;
-  float p_zc[lg::R], p_cc[lg::R];
 #pragma unroll
-  for (int q = 0; q < lg::R; ++q) p_zc[q] = p_cc[q] = 0.0f;
+  for (int r = 0; r < N; ++r) special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
+  float s_zc, s_cc;
+  if constexpr (Exchange::runs) {
+    tq3_quantize_runs<Codec, N>(z, sumsq, ex, lane, pk, s_zc, s_cc);
+  } else {
+    warp_wht<N, lg::G>(z, lane);
+    const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
+    // Quantize, pack and form the canonical partial sums of z.c and c.c in one pass (the
+    // fmaf order of group_dot_canonical), so codes and levels need no registers of their own.
+    float p_zc[lg::R], p_cc[lg::R];
 #pragma unroll
-  for (int r = 0; r < N; ++r) {
-    float c;
-    const std::uint32_t code = quantize_level<grid>(z[r], bounds, c);
-    p_zc[r / lg::P] = fmaf(z[r], c, p_zc[r / lg::P]);
-    if constexpr (!integer_cc) p_cc[r / lg::P] = fmaf(c, c, p_cc[r / lg::P]);
-    pk.add(r, code, gl);
-    special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
-  }
-  const float s_zc = group_sum_canonical<lg::G>(p_zc);
-  float s_cc;
-  if constexpr (integer_cc)
-    s_cc = float(group_sum_int<lg::G>(pk.level_square_sum())) * (tierkv::detail::tq3_level_scale * tierkv::detail::tq3_level_scale);
-  else
+    for (int q = 0; q < lg::R; ++q) p_zc[q] = p_cc[q] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      float c;
+      const std::uint32_t code = quantize_level<grid>(z[r], bounds, c);
+      p_zc[r / lg::P] = fmaf(z[r], c, p_zc[r / lg::P]);
+      p_cc[r / lg::P] = fmaf(c, c, p_cc[r / lg::P]);
+      pk.add(r, code, gl);
+    }
+    s_zc = group_sum_canonical<lg::G>(p_zc);
     s_cc = group_sum_canonical<lg::G>(p_cc);
+  }
   pk.replace_if(!coded, special);
   pk.store(payload, lane);
   if (gl == 0) {
