@@ -50,28 +50,33 @@ struct retier_inputs {
 
 namespace detail {
 
-// An FP8 source's D on the codes (warp_decode_fp8), for a rotated destination of the row's seed;
-// nothing for other pairs.
+// Whether a row's vectors take the rotation's D on FP8 codes: an FP8 source's for a rotated
+// destination (warp_decode_fp8), an FP8 destination's for a rotated source (warp_encode_fp8).
+template <class SC, class DC, int N>
+inline constexpr bool fp8_signs = N % 16 == 0 && ((SC::format == storage_format::fp8_e4m3 && rotated_format<DC>) ||
+                                                  (rotated_format<SC> && DC::format == storage_format::fp8_e4m3));
+// Those masks, made once per row in the warp's shared `area`; nothing for other pairs.
 template <bool Used, int N, int G>
 struct row_signs {
-  __device__ row_signs(std::uint64_t, int) {}
+  __device__ row_signs(std::uint64_t, uint4*, int) {}
   __device__ const e4m3_sign_masks<N, G>* get() const { return nullptr; }
 };
 template <int N, int G>
 struct row_signs<true, N, G> {
   e4m3_sign_masks<N, G> masks;
-  __device__ row_signs(std::uint64_t seed, int lane) : masks(seed, lane) {}
+  __device__ row_signs(std::uint64_t seed, uint4* area, int lane) : masks{area} { masks.make(seed, lane); }
   __device__ const e4m3_sign_masks<N, G>* get() const { return &masks; }
 };
 
-// The source vector (FP8: factored, the scale apart) and the destination encode. For a rotated
-// destination (same seed) the vector comes as D x (lane_vector's Signed): FP8 flips the codes'
-// signs (`signs`), a rotated source leaves out its last D, and the encoder its first.
+// The source vector (FP8: factored, the scale apart) and the destination encode. Where either
+// side is rotated (same seed) the vector comes as D x (lane_vector's Signed): an FP8 source
+// flips its codes' signs (`signs`), a rotated source leaves out its last D, and a rotated
+// encoder its first, an FP8 one flips its codes' signs.
 template <class C, int N, bool Signed, int G>
 __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
                                                 std::uint64_t seed, const e4m3_sign_masks<N, G>* signs, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_decode_fp8<C, N, Signed && N % 4 == 0>(payload, meta, lane, signs);
+    return warp_decode_fp8<C, N, Signed && N % 16 == 0>(payload, meta, lane, signs);
   } else {
     float x[N];
     if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
@@ -84,12 +89,12 @@ __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typ
     return make_lane_vector<Signed>(x);
   }
 }
-template <class C, int N, bool F, bool S, class Exchange>
+template <class C, int N, bool F, bool S, class Exchange, int G>
 __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, std::uint8_t* payload,
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                tq_norm norm, const Exchange& ex) {
+                                                tq_norm norm, const Exchange& ex, const e4m3_sign_masks<N, G>* signs) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_encode_fp8<C, N>(v, payload, meta, lane);
+    return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
   } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
     return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
   } else if constexpr (C::format == storage_format::int8_rotated) {
@@ -150,7 +155,7 @@ inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
 // non-finite (its destination holds the codec's poison).
 template <class Geometry, class From, class To, int Role>
 __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
-                                           std::uint64_t seed, float4* area, int lane) {
+                                           std::uint64_t seed, float4* area, uint4* mask_area, int lane) {
   constexpr int D = Geometry::head_dim, G = retier_lanes(D), N = D / G, V = 32 / G;
   using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
@@ -164,16 +169,17 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
   if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
-  const row_signs<SC::format == storage_format::fp8_e4m3 && rotated_format<DC> && N % 4 == 0, N, G> signs(seed, lane);
+  constexpr bool signed_vector = rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x
+  const row_signs<fp8_signs<SC, DC, N>, N, G> signs(seed, mask_area, lane);
   const auto ex = make_exchange<retier_exchange<DC, N, G>>(area);
   bool ok = true;
 #pragma unroll 1
   for (int u = 0; u < units_per_row<Geometry>; ++u) {
-    const auto v = warp_decode_any<SC, N, rotated_format<DC>>(
+    const auto v = warp_decode_any<SC, N, signed_vector>(
         s_payload + std::size_t(u) * V * SC::payload_bytes,
         reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), lane);
     ok &= warp_encode_any<DC, N>(v, d_payload + std::size_t(u) * V * DC::payload_bytes,
-                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm, ex);
+                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm, ex, signs.get());
   }
   return ok;
 }
@@ -204,6 +210,16 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
     __shared__ float4 exchange_area[retier_warps * area_float4s];
     area = exchange_area + threadIdx.x / 32 * area_float4s;
   }
+  using FK = typename From::template key_codec<D>;
+  using FV = typename From::template value_codec<D>;
+  using TK = typename To::template key_codec<D>;
+  using TV = typename To::template value_codec<D>;
+  uint4* mask_area = nullptr;
+  if constexpr (fp8_signs<FK, TK, D / G> || fp8_signs<FV, TV, D / G>) {
+    constexpr int per_warp = e4m3_sign_masks<D / G, G>::uint4s;
+    __shared__ uint4 sign_masks[retier_warps * per_warp];
+    mask_area = sign_masks + threadIdx.x / 32 * per_warp;
+  }
   while (i < unsigned(in.pages)) {
     const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
     if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
@@ -218,10 +234,10 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
       std::uint8_t* dp = in.dst.page(std::uint32_t(d));
       bool ok;
       if constexpr (roles_alike<From, To, Geometry::head_dim>)
-        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, area, lane);
+        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, area, mask_area, lane);
       else
-        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, area, lane)
-                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area, lane);
+        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, area, mask_area, lane)
+                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area, mask_area, lane);
       if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
     }
     i += di;

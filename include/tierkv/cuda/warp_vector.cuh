@@ -441,11 +441,53 @@ __device__ __forceinline__ std::uint32_t float2_to_e4m3x2(float lo, float hi) {
 #endif
 }
 
-// FP8 E4M3 encode of a vector held N per lane (exactly fp8_codec::encode).
-// Returns false (and writes the codec's poison) on non-finite input.
-template <class Codec, int N, bool F>
-__device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, false>& v, std::uint8_t* payload,
-                                                typename Codec::meta_type* meta, int lane) {
+// Bits 0..3 of `nib` to bits 7, 15, 23, 31 (the signs of four E4M3 codes in a word): one
+// multiply by 2^7 + 2^14 + 2^21 + 2^28 moves bit b to b + 7 + 7c for c = 0..3, a target 8b' + 7
+// only for c = b, and all these positions differ (no carries).
+__device__ __forceinline__ std::uint32_t e4m3_sign_mask(std::uint32_t nib) {
+  return ((nib & 0xFu) * 0x10204080u) & 0x80808080u;
+}
+// The rotation's D as xor masks on a lane's N E4M3 codes (word i holds coordinates gl*N + 4i ..
+// gl*N + 4i + 3): the sign bits 7, 15, 23, 31. Flipping a code's sign bit is flipping the sign of
+// its value, before decoding or after encoding (E4M3 rounding, clipping and the encoder's
+// divisions are odd functions). A function of the seed and the lane alone: a caller converting
+// many vectors of one seed (the retier kernel: a row of tokens) makes it once, in shared memory
+// (a register copy is remade per vector under that kernel's register limit), lane-interleaved
+// (word 4k + c of lane L in component c of uint4 32k + L: a warp's 16-byte accesses hit
+// distinct bank quads). A lane reads only its own words: no synchronization.
+template <int N, int G>
+struct e4m3_sign_masks {
+  static_assert(N % 16 == 0, "e4m3_sign_masks: whole 16-byte groups of masks");
+  static constexpr int uint4s = 32 * N / 16;  // per warp
+  uint4* area;                                // the warp's uint4s
+  __device__ __forceinline__ void make(std::uint64_t seed, int lane) const {
+    std::uint32_t bits[(N + 31) / 32];
+    lane_sign_bits<N, G>(seed, lane, bits);
+#pragma unroll
+    for (int k = 0; k < N / 16; ++k) {
+      std::uint32_t m[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) m[c] = e4m3_sign_mask(bits[(4 * k + c) / 8] >> (4 * ((4 * k + c) % 8)));
+      area[32 * k + lane] = make_uint4(m[0], m[1], m[2], m[3]);
+    }
+  }
+  __device__ __forceinline__ void load(std::uint32_t (&w)[N / 4], int lane) const {
+#pragma unroll
+    for (int k = 0; k < N / 16; ++k) {
+      const uint4 v = area[32 * k + lane];
+      w[4 * k] = v.x, w[4 * k + 1] = v.y, w[4 * k + 2] = v.z, w[4 * k + 3] = v.w;
+    }
+  }
+};
+
+// FP8 E4M3 encode of a vector held N per lane (exactly fp8_codec::encode); of D x for a Signed
+// vector (the rotation's D as `signs`, flipped on the codes). Returns false (and writes the
+// codec's poison) on non-finite input.
+template <class Codec, int N, bool F, bool S>
+__device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, S>& v, std::uint8_t* payload,
+                                                typename Codec::meta_type* meta, int lane,
+                                                const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G>* signs = nullptr) {
+  static_assert(!S || N % 16 == 0, "warp_encode_fp8: signs on whole groups of code words");
   using lg = lane_group<Codec::head_dim, N>;
   using meta_t = typename Codec::meta_type;
   float amax = __uint_as_float(group_max_bits<lg::G>(v.max_bits));
@@ -475,6 +517,12 @@ __device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, false>& 
     encode(std::true_type{});
   else
     encode(std::false_type{});
+  if constexpr (S) {  // D on the codes
+    std::uint32_t m[N / 4];
+    signs->load(m, lane);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) w[i] ^= m[i];
+  }
   store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
   if (lg::index(lane) == 0) *meta = finite ? scale : Codec::poison_meta;
   return finite;
@@ -499,32 +547,11 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(std::uint32_t w, std::uint32_t
   hi = std::uint32_t(h.x) | (std::uint32_t(h.y) << 16);
 #endif
 }
-// Bits 0..3 of `nib` to bits 7, 15, 23, 31 (the signs of four E4M3 codes in a word): one
-// multiply by 2^7 + 2^14 + 2^21 + 2^28 moves bit b to b + 7 + 7c for c = 0..3, a target 8b' + 7
-// only for c = b, and all these positions differ (no carries).
-__device__ __forceinline__ std::uint32_t e4m3_sign_mask(std::uint32_t nib) {
-  return ((nib & 0xFu) * 0x10204080u) & 0x80808080u;
-}
 __device__ __forceinline__ float f16_bits_to_float(std::uint32_t bits16) {
   __half_raw r;
   r.x = static_cast<unsigned short>(bits16);
   return __half2float(__half(r));
 }
-
-// The rotation's D as xor masks on a lane's N E4M3 codes (word i holds coordinates gl*N + 4i ..
-// gl*N + 4i + 3): the sign bits 7, 15, 23, 31. A function of the seed and the lane alone, so a
-// caller decoding many vectors of one seed (the retier kernel: a row of tokens) makes it once.
-template <int N, int G>
-struct e4m3_sign_masks {
-  static_assert(N % 4 == 0, "e4m3_sign_masks: whole code words");
-  std::uint32_t w[N / 4];
-  __device__ __forceinline__ e4m3_sign_masks(std::uint64_t seed, int lane) {
-    std::uint32_t bits[(N + 31) / 32];
-    lane_sign_bits<N, G>(seed, lane, bits);
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) w[i] = e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
-  }
-};
 
 // FP8 E4M3 decode (exactly fp8_codec::decode), factored: the code values (each exactly
 // code_value(c), by one cvt.f16x2.e4m3x2 per two codes), the scale apart (x_r * scale is the
@@ -535,7 +562,7 @@ __device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(
     const std::uint8_t* payload, typename Codec::meta_type meta, int lane,
     const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G>* signs = nullptr) {
   static_assert(Codec::format == storage_format::fp8_e4m3, "warp_decode_fp8: an E4M3 codec");
-  static_assert(!Signed || N % 4 == 0, "warp_decode_fp8: signs on whole code words");
+  static_assert(!Signed || N % 16 == 0, "warp_decode_fp8: signs on whole groups of code words");
   using lg = lane_group<Codec::head_dim, N>;
   lane_vector<N, true, Signed> v;
   v.scale = bf16_to_float(meta);
@@ -544,8 +571,10 @@ __device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(
     std::uint32_t w[N / 4];
     load_words<lane_alignment(Codec::payload_bytes, N)>(p, w);
     if constexpr (Signed) {  // D on the codes
+      std::uint32_t m[N / 4];
+      signs->load(m, lane);
 #pragma unroll
-      for (int i = 0; i < N / 4; ++i) w[i] ^= signs->w[i];
+      for (int i = 0; i < N / 4; ++i) w[i] ^= m[i];
     }
     __half2 m = __float2half2_rn(0.0f);
 #pragma unroll
@@ -750,10 +779,10 @@ constexpr std::uint32_t packer_code(int code) {
 // lane gl holding the G runs [g N + gl S, g N + gl S + S) (S = N/G, g < G) in y[g S ..], where
 // the Walsh-Hadamard's strides N .. D/2 lie inside the lane (no shuffles) and a canonical lane's
 // P = D/32 coordinates still lie in one run (S a multiple of P: G^2 divides 32). Row L of the
-// float area holds lane L's layout-A floats as 16-byte chunks with a gap after each run's
-// chunks, at an odd pitch: at N = 64 (G = 2, 4) the row writes and the run reads of a
-// quarter-warp then hit eight different bank quads. Code words return to layout A through a
-// second area. G = 1: the layouts coincide (copies, no shared memory).
+// scratch holds lane L's layout-A floats as 16-byte chunks with a gap after each run's chunks,
+// at an odd pitch: at N = 64 (G = 2, 4) the row writes and the run reads of a quarter-warp then
+// hit eight different bank quads. Code words return to layout A through the rows' first
+// chunks. G = 1: the layouts coincide (copies, no shared memory).
 struct no_exchange {
   static constexpr bool runs = false;
   static constexpr int float4s = 0;
@@ -764,7 +793,7 @@ struct lane_exchange {
   static_assert(32 % (G * G) == 0 && N % (8 * G) == 0, "lane_exchange: runs of whole canonical lanes and code words");
   static constexpr int S = N / G, run_chunks = S / 4, words = N / 8, run_words = S / 8;
   static constexpr int pitch = (N / 4 + G - 1) | 1;                         // float4s per row
-  static constexpr int float4s = G == 1 ? 0 : 32 * pitch + 32 * words / 4;  // per warp
+  static constexpr int float4s = G == 1 ? 0 : 32 * pitch;  // per warp
   float4* area;  // this warp's float4s
   static constexpr int chunk_at(int c) { return c + c / run_chunks; }
 
@@ -791,25 +820,27 @@ struct lane_exchange {
     }
   }
   // The lane's layout-A code words (eight codes each, coordinate order) from its runs' words
-  // (run g's in q[g S/8 ..]). Between this and the next to_runs every lane passes a
-  // __syncwarp (to_runs' or this one's), so the two areas need no more.
+  // (run g's in q[g S/8 ..]), through the rows' first chunks once every lane has read its runs.
+  // A row's words are read by its own lane only, before that lane's next to_runs.
   __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words], std::uint32_t (&w)[words],
                                                   int lane) const {
     if constexpr (G == 1) {
 #pragma unroll
       for (int i = 0; i < words; ++i) w[i] = q[i];
     } else {
-      std::uint8_t* rows = reinterpret_cast<std::uint8_t*>(area + 32 * pitch);
+      std::uint8_t* rows = reinterpret_cast<std::uint8_t*>(area);
+      constexpr int row_bytes = 16 * pitch;
       const int gl = lane & (G - 1);
+      __syncwarp();
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         std::uint32_t part[run_words];
 #pragma unroll
         for (int k = 0; k < run_words; ++k) part[k] = q[g * run_words + k];
-        store_words<4 * run_words>(rows + 4 * ((lane - gl + g) * words + gl * run_words), part);
+        store_words<4 * run_words>(rows + (lane - gl + g) * row_bytes + 4 * gl * run_words, part);
       }
       __syncwarp();
-      load_words<16>(rows + 4 * lane * words, w);
+      load_words<16>(rows + lane * row_bytes, w);
     }
   }
 };
