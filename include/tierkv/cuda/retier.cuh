@@ -55,44 +55,46 @@ namespace detail {
 template <class SC, class DC, int N>
 inline constexpr bool fp8_signs = N % 16 == 0 && ((SC::format == storage_format::fp8_e4m3 && rotated_format<DC>) ||
                                                   (rotated_format<SC> && DC::format == storage_format::fp8_e4m3));
-// Those masks, made once per row in the warp's shared `area`; nothing for other pairs.
-template <bool Used, int N, int G>
+// Those masks (Runs: for a decoded vector in runs), made once per row in the warp's shared
+// `area`; nothing for other pairs.
+template <bool Used, int N, int G, bool Runs>
 struct row_signs {
   __device__ row_signs(std::uint64_t, uint4*, int) {}
-  __device__ const e4m3_sign_masks<N, G>* get() const { return nullptr; }
+  __device__ const e4m3_sign_masks<N, G, Runs>* get() const { return nullptr; }
 };
-template <int N, int G>
-struct row_signs<true, N, G> {
-  e4m3_sign_masks<N, G> masks;
+template <int N, int G, bool Runs>
+struct row_signs<true, N, G, Runs> {
+  e4m3_sign_masks<N, G, Runs> masks;
   __device__ row_signs(std::uint64_t seed, uint4* area, int lane) : masks{area} { masks.make(seed, lane); }
-  __device__ const e4m3_sign_masks<N, G>* get() const { return &masks; }
+  __device__ const e4m3_sign_masks<N, G, Runs>* get() const { return &masks; }
 };
 
 // The source vector (FP8: factored, the scale apart) and the destination encode. Where either
 // side is rotated (same seed) the vector comes as D x (lane_vector's Signed): an FP8 source
 // flips its codes' signs (`signs`), a rotated source leaves out its last D, and a rotated
 // encoder its first, an FP8 one flips its codes' signs.
-template <class C, int N, bool Signed, int G>
+// A rotated source decodes in runs where its lane_exchange `ex` has them (for an FP8 encoder).
+template <class C, int N, bool Signed, class Signs, class Exchange>
 __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
-                                                std::uint64_t seed, const e4m3_sign_masks<N, G>* signs, int lane) {
+                                                std::uint64_t seed, const Signs* signs, const Exchange& ex, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     return warp_decode_fp8<C, N, Signed && N % 16 == 0>(payload, meta, lane, signs);
   } else {
     float x[N];
     if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-      warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane);
+      warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane, ex);
     } else if constexpr (C::format == storage_format::int8_rotated) {
-      warp_decode_int8r<C, N, Signed>(payload, meta, seed, x, lane);
+      warp_decode_int8r<C, N, Signed>(payload, meta, seed, x, lane, ex);
     } else {
       static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
     }
-    return make_lane_vector<Signed>(x);
+    return make_lane_vector<Signed, Exchange::runs>(x);
   }
 }
-template <class C, int N, bool F, bool S, class Exchange, int G>
-__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, std::uint8_t* payload,
+template <class C, int N, bool F, bool S, bool R, class Exchange, int G>
+__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                tq_norm norm, const Exchange& ex, const e4m3_sign_masks<N, G>* signs) {
+                                                tq_norm norm, const Exchange& ex, const e4m3_sign_masks<N, G, R>* signs) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
     return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
   } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
@@ -105,11 +107,22 @@ __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, s
   }
 }
 
-// The TQ3 encoder's layout exchange (warp_vector.cuh) where its runs hold whole canonical lanes
-// (d <= 256); none for other destinations.
-template <class DC, int N, int G>
-using retier_exchange = std::conditional_t<DC::format == storage_format::tq3 && 32 % (G * G) == 0 && N % (8 * G) == 0,
-                                           lane_exchange<N, G>, no_exchange>;
+// The layout exchanges (warp_vector.cuh), where runs hold whole canonical lanes (d <= 256): the
+// TQ3 encoder's for an FP8 source in a one-path pair (ptxas: with an int8_rotated source, or
+// in a tier pair whose roles take two code paths, it spills under the 128-register limit), and
+// a rotated decoder's for an FP8 destination; none for other pairs.
+template <bool Used, int N, int G>
+using exchange_if = std::conditional_t<Used && 32 % (G * G) == 0 && N % (8 * G) == 0, lane_exchange<N, G>, no_exchange>;
+template <class SC, class DC, int N, int G, bool OnePath>
+using encode_exchange =
+    exchange_if<OnePath && SC::format == storage_format::fp8_e4m3 && DC::format == storage_format::tq3, N, G>;
+template <class SC, class DC, int N, int G>
+using decode_exchange = exchange_if<rotated_format<SC> && DC::format == storage_format::fp8_e4m3, N, G>;
+template <class SC, class DC, int N, int G, bool OnePath>
+inline constexpr int exchange_float4s =  // per warp
+    encode_exchange<SC, DC, N, G, OnePath>::float4s > decode_exchange<SC, DC, N, G>::float4s
+        ? encode_exchange<SC, DC, N, G, OnePath>::float4s
+        : decode_exchange<SC, DC, N, G>::float4s;
 template <class X>
 __device__ __forceinline__ X make_exchange(float4* area) {
   if constexpr (X::runs)
@@ -170,14 +183,16 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
   constexpr bool signed_vector = rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x
-  const row_signs<fp8_signs<SC, DC, N>, N, G> signs(seed, mask_area, lane);
-  const auto ex = make_exchange<retier_exchange<DC, N, G>>(area);
+  using DX = decode_exchange<SC, DC, N, G>;
+  const row_signs<fp8_signs<SC, DC, N>, N, G, DX::runs> signs(seed, mask_area, lane);
+  const auto dx = make_exchange<DX>(area);
+  const auto ex = make_exchange<encode_exchange<SC, DC, N, G, Role == 2>>(area);
   bool ok = true;
 #pragma unroll 1
   for (int u = 0; u < units_per_row<Geometry>; ++u) {
     const auto v = warp_decode_any<SC, N, signed_vector>(
         s_payload + std::size_t(u) * V * SC::payload_bytes,
-        reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), lane);
+        reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), dx, lane);
     ok &= warp_encode_any<DC, N>(v, d_payload + std::size_t(u) * V * DC::payload_bytes,
                                  reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm, ex, signs.get());
   }
@@ -202,18 +217,18 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
   const unsigned di = warps / tasks, dr = warps % tasks;
   unsigned i = warp / tasks, r = warp % tasks;
   constexpr int D = Geometry::head_dim;
-  constexpr int kx = retier_exchange<typename To::template key_codec<D>, D / G, G>::float4s;
-  constexpr int vx = retier_exchange<typename To::template value_codec<D>, D / G, G>::float4s;
+  using FK = typename From::template key_codec<D>;
+  using FV = typename From::template value_codec<D>;
+  using TK = typename To::template key_codec<D>;
+  using TV = typename To::template value_codec<D>;
+  constexpr bool one_path = roles_alike<From, To, D>;
+  constexpr int kx = exchange_float4s<FK, TK, D / G, G, one_path>, vx = exchange_float4s<FV, TV, D / G, G, one_path>;
   constexpr int area_float4s = kx > vx ? kx : vx;  // per warp
   float4* area = nullptr;
   if constexpr (area_float4s > 0) {
     __shared__ float4 exchange_area[retier_warps * area_float4s];
     area = exchange_area + threadIdx.x / 32 * area_float4s;
   }
-  using FK = typename From::template key_codec<D>;
-  using FV = typename From::template value_codec<D>;
-  using TK = typename To::template key_codec<D>;
-  using TV = typename To::template value_codec<D>;
   uint4* mask_area = nullptr;
   if constexpr (fp8_signs<FK, TK, D / G> || fp8_signs<FV, TV, D / G>) {
     constexpr int per_warp = e4m3_sign_masks<D / G, G>::uint4s;

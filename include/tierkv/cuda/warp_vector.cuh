@@ -123,17 +123,19 @@ inline constexpr std::uint32_t inf_bits = 0x7f800000u;
 // into its own power-of-two multiply); else scale 1 and x the values themselves. Signed: the
 // vector is D x, the rotation's sign flips applied once more (by the FP8 decoder on the codes; a
 // rotated decoder leaves out its last D, D D = I), for a rotated encoder of the same seed to
-// skip its D (flipping signs commutes with the encoder's scaling, clipping and maxima).
-template <int N, bool Factored = false, bool Signed = false>
+// skip its D (flipping signs commutes with the encoder's scaling, clipping and maxima) or the
+// FP8 encoder to flip its codes' signs. Runs: held in lane_exchange's runs layout (a rotated
+// decoder's output for the FP8 encoder, which stores run by run).
+template <int N, bool Factored = false, bool Signed = false, bool Runs = false>
 struct lane_vector {
-  static constexpr bool factored = Factored, rotation_signed = Signed;
+  static constexpr bool factored = Factored, rotation_signed = Signed, runs = Runs;
   float x[N];
   float scale;
   std::uint32_t max_bits;
 };
-template <bool Signed = false, int N>
-__device__ __forceinline__ lane_vector<N, false, Signed> make_lane_vector(const float (&x)[N]) {
-  lane_vector<N, false, Signed> v;
+template <bool Signed = false, bool Runs = false, int N>
+__device__ __forceinline__ lane_vector<N, false, Signed, Runs> make_lane_vector(const float (&x)[N]) {
+  lane_vector<N, false, Signed, Runs> v;
 #pragma unroll
   for (int r = 0; r < N; ++r) v.x[r] = x[r];
   v.scale = 1.0f;
@@ -327,6 +329,96 @@ __device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
   }
 }
 
+// A warp's shared-memory scratch that moves vectors held N coordinates per lane by G lanes
+// between two layouts: A, lane gl holding [gl N, gl N + N) (every other helper's), and runs,
+// lane gl holding the G runs [g N + gl S, g N + gl S + S) (S = N/G, g < G) in y[g S ..], where
+// the Walsh-Hadamard's strides N .. D/2 lie inside the lane (runs_wht: no shuffles; used by the
+// TQ3 encoder and the rotated decoders for an FP8 destination) and a canonical lane's P = D/32
+// coordinates still lie in one run (S a multiple of P: G^2 divides 32). Row L of the
+// scratch holds lane L's layout-A floats as 16-byte chunks with a gap after each run's chunks,
+// at an odd pitch: at N = 64 (G = 2, 4) the row writes and the run reads of a quarter-warp then
+// hit eight different bank quads. Code words return to layout A through the rows' first
+// chunks. G = 1: the layouts coincide (copies, no shared memory).
+struct no_exchange {
+  static constexpr bool runs = false;
+  static constexpr int float4s = 0;
+};
+template <int N, int G>
+struct lane_exchange {
+  static constexpr bool runs = true;
+  static_assert(32 % (G * G) == 0 && N % (8 * G) == 0, "lane_exchange: runs of whole canonical lanes and code words");
+  static constexpr int S = N / G, run_chunks = S / 4, words = N / 8, run_words = S / 8;
+  static constexpr int pitch = (N / 4 + G - 1) | 1;                         // float4s per row
+  static constexpr int float4s = G == 1 ? 0 : 32 * pitch;  // per warp
+  float4* area;  // this warp's float4s
+  static constexpr int chunk_at(int c) { return c + c / run_chunks; }
+
+  // y (runs) from x (layout A), once every lane is done with the scratch's previous contents.
+  __device__ __forceinline__ void to_runs(const float (&x)[N], float (&y)[N], int lane) const {
+    if constexpr (G == 1) {
+#pragma unroll
+      for (int r = 0; r < N; ++r) y[r] = x[r];
+    } else {
+      float4* row = area + lane * pitch;
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < N / 4; ++c) row[chunk_at(c)] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+      __syncwarp();
+      const int gl = lane & (G - 1);
+      const float4* runs = area + (lane - gl) * pitch + chunk_at(run_chunks * gl);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int c = 0; c < run_chunks; ++c) {
+          const float4 v = runs[g * pitch + c];
+          float* o = y + g * S + 4 * c;
+          o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+        }
+    }
+  }
+  // The lane's layout-A code words (eight codes each, coordinate order) from its runs' words
+  // (run g's in q[g S/8 ..]), through the rows' first chunks once every lane has read its runs.
+  __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words], std::uint32_t (&w)[words],
+                                                  int lane) const {
+    if constexpr (G == 1) {
+#pragma unroll
+      for (int i = 0; i < words; ++i) w[i] = q[i];
+    } else {
+      std::uint8_t* rows = reinterpret_cast<std::uint8_t*>(area);
+      constexpr int row_bytes = 16 * pitch;
+      const int gl = lane & (G - 1);
+      __syncwarp();
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        std::uint32_t part[run_words];
+#pragma unroll
+        for (int k = 0; k < run_words; ++k) part[k] = q[g * run_words + k];
+        store_words<4 * run_words>(rows + (lane - gl + g) * row_bytes + 4 * gl * run_words, part);
+      }
+      __syncwarp();
+      load_words<16>(rows + lane * row_bytes, w);
+    }
+  }
+};
+
+// The Walsh-Hadamard stages of strides N .. D/2 on a vector in runs (after lane_wht and
+// lane_exchange::to_runs): run g with run g + hg, in walsh_hadamard_unnormalized's order.
+template <int N, int G>
+__device__ __forceinline__ void runs_wht(float (&y)[N]) {
+  constexpr int S = N / G;
+#pragma unroll
+  for (int hg = 1; hg < G; hg <<= 1)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if ((g & hg) == 0)
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+          const float a = y[g * S + j], b = y[(g + hg) * S + j];
+          y[g * S + j] = a + b;
+          y[(g + hg) * S + j] = a - b;
+        }
+}
+
 // x <- D H_un x / D on a vector held N per lane (decode's finalize; the stage order of
 // rotated_domain::finalize, so bit-identical to it).
 template <int D, int N>
@@ -348,9 +440,11 @@ __device__ __forceinline__ void warp_inverse_rotation(float (&x)[N], std::uint64
 // its last bit at least 2^-148; the +0 gives the host's +0 where w = 0). A larger (or NaN) w,
 // where the host's sums may overflow, switches the warp to the host's order: x = w u L first,
 // the same Walsh-Hadamard, then times 1/D. Then D, the signs (unless the caller wants D x).
-template <int D, int N, bool Signs = true>
+// With a lane_exchange x comes out in runs (D x only: the signs are the caller's).
+template <int D, int N, bool Signs = true, class Exchange = no_exchange>
 __device__ __forceinline__ void warp_inverse_rotation_of_levels(float (&x)[N], float w, float u, std::uint64_t seed,
-                                                                int lane) {
+                                                                int lane, const Exchange& ex = {}) {
+  static_assert(!(Signs && Exchange::runs), "warp_inverse_rotation_of_levels: runs come as D x");
   constexpr int G = lane_group<D, N>::G;
   constexpr float exact_limit = 0x1p127f / float(128 * D);  // w u below it: exact sums
   const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
@@ -361,10 +455,19 @@ __device__ __forceinline__ void warp_inverse_rotation_of_levels(float (&x)[N], f
     for (int r = 0; r < N; ++r) x[r] = fmaf(x[r], wu, 0.0f);  // 0 + w c, as the host accumulates
     scale = inv_d;
   }
-  warp_wht<N, G>(x, lane);
+  if constexpr (Exchange::runs) {
+    lane_wht<N>(x);
+    float y[N];
+    ex.to_runs(x, y, lane);
+    runs_wht<N, G>(y);
 #pragma unroll
-  for (int r = 0; r < N; ++r) x[r] = fmaf(x[r], scale, 0.0f);
-  if constexpr (Signs) warp_signs<N, G>(x, seed, lane);
+    for (int r = 0; r < N; ++r) x[r] = fmaf(y[r], scale, 0.0f);
+  } else {
+    warp_wht<N, G>(x, lane);
+#pragma unroll
+    for (int r = 0; r < N; ++r) x[r] = fmaf(x[r], scale, 0.0f);
+    if constexpr (Signs) warp_signs<N, G>(x, seed, lane);
+  }
 }
 
 // ---- scaling and division ------------------------------------------------------------------
@@ -454,22 +557,33 @@ __device__ __forceinline__ std::uint32_t e4m3_sign_mask(std::uint32_t nib) {
 // many vectors of one seed (the retier kernel: a row of tokens) makes it once, in shared memory
 // (a register copy is remade per vector under that kernel's register limit), lane-interleaved
 // (word 4k + c of lane L in component c of uint4 32k + L: a warp's 16-byte accesses hit
-// distinct bank quads). A lane reads only its own words: no synchronization.
-template <int N, int G>
+// distinct bank quads). A lane reads only its own words: no synchronization. Runs: for a vector
+// in lane_exchange's runs (word i: run i / (S/4), coordinates g N + gl S + 4 (i % (S/4)) ..).
+template <int N, int G, bool Runs = false>
 struct e4m3_sign_masks {
-  static_assert(N % 16 == 0, "e4m3_sign_masks: whole 16-byte groups of masks");
+  static_assert(N % 16 == 0 && (!Runs || (N <= 64 && (N / G) % 4 == 0)),
+                "e4m3_sign_masks: whole 16-byte groups of masks (runs: within one 64-bit sign word)");
   static constexpr int uint4s = 32 * N / 16;  // per warp
   uint4* area;                                // the warp's uint4s
   __device__ __forceinline__ void make(std::uint64_t seed, int lane) const {
-    std::uint32_t bits[(N + 31) / 32];
-    lane_sign_bits<N, G>(seed, lane, bits);
+    std::uint32_t m[N / 4];
+    if constexpr (Runs) {
+      constexpr int S = N / G;
 #pragma unroll
-    for (int k = 0; k < N / 16; ++k) {
-      std::uint32_t m[4];
+      for (int g = 0; g < G; ++g) {  // a run's S <= 64 bits lie in one sign word
+        const int first = g * N + (lane & (G - 1)) * S;
+        const std::uint64_t bits = rotation_sign_word(seed, first >> 6) >> (first & 63);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) m[c] = e4m3_sign_mask(bits[(4 * k + c) / 8] >> (4 * ((4 * k + c) % 8)));
-      area[32 * k + lane] = make_uint4(m[0], m[1], m[2], m[3]);
+        for (int i = 0; i < S / 4; ++i) m[g * (S / 4) + i] = e4m3_sign_mask(std::uint32_t(bits >> (4 * i)));
+      }
+    } else {
+      std::uint32_t bits[(N + 31) / 32];
+      lane_sign_bits<N, G>(seed, lane, bits);
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) m[i] = e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
     }
+#pragma unroll
+    for (int k = 0; k < N / 16; ++k) area[32 * k + lane] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
   }
   __device__ __forceinline__ void load(std::uint32_t (&w)[N / 4], int lane) const {
 #pragma unroll
@@ -481,12 +595,12 @@ struct e4m3_sign_masks {
 };
 
 // FP8 E4M3 encode of a vector held N per lane (exactly fp8_codec::encode); of D x for a Signed
-// vector (the rotation's D as `signs`, flipped on the codes). Returns false (and writes the
-// codec's poison) on non-finite input.
-template <class Codec, int N, bool F, bool S>
-__device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, S>& v, std::uint8_t* payload,
-                                                typename Codec::meta_type* meta, int lane,
-                                                const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G>* signs = nullptr) {
+// vector (the rotation's D as `signs`, flipped on the codes); a vector in runs stored run by run.
+// Returns false (and writes the codec's poison) on non-finite input.
+template <class Codec, int N, bool F, bool S, bool Runs>
+__device__ __forceinline__ bool warp_encode_fp8(
+    const lane_vector<N, F, S, Runs>& v, std::uint8_t* payload, typename Codec::meta_type* meta, int lane,
+    const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G, Runs>* signs = nullptr) {
   static_assert(!S || N % 16 == 0, "warp_encode_fp8: signs on whole groups of code words");
   using lg = lane_group<Codec::head_dim, N>;
   using meta_t = typename Codec::meta_type;
@@ -523,7 +637,18 @@ __device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, S>& v, s
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) w[i] ^= m[i];
   }
-  store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
+  if constexpr (Runs) {
+    constexpr int R = N / lg::G;  // run length
+#pragma unroll
+    for (int g = 0; g < lg::G; ++g) {
+      std::uint32_t run[R / 4];
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) run[i] = w[g * (R / 4) + i];
+      store_code_words<lane_alignment(Codec::payload_bytes, R), R>(payload + g * N + lg::index(lane) * R, run, coded);
+    }
+  } else {
+    store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
+  }
   if (lg::index(lane) == 0) *meta = finite ? scale : Codec::poison_meta;
   return finite;
 }
@@ -772,79 +897,6 @@ constexpr std::uint32_t packer_code(int code) {
   return Grid::format == storage_format::tq3 ? tq_packer_bias + std::uint32_t(code) : std::uint32_t(code);
 }
 
-// ---- layout exchange (TQ3 encode in runs) ------------------------------------------------
-
-// A warp's shared-memory scratch that moves vectors held N coordinates per lane by G lanes
-// between two layouts: A, lane gl holding [gl N, gl N + N) (every other helper's), and runs,
-// lane gl holding the G runs [g N + gl S, g N + gl S + S) (S = N/G, g < G) in y[g S ..], where
-// the Walsh-Hadamard's strides N .. D/2 lie inside the lane (no shuffles) and a canonical lane's
-// P = D/32 coordinates still lie in one run (S a multiple of P: G^2 divides 32). Row L of the
-// scratch holds lane L's layout-A floats as 16-byte chunks with a gap after each run's chunks,
-// at an odd pitch: at N = 64 (G = 2, 4) the row writes and the run reads of a quarter-warp then
-// hit eight different bank quads. Code words return to layout A through the rows' first
-// chunks. G = 1: the layouts coincide (copies, no shared memory).
-struct no_exchange {
-  static constexpr bool runs = false;
-  static constexpr int float4s = 0;
-};
-template <int N, int G>
-struct lane_exchange {
-  static constexpr bool runs = true;
-  static_assert(32 % (G * G) == 0 && N % (8 * G) == 0, "lane_exchange: runs of whole canonical lanes and code words");
-  static constexpr int S = N / G, run_chunks = S / 4, words = N / 8, run_words = S / 8;
-  static constexpr int pitch = (N / 4 + G - 1) | 1;                         // float4s per row
-  static constexpr int float4s = G == 1 ? 0 : 32 * pitch;  // per warp
-  float4* area;  // this warp's float4s
-  static constexpr int chunk_at(int c) { return c + c / run_chunks; }
-
-  // y (runs) from x (layout A).
-  __device__ __forceinline__ void to_runs(const float (&x)[N], float (&y)[N], int lane) const {
-    if constexpr (G == 1) {
-#pragma unroll
-      for (int r = 0; r < N; ++r) y[r] = x[r];
-    } else {
-      float4* row = area + lane * pitch;
-#pragma unroll
-      for (int c = 0; c < N / 4; ++c) row[chunk_at(c)] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
-      __syncwarp();
-      const int gl = lane & (G - 1);
-      const float4* runs = area + (lane - gl) * pitch + chunk_at(run_chunks * gl);
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-#pragma unroll
-        for (int c = 0; c < run_chunks; ++c) {
-          const float4 v = runs[g * pitch + c];
-          float* o = y + g * S + 4 * c;
-          o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
-        }
-    }
-  }
-  // The lane's layout-A code words (eight codes each, coordinate order) from its runs' words
-  // (run g's in q[g S/8 ..]), through the rows' first chunks once every lane has read its runs.
-  // A row's words are read by its own lane only, before that lane's next to_runs.
-  __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words], std::uint32_t (&w)[words],
-                                                  int lane) const {
-    if constexpr (G == 1) {
-#pragma unroll
-      for (int i = 0; i < words; ++i) w[i] = q[i];
-    } else {
-      std::uint8_t* rows = reinterpret_cast<std::uint8_t*>(area);
-      constexpr int row_bytes = 16 * pitch;
-      const int gl = lane & (G - 1);
-      __syncwarp();
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        std::uint32_t part[run_words];
-#pragma unroll
-        for (int k = 0; k < run_words; ++k) part[k] = q[g * run_words + k];
-        store_words<4 * run_words>(rows + (lane - gl + g) * row_bytes + 4 * gl * run_words, part);
-      }
-      __syncwarp();
-      load_words<16>(rows + lane * row_bytes, w);
-    }
-  }
-};
-
 // The canonical butterfly (group_sum_canonical) over partial sums held in runs: part[g][i] is
 // canonical lane g 32/G + gl 32/G^2 + i. Stages 16 .. 32/G over g in registers, then across the
 // group, then over i in registers.
@@ -903,17 +955,7 @@ __device__ __forceinline__ void tq3_quantize_runs(float (&z)[N], float sumsq, co
   lane_wht<N>(z);
   float y[N];
   ex.to_runs(z, y, lane);
-#pragma unroll
-  for (int hg = 1; hg < G; hg <<= 1)  // strides hg N: run g with run g + hg
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      if ((g & hg) == 0)
-#pragma unroll
-        for (int j = 0; j < X::S; ++j) {
-          const float a = y[g * X::S + j], b = y[(g + hg) * X::S + j];
-          y[g * X::S + j] = a + b;
-          y[(g + hg) * X::S + j] = a - b;
-        }
+  runs_wht<N, G>(y);
   const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
   float p_zc[G][32 / (G * G)];
   std::uint32_t q[X::words];
@@ -956,9 +998,7 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
   const auto [finite, coded, k] = rotated_input<lg::G>(v, __FLT_MAX__, z);
   const float sumsq = group_dot_canonical<D, N>(z, z);
   if constexpr (!lane_vector<N, F, S>::rotation_signed) warp_signs<N, lg::G>(z, seed, lane);
-  tq_packer<Codec, N> pk, special;
-#pragma unroll
-  for (int r = 0; r < N; ++r) special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
+  tq_packer<Codec, N> pk;
   float s_zc, s_cc;
   if constexpr (Exchange::runs) {
     tq3_quantize_runs<Codec, N>(z, sumsq, ex, lane, pk, s_zc, s_cc);
@@ -981,6 +1021,9 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
     s_zc = group_sum_canonical<lg::G>(p_zc);
     s_cc = group_sum_canonical<lg::G>(p_cc);
   }
+  tq_packer<Codec, N> special;  // zero_code codes (zero vector) or zeros (poison)
+#pragma unroll
+  for (int r = 0; r < N; ++r) special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
   pk.replace_if(!coded, special);
   pk.store(payload, lane);
   if (gl == 0) {
@@ -1070,13 +1113,13 @@ __device__ __forceinline__ float decode_levels(const std::uint8_t* payload, floa
 }
 
 // TQ3 / TQ4 decode (exactly tq_codec::decode: 0 + alpha*c, inverse rotation D H_un / d; Signed:
-// D x, i.e. without the last D).
-template <class Codec, int N, bool Signed = false>
+// D x, i.e. without the last D; with a lane_exchange in runs).
+template <class Codec, int N, bool Signed = false, class Exchange = no_exchange>
 __device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload, typename Codec::meta_type meta,
-                                               std::uint64_t seed, float (&x)[N], int lane) {
+                                               std::uint64_t seed, float (&x)[N], int lane, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   const float unit = decode_levels<Codec, N>(payload, x, lane);
-  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), unit, seed, lane);
+  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), unit, seed, lane, ex);
 }
 
 // ---- int8_rotated --------------------------------------------------------------------------
@@ -1122,10 +1165,11 @@ __device__ __forceinline__ bool warp_encode_int8r(const float (&x)[N], std::uint
   return warp_encode_int8r<Codec, N>(make_lane_vector(x), payload, meta, seed, lane);
 }
 
-// int8_rotated decode (exactly int8_rotated_codec::decode: 0 + alpha*c, D H_un / d; Signed: D x).
-template <class Codec, int N, bool Signed = false>
+// int8_rotated decode (exactly int8_rotated_codec::decode: 0 + alpha*c, D H_un / d; Signed: D x;
+// with a lane_exchange in runs).
+template <class Codec, int N, bool Signed = false, class Exchange = no_exchange>
 __device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload, typename Codec::meta_type meta,
-                                                  std::uint64_t seed, float (&x)[N], int lane) {
+                                                  std::uint64_t seed, float (&x)[N], int lane, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   const std::uint8_t* p = payload + lane_group<D, N>::index(lane) * N;
   if constexpr (N % 4 == 0) {  // a word of four codes at a time, biased by one xor
@@ -1137,7 +1181,7 @@ __device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload, t
 #pragma unroll
     for (int r = 0; r < N; ++r) x[r] = biased_byte_value(p[r] ^ 0x80u, 0);
   }
-  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), 1.0f, seed, lane);
+  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), 1.0f, seed, lane, ex);
 }
 
 }  // namespace tierkv::cuda::detail
