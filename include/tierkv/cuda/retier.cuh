@@ -50,40 +50,85 @@ struct retier_inputs {
 
 namespace detail {
 
-// The source vector (FP8: factored, the scale apart) and the destination encode. For a rotated
-// destination (same seed) the vector comes as D x (lane_vector's Signed): FP8 flips the codes'
-// signs, a rotated source leaves out its last D, and the encoder its first.
-template <class C, int N, bool Signed>
+// Whether a row's vectors take the rotation's D on FP8 codes: an FP8 source's for a rotated
+// destination (warp_decode_fp8), an FP8 destination's for a rotated source (warp_encode_fp8).
+template <class SC, class DC, int N>
+inline constexpr bool fp8_signs = N % 16 == 0 && ((SC::format == storage_format::fp8_e4m3 && rotated_format<DC>) ||
+                                                  (rotated_format<SC> && DC::format == storage_format::fp8_e4m3));
+// Those masks (Runs: for a decoded vector in runs), made once per row in the warp's shared
+// `area`; nothing for other pairs.
+template <bool Used, int N, int G, bool Runs>
+struct row_signs {
+  __device__ row_signs(std::uint64_t, uint4*, int) {}
+  __device__ const e4m3_sign_masks<N, G, Runs>* get() const { return nullptr; }
+};
+template <int N, int G, bool Runs>
+struct row_signs<true, N, G, Runs> {
+  e4m3_sign_masks<N, G, Runs> masks;
+  __device__ row_signs(std::uint64_t seed, uint4* area, int lane) : masks{area} { masks.make(seed, lane); }
+  __device__ const e4m3_sign_masks<N, G, Runs>* get() const { return &masks; }
+};
+
+// The source vector (FP8: factored, the scale apart) and the destination encode. Where either
+// side is rotated (same seed) the vector comes as D x (lane_vector's Signed): an FP8 source
+// flips its codes' signs (`signs`), a rotated source leaves out its last D, and a rotated
+// encoder its first, an FP8 one flips its codes' signs.
+// A rotated source decodes in runs where its lane_exchange `ex` has them (for an FP8 encoder).
+template <class C, int N, bool Signed, class Signs, class Exchange>
 __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
-                                                std::uint64_t seed, int lane) {
+                                                std::uint64_t seed, const Signs* signs, const Exchange& ex, int lane) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_decode_fp8<C, N, Signed && N % 4 == 0>(payload, meta, lane, seed);
+    return warp_decode_fp8<C, N, Signed && N % 16 == 0>(payload, meta, lane, signs);
   } else {
     float x[N];
     if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-      warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane);
+      warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane, ex);
     } else if constexpr (C::format == storage_format::int8_rotated) {
-      warp_decode_int8r<C, N, Signed>(payload, meta, seed, x, lane);
+      warp_decode_int8r<C, N, Signed>(payload, meta, seed, x, lane, ex);
     } else {
       static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
     }
-    return make_lane_vector<Signed>(x);
+    return make_lane_vector<Signed, Exchange::runs>(x);
   }
 }
-template <class C, int N, bool F, bool S>
-__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S>& v, std::uint8_t* payload,
+template <class C, int N, bool F, bool S, bool R, class Exchange, int G>
+__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                tq_norm norm) {
+                                                tq_norm norm, const Exchange& ex, const e4m3_sign_masks<N, G, R>* signs) {
   if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_encode_fp8<C, N>(v, payload, meta, lane);
+    return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
   } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm);
+    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
   } else if constexpr (C::format == storage_format::int8_rotated) {
     return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
   } else {
     static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
     return false;
   }
+}
+
+// The layout exchanges (warp_vector.cuh), where runs hold whole canonical lanes (d <= 256): the
+// TQ3 encoder's for an FP8 source in a one-path pair (ptxas: with an int8_rotated source, or
+// in a tier pair whose roles take two code paths, it spills under the 128-register limit), and
+// a rotated decoder's for an FP8 destination; none for other pairs.
+template <bool Used, int N, int G>
+using exchange_if = std::conditional_t<Used && 32 % (G * G) == 0 && N % (8 * G) == 0, lane_exchange<N, G>, no_exchange>;
+template <class SC, class DC, int N, int G, bool OnePath>
+using encode_exchange =
+    exchange_if<OnePath && SC::format == storage_format::fp8_e4m3 && DC::format == storage_format::tq3, N, G>;
+template <class SC, class DC, int N, int G>
+using decode_exchange = exchange_if<rotated_format<SC> && DC::format == storage_format::fp8_e4m3, N, G>;
+template <class SC, class DC, int N, int G, bool OnePath>
+inline constexpr int exchange_float4s =  // per warp
+    encode_exchange<SC, DC, N, G, OnePath>::float4s > decode_exchange<SC, DC, N, G>::float4s
+        ? encode_exchange<SC, DC, N, G, OnePath>::float4s
+        : decode_exchange<SC, DC, N, G>::float4s;
+template <class X>
+__device__ __forceinline__ X make_exchange(float4* area) {
+  if constexpr (X::runs)
+    return X{area};
+  else
+    return X{};
 }
 
 // Lanes per vector: the largest power of two <= d/64 (64 coordinates per lane at d = 64, 128,
@@ -93,6 +138,13 @@ constexpr int retier_lanes(int d) {
   while (g < 32 && 2 * g * 64 <= d) g *= 2;
   return g;
 }
+
+// Units of 32/G vectors a warp converts per task: a whole row of page_tokens tokens (one kv
+// head and role), so the row's seed work is shared; one where 32/G does not divide page_tokens.
+template <class Geometry>
+inline constexpr int units_per_row = Geometry::page_tokens % (32 / retier_lanes(Geometry::head_dim)) == 0
+                                         ? Geometry::page_tokens / (32 / retier_lanes(Geometry::head_dim))
+                                         : 1;
 
 inline constexpr int retier_warps = 4;       // 128 threads per block
 inline constexpr int retier_min_blocks = 4;  // per SM: at most 128 registers per thread
@@ -109,54 +161,87 @@ inline constexpr bool one_format =
 template <class From, class To, int D>
 inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
 
-// This lane's vector (kv head h, token t) of a page: decode with From's codec, encode with To's.
-// Role 0 / 1: the key / value codecs; Role 2 (roles_alike): the key codecs' code, with the value
-// role's offsets and norm where `value`. False for a non-finite vector (the destination holds
-// the codec's poison).
+// The vectors of this lane's row (kv head h, tokens t, t + 32/G, ... below units_per_row * 32/G
+// further on) of a page: decode with From's codecs, encode with To's. Role 0 / 1: the key / value
+// codecs; Role 2 (roles_alike): the key codecs' code, with the value role's offsets and norm
+// where `value`. The row's seed work (the FP8 sign masks) is done once. False if any vector was
+// non-finite (its destination holds the codec's poison).
 template <class Geometry, class From, class To, int Role>
-__device__ __forceinline__ bool retier_vector(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
-                                              std::uint64_t seed, int lane) {
-  constexpr int D = Geometry::head_dim, N = D / retier_lanes(D);
+__device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
+                                           std::uint64_t seed, float4* area, uint4* mask_area, int lane) {
+  constexpr int D = Geometry::head_dim, G = retier_lanes(D), N = D / G, V = 32 / G;
   using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
   using SC = std::conditional_t<Role == 1, typename SL::value_codec, typename SL::key_codec>;
   using DC = std::conditional_t<Role == 1, typename DL::value_codec, typename DL::key_codec>;
   const bool v_role = Role == 1 || (Role == 2 && value);
-  const std::size_t s_payload = v_role ? SL::value_payload(h, t) : SL::key_payload(h, t);
-  const std::size_t s_meta = v_role ? SL::value_meta(h, t) : SL::key_meta(h, t);
-  const std::size_t d_payload = v_role ? DL::value_payload(h, t) : DL::key_payload(h, t);
-  const std::size_t d_meta = v_role ? DL::value_meta(h, t) : DL::key_meta(h, t);
+  const std::uint8_t* s_payload = sp + (v_role ? SL::value_payload(h, t) : SL::key_payload(h, t));
+  const std::uint8_t* s_meta = sp + (v_role ? SL::value_meta(h, t) : SL::key_meta(h, t));
+  std::uint8_t* d_payload = dp + (v_role ? DL::value_payload(h, t) : DL::key_payload(h, t));
+  std::uint8_t* d_meta = dp + (v_role ? DL::value_meta(h, t) : DL::key_meta(h, t));
   tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
   if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
-  const auto v = warp_decode_any<SC, N, rotated_format<DC>>(sp + s_payload,
-                                                          *reinterpret_cast<const typename SC::meta_type*>(sp + s_meta), seed, lane);
-  return warp_encode_any<DC, N>(v, dp + d_payload, reinterpret_cast<typename DC::meta_type*>(dp + d_meta), seed, lane, norm);
+  constexpr bool signed_vector = rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x
+  using DX = decode_exchange<SC, DC, N, G>;
+  const row_signs<fp8_signs<SC, DC, N>, N, G, DX::runs> signs(seed, mask_area, lane);
+  const auto dx = make_exchange<DX>(area);
+  const auto ex = make_exchange<encode_exchange<SC, DC, N, G, Role == 2>>(area);
+  bool ok = true;
+#pragma unroll 1
+  for (int u = 0; u < units_per_row<Geometry>; ++u) {
+    const auto v = warp_decode_any<SC, N, signed_vector>(
+        s_payload + std::size_t(u) * V * SC::payload_bytes,
+        reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), dx, lane);
+    ok &= warp_encode_any<DC, N>(v, d_payload + std::size_t(u) * V * DC::payload_bytes,
+                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm, ex, signs.get());
+  }
+  return ok;
 }
 
-// Work unit: 32/G consecutive vectors of a page (in-page order role, head, token; G lanes
-// each), so with page_tokens >= 32/G a warp's vectors are consecutive tokens of one (role,
-// head). Pages hold 2 * kv_heads * page_tokens vectors, a multiple of 32 (page_tokens % 16 ==
-// 0): units never straddle pages. The slot checks, page pointers and codec seed are worked
-// out once per unit; (page, unit) advance by the grid's warp count in 32-bit arithmetic.
+// Work unit (task): the units_per_row * 32/G consecutive vectors of a page from one of its
+// (role, head) rows (in-page order role, head, token; G lanes per vector), or, where a row holds
+// fewer than 32/G vectors, 32/G vectors over consecutive rows. Pages hold 2 * kv_heads *
+// page_tokens vectors, a multiple of 32 (page_tokens % 16 == 0): tasks never straddle pages.
+// The slot checks, page pointers, codec seed and sign masks are worked out once per task (not
+// per 32/G vectors); (page, task) advance by the grid's warp count in 32-bit arithmetic.
 template <class Geometry, class From, class To>
 __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_kernel(retier_inputs in) {
   constexpr int H = Geometry::kv_heads, T = Geometry::page_tokens;
-  constexpr int G = retier_lanes(Geometry::head_dim), V = 32 / G;
-  constexpr unsigned units = unsigned(2 * H * T / V);
-  static_assert((2 * H * T) % V == 0, "retier: a page holds whole units of 32/G vectors");
+  constexpr int G = retier_lanes(Geometry::head_dim), V = 32 / G, W = units_per_row<Geometry> * V;
+  constexpr unsigned tasks = unsigned(2 * H * T / W);
+  static_assert((2 * H * T) % W == 0, "retier: a page holds whole tasks");
   const int lane = int(threadIdx.x) % 32;
   const unsigned warp = blockIdx.x * unsigned(retier_warps) + threadIdx.x / 32;
   const unsigned warps = gridDim.x * unsigned(retier_warps);
-  const unsigned di = warps / units, dr = warps % units;
-  unsigned i = warp / units, r = warp % units;
+  const unsigned di = warps / tasks, dr = warps % tasks;
+  unsigned i = warp / tasks, r = warp % tasks;
+  constexpr int D = Geometry::head_dim;
+  using FK = typename From::template key_codec<D>;
+  using FV = typename From::template value_codec<D>;
+  using TK = typename To::template key_codec<D>;
+  using TV = typename To::template value_codec<D>;
+  constexpr bool one_path = roles_alike<From, To, D>;
+  constexpr int kx = exchange_float4s<FK, TK, D / G, G, one_path>, vx = exchange_float4s<FV, TV, D / G, G, one_path>;
+  constexpr int area_float4s = kx > vx ? kx : vx;  // per warp
+  float4* area = nullptr;
+  if constexpr (area_float4s > 0) {
+    __shared__ float4 exchange_area[retier_warps * area_float4s];
+    area = exchange_area + threadIdx.x / 32 * area_float4s;
+  }
+  uint4* mask_area = nullptr;
+  if constexpr (fp8_signs<FK, TK, D / G> || fp8_signs<FV, TV, D / G>) {
+    constexpr int per_warp = e4m3_sign_masks<D / G, G>::uint4s;
+    __shared__ uint4 sign_masks[retier_warps * per_warp];
+    mask_area = sign_masks + threadIdx.x / 32 * per_warp;
+  }
   while (i < unsigned(in.pages)) {
     const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
     if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
       if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
     } else {
       const int layer = in.layer_of ? in.layer_of[i] : in.layer;
-      const int v = int(r) * V + lane / G;  // (role * H + h) * T + t
+      const int v = int(r) * W + lane / G;  // (role * H + h) * T + t
       const int t = v % T, row = v / T, h = row % H, role = row / H;
       const std::uint64_t seed =
           make_codec_context(in.cache_seed, layer, in.head_base + h, role == 0 ? kv_role::key : kv_role::value).seed;
@@ -164,16 +249,16 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
       std::uint8_t* dp = in.dst.page(std::uint32_t(d));
       bool ok;
       if constexpr (roles_alike<From, To, Geometry::head_dim>)
-        ok = retier_vector<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, lane);
+        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, area, mask_area, lane);
       else
-        ok = role == 0 ? retier_vector<Geometry, From, To, 0>(sp, dp, h, t, false, seed, lane)
-                       : retier_vector<Geometry, From, To, 1>(sp, dp, h, t, true, seed, lane);
+        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, area, mask_area, lane)
+                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area, mask_area, lane);
       if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
     }
     i += di;
     r += dr;
-    if (r >= units) {
-      r -= units;
+    if (r >= tasks) {
+      r -= tasks;
       ++i;
     }
   }
@@ -199,7 +284,7 @@ status retier(const retier_inputs& in, cudaStream_t stream) {
   if (in.dst.page_bytes != dst_layout::page_bytes)
     return status::make(errc::geometry_mismatch, "retier: dst.page_bytes = ", in.dst.page_bytes,
                         " but tier To's layout needs ", dst_layout::page_bytes);
-  constexpr int vectors_per_warp = 32 / detail::retier_lanes(D);
+  constexpr int vectors_per_warp = 32 / detail::retier_lanes(D) * detail::units_per_row<Geometry>;
   const std::int64_t warps = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2 / vectors_per_warp;
   std::int64_t blocks = (warps + detail::retier_warps - 1) / detail::retier_warps;
   if (blocks > detail::retier_max_blocks) blocks = detail::retier_max_blocks;

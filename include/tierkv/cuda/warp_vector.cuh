@@ -94,6 +94,14 @@ __device__ __forceinline__ std::uint32_t group_max_bits(std::uint32_t m) {
   return m;
 }
 
+// sum over the group of integers (order-free).
+template <int G>
+__device__ __forceinline__ int group_sum_int(int s) {
+#pragma unroll
+  for (int o = G / 2; o >= 1; o >>= 1) s += __shfl_xor_sync(full_warp, s, o);
+  return s;
+}
+
 // Bit pattern of this lane's max |x_i|: for non-negative floats the unsigned order of the bit
 // patterns is the order of the values, and Inf and NaN patterns lie above every finite one, so
 // one integer maximum gives both the largest magnitude and the finiteness of the vector.
@@ -115,17 +123,19 @@ inline constexpr std::uint32_t inf_bits = 0x7f800000u;
 // into its own power-of-two multiply); else scale 1 and x the values themselves. Signed: the
 // vector is D x, the rotation's sign flips applied once more (by the FP8 decoder on the codes; a
 // rotated decoder leaves out its last D, D D = I), for a rotated encoder of the same seed to
-// skip its D (flipping signs commutes with the encoder's scaling, clipping and maxima).
-template <int N, bool Factored = false, bool Signed = false>
+// skip its D (flipping signs commutes with the encoder's scaling, clipping and maxima) or the
+// FP8 encoder to flip its codes' signs. Runs: held in lane_exchange's runs layout (a rotated
+// decoder's output for the FP8 encoder, which stores run by run).
+template <int N, bool Factored = false, bool Signed = false, bool Runs = false>
 struct lane_vector {
-  static constexpr bool factored = Factored, rotation_signed = Signed;
+  static constexpr bool factored = Factored, rotation_signed = Signed, runs = Runs;
   float x[N];
   float scale;
   std::uint32_t max_bits;
 };
-template <bool Signed = false, int N>
-__device__ __forceinline__ lane_vector<N, false, Signed> make_lane_vector(const float (&x)[N]) {
-  lane_vector<N, false, Signed> v;
+template <bool Signed = false, bool Runs = false, int N>
+__device__ __forceinline__ lane_vector<N, false, Signed, Runs> make_lane_vector(const float (&x)[N]) {
+  lane_vector<N, false, Signed, Runs> v;
 #pragma unroll
   for (int r = 0; r < N; ++r) v.x[r] = x[r];
   v.scale = 1.0f;
@@ -290,11 +300,10 @@ __device__ __forceinline__ void warp_signs(float (&x)[N], std::uint64_t seed, in
     x[r] = __uint_as_float(__float_as_uint(x[r]) ^ ((bits[r / 32] << (31 - r % 32)) & 0x80000000u));
 }
 
-// Unnormalized Walsh-Hadamard of a vector held N per lane by G lanes, in the stage order of
-// walsh_hadamard_unnormalized: strides below N inside the lane, the rest across the group
-// (lower index a + b, upper a - b; as fmaf(+-1, own, other), one rounding of the same sum).
-template <int N, int G = 32>
-__device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
+// The stages of the unnormalized Walsh-Hadamard with strides below N, on a lane's N consecutive
+// coordinates (walsh_hadamard_unnormalized's order: lower index a + b, upper a - b).
+template <int N>
+__device__ __forceinline__ void lane_wht(float (&x)[N]) {
 #pragma unroll
   for (int h = 1; h < N; h <<= 1)
 #pragma unroll
@@ -304,12 +313,110 @@ __device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
       x[j] = a + b;
       x[j + h] = a - b;
     }
+}
+
+// Unnormalized Walsh-Hadamard of a vector held N per lane by G lanes, in the stage order of
+// walsh_hadamard_unnormalized: strides below N inside the lane, the rest across the group
+// (lower index a + b, upper a - b; as fmaf(+-1, own, other), one rounding of the same sum).
+template <int N, int G = 32>
+__device__ __forceinline__ void warp_wht(float (&x)[N], int lane) {
+  lane_wht<N>(x);
 #pragma unroll
   for (int lm = 1; lm < G; lm <<= 1) {
     const float own_sign = (lane & lm) != 0 ? -1.0f : 1.0f;
 #pragma unroll
     for (int r = 0; r < N; ++r) x[r] = fmaf(own_sign, x[r], __shfl_xor_sync(full_warp, x[r], lm));
   }
+}
+
+// A warp's shared-memory scratch that moves vectors held N coordinates per lane by G lanes
+// between two layouts: A, lane gl holding [gl N, gl N + N) (every other helper's), and runs,
+// lane gl holding the G runs [g N + gl S, g N + gl S + S) (S = N/G, g < G) in y[g S ..], where
+// the Walsh-Hadamard's strides N .. D/2 lie inside the lane (runs_wht: no shuffles; used by the
+// TQ3 encoder and the rotated decoders for an FP8 destination) and a canonical lane's P = D/32
+// coordinates still lie in one run (S a multiple of P: G^2 divides 32). Row L of the
+// scratch holds lane L's layout-A floats as 16-byte chunks with a gap after each run's chunks,
+// at an odd pitch: at N = 64 (G = 2, 4) the row writes and the run reads of a quarter-warp then
+// hit eight different bank quads. Code words return to layout A through the rows' first
+// chunks. G = 1: the layouts coincide (copies, no shared memory).
+struct no_exchange {
+  static constexpr bool runs = false;
+  static constexpr int float4s = 0;
+};
+template <int N, int G>
+struct lane_exchange {
+  static constexpr bool runs = true;
+  static_assert(32 % (G * G) == 0 && N % (8 * G) == 0, "lane_exchange: runs of whole canonical lanes and code words");
+  static constexpr int S = N / G, run_chunks = S / 4, words = N / 8, run_words = S / 8;
+  static constexpr int pitch = (N / 4 + G - 1) | 1;                         // float4s per row
+  static constexpr int float4s = G == 1 ? 0 : 32 * pitch;  // per warp
+  float4* area;  // this warp's float4s
+  static constexpr int chunk_at(int c) { return c + c / run_chunks; }
+
+  // y (runs) from x (layout A), once every lane is done with the scratch's previous contents.
+  __device__ __forceinline__ void to_runs(const float (&x)[N], float (&y)[N], int lane) const {
+    if constexpr (G == 1) {
+#pragma unroll
+      for (int r = 0; r < N; ++r) y[r] = x[r];
+    } else {
+      float4* row = area + lane * pitch;
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < N / 4; ++c) row[chunk_at(c)] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+      __syncwarp();
+      const int gl = lane & (G - 1);
+      const float4* runs = area + (lane - gl) * pitch + chunk_at(run_chunks * gl);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int c = 0; c < run_chunks; ++c) {
+          const float4 v = runs[g * pitch + c];
+          float* o = y + g * S + 4 * c;
+          o[0] = v.x, o[1] = v.y, o[2] = v.z, o[3] = v.w;
+        }
+    }
+  }
+  // The lane's layout-A code words (eight codes each, coordinate order) from its runs' words
+  // (run g's in q[g S/8 ..]), through the rows' first chunks once every lane has read its runs.
+  __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words], std::uint32_t (&w)[words],
+                                                  int lane) const {
+    if constexpr (G == 1) {
+#pragma unroll
+      for (int i = 0; i < words; ++i) w[i] = q[i];
+    } else {
+      std::uint8_t* rows = reinterpret_cast<std::uint8_t*>(area);
+      constexpr int row_bytes = 16 * pitch;
+      const int gl = lane & (G - 1);
+      __syncwarp();
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        std::uint32_t part[run_words];
+#pragma unroll
+        for (int k = 0; k < run_words; ++k) part[k] = q[g * run_words + k];
+        store_words<4 * run_words>(rows + (lane - gl + g) * row_bytes + 4 * gl * run_words, part);
+      }
+      __syncwarp();
+      load_words<16>(rows + lane * row_bytes, w);
+    }
+  }
+};
+
+// The Walsh-Hadamard stages of strides N .. D/2 on a vector in runs (after lane_wht and
+// lane_exchange::to_runs): run g with run g + hg, in walsh_hadamard_unnormalized's order.
+template <int N, int G>
+__device__ __forceinline__ void runs_wht(float (&y)[N]) {
+  constexpr int S = N / G;
+#pragma unroll
+  for (int hg = 1; hg < G; hg <<= 1)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      if ((g & hg) == 0)
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+          const float a = y[g * S + j], b = y[(g + hg) * S + j];
+          y[g * S + j] = a + b;
+          y[(g + hg) * S + j] = a - b;
+        }
 }
 
 // x <- D H_un x / D on a vector held N per lane (decode's finalize; the stage order of
@@ -333,9 +440,11 @@ __device__ __forceinline__ void warp_inverse_rotation(float (&x)[N], std::uint64
 // its last bit at least 2^-148; the +0 gives the host's +0 where w = 0). A larger (or NaN) w,
 // where the host's sums may overflow, switches the warp to the host's order: x = w u L first,
 // the same Walsh-Hadamard, then times 1/D. Then D, the signs (unless the caller wants D x).
-template <int D, int N, bool Signs = true>
+// With a lane_exchange x comes out in runs (D x only: the signs are the caller's).
+template <int D, int N, bool Signs = true, class Exchange = no_exchange>
 __device__ __forceinline__ void warp_inverse_rotation_of_levels(float (&x)[N], float w, float u, std::uint64_t seed,
-                                                                int lane) {
+                                                                int lane, const Exchange& ex = {}) {
+  static_assert(!(Signs && Exchange::runs), "warp_inverse_rotation_of_levels: runs come as D x");
   constexpr int G = lane_group<D, N>::G;
   constexpr float exact_limit = 0x1p127f / float(128 * D);  // w u below it: exact sums
   const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
@@ -346,10 +455,19 @@ __device__ __forceinline__ void warp_inverse_rotation_of_levels(float (&x)[N], f
     for (int r = 0; r < N; ++r) x[r] = fmaf(x[r], wu, 0.0f);  // 0 + w c, as the host accumulates
     scale = inv_d;
   }
-  warp_wht<N, G>(x, lane);
+  if constexpr (Exchange::runs) {
+    lane_wht<N>(x);
+    float y[N];
+    ex.to_runs(x, y, lane);
+    runs_wht<N, G>(y);
 #pragma unroll
-  for (int r = 0; r < N; ++r) x[r] = fmaf(x[r], scale, 0.0f);
-  if constexpr (Signs) warp_signs<N, G>(x, seed, lane);
+    for (int r = 0; r < N; ++r) x[r] = fmaf(y[r], scale, 0.0f);
+  } else {
+    warp_wht<N, G>(x, lane);
+#pragma unroll
+    for (int r = 0; r < N; ++r) x[r] = fmaf(x[r], scale, 0.0f);
+    if constexpr (Signs) warp_signs<N, G>(x, seed, lane);
+  }
 }
 
 // ---- scaling and division ------------------------------------------------------------------
@@ -426,11 +544,64 @@ __device__ __forceinline__ std::uint32_t float2_to_e4m3x2(float lo, float hi) {
 #endif
 }
 
-// FP8 E4M3 encode of a vector held N per lane (exactly fp8_codec::encode).
+// Bits 0..3 of `nib` to bits 7, 15, 23, 31 (the signs of four E4M3 codes in a word): one
+// multiply by 2^7 + 2^14 + 2^21 + 2^28 moves bit b to b + 7 + 7c for c = 0..3, a target 8b' + 7
+// only for c = b, and all these positions differ (no carries).
+__device__ __forceinline__ std::uint32_t e4m3_sign_mask(std::uint32_t nib) {
+  return ((nib & 0xFu) * 0x10204080u) & 0x80808080u;
+}
+// The rotation's D as xor masks on a lane's N E4M3 codes (word i holds coordinates gl*N + 4i ..
+// gl*N + 4i + 3): the sign bits 7, 15, 23, 31. Flipping a code's sign bit is flipping the sign of
+// its value, before decoding or after encoding (E4M3 rounding, clipping and the encoder's
+// divisions are odd functions). A function of the seed and the lane alone: a caller converting
+// many vectors of one seed (the retier kernel: a row of tokens) makes it once, in shared memory
+// (a register copy is remade per vector under that kernel's register limit), lane-interleaved
+// (word 4k + c of lane L in component c of uint4 32k + L: a warp's 16-byte accesses hit
+// distinct bank quads). A lane reads only its own words: no synchronization. Runs: for a vector
+// in lane_exchange's runs (word i: run i / (S/4), coordinates g N + gl S + 4 (i % (S/4)) ..).
+template <int N, int G, bool Runs = false>
+struct e4m3_sign_masks {
+  static_assert(N % 16 == 0 && (!Runs || (N <= 64 && (N / G) % 4 == 0)),
+                "e4m3_sign_masks: whole 16-byte groups of masks (runs: within one 64-bit sign word)");
+  static constexpr int uint4s = 32 * N / 16;  // per warp
+  uint4* area;                                // the warp's uint4s
+  __device__ __forceinline__ void make(std::uint64_t seed, int lane) const {
+    std::uint32_t m[N / 4];
+    if constexpr (Runs) {
+      constexpr int S = N / G;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {  // a run's S <= 64 bits lie in one sign word
+        const int first = g * N + (lane & (G - 1)) * S;
+        const std::uint64_t bits = rotation_sign_word(seed, first >> 6) >> (first & 63);
+#pragma unroll
+        for (int i = 0; i < S / 4; ++i) m[g * (S / 4) + i] = e4m3_sign_mask(std::uint32_t(bits >> (4 * i)));
+      }
+    } else {
+      std::uint32_t bits[(N + 31) / 32];
+      lane_sign_bits<N, G>(seed, lane, bits);
+#pragma unroll
+      for (int i = 0; i < N / 4; ++i) m[i] = e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
+    }
+#pragma unroll
+    for (int k = 0; k < N / 16; ++k) area[32 * k + lane] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
+  }
+  __device__ __forceinline__ void load(std::uint32_t (&w)[N / 4], int lane) const {
+#pragma unroll
+    for (int k = 0; k < N / 16; ++k) {
+      const uint4 v = area[32 * k + lane];
+      w[4 * k] = v.x, w[4 * k + 1] = v.y, w[4 * k + 2] = v.z, w[4 * k + 3] = v.w;
+    }
+  }
+};
+
+// FP8 E4M3 encode of a vector held N per lane (exactly fp8_codec::encode); of D x for a Signed
+// vector (the rotation's D as `signs`, flipped on the codes); a vector in runs stored run by run.
 // Returns false (and writes the codec's poison) on non-finite input.
-template <class Codec, int N, bool F>
-__device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, false>& v, std::uint8_t* payload,
-                                                typename Codec::meta_type* meta, int lane) {
+template <class Codec, int N, bool F, bool S, bool Runs>
+__device__ __forceinline__ bool warp_encode_fp8(
+    const lane_vector<N, F, S, Runs>& v, std::uint8_t* payload, typename Codec::meta_type* meta, int lane,
+    const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G, Runs>* signs = nullptr) {
+  static_assert(!S || N % 16 == 0, "warp_encode_fp8: signs on whole groups of code words");
   using lg = lane_group<Codec::head_dim, N>;
   using meta_t = typename Codec::meta_type;
   float amax = __uint_as_float(group_max_bits<lg::G>(v.max_bits));
@@ -460,7 +631,24 @@ __device__ __forceinline__ bool warp_encode_fp8(const lane_vector<N, F, false>& 
     encode(std::true_type{});
   else
     encode(std::false_type{});
-  store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
+  if constexpr (S) {  // D on the codes
+    std::uint32_t m[N / 4];
+    signs->load(m, lane);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) w[i] ^= m[i];
+  }
+  if constexpr (Runs) {
+    constexpr int R = N / lg::G;  // run length
+#pragma unroll
+    for (int g = 0; g < lg::G; ++g) {
+      std::uint32_t run[R / 4];
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) run[i] = w[g * (R / 4) + i];
+      store_code_words<lane_alignment(Codec::payload_bytes, R), R>(payload + g * N + lg::index(lane) * R, run, coded);
+    }
+  } else {
+    store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
+  }
   if (lg::index(lane) == 0) *meta = finite ? scale : Codec::poison_meta;
   return finite;
 }
@@ -484,12 +672,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(std::uint32_t w, std::uint32_t
   hi = std::uint32_t(h.x) | (std::uint32_t(h.y) << 16);
 #endif
 }
-// Bits 0..3 of `nib` to bits 7, 15, 23, 31 (the signs of four E4M3 codes in a word): one
-// multiply by 2^7 + 2^14 + 2^21 + 2^28 moves bit b to b + 7 + 7c for c = 0..3, a target 8b' + 7
-// only for c = b, and all these positions differ (no carries).
-__device__ __forceinline__ std::uint32_t e4m3_sign_mask(std::uint32_t nib) {
-  return ((nib & 0xFu) * 0x10204080u) & 0x80808080u;
-}
 __device__ __forceinline__ float f16_bits_to_float(std::uint32_t bits16) {
   __half_raw r;
   r.x = static_cast<unsigned short>(bits16);
@@ -499,13 +681,13 @@ __device__ __forceinline__ float f16_bits_to_float(std::uint32_t bits16) {
 // FP8 E4M3 decode (exactly fp8_codec::decode), factored: the code values (each exactly
 // code_value(c), by one cvt.f16x2.e4m3x2 per two codes), the scale apart (x_r * scale is the
 // host's product), and the largest |code value| from f16 maxima (NaN codes propagate). Signed:
-// D x for a rotated encoder of seed `seed`, by flipping the codes' sign bits.
+// D x for a rotated encoder, by flipping the codes' sign bits with `signs` (that seed's masks).
 template <class Codec, int N, bool Signed = false>
-__device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(const std::uint8_t* payload,
-                                                                        typename Codec::meta_type meta, int lane,
-                                                                        std::uint64_t seed = 0) {
+__device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(
+    const std::uint8_t* payload, typename Codec::meta_type meta, int lane,
+    const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G>* signs = nullptr) {
   static_assert(Codec::format == storage_format::fp8_e4m3, "warp_decode_fp8: an E4M3 codec");
-  static_assert(!Signed || N % 4 == 0, "warp_decode_fp8: signs on whole code words");
+  static_assert(!Signed || N % 16 == 0, "warp_decode_fp8: signs on whole groups of code words");
   using lg = lane_group<Codec::head_dim, N>;
   lane_vector<N, true, Signed> v;
   v.scale = bf16_to_float(meta);
@@ -513,11 +695,11 @@ __device__ __forceinline__ lane_vector<N, true, Signed> warp_decode_fp8(const st
   if constexpr (N % 4 == 0) {
     std::uint32_t w[N / 4];
     load_words<lane_alignment(Codec::payload_bytes, N)>(p, w);
-    if constexpr (Signed) {  // D on the codes: the sign bits of four codes to bits 7, 15, 23, 31
-      std::uint32_t bits[(N + 31) / 32];
-      lane_sign_bits<N, lg::G>(seed, lane, bits);
+    if constexpr (Signed) {  // D on the codes
+      std::uint32_t m[N / 4];
+      signs->load(m, lane);
 #pragma unroll
-      for (int i = 0; i < N / 4; ++i) w[i] ^= e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
+      for (int i = 0; i < N / 4; ++i) w[i] ^= m[i];
     }
     __half2 m = __float2half2_rn(0.0f);
 #pragma unroll
@@ -599,6 +781,17 @@ struct tq_packer {
 #pragma unroll
         for (int t = 0; t < 3; ++t) w[t] |= ((c >> t) & 1u) << sh;
       }
+    }
+  }
+  // TQ3 with whole words: the lane's codes from nibble words in coordinate order (eight codes
+  // each; per group codes 0-23 in words 0-2 and 24-31 in the fourth).
+  __device__ __forceinline__ void set_words(const std::uint32_t (&q)[4 * groups]) {
+    static_assert(tq3 && whole, "set_words: TQ3 codes in whole words");
+#pragma unroll
+    for (int g = 0; g < groups; ++g) {
+#pragma unroll
+      for (int t = 0; t < 3; ++t) w[3 * g + t] = q[4 * g + t];
+      high[g] = q[4 * g + 3];
     }
   }
   // Where `take` holds, the codes of `other` instead.
@@ -704,14 +897,99 @@ constexpr std::uint32_t packer_code(int code) {
   return Grid::format == storage_format::tq3 ? tq_packer_bias + std::uint32_t(code) : std::uint32_t(code);
 }
 
+// The canonical butterfly (group_sum_canonical) over partial sums held in runs: part[g][i] is
+// canonical lane g 32/G + gl 32/G^2 + i. Stages 16 .. 32/G over g in registers, then across the
+// group, then over i in registers.
+template <int G>
+__device__ __forceinline__ float runs_sum_canonical(float (&part)[G][32 / (G * G)]) {
+  constexpr int I = 32 / (G * G);
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) {
+    if (o >= 32 / G) {
+#pragma unroll
+      for (int g = 0; g < G / 2; ++g)  // only g < o G/32 feeds the result
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+          if (g < o * G / 32) part[g][i] = part[g][i] + part[g + o * G / 32][i];
+    } else if (o >= I) {
+#pragma unroll
+      for (int i = 0; i < I; ++i) part[0][i] = part[0][i] + __shfl_xor_sync(full_warp, part[0][i], o / I);
+    } else {
+#pragma unroll
+      for (int i = 0; i < I / 2; ++i)
+        if (i < o) part[0][i] = part[0][i] + part[0][i + o];
+    }
+  }
+  return part[0][0];
+}
+
+// sum L^2 over TQ3 codes held eight to a word in 3-bit nibbles (level = L / 64): one byte
+// permute per four codes to their int8 levels (the nibbles' top bits are clear) and a 4-way
+// byte dot product.
+template <int W>
+__device__ __forceinline__ int tq3_level_square_sum(const std::uint32_t (&q)[W]) {
+  int s = 0;
+#pragma unroll
+  for (int i = 0; i < W; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int l = int(__byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, q[i] >> (16 * h)));
+      s = __dp4a(l, l, s);
+    }
+  return s;
+}
+
+// TQ3 encode's rotation and quantization in runs (lane_exchange): the in-lane Walsh-Hadamard
+// stages, the exchange, the remaining stages in registers, then per coordinate the code (into
+// nibble words) and the canonical partial sums of z.c. c.c comes from the codes: every c_i^2 =
+// L_i^2 / 4096 and every partial sum of them is a multiple of 2^-12 below 2^11 (d 127^2 <
+// 2^23), exact in any order, so the host's canonical sum is the integer sum L_i^2 / 4096.
+// The codes go back to layout A into `pk`.
+template <class Codec, int N, int G>
+__device__ __forceinline__ void tq3_quantize_runs(float (&z)[N], float sumsq, const lane_exchange<N, G>& ex, int lane,
+                                                  tq_packer<Codec, N>& pk, float& s_zc, float& s_cc) {
+  using grid = typename Codec::grid;
+  using X = lane_exchange<N, G>;
+  constexpr int P = Codec::head_dim / 32;
+  static_assert(grid::format == storage_format::tq3 && X::S % P == 0, "tq3_quantize_runs: TQ3, whole canonical lanes per run");
+  lane_wht<N>(z);
+  float y[N];
+  ex.to_runs(z, y, lane);
+  runs_wht<N, G>(y);
+  const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
+  float p_zc[G][32 / (G * G)];
+  std::uint32_t q[X::words];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int i = 0; i < 32 / (G * G); ++i) p_zc[g][i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < X::words; ++i) q[i] = tq_packer<Codec, N>::word_start;
+#pragma unroll
+  for (int r = 0; r < N; ++r) {  // y[r]: run r / S, coordinate r % S of it
+    float c;
+    const std::uint32_t code = quantize_level<grid>(y[r], bounds, c);
+    float& part = p_zc[r / X::S][r % X::S / P];
+    part = fmaf(y[r], c, part);
+    q[r / 8] += code << (4 * (r % 8));
+  }
+  s_zc = runs_sum_canonical<G>(p_zc);
+  s_cc = float(group_sum_int<G>(tq3_level_square_sum(q))) *
+         (tierkv::detail::tq3_level_scale * tierkv::detail::tq3_level_scale);
+  std::uint32_t w[X::words];
+  ex.words_from_runs(q, w, lane);
+  pk.set_words(w);
+}
+
 // TQ3 / TQ4 encode (exactly tq_codec::encode), codes packed in registers; `norm` the alpha
 // correction (the codec's, or its sibling family's: key and value codecs differ only there). A
 // zero or non-finite vector runs the common path on substitute numbers, then takes zero_code
-// codes and alpha 0, or zero codes and the poison (returning false).
-template <class Codec, int N, bool F, bool S>
+// codes and alpha 0, or zero codes and the poison (returning false). With a lane_exchange (TQ3)
+// the rotation's cross-lane half and the quantization run in runs (tq3_quantize_runs).
+template <class Codec, int N, bool F, bool S, class Exchange = no_exchange>
 __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, std::uint8_t* payload,
                                                typename Codec::meta_type* meta, std::uint64_t seed, int lane,
-                                               tq_norm norm = Codec::norm) {
+                                               tq_norm norm = Codec::norm, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   using grid = typename Codec::grid;
   using lg = lane_group<D, N>;
@@ -720,25 +998,32 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
   const auto [finite, coded, k] = rotated_input<lg::G>(v, __FLT_MAX__, z);
   const float sumsq = group_dot_canonical<D, N>(z, z);
   if constexpr (!lane_vector<N, F, S>::rotation_signed) warp_signs<N, lg::G>(z, seed, lane);
-  warp_wht<N, lg::G>(z, lane);
-  const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
-  // Quantize, pack and form the canonical partial sums of z.c and c.c in one pass (the
-  // fmaf order of group_dot_canonical), so codes and levels need no registers of their own.
-  tq_packer<Codec, N> pk, special;
-  float p_zc[lg::R], p_cc[lg::R];
+  tq_packer<Codec, N> pk;
+  float s_zc, s_cc;
+  if constexpr (Exchange::runs) {
+    tq3_quantize_runs<Codec, N>(z, sumsq, ex, lane, pk, s_zc, s_cc);
+  } else {
+    warp_wht<N, lg::G>(z, lane);
+    const typename grid::bounds bounds = quantize_bounds<grid>(sqrtf(sumsq));
+    // Quantize, pack and form the canonical partial sums of z.c and c.c in one pass (the
+    // fmaf order of group_dot_canonical), so codes and levels need no registers of their own.
+    float p_zc[lg::R], p_cc[lg::R];
 #pragma unroll
-  for (int q = 0; q < lg::R; ++q) p_zc[q] = p_cc[q] = 0.0f;
+    for (int q = 0; q < lg::R; ++q) p_zc[q] = p_cc[q] = 0.0f;
 #pragma unroll
-  for (int r = 0; r < N; ++r) {
-    float c;
-    const std::uint32_t code = quantize_level<grid>(z[r], bounds, c);
-    p_zc[r / lg::P] = fmaf(z[r], c, p_zc[r / lg::P]);
-    p_cc[r / lg::P] = fmaf(c, c, p_cc[r / lg::P]);
-    pk.add(r, code, gl);
-    special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
+    for (int r = 0; r < N; ++r) {
+      float c;
+      const std::uint32_t code = quantize_level<grid>(z[r], bounds, c);
+      p_zc[r / lg::P] = fmaf(z[r], c, p_zc[r / lg::P]);
+      p_cc[r / lg::P] = fmaf(c, c, p_cc[r / lg::P]);
+      pk.add(r, code, gl);
+    }
+    s_zc = group_sum_canonical<lg::G>(p_zc);
+    s_cc = group_sum_canonical<lg::G>(p_cc);
   }
-  const float s_zc = group_sum_canonical<lg::G>(p_zc);
-  const float s_cc = group_sum_canonical<lg::G>(p_cc);
+  tq_packer<Codec, N> special;  // zero_code codes (zero vector) or zeros (poison)
+#pragma unroll
+  for (int r = 0; r < N; ++r) special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
   pk.replace_if(!coded, special);
   pk.store(payload, lane);
   if (gl == 0) {
@@ -828,13 +1113,13 @@ __device__ __forceinline__ float decode_levels(const std::uint8_t* payload, floa
 }
 
 // TQ3 / TQ4 decode (exactly tq_codec::decode: 0 + alpha*c, inverse rotation D H_un / d; Signed:
-// D x, i.e. without the last D).
-template <class Codec, int N, bool Signed = false>
+// D x, i.e. without the last D; with a lane_exchange in runs).
+template <class Codec, int N, bool Signed = false, class Exchange = no_exchange>
 __device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload, typename Codec::meta_type meta,
-                                               std::uint64_t seed, float (&x)[N], int lane) {
+                                               std::uint64_t seed, float (&x)[N], int lane, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   const float unit = decode_levels<Codec, N>(payload, x, lane);
-  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), unit, seed, lane);
+  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), unit, seed, lane, ex);
 }
 
 // ---- int8_rotated --------------------------------------------------------------------------
@@ -880,10 +1165,11 @@ __device__ __forceinline__ bool warp_encode_int8r(const float (&x)[N], std::uint
   return warp_encode_int8r<Codec, N>(make_lane_vector(x), payload, meta, seed, lane);
 }
 
-// int8_rotated decode (exactly int8_rotated_codec::decode: 0 + alpha*c, D H_un / d; Signed: D x).
-template <class Codec, int N, bool Signed = false>
+// int8_rotated decode (exactly int8_rotated_codec::decode: 0 + alpha*c, D H_un / d; Signed: D x;
+// with a lane_exchange in runs).
+template <class Codec, int N, bool Signed = false, class Exchange = no_exchange>
 __device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload, typename Codec::meta_type meta,
-                                                  std::uint64_t seed, float (&x)[N], int lane) {
+                                                  std::uint64_t seed, float (&x)[N], int lane, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   const std::uint8_t* p = payload + lane_group<D, N>::index(lane) * N;
   if constexpr (N % 4 == 0) {  // a word of four codes at a time, biased by one xor
@@ -895,7 +1181,7 @@ __device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload, t
 #pragma unroll
     for (int r = 0; r < N; ++r) x[r] = biased_byte_value(p[r] ^ 0x80u, 0);
   }
-  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), 1.0f, seed, lane);
+  warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), 1.0f, seed, lane, ex);
 }
 
 }  // namespace tierkv::cuda::detail
