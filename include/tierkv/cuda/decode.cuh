@@ -724,6 +724,11 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
     const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
                            row * std::size_t(plan.max_chunks);
     const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    if (chunks == 0) {  // an empty sequence: no split block stored a state (the loads below would read slot 0)
+      if (tid < merge_slice && slice * merge_slice + tid < D) in.out[row * D + std::size_t(slice * merge_slice + tid)] = 0.f;
+      if (tid == 0 && slice == 0 && in.lse != nullptr) in.lse[row] = -INFINITY;
+      return;
+    }
     const int dim = slice * merge_slice + 2 * lane;
     const bool live = dim < D;
     const float* accs = reinterpret_cast<const float*>(workspace + plan.acc_offset) +
