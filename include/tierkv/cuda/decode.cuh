@@ -863,8 +863,9 @@ namespace tierkv::cuda {
 // docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
 enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };
 
-// Zeroes a new workspace's error words, once (a step leaves them zeroed for the next: no
-// memset per step, which cost ~0.8 us of a B = 1 step, H200 A/B in docs/gpu.md).
+// Zeroes a new workspace's error words, once per workspace and plan (a step leaves them
+// zeroed for the next: no memset per step, which cost ~0.8 us of a B = 1 step, H200 A/B in
+// docs/gpu.md).
 inline status decode_workspace_init(const decode_plan& plan, void* workspace, std::size_t workspace_bytes,
                                     cudaStream_t stream) {
   if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
@@ -877,9 +878,10 @@ inline status decode_workspace_init(const decode_plan& plan, void* workspace, st
 
 // Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)
 // the per-page mass. Host-side checks only (no synchronization, no allocation): the
-// workspace (plan.workspace_bytes, device memory, decode_workspace_init'ed once) must not be
-// used by another stream meanwhile. Capturable in a CUDA graph; replaying it reads the index arrays, lengths and
-// queries present at replay time (within the plan's capacity).
+// workspace (plan.workspace_bytes, device memory, decode_workspace_init'ed once for this
+// plan) must not be used by another stream meanwhile. Capturable in a CUDA graph; replaying
+// it reads the index arrays, lengths and queries present at replay time (within the plan's
+// capacity).
 template <class Geometry, class TierList, decode_path Path = decode_path::tensor_core>
 status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, void* workspace,
               std::size_t workspace_bytes, cudaStream_t stream) {
@@ -948,9 +950,9 @@ inline result<errc> decode_device_error(const decode_plan& plan, const void* wor
   TIERKV_CUDA_TRY(cudaMemcpyAsync(&code, static_cast<const std::uint8_t*>(workspace) + plan.result_offset,
                                   sizeof(int), cudaMemcpyDeviceToHost, stream));
   TIERKV_CUDA_TRY(cudaStreamSynchronize(stream));
-  if (code < 0 || code > int(errc::injected_fault))
+  if (code != int(errc::ok) && code != int(errc::out_of_range))  // the only code the kernels report
     return status::make(errc::invalid_argument, "decode_device_error: the workspace holds ", code,
-                        ", no error code: it was not decode_workspace_init'ed before its first step");
+                        ", no error code of a decode step: it was not decode_workspace_init'ed for this plan");
   return static_cast<errc>(code);
 }
 
