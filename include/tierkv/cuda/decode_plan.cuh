@@ -6,6 +6,7 @@
 
 #include "tierkv/core/config.hpp"
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -82,23 +83,26 @@ struct page_costs<Geometry, tiers<Tiers...>> {
 // the bandwidth roofline). `work`: the time a page costs in the present CUDA-core kernel,
 // which is instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about as long
 // as an FP8 page: measured 1.08x on the H200 (docs/gpu.md); balancing by bytes there left the
-// TQ3 chunks of a tiered batch 2.6x longer than the FP8 ones.
+// TQ3 chunks of a tiered batch 2.6x longer than the FP8 ones. A TQ3 role's weight in percent
+// of an 8-bit one is plan_decode's tq3_work_percent.
 enum class balance : std::uint8_t { bytes = 0, work = 1 };
 
 namespace detail {
 template <class Geometry, class Tier>
-constexpr std::int64_t tier_page_work() {
+constexpr std::int64_t tier_page_work(int tq3_percent) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  // scalars per page and head, x 1.08 (in 1/100) per TQ3 role: see `balance`
+  // scalars per page and head, x tq3_percent / 100 per TQ3 role: see `balance`
   const std::int64_t per_role = std::int64_t(Geometry::page_tokens) * Geometry::head_dim * 100;
-  return per_role * (K::format == storage_format::tq3 ? 108 : 100) / 100 +
-         per_role * (V::format == storage_format::tq3 ? 108 : 100) / 100;
+  return per_role * (K::format == storage_format::tq3 ? tq3_percent : 100) / 100 +
+         per_role * (V::format == storage_format::tq3 ? tq3_percent : 100) / 100;
 }
 template <class Geometry, class TierList> struct page_works;
 template <class Geometry, class... Tiers>
 struct page_works<Geometry, tiers<Tiers...>> {
-  static constexpr std::int64_t value[sizeof...(Tiers)] = {tier_page_work<Geometry, Tiers>()...};
+  static constexpr std::array<std::int64_t, sizeof...(Tiers)> of(int tq3_percent) {
+    return {tier_page_work<Geometry, Tiers>(tq3_percent)...};
+  }
 };
 }  // namespace detail
 
@@ -120,9 +124,9 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
                                 int batch, int sm_count, int waves = 12,
                                 std::int64_t min_chunk_bytes = 16 * 1024,
                                 balance by = balance::work, int min_chunk_pages = 16,
-                                int resident_blocks = 3) {
+                                int resident_blocks = 3, int tq3_work_percent = 108) {
   using costs = detail::page_costs<Geometry, TierList>;
-  using works = detail::page_works<Geometry, TierList>;
+  const auto works = detail::page_works<Geometry, TierList>::of(tq3_work_percent);
   constexpr int n = costs::n;
   static_assert(n <= decode_plan::max_formats, "plan_decode: at most 8 tiers");
   if (capacity.max_batch < 1)
@@ -137,11 +141,12 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
     return status::make(errc::invalid_argument,
                         "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",
                         capacity.max_pages_per_seq);
-  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1 || resident_blocks < 1)
+  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1 || resident_blocks < 1 ||
+      tq3_work_percent < 1)
     return status::make(errc::invalid_argument, "plan_decode: sm_count = ", sm_count,
                         ", waves = ", waves, ", min_chunk_bytes = ", min_chunk_bytes,
                         ", min_chunk_pages = ", min_chunk_pages, ", resident_blocks = ", resident_blocks,
-                        " must all be positive");
+                        ", tq3_work_percent = ", tq3_work_percent, " must all be positive");
   if (batch > 0 && pages_per_format == nullptr)
     return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
 
@@ -168,18 +173,18 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   if (target < min_chunk_bytes) target = min_chunk_bytes;
 
   decode_plan p;
-  for (int f = 0; f < n; ++f) p.page_cost[f] = by == balance::bytes ? costs::value[f] : works::value[f];
+  for (int f = 0; f < n; ++f) p.page_cost[f] = by == balance::bytes ? costs::value[f] : works[std::size_t(f)];
   // The target is in bytes; on the work line a chunk gets the same share of the total.
   if (by == balance::work && total > 0) {
     std::int64_t total_work = 0;
     for (int b = 0; b < batch; ++b)
       for (int f = 0; f < n; ++f)
-        total_work += std::int64_t(pages_per_format[std::size_t(b) * n + std::size_t(f)]) * works::value[f];
+        total_work += std::int64_t(pages_per_format[std::size_t(b) * n + std::size_t(f)]) * works[std::size_t(f)];
     total_work *= Geometry::kv_heads;
     const long double chunks = (long double)total / (long double)target;
     target = std::int64_t((long double)total_work / chunks) + 1;
   } else if (by == balance::work) {
-    target = std::int64_t(min_chunk_bytes) * works::value[0] / costs::value[0] + 1;
+    target = std::int64_t(min_chunk_bytes) * works[0] / costs::value[0] + 1;
   }
   p.max_batch = capacity.max_batch;
   p.max_chunks = capacity.max_chunks_per_seq;
