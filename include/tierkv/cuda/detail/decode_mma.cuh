@@ -6,7 +6,8 @@
 // int8_rotated keys.
 // Internal: included by decode.cuh (after its shared pieces); include decode.cuh.
 //
-// Shape (docs/gpu.md): each warp walks a stream of 16-token steps of the chunk's pages
+// Shape (docs/gpu.md): each warp walks a stream of steps (16 tokens, 32 for TQ3 / TQ4 tiers:
+// mma_staging::substeps) of the chunk's pages
 // (whole pages round robin, or a balanced range of steps in small chunks), each step staged
 // global -> shared memory by cp.async and read into registers. Tokens are the M rows, the
 // group's query heads the N = 8 columns:
@@ -434,13 +435,31 @@ struct mma_shape {
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
-// A warp's staging slot: 16 key rows, 16 value rows, 16 key metas, 16 value metas (bf16), as
-// in the page. One slot per warp: 33 KB per block for FP8 at d = 256 (3 blocks per SM fit).
+// A warp's staging slot: one step of 16 x `substeps` tokens: key rows, value rows, key metas,
+// value metas (bf16), as in the page. One slot per warp: 33 KB per block for FP8 at d = 256
+// (3 blocks per SM fit).
 template <class Geometry, class Tier>
 struct mma_staging {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  static constexpr std::size_t key_bytes = 16 * K::payload_bytes;
+  using KC = mma_codec<K>;
+  using VC = mma_codec<V>;
+  // 16-token sub-steps per step. Int8-scored keys with TQ3 values (TQ3 and TQ4 tiers) take
+  // 32-token steps: their unpacking is about half of a 16-token step's instructions, the rest
+  // (page bookkeeping, staging addresses and waits, the query fragments' shared loads, the
+  // softmax's column reductions and rescales) is per step (SASS, docs/gpu.md). 8-bit tiers
+  // read at the memory bound and keep 16-token steps (and their smaller slots).
+  static constexpr int substeps =
+      KC::s8_keys && V::format == storage_format::tq3 && Geometry::page_tokens % 32 == 0 ? 2 : 1;
+  // Phased (key rows, then value rows) where a step's codes and the accumulators would not fit
+  // the registers together (8-bit rows at d = 256: 64 words per lane, spilled at 168
+  // registers; TQ3 32-token steps at d = 256: 48 words, spilled in the step loop and slowed
+  // the kernel's 8-bit tier by 1-5%). Elsewhere one wait per step keeps a whole step in
+  // flight: phasing cost 16-token TQ3 steps 3-8% (H200 A/B).
+  static constexpr int code_words = substeps * (2 * KC::key_words + 4 * VC::value_words);
+  static constexpr bool phased = code_words + Geometry::head_dim / 4 >= 96;
+  static constexpr int rows = 16 * substeps;
+  static constexpr std::size_t key_bytes = std::size_t(rows) * K::payload_bytes;
   // 8-bit value rows at d >= 128 are read as 16 bytes at 16 g of rows 2c, 2c + 1, ... (lane
   // 4g + c): rows d bytes apart put the 4 rows of a quarter-warp on the same banks (4-way
   // conflicts, ncu run 10: 4x the ideal wavefronts). A 16-byte pad per row moves row 2c by
@@ -448,12 +467,15 @@ struct mma_staging {
   static constexpr bool pad_values = V::payload_bytes == std::size_t(Geometry::head_dim) && Geometry::head_dim >= 128 &&
                                      V::payload_bytes / 16 <= 32 && 32 % (V::payload_bytes / 16) == 0;
   static constexpr std::size_t value_stride = V::payload_bytes + (pad_values ? 16 : 0);
-  static constexpr std::size_t value_bytes = 16 * value_stride;
+  static constexpr std::size_t value_bytes = std::size_t(rows) * value_stride;
   static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0, "decode: staged rows must be whole 16-byte units");
-  static constexpr std::size_t slot_bytes = key_bytes + value_bytes + 64;
+  static constexpr std::size_t meta_bytes = std::size_t(rows) * 2 * 2;  // bf16 key and value metas
+  static constexpr std::size_t slot_bytes = key_bytes + value_bytes + meta_bytes;
   static constexpr int key_chunks = int(key_bytes / 16);
-  static constexpr int value_chunks = int(V::payload_bytes);  // 16 rows of payload / 16 chunks
+  static constexpr int value_chunks = int(std::size_t(rows) * V::payload_bytes / 16);
   static constexpr int value_cpr = int(V::payload_bytes / 16);
+  static constexpr int meta_chunks = rows / 8;  // per role: rows x 2 bytes / 16
+  static_assert(!pad_values || substeps == 1, "decode: padded value rows are staged 16 at a time");
   static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
 // The end of a tier's pages: each warp's accumulator fragments (d/4 values per lane, value
@@ -506,8 +528,10 @@ __device__ __forceinline__ float quad_col_sum(float x) {
 // The step's exponentials and logarithms on the MUFU unit alone: exp2f / log2f compile to ~8 /
 // ~30 instructions of range handling each (SASS of run 8: 12 exp2 and 2 log2 per 16-token
 // step, ~150 of a TQ3 step's ~1260 instructions at d = 256). ex2.approx: ~2 ulp, results below
-// 2^-126 flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx: ~2^-22
-// absolute, 0 -> -inf. The f16 probabilities that consume them keep 11 bits.
+// 2^-126 flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx.ftz: ~2^-22
+// absolute, 0 and inputs below 2^-126 -> -inf (a value scale that small weighs its token's
+// value by 0; the non-ftz form took 3 more instructions per meta). The f16 probabilities that
+// consume them keep 11 bits.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -515,7 +539,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 __device__ __forceinline__ float fast_log2(float x) {
   float y;
-  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 // 2^(x - ref) for ref >= x (a running max); 0 when ref is -inf (then x is too) or x is -inf.
@@ -538,7 +562,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
                 "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, ST = S::steps;
-  constexpr int SL = mass_slots_per_page<Geometry>;  // 16-token steps per page
+  using staging = mma_staging<Geometry, Tier>;
+  constexpr int P = staging::substeps, RT = staging::rows;  // 16-token sub-steps and tokens per step
+  constexpr int SL = Geometry::page_tokens / RT;             // steps per page
   // Int8 keys (TQ3 and TQ4 levels, int8_rotated codes) score on int8 mma against the query
   // rounded to 13 (TQ3, TQ4) or 20 (int8_rotated) bits of its largest element, as int8 digits
   // (s8_keys). FP8 keys take the f16 hi + lo split (~fp32 queries).
@@ -550,7 +576,6 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   static_assert(V::format != storage_format::tq4,
                 "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
                 "8-bit value codec, or decode_path::cuda_core");
-  using staging = mma_staging<Geometry, Tier>;
   const int tid = int(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
@@ -574,7 +599,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
   };
 
-  // A warp's pages are one stream of 16-token steps, staged through one shared-memory slot
+  // A warp's pages are one stream of steps (staging::rows tokens), staged through one shared-memory slot
   // per warp in two cp.async groups: K (key rows + metas) and V (value rows). Step i+1 is
   // copied as soon as step i's rows are in registers, while step i's scores, softmax and
   // value product run, so every format keeps about a step of loads in flight per warp
@@ -586,16 +611,17 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   const std::uint8_t* kst = slot_p;
   const std::uint8_t* vst = slot_p + staging::key_bytes;
   const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
-  const std::uint16_t* vms = kms + 16;
+  const std::uint16_t* vms = kms + RT;
   // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
   // compiled to ~200 instructions per step, SASS of run 8). An empty group when there is no
   // next step keeps the wait counts uniform.
   auto issue_keys = [&](const std::uint8_t* page, int step) {
     if (page != nullptr) {
-      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, 16 * step), lane);
-      if (lane < 4) {  // the 16 bf16 key metas, then the 16 value metas: 2 x 32 bytes
-        const std::uint8_t* src = lane < 2 ? page + layout::key_meta(kvh, 16 * step) + 16 * lane
-                                           : page + layout::value_meta(kvh, 16 * step) + 16 * (lane - 2);
+      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, RT * step), lane);
+      constexpr int MC = staging::meta_chunks;
+      if (lane < 2 * MC) {  // the step's bf16 key metas, then its value metas, 16 bytes a lane
+        const std::uint8_t* src = lane < MC ? page + layout::key_meta(kvh, RT * step) + 16 * lane
+                                            : page + layout::value_meta(kvh, RT * step) + 16 * (lane - MC);
         cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
       }
     }
@@ -603,7 +629,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   };
   auto issue_values = [&](const std::uint8_t* page, int step) {
     if (page != nullptr) {
-      const std::uint8_t* src = page + layout::value_payload(kvh, 16 * step);
+      const std::uint8_t* src = page + layout::value_payload(kvh, RT * step);
       if constexpr (staging::pad_values)
         cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(slot_p + staging::key_bytes, src,
                                                                                             lane);
@@ -647,7 +673,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   issue_values(page, int(j % SL));
   if (pages > 0) {  // every page has SL steps but the last (a step past a page's tokens is masked)
     const int last_tok = last >= 0 ? in.index.tokens_in_page_of(length, last, Geometry::page_tokens) : Geometry::page_tokens;
-    const unsigned total_steps = unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + 15) / 16));
+    const unsigned total_steps = unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + RT - 1) / RT));
     if (j_end > total_steps) j_end = total_steps;
   }
   group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
@@ -763,78 +789,96 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-
-  // One 16-token step: key rows qg, qg + 8 (kw, ks), value rows 2qc, 2qc+1, 2qc+8, 2qc+9 (vw),
-  // log2 value scales lvs; rows at or past ntok are masked in the scores (read_values below
-  // says which value codes must be zeroed there).
-  // Scores and online softmax of one step; returns P^T as the value product's B fragments.
-  auto step_scores = [&](const std::uint32_t (&kw)[2][KC::key_words], const float (&ks)[2], const float (&lvs)[2],
-                         int t0, int ntok, float (&ps)[2], std::uint32_t& pb0, std::uint32_t& pb1) {
-    // ---- scores S^T (rows tokens qg, qg + 8; columns heads 2qc, 2qc + 1)
+  // One step of P 16-token sub-steps; sub-step h: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]),
+  // value rows 16h + 2qc, +1, +8, +9 (vw[h]), log2 value scales lvs[h]; rows at or past ntok
+  // are masked in the scores (read_values below says which value codes must be zeroed there).
+  // Scores and one online-softmax update for the step's 16 P tokens; returns P^T of each
+  // sub-step as the value product's B fragments.
+  auto step_scores = [&](const std::uint32_t (&kw)[P][2][KC::key_words], const float (&ks)[P][2],
+                         const float (&lvs)[P][2], int t0, int ntok, float (&ps)[2], std::uint32_t (&pb)[P][2]) {
+    // ---- scores S^T (rows tokens qg, qg + 8 of each sub-step; columns heads 2qc, 2qc + 1)
     // Query hi and lo parts in two independent accumulator chains (summed at the end) where
     // it measured faster: one chain of 2 x d/16 dependent mma was the step's critical path at
     // d = 256 (ncu: 6.3 cycles per issued instruction per warp, 3 warps per scheduler).
-    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc_lo[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (s8_keys) {  // int8 levels x int8 query digits: one chain per digit
-      int acc[QP][4] = {};
+    float sc[P][4];
+    if constexpr (s8_keys) {  // int8 levels x int8 query digits: one chain per digit and sub-step
+      int acc[P][QP][4] = {};
       const uint2* qf = reinterpret_cast<const uint2*>(sm.qfrag);
 #pragma unroll
       for (int s = 0; s < KS; ++s) {
-        std::uint32_t a[4];
-        KC::key_frag_s8(kw[0], qc, s, a[0], a[2]);
-        KC::key_frag_s8(kw[1], qc, s, a[1], a[3]);
+        uint2 q[QP];  // one shared load per k step serves every sub-step
 #pragma unroll
-        for (int p = 0; p < QP; ++p) {
-          const uint2 q = qf[(s * QP + p) * 32 + lane];
-          mma_16832_s8<KC::key_unsigned>(acc[p], a, q.x, q.y);
+        for (int p = 0; p < QP; ++p) q[p] = qf[(s * QP + p) * 32 + lane];
+#pragma unroll
+        for (int h = 0; h < P; ++h) {
+          std::uint32_t a[4];
+          KC::key_frag_s8(kw[h][0], qc, s, a[0], a[2]);
+          KC::key_frag_s8(kw[h][1], qc, s, a[1], a[3]);
+#pragma unroll
+          for (int p = 0; p < QP; ++p) mma_16832_s8<KC::key_unsigned>(acc[h][p], a, q[p].x, q[p].y);
         }
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // |acc| <= 64 x 127 x 512 < 2^23: exact in f32
-        float x = float(acc[QP - 1][i]);
+      for (int h = 0; h < P; ++h)
 #pragma unroll
-        for (int p = QP - 2; p >= 0; --p) x = fmaf(x, 128.f, float(acc[p][i]));
-        sc[i] = x;
-      }
+        for (int i = 0; i < 4; ++i) {  // |acc| <= 64 x 127 x 512 < 2^23: exact in f32
+          float x = float(acc[h][QP - 1][i]);
+#pragma unroll
+          for (int p = QP - 2; p >= 0; --p) x = fmaf(x, 128.f, float(acc[h][p][i]));
+          sc[h][i] = x;
+        }
     } else {
+      static_assert(P == 1, "decode: f16-scored keys take 16-token steps");
+      float lo[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[0][i] = 0.f;
 #pragma unroll
       for (int s = 0; s < ST; ++s) {
         std::uint32_t a[4];
-        KC::key_frag(kw[0], qc, s, a[0], a[2]);
-        KC::key_frag(kw[1], qc, s, a[1], a[3]);
+        KC::key_frag(kw[0][0], qc, s, a[0], a[2]);
+        KC::key_frag(kw[0][1], qc, s, a[1], a[3]);
         const uint4 q = sm.qfrag[s * 32 + lane];
-        mma_16816(sc, a, q.x, q.y);
-        mma_16816(S::score_chains == 2 ? sc_lo : sc, a, q.z, q.w);
+        mma_16816(sc[0], a, q.x, q.y);
+        mma_16816(S::score_chains == 2 ? lo : sc[0], a, q.z, q.w);
       }
       if constexpr (S::score_chains == 2) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) sc[i] += sc_lo[i];
+        for (int i = 0; i < 4; ++i) sc[0][i] += lo[i];
       }
     }
-    if constexpr (key_offset) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sc[i] -= koff[i % 2];
-    }
+    for (int h = 0; h < P; ++h)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = i / 2;
-      sc[i] = t0 + qg + 8 * r < ntok ? sc[i] * ks[r] * colscale[i % 2] : -INFINITY;
-    }
-    // ---- online softmax per column; p for l, pv = p x value scale for the value product
-    float pv[4];
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (key_offset) sc[h][i] -= koff[i % 2];
+        const int r = i / 2;
+        sc[h][i] = t0 + 16 * h + qg + 8 * r < ntok ? sc[h][i] * ks[h][r] * colscale[i % 2] : -INFINITY;
+      }
+    // ---- online softmax per column over the step's tokens; p for l, pv = p x value scale for
+    // the value product
+    float pv[P][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float mn = fmaxf(m[j], quad_col_max(fmaxf(sc[j], sc[j + 2])));
+      float smax = -INFINITY, vmax = -INFINITY;
+#pragma unroll
+      for (int h = 0; h < P; ++h) {
+        smax = fmaxf(smax, fmaxf(sc[h][j], sc[h][j + 2]));
+        vmax = fmaxf(vmax, fmaxf(sc[h][j] + lvs[h][0], sc[h][j + 2] + lvs[h][1]));
+      }
+      const float mn = fmaxf(m[j], quad_col_max(smax));
+      const float mvn = fmaxf(mv[j], quad_col_max(vmax));
       const float alpha = exp2_rel(m[j], mn);
-      const float p0 = exp2_rel(sc[j], mn), p1 = exp2_rel(sc[j + 2], mn);
-      l[j] = l[j] * alpha + p0 + p1;
-      ps[j] = p0 + p1;  // relative to mn: the step's log2 mass is mn + log2 of its column sum
+      float psum = 0.f;
+#pragma unroll
+      for (int h = 0; h < P; ++h) {
+        psum += exp2_rel(sc[h][j], mn) + exp2_rel(sc[h][j + 2], mn);
+        pv[h][j] = exp2_rel(sc[h][j] + lvs[h][0], mvn);
+        pv[h][j + 2] = exp2_rel(sc[h][j + 2] + lvs[h][1], mvn);
+      }
+      l[j] = l[j] * alpha + psum;
+      ps[j] = psum;  // relative to mn: the step's log2 mass is mn + log2 of its column sum
       m[j] = mn;
-      const float s0 = sc[j] + lvs[0], s1 = sc[j + 2] + lvs[1];
-      const float mvn = fmaxf(mv[j], quad_col_max(fmaxf(s0, s1)));
       const float av = exp2_rel(mv[j], mvn);
-      pv[j] = exp2_rel(s0, mvn);
-      pv[j + 2] = exp2_rel(s1, mvn);
       mv[j] = mvn;
       if (__any_sync(0xffffffffu, av != 1.f)) {
 #pragma unroll
@@ -844,12 +888,15 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         }
       }
     }
-    // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes
-    pb0 = movmatrix_trans(pack_half2(pv[0], pv[1]));
-    pb1 = movmatrix_trans(pack_half2(pv[2], pv[3]));
+    // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes per sub-step
+#pragma unroll
+    for (int h = 0; h < P; ++h) {
+      pb[h][0] = movmatrix_trans(pack_half2(pv[h][0], pv[h][1]));
+      pb[h][1] = movmatrix_trans(pack_half2(pv[h][2], pv[h][3]));
+    }
   };
-  // ---- values O^T += V^T P^T
-  auto step_values = [&](const std::uint32_t (&vw)[4][VC::value_words], std::uint32_t pb0, std::uint32_t pb1) {
+  // ---- values O^T += V^T P^T, sub-step by sub-step
+  auto step_values = [&](const std::uint32_t (&vw)[4][VC::value_words], const std::uint32_t (&pb)[2]) {
 #pragma unroll
     for (int wi = 0; wi < VC::value_eff_words; ++wi) {
       constexpr int MPW = VC::value_mtiles_per_word;
@@ -859,14 +906,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
       for (int k = 0; k < MPW; ++k) {
         const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
-        mma_16816(o[wi * MPW + k], a, pb0, pb1);
+        mma_16816(o[wi * MPW + k], a, pb[0], pb[1]);
       }
     }
   };
   // One step's log2 mass per query head (relative to nothing: m + log2 of its tokens' sum of
-  // p) in slot (logical page, step) of the mass workspace (mass_slots_per_page slots a page);
-  // the page-mass kernel adds the slots. Per step, because a page's steps may be split
-  // between two warps.
+  // p) in the slot of its first 16 tokens (logical page, P x step) of the mass workspace
+  // (mass_slots_per_page a page), -inf in its other sub-steps' slots; the page-mass kernel
+  // adds the slots. Per step, because a page's steps may be split between two warps.
   auto write_step_mass = [&](std::int32_t logical, int step, float (&ps)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) ps[j] = quad_col_sum(ps[j]);
@@ -877,8 +924,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           const int h = 2 * qc + j;
           if (h < G) {
             const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(h);
-            mass_ws[(row * std::size_t(plan.max_pages) + std::size_t(logical)) * SL + std::size_t(step)] =
-                m[j] + fast_log2(ps[j]);
+            float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(logical)) *
+                                         std::size_t(mass_slots_per_page<Geometry>) + std::size_t(P * step);
+            slots[0] = m[j] + fast_log2(ps[j]);
+#pragma unroll
+            for (int k = 1; k < P; ++k) slots[k] = -INFINITY;
           }
         }
       }
@@ -891,10 +941,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // only codes that can decode to NaN / Inf (FP8 E4M3: 0x7F, 0xFF) must be zeroed; every
   // TQ3 code is a finite centroid and every int8 code a finite level.
   constexpr bool zero_tail_values = V::format == storage_format::fp8_e4m3;
-  auto read_keys = [&](int t0, int ntok, std::uint32_t (&kw)[2][KC::key_words], float (&ks)[2], float (&lvs)[2]) {
+  // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8)
+  auto read_keys = [&](int h, int t0, int ntok, std::uint32_t (&kw)[2][KC::key_words], float (&ks)[2], float (&lvs)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = qg + 8 * r;
+      const int row = 16 * h + qg + 8 * r;
       const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
       KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
       ks[r] = bf16_bits_to_float(kms[rc]);
@@ -902,27 +953,25 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       if constexpr (VC::value_log2_unit != 0.f) lvs[r] += VC::value_log2_unit;  // (x + 0 is not x for -0)
     }
   };
-  auto read_values = [&](int t0, int ntok, std::uint32_t (&vw)[4][VC::value_words]) {
+  // Value rows of sub-step h
+  auto read_values = [&](int h, int t0, int ntok, std::uint32_t (&vw)[4][VC::value_words]) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
-      const int row = 2 * qc + (v & 1) + 8 * (v >> 1);
+      const int row = 16 * h + 2 * qc + (v & 1) + 8 * (v >> 1);
       VC::template load_value<true>(vst + std::size_t(row) * staging::value_stride, qg, vw[v]);
     }
     if constexpr (zero_tail_values) {
-      if (t0 + 16 > ntok) {  // the last step of a partial page only (uniform across the warp)
+      if (t0 + 16 * (h + 1) > ntok) {  // the last step of a partial page only (uniform across the warp)
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          const bool tail = t0 + 2 * qc + (v & 1) + 8 * (v >> 1) >= ntok;
+          const bool tail = t0 + 16 * h + 2 * qc + (v & 1) + 8 * (v >> 1) >= ntok;
 #pragma unroll
           for (int i = 0; i < VC::value_words; ++i) vw[v][i] = tail ? 0u : vw[v][i];
         }
       }
     }
   };
-  // Phased (key rows, then value rows) where the two sets of codes would not fit the
-  // registers together: 8-bit rows at d >= 256 (64 words per lane; spilled at 168 registers).
-  // Elsewhere one wait per step keeps a whole step in flight: phasing cost TQ3 3-8% (H200 A/B).
-  constexpr bool phased = 2 * KC::key_words + 4 * VC::value_words >= 64;
+  constexpr bool phased = staging::phased;
   int ntok = 0;
   std::int32_t logical = -1;
   while (j < j_end) {
@@ -937,42 +986,52 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     const std::uint8_t* npage = same_page ? (nj < j_end ? page : nullptr) : page_at(nj);
     const int ns = int(nj % SL);
     float ps[2] = {0.f, 0.f};
-    const int t0 = 16 * step;
+    const int t0 = RT * step;
     if constexpr (phased) {
-      std::uint32_t pb0, pb1;
+      std::uint32_t pb[P][2];
       {
         cp_async_wait<1>();  // this step's K group (its V group may still be in flight)
         __syncwarp();
-        std::uint32_t kw[2][KC::key_words];
-        float ks[2], lvs[2];
-        read_keys(t0, ntok, kw, ks, lvs);
+        std::uint32_t kw[P][2][KC::key_words];
+        float ks[P][2], lvs[P][2];
+#pragma unroll
+        for (int h = 0; h < P; ++h) read_keys(h, t0, ntok, kw[h], ks[h], lvs[h]);
         __syncwarp();  // every lane has read the key rows and metas before they are overwritten
         issue_keys(npage, ns);
-        step_scores(kw, ks, lvs, t0, ntok, ps, pb0, pb1);
+        step_scores(kw, ks, lvs, t0, ntok, ps, pb);
       }
-      {
-        cp_async_wait<1>();  // this step's V group (the next K group may still be in flight)
-        __syncwarp();
+      cp_async_wait<1>();  // this step's V group (the next K group may still be in flight)
+      __syncwarp();
+      // sub-step by sub-step (a sub-step's value words in registers at a time); the next V
+      // group is issued once the last sub-step's rows are read
+#pragma unroll
+      for (int h = 0; h < P; ++h) {
         std::uint32_t vw[4][VC::value_words];
-        read_values(t0, ntok, vw);
-        __syncwarp();  // every lane has read the value rows before they are overwritten
-        issue_values(npage, ns);
-        step_values(vw, pb0, pb1);
+        read_values(h, t0, ntok, vw);
+        if (h == P - 1) {
+          __syncwarp();  // every lane has read the value rows before they are overwritten
+          issue_values(npage, ns);
+        }
+        step_values(vw, pb[h]);
       }
     } else {
       cp_async_wait<0>();
       __syncwarp();
-      std::uint32_t kw[2][KC::key_words];
-      std::uint32_t vw[4][VC::value_words];
-      float ks[2], lvs[2];
-      read_keys(t0, ntok, kw, ks, lvs);
-      read_values(t0, ntok, vw);
+      std::uint32_t kw[P][2][KC::key_words];
+      std::uint32_t vw[P][4][VC::value_words];
+      float ks[P][2], lvs[P][2];
+#pragma unroll
+      for (int h = 0; h < P; ++h) {
+        read_keys(h, t0, ntok, kw[h], ks[h], lvs[h]);
+        read_values(h, t0, ntok, vw[h]);
+      }
       __syncwarp();  // every lane has read the slot before the next step overwrites it
       issue_keys(npage, ns);
       issue_values(npage, ns);
-      std::uint32_t pb0, pb1;
-      step_scores(kw, ks, lvs, t0, ntok, ps, pb0, pb1);
-      step_values(vw, pb0, pb1);
+      std::uint32_t pb[P][2];
+      step_scores(kw, ks, lvs, t0, ntok, ps, pb);
+#pragma unroll
+      for (int h = 0; h < P; ++h) step_values(vw[h], pb[h]);
     }
     if (mass_ws != nullptr) write_step_mass(logical, step, ps);
     if (!same_page) logical = -1;
