@@ -846,13 +846,17 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         for (int i = 0; i < 4; ++i) sc[0][i] += lo[i];
       }
     }
+    // rows at or past ntok: -inf (their key and value metas may be anything, NaN included)
+    float sv[P][4];  // log2 of p x value scale, up to the running max
 #pragma unroll
     for (int h = 0; h < P; ++h)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         if constexpr (key_offset) sc[h][i] -= koff[i % 2];
         const int r = i / 2;
-        sc[h][i] = t0 + 16 * h + qg + 8 * r < ntok ? sc[h][i] * ks[h][r] * colscale[i % 2] : -INFINITY;
+        const bool live = t0 + 16 * h + qg + 8 * r < ntok;
+        sc[h][i] = live ? sc[h][i] * ks[h][r] * colscale[i % 2] : -INFINITY;
+        sv[h][i] = live ? sc[h][i] + lvs[h][r] : -INFINITY;
       }
     // ---- online softmax per column over the step's tokens; p for l, pv = p x value scale for
     // the value product
@@ -863,7 +867,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
       for (int h = 0; h < P; ++h) {
         smax = fmaxf(smax, fmaxf(sc[h][j], sc[h][j + 2]));
-        vmax = fmaxf(vmax, fmaxf(sc[h][j] + lvs[h][0], sc[h][j + 2] + lvs[h][1]));
+        vmax = fmaxf(vmax, fmaxf(sv[h][j], sv[h][j + 2]));
       }
       const float mn = fmaxf(m[j], quad_col_max(smax));
       const float mvn = fmaxf(mv[j], quad_col_max(vmax));
@@ -872,8 +876,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
       for (int h = 0; h < P; ++h) {
         psum += exp2_rel(sc[h][j], mn) + exp2_rel(sc[h][j + 2], mn);
-        pv[h][j] = exp2_rel(sc[h][j] + lvs[h][0], mvn);
-        pv[h][j + 2] = exp2_rel(sc[h][j + 2] + lvs[h][1], mvn);
+        pv[h][j] = exp2_rel(sv[h][j], mvn);
+        pv[h][j + 2] = exp2_rel(sv[h][j + 2], mvn);
       }
       l[j] = l[j] * alpha + psum;
       ps[j] = psum;  // relative to mn: the step's log2 mass is mn + log2 of its column sum
@@ -941,15 +945,16 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // only codes that can decode to NaN / Inf (FP8 E4M3: 0x7F, 0xFF) must be zeroed; every
   // TQ3 code is a finite centroid and every int8 code a finite level.
   constexpr bool zero_tail_values = V::format == storage_format::fp8_e4m3;
-  // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8)
-  auto read_keys = [&](int h, int t0, int ntok, std::uint32_t (&kw)[2][KC::key_words], float (&ks)[2], float (&lvs)[2]) {
+  // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8). Rows past the page's
+  // tokens are read as staged (step_scores masks them): at fixed offsets from one base, the
+  // loads take immediates (clamping the row to a real token cost ~6 instructions a row).
+  auto read_keys = [&](int h, std::uint32_t (&kw)[2][KC::key_words], float (&ks)[2], float (&lvs)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * h + qg + 8 * r;
-      const int rc = t0 + row < ntok ? row : 0;  // row 0 is a real token of the step
-      KC::template load_key<true>(kst + std::size_t(rc) * K::payload_bytes, qc, kw[r]);
-      ks[r] = bf16_bits_to_float(kms[rc]);
-      lvs[r] = fast_log2(bf16_bits_to_float(vms[rc]));
+      KC::template load_key<true>(kst + std::size_t(row) * K::payload_bytes, qc, kw[r]);
+      ks[r] = bf16_bits_to_float(kms[row]);
+      lvs[r] = fast_log2(bf16_bits_to_float(vms[row]));
       if constexpr (VC::value_log2_unit != 0.f) lvs[r] += VC::value_log2_unit;  // (x + 0 is not x for -0)
     }
   };
@@ -995,7 +1000,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t kw[P][2][KC::key_words];
         float ks[P][2], lvs[P][2];
 #pragma unroll
-        for (int h = 0; h < P; ++h) read_keys(h, t0, ntok, kw[h], ks[h], lvs[h]);
+        for (int h = 0; h < P; ++h) read_keys(h, kw[h], ks[h], lvs[h]);
         __syncwarp();  // every lane has read the key rows and metas before they are overwritten
         issue_keys(npage, ns);
         step_scores(kw, ks, lvs, t0, ntok, ps, pb);
@@ -1022,7 +1027,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       float ks[P][2], lvs[P][2];
 #pragma unroll
       for (int h = 0; h < P; ++h) {
-        read_keys(h, t0, ntok, kw[h], ks[h], lvs[h]);
+        read_keys(h, kw[h], ks[h], lvs[h]);
         read_values(h, t0, ntok, vw[h]);
       }
       __syncwarp();  // every lane has read the slot before the next step overwrites it
