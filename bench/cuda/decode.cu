@@ -82,7 +82,7 @@ int resident = 3;                // plan_decode's resident_blocks (its default)
 int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
 cuda::balance balance_by = cuda::balance::work;  // --balance bytes|work
-int tq3_work = 108;                               // --tq3-work N: plan_decode's tq3_work_percent
+int tq3_work = 75;                                // --tq3-work N: plan_decode's tq3_work_percent
 
 template <class G, class Recent = recent, class Stale = stale>
 void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batches, cudaStream_t s) {

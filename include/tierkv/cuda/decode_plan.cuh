@@ -80,11 +80,11 @@ struct page_costs<Geometry, tiers<Tiers...>> {
 }  // namespace detail
 
 // What a chunk is balanced by. `bytes`: the bytes a page costs to read (right for a kernel at
-// the bandwidth roofline). `work`: the time a page costs in the present CUDA-core kernel,
-// which is instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about as long
-// as an FP8 page: measured 1.08x on the H200 (docs/gpu.md); balancing by bytes there left the
-// TQ3 chunks of a tiered batch 2.6x longer than the FP8 ones. A TQ3 role's weight in percent
-// of an 8-bit one is plan_decode's tq3_work_percent.
+// the bandwidth roofline). `work`: the time a page costs in the present kernels, where TQ3
+// pages are instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about 3/4 of
+// an FP8 page's time (docs/gpu.md); balancing by bytes left the TQ3 chunks of a tiered batch
+// much longer than the FP8 ones. A TQ3 role's weight in percent of an 8-bit one is
+// plan_decode's tq3_work_percent.
 enum class balance : std::uint8_t { bytes = 0, work = 1 };
 
 namespace detail {
@@ -118,13 +118,16 @@ struct page_works<Geometry, tiers<Tiers...>> {
 // than `min_chunk_bytes` (per-chunk setup and the merge cost about as much as reading ~16 KB;
 // with 64 KB, the default until run 9, TQ3 pages at d = 64 got 26 chunks per sequence where
 // FP8 got 64: H200 A/B at B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us,
-// no row slower by > 2%). docs/gpu.md has the H200 measurements behind these defaults.
+// no row slower by > 2%). `tq3_work_percent` weighs a TQ3 role against an 8-bit one (75:
+// H200 sweep of tiered and tiered_k4 batches with 32-token TQ3 steps, 75 against 108: B = 1
+// -4.7%, B = 8 -1.3%, B = 32 -1.2%; 60 and 90 in between). docs/gpu.md has the H200
+// measurements behind these defaults.
 template <class Geometry, class TierList>
 result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int32_t* pages_per_format,
                                 int batch, int sm_count, int waves = 12,
                                 std::int64_t min_chunk_bytes = 16 * 1024,
                                 balance by = balance::work, int min_chunk_pages = 16,
-                                int resident_blocks = 3, int tq3_work_percent = 108) {
+                                int resident_blocks = 3, int tq3_work_percent = 75) {
   using costs = detail::page_costs<Geometry, TierList>;
   const auto works = detail::page_works<Geometry, TierList>::of(tq3_work_percent);
   constexpr int n = costs::n;

@@ -286,7 +286,9 @@ struct mma_byte_codec {
   }
   // word wi of tokens t0, t1 -> m-tiles 2 wi (bytes 0, 1) and 2 wi + 1 (bytes 2, 3):
   // out[m][r] = (row g + 8 r: token t0, token t1)
-  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2]) {
+  __device__ __forceinline__ static std::uint32_t value_table(const void*) { return 0; }
+  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2],
+                                                     std::uint32_t) {
     const std::uint32_t x = __byte_perm(w0, w1, 0x5140);
     const std::uint32_t y = __byte_perm(w0, w1, 0x7362);
     out[0][0] = Cvt::x2(x);
@@ -351,13 +353,25 @@ struct mma_codec<C, storage_format::tq3> {
   __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int g, int k) {
     return VL::eff(w, g, k);
   }
-  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2]) {
+  // The lookup table's low word (the high one is an immediate). At d = 256 it is loaded from
+  // shared memory once per sub-step: as a constant, ptxas re-made it from a uniform register
+  // before every lookup at the register cap (IMAD.U32, 64 per 32-token step; H200 A/B: TQ3 and
+  // tiered rows -0.7..-2.6% at B = 32). At d <= 128 the load measured up to 4% slower at B = 1
+  // (one more spill in the step), so there it stays a constant.
+  __device__ __forceinline__ static std::uint32_t value_table(const void* smem_word) {
+    if constexpr (D >= 256)
+      return *static_cast<const volatile std::uint32_t*>(smem_word);
+    else
+      return tierkv::detail::tq3_u8_0;
+  }
+  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2],
+                                                     std::uint32_t table) {
     const std::uint32_t x = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x5140));  // bytes 0, 1 of t0, t1
     const std::uint32_t y = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x7362));  // bytes 2, 3
     const std::uint32_t sels[4] = {x, x >> 16, y, y >> 16};
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const std::uint32_t u = tq3_lookup_u8(sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
+      const std::uint32_t u = prmt(table, tierkv::detail::tq3_u8_1, sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
       out[b][0] = tq3_widen<0x4240>(u);
       out[b][1] = tq3_widen<0x4341>(u);
     }
@@ -431,7 +445,7 @@ struct mma_shape {
   // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the
   // int8-rounded query (TQ4 keys), then the query B fragments (f16 [step][lane][hi0 hi1 lo0
   // lo1], or int8 [step][digit][lane][2]: at most as large) (16-byte aligned: all counts x 4).
-  static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 5 * 8 + steps * 32 * 4;
+  static constexpr int floats = 3 * g * d + mma_warps * 8 * 3 + 6 * 8 + steps * 32 * 4;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
@@ -512,6 +526,7 @@ struct mma_smem {
   float* m_ref;
   float* qexp;
   float* qsum;  // per head: sum of the int8-rounded query (TQ4 keys' level offset)
+  std::uint32_t* table;  // [0]: the TQ3 value table's low word (mma_codec<tq3>::value_table)
   uint4* qfrag;
 };
 
@@ -901,12 +916,13 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   };
   // ---- values O^T += V^T P^T, sub-step by sub-step
   auto step_values = [&](const std::uint32_t (&vw)[4][VC::value_words], const std::uint32_t (&pb)[2]) {
+    const std::uint32_t table = VC::value_table(sm.table);
 #pragma unroll
     for (int wi = 0; wi < VC::value_eff_words; ++wi) {
       constexpr int MPW = VC::value_mtiles_per_word;
       std::uint32_t lo[MPW][2], hi[MPW][2];
-      VC::value_pairs(VC::value_word(vw[0], qg, wi), VC::value_word(vw[1], qg, wi), lo);  // tokens 2qc, 2qc + 1
-      VC::value_pairs(VC::value_word(vw[2], qg, wi), VC::value_word(vw[3], qg, wi), hi);  // 2qc + 8, 2qc + 9
+      VC::value_pairs(VC::value_word(vw[0], qg, wi), VC::value_word(vw[1], qg, wi), lo, table);  // tokens 2qc, 2qc + 1
+      VC::value_pairs(VC::value_word(vw[2], qg, wi), VC::value_word(vw[3], qg, wi), hi, table);  // 2qc + 8, 2qc + 9
 #pragma unroll
       for (int k = 0; k < MPW; ++k) {
         const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
@@ -1152,12 +1168,14 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
     sm.m_ref = sm.l + 8;
     sm.qexp = sm.m_ref + 8;
     sm.qsum = sm.qexp + 8;
-    sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 8);
+    sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
+    sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
     sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
 
     const int tid = int(threadIdx.x);
     const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
     load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+    if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
     if (tid < G) {
       sm.m[tid] = -INFINITY;
       sm.l[tid] = 0.f;
