@@ -73,6 +73,25 @@ struct row {
 std::vector<row> rows;
 std::string extra_json;
 double copy_gbps = 0;
+double launch_floor_us = 0;  // an empty split + programmatic merge pair, timed as a decode step
+
+// The floor of a decode step as the rows time it: two empty kernels launched as decode
+// launches its split and merge (the second with programmatic stream serialization).
+__global__ void floor_split_kernel() { cuda::detail::allow_dependent_launch(); }
+__global__ void floor_merge_kernel() { cuda::detail::wait_for_prerequisite_grid(); }
+void launch_floor_pair(cudaStream_t s) {
+  floor_split_kernel<<<256, cuda::detail::decode_threads, 0, s>>>();
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(24);
+  cfg.blockDim = dim3(cuda::detail::decode_threads);
+  cfg.stream = s;
+  cfg.attrs = pdl;
+  cfg.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&cfg, floor_merge_kernel));
+}
 std::size_t l2_bytes = 0;
 int sms = 0;
 bool compare = false;  // also time the CUDA-core kernel and the one-wave plan (same inputs)
@@ -383,7 +402,9 @@ int main(int argc, char** argv) {
     CK(cudaFree(a));
     CK(cudaFree(b));
   }
-  std::printf("device %s, %d SMs, L2 %zu MB, copy %.0f GB/s (read + write)\n", prop.name, sms, l2_bytes >> 20, copy_gbps);
+  launch_floor_us = median_us([&](int) { launch_floor_pair(s); }, 5, 51, s);
+  std::printf("device %s, %d SMs, L2 %zu MB, copy %.0f GB/s (read + write), empty split + merge pair %.1f us\n", prop.name,
+              sms, l2_bytes >> 20, copy_gbps, launch_floor_us);
   std::printf(" qh kv   d context   B mix       time_us   graph_us        bytes     GB/s  frac chunks  cc_time_us cc_graph_us  waves3_us\n");
   std::vector<int> ctx = quick ? std::vector<int>{32768} : std::vector<int>{8192, 32768, 131072};
   std::vector<int> bat = quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
@@ -430,8 +451,9 @@ int main(int argc, char** argv) {
   if (!out_path.empty()) {
     FILE* f = std::fopen(out_path.c_str(), "w");
     if (!f) { std::perror(out_path.c_str()); return 1; }
-    std::fprintf(f, "{\"gpu\":\"%s\",\"sms\":%d,\"l2_bytes\":%zu,\"commit\":\"%s\",\"copy_gbps\":%.1f,\n\"rows\":[\n",
-                 prop.name, sms, l2_bytes, commit.c_str(), copy_gbps);
+    std::fprintf(f, "{\"gpu\":\"%s\",\"sms\":%d,\"l2_bytes\":%zu,\"commit\":\"%s\",\"copy_gbps\":%.1f,"
+                    "\"launch_floor_us\":%.2f,\n\"rows\":[\n",
+                 prop.name, sms, l2_bytes, commit.c_str(), copy_gbps, launch_floor_us);
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const row& r = rows[i];
       std::fprintf(f, "%s{\"q_heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,\"context\":%d,\"batch\":%d,"

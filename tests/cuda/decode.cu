@@ -384,6 +384,8 @@ using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<6
 using g_llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
 using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
 using g_small_pages = geometry<head_dim<64>, kv_heads<2>, group_size<1>, page_tokens<16>>;
+// TQ3 / TQ4 tiers step 32 tokens at a time (tensor-core kernel): one step a page here
+using g_pages32 = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<32>>;
 
 }  // namespace
 
@@ -438,6 +440,10 @@ TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {
   }
   SECTION("one chunk per sequence") { check_case<g_qwen>({5000, 70}, mix::tiered, 44, 1, 1ll << 40); }
   SECTION("small pages, group 1") { check_case<g_small_pages>({1000, 17, 16, 1}, mix::tiered, 45, 8, 256); }
+  SECTION("32-token pages: one TQ3 step a page, partial sub-steps") {
+    check_case<g_pages32>({1000, 33, 32, 31, 17, 16, 1}, mix::interleaved, 51, 8, 1024);
+    check_case<g_pages32, recent, tier<tq4_key, tq3_value>>({777, 48, 15}, mix::tiered, 52, 8, 1024);
+  }
   SECTION("offset key channels (large logits)") {
     check_case<g_llama>({2000, 500}, mix::tiered, 46, 4, 32 * 1024, 8.f);
   }
