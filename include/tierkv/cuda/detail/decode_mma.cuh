@@ -465,13 +465,15 @@ struct mma_staging {
   // read at the memory bound and keep 16-token steps (and their smaller slots).
   static constexpr int substeps =
       KC::s8_keys && V::format == storage_format::tq3 && Geometry::page_tokens % 32 == 0 ? 2 : 1;
-  // Phased (key rows, then value rows) where a step's codes and the accumulators would not fit
-  // the registers together (8-bit rows at d = 256: 64 words per lane, spilled at 168
-  // registers; TQ3 32-token steps at d = 256: 48 words, spilled in the step loop and slowed
-  // the kernel's 8-bit tier by 1-5%). Elsewhere one wait per step keeps a whole step in
-  // flight: phasing cost 16-token TQ3 steps 3-8% (H200 A/B).
+  // Phased (key rows, then value rows) where a step's code words and the accumulators (per
+  // lane) would not fit the registers together: 8-bit rows at d = 256 (64 + 64 words, spilled
+  // at 168 registers); 32-token steps from 72 words (TQ3 at d = 256: 48 + 64, unphased it
+  // spilled 7 words in the step loop and slowed the kernel's 8-bit tier 1-5%; TQ4 at d = 128:
+  // 40 + 32, phased -2..-5%, while TQ3 there, 36 + 32, measured +1..+3% phased). Elsewhere
+  // one wait per step keeps a whole step in flight: phasing cost 16-token TQ3 steps 3-8%.
+  // (H200 A/Bs, docs/gpu.md.)
   static constexpr int code_words = substeps * (2 * KC::key_words + 4 * VC::value_words);
-  static constexpr bool phased = code_words + Geometry::head_dim / 4 >= 96;
+  static constexpr bool phased = code_words + Geometry::head_dim / 4 >= (substeps == 2 ? 72 : 96);
   static constexpr int rows = 16 * substeps;
   static constexpr std::size_t key_bytes = std::size_t(rows) * K::payload_bytes;
   // 8-bit value rows at d >= 128 are read as 16 bytes at 16 g of rows 2c, 2c + 1, ... (lane
