@@ -286,6 +286,7 @@ struct mma_byte_codec {
   }
   // word wi of tokens t0, t1 -> m-tiles 2 wi (bytes 0, 1) and 2 wi + 1 (bytes 2, 3):
   // out[m][r] = (row g + 8 r: token t0, token t1)
+  // (no lookup table: Cvt converts the codes; the parameter keeps one value_pairs interface)
   __device__ __forceinline__ static std::uint32_t value_table(const void*) { return 0; }
   __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2],
                                                      std::uint32_t) {
