@@ -97,7 +97,7 @@ int sms = 0;
 bool compare = false;  // also time the CUDA-core kernel and the one-wave plan (same inputs)
 int max_chunks = 64;   // decode_capacity::max_chunks_per_seq of the plans (its default)
 std::int64_t min_chunk_kb = 16;  // plan_decode's min_chunk_bytes / 1024 (its default)
-int resident = 3;                // plan_decode's resident_blocks (its default)
+int resident = 0;                // plan_decode's resident_blocks; 0: its default (decode_blocks_per_sm)
 int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
 cuda::balance balance_by = cuda::balance::work;  // --balance bytes|work
@@ -186,7 +186,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
         cuda::decode_capacity cap{B, max_chunks, 0, false};
         auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 12, min_chunk_kb * 1024, balance_by, 16,
-                                                               resident, tq3_work);
+                                                               resident > 0 ? resident : cuda::decode_blocks_per_sm<G>, tq3_work);
         die_if(plan.error_status());
         std::uint8_t* ws;
         CK(cudaMalloc(&ws, plan->workspace_bytes));

@@ -25,6 +25,12 @@ inline constexpr int decode_capacity_max_chunks = 4096;
 template <class Geometry>
 inline constexpr int mass_slots_per_page = Geometry::page_tokens / 16;
 
+// Blocks per SM the tensor-core split kernel is built for (its __launch_bounds__: 128
+// registers a thread at head_dim <= 128, 168 above; ptxas -v, docs/gpu.md): the planner's
+// default size of one wave.
+template <class Geometry>
+inline constexpr int decode_blocks_per_sm = Geometry::head_dim <= 128 ? 4 : 3;
+
 // What a plan must hold: the largest batch, the most chunks a sequence may be split in
 // (the workspace holds one partial state per chunk), and for the optional per-page
 // attention mass the most logical pages a sequence may have.
@@ -110,11 +116,13 @@ struct page_works<Geometry, tiers<Tiers...>> {
 // is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
 // size is chosen so that all (sequence, KV head, chunk) blocks number about `waves` x
 // `sm_count` (12 = about 4 waves of 3 resident blocks per SM, so the last, partial wave
-// costs little), but beyond one wave (`resident_blocks` x sm_count blocks; 3 although the
-// tensor-core kernel keeps 4 per SM at head_dim <= 128: planning with 4 measured -12..-15% at
-// (32,8,128) 32K B = 1 but +7..+23% at 8K B = 8 for single-format batches, H200 A/B in
-// docs/gpu.md) no chunk gets fewer than `min_chunk_pages` average pages (large chunks
-// hand whole pages to the kernel's 4 warps: 16 pages = 4 per warp), and no chunk reads less
+// costs little), but beyond one wave (`resident_blocks` x sm_count blocks, less one block
+// per (sequence, KV head) because each rounds its chunk count up: without that slack, 4
+// blocks per SM at head_dim <= 128 made (32,8,128) 8K B = 8 a wave and a tenth, +18%, which
+// planning with 3 had hidden; with it, against 3 and no slack: (32,8,128) 32K B = 1 -7..-16%,
+// (24,4,256) 8K B = 8 -8..-19%, B = 32 unchanged; H200 A/B in docs/gpu.md) no chunk gets
+// fewer than `min_chunk_pages` average pages (large chunks hand whole pages to the kernel's 4
+// warps: 16 pages = 4 per warp), and no chunk reads less
 // than `min_chunk_bytes` (per-chunk setup and the merge cost about as much as reading ~16 KB;
 // with 64 KB, the default until run 9, TQ3 pages at d = 64 got 26 chunks per sequence where
 // FP8 got 64: H200 A/B at B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us,
@@ -127,7 +135,7 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
                                 int batch, int sm_count, int waves = 12,
                                 std::int64_t min_chunk_bytes = 16 * 1024,
                                 balance by = balance::work, int min_chunk_pages = 16,
-                                int resident_blocks = 3, int tq3_work_percent = 75) {
+                                int resident_blocks = decode_blocks_per_sm<Geometry>, int tq3_work_percent = 75) {
   using costs = detail::page_costs<Geometry, TierList>;
   const auto works = detail::page_works<Geometry, TierList>::of(tq3_work_percent);
   constexpr int n = costs::n;
@@ -153,23 +161,29 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   if (batch > 0 && pages_per_format == nullptr)
     return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
 
-  std::int64_t total = 0, pages = 0;
-  for (int b = 0; b < batch; ++b)
+  std::int64_t total = 0, pages = 0, sequences = 0;  // sequences: those with pages
+  for (int b = 0; b < batch; ++b) {
+    std::int64_t seq_pages = 0;
     for (int f = 0; f < n; ++f) {
       const std::int32_t c = pages_per_format[std::size_t(b) * n + std::size_t(f)];
       if (c < 0)
         return status::make(errc::invalid_argument, "plan_decode: pages_per_format[", b, "][", f,
                             "] = ", c, " is negative");
       total += std::int64_t(c) * costs::value[f];
-      pages += c;
+      seq_pages += c;
     }
+    pages += seq_pages;
+    sequences += seq_pages > 0;
+  }
   total *= Geometry::kv_heads;
   pages *= Geometry::kv_heads;
+  const std::int64_t pairs = sequences * Geometry::kv_heads;  // (sequence, KV head) pairs with pages
   auto per_block = [&](std::int64_t blocks) { return (total + blocks - 1) / blocks; };
   std::int64_t target = per_block(std::int64_t(sm_count) * waves);
   if (waves > resident_blocks && pages > 0) {
     const std::int64_t floor_pages = total / pages * min_chunk_pages;  // average page bytes x pages
-    const std::int64_t one_wave = per_block(std::int64_t(sm_count) * resident_blocks);
+    const std::int64_t slots = std::int64_t(sm_count) * resident_blocks;
+    const std::int64_t one_wave = per_block(slots > pairs ? slots - pairs : 1);
     const std::int64_t floor = floor_pages < one_wave ? floor_pages : one_wave;
     if (target < floor) target = floor;
   }

@@ -3,7 +3,9 @@
 // refused with a status, the workspace regions are disjoint, aligned and inside
 // workspace_bytes, chunks are balanced by the weight the plan says, and a TQ3 role's work
 // weight moves the chunk target the way it should.
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -78,7 +80,7 @@ TEST_CASE("plan_decode: page weights by bytes or by work, and the TQ3 work weigh
   CHECK(bytes->page_cost[0] > 2 * bytes->page_cost[1]);  // TQ3 reads ~2.6x fewer bytes
   std::int64_t prev_tq3 = 0;
   for (int pct : {50, 108, 200}) {
-    auto w = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132, 12, 16 * 1024, cuda::balance::work, 16, 3, pct);
+    auto w = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132, 12, 16 * 1024, cuda::balance::work, 16, cuda::decode_blocks_per_sm<G>, pct);
     REQUIRE(w.has_value());
     const std::int64_t scalars = std::int64_t(G::page_tokens) * G::head_dim * 100;
     CHECK(w->page_cost[0] == 2 * scalars);                // FP8 roles weigh 100%
@@ -91,5 +93,40 @@ TEST_CASE("plan_decode: page weights by bytes or by work, and the TQ3 work weigh
     const double chunks = double(total) / double(w->target_chunk_bytes);
     const std::int64_t btotal = 64 * bytes->page_cost[0] + 448 * bytes->page_cost[1];
     CHECK(chunks == Approx(double(btotal) / double(bytes->target_chunk_bytes)).epsilon(0.01));
+  }
+}
+
+// The blocks a plan launches, counted as the kernels' chunking does: a sequence of cost T
+// (per KV head) runs min(ceil(T / target), max_chunks, its pages) chunks.
+template <class Geometry>
+std::int64_t planned_blocks(const cuda::decode_plan& p, const std::vector<std::int32_t>& c, int batch) {
+  std::int64_t blocks = 0;
+  for (int b = 0; b < batch; ++b) {
+    const std::int64_t t = c[2 * b] * p.page_cost[0] + c[2 * b + 1] * p.page_cost[1];
+    const std::int64_t pages = c[2 * b] + c[2 * b + 1];
+    std::int64_t k = (t + p.target_chunk_bytes - 1) / p.target_chunk_bytes;
+    k = std::min<std::int64_t>(std::min<std::int64_t>(k, p.max_chunks), pages);
+    blocks += k * Geometry::kv_heads;
+  }
+  return blocks;
+}
+
+TEST_CASE("plan_decode: where the one-wave floor binds, the blocks fit one wave", "[decode_plan]") {
+  // head_dim 128: 4 blocks per SM by default (decode_blocks_per_sm); every sequence rounds its
+  // chunk count up, and the plan leaves a block per (sequence, KV head) for that.
+  STATIC_REQUIRE(cuda::decode_blocks_per_sm<G> == 4);
+  for (int batch : {1, 2, 5, 8, 13}) {
+    for (auto [fp8, tq3] : {std::pair{128, 0}, std::pair{0, 128}, std::pair{35, 93}, std::pair{140, 372}}) {
+      const auto c = counts(batch, fp8, tq3);
+      cuda::decode_capacity cap{batch, 4096, 0, false};
+      auto p = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), batch, 132);
+      REQUIRE(p.has_value());
+      const std::int64_t blocks = planned_blocks<G>(*p, c, batch);
+      INFO("batch " << batch << ", pages " << fp8 << " + " << tq3 << ": " << blocks << " blocks");
+      // more than a wave only when the 16-page floor, not the wave, sets the chunk size
+      const std::int64_t pages_per_chunk_floor = 16;
+      if (std::int64_t(fp8 + tq3) * batch * G::kv_heads / pages_per_chunk_floor < 132 * 4)
+        CHECK(blocks <= 132 * 4);
+    }
   }
 }

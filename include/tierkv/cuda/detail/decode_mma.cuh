@@ -434,7 +434,7 @@ struct mma_shape {
   // d <= 128 fits 4 blocks (16 warps; <= 128 registers, no spills, ptxas -v): more warps to
   // hide the mma and unpack dependency chains (ncu at d = 256: 6.3 cycles per issued
   // instruction per warp, 0.7 eligible warps per scheduler).
-  static constexpr int min_blocks = d <= 128 ? 4 : 3;
+  static constexpr int min_blocks = decode_blocks_per_sm<Geometry>;
   // Independent accumulator chains of the score product (query hi / lo parts). H200 A/B at
   // 128K B=32 (run 6, docs/gpu.md): two chains took d = 256 fp8 / tq3 / tiered from 3.12 /
   // 2.44 / 2.58 ms to 2.74 / 2.33 / 2.41 ms and d = 64 1-2% down, but d = 128 (at its
