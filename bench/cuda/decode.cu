@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // gpubench_decode --out FILE.json [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
-//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N] [--int8r | --int8r-only] [--k4 | --k4-only] [--balance bytes|work] [--tq3-work N]: mixed-format paged decode on the
+//                 [--dim D] [--mix fp8|tq3|tiered] [--no-retier] [--retier-only] [--max-chunks N] [--int8r | --int8r-only] [--k4 | --k4-only] [--balance bytes|work] [--tq3-work N] [--waves N]: mixed-format paged decode on the
 // GPU over the benchmark shapes, contexts, batches and mixes (docs/gpu.md), the
 // device-to-device copy roofline measured in the same run, CUDA-graph replay, retier
 // throughput and append latency at B = 64. Random (never zero) pages, cache-cold: buffer
@@ -102,6 +102,7 @@ int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
 cuda::balance balance_by = cuda::balance::work;  // --balance bytes|work
 int tq3_work = 75;                                // --tq3-work N: plan_decode's tq3_work_percent
+int waves = 12;                                   // --waves N: plan_decode's waves
 
 template <class G, class Recent = recent, class Stale = stale>
 void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batches, cudaStream_t s) {
@@ -185,7 +186,7 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         CK(cudaMalloc(&lse, sizeof(float) * B * QH));
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
         cuda::decode_capacity cap{B, max_chunks, 0, false};
-        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, 12, min_chunk_kb * 1024, balance_by, 16,
+        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, waves, min_chunk_kb * 1024, balance_by, 16,
                                                                resident > 0 ? resident : cuda::decode_blocks_per_sm<G>, tq3_work);
         die_if(plan.error_status());
         std::uint8_t* ws;
@@ -381,6 +382,7 @@ int main(int argc, char** argv) {
       else { std::fprintf(stderr, "gpubench_decode: --balance bytes|work, got %s\n", v.c_str()); return 2; }
     }
     else if (!std::strcmp(argv[i], "--tq3-work") && i + 1 < argc) tq3_work = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--waves") && i + 1 < argc) waves = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--k4")) with_k4 = true;
     else if (!std::strcmp(argv[i], "--k4-only")) with_k4 = k4_only = true;
     else { std::fprintf(stderr, "gpubench_decode: unknown argument %s\n", argv[i]); return 2; }
