@@ -81,28 +81,19 @@ __global__ void floor_split_kernel() { cuda::detail::allow_dependent_launch(); }
 __global__ void floor_merge_kernel() { cuda::detail::wait_for_prerequisite_grid(); }
 void launch_floor_pair(cudaStream_t s) {
   floor_split_kernel<<<256, cuda::detail::decode_threads, 0, s>>>();
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(24);
-  cfg.blockDim = dim3(cuda::detail::decode_threads);
-  cfg.stream = s;
-  cfg.attrs = pdl;
-  cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, floor_merge_kernel));
+  CK(cuda::detail::launch_dependent(floor_merge_kernel, dim3(24), dim3(cuda::detail::decode_threads), s));
 }
 std::size_t l2_bytes = 0;
 int sms = 0;
 bool compare = false;  // also time the CUDA-core kernel and the one-wave plan (same inputs)
-int max_chunks = 64;   // decode_capacity::max_chunks_per_seq of the plans (its default)
-std::int64_t min_chunk_kb = 16;  // plan_decode's min_chunk_bytes / 1024 (its default)
-int resident = 0;                // plan_decode's resident_blocks; 0: its default (decode_blocks_per_sm)
+int max_chunks = cuda::decode_capacity{}.max_chunks_per_seq;                // --max-chunks N
+std::int64_t min_chunk_kb = cuda::decode_default_min_chunk_bytes / 1024;     // --min-chunk-kb N
+int resident = 0;  // --resident N: plan_decode's resident_blocks; 0: its default (decode_blocks_per_sm)
 int only_dim = 0;      // 0: all shapes
 std::string only_mix;  // empty: fp8, tq3 and tiered
 cuda::balance balance_by = cuda::balance::work;  // --balance bytes|work
-int tq3_work = 75;                                // --tq3-work N: plan_decode's tq3_work_percent
-int waves = 12;                                   // --waves N: plan_decode's waves
+int tq3_work = cuda::decode_default_tq3_work_percent;  // --tq3-work N
+int waves = cuda::decode_default_waves;                 // --waves N
 
 template <class G, class Recent = recent, class Stale = stale>
 void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batches, cudaStream_t s) {
@@ -186,7 +177,8 @@ void bench_shape(const std::vector<int>& contexts, const std::vector<int>& batch
         CK(cudaMalloc(&lse, sizeof(float) * B * QH));
         fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
         cuda::decode_capacity cap{B, max_chunks, 0, false};
-        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, waves, min_chunk_kb * 1024, balance_by, 16,
+        auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, sms, waves, min_chunk_kb * 1024, balance_by,
+                                                               cuda::decode_default_min_chunk_pages,
                                                                resident > 0 ? resident : cuda::decode_blocks_per_sm<G>, tq3_work);
         die_if(plan.error_status());
         std::uint8_t* ws;

@@ -106,21 +106,6 @@ struct chunking {
   int start[N];  // by_format: its first chunk
 };
 
-// floor(a / b) for 0 <= a < 2^62, 0 < b and a quotient below 2^50 (chunk counts and page
-// indices; a larger one, only from a hand-made plan, is clamped to max_chunks anyway): the
-// double quotient is within 1 of the exact one, then one integer correction (checked against
-// int64 division on 5e7 random pairs). An int64 division compiles to a ~100-instruction routine,
-// and the chunking needs several before a block issues its first load (tiered chunks at
-// B = 1: ~1 us of per-CTA %clock64 trace, against ~0.25 us for one format).
-__device__ __forceinline__ std::int64_t div_floor(std::int64_t a, std::int64_t b) {
-  std::int64_t q = std::int64_t(double(a) / double(b));
-  if (q * b > a)
-    --q;
-  else if ((q + 1) * b <= a)
-    ++q;
-  return q;
-}
-
 template <int N>
 __device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>& index, int b,
                                                       const std::int64_t (&cost)[N],
@@ -136,10 +121,7 @@ __device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>&
     pages += c.count[f];
     formats += c.count[f] > 0;
   }
-  std::int64_t k = div_floor(c.total + target - 1, target);
-  if (k > max_chunks) k = max_chunks;
-  if (k > pages) k = pages;
-  c.chunks = int(k);
+  c.chunks = sequence_chunks(c.total, pages, target, max_chunks);
   c.by_format = formats > 1 && c.chunks >= formats;
   if (c.by_format) {
     int assigned = 0;
@@ -380,6 +362,23 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+// Launches `kernel` on `stream` with programmatic stream serialization: it may start while
+// the previous kernel (which calls allow_dependent_launch) still runs, and waits for it with
+// wait_for_prerequisite_grid.
+template <class... Params, class... Args>
+inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                                    Args&&... args) {
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cfg.attrs = pdl;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 struct decode_smem {
@@ -922,19 +921,8 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   using MK = detail::decode_kernels<Geometry, TierList>;
   const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch),
                         unsigned((Geometry::head_dim + MK::merge_slice - 1) / MK::merge_slice));
-  {
-    cudaLaunchAttribute pdl[1];
-    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid_merge;
-    cfg.blockDim = dim3(detail::decode_threads);
-    cfg.stream = stream;
-    cfg.attrs = pdl;
-    cfg.numAttrs = 1;
-    TIERKV_CUDA_TRY(cudaLaunchKernelEx(&cfg, detail::decode_merge_kernel<Geometry, TierList>, in, plan,
-                                       ws));
-  }
+  TIERKV_CUDA_TRY(detail::launch_dependent(detail::decode_merge_kernel<Geometry, TierList>, grid_merge,
+                                            dim3(detail::decode_threads), stream, in, plan, ws));
   if (in.page_mass != nullptr) {
     detail::decode_page_mass_kernel<Geometry, TierList><<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
     TIERKV_CUDA_TRY(cudaGetLastError());

@@ -3,7 +3,6 @@
 // refused with a status, the workspace regions are disjoint, aligned and inside
 // workspace_bytes, chunks are balanced by the weight the plan says, and a TQ3 role's work
 // weight moves the chunk target the way it should.
-#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -96,17 +95,14 @@ TEST_CASE("plan_decode: page weights by bytes or by work, and the TQ3 work weigh
   }
 }
 
-// The blocks a plan launches, counted as the kernels' chunking does: a sequence of cost T
-// (per KV head) runs min(ceil(T / target), max_chunks, its pages) chunks.
+// The blocks a plan launches, counted by the kernels' own chunk count.
 template <class Geometry>
 std::int64_t planned_blocks(const cuda::decode_plan& p, const std::vector<std::int32_t>& c, int batch) {
   std::int64_t blocks = 0;
   for (int b = 0; b < batch; ++b) {
     const std::int64_t t = c[2 * b] * p.page_cost[0] + c[2 * b + 1] * p.page_cost[1];
-    const std::int64_t pages = c[2 * b] + c[2 * b + 1];
-    std::int64_t k = (t + p.target_chunk_bytes - 1) / p.target_chunk_bytes;
-    k = std::min<std::int64_t>(std::min<std::int64_t>(k, p.max_chunks), pages);
-    blocks += k * Geometry::kv_heads;
+    blocks += std::int64_t(cuda::detail::sequence_chunks(t, c[2 * b] + c[2 * b + 1], p.target_chunk_bytes, p.max_chunks)) *
+              Geometry::kv_heads;
   }
   return blocks;
 }
