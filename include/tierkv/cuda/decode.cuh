@@ -631,13 +631,13 @@ struct decode_kernels<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   using S = decode_shape<Geometry>;
 
-  // grid (max_chunks, kv_heads, batch); chunks beyond the sequence's count exit at once.
+  // grid (kv_heads, max_chunks, batch); chunks beyond the sequence's count exit at once.
   static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
     constexpr int D = S::d, G = S::g;
     std::int64_t cost[N];
 #pragma unroll
     for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
-    const int c = int(blockIdx.x), kvh = int(blockIdx.y), b = int(blockIdx.z);
+    const int kvh = int(blockIdx.x), c = int(blockIdx.y), b = int(blockIdx.z);
     if (b >= in.index.batch) return;
     const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
     if (c >= ch.chunks) return;
@@ -905,7 +905,10 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   if (in.index.batch == 0) return status::ok();
 
   std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
-  const dim3 grid_split(unsigned(plan.max_chunks), unsigned(Geometry::kv_heads), unsigned(in.index.batch));
+  // KV heads fastest: the blocks dispatched to one SM lie kv_heads x 132 apart in launch order,
+  // so by-format chunks (a sequence's FP8 chunks, then its TQ3 ones) mix on an SM rather than
+  // chunks 4 apart of one head's run, which were mostly of one format.
+  const dim3 grid_split(unsigned(Geometry::kv_heads), unsigned(plan.max_chunks), unsigned(in.index.batch));
   if constexpr (Path == decode_path::tensor_core) {
     using S = detail::mma_smem_size<Geometry, TierList>;
     TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_mma_split_kernel<Geometry, TierList>,

@@ -138,11 +138,15 @@ TEST_CASE("tq3: levels are int8 L / 64, and the GPU lookup tables hold exactly t
     const std::uint32_t h = table_byte(detail::tq3_f16_lo0, detail::tq3_f16_lo1, code) |
                             (table_byte(detail::tq3_f16_hi0, detail::tq3_f16_hi1, code) << 8);
     CHECK(f16_value(h) == double(L) / 64.0);
-    // The value path's biased byte u = L + 128 as an f16 subnormal (u 2^-24), times 2^14
-    // minus 2^-3 in one fma: L / 1024 (docs/gpu.md, tq3_widen in decode_mma.cuh).
+    // The value path's biased byte u = L + 128 as an f16 subnormal (u 2^-24: mantissa u < 1024),
+    // times 2^14 minus 2^-3 in one fma: L / 1024; or, biased (phased steps), as is, the bias
+    // 128 2^-24 (value_bias_pair, the subnormal 0x0080) subtracted from the accumulator
+    // (docs/gpu.md, tq3_widen in decode_mma.cuh).
     const std::uint32_t u = table_byte(detail::tq3_u8_0, detail::tq3_u8_1, code);
     CHECK(int(u) == L + 128);
+    CHECK(u < 1024u);
     CHECK(std::ldexp(double(u), -24) * 16384.0 - 0.125 == double(L) / 1024.0);
+    CHECK(std::ldexp(double(u), -24) - std::ldexp(128.0, -24) == std::ldexp(double(L), -24));
     if (code > 0) CHECK(detail::tq3_level_int(code - 1) < L);  // ascending
     CHECK(detail::tq3_level_int(7 - code) == -L);               // symmetric
   }

@@ -45,6 +45,16 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// A with every element a (a bias): rows g and g + 8 of the product are equal, so only row g's
+// two columns are accumulated (2 live registers instead of 4; d = 128 spills at the cap).
+__device__ __forceinline__ void mma_16816_uniform_a(float (&c)[2], std::uint32_t a, std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "{\n.reg .f32 d2, d3;\n"
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,d2,d3}, {%2,%2,%2,%2}, {%3,%4}, "
+      "{%0,%1,%5,%5};\n}\n"
+      : "+f"(c[0]), "+f"(c[1])
+      : "r"(a), "r"(b0), "r"(b1), "f"(0.f));
+}
 // int8 (or uint8: UnsignedA) x int8 -> int32, exact: the key products of TQ3, TQ4 and
 // int8_rotated (native IMMA.16832 on sm_90).
 template <bool UnsignedA>
@@ -156,13 +166,15 @@ __device__ __forceinline__ std::uint32_t bit_select(std::uint32_t a, std::uint32
 __device__ __forceinline__ std::uint32_t tq3_lookup_u8(std::uint32_t sel) {
   return prmt(tierkv::detail::tq3_u8_0, tierkv::detail::tq3_u8_1, sel);
 }
-// Bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased levels -> the half2 of L / 1024: each
-// byte becomes an f16 subnormal u 2^-24 (high byte 0), and u 2^-24 x 2^14 - 2^-3 = L / 1024
-// exactly. A byte-permute and an fma: the f16 tables took two permutes per pair of codes on
-// the ALU pipe, the TQ3 step's bound (ncu: 66% busy, PRMT a quarter of its instructions).
-template <unsigned Sel>
+// Bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased levels -> a half2: each byte becomes an
+// f16 subnormal u 2^-24 (high byte 0), exact. Biased: the tensor cores take it as is, and the
+// tier's loop subtracts the bias 128 2^-24 x (the sum of its probabilities) once, at its end
+// (mma_codec<tq3>::value_bias_pair). Otherwise one fma makes it L / 1024 exactly (u 2^-24 x
+// 2^14 - 2^-3): an hfma2 per pair of codes, 128 of a d = 256 32-token step's 1245 instructions.
+template <unsigned Sel, bool Biased>
 __device__ __forceinline__ std::uint32_t tq3_widen(std::uint32_t u) {
   const std::uint32_t h = __byte_perm(u, 0u, Sel);
+  if constexpr (Biased) return h;
   const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
                             __half2(__half(-0.125f), __half(-0.125f)));
   return *reinterpret_cast<const std::uint32_t*>(&r);
@@ -286,8 +298,10 @@ struct mma_byte_codec {
   }
   // word wi of tokens t0, t1 -> m-tiles 2 wi (bytes 0, 1) and 2 wi + 1 (bytes 2, 3):
   // out[m][r] = (row g + 8 r: token t0, token t1)
-  // (no lookup table: Cvt converts the codes; the parameter keeps one value_pairs interface)
+  // (no lookup table and no bias: Cvt converts the codes; the parameters keep one value_pairs
+  // interface)
   __device__ __forceinline__ static std::uint32_t value_table(const void*) { return 0; }
+  template <bool Biased>
   __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2],
                                                      std::uint32_t) {
     const std::uint32_t x = __byte_perm(w0, w1, 0x5140);
@@ -299,6 +313,8 @@ struct mma_byte_codec {
   }
   static constexpr int value_mtiles_per_word = 2;
   static constexpr float value_log2_unit = 0.f;  // the fragments hold the code values
+  static constexpr std::uint32_t value_bias_pair = 0;  // ... with no bias
+  static constexpr float biased_value_log2_unit = 0.f;
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
     constexpr unsigned wps = SEG / 32;                 // words per segment and lane
@@ -365,6 +381,7 @@ struct mma_codec<C, storage_format::tq3> {
     else
       return tierkv::detail::tq3_u8_0;
   }
+  template <bool Biased>
   __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2],
                                                      std::uint32_t table) {
     const std::uint32_t x = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x5140));  // bytes 0, 1 of t0, t1
@@ -373,12 +390,18 @@ struct mma_codec<C, storage_format::tq3> {
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       const std::uint32_t u = prmt(table, tierkv::detail::tq3_u8_1, sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
-      out[b][0] = tq3_widen<0x4240>(u);
-      out[b][1] = tq3_widen<0x4341>(u);
+      out[b][0] = tq3_widen<0x4240, Biased>(u);
+      out[b][1] = tq3_widen<0x4341, Biased>(u);
     }
   }
-  // The fragments hold L / 1024, 1/16 of the levels L / 64: the value scale's log2 takes + 4.
+  // The fragments hold L / 1024, 1/16 of the levels L / 64 (the value scale's log2 takes + 4),
+  // or biased (L + 128) 2^-24: the levels times 2^-18 (+ 18) plus 128 2^-24, the f16 pair
+  // value_bias_pair, which the tier's loop accumulates alone (one more mma per sub-step) and
+  // subtracts at its end. The biased sums lose ~log2(128 / |mean L|) of f32's 24 bits: GPU
+  // tests' rel_l2 against float64 unchanged to 2 digits (f16 probabilities dominate them).
   static constexpr float value_log2_unit = 4.f;
+  static constexpr float biased_value_log2_unit = 18.f;
+  static constexpr std::uint32_t value_bias_pair = 0x00800080u;  // f16 subnormals 128 2^-24
   static constexpr int value_mtiles_per_word = 4;
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned idx = g * value_eff_words + mt / 4;
@@ -805,6 +828,12 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
+  // Biased value fragments (TQ3) where the step is phased (H200 A/B, session 10: phased TQ3 /
+  // TQ4-key tiers -1..-6% at d = 256 and d = 128; the unphased TQ3 steps at d <= 128 measured
+  // +1..+2%): the bias's share of o, the same in every row (o's columns)
+  constexpr bool value_bias = VC::value_bias_pair != 0u && staging::phased;
+  float ob[2] = {0.f, 0.f};
+  constexpr float value_log2_unit = value_bias ? VC::biased_value_log2_unit : VC::value_log2_unit;
   float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
   // One step of P 16-token sub-steps; sub-step h: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]),
@@ -908,6 +937,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           o[mt][j] *= av;
           o[mt][j + 2] *= av;
         }
+        if constexpr (value_bias) ob[j] *= av;
       }
     }
     // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes per sub-step
@@ -924,14 +954,15 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     for (int wi = 0; wi < VC::value_eff_words; ++wi) {
       constexpr int MPW = VC::value_mtiles_per_word;
       std::uint32_t lo[MPW][2], hi[MPW][2];
-      VC::value_pairs(VC::value_word(vw[0], qg, wi), VC::value_word(vw[1], qg, wi), lo, table);  // tokens 2qc, 2qc + 1
-      VC::value_pairs(VC::value_word(vw[2], qg, wi), VC::value_word(vw[3], qg, wi), hi, table);  // 2qc + 8, 2qc + 9
+      VC::template value_pairs<value_bias>(VC::value_word(vw[0], qg, wi), VC::value_word(vw[1], qg, wi), lo, table);  // tokens 2qc, 2qc + 1
+      VC::template value_pairs<value_bias>(VC::value_word(vw[2], qg, wi), VC::value_word(vw[3], qg, wi), hi, table);  // 2qc + 8, 2qc + 9
 #pragma unroll
       for (int k = 0; k < MPW; ++k) {
         const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
         mma_16816(o[wi * MPW + k], a, pb[0], pb[1]);
       }
     }
+    if constexpr (value_bias) mma_16816_uniform_a(ob, VC::value_bias_pair, pb[0], pb[1]);
   };
   // One step's log2 mass per query head (relative to nothing: m + log2 of its tokens' sum of
   // p) in the slot of its first 16 tokens (logical page, P x step) of the mass workspace
@@ -974,7 +1005,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       KC::template load_key<true>(kst + std::size_t(row) * K::payload_bytes, qc, kw[r]);
       ks[r] = bf16_bits_to_float(kms[row]);
       lvs[r] = fast_log2(bf16_bits_to_float(vms[row]));
-      if constexpr (VC::value_log2_unit != 0.f) lvs[r] += VC::value_log2_unit;  // (x + 0 is not x for -0)
+      if constexpr (value_log2_unit != 0.f) lvs[r] += value_log2_unit;  // (x + 0 is not x for -0)
     }
   };
   // Value rows of sub-step h
@@ -1101,7 +1132,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) fold[warp * fold_shape::slice + (4 * mt + i) * fold_shape::row + lane] = o[mt][i] * fac[i % 2];
+    for (int i = 0; i < 4; ++i) {
+      const float x = value_bias ? o[mt][i] - ob[i % 2] : o[mt][i];
+      fold[warp * fold_shape::slice + (4 * mt + i) * fold_shape::row + lane] = x * fac[i % 2];
+    }
   __syncthreads();
   static_assert(fold_shape::values * 32 % decode_threads == 0, "decode: whole fold rounds per thread");
 #pragma unroll 4
@@ -1145,14 +1179,14 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   using S = mma_shape<Geometry>;
 
-  // grid (max_chunks, kv_heads, batch), 128 threads: the same chunks and workspace states
+  // grid (kv_heads, max_chunks, batch), 128 threads: the same chunks and workspace states
   // as decode_kernels::split, so decode_kernels::merge / page_mass finish the step.
   static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
     constexpr int D = S::d, G = S::g;
     std::int64_t cost[N];
 #pragma unroll
     for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
-    const int c = int(blockIdx.x), kvh = int(blockIdx.y), b = int(blockIdx.z);
+    const int kvh = int(blockIdx.x), c = int(blockIdx.y), b = int(blockIdx.z);
     if (b >= in.index.batch) return;
     const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
     if (c >= ch.chunks) return;
