@@ -126,18 +126,28 @@ __device__ __forceinline__ std::uint32_t fp8x2_to_h2(std::uint32_t w) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
   return std::uint32_t(r.x) | (std::uint32_t(r.y) << 16);
 }
-// int8 x2 (low 16 bits) -> half2, exact: byte b + 128 placed in the mantissa of 1024
-// (0x6400 | u = 1024 + u), minus 1152.
+// Two E4M3 codes (high 16 bits) -> f16x2, exact: the cvt reads the register's high half
+// (F2FP ... .H1), where `w >> 16` took a shift per pair.
+__device__ __forceinline__ std::uint32_t fp8x2_hi_to_h2(std::uint32_t w) {
+  std::uint32_t r;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(w));
+  return r;
+}
+// int8 x2 (bytes 0, 1: Sel = 0x4140; bytes 2, 3: 0x4342) -> half2, exact: byte b + 128 placed
+// in the mantissa of 1024 (0x6400 | u = 1024 + u), minus 1152.
+template <unsigned Sel>
 __device__ __forceinline__ std::uint32_t s8x2_to_h2(std::uint32_t w) {
-  const std::uint32_t h = __byte_perm(w ^ 0x8080u, 0x64646464u, 0x4140);
+  const std::uint32_t h = __byte_perm(w ^ 0x80808080u, 0x64646464u, Sel);
   const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __half2(__half(1152.f), __half(1152.f)));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
 struct fp8_to_h2 {
   __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return fp8x2_to_h2(w); }
+  __device__ __forceinline__ static std::uint32_t x2_hi(std::uint32_t w) { return fp8x2_hi_to_h2(w); }
 };
 struct s8_to_h2 {
-  __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2(w); }
+  __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2<0x4140>(w); }
+  __device__ __forceinline__ static std::uint32_t x2_hi(std::uint32_t w) { return s8x2_to_h2<0x4342>(w); }
 };
 // The TQ3 lookups' selectors: code words with bit 3 of each nibble cleared by one and (the
 // lookup of the high 16 bits takes a shift), and the generic prmt, which reads the 4 nibbles
@@ -263,7 +273,7 @@ struct mma_byte_codec {
   __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& lo,
                                                   std::uint32_t& hi) {
     lo = Cvt::x2(w[s]);
-    hi = Cvt::x2(w[s] >> 16);
+    hi = Cvt::x2_hi(w[s]);
   }
   __device__ __forceinline__ static int key_coord(int c, int s, int j) { return 64 * (s / 4) + 16 * c + 4 * (s % 4) + j; }
   // int8 codes (int8_rotated) are their own levels: they enter an int8 mma as loaded. k32 step
@@ -307,9 +317,9 @@ struct mma_byte_codec {
     const std::uint32_t x = __byte_perm(w0, w1, 0x5140);
     const std::uint32_t y = __byte_perm(w0, w1, 0x7362);
     out[0][0] = Cvt::x2(x);
-    out[0][1] = Cvt::x2(x >> 16);
+    out[0][1] = Cvt::x2_hi(x);
     out[1][0] = Cvt::x2(y);
-    out[1][1] = Cvt::x2(y >> 16);
+    out[1][1] = Cvt::x2_hi(y);
   }
   static constexpr int value_mtiles_per_word = 2;
   static constexpr float value_log2_unit = 0.f;  // the fragments hold the code values
