@@ -838,9 +838,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
-  // Biased value fragments (TQ3) where the step is phased (H200 A/B, session 10: phased TQ3 /
-  // TQ4-key tiers -1..-6% at d = 256 and d = 128; the unphased TQ3 steps at d <= 128 measured
-  // +1..+2%): the bias's share of o, the same in every row (o's columns)
+  // Biased value fragments (TQ3) where the step is phased (H200 A/B, session 10,
+  // bench/results/ab-h200-2026-11-30-value-bias.txt: phased TQ3 / TQ4-key tiers -0.5..-4% at
+  // B = 32; the unphased TQ3 steps at d <= 128 +0..+2%): the bias's share of o, the same in
+  // every row (o's columns)
   constexpr bool value_bias = VC::value_bias_pair != 0u && staging::phased;
   float ob[2] = {0.f, 0.f};
   constexpr float value_log2_unit = value_bias ? VC::biased_value_log2_unit : VC::value_log2_unit;
