@@ -495,10 +495,17 @@ struct mma_staging {
   // 16-token sub-steps per step. Int8-scored keys with TQ3 values (TQ3 and TQ4 tiers) take
   // 32-token steps: their unpacking is about half of a 16-token step's instructions, the rest
   // (page bookkeeping, staging addresses and waits, the query fragments' shared loads, the
-  // softmax's column reductions and rescales) is per step (SASS, docs/gpu.md). 8-bit tiers
-  // read at the memory bound and keep 16-token steps (and their smaller slots).
+  // softmax's column reductions and rescales) is per step (SASS, docs/gpu.md). So do FP8
+  // tiers at d <= 128 (session 10: 783 SASS for 32 tokens against 2 x 541 at d = 128, 594
+  // against 2 x 413 at d = 64; H200 A/B: fp8 rows at d = 64 -3..-20%, tiered rows at d <= 128
+  // and L >= 32K -1.5..-7% at B >= 8 (8K: +1..+2%), fp8 rows at d = 128 -5..+3%); at d = 256
+  // their 66 KB slot per block would leave 2 blocks per SM. int8_rotated tiers keep 16-token
+  // steps (not measured).
   static constexpr int substeps =
-      KC::s8_keys && V::format == storage_format::tq3 && Geometry::page_tokens % 32 == 0 ? 2 : 1;
+      Geometry::page_tokens % 32 == 0 && ((KC::s8_keys && V::format == storage_format::tq3) ||
+                                          (K::format == storage_format::fp8_e4m3 && Geometry::head_dim <= 128))
+          ? 2
+          : 1;
   // Phased (key rows, then value rows) where a step's code words and the accumulators (per
   // lane) would not fit the registers together: 8-bit rows at d = 256 (64 + 64 words, spilled
   // at 168 registers); 32-token steps from 72 words (TQ3 at d = 256: 48 + 64, unphased it
@@ -525,7 +532,6 @@ struct mma_staging {
   static constexpr int value_chunks = int(std::size_t(rows) * V::payload_bytes / 16);
   static constexpr int value_cpr = int(V::payload_bytes / 16);
   static constexpr int meta_chunks = rows / 8;  // per role: rows x 2 bytes / 16
-  static_assert(!pad_values || substeps == 1, "decode: padded value rows are staged 16 at a time");
   static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
 // The end of a tier's pages: each warp's accumulator fragments (d/4 values per lane, value
@@ -886,22 +892,29 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           sc[h][i] = x;
         }
     } else {
-      static_assert(P == 1, "decode: f16-scored keys take 16-token steps");
-      float lo[4] = {0.f, 0.f, 0.f, 0.f};
+      // f16 keys (FP8): query hi and lo parts, one shared load per k step for every sub-step
+      float lo[P][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sc[0][i] = 0.f;
+      for (int h = 0; h < P; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[h][i] = lo[h][i] = 0.f;
 #pragma unroll
       for (int s = 0; s < ST; ++s) {
-        std::uint32_t a[4];
-        KC::key_frag(kw[0][0], qc, s, a[0], a[2]);
-        KC::key_frag(kw[0][1], qc, s, a[1], a[3]);
         const uint4 q = sm.qfrag[s * 32 + lane];
-        mma_16816(sc[0], a, q.x, q.y);
-        mma_16816(S::score_chains == 2 ? lo : sc[0], a, q.z, q.w);
+#pragma unroll
+        for (int h = 0; h < P; ++h) {
+          std::uint32_t a[4];
+          KC::key_frag(kw[h][0], qc, s, a[0], a[2]);
+          KC::key_frag(kw[h][1], qc, s, a[1], a[3]);
+          mma_16816(sc[h], a, q.x, q.y);
+          mma_16816(S::score_chains == 2 ? lo[h] : sc[h], a, q.z, q.w);
+        }
       }
       if constexpr (S::score_chains == 2) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) sc[0][i] += lo[i];
+        for (int h = 0; h < P; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sc[h][i] += lo[h][i];
       }
     }
     // rows at or past ntok: -inf (their key and value metas may be anything, NaN included)
