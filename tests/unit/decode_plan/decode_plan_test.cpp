@@ -72,14 +72,17 @@ TEST_CASE("plan_decode: workspace regions are disjoint, aligned and inside the w
 TEST_CASE("plan_decode: page weights by bytes or by work, and the TQ3 work weight", "[decode_plan]") {
   const auto c = counts(1, 64, 448);  // 32K tokens, ~12% FP8 pages
   cuda::decode_capacity cap{1, 64, 0, false};
-  auto bytes = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132, 12, 16 * 1024, cuda::balance::bytes);
+  auto bytes = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132, cuda::decode_default_waves,
+                                             cuda::decode_default_min_chunk_bytes, cuda::balance::bytes);
   REQUIRE(bytes.has_value());
   // bytes: a page's payload and meta of both roles, per KV head
   CHECK(bytes->page_cost[0] == std::int64_t(G::page_tokens) * (2 * G::head_dim + 2 + 2));
   CHECK(bytes->page_cost[0] > 2 * bytes->page_cost[1]);  // TQ3 reads ~2.6x fewer bytes
   std::int64_t prev_tq3 = 0;
   for (int pct : {50, 108, 200}) {
-    auto w = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132, 12, 16 * 1024, cuda::balance::work, 16, cuda::decode_blocks_per_sm<G>, pct);
+    auto w = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132, cuda::decode_default_waves,
+                                           cuda::decode_default_min_chunk_bytes, cuda::balance::work,
+                                           cuda::decode_default_min_chunk_pages, cuda::decode_blocks_per_sm<G>, pct);
     REQUIRE(w.has_value());
     const std::int64_t scalars = std::int64_t(G::page_tokens) * G::head_dim * 100;
     CHECK(w->page_cost[0] == 2 * scalars);                // FP8 roles weigh 100%
@@ -120,9 +123,9 @@ TEST_CASE("plan_decode: where the one-wave floor binds, the blocks fit one wave"
       const std::int64_t blocks = planned_blocks<G>(*p, c, batch);
       INFO("batch " << batch << ", pages " << fp8 << " + " << tq3 << ": " << blocks << " blocks");
       // more than a wave only when the 16-page floor, not the wave, sets the chunk size
-      const std::int64_t pages_per_chunk_floor = 16;
-      if (std::int64_t(fp8 + tq3) * batch * G::kv_heads / pages_per_chunk_floor < 132 * 4)
-        CHECK(blocks <= 132 * 4);
+      const std::int64_t wave = 132 * cuda::decode_blocks_per_sm<G>;
+      if (std::int64_t(fp8 + tq3) * batch * G::kv_heads / cuda::decode_default_min_chunk_pages < wave)
+        CHECK(blocks <= wave);
     }
   }
 }

@@ -322,9 +322,9 @@ struct mma_byte_codec {
     out[1][1] = Cvt::x2_hi(y);
   }
   static constexpr int value_mtiles_per_word = 2;
-  static constexpr float value_log2_unit = 0.f;  // the fragments hold the code values
-  static constexpr std::uint32_t value_bias_pair = 0;  // ... with no bias
-  static constexpr float biased_value_log2_unit = 0.f;
+  // the fragments hold the code values, with no bias
+  static constexpr float value_log2_unit(bool) { return 0.f; }
+  static constexpr std::uint32_t value_bias_pair = 0;
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
     constexpr unsigned wps = SEG / 32;                 // words per segment and lane
@@ -409,8 +409,7 @@ struct mma_codec<C, storage_format::tq3> {
   // value_bias_pair, which the tier's loop accumulates alone (one more mma per sub-step) and
   // subtracts at its end. The biased sums lose ~log2(128 / |mean L|) of f32's 24 bits: GPU
   // tests' rel_l2 against float64 unchanged to 2 digits (f16 probabilities dominate them).
-  static constexpr float value_log2_unit = 4.f;
-  static constexpr float biased_value_log2_unit = 18.f;
+  static constexpr float value_log2_unit(bool biased) { return biased ? 18.f : 4.f; }
   static constexpr std::uint32_t value_bias_pair = 0x00800080u;  // f16 subnormals 128 2^-24
   static constexpr int value_mtiles_per_word = 4;
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
@@ -850,7 +849,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // every row (o's columns)
   constexpr bool value_bias = VC::value_bias_pair != 0u && staging::phased;
   float ob[2] = {0.f, 0.f};
-  constexpr float value_log2_unit = value_bias ? VC::biased_value_log2_unit : VC::value_log2_unit;
+  constexpr float value_log2_unit = VC::value_log2_unit(value_bias);
   float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
   // One step of P 16-token sub-steps; sub-step h: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]),
