@@ -33,7 +33,7 @@
 #include "tierkv/codec/rotation.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/tiering/recency_anchor.hpp"
 
 #if __has_include("tierkv/codec/int8_rotated.hpp")

@@ -14,8 +14,8 @@
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
-#include "tierkv/memory/page_layout.hpp"
-#include "tierkv/paging/index_view.hpp"
+#include "tierkv/codec/page_layout.hpp"
+#include "tierkv/core/index_view.hpp"
 
 namespace tierkv {
 

@@ -20,8 +20,8 @@
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
-#include "tierkv/cuda/warp_vector.cuh"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/cuda/codec/int8_rotated.cuh"
+#include "tierkv/codec/page_layout.hpp"
 
 namespace tierkv::cuda {
 

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Batch encode / decode kernels for the codecs (used by tests, append and retier).
 // One warp per vector for FP8 and TQ3 (bit-exact with the host encoders: the TQ3 warp
-// path reproduces the canonical warp order of codec/tq3.hpp with warp_vector.cuh's 32-lane
+// path reproduces the canonical warp order of codec/tq3.hpp with warp/lane_group.cuh's 32-lane
 // helpers), one thread per vector for any other codec. Launch helpers take a cudaStream_t,
 // never synchronize, never allocate.
 #pragma once
@@ -16,7 +16,8 @@
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/core/config.hpp"
 #include "tierkv/core/status.hpp"
-#include "tierkv/cuda/warp_vector.cuh"
+#include "tierkv/cuda/warp/lane_group.cuh"
+#include "tierkv/cuda/warp/rotation.cuh"
 
 namespace tierkv::cuda {
 
@@ -72,7 +73,7 @@ __device__ inline std::uint32_t load_u32(const std::uint8_t* p) {
 }
 
 // One warp per vector: the canonical sums, maximum, signs and Walsh-Hadamard are
-// warp_vector.cuh's with 32 lanes per vector.
+// warp/lane_group.cuh's with 32 lanes per vector.
 __device__ inline float warp_sum_canonical(float s) {
   float part[1] = {s};
   return group_sum_canonical<32>(part);

@@ -25,7 +25,7 @@
 
 #include "tierkv/core/status.hpp"
 #include "tierkv/paging/index_builder.hpp"
-#include "tierkv/paging/index_view.hpp"
+#include "tierkv/core/index_view.hpp"
 
 namespace tierkv::cuda {
 

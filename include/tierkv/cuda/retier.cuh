@@ -5,7 +5,7 @@
 // (tests/cuda/retier.cu).
 //
 // A token vector is held by a lane group of G = d/64 lanes, 64 coordinates each (one lane
-// below d = 128; warp_vector.cuh), so a warp converts 32/G consecutive tokens of one (page,
+// below d = 128; warp/lane_group.cuh), so a warp converts 32/G consecutive tokens of one (page,
 // role, head) per iteration: the canonical sums and most of the Walsh-Hadamard run in
 // registers rather than through warp shuffles (one warp per vector spent ~66 shuffles per
 // vector and was instruction-bound), the per-page work (slot checks, page pointers, codec seed)
@@ -26,8 +26,8 @@
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
-#include "tierkv/cuda/warp_vector.cuh"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/cuda/codec/formats.cuh"
+#include "tierkv/codec/page_layout.hpp"
 
 namespace tierkv::cuda {
 
@@ -69,45 +69,25 @@ struct row_signs<true, N, G, Runs> {
   __device__ const e4m3_sign_masks<N, G, Runs>* get() const { return &masks; }
 };
 
-// The source vector (FP8: factored, the scale apart) and the destination encode. Where either
-// side is rotated (same seed) the vector comes as D x (lane_vector's Signed): an FP8 source
-// flips its codes' signs (`signs`), a rotated source leaves out its last D, and a rotated
-// encoder its first, an FP8 one flips its codes' signs.
-// A rotated source decodes in runs where its lane_exchange `ex` has them (for an FP8 encoder).
+// The source vector (FP8: factored, the scale apart) and the destination encode
+// (device_codec<C>::warp_decode / warp_encode). Where either side is rotated (same seed) the
+// vector comes as D x (lane_vector's Signed): an FP8 source flips its codes' signs (`signs`),
+// a rotated source leaves out its last D, and a rotated encoder its first, an FP8 one flips
+// its codes' signs. A rotated source decodes in runs where its lane_exchange `ex` has them
+// (for an FP8 encoder).
 template <class C, int N, bool Signed, class Signs, class Exchange>
 __device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
                                                 std::uint64_t seed, const Signs* signs, const Exchange& ex, int lane) {
-  if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_decode_fp8<C, N, Signed && N % 16 == 0>(payload, meta, lane, signs);
-  } else {
-    float x[N];
-    if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-      warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane, ex);
-    } else if constexpr (C::format == storage_format::int8_rotated) {
-      warp_decode_int8r<C, N, Signed>(payload, meta, seed, x, lane, ex);
-    } else {
-      static_assert(tierkv::detail::dependent_false<C>, "retier: source codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
-    }
-    return make_lane_vector<Signed, Exchange::runs>(x);
-  }
+  return device_codec<C>::template warp_decode<N, Signed>(payload, meta, seed, signs, ex, lane);
 }
 template <class C, int N, bool F, bool S, bool R, class Exchange, int G>
 __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
                                                 typename C::meta_type* meta, std::uint64_t seed, int lane,
                                                 tq_norm norm, const Exchange& ex, const e4m3_sign_masks<N, G, R>* signs) {
-  if constexpr (C::format == storage_format::fp8_e4m3) {
-    return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
-  } else if constexpr (C::format == storage_format::tq3 || C::format == storage_format::tq4) {
-    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
-  } else if constexpr (C::format == storage_format::int8_rotated) {
-    return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
-  } else {
-    static_assert(tierkv::detail::dependent_false<C>, "retier: destination codec must be fp8_e4m3, tq3, tq4 or int8_rotated");
-    return false;
-  }
+  return device_codec<C>::template warp_encode<N>(v, payload, meta, seed, lane, norm, ex, signs);
 }
 
-// The layout exchanges (warp_vector.cuh), where runs hold whole canonical lanes (d <= 256): the
+// The layout exchanges (warp/rotation.cuh), where runs hold whole canonical lanes (d <= 256): the
 // TQ3 encoder's for an FP8 source in a one-path pair (ptxas: with an int8_rotated source, or
 // in a tier pair whose roles take two code paths, it spills under the 128-register limit), and
 // a rotated decoder's for an FP8 destination; none for other pairs.

@@ -15,7 +15,7 @@
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/codec/page_layout.hpp"
 
 // New pages are filled with a poison pattern in debug and test builds, so a reader
 // that looks past a page's fill sees garbage it must not use (attention tests check

@@ -19,7 +19,7 @@
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
-#include "tierkv/paging/index_view.hpp"
+#include "tierkv/core/index_view.hpp"
 
 namespace tierkv {
 

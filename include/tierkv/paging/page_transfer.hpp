@@ -24,7 +24,7 @@
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 
 namespace tierkv {

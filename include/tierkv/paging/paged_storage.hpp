@@ -36,7 +36,7 @@
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/memory/counted_allocator.hpp"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/memory/page_pool.hpp"
 
 namespace tierkv {

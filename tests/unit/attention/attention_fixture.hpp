@@ -19,7 +19,7 @@
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/attention/host_prefill.hpp"
 #include "tierkv/codec/tier.hpp"
-#include "tierkv/memory/page_layout.hpp"
+#include "tierkv/codec/page_layout.hpp"
 
 namespace tierkv::test {
 

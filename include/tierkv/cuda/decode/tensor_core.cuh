@@ -1,16 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// Tensor-core split kernel of the mixed-format decode (decode_path::tensor_core): the same
-// chunking, workspace states, merge and page-mass kernels as the CUDA-core kernel of
-// decode.cuh, with the score and value products on the tensor cores: mma.sync m16n8k16 (f16
-// in, f32 acc) for values and FP8 keys, m16n8k32 (int8 in, int32 acc) for TQ3, TQ4 and
-// int8_rotated keys.
-// Internal: included by decode.cuh (after its shared pieces); include decode.cuh.
+// The tensor-core split kernel of the mixed-format decode (decode_path::tensor_core, the
+// default): the chunking, workspace states and second pass of decode/common.cuh, with the score
+// and value products on mma.sync: m16n8k16 (f16 in, f32 acc) for values and FP8 keys, m16n8k32
+// (int8 in, int32 acc) for TQ3, TQ4 and int8_rotated keys. Each format's fragments come from
+// its device codec (cuda/codec/).
 //
 // Shape (docs/gpu.md): each warp walks a stream of steps (16 tokens, 32 for TQ3 / TQ4 tiers:
-// mma_staging::substeps) of the chunk's pages
-// (whole pages round robin, or a balanced range of steps in small chunks), each step staged
-// global -> shared memory by cp.async and read into registers. Tokens are the M rows, the
-// group's query heads the N = 8 columns:
+// mma_staging::substeps) of the chunk's pages (whole pages round robin, or a balanced range of
+// steps in small chunks), each step staged global -> shared memory by cp.async and read into
+// registers. Tokens are the M rows, the group's query heads the N = 8 columns:
 //   S^T[16 tok x 8 heads] = K[16 x d] . Q^T[d x 8]   (A = key codes, B = queries)
 //   O^T[d x 8 heads]     += V^T[d x 16 tok] . P^T     (A = value codes, B = probabilities)
 // so codes become f16 (or int8) A fragments in registers, with no shared-memory transpose.
@@ -24,436 +22,27 @@
 #include "tierkv/core/config.hpp"
 
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "tierkv/attention/int8_query.hpp"
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/cuda/arch/cp_async.cuh"
+#include "tierkv/cuda/arch/convert.cuh"
+#include "tierkv/cuda/arch/math.cuh"
+#include "tierkv/cuda/arch/mma.cuh"
+#include "tierkv/cuda/decode/common.cuh"
+#include "tierkv/cuda/warp/lane_group.cuh"
 
 namespace tierkv::cuda::detail {
 
 inline constexpr int mma_warps = 4;
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                          std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// A with every element a (a bias): rows g and g + 8 of the product are equal, so only row g's
-// two columns are accumulated (2 live registers instead of 4; d = 128 spills at the cap).
-__device__ __forceinline__ void mma_16816_uniform_a(float (&c)[2], std::uint32_t a, std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "{\n.reg .f32 d2, d3;\n"
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,d2,d3}, {%2,%2,%2,%2}, {%3,%4}, "
-      "{%0,%1,%5,%5};\n}\n"
-      : "+f"(c[0]), "+f"(c[1])
-      : "r"(a), "r"(b0), "r"(b1), "f"(0.f));
-}
-// int8 (or uint8: UnsignedA) x int8 -> int32, exact: the key products of TQ3, TQ4 and
-// int8_rotated (native IMMA.16832 on sm_90).
-template <bool UnsignedA>
-__device__ __forceinline__ void mma_16832_s8(int (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-  if constexpr (UnsignedA) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-__device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
-  std::uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-// cp.async of 16 bytes global -> shared (both 16-byte aligned), bypassing L1.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int Pending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
-}
-// 16 bytes global + GOff -> shared + SOff (immediates of one base address pair: a register pair
-// per chunk address spilled the FP8 step at d = 256, 17 copies per lane, 168 registers).
-template <int GOff, int SOff>
-__device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;\n" ::"r"(smem), "l"(gmem), "n"(SOff), "n"(GOff)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  cp_async_16_at<0, 0>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
-}
-// Rows of Cpr 16-byte chunks (Cpr divides 32), contiguous in global memory, to shared memory
-// rows `Stride` bytes apart, by a warp's lanes (lane i: chunks i, i + 32, ...): chunk
-// q = lane + 32 I is row q / Cpr, column q % Cpr, so a lane's shared address is a base of its
-// own plus an immediate per I.
-template <int Chunks, int Cpr, int Stride, int I = 0>
-__device__ __forceinline__ void cp_async_rows_from(unsigned smem, const std::uint8_t* gmem, int lane) {
-  if constexpr (I < (Chunks + 31) / 32) {
-    if (Chunks % 32 == 0 || lane + 32 * I < Chunks) cp_async_16_at<512 * I, (32 / Cpr) * Stride * I>(smem, gmem);
-    cp_async_rows_from<Chunks, Cpr, Stride, I + 1>(smem, gmem, lane);
-  }
-}
-template <int Chunks, int Cpr, int Stride>
-__device__ __forceinline__ void cp_async_rows(std::uint8_t* dst, const std::uint8_t* src, int lane) {
-  static_assert(32 % Cpr == 0, "cp_async_rows: chunks per row must divide 32");
-  const int row = lane / Cpr, col = lane % Cpr;
-  cp_async_rows_from<Chunks, Cpr, Stride>(static_cast<unsigned>(__cvta_generic_to_shared(dst + row * Stride + 16 * col)),
-                                          src + 16 * lane, lane);
-}
-// Chunks x 16 contiguous bytes to contiguous shared memory: one 512-byte "row" per 32 chunks.
-template <int Chunks>
-__device__ __forceinline__ void cp_async_region(std::uint8_t* dst, const std::uint8_t* src, int lane) {
-  cp_async_rows<Chunks, 32, 512>(dst, src, lane);
-}
-__device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const std::uint32_t*>(&h);
-}
-// Two E4M3 codes (low 16 bits) -> f16x2, exact.
-__device__ __forceinline__ std::uint32_t fp8x2_to_h2(std::uint32_t w) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-  return std::uint32_t(r.x) | (std::uint32_t(r.y) << 16);
-}
-// Two E4M3 codes (high 16 bits) -> f16x2, exact: the cvt reads the register's high half
-// (F2FP ... .H1), where `w >> 16` took a shift per pair.
-__device__ __forceinline__ std::uint32_t fp8x2_hi_to_h2(std::uint32_t w) {
-  std::uint32_t r;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(w));
-  return r;
-}
-// int8 x2 (bytes 0, 1: Sel = 0x4140; bytes 2, 3: 0x4342) -> half2, exact: byte b + 128 placed
-// in the mantissa of 1024 (0x6400 | u = 1024 + u), minus 1152.
-template <unsigned Sel>
-__device__ __forceinline__ std::uint32_t s8x2_to_h2(std::uint32_t w) {
-  const std::uint32_t h = __byte_perm(w ^ 0x80808080u, 0x64646464u, Sel);
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __half2(__half(1152.f), __half(1152.f)));
-  return *reinterpret_cast<const std::uint32_t*>(&r);
-}
-struct fp8_to_h2 {
-  __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return fp8x2_to_h2(w); }
-  __device__ __forceinline__ static std::uint32_t x2_hi(std::uint32_t w) { return fp8x2_hi_to_h2(w); }
-};
-struct s8_to_h2 {
-  __device__ __forceinline__ static std::uint32_t x2(std::uint32_t w) { return s8x2_to_h2<0x4140>(w); }
-  __device__ __forceinline__ static std::uint32_t x2_hi(std::uint32_t w) { return s8x2_to_h2<0x4342>(w); }
-};
-// The TQ3 lookups' selectors: code words with bit 3 of each nibble cleared by one and (the
-// lookup of the high 16 bits takes a shift), and the generic prmt, which reads the 4 nibbles
-// of c[15:0]. __byte_perm masks its selector to 3-bit fields on every call, and the compiler
-// then also narrowed the word's mask per 16-bit half: 3 and 1 ALU instructions more per 8
-// codes than needed (d = 256 SASS: 64 ands and 32 shifts a step for 32 words).
-template <std::uint32_t Mask>
-__device__ __forceinline__ std::uint32_t mask_codes(std::uint32_t w) {
-  std::uint32_t r;
-  asm("and.b32 %0, %1, %2;" : "=r"(r) : "r"(w), "n"(Mask));
-  return r;
-}
-__device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
-  std::uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-  return r;
-}
-// The bits of a where m is set, of b elsewhere (one lop3).
-__device__ __forceinline__ std::uint32_t bit_select(std::uint32_t a, std::uint32_t b, std::uint32_t m) {
-  std::uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
-  return r;
-}
-// TQ3 values: the 4 nibbles (3-bit codes) of the low 16 bits of `sel` -> their biased levels
-// u = L + 128, one byte each (codec/tq3.hpp has the tables).
-__device__ __forceinline__ std::uint32_t tq3_lookup_u8(std::uint32_t sel) {
-  return prmt(tierkv::detail::tq3_u8_0, tierkv::detail::tq3_u8_1, sel);
-}
-// Bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased levels -> a half2: each byte becomes an
-// f16 subnormal u 2^-24 (high byte 0), exact. Biased: the tensor cores take it as is, and the
-// tier's loop subtracts the bias 128 2^-24 x (the sum of its probabilities) once, at its end
-// (mma_codec<tq3>::value_bias_pair). Otherwise one fma makes it L / 1024 exactly (u 2^-24 x
-// 2^14 - 2^-3): an hfma2 per pair of codes, 128 of a d = 256 32-token step's 1245 instructions.
-template <unsigned Sel, bool Biased>
-__device__ __forceinline__ std::uint32_t tq3_widen(std::uint32_t u) {
-  const std::uint32_t h = __byte_perm(u, 0u, Sel);
-  if constexpr (Biased) return h;
-  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
-                            __half2(__half(-0.125f), __half(-0.125f)));
-  return *reinterpret_cast<const std::uint32_t*>(&r);
-}
-// TQ3 keys: the same nibbles -> their int8 levels, one byte each (the A register of an int8 mma).
-__device__ __forceinline__ std::uint32_t tq3_lookup_s8(std::uint32_t sel) {
-  return prmt(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, sel);
-}
-
-// TQ3 "effective words" of a token: per group of 32 rotated coordinates W0, W1, W2 and the
-// gathered bit-3 word; effective word e, nibble n = coordinate 32 group + 8 e + n (n < 8;
-// bit 3 of each nibble is masked by the caller). Lane `lane` owns effective words
-// lane*EW .. lane*EW + EW - 1; it loads the raw words of their groups (3 per group) and
-// forms an effective word when it is used (fewer registers in flight).
-template <int EW>
-struct tq3_lane_words {
-  static constexpr int groups = EW >= 4 ? EW / 4 : 1;
-  static constexpr int raw = 3 * groups;
-  static_assert(EW >= 4 ? EW % 4 == 0 : 4 % EW == 0, "tq3: effective words per lane");
-  template <bool Shared>
-  __device__ __forceinline__ static void load(const std::uint8_t* row, int lane, std::uint32_t (&w)[raw]) {
-    const std::uint32_t* p = reinterpret_cast<const std::uint32_t*>(row) + ((lane * EW) / 4) * 3;
-#pragma unroll
-    for (int i = 0; i < raw; ++i) w[i] = Shared ? p[i] : __ldg(p + i);
-  }
-  // bits 3 of the nibbles of a, b, c -> bits 0, 1, 2 by two bit-selects (one lop3 each; bit 3
-  // is left as is, since the caller masks it): written as masks and ors, the compiler narrowed
-  // the masks and took three lop3
-  __device__ __forceinline__ static std::uint32_t gather(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
-    return bit_select(bit_select(a >> 3, b >> 2, 0x11111111u), c >> 1, 0x33333333u);
-  }
-  // effective word k (0 <= k < EW) of this lane
-  __device__ __forceinline__ static std::uint32_t eff(const std::uint32_t (&w)[raw], int lane, int k) {
-    if constexpr (EW >= 4) {
-      const int gi = k / 4, e = k % 4;
-      return e < 3 ? w[3 * gi + e] : gather(w[3 * gi], w[3 * gi + 1], w[3 * gi + 2]);
-    } else {
-      const int e = (lane * EW) % 4 + k;  // runtime: select without indexing
-      const std::uint32_t g = gather(w[0], w[1], w[2]);
-      return e == 0 ? w[0] : e == 1 ? w[1] : e == 2 ? w[2] : g;
-    }
-  }
-};
-
-// Per-format operand builders. K side: lane c = lane % 4 of the quad; `keys(step)` gives the
-// A registers a0/a2 of one token (a1/a3 come from the token 8 rows below); key_coord(c, s, j)
-// is the coordinate of k-slot j (0,1 = slots 2c,2c+1; 2,3 = slots 2c+8,2c+9) of step s.
-// V side: lane g = lane / 4; rows g and g + 8 of value m-tile mt; value_coord(g, mt, r).
-// Lane i of `Lanes` reads `Bytes` (8 or 16) of every Lanes*Bytes-byte segment of a row, in
-// one load each (coalesced across the lanes): words [Bytes/4 seg, Bytes/4 (seg + 1)) hold
-// bytes [Bytes i, Bytes (i + 1)) of segment seg.
-template <int Bytes, int Lanes, bool Shared, int Words>
-__device__ __forceinline__ void load_lane_segments(const std::uint8_t* row, int i, std::uint32_t (&w)[Words]) {
-  static_assert(Bytes == 8 || Bytes == 16, "load_lane_segments: 8- or 16-byte loads");
-  constexpr int per = Bytes / 4;
-  static_assert(Words % per == 0, "load_lane_segments: whole loads per lane");
-#pragma unroll
-  for (int seg = 0; seg < Words / per; ++seg) {
-    const std::uint8_t* p = row + Lanes * Bytes * seg + Bytes * i;
-    if constexpr (Bytes == 16) {
-      const uint4* a = reinterpret_cast<const uint4*>(p);
-      const uint4 v = Shared ? *a : __ldg(a);
-      w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
-    } else {
-      const uint2* a = reinterpret_cast<const uint2*>(p);
-      const uint2 v = Shared ? *a : __ldg(a);
-      w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
-    }
-  }
-}
-
-template <class C, storage_format F = C::format> struct mma_codec;
-
-// One byte per coordinate (FP8 E4M3, int8_rotated): Cvt turns two codes into a half2.
-template <class C, class Cvt>
-struct mma_byte_codec {
-  static constexpr int D = C::head_dim;
-  static_assert(D % 64 == 0, "tensor-core decode: fp8 / int8 head_dim must be a multiple of 64");
-  // keys: lane c reads 16 bytes at 64 seg + 16 c; word w of segment seg is step 4 seg + w
-  static constexpr int key_words = D / 16;
-  template <bool Shared>
-  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
-    load_lane_segments<16, 4, Shared>(row, c, w);
-  }
-  // FP8 keys convert to their f16 levels (int8_rotated keys take key_frag_s8 below).
-  __device__ __forceinline__ static void key_frag(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& lo,
-                                                  std::uint32_t& hi) {
-    lo = Cvt::x2(w[s]);
-    hi = Cvt::x2_hi(w[s]);
-  }
-  __device__ __forceinline__ static int key_coord(int c, int s, int j) { return 64 * (s / 4) + 16 * c + 4 * (s % 4) + j; }
-  // int8 codes (int8_rotated) are their own levels: they enter an int8 mma as loaded. k32 step
-  // s takes words 2s (k slots 4c..4c+3) and 2s + 1 (slots 16+4c..); key_coord_s8's j = 0..7.
-  static constexpr bool s8_keys = std::is_same_v<Cvt, s8_to_h2>;
-  static constexpr bool key_unsigned = false;
-  static constexpr float key_level_scale = 1.f, key_level_offset = 0.f;
-  // 20-bit queries (3 int8 digits): int8_rotated's own inner-product error is ~0.0065/sqrt(d),
-  // so its scores are checked against the host path at ~fp32 precision; 13 bits moved the LSE
-  // by up to 6e-4 (test_cuda_decode, run 10).
-  static constexpr int query_parts = 3;
-  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a0,
-                                                     std::uint32_t& a2) {
-    a0 = w[2 * s];
-    a2 = w[2 * s + 1];
-  }
-  __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) { return key_coord(c, 2 * s + j / 4, j % 4); }
-  // The 8 coordinates of (c, s) are [key_coord_s8(c, s, 0), +8) (mma_tier_pages reads them as
-  // two 16-byte vectors): slot j is coordinate base + query_offset_s8(j).
-  static constexpr int query_offset_s8(int j) { return j; }
-
-  // values: segments of SEG dims; lane g reads SEG/8 bytes at SEG seg + (SEG/8) g.
-  static constexpr int SEG = D >= 128 ? 128 : 64;
-  static constexpr int value_words = D / 32;
-  static constexpr int value_eff_words = value_words;
-  __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int, int k) {
-    return w[k];
-  }
-  template <bool Shared>
-  __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
-    load_lane_segments<SEG / 8, 8, Shared>(row, g, w);
-  }
-  // word wi of tokens t0, t1 -> m-tiles 2 wi (bytes 0, 1) and 2 wi + 1 (bytes 2, 3):
-  // out[m][r] = (row g + 8 r: token t0, token t1)
-  // (no lookup table and no bias: Cvt converts the codes; the parameters keep one value_pairs
-  // interface)
-  __device__ __forceinline__ static std::uint32_t value_table(const void*) { return 0; }
-  template <bool Biased>
-  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[2][2],
-                                                     std::uint32_t) {
-    const std::uint32_t x = __byte_perm(w0, w1, 0x5140);
-    const std::uint32_t y = __byte_perm(w0, w1, 0x7362);
-    out[0][0] = Cvt::x2(x);
-    out[0][1] = Cvt::x2_hi(x);
-    out[1][0] = Cvt::x2(y);
-    out[1][1] = Cvt::x2_hi(y);
-  }
-  static constexpr int value_mtiles_per_word = 2;
-  // the fragments hold the code values, with no bias
-  static constexpr float value_log2_unit(bool) { return 0.f; }
-  static constexpr std::uint32_t value_bias_pair = 0;
-  __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
-    const unsigned wi = mt / 2, j = 2 * (mt % 2) + r;  // byte j of word wi
-    constexpr unsigned wps = SEG / 32;                 // words per segment and lane
-    return SEG * (wi / wps) + (SEG / 8) * g + 4 * (wi % wps) + j;
-  }
-};
-template <class C>
-struct mma_codec<C, storage_format::fp8_e4m3> : mma_byte_codec<C, fp8_to_h2> {};
-template <class C>
-struct mma_codec<C, storage_format::int8_rotated> : mma_byte_codec<C, s8_to_h2> {};
-
-template <class C>
-struct mma_codec<C, storage_format::tq3> {
-  static constexpr int D = C::head_dim;
-  static_assert(D % 64 == 0, "tensor-core decode: tq3 head_dim must be a multiple of 64");
-  // keys: lane c owns D/32 effective words, word s is k32 step s
-  using KL = tq3_lane_words<D / 32>;
-  static constexpr int key_words = KL::raw;
-  template <bool Shared>
-  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
-    KL::template load<Shared>(row, c, w);
-  }
-  // Keys score on int8 mma: k32 step s is effective word s, its nibbles 0-3 (k slots 4c..4c+3)
-  // and 4-7 (16+4c..) one byte-permute each into int8 levels (L, level = L / 64). The f16 path
-  // took 4 permutes per 4 codes (two table halves and two interleaves) on the ALU pipe, the
-  // bound of a TQ3 step (ncu at 128K B = 32: PRMT 37% of its instructions).
-  static constexpr bool s8_keys = true;
-  static constexpr bool key_unsigned = false;
-  static constexpr float key_level_scale = tierkv::detail::tq3_level_scale, key_level_offset = 0.f;
-  // 13-bit queries (2 int8 digits): rounding at 2^-14 of the head's largest element, far below
-  // TQ3's own inner-product error (rms 0.12/sqrt(d)).
-  static constexpr int query_parts = 2;
-  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a0,
-                                                     std::uint32_t& a2) {
-    const std::uint32_t e = mask_codes<0x77777777u>(KL::eff(w, c, s));
-    a0 = tq3_lookup_s8(e);
-    a2 = tq3_lookup_s8(e >> 16);
-  }
-  __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) {
-    const int idx = c * (D / 32) + s;
-    return 32 * (idx / 4) + 8 * (idx % 4) + j;
-  }
-  static constexpr int query_offset_s8(int j) { return j; }
-  // values: lane g owns D/64 effective words; byte b of word k is m-tile 4 k + b, its
-  // nibbles 2b, 2b+1 rows g, g + 8
-  using VL = tq3_lane_words<D / 64>;
-  static constexpr int value_words = VL::raw;
-  static constexpr int value_eff_words = D / 64;
-  template <bool Shared>
-  __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
-    VL::template load<Shared>(row, g, w);
-  }
-  __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int g, int k) {
-    return VL::eff(w, g, k);
-  }
-  // The lookup table's low word (the high one is an immediate). At d = 256 it is loaded from
-  // shared memory once per sub-step: as a constant, ptxas re-made it from a uniform register
-  // before every lookup at the register cap (IMAD.U32, 64 per 32-token step; H200 A/B: TQ3 and
-  // tiered rows -0.7..-2.6% at B = 32). At d <= 128 the load measured up to 4% slower at B = 1
-  // (one more spill in the step), so there it stays a constant.
-  __device__ __forceinline__ static std::uint32_t value_table(const void* smem_word) {
-    if constexpr (D >= 256)
-      return *static_cast<const volatile std::uint32_t*>(smem_word);
-    else
-      return tierkv::detail::tq3_u8_0;
-  }
-  template <bool Biased>
-  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2],
-                                                     std::uint32_t table) {
-    const std::uint32_t x = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x5140));  // bytes 0, 1 of t0, t1
-    const std::uint32_t y = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x7362));  // bytes 2, 3
-    const std::uint32_t sels[4] = {x, x >> 16, y, y >> 16};
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const std::uint32_t u = prmt(table, tierkv::detail::tq3_u8_1, sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
-      out[b][0] = tq3_widen<0x4240, Biased>(u);
-      out[b][1] = tq3_widen<0x4341, Biased>(u);
-    }
-  }
-  // The fragments hold L / 1024, 1/16 of the levels L / 64 (the value scale's log2 takes + 4),
-  // or biased (L + 128) 2^-24: the levels times 2^-18 (+ 18) plus 128 2^-24, the f16 pair
-  // value_bias_pair, which the tier's loop accumulates alone (one more mma per sub-step) and
-  // subtracts at its end. The biased sums lose ~log2(128 / |mean L|) of f32's 24 bits: GPU
-  // tests' rel_l2 against float64 unchanged to 2 digits (f16 probabilities dominate them).
-  static constexpr float value_log2_unit(bool biased) { return biased ? 18.f : 4.f; }
-  static constexpr std::uint32_t value_bias_pair = 0x00800080u;  // f16 subnormals 128 2^-24
-  static constexpr int value_mtiles_per_word = 4;
-  __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
-    const unsigned idx = g * value_eff_words + mt / 4;
-    return 32 * (idx / 4) + 8 * (idx % 4) + 2 * (mt % 4) + r;
-  }
-};
-
-// TQ4 keys: a lane's words hold 8 nibble codes each (docs/formats.md: coordinate 2b in the
-// low nibble of byte b); lane c reads 16 bytes at 64 seg + 16 c (8 bytes at 8 c when a row is
-// 32 bytes). k32 step s is word s: `w & 0x0F0F0F0F` (the low nibbles: k slots 4c..4c+3) and
-// `(w >> 4) & 0x0F0F0F0F` (the high nibbles: 16+4c..) are 4 codes c each as uint8, one lop3
-// per 4 codes, into a uint8 x int8 mma. The level is c - 7.5: mma_tier_pages subtracts
-// 7.5 x (the head's sum of its int8-rounded query), an exact integer. (Run 8-9: f16 (1024 + c)
-// against the f16 hi query, one lop3 per 2 codes.) Keys only: values would need the offset
-// times each head's sum of p in the accumulator.
-template <class C>
-struct mma_codec<C, storage_format::tq4> {
-  static constexpr int D = C::head_dim;
-  static_assert(D % 64 == 0, "tensor-core decode: tq4 head_dim must be a multiple of 64");
-  static constexpr int row_bytes = D / 2;
-  static constexpr int lane_bytes = row_bytes >= 64 ? 16 : 8;  // per lane and 4-lane segment
-  static constexpr int seg_bytes = 4 * lane_bytes;
-  static constexpr int words_per_seg = lane_bytes / 4;
-  static constexpr int key_words = D / 32;  // 8 codes = one k32 step per word
-  static constexpr bool s8_keys = true;
-  static constexpr bool key_unsigned = true;
-  static constexpr float key_level_scale = 1.f, key_level_offset = C::grid::offset;
-  static constexpr int query_parts = 2;  // 13 bits: as TQ3, far below TQ4's own error
-  template <bool Shared>
-  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
-    load_lane_segments<lane_bytes, 4, Shared>(row, c, w);
-  }
-  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a0,
-                                                     std::uint32_t& a2) {
-    a0 = w[s] & 0x0F0F0F0Fu;
-    a2 = (w[s] >> 4) & 0x0F0F0F0Fu;
-  }
-  __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) {
-    const int byte = (s / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (s % words_per_seg) + j % 4;
-    return 2 * byte + (j >= 4 ? 1 : 0);
-  }
-  static constexpr int query_offset_s8(int j) { return 2 * (j % 4) + (j >= 4 ? 1 : 0); }
-};
 
 template <class Geometry>
 struct mma_shape {
@@ -571,37 +160,6 @@ struct mma_smem {
   uint4* qfrag;
 };
 
-__device__ __forceinline__ float quad_col_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-}
-__device__ __forceinline__ float quad_col_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 4);
-  x += __shfl_xor_sync(0xffffffffu, x, 8);
-  return x + __shfl_xor_sync(0xffffffffu, x, 16);
-}
-// The step's exponentials and logarithms on the MUFU unit alone: exp2f / log2f compile to ~8 /
-// ~30 instructions of range handling each (SASS of run 8: 12 exp2 and 2 log2 per 16-token
-// step, ~150 of a TQ3 step's ~1260 instructions at d = 256). ex2.approx: ~2 ulp, results below
-// 2^-126 flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx.ftz: ~2^-22
-// absolute, 0 and inputs below 2^-126 -> -inf (a value scale that small weighs its token's
-// value by 0; the non-ftz form took 3 more instructions per meta). The f16 probabilities that
-// consume them keep 11 bits.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float fast_log2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// 2^(x - ref) for ref >= x (a running max); 0 when ref is -inf (then x is too) or x is -inf.
-__device__ __forceinline__ float exp2_rel(float x, float ref) {
-  return ref == -INFINITY ? 0.f : fast_exp2(x - ref);
-}
 
 // One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
 // step; the value product accumulates p x value_scale relative to its own running max m_v
@@ -1202,57 +760,50 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   using S = mma_shape<Geometry>;
 
-  // grid (kv_heads, max_chunks, batch), 128 threads: the same chunks and workspace states
-  // as decode_kernels::split, so decode_kernels::merge / page_mass finish the step.
+  // grid (kv_heads, max_chunks, batch), 128 threads: the chunks and workspace states of
+  // decode/common.cuh, so decode_finish merges them.
   static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
     constexpr int D = S::d, G = S::g;
-    std::int64_t cost[N];
-#pragma unroll
-    for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
-    const int kvh = int(blockIdx.x), c = int(blockIdx.y), b = int(blockIdx.z);
-    if (b >= in.index.batch) return;
-    const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
-    if (c >= ch.chunks) return;
-    int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
-    float* mass_ws = plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
+    with_split_chunk<N>(in, plan, workspace, [&](int kvh, int c, int b, const chunking<N>& ch,
+                                                 const std::int64_t (&cost)[N], int* err, float* mass_ws) {
+      extern __shared__ float4 smem4[];
+      float* smem = reinterpret_cast<float*>(smem4);
+      mma_smem sm;
+      sm.q_raw = smem;
+      sm.acc_part = sm.q_raw + G * D;
+      sm.acc_total = sm.acc_part + G * D;
+      sm.wstate = sm.acc_total + G * D;
+      sm.m = sm.wstate + mma_warps * 24;
+      sm.l = sm.m + 8;
+      sm.m_ref = sm.l + 8;
+      sm.qexp = sm.m_ref + 8;
+      sm.qsum = sm.qexp + 8;
+      sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
+      sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
+      sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
 
-    extern __shared__ float4 smem4[];
-    float* smem = reinterpret_cast<float*>(smem4);
-    mma_smem sm;
-    sm.q_raw = smem;
-    sm.acc_part = sm.q_raw + G * D;
-    sm.acc_total = sm.acc_part + G * D;
-    sm.wstate = sm.acc_total + G * D;
-    sm.m = sm.wstate + mma_warps * 24;
-    sm.l = sm.m + 8;
-    sm.m_ref = sm.l + 8;
-    sm.qexp = sm.m_ref + 8;
-    sm.qsum = sm.qexp + 8;
-    sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
-    sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
-    sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
+      const int tid = int(threadIdx.x);
+      const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+      load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+      if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
+      if (tid < G) {
+        sm.m[tid] = -INFINITY;
+        sm.l[tid] = 0.f;
+        sm.m_ref[tid] = -INFINITY;
+      }
+      // The tiers with pages in this chunk (by-format chunks, the usual case, have one).
+      int lo[N], hi[N], with_pages = 0;
+  #pragma unroll
+      for (int f = 0; f < N; ++f) {
+        chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+        with_pages += hi[f] > lo[f];
+      }
+      const bool sole = with_pages == 1;
+      run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+      __syncthreads();
 
-    const int tid = int(threadIdx.x);
-    const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-    load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
-    if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
-    if (tid < G) {
-      sm.m[tid] = -INFINITY;
-      sm.l[tid] = 0.f;
-      sm.m_ref[tid] = -INFINITY;
-    }
-    // The tiers with pages in this chunk (by-format chunks, the usual case, have one).
-    int lo[N], hi[N], with_pages = 0;
-#pragma unroll
-    for (int f = 0; f < N; ++f) {
-      chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
-      with_pages += hi[f] > lo[f];
-    }
-    const bool sole = with_pages == 1;
-    run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
-    __syncthreads();
-
-    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sole ? sm.acc_part : sm.acc_total);
+      store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sole ? sm.acc_part : sm.acc_total);
+    });
   }
 
   template <std::size_t... I>
@@ -1269,7 +820,7 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads, mma_shape<Geometry>::min_blocks)
 decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
-  allow_dependent_launch();  // decode.cuh: the merge kernel's programmatic launch
+  allow_dependent_launch();  // the merge kernel's programmatic launch (arch/pdl.cuh)
   mma_kernels<Geometry, TierList>::split(in, plan, workspace);
 }
 

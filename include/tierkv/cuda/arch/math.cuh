@@ -1,0 +1,32 @@
+// SPDX-License-Identifier: Apache-2.0
+// Special functions on the MUFU unit alone (ex2.approx, lg2.approx).
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cmath>
+namespace tierkv::cuda::detail {
+
+// The step's exponentials and logarithms on the MUFU unit alone: exp2f / log2f compile to ~8 /
+// ~30 instructions of range handling each (SASS of run 8: 12 exp2 and 2 log2 per 16-token
+// step, ~150 of a TQ3 step's ~1260 instructions at d = 256). ex2.approx: ~2 ulp, results below
+// 2^-126 flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx.ftz: ~2^-22
+// absolute, 0 and inputs below 2^-126 -> -inf (a value scale that small weighs its token's
+// value by 0; the non-ftz form took 3 more instructions per meta). The f16 probabilities that
+// consume them keep 11 bits.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// 2^(x - ref) for ref >= x (a running max); 0 when ref is -inf (then x is too) or x is -inf.
+__device__ __forceinline__ float exp2_rel(float x, float ref) {
+  return ref == -INFINITY ? 0.f : fast_exp2(x - ref);
+}
+
+}  // namespace tierkv::cuda::detail

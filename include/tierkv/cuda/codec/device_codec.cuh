@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+// The seam between the kernels and the storage formats: device_codec<C> is everything the
+// kernels know of host codec C's format, one specialization per format, each in its own file
+// of this folder and registered in codec/formats.cuh. A new format is that file, its host
+// codec (codec/) and one include line. A specialization provides:
+//   rotated        the format stores vectors in the seeded rotation's domain: decode prepares
+//                  queries and finalizes outputs there, retier flips or skips the signs
+//   slice_reader   the CUDA-core inner loop: raw, load(payload, slice), unpack(raw, slice,
+//                  x[16]) (16 scalars of the codec's own domain), code_scale
+//   fragments      the tensor-core operand builders (decode/tensor_core.cuh's interface:
+//                  key_words, load_key, key_frag / key_frag_s8, value_words, load_value,
+//                  value_pairs, ...)
+//   warp_decode<N, Signed>(payload, meta, seed, signs, exchange, lane) -> lane_vector
+//   warp_encode<N>(vector, payload, meta*, seed, lane, norm, exchange, signs) -> false on
+//                  non-finite input (the codec's poison written)
+// The warp codecs hold a vector N coordinates per lane (warp/lane_group.cuh) and are
+// bit-exact with the host codec for every lane grouping.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <concepts>
+
+#include "tierkv/codec/codec.hpp"
+
+namespace tierkv::cuda::detail {
+
+template <class C, storage_format F = C::format>
+struct device_codec {
+  static_assert(tierkv::detail::dependent_false<C>,
+                "tierkv::cuda: no device codec for this codec's storage_format. Supported: fp8_e4m3, "
+                "int8_rotated, tq3, tq4. A new format needs a device_codec specialization in a file of "
+                "cuda/codec/, included from cuda/codec/formats.cuh");
+};
+
+// What a specialization must provide, checked where a kernel first uses one.
+template <class C>
+consteval bool check_device_codec() {
+  using DC = device_codec<C>;
+  static_assert(requires { { DC::rotated } -> std::convertible_to<bool>; },
+                "device_codec<C>: missing `static constexpr bool rotated`");
+  static_assert(requires { typename DC::slice_reader; },
+                "device_codec<C>: missing `slice_reader` (the CUDA-core decode's inner loop)");
+  static_assert(requires { typename DC::fragments; },
+                "device_codec<C>: missing `fragments` (the tensor-core decode's operand builders)");
+  return true;
+}
+
+template <class C>
+inline constexpr bool rotated_format = check_device_codec<C>() && device_codec<C>::rotated;
+template <class C>
+using slice_reader = typename device_codec<C>::slice_reader;
+template <class C>
+using mma_codec = typename device_codec<C>::fragments;
+
+}  // namespace tierkv::cuda::detail

@@ -1,0 +1,448 @@
+// SPDX-License-Identifier: Apache-2.0
+// What both decode split kernels share: the per-sequence chunking (also the merge's), the
+// group's query load and the codec's prepare / finalize over it, the chunk-state store, and the
+// second pass (log-sum-exp merge of the chunk states, per-page attention mass).
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cmath>
+#include <cstdint>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/arch/pdl.cuh"
+#include "tierkv/cuda/codec/formats.cuh"
+#include "tierkv/cuda/decode/inputs.cuh"
+#include "tierkv/cuda/decode_plan.cuh"
+#include "tierkv/cuda/warp/payload.cuh"
+#include "tierkv/cuda/warp/rotation.cuh"
+namespace tierkv::cuda::detail {
+
+inline constexpr int decode_threads = 128;
+inline constexpr int decode_warps = decode_threads / 32;
+inline constexpr float log2e = 1.4426950408889634f;
+
+// Per-sequence chunking shared by the decode and merge kernels (same arithmetic, so the
+// merge knows which chunk states exist without any extra buffer). When a sequence gets at
+// least one chunk per format it holds, chunks never mix formats: format f gets per[f] of the
+// C chunks (largest remainder of C x its share of the cost, at least 1), each an equal
+// slice of its pages. A mixed chunk would run two tier passes one after the other, and its
+// warps' pages of both formats add up (H200, (24,4,256) 32K B=1: tiered 73 us vs 51 / 53 us
+// for all-FP8 / all-TQ3). Otherwise (C below the number of formats) chunks take equal
+// shares of the concatenated cost line, format after format.
+template <int N>
+struct chunking {
+  std::int64_t total = 0;
+  int chunks = 0;
+  bool by_format = false;
+  int count[N];
+  int first[N];
+  int per[N];    // by_format: chunks of format f
+  int start[N];  // by_format: its first chunk
+};
+
+template <int N>
+__device__ __forceinline__ chunking<N> chunk_sequence(const batch_index_view<N>& index, int b,
+                                                      const std::int64_t (&cost)[N],
+                                                      std::int64_t target, int max_chunks) {
+  chunking<N> c;
+  int pages = 0, formats = 0;
+#pragma unroll
+  for (int f = 0; f < N; ++f) {
+    c.first[f] = index.formats[f].indptr[b];
+    c.count[f] = index.formats[f].indptr[b + 1] - c.first[f];
+    if (c.count[f] < 0) c.count[f] = 0;
+    c.total += std::int64_t(c.count[f]) * cost[f];
+    pages += c.count[f];
+    formats += c.count[f] > 0;
+  }
+  c.chunks = sequence_chunks(c.total, pages, target, max_chunks);
+  c.by_format = formats > 1 && c.chunks >= formats;
+  if (c.by_format) {
+    int assigned = 0;
+#pragma unroll
+    for (int f = 0; f < N; ++f) {
+      const std::int64_t t = std::int64_t(c.count[f]) * cost[f];
+      c.per[f] = c.count[f] > 0 ? int(div_floor(std::int64_t(c.chunks) * t, c.total)) : 0;
+      if (c.count[f] > 0 && c.per[f] < 1) c.per[f] = 1;
+      if (c.per[f] > c.count[f]) c.per[f] = c.count[f];
+      assigned += c.per[f];
+    }
+    // Settle the sum to C: take from the format with the least cost per chunk (> 1 chunk),
+    // give to the one with the most (that has pages to spare). Fewer than N rounds each.
+    while (assigned > c.chunks) {
+      int best = -1;
+      for (int f = 0; f < N; ++f)
+        if (c.per[f] > 1 && (best < 0 || std::int64_t(c.count[f]) * cost[f] * c.per[best] <
+                                             std::int64_t(c.count[best]) * cost[best] * c.per[f]))
+          best = f;
+      if (best < 0) break;
+      --c.per[best];
+      --assigned;
+    }
+    while (assigned < c.chunks) {
+      int best = -1;
+      for (int f = 0; f < N; ++f)
+        if (c.per[f] > 0 && c.per[f] < c.count[f] &&
+            (best < 0 || std::int64_t(c.count[f]) * cost[f] * c.per[best] >
+                             std::int64_t(c.count[best]) * cost[best] * c.per[f]))
+          best = f;
+      if (best < 0) break;
+      ++c.per[best];
+      ++assigned;
+    }
+    c.chunks = assigned;  // <= the C above: never more states than the plan's max_chunks
+    int s = 0;
+#pragma unroll
+    for (int f = 0; f < N; ++f) {
+      c.start[f] = s;
+      s += c.per[f];
+    }
+  }
+  return c;
+}
+
+// Entries [lo, hi) of format f that chunk k reads: by format, slice k - start[f] of per[f]
+// equal slices of the format's pages; otherwise the entries whose start offset on the
+// concatenated cost line falls in chunk k's share [k*T/C, (k+1)*T/C).
+template <int N>
+__device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int64_t (&cost)[N],
+                                            int k, int f, int& lo, int& hi) {
+  if (c.by_format) {
+    const int j = k - c.start[f];
+    if (j < 0 || j >= c.per[f]) {
+      lo = hi = 0;
+      return;
+    }
+    lo = int(div_floor(std::int64_t(c.count[f]) * j, c.per[f]));
+    hi = int(div_floor(std::int64_t(c.count[f]) * (j + 1), c.per[f]));
+    return;
+  }
+  const std::int64_t a = div_floor(c.total * k, c.chunks);
+  const std::int64_t z = div_floor(c.total * (k + 1), c.chunks);
+  std::int64_t base = 0;
+  for (int i = 0; i < f; ++i) base += std::int64_t(c.count[i]) * cost[i];
+  auto first_at_or_after = [&](std::int64_t x) {
+    if (x <= base) return std::int64_t(0);
+    std::int64_t i = div_floor(x - base + cost[f] - 1, cost[f]);
+    return i > c.count[f] ? std::int64_t(c.count[f]) : i;
+  };
+  lo = int(first_at_or_after(a));
+  hi = int(first_at_or_after(z));
+}
+
+// The chunk of a split block, handed to `body(kvh, c, b, ch, cost, err, mass_ws)`. Grid
+// (kv_heads, max_chunks, batch): the KV head, the chunk and the sequence come from the block
+// index, the chunking is the merge's (decode_finish); a block past the batch or past its
+// sequence's chunks returns at once. (A struct of these returned to the kernel kept the
+// chunking in another stack slot: other SASS for the two-tier kernels.)
+template <int N, class Body>
+__device__ __forceinline__ void with_split_chunk(const decode_inputs<N>& in, const decode_plan& plan,
+                                                 std::uint8_t* workspace, Body&& body) {
+  std::int64_t cost[N];
+#pragma unroll
+  for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
+  const int kvh = int(blockIdx.x), c = int(blockIdx.y), b = int(blockIdx.z);
+  if (b >= in.index.batch) return;
+  const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+  if (c >= ch.chunks) return;
+  int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
+  float* mass_ws = plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
+  body(kvh, c, b, ch, cost, err, mass_ws);
+}
+
+// One KV head's regions of a page: key / value payload rows and their bf16 metas.
+template <class Layout>
+struct head_regions {
+  const std::uint8_t* keys;
+  const std::uint8_t* values;
+  const std::uint16_t* key_meta;
+  const std::uint16_t* value_meta;
+  __device__ __forceinline__ head_regions(const std::uint8_t* page, int kvh)
+      : keys(page + Layout::key_payload(kvh, 0)),
+        values(page + Layout::value_payload(kvh, 0)),
+        key_meta(reinterpret_cast<const std::uint16_t*>(page + Layout::key_meta(kvh, 0))),
+        value_meta(reinterpret_cast<const std::uint16_t*>(page + Layout::value_meta(kvh, 0))) {}
+};
+
+__device__ __forceinline__ void report_error(int* flag, errc e) {
+  if (flag) atomicCAS(flag, 0, int(e));
+}
+
+// The group's G x D queries (bf16 or f32) -> q_raw, and acc_total <- 0, by the block. Whole
+// 16-byte units per thread, every load issued before the first store: one element per
+// iteration put an L2 round trip per element on every chunk's start (ncu, (24,4,256) 32K
+// B = 1: 3.5% of the split kernel's stall samples).
+template <int G, int D, class Inputs>
+__device__ __forceinline__ void load_group_queries(const Inputs& in, std::size_t qrow, float* q_raw, float* acc_total) {
+  constexpr int V = G * D / 4;  // float4 units
+  constexpr int per = (V + decode_threads - 1) / decode_threads;
+  static_assert(D % 4 == 0, "decode: head_dim must be a multiple of 4");
+  const int tid = int(threadIdx.x);
+  const bool bf16 = in.queries_type == query_type::bf16;
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(in.queries) + qrow * D * (bf16 ? 2 : 4);
+  if (base % (bf16 ? 8 : 16) != 0) {  // an unaligned caller buffer: element by element
+    for (int i = tid; i < G * D; i += decode_threads) {
+      const std::size_t at = qrow * D + std::size_t(i);
+      q_raw[i] = bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(in.queries)[at])
+                      : static_cast<const float*>(in.queries)[at];
+      acc_total[i] = 0.f;
+    }
+    return;
+  }
+  float4 v[per];
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) {
+      if (bf16) {
+        const uint2 w = __ldg(reinterpret_cast<const uint2*>(base) + i);
+        v[k] = make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                           __uint_as_float(w.y & 0xffff0000u));
+      } else {
+        v[k] = __ldg(reinterpret_cast<const float4*>(base) + i);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) {
+      reinterpret_cast<float4*>(q_raw)[i] = v[k];
+      reinterpret_cast<float4*>(acc_total)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+
+// The chunk's state of the group's heads -> workspace: {m, l} per head and the G x D
+// accumulator, in 16-byte units with every shared load before the first global store (one
+// element per iteration and head was 9.7% of the split kernel's stall samples at B = 1).
+template <int G, int D>
+__device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::uint8_t* workspace, std::size_t qrow,
+                                                  int c, const float* m, const float* l, const float* acc_total) {
+  constexpr int V = G * D / 4, VH = D / 4;
+  constexpr int per = (V + decode_threads - 1) / decode_threads;
+  const int tid = int(threadIdx.x);
+  float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
+  float4* accs = reinterpret_cast<float4*>(workspace + plan.acc_offset);
+  auto at = [&](int h) { return (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c); };
+  float4 v[per];
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) v[k] = reinterpret_cast<const float4*>(acc_total)[i];
+  }
+  if (tid < G) states[at(tid)] = make_float2(m[tid], l[tid]);
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int i = tid + k * decode_threads;
+    if (i < V) accs[at(i / VH) * VH + std::size_t(i % VH)] = v[k];
+  }
+}
+
+// A lane's P consecutive floats of shared memory in the widest aligned vectors (warp/payload.cuh's
+// load_words): lanes P words apart make scalar accesses P-way bank conflicted (d = 256: 8-way;
+// ~0.7 us of a chunk for each of prepare_query and finalize at B = 1, per-CTA %clock64 trace,
+// session 7).
+template <int P>
+inline constexpr int lane_float_alignment = P % 4 == 0 ? 16 : P % 2 == 0 ? 8 : 4;
+template <int P>
+__device__ __forceinline__ void load_lane_floats(const float* p, float (&x)[P]) {
+  std::uint32_t w[P];
+  load_words<lane_float_alignment<P>, P>(reinterpret_cast<const std::uint8_t*>(p), w);
+#pragma unroll
+  for (int r = 0; r < P; ++r) x[r] = __uint_as_float(w[r]);
+}
+template <int P>
+__device__ __forceinline__ void store_lane_floats(float* p, const float (&x)[P]) {
+  std::uint32_t w[P];
+#pragma unroll
+  for (int r = 0; r < P; ++r) w[r] = __float_as_uint(x[r]);
+  store_words<lane_float_alignment<P>, P>(reinterpret_cast<std::uint8_t*>(p), w);
+}
+// The codec's prepare_query / finalize over the group's heads, one warp per head (head h on
+// warp h % decode_warps). TQ3 uses the warp Walsh-Hadamard of warp/rotation.cuh, whose stage
+// order makes it bit-identical to the codec's serial functions (int8_rotated: the same
+// rotation); FP8's are the identity.
+template <class C, int G>
+__device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
+  constexpr int D = C::head_dim;
+  if constexpr (rotated_format<C>) {
+    constexpr int P = D / 32;
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+    for (int h = warp; h < G; h += decode_warps) {
+      float x[P];
+      load_lane_floats<P>(q + h * D + lane * P, x);
+      warp_signs<P>(x, ctx.seed, lane);
+      warp_wht<P>(x, lane);
+#pragma unroll
+      for (int r = 0; r < P; ++r) x[r] *= inv_d;
+      store_lane_floats<P>(out + h * D + lane * P, x);
+    }
+  } else {  // identity, by the same head -> warp map (the tensor-core kernel relies on it)
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    for (int h = warp; h < G; h += decode_warps)
+      for (int i = lane; i < D; i += 32) out[h * D + i] = q[h * D + i];
+  }
+}
+template <class C, int G>
+__device__ __forceinline__ void group_finalize(float* acc, const codec_context& ctx) {
+  constexpr int D = C::head_dim;
+  if constexpr (rotated_format<C>) {
+    constexpr int P = D / 32;
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    for (int h = warp; h < G; h += decode_warps) {
+      float x[P];
+      load_lane_floats<P>(acc + h * D + lane * P, x);
+      warp_inverse_rotation<D, P>(x, ctx.seed, lane);
+      store_lane_floats<P>(acc + h * D + lane * P, x);
+    }
+  }  // else the identity
+}
+
+// The second pass of a decode step, the same for both split kernels: the merge of the chunk
+// states and the per-page mass.
+template <class Geometry, class TierList> struct decode_finish;
+
+template <class Geometry, class... Tiers>
+struct decode_finish<Geometry, tiers<Tiers...>> {
+  static constexpr int N = int(sizeof...(Tiers));
+  static constexpr int QH = Geometry::q_heads;
+
+  // grid (q_heads, batch, ceil(D / merge_slice)): log-sum-exp merge of the chunk states of
+  // one query head over merge_slice dims; writes out and (slice 0) lse. Small batches are
+  // latency-bound here (a serial walk costs one L2 round trip per chunk), so: every warp finds
+  // the max over all chunk states itself (no block barrier), the warps take every 4th chunk,
+  // and the first batch of accumulator loads is issued before the max is known: with up to
+  // 64 chunks a block waits for about two round trips. The 4 warp sums are added in a fixed
+  // order (deterministic).
+  static constexpr int merge_slice = 64;  // dims per block: lanes hold 2 each
+  static constexpr int merge_batch = 16;  // chunks per warp with loads in flight
+  static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+    constexpr int D = Geometry::head_dim;
+    constexpr int U = merge_batch;
+    static_assert(D % 2 == 0, "decode merge: float2 lanes");
+    __shared__ float part[decode_warps][merge_slice + 1];
+    std::int64_t cost[N];
+#pragma unroll
+    for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
+    const int h = int(blockIdx.x), b = int(blockIdx.y), slice = int(blockIdx.z);
+    if (b >= in.index.batch) return;
+    const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+    const int chunks = ch.chunks;
+    const std::size_t row = std::size_t(b) * QH + std::size_t(h);
+    wait_for_prerequisite_grid();  // the split kernel's chunk states
+    // The step's error word -> its result, and back to 0 for the next step (no memset per
+    // step: decode_workspace_init zeroes it once).
+    if (h == 0 && b == 0 && slice == 0 && threadIdx.x == 0)
+      *reinterpret_cast<int*>(workspace + plan.result_offset) = atomicExch(reinterpret_cast<int*>(workspace + plan.error_offset), 0);
+    const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
+                           row * std::size_t(plan.max_chunks);
+    const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    if (chunks == 0) {  // an empty sequence: no split block stored a state (the loads below would read slot 0)
+      if (tid < merge_slice && slice * merge_slice + tid < D) in.out[row * D + std::size_t(slice * merge_slice + tid)] = 0.f;
+      if (tid == 0 && slice == 0 && in.lse != nullptr) in.lse[row] = -INFINITY;
+      return;
+    }
+    const int dim = slice * merge_slice + 2 * lane;
+    const bool live = dim < D;
+    const float* accs = reinterpret_cast<const float*>(workspace + plan.acc_offset) +
+                        row * std::size_t(plan.max_chunks) * D + (live ? dim : 0);
+    // Unconditional, independent loads (a chunk past the end reads chunk 0 and gets weight 0).
+    float2 a[U], st[U];
+    auto load = [&](int k0) {
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        const int k = k0 + decode_warps * j;
+        const int kk = k < chunks ? k : 0;
+        a[j] = __ldg(reinterpret_cast<const float2*>(accs + std::size_t(kk) * D));
+        st[j] = __ldg(states + kk);
+        if (k >= chunks) st[j].y = 0.f;
+      }
+    };
+    load(warp);
+    float mx = -INFINITY;
+    for (int k = lane; k < chunks; k += 32) {
+      const float2 s = __ldg(states + k);
+      if (s.y > 0.f) mx = fmaxf(mx, s.x);
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float2 o = make_float2(0.f, 0.f);
+    float l = 0.f;
+    for (int k0 = warp;;) {
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        const float w = st[j].y > 0.f ? exp2f(st[j].x - mx) : 0.f;
+        l = fmaf(st[j].y, w, l);
+        o.x = w != 0.f ? fmaf(a[j].x, w, o.x) : o.x;  // a select: an unused chunk's slot may hold anything
+        o.y = w != 0.f ? fmaf(a[j].y, w, o.y) : o.y;
+      }
+      k0 += decode_warps * U;
+      if (k0 >= chunks) break;
+      load(k0);
+    }
+    part[warp][2 * lane] = o.x;
+    part[warp][2 * lane + 1] = o.y;
+    if (lane == 0) part[warp][merge_slice] = l;
+    __syncthreads();
+    float lt = part[0][merge_slice];
+#pragma unroll
+    for (int w = 1; w < decode_warps; ++w) lt += part[w][merge_slice];
+    const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    if (tid < merge_slice && slice * merge_slice + tid < D) {
+      float x = part[0][tid];
+#pragma unroll
+      for (int w = 1; w < decode_warps; ++w) x += part[w][tid];
+      in.out[row * D + std::size_t(slice * merge_slice + tid)] = x * inv;
+    }
+    if (tid == 0 && slice == 0 && in.lse != nullptr)
+      in.lse[row] = lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;
+  }
+
+  // grid (batch): per-page mass averaged over q_heads, from the log2 page masses.
+  static __device__ void page_mass(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
+    const int b = int(blockIdx.x);
+    if (b >= in.index.batch) return;
+    const float* mass_ws = reinterpret_cast<const float*>(workspace + plan.mass_offset);
+    int pages = 0;
+    for (int f = 0; f < N; ++f)
+      pages += in.index.formats[f].indptr[b + 1] - in.index.formats[f].indptr[b];
+    if (pages > plan.max_pages) pages = plan.max_pages;
+    if (pages > in.page_mass_stride) pages = in.page_mass_stride;
+    constexpr int SL = mass_slots_per_page<Geometry>;
+    for (int p = int(threadIdx.x); p < pages; p += decode_threads) {
+      // the slots the split kernels wrote: one per step of the page (at least one)
+      const int steps = std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
+      float s = 0.f;
+      for (int h = 0; h < QH; ++h) {
+        const std::size_t row = std::size_t(b) * QH + std::size_t(h);
+        const float lse2 = in.lse[row] * log2e;
+        const float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(p)) * SL;
+        for (int k = 0; k < steps; ++k) {
+          const float lm = slots[k];
+          if (lse2 != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2);
+        }
+      }
+      in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] = s / float(QH);
+    }
+  }
+};
+
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads)
+decode_merge_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+  decode_finish<Geometry, TierList>::merge(in, plan, workspace);
+}
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads)
+decode_page_mass_kernel(decode_inputs<TierList::size> in, decode_plan plan, const std::uint8_t* workspace) {
+  decode_finish<Geometry, TierList>::page_mass(in, plan, workspace);
+}
+
+}  // namespace tierkv::cuda::detail

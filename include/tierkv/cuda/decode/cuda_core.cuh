@@ -1,0 +1,365 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA-core split kernel of the mixed-format decode (decode_path::cuda_core, the reference
+// GPU path): fp32 FMA per scalar through each format's slice reader, every loaded slice used by
+// all query heads of the group.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_runtime.h>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/cuda/decode/common.cuh"
+namespace tierkv::cuda::detail {
+
+template <class Geometry>
+struct decode_shape {
+  static constexpr int d = Geometry::head_dim;
+  static constexpr int g = Geometry::group_size;
+  static constexpr int qh = Geometry::q_heads;
+  static constexpr int lanes_per_token = d / 16;       // 16 scalars per lane slice
+  static constexpr int token_groups = decode_threads / lanes_per_token;
+  static constexpr int tile = Geometry::page_tokens < 64 ? Geometry::page_tokens : 64;
+  static constexpr int iters = tile / token_groups > 0 ? tile / token_groups : 1;
+  // Resident blocks per SM the register budget is set for: g x 16 accumulators per thread
+  // fit 168 registers (3 blocks) up to g = 4; g = 5..8 take 2 blocks (255 registers) rather
+  // than spill inside the inner loop (ptxas -v, docs/gpu.md).
+  static constexpr int min_blocks = g <= 4 ? 3 : 2;
+  static_assert(lanes_per_token <= 32, "decode: head_dim above 512 is not supported");
+  static_assert(Geometry::page_tokens % tile == 0, "decode: page_tokens must be a multiple of 64 or below 64");
+  static_assert(g <= 8,
+                "decode: the CUDA-core decode keeps group_size x 16 accumulators per thread; "
+                "group sizes above 8 are not supported (the tensor-core kernel has 8 head columns)");
+
+  // Shared memory in floats.
+  static constexpr int q_raw = g * d;      // queries as given (float)
+  static constexpr int q_prep = g * d;     // prepared for the current key codec, lane-interleaved
+  static constexpr int acc_part = g * d;   // one tier's accumulator (also prepare scratch)
+  static constexpr int acc_total = g * d;  // finalized accumulators of the tiers done
+  static constexpr int scores = g * tile;
+  static constexpr int probs = g * tile;
+  static constexpr int vscale = tile;      // per-token value scale / norm of the tile
+  static constexpr int per_head = 8 * g;   // m, l, alpha, m_ref, page m, page l
+  static constexpr int floats = q_raw + q_prep + acc_part + acc_total + scores + probs + vscale + per_head;
+  static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
+};
+
+struct decode_smem {
+  float* q_raw;
+  float* q_prep;
+  float* acc_part;
+  float* acc_total;
+  float* scores;
+  float* probs;
+  float* vscale;
+  float* m;
+  float* l;
+  float* alpha;
+  float* m_ref;
+  float* page_m;
+  float* page_l;
+};
+
+// One tier's pages of this chunk: keys with the key codec's loop, values with the value
+// codec's, every loaded slice used by all g query heads. The running max m continues
+// across tiers; the accumulator of each tier is finalized in its own domain and folded
+// into acc_total.
+template <class Geometry, class Tier, int N>
+__device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
+                                  int kvh, int e_begin, int e_end, const decode_smem& sm,
+                                  float* mass_ws, int* err) {
+  using S = decode_shape<Geometry>;
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  using layout = page_layout<Geometry, K, V>;
+  using KR = slice_reader<K>;
+  using VR = slice_reader<V>;
+  static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
+                "decode: per-token meta must be bf16 bits (docs/formats.md)");
+  constexpr int D = S::d, G = S::g, LPT = S::lanes_per_token, NTG = S::token_groups;
+  constexpr int TILE = S::tile, IT = S::iters, IB = IT < 4 ? IT : 4;
+  const int tid = int(threadIdx.x);
+  const int slice = tid % LPT;
+  const int tg = tid / LPT;
+  const int warp = tid / 32, lane = tid % 32;
+  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
+  const float score_scale = in.softmax_scale * log2e * KR::code_scale;
+
+  // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
+  // then lay them out so lane `slice` reads its 4 float4 without bank conflicts.
+  __syncthreads();
+  group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
+  __syncthreads();
+  for (int i = tid; i < G * D / 4; i += decode_threads) {
+    const int h = i / (D / 4), r = i % (D / 4);  // float4 r of head h: slice r/4, quarter r%4
+    const float4 v = reinterpret_cast<const float4*>(sm.acc_part + h * D)[r];
+    reinterpret_cast<float4*>(sm.q_prep + h * D)[(r % 4) * LPT + r / 4] = v;
+  }
+  __syncthreads();
+
+  float acc[G][16];
+#pragma unroll
+  for (int h = 0; h < G; ++h)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[h][i] = 0.f;
+
+  const format_pages_view fv = in.index.formats[f];
+  const pool_view pool = in.pools[f];
+  for (int e = e_begin; e < e_end; ++e) {
+    const std::int32_t slot = fv.slot[e];
+    const std::int32_t logical = fv.logical[e];
+    if (slot < 0 || std::uint32_t(slot) >= pool.capacity || logical < 0) {
+      report_error(err, errc::out_of_range);
+      continue;  // uniform across the block: every thread reads the same entry
+    }
+    const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+    const head_regions<layout> hr(pool.page(std::uint32_t(slot)), kvh);
+    if (warp == 0 && lane < G) {
+      sm.page_m[lane] = -INFINITY;
+      sm.page_l[lane] = 0.f;
+    }
+    for (int t0 = 0; t0 < ntok; t0 += TILE) {
+      // ---- scores: batches of IB independent 16-byte (TQ3: 12-byte) loads in flight per
+      // thread (IB bounded so acc + loads stay in registers at 3 blocks per SM)
+#pragma unroll
+      for (int u0 = 0; u0 < IT; u0 += IB) {
+      typename KR::raw kr[IB];
+      float km[IB], vm[IB];
+#pragma unroll
+      for (int uu = 0; uu < IB; ++uu) {
+        const int u = u0 + uu;
+        const int t = t0 + tg + u * NTG;
+        if (u < IT && tg + u * NTG < TILE && t < ntok) {
+          kr[uu] = KR::load(hr.keys + std::size_t(t) * K::payload_bytes, slice);
+          km[uu] = bf16_bits_to_float(__ldg(hr.key_meta + t));
+          vm[uu] = bf16_bits_to_float(__ldg(hr.value_meta + t));
+        }
+      }
+#pragma unroll
+      for (int uu = 0; uu < IB; ++uu) {
+        const int u = u0 + uu;
+        const int tl = tg + u * NTG;
+        if (u >= IT || tl >= TILE) break;
+        const bool live = t0 + tl < ntok;
+        float dot[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) dot[h] = 0.f;
+        if (live) {
+          float x[16];
+          KR::unpack(kr[uu], slice, x);
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            const float4* q4 = reinterpret_cast<const float4*>(sm.q_prep + h * D);
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq) {
+              const float4 q = q4[qq * LPT + slice];
+              dot[h] = fmaf(q.x, x[4 * qq + 0], dot[h]);
+              dot[h] = fmaf(q.y, x[4 * qq + 1], dot[h]);
+              dot[h] = fmaf(q.z, x[4 * qq + 2], dot[h]);
+              dot[h] = fmaf(q.w, x[4 * qq + 3], dot[h]);
+            }
+          }
+        }
+#pragma unroll
+        for (int off = 1; off < LPT; off <<= 1)
+#pragma unroll
+          for (int h = 0; h < G; ++h) dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], off);
+        if (slice == 0) {
+#pragma unroll
+          for (int h = 0; h < G; ++h)
+            sm.scores[h * TILE + tl] = live ? dot[h] * km[uu] * score_scale : -INFINITY;
+          sm.vscale[tl] = live ? vm[uu] : 0.f;
+        }
+      }
+      }
+      __syncthreads();
+      // ---- online softmax of this tile, one warp per query head
+      for (int h = warp; h < G; h += decode_warps) {
+        float tmax = -INFINITY;
+        for (int t = lane; t < TILE; t += 32) tmax = fmaxf(tmax, sm.scores[h * TILE + t]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        const float m_old = sm.m[h];
+        const float m_new = fmaxf(m_old, tmax);
+        float sum = 0.f;
+        for (int t = lane; t < TILE; t += 32) {
+          const float s = sm.scores[h * TILE + t];
+          const float p = s == -INFINITY ? 0.f : exp2f(s - m_new);
+          sum += p;
+          sm.probs[h * TILE + t] = p * sm.vscale[t];
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        __syncwarp();  // every lane has read m[h] / page state before lane 0 updates them
+        if (lane == 0) {
+          const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
+          sm.alpha[h] = alpha;
+          sm.m[h] = m_new;
+          sm.l[h] = sm.l[h] * alpha + sum;
+          // page mass in log2 units: page_m + log2(page_l), tile by tile
+          const float pm_old = sm.page_m[h];
+          const float pm_new = fmaxf(pm_old, m_new);
+          sm.page_l[h] = (pm_old == -INFINITY ? 0.f : sm.page_l[h] * exp2f(pm_old - pm_new)) +
+                         sum * exp2f(m_new - pm_new);
+          sm.page_m[h] = pm_new;
+        }
+      }
+      __syncthreads();
+      // ---- values: the same slices, p already carries the per-token scale / norm
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float a = sm.alpha[h];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[h][i] *= a;
+      }
+#pragma unroll
+      for (int u0 = 0; u0 < IT; u0 += IB) {
+        typename VR::raw vr[IB];
+#pragma unroll
+        for (int uu = 0; uu < IB; ++uu) {
+          const int u = u0 + uu;
+          const int t = t0 + tg + u * NTG;
+          if (u < IT && tg + u * NTG < TILE && t < ntok) vr[uu] = VR::load(hr.values + std::size_t(t) * V::payload_bytes, slice);
+        }
+#pragma unroll
+        for (int uu = 0; uu < IB; ++uu) {
+          const int u = u0 + uu;
+          const int tl = tg + u * NTG;
+          if (u >= IT || tl >= TILE || t0 + tl >= ntok) break;
+          float x[16];
+          VR::unpack(vr[uu], slice, x);
+#pragma unroll
+          for (int h = 0; h < G; ++h) {
+            const float p = sm.probs[h * TILE + tl];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[h][i] = fmaf(p, x[i], acc[h][i]);
+          }
+        }
+      }
+    }
+    if (mass_ws != nullptr && warp == 0 && lane < G) {
+      if (logical < plan.max_pages) {
+        const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(lane);
+        constexpr int SL = mass_slots_per_page<Geometry>;
+        float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(logical)) * SL;
+        slots[0] = sm.page_m[lane] + log2f(sm.page_l[lane]);  // the whole page in its first slot
+        for (int k = 1; k < SL; ++k) slots[k] = -INFINITY;
+      } else {
+        report_error(err, errc::out_of_range);
+      }
+    }
+  }
+
+  // ---- fold the token groups' accumulators into acc_part: inside a warp by shuffles,
+  // then warp after warp (fixed order: deterministic).
+#pragma unroll
+  for (int off = LPT; off < 32; off <<= 1)
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
+  __syncthreads();
+  for (int w = 0; w < decode_warps; ++w) {
+    if (warp == w && lane < LPT) {
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          float& dst = sm.acc_part[h * D + slice * 16 + i];
+          const float v = acc[h][i] * VR::code_scale;
+          dst = w == 0 ? v : dst + v;
+        }
+    }
+    __syncthreads();
+  }
+  // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
+  group_finalize<V, G>(sm.acc_part, vctx);
+  __syncthreads();
+  for (int i = tid; i < G * D; i += decode_threads) {
+    const int h = i / D;
+    const float ref = sm.m_ref[h];
+    const float scale = ref == -INFINITY ? 0.f : exp2f(ref - sm.m[h]);
+    sm.acc_total[i] = sm.acc_total[i] * scale + sm.acc_part[i];
+  }
+  __syncthreads();
+  if (tid < G) sm.m_ref[tid] = sm.m[tid];
+  __syncthreads();
+}
+
+// grid (kv_heads, max_chunks, batch); decode_finish (decode/common.cuh) merges the chunk states.
+template <class Geometry, class TierList> struct cuda_core_kernels;
+
+template <class Geometry, class... Tiers>
+struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
+  static constexpr int N = int(sizeof...(Tiers));
+  using S = decode_shape<Geometry>;
+
+  // grid (kv_heads, max_chunks, batch); chunks beyond the sequence's count exit at once.
+  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+    constexpr int D = S::d, G = S::g;
+    with_split_chunk<N>(in, plan, workspace, [&](int kvh, int c, int b, const chunking<N>& ch,
+                                                 const std::int64_t (&cost)[N], int* err, float* mass_ws) {
+      extern __shared__ float4 smem4[];
+      float* smem = reinterpret_cast<float*>(smem4);
+      decode_smem sm;
+      sm.q_raw = smem;
+      sm.q_prep = sm.q_raw + S::q_raw;
+      sm.acc_part = sm.q_prep + S::q_prep;
+      sm.acc_total = sm.acc_part + S::acc_part;
+      sm.scores = sm.acc_total + S::acc_total;
+      sm.probs = sm.scores + S::scores;
+      sm.vscale = sm.probs + S::probs;
+      sm.m = sm.vscale + S::vscale;
+      sm.l = sm.m + G;
+      sm.alpha = sm.l + G;
+      sm.m_ref = sm.alpha + G;
+      sm.page_m = sm.m_ref + G;
+      sm.page_l = sm.page_m + G;
+
+      const int tid = int(threadIdx.x);
+      const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+      load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+      if (tid < G) {
+        sm.m[tid] = -INFINITY;
+        sm.l[tid] = 0.f;
+        sm.m_ref[tid] = -INFINITY;
+      }
+      run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+      __syncthreads();  // a chunk without pages ran no tier: order the init before the write
+
+      store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
+    });
+  }
+
+  template <std::size_t... I>
+  static __device__ void run_tiers(const decode_inputs<N>& in, const decode_plan& plan,
+                                   const chunking<N>& ch, const std::int64_t (&cost)[N], int c,
+                                   int b, int kvh, const decode_smem& sm, float* mass_ws, int* err,
+                                   std::index_sequence<I...>) {
+    (run_tier<int(I), Tiers>(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err), ...);
+  }
+  template <int F, class Tier>
+  static __device__ void run_tier(const decode_inputs<N>& in, const decode_plan& plan,
+                                  const chunking<N>& ch, const std::int64_t (&cost)[N], int c,
+                                  int b, int kvh, const decode_smem& sm, float* mass_ws, int* err) {
+    int lo = 0, hi = 0;
+    chunk_range<N>(ch, cost, c, F, lo, hi);
+    if (hi > lo)
+      decode_tier_pages<Geometry, Tier, N>(in, plan, F, b, kvh, ch.first[F] + lo, ch.first[F] + hi,
+                                           sm, mass_ws, err);
+  }
+};
+
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(decode_threads, decode_shape<Geometry>::min_blocks)
+decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+  allow_dependent_launch();
+  cuda_core_kernels<Geometry, TierList>::split(in, plan, workspace);
+}
+
+}  // namespace tierkv::cuda::detail
