@@ -78,8 +78,8 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
   if (block_start[std::size_t(batch)] == 0) return status::ok();
   if (!a.queries || !a.out) return status::make(errc::invalid_argument, "queries and out must not be null");
   const std::size_t row0 = std::size_t(a.q_indptr[0]) * QH * D;
-  const std::size_t nq = std::size_t(a.q_indptr[batch] - a.q_indptr[0]) * QH * D;
-  if (const std::size_t i = detail::first_non_finite(a.queries + row0, nq); i < nq) {
+  const std::size_t floats = std::size_t(a.q_indptr[batch] - a.q_indptr[0]) * QH * D;
+  if (const std::size_t i = detail::first_non_finite(a.queries + row0, floats); i < floats) {
     const int t = a.q_indptr[0] + int(i / (std::size_t(QH) * D));
     int b = 0;
     while (a.q_indptr[b + 1] <= t) ++b;
