@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -48,8 +49,8 @@ struct tiered_cache_options {
   Policy policy{};
   tier_controller_options tiering{};
   int max_batch = 64;      // sequences per attend() call
-  int max_pages = 4096;    // logical pages per sequence that attend() can read
-  unsigned threads = 1;    // host attention workers (the caller included; 0 = all cores)
+  int max_pages = 4096;    // logical pages per sequence: attend() reads, append() grows up to this
+  unsigned threads = 1;    // host attention workers (the caller included; 0 = all cores), <= 1024
   float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
   float soft_cap = 0.f;       // logit soft cap (0 = off)
 };
@@ -79,10 +80,13 @@ class tiered_cache {
     controller_.reset();
   }
 
+  static constexpr unsigned max_threads = 1024;
+
+  // Every option is checked (invalid_argument naming it, its value and the limit) before
+  // anything is allocated; allocation failures after that are returned, nothing leaks.
   static result<std::unique_ptr<tiered_cache>> create(const options& opt, PageAlloc page_alloc = {},
                                                       MetaAlloc meta_alloc = {}) {
-    if (opt.softmax_scale < 0.f || !std::isfinite(opt.softmax_scale))
-      return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale, " must be finite and >= 0");
+    if (auto st = validate(opt); !st) return st;
     auto s = storage_type::create(opt.storage, std::move(page_alloc), std::move(meta_alloc));
     if (!s) return s.error_status();
     std::unique_ptr<tiered_cache> c(new tiered_cache(opt, std::move(*s)));
@@ -102,34 +106,45 @@ class tiered_cache {
     return c;
   }
 
-  // ---- sequences ---------------------------------------------------------------------------
-  result<seq_id> create_sequence() { return storage_->create_sequence(); }
-  result<seq_id> fork(seq_id parent) {
-    auto len = storage_->length(parent);
-    if (!len) return len.error_status();
-    if (*len % storage_type::page_tokens != 0)  // the open tail page is copied, in tier 0
-      if (auto st = controller_->make_room(std::uint32_t(storage_->num_layers())); !st) return st;
-    return storage_->fork(parent);
+  static status validate(const options& opt) {
+    if (auto st = storage_type::validate(opt.storage); !st) return st;
+    if (auto st = controller_type::validate(opt.policy, opt.tiering); !st) return st;
+    if (opt.max_batch < 1) return status::make(errc::invalid_argument, "max_batch = ", opt.max_batch, " must be >= 1");
+    if (opt.max_pages < 1) return status::make(errc::invalid_argument, "max_pages = ", opt.max_pages, " must be >= 1");
+    if (std::int64_t(opt.max_batch) * opt.max_pages > std::numeric_limits<std::int32_t>::max())
+      return status::make(errc::invalid_argument, "max_batch * max_pages = ", std::int64_t(opt.max_batch) * opt.max_pages,
+                          " exceeds the limit ", std::numeric_limits<std::int32_t>::max(), " (int32 index arrays)");
+    if (opt.threads > max_threads)
+      return status::make(errc::invalid_argument, "threads = ", opt.threads, " exceeds the limit ", max_threads,
+                          " (0 = all cores)");
+    if (!(opt.softmax_scale >= 0.f) || !std::isfinite(opt.softmax_scale))
+      return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale,
+                          " must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
+    if (!(opt.soft_cap >= 0.f) || !std::isfinite(opt.soft_cap))
+      return status::make(errc::invalid_argument, "soft_cap = ", opt.soft_cap, " must be finite and >= 0 (0 = off)");
+    return {};
   }
+
+  // ---- sequences ---------------------------------------------------------------------------
+  // Every refusal of fork and append (capacity_exhausted: slots, blocks, bookkeeping memory,
+  // what make_room cannot free; out_of_range: max_pages; bad input) comes before make_room
+  // demotes anything, so a refused call changes nothing.
+  result<seq_id> create_sequence() { return storage_->create_sequence(); }
+  result<seq_id> fork(seq_id parent) { return storage_->fork(parent, room()); }
   status release(seq_id s) { return storage_->release(s); }
   result<std::int64_t> length(seq_id s) const { return storage_->length(s); }
 
   // Appends n tokens ([layer][token][kv_head][dim] floats) to every layer. When tier 0
   // is short, first demotes the pages the policy values least (tiering/tier_controller).
-  // Bad input (sizes, NaN/Inf) is refused before anything moves.
+  // A sequence never grows past max_pages logical pages (out_of_range).
   status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values) {
     auto len = storage_->length(s);
     if (!len) return len.error_status();
-    if (n < 0) return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
-    const std::size_t expect = std::size_t(n) * std::size_t(storage_->num_layers()) * Geometry::kv_heads * head_dim;
-    if (keys.size() != expect || values.size() != expect)
-      return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
-                          " floats for keys and for values, got ", keys.size(), " and ", values.size());
-    const auto finite = [](float x) { return std::isfinite(x); };
-    if (!std::all_of(keys.begin(), keys.end(), finite) || !std::all_of(values.begin(), values.end(), finite))
-      return storage_->append(s, n, keys, values);  // the storage names the offending value
-    if (auto st = make_room_for(s, n); !st) return st;
-    return storage_->append(s, n, keys, values);
+    constexpr std::int64_t T = storage_type::page_tokens;
+    if (n > 0 && n <= storage_type::max_sequence_tokens - *len && (*len + n + T - 1) / T > opt_.max_pages)
+      return status::make(errc::out_of_range, "append: ", *len, " + ", n, " tokens = ", (*len + n + T - 1) / T,
+                          " logical pages exceeds the limit max_pages = ", opt_.max_pages, "; nothing appended");
+    return storage_->append(s, n, keys, values, room());
   }
 
   // Structural metadata: pinned pages stay Anchor and are never demoted under pressure.
@@ -141,6 +156,8 @@ class tiered_cache {
   // Decode of one layer: queries [batch][q_heads][head_dim] (post-RoPE) -> out (same
   // shape). Feeds each sequence's per-page attention mass to the controller; copies it
   // to page_mass ([batch][max_pages]) and the LSE to lse ([batch][q_heads]) if given.
+  // A NaN or Inf query is refused (non_finite_input, naming the batch row and query head)
+  // before anything is written or observed: it never turns into a finite output.
   status attend(int layer, std::span<const seq_id> batch, std::span<const float> queries, std::span<float> out,
                 std::span<float> page_mass = {}, std::span<float> lse = {}) {
     const std::size_t rows = batch.size() * std::size_t(q_heads) * head_dim;
@@ -191,18 +208,9 @@ class tiered_cache {
   tiered_cache(const options& opt, std::unique_ptr<storage_type> s)
       : opt_(opt), storage_(std::move(s)), workspace_(opt.threads) {}
 
-  // Tier-0 pages an append of n tokens to s needs, made free by the controller.
-  status make_room_for(seq_id s, std::int64_t n) {
-    auto len = storage_->length(s);
-    if (!len) return len.error_status();
-    constexpr std::int64_t T = storage_type::page_tokens;
-    const std::int64_t fresh = (*len + n + T - 1) / T - (*len + T - 1) / T;
-    if (fresh <= 0) return {};
-    const std::int64_t pages = fresh * storage_->num_layers();
-    if (pages > std::int64_t(storage_->template pool<0>().capacity()))
-      return status::exceeds(errc::capacity_exhausted, "tier-0 pages needed by the append", pages,
-                             storage_->template pool<0>().capacity());
-    return controller_->make_room(std::uint32_t(pages));
+  // The storage calls it once its own checks passed: tier-0 pages freed by demotion.
+  auto room() {
+    return [this](std::uint32_t pages) { return controller_->make_room(pages); };
   }
 
   options opt_;

@@ -25,7 +25,7 @@ namespace tierkv {
 // encoding is the engine's business, applied before keys were appended.
 template <int NumTiers>
 struct host_decode_args {
-  const float* queries = nullptr;  // [batch][q_heads][head_dim]
+  const float* queries = nullptr;  // [batch][q_heads][head_dim]; NaN / Inf: non_finite_input
   batch_index_view<NumTiers> index{};
   const pool_view* pools = nullptr;  // [NumTiers], in tier order
   layer_source source{};
@@ -60,6 +60,11 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
   const int batch = a.index.batch;
   if (batch == 0) return status::ok();
   if (!a.queries || !a.out) return status::make(errc::invalid_argument, "queries and out must not be null");
+  const std::size_t nq = std::size_t(batch) * QH * D;
+  if (const std::size_t i = detail::first_non_finite(a.queries, nq); i < nq)
+    return status::make(errc::non_finite_input, "decode: queries[", i, "] = ", a.queries[i], " (batch row ",
+                        i / (std::size_t(QH) * D), ", query head ", i / D % QH, ", dim ", i % D,
+                        ") is not finite; nothing written");
   if (a.page_mass && a.mass_stride < max_pages)
     return status::exceeds(errc::out_of_range, "largest page count of the batch", max_pages,
                            status::format("mass_stride = ", a.mass_stride));

@@ -29,7 +29,7 @@ namespace tierkv {
 // n_b = 1 is exactly a decode step.
 template <int NumTiers>
 struct host_prefill_args {
-  const float* queries = nullptr;  // [total_q][q_heads][head_dim], post-RoPE, packed by sequence
+  const float* queries = nullptr;  // [total_q][q_heads][head_dim], post-RoPE, packed by sequence; NaN / Inf: non_finite_input
   const std::int32_t* q_indptr = nullptr;  // [batch + 1]; sequence b owns query rows [q_indptr[b], q_indptr[b+1])
   batch_index_view<NumTiers> index{};      // seq_len counts the chunk (already appended)
   const pool_view* pools = nullptr;        // [NumTiers]
@@ -77,6 +77,16 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
   }
   if (block_start[std::size_t(batch)] == 0) return status::ok();
   if (!a.queries || !a.out) return status::make(errc::invalid_argument, "queries and out must not be null");
+  const std::size_t row0 = std::size_t(a.q_indptr[0]) * QH * D;
+  const std::size_t floats = std::size_t(a.q_indptr[batch] - a.q_indptr[0]) * QH * D;
+  if (const std::size_t i = detail::first_non_finite(a.queries + row0, floats); i < floats) {
+    const int t = a.q_indptr[0] + int(i / (std::size_t(QH) * D));
+    int b = 0;
+    while (a.q_indptr[b + 1] <= t) ++b;
+    return status::make(errc::non_finite_input, "prefill: queries[", row0 + i, "] = ", a.queries[row0 + i],
+                        " (query token ", t, " of sequence ", b, ", query head ", i / D % QH, ", dim ", i % D,
+                        ") is not finite; nothing written");
+  }
 
   ws.reserve_per_worker(pass::scratch_bytes(rows_max));
   const int tasks = block_start[std::size_t(batch)] * KVH;

@@ -5,6 +5,7 @@
 // host chunked prefill; also the validation of their index arrays.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <new>
@@ -34,6 +35,14 @@ struct layer_source {
 };
 
 namespace detail {
+
+// Index of the first NaN or Inf of x[0, n), or n. Host attention refuses such a query up
+// front: in the softmax it would leave its row's state empty, i.e. a silent zero output.
+inline std::size_t first_non_finite(const float* x, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return i;
+  return n;
+}
 
 template <class Geometry, class TierList> struct sequence_pass;
 

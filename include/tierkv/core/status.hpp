@@ -24,7 +24,7 @@ enum class errc : std::uint8_t {
   capacity_exhausted,  // a pool or buffer is full; nothing was changed
   stale_id,            // a page id whose slot was freed (or reused) since
   double_release,      // a reference dropped more often than taken
-  non_finite_input,    // NaN or Inf in data to encode
+  non_finite_input,    // NaN or Inf in data to encode or in an attention query
   not_writable,        // a write to a sealed or shared page
   geometry_mismatch,   // buffers or caches of different shapes
   corrupt_data,        // a checksum or format check failed

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -58,6 +59,16 @@ struct storage_options {
   // Global index of this storage's first KV head: codec contexts use head_base + local
   // head, so a tensor-parallel rank's pages are the head slices of an unsharded cache's.
   int head_base = 0;
+};
+
+// Called by append and fork with the tier-0 pages they are about to allocate, once every
+// other check has passed and their bookkeeping memory is reserved: a caller that frees tier-0
+// pages by demoting (tier_controller::make_room, through tiered_cache) does it here, so a
+// refused operation never demotes first. A failing status refuses the operation.
+template <class F>
+concept room_hook = std::invocable<F&, std::uint32_t> && std::convertible_to<std::invoke_result_t<F&, std::uint32_t>, status>;
+struct no_room {
+  status operator()(std::uint32_t) const { return {}; }
 };
 
 // The byte lines the storage charges its host bookkeeping to (see report.hpp).
@@ -131,6 +142,16 @@ class paged_storage {
   // Builds a storage; every allocation failure is returned, nothing leaks.
   static result<std::unique_ptr<paged_storage>> create(const options& opt, PageAlloc page_alloc = {},
                                                        MetaAlloc meta_alloc = {}) {
+    if (auto st = validate(opt); !st) return st;
+    std::uint64_t total_pages = 0;
+    for (std::uint32_t n : opt.pages_per_tier) total_pages += n;
+    std::unique_ptr<paged_storage> s(new paged_storage(opt, std::move(page_alloc), std::move(meta_alloc)));
+    if (auto st = s->init(total_pages); !st) return st;
+    return result<std::unique_ptr<paged_storage>>(std::move(s));
+  }
+
+  // Every option against its limit, allocating nothing (create calls it first).
+  static status validate(const options& opt) {
     if (opt.num_layers < 1 || opt.num_layers > 4096)
       return status::make(errc::invalid_argument, "num_layers = ", opt.num_layers,
                           " must lie in [1, 4096]");
@@ -141,18 +162,13 @@ class paged_storage {
     const int head_base = opt.head_base;
     if (head_base < 0 || head_base > (1 << 24))
       return status::make(errc::invalid_argument, "head_base = ", head_base, " must lie in [0, 2^24]");
-    std::uint64_t total_pages = 0;
-    for (int t = 0; t < num_tiers; ++t) {
+    for (int t = 0; t < num_tiers; ++t)
       if (opt.pages_per_tier[std::size_t(t)] == 0)
         return status::make(errc::invalid_argument, "pages_per_tier[", t, "] = 0: every tier needs a pool");
-      total_pages += opt.pages_per_tier[std::size_t(t)];
-    }
     if (opt.pages_per_tier[0] < std::uint32_t(opt.num_layers))
       return status::make(errc::invalid_argument, "pages_per_tier[0] = ", opt.pages_per_tier[0],
                           " is below num_layers = ", opt.num_layers, ": not even one logical page fits");
-    std::unique_ptr<paged_storage> s(new paged_storage(opt, std::move(page_alloc), std::move(meta_alloc)));
-    if (auto st = s->init(total_pages); !st) return st;
-    return result<std::unique_ptr<paged_storage>>(std::move(s));
+    return {};
   }
 
   // ---- sizes and accessors ---------------------------------------------------------------
@@ -211,9 +227,12 @@ class paged_storage {
 
   // Appends n tokens to every layer. keys and values hold n * num_layers * kv_heads *
   // head_dim floats, laid out [layer][token][kv_head][dim]. Either all tokens are
-  // appended or nothing changes (strong guarantee): sizes, finiteness, pool capacity
-  // and bookkeeping memory are all checked before the first write.
-  status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values)
+  // appended or nothing changes (strong guarantee): sizes, finiteness, the block table
+  // and bookkeeping memory are checked and reserved first, then make_room is called
+  // (room_hook), then the tier-0 pool's free pages are checked, then the first write.
+  template <room_hook MakeRoom = no_room>
+  status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values,
+                MakeRoom&& make_room = {})
     requires PageAlloc::host_accessible
   {
     seq_record* r = find(s);
@@ -235,9 +254,19 @@ class paged_storage {
     const std::size_t have = r->blocks.size();
     const std::size_t need = std::size_t((len + n + page_tokens - 1) / page_tokens);
     const std::size_t fresh = need - have;
+    if (auto st = can_allocate_block_entries(fresh); !st) return st;
+    // The grown page list is built aside, so a refusal below gives its memory back exactly.
+    const bool grow = need > r->blocks.capacity();
+    block_list grown(r->blocks.get_allocator());
+    if (grow) {
+      if (auto st = reserve(grown, need); !st) return st;
+      grown.assign(r->blocks.begin(), r->blocks.end());
+    }
+    if (fresh > 0)
+      if (auto st = make_room(std::uint32_t(fresh * std::size_t(layers_))); !st) return st;
     if (auto st = can_allocate_blocks(fresh); !st) return st;
-    if (auto st = reserve(r->blocks, need); !st) return st;
 
+    if (grow) r->blocks.swap(grown);
     for (std::size_t i = 0; i < fresh; ++i) r->blocks.push_back(new_block());
     write_tokens(*r, len, n, keys.data(), values.data());
     r->length = len + n;
@@ -246,7 +275,10 @@ class paged_storage {
 
   // A new sequence sharing every sealed logical page of parent; the open tail page
   // (if the length is not a multiple of page_tokens) is copied, so both may append.
-  result<seq_id> fork(seq_id parent) {
+  // Every refusal (slot, block table, bookkeeping memory) comes before make_room
+  // (room_hook) is asked for the tail copy's tier-0 pages; nothing changes on refusal.
+  template <room_hook MakeRoom = no_room>
+  result<seq_id> fork(seq_id parent, MakeRoom&& make_room = {}) {
     seq_record* p = find(parent);
     if (p == nullptr) return bad_seq(parent);
     if (seq_free_->empty())
@@ -254,10 +286,18 @@ class paged_storage {
                           " sequence slots are in use");
     const bool open_tail = (p->length % page_tokens) != 0;
     if (open_tail)
-      if (auto st = can_allocate_blocks(1); !st) return st;
+      if (auto st = can_allocate_block_entries(1); !st) return st;
     const std::uint32_t slot = seq_free_->back();
     seq_record& c = (*seqs_)[slot];
     if (auto st = reserve(c.blocks, p->blocks.size()); !st) return st;
+    if (open_tail) {
+      status room = make_room(std::uint32_t(layers_));
+      if (room) room = can_allocate_blocks(1);
+      if (!room) {
+        block_list(c.blocks.get_allocator()).swap(c.blocks);  // give the reservation back
+        return room;
+      }
+    }
 
     std::uint32_t tail_copy = no_block;
     if (open_tail) {
@@ -699,16 +739,19 @@ class paged_storage {
     return {};
   }
 
+  status can_allocate_block_entries(std::size_t n) const {
+    if (block_free_->size() < n)
+      return status::make(errc::capacity_exhausted, "block table has ", block_free_->size(),
+                          " free entries, ", n, " needed");
+    return {};
+  }
   status can_allocate_blocks(std::size_t n) const {
     if (n == 0) return {};
     const std::uint64_t pages = std::uint64_t(n) * std::uint64_t(layers_);
     if (pool<0>().free_count() < pages)
       return status::make(errc::capacity_exhausted, "tier 0 pool has ", pool<0>().free_count(),
                           " free pages, ", n, " new logical pages x ", layers_, " layers need ", pages);
-    if (block_free_->size() < n)
-      return status::make(errc::capacity_exhausted, "block table has ", block_free_->size(),
-                          " free entries, ", n, " needed");
-    return {};
+    return can_allocate_block_entries(n);
   }
 
   // Caller checked can_allocate_blocks: the tier-0 allocations below cannot fail.

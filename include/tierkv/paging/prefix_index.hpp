@@ -103,22 +103,9 @@ class prefix_index {
 
   // The longest cached prefix of tokens under salt; marks its entries recently used.
   prefix_match lookup(std::uint64_t salt, std::span<const std::int32_t> tokens) {
-    prefix_match m;
-    std::uint32_t parent = none;
-    std::uint64_t h = hash_.root(salt);
-    const int layers = storage_->num_layers();
-    for (std::size_t i = 0; i < tokens.size() / page_tokens; ++i) {
-      const auto page = tokens.subspan(i * page_tokens, page_tokens);
-      h = hash_(h, page);
-      const std::uint32_t e = find(h, parent, salt, page);
-      if (e == none) break;
-      entry& en = (*entries_)[e];
-      en.last_used = ++tick_;
-      m.blocks.push_back(en.block);
-      for (int l = 0; l < layers; ++l) m.pages.push_back(storage_->block_page(en.block, l));
-      m.tokens += page_tokens;
-      parent = e;
-    }
+    std::vector<std::uint32_t> entries;
+    prefix_match m = match(salt, tokens, entries);
+    touch(entries);
     return m;
   }
 
@@ -129,10 +116,13 @@ class prefix_index {
     seq_id seq;
     std::int64_t cached_tokens = 0;
   };
+  // A refusal (no sequence slot) leaves the LRU order as it was.
   result<started> start_sequence(std::uint64_t salt, std::span<const std::int32_t> tokens) {
-    prefix_match m = lookup(salt, tokens);
+    std::vector<std::uint32_t> entries;
+    prefix_match m = match(salt, tokens, entries);
     auto s = storage_->create_sequence_from_blocks(m.blocks);
     if (!s) return s.error_status();
+    touch(entries);
     return started{*s, m.tokens};
   }
 
@@ -236,6 +226,32 @@ class prefix_index {
       if (same) return e;  // a hash collision with other tokens falls through
     }
     return none;
+  }
+
+  // The longest cached prefix and its entries, changing nothing.
+  prefix_match match(std::uint64_t salt, std::span<const std::int32_t> tokens,
+                     std::vector<std::uint32_t>& entries) const {
+    prefix_match m;
+    std::uint32_t parent = none;
+    std::uint64_t h = hash_.root(salt);
+    const int layers = storage_->num_layers();
+    for (std::size_t i = 0; i < tokens.size() / page_tokens; ++i) {
+      const auto page = tokens.subspan(i * page_tokens, page_tokens);
+      h = hash_(h, page);
+      const std::uint32_t e = find(h, parent, salt, page);
+      if (e == none) break;
+      const entry& en = (*entries_)[e];
+      entries.push_back(e);
+      m.blocks.push_back(en.block);
+      for (int l = 0; l < layers; ++l) m.pages.push_back(storage_->block_page(en.block, l));
+      m.tokens += page_tokens;
+      parent = e;
+    }
+    return m;
+  }
+  // Marks entries recently used, in chain order.
+  void touch(std::span<const std::uint32_t> entries) {
+    for (std::uint32_t e : entries) (*entries_)[e].last_used = ++tick_;
   }
 
   // Makes room for `live` entries without changing any entry (strong guarantee).

@@ -49,7 +49,9 @@ struct retier_stats {
   std::uint64_t demoted = 0;        // out of tier 0
   std::uint64_t pressure_demoted = 0;   // demotions made by make_room
   std::uint64_t shadow_promotions = 0;  // promotions served losslessly from a kept tier-0 copy
+  // Held back for capacity, not faults (the old page stays published; a later step retries):
   std::uint64_t deferred = 0;       // promotions held back by the tier-0 reserve
+  std::uint64_t deferred_full = 0;  // conversions whose target tier's pool had no free page
   std::uint64_t failed = 0;         // conversions that failed (old page kept)
   std::uint64_t injected_faults = 0;
   std::uint64_t shadows_made = 0;
@@ -60,7 +62,7 @@ struct retier_stats {
   void add(const retier_stats& o) {
     planned += o.planned; converted += o.converted; promoted += o.promoted; demoted += o.demoted;
     pressure_demoted += o.pressure_demoted; shadow_promotions += o.shadow_promotions; deferred += o.deferred;
-    failed += o.failed; injected_faults += o.injected_faults; shadows_made += o.shadows_made;
+    deferred_full += o.deferred_full; failed += o.failed; injected_faults += o.injected_faults; shadows_made += o.shadows_made;
     shadows_dropped += o.shadows_dropped; saturated += o.saturated;
     if (first_error.is_ok() && !o.first_error.is_ok()) first_error = o.first_error;
   }
@@ -100,11 +102,7 @@ class tier_controller {
   // plan buffer) is allocated once here from the storage's bookkeeping allocator and
   // charged to its page_tables line; on failure nothing leaks.
   static result<std::unique_ptr<tier_controller>> create(Storage& storage, Policy policy = {}, options opt = {}) {
-    if (auto st = policy.validate(); !st) return st;
-    if (opt.promotion_reserve_percent < 0 || opt.promotion_reserve_percent > 100)
-      return status::out_of_range("promotion_reserve_percent", opt.promotion_reserve_percent, 101);
-    if (opt.shadow_slack_percent < 0 || opt.shadow_slack_percent > 100)
-      return status::out_of_range("shadow_slack_percent", opt.shadow_slack_percent, 101);
+    if (auto st = validate(policy, opt); !st) return st;
     std::unique_ptr<tier_controller> c(new tier_controller(storage, std::move(policy), opt));
     try {
       const std::size_t blocks = storage.block_capacity();
@@ -118,6 +116,18 @@ class tier_controller {
       return e.get_status();
     }
     return result<std::unique_ptr<tier_controller>>(std::move(c));  // explicit: nvcc does not move implicitly here
+  }
+
+  // The policy's knobs and the options against their limits, allocating nothing.
+  static status validate(const Policy& policy, const options& opt) {
+    if (auto st = policy.validate(); !st) return st;
+    if (opt.promotion_reserve_percent < 0 || opt.promotion_reserve_percent > 100)
+      return status::make(errc::invalid_argument, "promotion_reserve_percent = ", opt.promotion_reserve_percent,
+                          " must lie in [0, 100]");
+    if (opt.shadow_slack_percent < 0 || opt.shadow_slack_percent > 100)
+      return status::make(errc::invalid_argument, "shadow_slack_percent = ", opt.shadow_slack_percent,
+                          " must lie in [0, 100]");
+    return {};
   }
 
   Storage& storage() noexcept { return *storage_; }
@@ -198,6 +208,7 @@ class tier_controller {
 
   // Applies conversions (from plan(), or the engine's own) through the protocol. A
   // failed conversion leaves its page published at its old id and tier; the rest go on.
+  // One held back for capacity (held_back) is counted as deferred, not as failed.
   template <conversion_fault_hook Faults = no_faults>
   retier_stats apply(std::span<const conversion> todo, Faults&& faults = {})
     requires Storage::page_allocator::host_accessible
@@ -218,10 +229,7 @@ class tier_controller {
         promote_from_shadow(c, r, st, faults);
         continue;
       }
-      if (c.to == append_tier && storage_->free_pages(append_tier) <= reserve) {
-        ++st.deferred;
-        continue;
-      }
+      if (held_back(c, reserve, st)) continue;
       convert(c, r, st, faults, /*pressure=*/false);
     }
     totals_.add(st);
@@ -230,7 +238,7 @@ class tier_controller {
 
   // Two-phase apply for a fill the caller runs elsewhere (a GPU batch, cuda/retier_driver.cuh).
   // stage() reserves the target page of each conversion of `todo` that apply() would run
-  // (live, unmoved, not deferred by the tier-0 reserve) into `out` and returns how many;
+  // (live, unmoved, not held back for capacity) into `out` and returns how many;
   // nothing is published and the old pages stay readable. commit() then publishes staged[i]
   // where filled[i] is true and releases the other reserved pages, with apply()'s
   // bookkeeping (dwell, counters). Shadows are neither made nor used on this path.
@@ -248,10 +256,7 @@ class tier_controller {
         continue;
       }
       if (int(storage_->block_page(c.block, c.layer).format) != c.from) continue;  // moved since planned
-      if (c.to == append_tier && storage_->free_pages(append_tier) <= reserve) {
-        ++st.deferred;
-        continue;
-      }
+      if (held_back(c, reserve, st)) continue;
       auto staged = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
       if (!staged) {
         note_failure(st, staged.error_status());
@@ -471,6 +476,21 @@ class tier_controller {
 
   std::uint32_t percent_of_tier0(int percent) const {
     return std::uint32_t(std::uint64_t(storage_->template pool<append_tier>().capacity()) * std::uint64_t(percent) / 100);
+  }
+
+  // Capacity, not a fault: a promotion that would eat into the tier-0 reserve, or any
+  // conversion whose target pool is full (the Stale pool, typically). Counted, not tried.
+  bool held_back(const conversion& c, std::uint32_t reserve, retier_stats& st) const {
+    if (c.to < 0 || c.to >= num_tiers) return false;  // reserve_conversion reports it
+    if (c.to == append_tier && storage_->free_pages(append_tier) <= reserve) {
+      ++st.deferred;
+      return true;
+    }
+    if (storage_->free_pages(c.to) == 0) {
+      ++st.deferred_full;
+      return true;
+    }
+    return false;
   }
 
   void note_failure(retier_stats& st, status s) {

@@ -1,0 +1,283 @@
+// SPDX-License-Identifier: Apache-2.0
+// The façade's contracts as an engine relies on them (issue 24): every option is checked at
+// creation, and a refused operation changes nothing an engine can observe (report, page
+// tables, refcounts, pool counts, controller totals), even under memory pressure.
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "catch.hpp"
+#include "tierkv/cache.hpp"
+#include "tiering_test_support.hpp"
+
+using namespace tiering_test;
+
+namespace {
+
+using cache_t = tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
+constexpr int D = tiny::head_dim, QH = tiny::q_heads;
+
+// Everything observable about a cache, as text: equal before and after a refused operation.
+std::string snapshot(cache_t& c) {
+  std::ostringstream o;
+  o << c.report() << '\n';
+  const auto& s = c.storage();
+  s.for_each_sequence([&](seq_id q, std::int64_t len) {
+    o << q << " length " << len << ':';
+    for (int l = 0; l < s.num_layers(); ++l) s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
+    o << '\n';
+  });
+  s.for_each_block([&](block_ref b, int fill, std::uint32_t refs) {
+    o << "block " << b.index << '@' << b.generation << " fill " << fill << " refs " << refs << '\n';
+  });
+  for (int t = 0; t < cache_t::num_tiers; ++t) o << "tier " << t << " free " << s.free_pages(t) << '\n';
+  const retier_stats& tot = c.controller().totals();
+  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed " << tot.failed
+    << " shadows " << c.controller().shadow_pages() << '\n';
+  return o.str();
+}
+
+status append_tokens(cache_t& c, seq_id s, std::uint64_t first, int n) {
+  std::vector<float> k, v;
+  make_kv<cache_t::storage_type>(c.storage().num_layers(), seeds_from(first, n), k, v);
+  return c.append(s, n, k, v);
+}
+
+// 3 layers, two sequence slots, four logical pages of FP8: appends soon need make_room.
+cache_t::options pressure_options() {
+  cache_t::options opt;
+  opt.storage.num_layers = 3;
+  opt.storage.max_sequences = 2;
+  opt.storage.pages_per_tier = {12, 64};
+  opt.policy = policy::recency_anchor({.recent_pages = 1, .sink_pages = 0, .ema_alpha = 0.5f, .enter_mass = 3.0f,
+                                       .leave_mass = 1.5f, .min_dwell_steps = 1, .keep_first_layers = 0,
+                                       .keep_last_layers = 0});
+  opt.max_batch = 2;
+  opt.max_pages = 32;
+  return opt;
+}
+
+}  // namespace
+
+TEST_CASE("tiered_cache::create refuses every bad option before allocating, naming it, its value and the limit",
+          "[tiering][cache][contract]") {
+  const auto base = [] {
+    cache_t::options o;
+    o.storage.num_layers = 2;
+    o.storage.max_sequences = 2;
+    o.storage.pages_per_tier = {8, 8};
+    o.max_batch = 2;
+    o.max_pages = 8;
+    return o;
+  };
+  REQUIRE(cache_t::create(base()));
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  struct bad_option {
+    std::string name, value;
+    std::function<void(cache_t::options&)> set;
+  };
+  const std::vector<bad_option> cases = {
+      {"soft_cap", "-1", [](auto& o) { o.soft_cap = -1.f; }},
+      {"soft_cap", "nan", [&](auto& o) { o.soft_cap = nan; }},
+      {"soft_cap", "inf", [&](auto& o) { o.soft_cap = inf; }},
+      {"softmax_scale", "nan", [&](auto& o) { o.softmax_scale = nan; }},
+      {"softmax_scale", "-0.5", [](auto& o) { o.softmax_scale = -0.5f; }},
+      {"max_batch", "0", [](auto& o) { o.max_batch = 0; }},
+      {"max_batch", "-3", [](auto& o) { o.max_batch = -3; }},
+      {"max_pages", "-1", [](auto& o) { o.max_pages = -1; }},
+      {"max_batch * max_pages", "4294967296", [](auto& o) { o.max_batch = o.max_pages = 1 << 16; }},
+      {"threads", "4294967295", [](auto& o) { o.threads = unsigned(-1); }},  // an int -1 passed on
+      {"num_layers", "0", [](auto& o) { o.storage.num_layers = 0; }},
+      {"max_sequences", "0", [](auto& o) { o.storage.max_sequences = 0; }},
+      {"pages_per_tier[1]", "0", [](auto& o) { o.storage.pages_per_tier[1] = 0; }},
+      {"pages_per_tier[0]", "1", [](auto& o) { o.storage.pages_per_tier[0] = 1; }},
+      {"head_base", "-1", [](auto& o) { o.storage.head_base = -1; }},
+      {"ema_alpha", "nan", [&](auto& o) { o.policy = policy::recency_anchor({.ema_alpha = nan}); }},
+      {"recent_pages", "-1", [](auto& o) { o.policy = policy::recency_anchor({.recent_pages = -1}); }},
+      {"leave_mass", "5", [](auto& o) { o.policy = policy::recency_anchor({.enter_mass = 4.f, .leave_mass = 5.f}); }},
+      {"promotion_reserve_percent", "101", [](auto& o) { o.tiering.promotion_reserve_percent = 101; }},
+      {"shadow_slack_percent", "-1", [](auto& o) { o.tiering.shadow_slack_percent = -1; }},
+  };
+  for (const bad_option& c : cases) {
+    INFO(c.name << " = " << c.value);
+    cache_t::options o = base();
+    c.set(o);
+    failing_allocator meta;
+    meta.fail_every();  // an option checked only after an allocation would surface as injected_fault
+    auto r = cache_t::create(o, {}, std::move(meta));
+    REQUIRE_FALSE(r);
+    const status st = r.error_status();
+    INFO(st);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(st.message().find(c.name) != std::string::npos);
+    CHECK(st.message().find(c.value) != std::string::npos);
+  }
+}
+
+TEST_CASE("a refused fork changes nothing, even where it would have had to make room first",
+          "[tiering][cache][contract]") {
+  cache_t::options opt = pressure_options();
+  opt.storage.max_sequences = 3;
+  auto c = cache_t::create(opt).value();
+  const seq_id a = c->create_sequence().value();
+  const seq_id b = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, a, 1, 40));    // two sealed pages and an open tail: 9 FP8 pages
+  REQUIRE(append_tokens(*c, b, 100, 10));  // one open page: tier 0 is full
+  REQUIRE(c->storage().free_pages(0) == 0);
+
+  SECTION("no free sequence slot") {
+    REQUIRE(c->create_sequence());  // the last slot
+    const std::string before = snapshot(*c);
+    const auto f = c->fork(a);
+    REQUIRE_FALSE(f);
+    CHECK(f.code() == errc::capacity_exhausted);
+    CHECK(f.error_status().message().find("sequence slots") != std::string::npos);
+    CHECK(snapshot(*c) == before);  // no page of a was demoted to TQ3 for a fork that never happened
+  }
+  SECTION("no bookkeeping memory for the child's page list") {
+    const std::string before = snapshot(*c);
+    c->storage().meta_alloc().fail_on(1);
+    const auto f = c->fork(a);
+    REQUIRE_FALSE(f);
+    CHECK(f.code() == errc::capacity_exhausted);
+    CHECK(snapshot(*c) == before);
+    c->storage().meta_alloc().reset();
+    REQUIRE(c->fork(a));  // the same fork, with memory: it makes room and succeeds
+    CHECK(c->controller().totals().pressure_demoted > 0);
+  }
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("a refused append changes nothing, even where it would have had to make room first",
+          "[tiering][cache][contract]") {
+  auto c = cache_t::create(pressure_options()).value();
+  const seq_id a = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, a, 1, 64));  // four sealed pages: tier 0 is full
+  REQUIRE(c->storage().free_pages(0) == 0);
+  const std::string before = snapshot(*c);
+  c->storage().meta_alloc().fail_on(1);  // the page list's growth
+  const status st = append_tokens(*c, a, 65, 1);
+  CHECK(st.code() == errc::capacity_exhausted);
+  CHECK(snapshot(*c) == before);
+  c->storage().meta_alloc().reset();
+  REQUIRE(append_tokens(*c, a, 65, 1));
+  CHECK(c->controller().totals().pressure_demoted > 0);
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("max_pages is enforced at append: a sequence never grows past what attend reads",
+          "[tiering][cache][contract]") {
+  cache_t::options opt = pressure_options();
+  opt.max_pages = 4;  // = tier 0's four logical pages: the fifth would need make_room
+  auto c = cache_t::create(opt).value();
+  const seq_id s = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, s, 1, 60));
+  const std::string before = snapshot(*c);
+  const status st = append_tokens(*c, s, 61, 5);  // 65 tokens = 5 pages
+  CHECK(st.code() == errc::out_of_range);
+  CHECK(st.message().find("max_pages") != std::string::npos);
+  CHECK(st.message().find('5') != std::string::npos);
+  CHECK(snapshot(*c) == before);  // refused before make_room demoted anything
+  REQUIRE(append_tokens(*c, s, 61, 4));  // exactly max_pages pages
+  std::vector<float> q(QH * D, 0.5f), out(q.size());
+  CHECK(c->attend(0, std::vector<seq_id>{s}, q, out));
+  CHECK(append_tokens(*c, s, 65, 1).code() == errc::out_of_range);
+  // A fresh sequence, in one append.
+  const seq_id t = c->create_sequence().value();
+  CHECK(append_tokens(*c, t, 1000, 65).code() == errc::out_of_range);
+  CHECK(c->length(t).value() == 0);
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("attend refuses a NaN or Inf query, naming the batch row and head, and writes nothing",
+          "[tiering][cache][contract]") {
+  cache_t::options opt = pressure_options();
+  opt.soft_cap = 30.f;  // a capped Inf logit would otherwise be finite
+  auto c = cache_t::create(opt).value();
+  const std::vector<seq_id> batch{c->create_sequence().value(), c->create_sequence().value()};
+  REQUIRE(append_tokens(*c, batch[0], 1, 20));
+  REQUIRE(append_tokens(*c, batch[1], 100, 20));
+  std::vector<float> q(batch.size() * QH * D, 0.25f), out(q.size(), 7.f), mass(batch.size() * 32, 7.f),
+      lse(batch.size() * QH, 7.f);
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+    INFO("query value " << bad);
+    std::vector<float> qb = q;
+    qb[(1 * QH + 1) * D + 5] = bad;  // batch row 1, query head 1, dim 5
+    const status st = c->attend(0, batch, qb, out, mass, lse);
+    INFO(st);
+    CHECK(st.code() == errc::non_finite_input);
+    CHECK(st.message().find("batch row 1") != std::string::npos);
+    CHECK(st.message().find("query head 1") != std::string::npos);
+    for (float x : out) REQUIRE(x == 7.f);
+    for (float x : mass) REQUIRE(x == 7.f);
+    for (float x : lse) REQUIRE(x == 7.f);
+  }
+  REQUIRE(c->attend(0, batch, q, out, mass, lse));
+  for (float x : out) REQUIRE(std::isfinite(x));
+}
+
+TEST_CASE("retier with the Stale pool full reports deferred conversions, not failures", "[tiering][cache][contract]") {
+  cache_t::options opt = pressure_options();
+  opt.storage.max_sequences = 1;
+  opt.storage.pages_per_tier = {30, 3};  // room for one layer of one logical page in TQ3
+  opt.policy = policy::recency_anchor({.recent_pages = 1, .sink_pages = 0, .min_dwell_steps = 0,
+                                       .keep_first_layers = 0, .keep_last_layers = 0});
+  auto c = cache_t::create(opt).value();
+  const seq_id s = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, s, 1, 6 * 16));  // six sealed pages: pages 0-4 are Stale, 15 demotions
+
+  SECTION("apply") {
+    const retier_stats st = c->retier(1);
+    INFO(st.first_error);
+    CHECK(st.planned == 15);
+    CHECK(st.converted == 3);
+    CHECK(st.deferred_full == 12);
+    CHECK(st.failed == 0);
+    CHECK(st.first_error.is_ok());
+    CHECK(c->controller().totals().deferred_full == 12);
+  }
+  SECTION("stage") {
+    auto& ctl = c->controller();
+    const auto todo = ctl.plan(1);
+    REQUIRE(todo.size() == 15);
+    std::vector<staged_conversion> staged(todo.size());
+    retier_stats st;
+    const std::size_t n = ctl.stage(todo, staged, st);
+    CHECK(n == 3);
+    CHECK(st.deferred_full == 12);
+    CHECK(st.failed == 0);
+    for (std::size_t i = 0; i < n; ++i) abort_conversion(c->storage(), staged[i]);
+  }
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("a refused prefix start_sequence leaves the LRU order as it was", "[tiering][prefix][contract]") {
+  storage2::options so;
+  so.num_layers = 1;
+  so.max_sequences = 2;
+  so.pages_per_tier = {16, 16};
+  auto st = storage2::create(so).value();
+  prefix_index<storage2> idx(*st);
+  std::vector<std::int32_t> ids_a(16), ids_b(16);
+  for (int i = 0; i < 16; ++i) ids_a[std::size_t(i)] = i, ids_b[std::size_t(i)] = 100 + i;
+  for (const auto* ids : {&ids_a, &ids_b}) {  // a first: a is the least recently used entry
+    const seq_id s = st->create_sequence().value();
+    REQUIRE(append_seeds(*st, s, seeds_from(std::uint64_t((*ids)[0]), 16)));
+    REQUIRE(idx.insert(s, 7, *ids).value() == 1);
+    REQUIRE(st->release(s));
+  }
+  const seq_id x = st->create_sequence().value();
+  const seq_id y = st->create_sequence().value();
+  const auto r = idx.start_sequence(7, ids_a);  // no free slot
+  CHECK(r.code() == errc::capacity_exhausted);
+  REQUIRE(st->release(x));
+  REQUIRE(st->release(y));
+  REQUIRE(idx.evict(1) == 1);
+  CHECK(idx.lookup(7, ids_a).tokens == 0);  // a was still the least recently used: evicted
+  CHECK(idx.lookup(7, ids_b).tokens == 16);
+  REQUIRE(idx.check_invariants());
+  REQUIRE(st->check_invariants());
+}
