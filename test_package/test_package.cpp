@@ -5,19 +5,19 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
-#include <vector>
-
 #include <tierkv/codec/codec.hpp>
 #include <tierkv/codec/fp8.hpp>
 #include <tierkv/codec/tq3.hpp>
 #include <tierkv/core/status.hpp>
+#include <vector>
 
 namespace {
 
 constexpr int kDim = 128;
 
 // Relative squared error |y - x|^2 / |x|^2 of one encode + decode, or -1 when encode refuses.
-template <class C> double round_trip(const std::vector<float>& x) {
+template <class C>
+double round_trip(const std::vector<float>& x) {
   std::vector<std::uint8_t> payload(C::payload_bytes);
   typename C::meta_type meta{};
   const tierkv::codec_context ctx = tierkv::make_codec_context(7, 0, 0, tierkv::kv_role::value);
