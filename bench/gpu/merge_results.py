@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Merges gpubench_decode's JSON with the SDPA control's (and FlashInfer's, when it ran) into
-one results record: bench/results/decode-h200-<date>.json rows carry sdpa_bf16_us and
+one results record: bench/results/decode/decode-h200-<date>.json rows carry sdpa_bf16_us and
 speedup_vs_sdpa (the control's time / tierkv's best of stream and graph-replay time), and
 flashinfer_bf16_us / flashinfer_fp8_us (FlashInfer's paged decode, best of its tensor-core and
 CUDA-core backends) with speedup_vs_flashinfer_fp8.

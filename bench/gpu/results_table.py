@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Markdown tables for docs/gpu.md from a bench/results/decode-h200-*.json record.
+"""Markdown tables for docs/gpu.md from a bench/results/decode/decode-h200-*.json record.
 Usage: results_table.py RESULTS.json"""
 import json
 import sys

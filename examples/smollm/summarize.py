@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Merges smollm's arm results and the llama.cpp peer's into the table, the bar check,
-the bench/results record and the final metrics JSON line of `scripts/measure model`."""
+the bench/results/model/ record and the final metrics JSON line of `scripts/measure model`."""
 import argparse, datetime, json, sys
 
 
