@@ -53,9 +53,11 @@ void bm_host_decode(benchmark::State& state) {
           typename KC::meta_type km{};
           typename VC::meta_type vm{};
           for (auto& e : x) e = nd(rng);
-          (void)KC::encode(x.data(), page + layout::key_payload(h, t), km, make_codec_context(0, 0, h, kv_role::key), nullptr);
+          (void)KC::encode(x.data(), page + layout::key_payload(h, t), km,
+                           make_codec_context(0, 0, h, kv_role::key), nullptr);
           for (auto& e : x) e = nd(rng);
-          (void)VC::encode(x.data(), page + layout::value_payload(h, t), vm, make_codec_context(0, 0, h, kv_role::value), nullptr);
+          (void)VC::encode(x.data(), page + layout::value_payload(h, t), vm,
+                           make_codec_context(0, 0, h, kv_role::value), nullptr);
           std::memcpy(page + layout::key_meta(h, t), &km, KC::meta_bytes);
           std::memcpy(page + layout::value_meta(h, t), &vm, VC::meta_bytes);
         }
@@ -69,7 +71,8 @@ void bm_host_decode(benchmark::State& state) {
   a.queries = q.data();
   a.index.batch = batch;
   a.index.seq_len = lens.data();
-  for (int f = 0; f < 2; ++f) a.index.formats[f] = {indptr[f].data(), slot[f].data(), logical[f].data()};
+  for (int f = 0; f < 2; ++f)
+    a.index.formats[f] = {indptr[f].data(), slot[f].data(), logical[f].data()};
   a.pools = pools;
   a.logits = {1.f / std::sqrt(float(D)), 0.f};
   a.out = out.data();
@@ -86,6 +89,14 @@ using llama8b = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<
 using smollm = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
 }  // namespace
 
-BENCHMARK(bm_host_decode<llama8b>)->Args({1, 8192, 1})->Args({1, 8192, 2})->Args({4, 16384, 2})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(bm_host_decode<smollm>)->Args({1, 8192, 1})->Args({8, 4096, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(bm_host_decode<llama8b>)
+    ->Args({1, 8192, 1})
+    ->Args({1, 8192, 2})
+    ->Args({4, 16384, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(bm_host_decode<smollm>)
+    ->Args({1, 8192, 1})
+    ->Args({8, 4096, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();

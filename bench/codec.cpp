@@ -21,7 +21,8 @@ std::vector<float> inputs(int d) {
   return x;
 }
 
-template <class C> void BM_encode(benchmark::State& state) {
+template <class C>
+void BM_encode(benchmark::State& state) {
   const auto x = inputs(C::head_dim);
   std::vector<std::uint8_t> p(C::payload_bytes * kVectors);
   std::vector<typename C::meta_type> m(kVectors);
@@ -36,15 +37,16 @@ template <class C> void BM_encode(benchmark::State& state) {
   state.SetBytesProcessed(std::int64_t(state.iterations()) * kVectors * C::head_dim * 4);
 }
 
-template <class C> void BM_decode(benchmark::State& state) {
+template <class C>
+void BM_decode(benchmark::State& state) {
   const auto x = inputs(C::head_dim);
   std::vector<std::uint8_t> p(C::payload_bytes * kVectors);
   std::vector<typename C::meta_type> m(kVectors);
   std::vector<float> y(x.size());
   const codec_context ctx{7};
   for (int v = 0; v < kVectors; ++v)
-    (void)C::encode(x.data() + std::size_t(v) * C::head_dim, p.data() + std::size_t(v) * C::payload_bytes,
-                    m[std::size_t(v)], ctx, nullptr);
+    (void)C::encode(x.data() + std::size_t(v) * C::head_dim,
+                    p.data() + std::size_t(v) * C::payload_bytes, m[std::size_t(v)], ctx, nullptr);
   for (auto _ : state) {
     for (int v = 0; v < kVectors; ++v)
       C::decode(p.data() + std::size_t(v) * C::payload_bytes, m[std::size_t(v)],
@@ -55,14 +57,15 @@ template <class C> void BM_decode(benchmark::State& state) {
 }
 
 // dot of a prepared query with every stored key: the host decode inner loop.
-template <class C> void BM_dot(benchmark::State& state) {
+template <class C>
+void BM_dot(benchmark::State& state) {
   const auto x = inputs(C::head_dim);
   std::vector<std::uint8_t> p(C::payload_bytes * kVectors);
   std::vector<typename C::meta_type> m(kVectors);
   const codec_context ctx{7};
   for (int v = 0; v < kVectors; ++v)
-    (void)C::encode(x.data() + std::size_t(v) * C::head_dim, p.data() + std::size_t(v) * C::payload_bytes,
-                    m[std::size_t(v)], ctx, nullptr);
+    (void)C::encode(x.data() + std::size_t(v) * C::head_dim,
+                    p.data() + std::size_t(v) * C::payload_bytes, m[std::size_t(v)], ctx, nullptr);
   std::vector<float> q(C::head_dim);
   C::prepare_query(x.data(), q.data(), ctx);
   for (auto _ : state) {
@@ -83,7 +86,8 @@ void BM_memcpy(benchmark::State& state) {
     std::memcpy(y.data(), x.data(), x.size() * sizeof(float));
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(std::int64_t(state.iterations()) * std::int64_t(x.size() * sizeof(float)));
+  state.SetBytesProcessed(std::int64_t(state.iterations()) *
+                          std::int64_t(x.size() * sizeof(float)));
 }
 
 }  // namespace

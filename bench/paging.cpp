@@ -84,7 +84,8 @@ void BM_build_index(benchmark::State& state) {
   const index_layout<2> layout{batch, tokens / 64};
   std::vector<std::uint64_t> buf(layout.bytes() / 8 + 2);
   std::span<std::uint8_t> bytes(reinterpret_cast<std::uint8_t*>(buf.data()), layout.bytes());
-  for (auto _ : state) benchmark::DoNotOptimize(build_batch_index(*s, 0, std::span<const seq_id>(ids), layout, bytes));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(build_batch_index(*s, 0, std::span<const seq_id>(ids), layout, bytes));
   state.SetItemsProcessed(state.iterations() * batch * (tokens / 64));
 }
 BENCHMARK(BM_build_index)->Arg(8)->Arg(64);

@@ -38,7 +38,8 @@ __global__ void fill_pages(std::uint8_t* p, std::size_t n, std::uint64_t seed, i
   }
 }
 __global__ void fill_meta(std::uint8_t* base, std::size_t page_bytes, std::size_t meta_offset,
-                          std::size_t meta_count, std::uint32_t pages, float lo, std::uint64_t seed) {
+                          std::size_t meta_count, std::uint32_t pages, float lo,
+                          std::uint64_t seed) {
   const std::size_t n = std::size_t(pages) * meta_count;
   for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
        i += std::size_t(gridDim.x) * blockDim.x) {
@@ -47,7 +48,8 @@ __global__ void fill_meta(std::uint8_t* base, std::size_t page_bytes, std::size_
     const float v = lo * (0.5f + u);
     std::uint32_t bits;
     std::memcpy(&bits, &v, 4);
-    reinterpret_cast<std::uint16_t*>(base + page * page_bytes + meta_offset)[j] = std::uint16_t(bits >> 16);
+    reinterpret_cast<std::uint16_t*>(base + page * page_bytes + meta_offset)[j] =
+        std::uint16_t(bits >> 16);
   }
 }
 __global__ void fill_floats(float* p, std::size_t n, std::uint64_t seed) {

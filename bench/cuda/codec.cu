@@ -15,13 +15,13 @@
 
 using namespace tierkv;
 
-#define CK(expr)                                                                    \
-  do {                                                                              \
-    const cudaError_t e_ = (expr);                                                  \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                 \
-    }                                                                               \
+#define CK(expr)                                                              \
+  do {                                                                        \
+    const cudaError_t e_ = (expr);                                            \
+    if (e_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                           \
+    }                                                                         \
   } while (0)
 
 namespace {
@@ -35,7 +35,8 @@ __global__ void fill_kernel(float* x, std::size_t n) {
   }
 }
 
-template <class F> float median_ms(F&& f, int reps = 15) {
+template <class F>
+float median_ms(F&& f, int reps = 15) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
@@ -78,7 +79,8 @@ void bench_codec(const char* label, int n, float* x, float* y, std::uint8_t* pay
   d.seed = 1234;
   d.n = n;
   d.out = y;
-  const double bytes = double(n) * (Codec::head_dim * 4.0 + Codec::payload_bytes + Codec::meta_bytes);
+  const double bytes =
+      double(n) * (Codec::head_dim * 4.0 + Codec::payload_bytes + Codec::meta_bytes);
   const float enc = median_ms([&] { CK(cuda::launch_encode(e)); });
   const float dec = median_ms([&] { CK(cuda::launch_decode(d)); });
   const double ge = bytes / (enc * 1e-3) / 1e9, gd = bytes / (dec * 1e-3) / 1e9;
@@ -119,9 +121,11 @@ int main(int argc, char** argv) {
 
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device %s; %d vectors (d=128); bytes = float input + payload + meta\n", prop.name, n);
+  std::printf("device %s; %d vectors (d=128); bytes = float input + payload + meta\n", prop.name,
+              n);
   std::printf("%-22s %10s %10s %10s\n", "kernel", "ms", "GB/s", "vs copy");
-  for (const auto& r : rows) std::printf("%-22s %10.4f %10.1f %10.3f\n", r.name.c_str(), r.ms, r.gbps, r.ratio_to_copy);
+  for (const auto& r : rows)
+    std::printf("%-22s %10.4f %10.1f %10.3f\n", r.name.c_str(), r.ms, r.gbps, r.ratio_to_copy);
   if (!out.empty()) {
     FILE* f = std::fopen(out.c_str(), "w");
     if (!f) {

@@ -29,15 +29,18 @@ namespace {
 using tierkv::bench::die_if;
 
 enum variant : int { baseline = 0, tq3_table, tq3_e4m3, fp8_cvt, tq4_lop3, int8_prmt, variants };
-const char* names[variants] = {"baseline", "tq3_table", "tq3_e4m3", "fp8_cvt", "tq4_lop3", "int8_prmt"};
+const char* names[variants] = {"baseline", "tq3_table", "tq3_e4m3",
+                               "fp8_cvt",  "tq4_lop3",  "int8_prmt"};
 
 __device__ __forceinline__ std::uint32_t e4m3x2(std::uint32_t w) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  const __half2_raw r =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
   return std::uint32_t(r.x) | (std::uint32_t(r.y) << 16);
 }
 
 template <int V>
-__global__ void __launch_bounds__(256) unpack_kernel(int iters, std::uint32_t seed, std::uint32_t* sink) {
+__global__ void __launch_bounds__(256)
+    unpack_kernel(int iters, std::uint32_t seed, std::uint32_t* sink) {
   // 4 independent streams per thread so the loop is issue-bound, not latency-bound
   std::uint32_t w[4], acc[4];
 #pragma unroll
@@ -51,8 +54,10 @@ __global__ void __launch_bounds__(256) unpack_kernel(int iters, std::uint32_t se
       std::uint32_t a = w[s], b = 0u;  // baseline: the loop's own multiply-add and xor
       if constexpr (V == tq3_table) {
         const std::uint32_t sel = w[s] & 0x7777u;
-        const std::uint32_t lo = __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
-        const std::uint32_t hi = __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
+        const std::uint32_t lo =
+            __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
+        const std::uint32_t hi =
+            __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
         a = __byte_perm(lo, hi, 0x5140);
         b = __byte_perm(lo, hi, 0x7362);
       } else if constexpr (V == tq3_e4m3) {
@@ -110,8 +115,12 @@ float time_variant(int blocks, int iters, std::uint32_t* sink) {
 int main(int argc, char** argv) {
   std::string out;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
-    else { std::fprintf(stderr, "gpubench_unpack: unknown argument %s\n", argv[i]); return 2; }
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc)
+      out = argv[++i];
+    else {
+      std::fprintf(stderr, "gpubench_unpack: unknown argument %s\n", argv[i]);
+      return 2;
+    }
   }
   cudaDeviceProp prop;
   die_if(cudaGetDeviceProperties(&prop, 0), "props");
@@ -137,8 +146,10 @@ int main(int argc, char** argv) {
     const double net = double(ms[v] - ms[baseline]) * 1e6 / groups_per_sm;
     std::printf("%-10s %10.3f %16.4f %22.4f\n", names[v], ms[v], ns, net);
     char buf[256];
-    std::snprintf(buf, sizeof buf, "%s{\"variant\":\"%s\",\"ms\":%.4f,\"ns_per_4codes_per_sm\":%.5f,\"net_ns\":%.5f}",
-                  v ? "," : "", names[v], double(ms[v]), ns, net);
+    std::snprintf(
+        buf, sizeof buf,
+        "%s{\"variant\":\"%s\",\"ms\":%.4f,\"ns_per_4codes_per_sm\":%.5f,\"net_ns\":%.5f}",
+        v ? "," : "", names[v], double(ms[v]), ns, net);
     js += buf;
   }
   js += "]}";

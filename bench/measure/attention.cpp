@@ -6,9 +6,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <ctime>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <numeric>
 #include <random>
 #include <string>
@@ -41,19 +41,20 @@ struct cache {
 
   // k, v: [batch][len][KVH][D]. tier_of(page, pages) -> 0 FP8 / 1 TQ3.
   template <class F>
-  void build(const std::vector<float>& k, const std::vector<float>& v, int batch, int len, F tier_of,
-             std::uint64_t seed) {
+  void build(const std::vector<float>& k, const std::vector<float>& v, int batch, int len,
+             F tier_of, std::uint64_t seed) {
     lens.assign(std::size_t(batch), len);
     const int pages = (len + P - 1) / P;
     build_tier<0>(k, v, batch, len, pages, tier_of, seed);
     build_tier<1>(k, v, batch, len, pages, tier_of, seed);
     index.batch = batch;
     index.seq_len = lens.data();
-    for (int f = 0; f < 2; ++f) index.formats[f] = {indptr[f].data(), slot[f].data(), logical[f].data()};
+    for (int f = 0; f < 2; ++f)
+      index.formats[f] = {indptr[f].data(), slot[f].data(), logical[f].data()};
   }
   template <int I, class F>
-  void build_tier(const std::vector<float>& k, const std::vector<float>& v, int batch, int len, int pages,
-                  F tier_of, std::uint64_t seed) {
+  void build_tier(const std::vector<float>& k, const std::vector<float>& v, int batch, int len,
+                  int pages, F tier_of, std::uint64_t seed) {
     using T = tier_at_t<mixed, I>;
     using KC = typename T::template key_codec<D>;
     using VC = typename T::template value_codec<D>;
@@ -72,13 +73,15 @@ struct cache {
     store[I].assign(std::max<std::size_t>(1, slot[I].size()) * layout::page_bytes, 0xFF);
     for (int b = 0; b < batch; ++b)
       for (int e = indptr[I][std::size_t(b)]; e < indptr[I][std::size_t(b) + 1]; ++e) {
-        std::uint8_t* page = store[I].data() + std::size_t(slot[I][std::size_t(e)]) * layout::page_bytes;
+        std::uint8_t* page =
+            store[I].data() + std::size_t(slot[I][std::size_t(e)]) * layout::page_bytes;
         const int p = logical[I][std::size_t(e)];
         for (int h = 0; h < KVH; ++h) {
           const auto kc = make_codec_context(seed, 0, h, kv_role::key);
           const auto vc = make_codec_context(seed, 0, h, kv_role::value);
           for (int t = 0; t < P && p * P + t < len; ++t) {
-            const std::size_t off = ((std::size_t(b) * len + std::size_t(p * P + t)) * KVH + std::size_t(h)) * D;
+            const std::size_t off =
+                ((std::size_t(b) * len + std::size_t(p * P + t)) * KVH + std::size_t(h)) * D;
             typename KC::meta_type km{};
             typename VC::meta_type vm{};
             (void)KC::encode(k.data() + off, page + layout::key_payload(h, t), km, kc, nullptr);
@@ -88,7 +91,8 @@ struct cache {
           }
         }
       }
-    pools[I] = pool_view{store[I].data(), layout::page_bytes, std::uint32_t(std::max<std::size_t>(1, slot[I].size()))};
+    pools[I] = pool_view{store[I].data(), layout::page_bytes,
+                         std::uint32_t(std::max<std::size_t>(1, slot[I].size()))};
   }
 };
 
@@ -114,7 +118,8 @@ struct fidelity {
 
 // One sequence (batch 1), one KV head group; errors averaged over the group's query heads.
 template <int D, int G>
-fidelity measure_fidelity(arm which, int len, bool outliers, std::uint64_t seed, double anchor_tokens = 64) {
+fidelity measure_fidelity(arm which, int len, bool outliers, std::uint64_t seed,
+                          double anchor_tokens = 64) {
   using Geo = geometry<head_dim<D>, kv_heads<1>, group_size<G>, page_tokens<64>>;
   constexpr int P = 64;
   std::mt19937_64 rng(seed);
@@ -158,7 +163,9 @@ fidelity measure_fidelity(arm which, int len, bool outliers, std::uint64_t seed,
     double m = -INFINITY;
     for (int t = 0; t < len; ++t) {
       double d = 0;
-      for (int i = 0; i < D; ++i) d += double(q[std::size_t(g) * D + std::size_t(i)]) * k[std::size_t(t) * D + std::size_t(i)];
+      for (int i = 0; i < D; ++i)
+        d +=
+            double(q[std::size_t(g) * D + std::size_t(i)]) * k[std::size_t(t) * D + std::size_t(i)];
       s[std::size_t(t)] = d / std::sqrt(double(D));
       m = std::max(m, s[std::size_t(t)]);
     }
@@ -193,7 +200,8 @@ template <int D, int G>
 fidelity averaged(arm which, int len, bool outliers, int trials) {
   fidelity acc;
   for (int t = 0; t < trials; ++t) {
-    const auto f = measure_fidelity<D, G>(which, len, outliers, 1000 + std::uint64_t(t) * 17 + std::uint64_t(D));
+    const auto f = measure_fidelity<D, G>(which, len, outliers,
+                                          1000 + std::uint64_t(t) * 17 + std::uint64_t(D));
     acc.rel_err += f.rel_err / trials;
     acc.lse_err += f.lse_err / trials;
     acc.spearman += f.spearman / trials;
@@ -208,13 +216,18 @@ double throughput(int batch, int len, unsigned threads, double* ms_out, double* 
   constexpr int D = 128, KVH = 8, QH = 32;
   std::mt19937_64 rng(5);
   std::normal_distribution<float> nd;
-  std::vector<float> k(std::size_t(batch) * len * KVH * D), v(k.size()), q(std::size_t(batch) * QH * D);
+  std::vector<float> k(std::size_t(batch) * len * KVH * D), v(k.size()),
+      q(std::size_t(batch) * QH * D);
   for (auto& x : k) x = nd(rng);
   for (auto& x : v) x = nd(rng);
   for (auto& x : q) x = nd(rng);
   cache<Geo> c;
-  c.build(k, v, batch, len,
-          [](int p, int pages) { return p < 1 || p >= pages - int(std::lround(0.27 * pages)) + 1 ? 0 : 1; }, 9);
+  c.build(
+      k, v, batch, len,
+      [](int p, int pages) {
+        return p < 1 || p >= pages - int(std::lround(0.27 * pages)) + 1 ? 0 : 1;
+      },
+      9);
   std::vector<float> out(q.size());
   host_attention_workspace ws(threads);
   host_decode_args<2> a;
@@ -242,12 +255,15 @@ double throughput(int batch, int len, unsigned threads, double* ms_out, double* 
 
 int main() {
   measure::report rep("attention");
-  std::printf("Host decode vs float64 dense reference on the ORIGINAL vectors (batch 1, group 4, 16K tokens,\n"
-              "page 64; mixed = first page + newest pages FP8 = 27%%, rest TQ3); mean over 3 seeds\n\n");
-  std::printf("%-8s %-6s %-8s %10s %10s %10s %8s\n", "arm", "d", "keys", "rel_l2", "lse_err", "spearman", "top8");
+  std::printf(
+      "Host decode vs float64 dense reference on the ORIGINAL vectors (batch 1, group 4, 16K "
+      "tokens,\n"
+      "page 64; mixed = first page + newest pages FP8 = 27%%, rest TQ3); mean over 3 seeds\n\n");
+  std::printf("%-8s %-6s %-8s %10s %10s %10s %8s\n", "arm", "d", "keys", "rel_l2", "lse_err",
+              "spearman", "top8");
   auto row = [&](const char* arm_s, int d, const char* keys, const fidelity& f) {
-    std::printf("%-8s %-6d %-8s %10.4f %10.2e %10.4f %8.3f\n", arm_s, d, keys, f.rel_err, f.lse_err, f.spearman,
-                f.top8);
+    std::printf("%-8s %-6d %-8s %10.4f %10.2e %10.4f %8.3f\n", arm_s, d, keys, f.rel_err, f.lse_err,
+                f.spearman, f.top8);
   };
   const int L = 16384;
   for (int a = 0; a < 3; ++a)
@@ -280,8 +296,11 @@ int main() {
     std::printf("%-8d %10.4f %10.2e %10.4f %8.3f\n", len, f.rel_err, f.lse_err, f.spearman, f.top8);
     if (len == 131072) rep.metric("rel_err_mixed_d128_128k", f.rel_err);
   }
-  std::printf("\nHost decode throughput (d=128, 8 KV heads x group 4 = 32 query heads, mixed 27%% FP8, one layer)\n");
-  std::printf("%-6s %-8s %-8s %10s %16s %18s\n", "batch", "context", "threads", "ms", "tokens/s", "tokens/cpu-s");
+  std::printf(
+      "\nHost decode throughput (d=128, 8 KV heads x group 4 = 32 query heads, mixed 27%% FP8, one "
+      "layer)\n");
+  std::printf("%-6s %-8s %-8s %10s %16s %18s\n", "batch", "context", "threads", "ms", "tokens/s",
+              "tokens/cpu-s");
   double best = 0;
   for (unsigned th : {1u, 2u}) {
     double ms = 0, cpu_tps = 0;

@@ -19,7 +19,8 @@ namespace {
 constexpr int kMseVectors = 100000;
 constexpr int kIpVectors = 100000;
 
-template <fp8_kind K> double fp8_max_rel_err() {
+template <fp8_kind K>
+double fp8_max_rel_err() {
   using F = fp8_format<K>;
   double worst = 0;
   const std::uint32_t hi = detail::float_bits(F::max_value);
@@ -91,8 +92,10 @@ int main() {
 
   const double e4 = fp8_max_rel_err<fp8_kind::e4m3>();
   const double e5 = fp8_max_rel_err<fp8_kind::e5m2>();
-  std::printf("\nFP8 max relative error over every float in the normal range: E4M3 %.6f "
-              "(bound 2^-4 = 0.0625), E5M2 %.6f (bound 2^-3)\n", e4, e5);
+  std::printf(
+      "\nFP8 max relative error over every float in the normal range: E4M3 %.6f "
+      "(bound 2^-4 = 0.0625), E5M2 %.6f (bound 2^-3)\n",
+      e4, e5);
 
   std::printf("\nbits per scalar (payload + meta):\n%-12s %8s %8s %8s %8s\n", "codec", "d=64",
               "d=128", "d=256", "d=512");
@@ -102,9 +105,9 @@ int main() {
   std::printf("%-12s %8.4f %8.4f %8.4f %8.4f\n", "fp8", bits_per_scalar<fp8_e4m3::bind<64>>,
               bits_per_scalar<fp8_e4m3::bind<128>>, bits_per_scalar<fp8_e4m3::bind<256>>,
               bits_per_scalar<fp8_e4m3::bind<512>>);
-  std::printf("%-12s %8.4f %8.4f %8.4f %8.4f\n", "dense_bf16", bits_per_scalar<dense_bf16::bind<64>>,
-              bits_per_scalar<dense_bf16::bind<128>>, bits_per_scalar<dense_bf16::bind<256>>,
-              bits_per_scalar<dense_bf16::bind<512>>);
+  std::printf("%-12s %8.4f %8.4f %8.4f %8.4f\n", "dense_bf16",
+              bits_per_scalar<dense_bf16::bind<64>>, bits_per_scalar<dense_bf16::bind<128>>,
+              bits_per_scalar<dense_bf16::bind<256>>, bits_per_scalar<dense_bf16::bind<512>>);
 
   // The headline metrics (EVALUATION.md §1): TQ3 MSE is the value codec's (tq3_value),
   // the inner-product bias the key codec's (tq3_key).
@@ -129,7 +132,10 @@ int main() {
   rep.metric("fp8_bits_per_scalar_d256", bits_per_scalar<fp8_e4m3::bind<256>>);
   rep.metric("dense_bf16_bits_per_scalar_d128", bits_per_scalar<dense_bf16::bind<128>>);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("\ntarget: tq3_rel_mse <= 0.0350 at every d; |tq3_ip_bias| ~ 0; fp8_e4m3_max_rel_err <= 0.0625  (%.1f s)\n", secs);
+  std::printf(
+      "\ntarget: tq3_rel_mse <= 0.0350 at every d; |tq3_ip_bias| ~ 0; fp8_e4m3_max_rel_err <= "
+      "0.0625  (%.1f s)\n",
+      secs);
   rep.emit();
   return 0;
 }

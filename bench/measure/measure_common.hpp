@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <cstdio>
 #include <map>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>

@@ -3,9 +3,9 @@
 // accounting for real geometries and tier mixes (FP8 everywhere, TQ3 everywhere, 27%
 // of pages FP8), every page encoded with the real codecs. Last line: JSON.
 #include <algorithm>
-#include <ctime>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -42,7 +42,8 @@ double median(std::vector<double> v) {
 }
 
 template <class S>
-std::unique_ptr<S> make(int layers, std::uint32_t pages0, std::uint32_t pages1, std::uint32_t seqs) {
+std::unique_ptr<S> make(int layers, std::uint32_t pages0, std::uint32_t pages1,
+                        std::uint32_t seqs) {
   typename S::options o;
   o.num_layers = layers;
   o.max_sequences = seqs;
@@ -58,7 +59,8 @@ std::unique_ptr<S> make(int layers, std::uint32_t pages0, std::uint32_t pages1, 
 }
 
 template <class S>
-void random_kv(int layers, std::int64_t n, std::mt19937& rng, std::vector<float>& k, std::vector<float>& v) {
+void random_kv(int layers, std::int64_t n, std::mt19937& rng, std::vector<float>& k,
+               std::vector<float>& v) {
   std::normal_distribution<float> g;
   k.resize(std::size_t(layers) * std::size_t(n) * S::kv_heads * S::head_dim);
   v.resize(k.size());
@@ -92,10 +94,11 @@ void convert_page(S& s, seq_id id, int layer, std::int64_t lp, std::uint64_t see
     for (int t = 0; t < S::page_tokens; ++t) {
       const auto kctx = make_codec_context(seed, layer, h, kv_role::key);
       const auto vctx = make_codec_context(seed, layer, h, kv_role::value);
-      recode(typename L0::key_codec{}, typename L1::key_codec{}, src + L0::key_payload(h, t), src + L0::key_meta(h, t),
-             dst + L1::key_payload(h, t), dst + L1::key_meta(h, t), kctx);
+      recode(typename L0::key_codec{}, typename L1::key_codec{}, src + L0::key_payload(h, t),
+             src + L0::key_meta(h, t), dst + L1::key_payload(h, t), dst + L1::key_meta(h, t), kctx);
       recode(typename L0::value_codec{}, typename L1::value_codec{}, src + L0::value_payload(h, t),
-             src + L0::value_meta(h, t), dst + L1::value_payload(h, t), dst + L1::value_meta(h, t), vctx);
+             src + L0::value_meta(h, t), dst + L1::value_payload(h, t), dst + L1::value_meta(h, t),
+             vctx);
     }
   if (auto st = s.replace_page(id, layer, lp, old, fresh); !st) {
     std::fprintf(stderr, "replace_page: %s\n", st.message().c_str());
@@ -127,8 +130,9 @@ memory_report accounting(int layers, int pages, int fp8_pages, const char* label
     if (!keep[std::size_t(lp)])
       for (int l = 0; l < layers; ++l) convert_page(*s, id, l, lp, s->config().codec_seed);
   const memory_report r = make_report(*s);
-  std::printf("\n== %s: %d layers, %d KV heads, head_dim %d, %d logical pages of %d tokens, %d FP8 ==\n", label,
-              layers, S::kv_heads, S::head_dim, pages, S::page_tokens, fp8_pages);
+  std::printf(
+      "\n== %s: %d layers, %d KV heads, head_dim %d, %d logical pages of %d tokens, %d FP8 ==\n",
+      label, layers, S::kv_heads, S::head_dim, pages, S::page_tokens, fp8_pages);
   std::cout << r;
   if (!r.reconciles()) {
     std::fprintf(stderr, "accounting does not reconcile\n");
@@ -155,7 +159,8 @@ memory_report bf16_control(int layers, int pages) {
 template <class Geometry, class Tier0 = fp8_tier>
 double append_tokens_per_s(int layers, int batch, int steps) {
   using S = paged_storage<Geometry, tiers<Tier0>>;
-  const std::uint32_t pages = std::uint32_t(layers * batch * ((steps + S::page_tokens - 1) / S::page_tokens));
+  const std::uint32_t pages =
+      std::uint32_t(layers * batch * ((steps + S::page_tokens - 1) / S::page_tokens));
   auto s = make<S>(layers, pages, 1, std::uint32_t(batch));
   std::mt19937 rng(3);
   std::vector<float> k, v;
@@ -208,7 +213,8 @@ int main() {
   using g256_p64 = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
 
   measure::report out("paging");
-  std::printf("paging: accounting from the storage's own report (100 logical pages, every page full)\n");
+  std::printf(
+      "paging: accounting from the storage's own report (100 logical pages, every page full)\n");
   const auto fp8 = accounting<g256>(16, 100, 100, "d256 FP8 everywhere");
   const auto tq3 = accounting<g256>(16, 100, 0, "d256 TQ3 everywhere");
   const auto mix = accounting<g256>(16, 100, 27, "d256 tiered, 27% of pages FP8");
@@ -231,19 +237,27 @@ int main() {
   row("SmolLM2-135M, TQ3", s_tq3);
   row("SmolLM2-135M, 27% FP8", s_mix);
 
-  std::printf("\nCPU rates (median of 5, process CPU time; host encode into FP8 pages, all layers per token)\n");
+  std::printf(
+      "\nCPU rates (median of 5, process CPU time; host encode into FP8 pages, all layers per "
+      "token)\n");
   const double app256 = append_tokens_per_s<g256_p64>(16, 64, 64);
   const double app64 = append_tokens_per_s<g64>(30, 64, 64);
   // The same with the lossless dense_f32 format (a copy per vector): the paging cost alone.
   const double app256_dense = append_tokens_per_s<g256_p64, tier<dense_f32, dense_f32>>(16, 64, 64);
   const double fork256 = forks_per_s<g256_p64>(16, 1000);
   const double fork64 = forks_per_s<g64>(30, 1000);
-  std::printf("append d256 (16 layers, 64 tokens/page), B=64, 1 token/call: %.0f tokens/s (%.2f us per token)\n",
-              app256, 1e6 / app256);
-  std::printf("append SmolLM2 (30 layers), B=64, 1 token/call:              %.0f tokens/s (%.2f us per token)\n",
-              app64, 1e6 / app64);
-  std::printf("append d256 in dense_f32 (copy, no encode), B=64:             %.0f tokens/s (%.2f us per token)\n",
-              app256_dense, 1e6 / app256_dense);
+  std::printf(
+      "append d256 (16 layers, 64 tokens/page), B=64, 1 token/call: %.0f tokens/s (%.2f us per "
+      "token)\n",
+      app256, 1e6 / app256);
+  std::printf(
+      "append SmolLM2 (30 layers), B=64, 1 token/call:              %.0f tokens/s (%.2f us per "
+      "token)\n",
+      app64, 1e6 / app64);
+  std::printf(
+      "append d256 in dense_f32 (copy, no encode), B=64:             %.0f tokens/s (%.2f us per "
+      "token)\n",
+      app256_dense, 1e6 / app256_dense);
   std::printf("fork+release d256, 1000 tokens (open tail copied):         %.0f ops/s\n", fork256);
   std::printf("fork+release SmolLM2, 1000 tokens (open tail copied):      %.0f ops/s\n", fork64);
 
@@ -263,7 +277,8 @@ int main() {
   out.metric("append_tokens_per_s_dense_f32_d256_b64", app256_dense);
   out.metric("fork_per_s_d256_1000tok", fork256);
   out.metric("fork_per_s_smollm2_1000tok", fork64);
-  out.metric("accounting_reconciles", (fp8.reconciles() && tq3.reconciles() && mix.reconciles()) ? 1 : 0);
+  out.metric("accounting_reconciles",
+             (fp8.reconciles() && tq3.reconciles() && mix.reconciles()) ? 1 : 0);
   out.emit();
   return 0;
 }

@@ -7,9 +7,9 @@
 // per-page attention mass from the compressed path with a float64 dense reference.
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <map>
 #include <numeric>
 #include <random>
@@ -35,14 +35,16 @@ using tq3_tier = tier<tq3_key, tq3_value>;
 using two = tiers<fp8_tier, tq3_tier>;
 
 float gauss(std::uint64_t seed, int layer, int head, int role, int d) {
-  const std::uint64_t k = mix64(seed * 0x9E3779B97F4A7C15ull ^ (std::uint64_t(layer) << 40 | std::uint64_t(head) << 24 |
-                                                                std::uint64_t(role) << 16 | std::uint64_t(d)));
+  const std::uint64_t k =
+      mix64(seed * 0x9E3779B97F4A7C15ull ^ (std::uint64_t(layer) << 40 | std::uint64_t(head) << 24 |
+                                            std::uint64_t(role) << 16 | std::uint64_t(d)));
   const double u1 = (double(k >> 11) + 0.5) / 9007199254740992.0;
   const double u2 = double(mix64(k) >> 11) / 9007199254740992.0;
   return float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
 }
 template <int H, int D>
-void make_kv(int layers, const std::vector<std::uint64_t>& seeds, std::vector<float>& k, std::vector<float>& v) {
+void make_kv(int layers, const std::vector<std::uint64_t>& seeds, std::vector<float>& k,
+             std::vector<float>& v) {
   k.resize(std::size_t(layers) * seeds.size() * H * D);
   v.resize(k.size());
   std::size_t i = 0;
@@ -66,8 +68,8 @@ double thread_cpu_seconds() {
 
 // ---- (1) randomized run ---------------------------------------------------------------------
 struct run_figures {
-  std::uint64_t steps = 0, conversions = 0, promotions = 0, demotions = 0, pressure = 0, faults = 0, lost = 0,
-                kept_after_fault = 0, refused = 0;
+  std::uint64_t steps = 0, conversions = 0, promotions = 0, demotions = 0, pressure = 0, faults = 0,
+                lost = 0, kept_after_fault = 0, refused = 0;
   double seconds = 0;
 };
 
@@ -136,7 +138,8 @@ run_figures randomized_run(std::uint64_t steps) {
       const seq_id batch[1] = {*q};
       auto view = build_batch_index(*s, layer, std::span<const seq_id>(batch, 1), layout, buf);
       float query[2 * 64], out[2 * 64];
-      const std::uint64_t target = 1 + rng() % (token - 1);  // often a token of another sequence: diffuse
+      const std::uint64_t target =
+          1 + rng() % (token - 1);  // often a token of another sequence: diffuse
       for (int j = 0; j < 128; ++j) query[j] = 2.0f * gauss(target, layer, 0, 0, j % 64);
       const auto pools = s->views();
       host_decode_args<2> a;
@@ -154,7 +157,8 @@ run_figures randomized_run(std::uint64_t steps) {
       const auto planned = c->plan(step);
       const std::vector<conversion> plan(planned.begin(), planned.end());
       std::vector<page_id> before(plan.size());
-      for (std::size_t j = 0; j < plan.size(); ++j) before[j] = s->block_page(plan[j].block, plan[j].layer);
+      for (std::size_t j = 0; j < plan.size(); ++j)
+        before[j] = s->block_page(plan[j].block, plan[j].layer);
       faults_at f;
       if (!plan.empty() && rng() % 3 == 0) f.fail_at = 1 + rng() % (plan.size() * conversion_steps);
       const retier_stats st = c->apply(plan, f);
@@ -164,10 +168,11 @@ run_figures randomized_run(std::uint64_t steps) {
       fig.faults += f.injected;
       for (std::size_t j = 0; j < plan.size(); ++j) {
         const page_id now = s->block_page(plan[j].block, plan[j].layer);
-        const bool ok = (now == before[j] || int(now.format) == plan[j].to) && s->check_page(now).is_ok() &&
-                        s->page_published(now);
+        const bool ok = (now == before[j] || int(now.format) == plan[j].to) &&
+                        s->check_page(now).is_ok() && s->page_published(now);
         if (!ok) ++fig.lost;
-        if (f.injected && plan[j].block == f.block && plan[j].layer == f.layer && now == before[j]) ++fig.kept_after_fault;
+        if (f.injected && plan[j].block == f.block && plan[j].layer == f.layer && now == before[j])
+          ++fig.kept_after_fault;
       }
     } else if (op < 94 && q != nullptr) {
       if (*s->length(*q) % 16 != 0 && !c->make_room(std::uint32_t(o.num_layers))) continue;
@@ -227,7 +232,7 @@ throughput conversion_throughput() {
 // ---- (3) shadows: does keeping a demoted page's FP8 copy pay? --------------------------------
 struct shadow_figures {
   std::uint64_t promotions = 0, shadow_hits = 0;
-  double decode_err = 0;         // mean relative L2 decode error vs float64 over the original tokens
+  double decode_err = 0;  // mean relative L2 decode error vs float64 over the original tokens
   std::size_t fp8_pages_peak = 0;
 };
 shadow_figures shadow_run(bool keep) {
@@ -237,8 +242,13 @@ shadow_figures shadow_run(bool keep) {
   cache_t::options opt;
   opt.storage.num_layers = 1;
   opt.storage.pages_per_tier = {48, 64};
-  opt.policy = policy::recency_anchor({.recent_pages = 2, .sink_pages = 1, .ema_alpha = 0.5f, .enter_mass = 3.0f,
-                                       .leave_mass = 1.5f, .min_dwell_steps = 2, .keep_first_layers = 0,
+  opt.policy = policy::recency_anchor({.recent_pages = 2,
+                                       .sink_pages = 1,
+                                       .ema_alpha = 0.5f,
+                                       .enter_mass = 3.0f,
+                                       .leave_mass = 1.5f,
+                                       .min_dwell_steps = 2,
+                                       .keep_first_layers = 0,
                                        .keep_last_layers = 0});
   opt.tiering.keep_shadows = keep;
   opt.tiering.shadow_slack_percent = 10;
@@ -267,7 +277,8 @@ shadow_figures shadow_run(bool keep) {
       double mx = -1e300;
       for (std::size_t t = 0; t < tokens.size(); ++t) {
         double d = 0;
-        for (int j = 0; j < D; ++j) d += double(q[std::size_t(h * D + j)]) * gauss(tokens[t], 0, 0, 0, j);
+        for (int j = 0; j < D; ++j)
+          d += double(q[std::size_t(h * D + j)]) * gauss(tokens[t], 0, 0, 0, j);
         logit[t] = d * 0.125;
         mx = std::max(mx, logit[t]);
       }
@@ -275,7 +286,8 @@ shadow_figures shadow_run(bool keep) {
       for (double& l : logit) sum += (l = std::exp(l - mx));
       for (int j = 0; j < D; ++j) {
         double o = 0;
-        for (std::size_t t = 0; t < tokens.size(); ++t) o += logit[t] / sum * gauss(tokens[t], 0, 0, 1, j);
+        for (std::size_t t = 0; t < tokens.size(); ++t)
+          o += logit[t] / sum * gauss(tokens[t], 0, 0, 1, j);
         num += (out[std::size_t(h * D + j)] - o) * (out[std::size_t(h * D + j)] - o);
         den += o * o;
       }
@@ -283,7 +295,8 @@ shadow_figures shadow_run(bool keep) {
     err_sum += std::sqrt(num / den);
     ++err_n;
     const retier_stats st = c->retier(step);
-    f.fp8_pages_peak = std::max<std::size_t>(f.fp8_pages_peak, c->storage().template pool<0>().live_count());
+    f.fp8_pages_peak =
+        std::max<std::size_t>(f.fp8_pages_peak, c->storage().template pool<0>().live_count());
     (void)st;
   }
   f.promotions = c->controller().totals().promoted;
@@ -321,7 +334,8 @@ mass_figures mass_ranking() {
     for (int h = 0; h < QH; ++h)
       for (int d = 0; d < D; ++d) {
         double x = 0.3 * gauss(999 + std::uint64_t(trial), 0, h, 3, d);
-        for (int j = 0; j < 6; ++j) x += 0.6 * gauss(tokens[std::size_t((trial * 37 + j * 173) % (P * T))], 0, h / GS, 0, d);
+        for (int j = 0; j < 6; ++j)
+          x += 0.6 * gauss(tokens[std::size_t((trial * 37 + j * 173) % (P * T))], 0, h / GS, 0, d);
         query[std::size_t(h * D + d)] = float(x);
       }
     // float64 dense reference mass per page over the original tokens.
@@ -331,7 +345,8 @@ mass_figures mass_ranking() {
       double mx = -1e300;
       for (std::size_t t = 0; t < tokens.size(); ++t) {
         double dot = 0;
-        for (int d = 0; d < D; ++d) dot += double(query[std::size_t(h * D + d)]) * gauss(tokens[t], 0, h / GS, 0, d);
+        for (int d = 0; d < D; ++d)
+          dot += double(query[std::size_t(h * D + d)]) * gauss(tokens[t], 0, h / GS, 0, d);
         logit[t] = dot / std::sqrt(double(D));
         mx = std::max(mx, logit[t]);
       }
@@ -364,7 +379,8 @@ mass_figures mass_ranking() {
       std::iota(ia.begin(), ia.end(), 0);
       ib = ia;
       std::sort(ia.begin(), ia.end(), [&](std::size_t x, std::size_t y) { return a[x] > a[y]; });
-      std::sort(ib.begin(), ib.end(), [&](std::size_t x, std::size_t y) { return ref[x] > ref[y]; });
+      std::sort(ib.begin(), ib.end(),
+                [&](std::size_t x, std::size_t y) { return ref[x] > ref[y]; });
       int n = 0;
       for (int i = 0; i < 8; ++i)
         for (int j = 0; j < 8; ++j) n += ia[std::size_t(i)] == ib[std::size_t(j)];
@@ -402,30 +418,48 @@ mass_figures mass_ranking() {
 int main() {
   measure::report rep("tiering");
   const run_figures r = randomized_run(100000);
-  std::printf("randomized run (default policy, R=2, dwell 4, 4 layers, faults injected in 1/3 of retiers)\n");
-  std::printf("  steps %llu  conversions %llu (promotions %llu, demotions %llu, of them under memory pressure %llu)\n",
-              (unsigned long long)r.steps, (unsigned long long)r.conversions, (unsigned long long)r.promotions,
-              (unsigned long long)r.demotions, (unsigned long long)r.pressure);
-  std::printf("  faults injected %llu  live pages lost %llu  faulted pages at old id %llu (%.1f%%)  refused appends %llu  (%.2f s)\n",
-              (unsigned long long)r.faults, (unsigned long long)r.lost, (unsigned long long)r.kept_after_fault,
-              r.faults ? 100.0 * double(r.kept_after_fault) / double(r.faults) : 100.0, (unsigned long long)r.refused,
-              r.seconds);
+  std::printf(
+      "randomized run (default policy, R=2, dwell 4, 4 layers, faults injected in 1/3 of "
+      "retiers)\n");
+  std::printf(
+      "  steps %llu  conversions %llu (promotions %llu, demotions %llu, of them under memory "
+      "pressure %llu)\n",
+      (unsigned long long)r.steps, (unsigned long long)r.conversions,
+      (unsigned long long)r.promotions, (unsigned long long)r.demotions,
+      (unsigned long long)r.pressure);
+  std::printf(
+      "  faults injected %llu  live pages lost %llu  faulted pages at old id %llu (%.1f%%)  "
+      "refused appends %llu  (%.2f s)\n",
+      (unsigned long long)r.faults, (unsigned long long)r.lost,
+      (unsigned long long)r.kept_after_fault,
+      r.faults ? 100.0 * double(r.kept_after_fault) / double(r.faults) : 100.0,
+      (unsigned long long)r.refused, r.seconds);
   const throughput t = conversion_throughput();
-  std::printf("host conversion, one page (d=128, 8 KV heads, 64 tokens; FP8 page %.0f B, TQ3 page %.0f B), 1 thread:\n",
-              t.page_bytes_fp8, t.page_bytes_tq3);
-  std::printf("  FP8 -> TQ3 %.1f us/page (%.3f GB/s of FP8 read)   TQ3 -> FP8 %.1f us/page\n", t.demote_us,
-              t.page_bytes_fp8 / t.demote_us * 1e-3, t.promote_us);
+  std::printf(
+      "host conversion, one page (d=128, 8 KV heads, 64 tokens; FP8 page %.0f B, TQ3 page %.0f B), "
+      "1 thread:\n",
+      t.page_bytes_fp8, t.page_bytes_tq3);
+  std::printf("  FP8 -> TQ3 %.1f us/page (%.3f GB/s of FP8 read)   TQ3 -> FP8 %.1f us/page\n",
+              t.demote_us, t.page_bytes_fp8 / t.demote_us * 1e-3, t.promote_us);
   const shadow_figures off = shadow_run(false), on = shadow_run(true);
   std::printf("shadow copies (attention revisits pages; 400 steps, 25 pages):\n");
-  std::printf("  off: promotions %llu, decode rel err vs float64 originals %.4f, FP8 pages peak %zu\n",
-              (unsigned long long)off.promotions, off.decode_err, off.fp8_pages_peak);
-  std::printf("  on:  promotions %llu (lossless from shadow %llu), decode rel err %.4f, FP8 pages peak %zu\n",
-              (unsigned long long)on.promotions, (unsigned long long)on.shadow_hits, on.decode_err, on.fp8_pages_peak);
+  std::printf(
+      "  off: promotions %llu, decode rel err vs float64 originals %.4f, FP8 pages peak %zu\n",
+      (unsigned long long)off.promotions, off.decode_err, off.fp8_pages_peak);
+  std::printf(
+      "  on:  promotions %llu (lossless from shadow %llu), decode rel err %.4f, FP8 pages peak "
+      "%zu\n",
+      (unsigned long long)on.promotions, (unsigned long long)on.shadow_hits, on.decode_err,
+      on.fp8_pages_peak);
   const mass_figures mf = mass_ranking();
-  std::printf("per-page attention mass, compressed path vs float64 dense (%d pages, median of %d trials):\n", mf.pages,
-              mf.trials);
-  std::printf("  mixed FP8/TQ3: Spearman %.4f, top-8 overlap %.3f   all TQ3 (but the open page): Spearman %.4f, top-8 %.3f\n",
-              mf.spearman_mixed, mf.top8_mixed, mf.spearman_tq3, mf.top8_tq3);
+  std::printf(
+      "per-page attention mass, compressed path vs float64 dense (%d pages, median of %d "
+      "trials):\n",
+      mf.pages, mf.trials);
+  std::printf(
+      "  mixed FP8/TQ3: Spearman %.4f, top-8 overlap %.3f   all TQ3 (but the open page): Spearman "
+      "%.4f, top-8 %.3f\n",
+      mf.spearman_mixed, mf.top8_mixed, mf.spearman_tq3, mf.top8_tq3);
   rep.metric("steps", double(r.steps));
   rep.metric("conversions", double(r.conversions));
   rep.metric("promotions", double(r.promotions));
@@ -433,7 +467,8 @@ int main() {
   rep.metric("pressure_demotions", double(r.pressure));
   rep.metric("faults_injected", double(r.faults));
   rep.metric("live_pages_lost", double(r.lost));
-  rep.metric("pages_at_old_id_after_fault_pct", r.faults ? 100.0 * double(r.kept_after_fault) / double(r.faults) : 100.0);
+  rep.metric("pages_at_old_id_after_fault_pct",
+             r.faults ? 100.0 * double(r.kept_after_fault) / double(r.faults) : 100.0);
   rep.metric("demote_us_per_page", t.demote_us);
   rep.metric("promote_us_per_page", t.promote_us);
   rep.metric("shadow_off_decode_err", off.decode_err);

@@ -43,21 +43,21 @@ using tier_list = tierkv::tiers<tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>
                                 tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>>;
 using storage_t = tierkv::paged_storage<geo, tier_list>;
 
-#define CUDA_OK(x)                                                                                  \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
+#define CUDA_OK(x)                                                                             \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
   } while (0)
-#define NCCL_OK(x)                                                                                  \
-  do {                                                                                              \
-    ncclResult_t r_ = (x);                                                                          \
-    if (r_ != ncclSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, ncclGetErrorString(r_));     \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
+#define NCCL_OK(x)                                                                             \
+  do {                                                                                         \
+    ncclResult_t r_ = (x);                                                                     \
+    if (r_ != ncclSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, ncclGetErrorString(r_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
   } while (0)
 
 void require(const tierkv::status& s, const char* what) {
@@ -68,7 +68,8 @@ void require(const tierkv::status& s, const char* what) {
 }
 
 // Decode of every layer for one query token; returns outputs [layer][q_heads][head_dim].
-std::vector<float> decode_all_layers(const storage_t& s, tierkv::seq_id seq, const std::vector<float>& q) {
+std::vector<float> decode_all_layers(const storage_t& s, tierkv::seq_id seq,
+                                     const std::vector<float>& q) {
   const int L = s.num_layers();
   std::vector<float> out(std::size_t(L) * geo::q_heads * geo::head_dim);
   const tierkv::index_layout<storage_t::num_tiers> layout{1, 1024};
@@ -93,8 +94,8 @@ std::vector<float> decode_all_layers(const storage_t& s, tierkv::seq_id seq, con
 }
 
 // Median time (ms) of sending `bytes` from GPU 0 to GPU 1 in one NCCL group.
-double time_transfer(ncclComm_t comms[2], cudaStream_t streams[2], const void* send, void* recv, std::size_t bytes,
-                     int reps) {
+double time_transfer(ncclComm_t comms[2], cudaStream_t streams[2], const void* send, void* recv,
+                     std::size_t bytes, int reps) {
   std::vector<double> ms;
   cudaEvent_t start, stop;
   CUDA_OK(cudaSetDevice(1));
@@ -130,10 +131,14 @@ int main(int argc, char** argv) {
   std::string out_path = "multigpu.json";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--tokens") tokens = std::atoll(argv[i + 1]);
-    else if (a == "--layers") layers = std::atoi(argv[i + 1]);
-    else if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (a == "--out") out_path = argv[i + 1];
+    if (a == "--tokens")
+      tokens = std::atoll(argv[i + 1]);
+    else if (a == "--layers")
+      layers = std::atoi(argv[i + 1]);
+    else if (a == "--reps")
+      reps = std::atoi(argv[i + 1]);
+    else if (a == "--out")
+      out_path = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -169,7 +174,8 @@ int main(int argc, char** argv) {
   const std::int64_t chunk = 1024;
   for (std::int64_t done = 0; done < tokens; done += chunk) {
     const std::int64_t n = std::min(chunk, tokens - done);
-    std::vector<float> k(std::size_t(layers) * std::size_t(n) * geo::kv_heads * geo::head_dim), v(k.size());
+    std::vector<float> k(std::size_t(layers) * std::size_t(n) * geo::kv_heads * geo::head_dim),
+        v(k.size());
     for (auto& x : k) x = g(rng);
     for (auto& x : v) x = g(rng);
     require((*src)->append(s0, n, k, v), "append");
@@ -182,7 +188,8 @@ int main(int argc, char** argv) {
       auto b = (*src)->block_of(s0, j).value();
       require(tierkv::convert_page(**src, b, l, 1, counters).error_status(), "retier");
     }
-  const double prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double prefill_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::vector<float> q(std::size_t(layers) * geo::q_heads * geo::head_dim);
   for (auto& x : q) x = g(rng);
   const std::vector<float> reference = decode_all_layers(**src, s0, q);
@@ -190,7 +197,8 @@ int main(int argc, char** argv) {
   auto exported = tierkv::export_pages(**src, s0);
   require(exported.error_status(), "export");
   const std::size_t bytes_tiered = exported->size();
-  const std::size_t bytes_bf16 = std::size_t(tokens) * std::size_t(layers) * geo::kv_heads * geo::head_dim * 2 * 2;
+  const std::size_t bytes_bf16 =
+      std::size_t(tokens) * std::size_t(layers) * geo::kv_heads * geo::head_dim * 2 * 2;
 
   // ---- NCCL: one process, two communicators ---------------------------------------------------
   ncclComm_t comms[2];
@@ -215,19 +223,21 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaMemset(recv_buf, 0, cap));
   const double ms_tiered = time_transfer(comms, streams, send_buf, recv_buf, bytes_tiered, reps);
 
-  // ---- the "GPU 1" side: import what arrived, decode, compare ------------------------------------
+  // ---- the "GPU 1" side: import what arrived, decode, compare
+  // ------------------------------------
   std::vector<std::uint8_t> received(bytes_tiered);
   CUDA_OK(cudaSetDevice(1));
   CUDA_OK(cudaMemcpy(received.data(), recv_buf, bytes_tiered, cudaMemcpyDeviceToHost));
   auto s1 = tierkv::import_pages(**dst, received);
   require(s1.error_status(), "import");
   const std::vector<float> decoded = decode_all_layers(**dst, *s1, q);
-  const bool equal = std::memcmp(decoded.data(), reference.data(), decoded.size() * sizeof(float)) == 0;
+  const bool equal =
+      std::memcmp(decoded.data(), reference.data(), decoded.size() * sizeof(float)) == 0;
 
   const double gbps_bf16 = double(bytes_bf16) / (ms_bf16 * 1e-3) / 1e9;
   const double gbps_tiered = double(bytes_tiered) / (ms_tiered * 1e-3) / 1e9;
-  std::printf("tokens %lld, layers %d, pages %lld (prefill on host %.1f s)\n", static_cast<long long>(tokens),
-              layers, static_cast<long long>(pages), prefill_s);
+  std::printf("tokens %lld, layers %d, pages %lld (prefill on host %.1f s)\n",
+              static_cast<long long>(tokens), layers, static_cast<long long>(pages), prefill_s);
   std::printf("%-8s %14s %10s %10s\n", "form", "bytes", "ms", "GB/s");
   std::printf("%-8s %14zu %10.3f %10.1f\n", "bf16", bytes_bf16, ms_bf16, gbps_bf16);
   std::printf("%-8s %14zu %10.3f %10.1f\n", "tiered", bytes_tiered, ms_tiered, gbps_tiered);
@@ -236,10 +246,12 @@ int main(int argc, char** argv) {
 
   std::ofstream out(out_path);
   out << "{\"name\": \"multigpu\", \"tokens\": " << tokens << ", \"layers\": " << layers
-      << ", \"geometry\": \"d128 kv8 g4 page64\", \"nccl_nvls_enable\": 0, \"metrics\": {\"outputs_equal\": "
-      << (equal ? 1 : 0) << ", \"transfer_gbps_bf16\": " << gbps_bf16 << ", \"transfer_gbps_tiered\": " << gbps_tiered
-      << ", \"transfer_ms_bf16\": " << ms_bf16 << ", \"transfer_ms_tiered\": " << ms_tiered
-      << ", \"bytes_bf16\": " << bytes_bf16 << ", \"bytes_tiered\": " << bytes_tiered << "}}\n";
+      << ", \"geometry\": \"d128 kv8 g4 page64\", \"nccl_nvls_enable\": 0, \"metrics\": "
+         "{\"outputs_equal\": "
+      << (equal ? 1 : 0) << ", \"transfer_gbps_bf16\": " << gbps_bf16
+      << ", \"transfer_gbps_tiered\": " << gbps_tiered << ", \"transfer_ms_bf16\": " << ms_bf16
+      << ", \"transfer_ms_tiered\": " << ms_tiered << ", \"bytes_bf16\": " << bytes_bf16
+      << ", \"bytes_tiered\": " << bytes_tiered << "}}\n";
 
   for (int i = 0; i < 2; ++i) {
     CUDA_OK(cudaSetDevice(i));

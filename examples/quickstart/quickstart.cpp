@@ -27,13 +27,14 @@ constexpr int kLayers = 4, D = geometry::head_dim, KV = geometry::kv_heads, QH =
               G = geometry::group_size;
 
 // float64 decode of one sequence's query heads over the original tokens.
-std::vector<double> reference(const float* q, const std::vector<float>& k, const std::vector<float>& v,
-                              int layer, long len) {
+std::vector<double> reference(const float* q, const std::vector<float>& k,
+                              const std::vector<float>& v, int layer, long len) {
   std::vector<double> out(std::size_t(QH) * D, 0.0);
   std::vector<double> logit(static_cast<std::size_t>(len));
   auto at = [&](const std::vector<float>& x, long t, int h, int d) {
-    return double(x[((std::size_t(layer) * std::size_t(len) + std::size_t(t)) * KV + std::size_t(h)) * D +
-                    std::size_t(d)]);
+    return double(
+        x[((std::size_t(layer) * std::size_t(len) + std::size_t(t)) * KV + std::size_t(h)) * D +
+          std::size_t(d)]);
   };
   for (int h = 0; h < QH; ++h) {
     double mx = -INFINITY, sum = 0;
@@ -45,7 +46,8 @@ std::vector<double> reference(const float* q, const std::vector<float>& k, const
     }
     for (auto& l : logit) sum += (l = std::exp(l - mx));
     for (long t = 0; t < len; ++t)
-      for (int d = 0; d < D; ++d) out[std::size_t(h * D + d)] += logit[std::size_t(t)] / sum * at(v, t, h / G, d);
+      for (int d = 0; d < D; ++d)
+        out[std::size_t(h * D + d)] += logit[std::size_t(t)] / sum * at(v, t, h / G, d);
   }
   return out;
 }
@@ -56,8 +58,10 @@ int main(int argc, char** argv) {
   long tokens = 2000;
   int steps = 50;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atol(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--steps")) steps = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--tokens"))
+      tokens = std::atol(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--steps"))
+      steps = std::atoi(argv[i + 1]);
   }
 
   cache_t::options opt;
@@ -73,7 +77,8 @@ int main(int argc, char** argv) {
   // Keys and values of all layers, [layer][token][kv_head][dim], as an engine produces them.
   std::mt19937 rng(7);
   std::normal_distribution<float> gauss;
-  const std::vector<tierkv::seq_id> batch{cache->create_sequence().value(), cache->create_sequence().value()};
+  const std::vector<tierkv::seq_id> batch{cache->create_sequence().value(),
+                                          cache->create_sequence().value()};
   std::vector<std::vector<float>> keys(2), values(2);
   auto append = [&](std::size_t b, long n) {
     const long old_len = cache->length(batch[b]).value();
@@ -87,9 +92,11 @@ int main(int argc, char** argv) {
       const std::size_t row = std::size_t(KV) * D;
       for (int l = 0; l < kLayers; ++l) {
         std::memcpy(next.data() + std::size_t(l) * std::size_t(old_len + n) * row,
-                    all.data() + std::size_t(l) * std::size_t(old_len) * row, std::size_t(old_len) * row * 4);
-        std::memcpy(next.data() + (std::size_t(l) * std::size_t(old_len + n) + std::size_t(old_len)) * row,
-                    add.data() + std::size_t(l) * std::size_t(n) * row, std::size_t(n) * row * 4);
+                    all.data() + std::size_t(l) * std::size_t(old_len) * row,
+                    std::size_t(old_len) * row * 4);
+        std::memcpy(
+            next.data() + (std::size_t(l) * std::size_t(old_len + n) + std::size_t(old_len)) * row,
+            add.data() + std::size_t(l) * std::size_t(n) * row, std::size_t(n) * row * 4);
       }
       all.swap(next);
     };
@@ -125,11 +132,13 @@ int main(int argc, char** argv) {
   }
 
   const tierkv::memory_report report = cache->report();
-  std::printf("tierkv quickstart: 2 sequences (%ld and %ld tokens), %d layers, head_dim %d, %d KV heads, "
-              "group %d, %d decode steps\n",
-              cache->length(batch[0]).value(), cache->length(batch[1]).value(), kLayers, D, KV, G, steps);
-  std::printf("decode output vs float64 attention over the original vectors: mean relative L2 error %.4f\n",
-              err_sum / err_n);
+  std::printf(
+      "tierkv quickstart: 2 sequences (%ld and %ld tokens), %d layers, head_dim %d, %d KV heads, "
+      "group %d, %d decode steps\n",
+      cache->length(batch[0]).value(), cache->length(batch[1]).value(), kLayers, D, KV, G, steps);
+  std::printf(
+      "decode output vs float64 attention over the original vectors: mean relative L2 error %.4f\n",
+      err_sum / err_n);
   std::cout << report << "\n";
   return report.reconciles() ? 0 : 1;
 }

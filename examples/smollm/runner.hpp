@@ -204,7 +204,10 @@ inline int run_tasks(engine& eng, const run_options& o) {
        << eng.tiering.policy.recent_pages << ",\"sink_pages\":" << eng.tiering.policy.sink_pages
        << ",\"keep_first_layers\":" << eng.tiering.policy.keep_first_layers
        << ",\"keep_last_layers\":" << eng.tiering.policy.keep_last_layers
-       << ",\"use_mass\":" << eng.tiering.use_mass << ",\"center\":" << eng.tiering.center << ",\"center_fp8\":" << eng.tiering.center_fp8 << ",\"rotate_fp8_keys\":" << eng.tiering.rotate_fp8_keys << ",\"rotate_fp8_values\":" << eng.tiering.rotate_fp8_values
+       << ",\"use_mass\":" << eng.tiering.use_mass << ",\"center\":" << eng.tiering.center
+       << ",\"center_fp8\":" << eng.tiering.center_fp8
+       << ",\"rotate_fp8_keys\":" << eng.tiering.rotate_fp8_keys
+       << ",\"rotate_fp8_values\":" << eng.tiering.rotate_fp8_values
        << ",\"enter_mass\":" << eng.tiering.policy.enter_mass
        << ",\"leave_mass\":" << eng.tiering.policy.leave_mass << "},\"arms\":{";
 
@@ -344,11 +347,13 @@ inline int run_demo(engine& eng, int tokens) {
     if (e != std::string::npos) text.resize(e);
     const double kib = g.mem.kib_per_token();
     if (arm == "dense") dense_kib = kib;
-    std::printf("[%s KV cache]%s\n  answer: ...is%s  %s\n", arm.c_str(),
-                arm == "dense"    ? " float32, the control"
-                : arm == "tiered" ? " Recent + Anchor pages FP8 E4M3, Stale pages TQ3 (tierkv)"
-                                  : " Recent + Anchor pages int8_rotated, Stale pages TQ4 keys + TQ3 values (tierkv)",
-                text.c_str(), niah_score(it, text) == 1.0 ? "(correct)" : "(wrong)");
+    std::printf(
+        "[%s KV cache]%s\n  answer: ...is%s  %s\n", arm.c_str(),
+        arm == "dense" ? " float32, the control"
+        : arm == "tiered"
+            ? " Recent + Anchor pages FP8 E4M3, Stale pages TQ3 (tierkv)"
+            : " Recent + Anchor pages int8_rotated, Stale pages TQ4 keys + TQ3 values (tierkv)",
+        text.c_str(), niah_score(it, text) == 1.0 ? "(correct)" : "(wrong)");
     std::printf("  memory: %.2f KiB per token (all %d layers), %.2f bits per stored scalar", kib,
                 eng.net.config().layers, g.mem.bits_per_scalar());
     if (arm != "dense" && kib > 0)

@@ -58,17 +58,21 @@ void usage() {
   std::fprintf(
       stderr,
       "usage: smollm COMMAND [--model FILE.gguf] [--threads N] ...\n"
-      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered|int8r|tiered_int8r|tiered_k4] [--max-new N]\n"
+      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered|int8r|tiered_int8r|tiered_k4] "
+      "[--max-new N]\n"
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"
-      "  tasks    [--quick] [--arms dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r] [--lengths 1024,4096] [--items N]\n"
-      "           [--first-item I] [--no-ppl] [--out FILE.json] [--dump-items FILE.jsonl] [--ppl-text FILE]\n"
+      "  tasks    [--quick] [--arms dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r] [--lengths "
+      "1024,4096] [--items N]\n"
+      "           [--first-item I] [--no-ppl] [--out FILE.json] [--dump-items FILE.jsonl] "
+      "[--ppl-text FILE]\n"
       "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"
       "           [--recent-pages 4] [--sink-pages 1] [--keep-first-layers 1] [--keep-last-layers "
       "1]\n"
-      "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] [--center-fp8 0] [--rotate-fp8-keys 1] [--rotate-fp8-values 0] [--codec-seed N]\n"
+      "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] [--center-fp8 0] "
+      "[--rotate-fp8-keys 1] [--rotate-fp8-values 0] [--codec-seed N]\n"
       "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE]\n"
-               "  demo     [--tokens 4096]\n");
+      "  demo     [--tokens 4096]\n");
 }
 
 }  // namespace
@@ -148,13 +152,15 @@ int main(int argc, char** argv) {
       return run_tasks(eng, o);
     }
     if (cmd == "ppl") {  // one arm's chunked perplexity (policy sweeps)
-      auto toks = eng.tok.encode(read_text_file(a.get("--ppl-text", "/usr/share/common-licenses/GPL-3")), false);
+      auto toks = eng.tok.encode(
+          read_text_file(a.get("--ppl-text", "/usr/share/common-licenses/GPL-3")), false);
       toks.resize(std::min<std::size_t>(toks.size(), std::size_t(a.get_int("--tokens", 2048))));
       auto kv = eng.make_backend(a.get("--arm", "dense"), int(toks.size()) + 80);
       const ppl_result p = run_ppl(eng, *kv, toks, a.get_int("--chunk", 512), 0);
-      std::printf("%s ppl %.4f over %d tokens, %.3f bits per scalar, %.2f KiB/token, fp8 share %.3f\n",
-                  a.get("--arm", "dense").c_str(), p.ppl, p.scored, p.mem.bits_per_scalar(),
-                  p.mem.kib_per_token(), p.mem.fp8_fraction);
+      std::printf(
+          "%s ppl %.4f over %d tokens, %.3f bits per scalar, %.2f KiB/token, fp8 share %.3f\n",
+          a.get("--arm", "dense").c_str(), p.ppl, p.scored, p.mem.bits_per_scalar(),
+          p.mem.kib_per_token(), p.mem.fp8_fraction);
       return 0;
     }
     if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 4096));

@@ -30,10 +30,10 @@
 #include "tierkv/attention/tile.hpp"
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/dense.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/rotation.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
-#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/tiering/recency_anchor.hpp"
 
 #if __has_include("tierkv/codec/int8_rotated.hpp")
@@ -252,18 +252,13 @@ class paged_backend final : public kv_backend {
       for (const auto& pg : pl) {
         m.bytes += double(page_bytes(pg.tier));
         pages += 1;
-        visit(pg.tier, [&](auto I) {
-          fp8 += is_8bit_tier<I.value> ? 1 : 0;
-        });
+        visit(pg.tier, [&](auto I) { fp8 += is_8bit_tier<I.value> ? 1 : 0; });
       }
     m.fp8_fraction = pages > 0 ? fp8 / pages : 0;
     bool any_centered = false;
-    [&]<int... Is>(std::integer_sequence<int, Is...>) {
-      any_centered = (centered<Is>() || ...);
-    }
+    [&]<int... Is>(std::integer_sequence<int, Is...>) { any_centered = (centered<Is>() || ...); }
     (std::make_integer_sequence<int, num_tiers>{});
-    if (any_centered)
-      m.bytes += double(sizeof(float)) * double(mu_k_.size() + mu_v_.size());
+    if (any_centered) m.bytes += double(sizeof(float)) * double(mu_k_.size() + mu_v_.size());
     return m;
   }
 
@@ -331,9 +326,11 @@ class paged_backend final : public kv_backend {
       const auto km = tierkv::detail::load_meta<KC>(pg + L::key_meta(h, 0), t);
       const auto vm = tierkv::detail::load_meta<VC>(pg + L::value_meta(h, 0), t);
       KC::decode(pg + L::key_payload(h, t), km, k + std::size_t(t) * HD, kctx(layer, h));
-      if (rotated<I>()) tierkv::randomized_hadamard<HD>::inverse(k + std::size_t(t) * HD, kctx(layer, h).seed);
+      if (rotated<I>())
+        tierkv::randomized_hadamard<HD>::inverse(k + std::size_t(t) * HD, kctx(layer, h).seed);
       VC::decode(pg + L::value_payload(h, t), vm, v + std::size_t(t) * HD, vctx(layer, h));
-      if (values_rotated<I>()) tierkv::randomized_hadamard<HD>::inverse(v + std::size_t(t) * HD, vctx(layer, h).seed);
+      if (values_rotated<I>())
+        tierkv::randomized_hadamard<HD>::inverse(v + std::size_t(t) * HD, vctx(layer, h).seed);
       if (centered<I>()) {
         const float* mk = mu_k(layer, h);
         const float* mv = mu_v(layer, h);
@@ -364,7 +361,8 @@ class paged_backend final : public kv_backend {
           for (int r = 0; r < G; ++r) {
             key_codec<ti>::prepare_query(q + std::size_t(g * G + r) * HD, prepared + r * HD,
                                          kctx(layer, g));
-            if (rotated<ti>()) tierkv::randomized_hadamard<HD>::forward(prepared + r * HD, kctx(layer, g).seed);
+            if (rotated<ti>())
+              tierkv::randomized_hadamard<HD>::forward(prepared + r * HD, kctx(layer, g).seed);
           }
           state st[G];
           for (auto& x : st) x.clear();
@@ -383,7 +381,8 @@ class paged_backend final : public kv_backend {
           if (!any) return;
           for (int r = 0; r < G; ++r) {
             value_codec<ti>::finalize(st[r].acc, vctx(layer, g));
-            if (values_rotated<ti>()) tierkv::randomized_hadamard<HD>::inverse(st[r].acc, vctx(layer, g).seed);
+            if (values_rotated<ti>())
+              tierkv::randomized_hadamard<HD>::inverse(st[r].acc, vctx(layer, g).seed);
             if (centered<ti>() && !st[r].empty()) {
               // Undo the centring: every logit of this tier is short by scale * q·mu_k (a
               // shift of the state's max), every value by mu_v (l * mu_v in the accumulator).
@@ -528,18 +527,21 @@ inline std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& arm, k
   // int8_rotated, Stale values in TQ3, to tell key (routing) error from value error.
   using stale_k8_tier = tierkv::tier<tierkv::int8_rotated, tierkv::tq3_value>;
   if (arm == "tiered_k8")
-    return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k8_tier>>(arm, s, opt, true);
+    return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k8_tier>>(arm, s, opt,
+                                                                                     true);
   // Stale keys in TQ4 (routing precision for multi-needle retrieval), values in TQ3.
   using stale_k4_tier = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
   if (arm == "tiered_k4")
-    return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k4_tier>>(arm, s, opt, true);
+    return std::make_unique<paged_backend<smol_geometry, int8r_tier, stale_k4_tier>>(arm, s, opt,
+                                                                                     true);
 #endif
 #endif
-  throw std::runtime_error("unknown or unavailable KV arm '" + arm + "' (dense, paged_f32" +
-                           (SMOLLM_HAVE_FP8 ? ", fp8" : "") + (SMOLLM_HAVE_TQ3 ? ", tq3" : "") +
-                           (SMOLLM_HAVE_FP8 && SMOLLM_HAVE_TQ3 ? ", tiered" : "") +
-                           (SMOLLM_HAVE_INT8R ? ", int8r" : "") +
-                           (SMOLLM_HAVE_INT8R && SMOLLM_HAVE_TQ3 ? ", tiered_int8r, tiered_k4, tiered_k8" : "") + ")");
+  throw std::runtime_error(
+      "unknown or unavailable KV arm '" + arm + "' (dense, paged_f32" +
+      (SMOLLM_HAVE_FP8 ? ", fp8" : "") + (SMOLLM_HAVE_TQ3 ? ", tq3" : "") +
+      (SMOLLM_HAVE_FP8 && SMOLLM_HAVE_TQ3 ? ", tiered" : "") +
+      (SMOLLM_HAVE_INT8R ? ", int8r" : "") +
+      (SMOLLM_HAVE_INT8R && SMOLLM_HAVE_TQ3 ? ", tiered_int8r, tiered_k4, tiered_k8" : "") + ")");
 }
 
 }  // namespace smollm

@@ -48,20 +48,21 @@ struct tiered_cache_options {
   storage_options<NumTiers> storage{};  // layers, sequences, pages per tier, codec seed
   Policy policy{};
   tier_controller_options tiering{};
-  int max_batch = 64;      // sequences per attend() call
-  int max_pages = 4096;    // logical pages per sequence: attend() reads, append() grows up to this
-  unsigned threads = 1;    // host attention workers (the caller included; 0 = all cores), <= 1024
+  int max_batch = 64;    // sequences per attend() call
+  int max_pages = 4096;  // logical pages per sequence: attend() reads, append() grows up to this
+  unsigned threads = 1;  // host attention workers (the caller included; 0 = all cores), <= 1024
   float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
   float soft_cap = 0.f;       // logit soft cap (0 = off)
 };
 
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
-          allocator_policy PageAlloc = host_allocator, host_allocator_policy MetaAlloc = host_allocator,
-          class Roles = tier_roles<Tiers>>
+          allocator_policy PageAlloc = host_allocator,
+          host_allocator_policy MetaAlloc = host_allocator, class Roles = tier_roles<Tiers>>
 class tiered_cache {
-  static_assert(PageAlloc::host_accessible,
-                "tiered_cache: this façade attends and converts on the host, so its pages must be host "
-                "accessible (host_allocator or pinned_host_allocator); device caches compose cuda/ kernels");
+  static_assert(
+      PageAlloc::host_accessible,
+      "tiered_cache: this façade attends and converts on the host, so its pages must be host "
+      "accessible (host_allocator or pinned_host_allocator); device caches compose cuda/ kernels");
 
  public:
   using storage_type = paged_storage<Geometry, Tiers, PageAlloc, MetaAlloc>;
@@ -109,19 +110,24 @@ class tiered_cache {
   static status validate(const options& opt) {
     if (auto st = storage_type::validate(opt.storage); !st) return st;
     if (auto st = controller_type::validate(opt.policy, opt.tiering); !st) return st;
-    if (opt.max_batch < 1) return status::make(errc::invalid_argument, "max_batch = ", opt.max_batch, " must be >= 1");
-    if (opt.max_pages < 1) return status::make(errc::invalid_argument, "max_pages = ", opt.max_pages, " must be >= 1");
+    if (opt.max_batch < 1)
+      return status::make(errc::invalid_argument, "max_batch = ", opt.max_batch, " must be >= 1");
+    if (opt.max_pages < 1)
+      return status::make(errc::invalid_argument, "max_pages = ", opt.max_pages, " must be >= 1");
     if (std::int64_t(opt.max_batch) * opt.max_pages > std::numeric_limits<std::int32_t>::max())
-      return status::make(errc::invalid_argument, "max_batch * max_pages = ", std::int64_t(opt.max_batch) * opt.max_pages,
-                          " exceeds the limit ", std::numeric_limits<std::int32_t>::max(), " (int32 index arrays)");
+      return status::make(errc::invalid_argument,
+                          "max_batch * max_pages = ", std::int64_t(opt.max_batch) * opt.max_pages,
+                          " exceeds the limit ", std::numeric_limits<std::int32_t>::max(),
+                          " (int32 index arrays)");
     if (opt.threads > max_threads)
-      return status::make(errc::invalid_argument, "threads = ", opt.threads, " exceeds the limit ", max_threads,
-                          " (0 = all cores)");
+      return status::make(errc::invalid_argument, "threads = ", opt.threads, " exceeds the limit ",
+                          max_threads, " (0 = all cores)");
     if (!(opt.softmax_scale >= 0.f) || !std::isfinite(opt.softmax_scale))
       return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale,
                           " must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
     if (!(opt.soft_cap >= 0.f) || !std::isfinite(opt.soft_cap))
-      return status::make(errc::invalid_argument, "soft_cap = ", opt.soft_cap, " must be finite and >= 0 (0 = off)");
+      return status::make(errc::invalid_argument, "soft_cap = ", opt.soft_cap,
+                          " must be finite and >= 0 (0 = off)");
     return {};
   }
 
@@ -137,13 +143,16 @@ class tiered_cache {
   // Appends n tokens ([layer][token][kv_head][dim] floats) to every layer. When tier 0
   // is short, first demotes the pages the policy values least (tiering/tier_controller).
   // A sequence never grows past max_pages logical pages (out_of_range).
-  status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values) {
+  status append(seq_id s, std::int64_t n, std::span<const float> keys,
+                std::span<const float> values) {
     auto len = storage_->length(s);
     if (!len) return len.error_status();
     constexpr std::int64_t T = storage_type::page_tokens;
-    if (n > 0 && n <= storage_type::max_sequence_tokens - *len && (*len + n + T - 1) / T > opt_.max_pages)
-      return status::make(errc::out_of_range, "append: ", *len, " + ", n, " tokens = ", (*len + n + T - 1) / T,
-                          " logical pages exceeds the limit max_pages = ", opt_.max_pages, "; nothing appended");
+    if (n > 0 && n <= storage_type::max_sequence_tokens - *len &&
+        (*len + n + T - 1) / T > opt_.max_pages)
+      return status::make(
+          errc::out_of_range, "append: ", *len, " + ", n, " tokens = ", (*len + n + T - 1) / T,
+          " logical pages exceeds the limit max_pages = ", opt_.max_pages, "; nothing appended");
     return storage_->append(s, n, keys, values, room());
   }
 
@@ -158,16 +167,17 @@ class tiered_cache {
   // to page_mass ([batch][max_pages]) and the LSE to lse ([batch][q_heads]) if given.
   // A NaN or Inf query is refused (non_finite_input, naming the batch row and query head)
   // before anything is written or observed: it never turns into a finite output.
-  status attend(int layer, std::span<const seq_id> batch, std::span<const float> queries, std::span<float> out,
-                std::span<float> page_mass = {}, std::span<float> lse = {}) {
+  status attend(int layer, std::span<const seq_id> batch, std::span<const float> queries,
+                std::span<float> out, std::span<float> page_mass = {}, std::span<float> lse = {}) {
     const std::size_t rows = batch.size() * std::size_t(q_heads) * head_dim;
     if (queries.size() != rows || out.size() != rows)
-      return status::make(errc::invalid_argument, "attend: ", batch.size(), " sequences need ", rows,
-                          " query and output floats, got ", queries.size(), " and ", out.size());
+      return status::make(errc::invalid_argument, "attend: ", batch.size(), " sequences need ",
+                          rows, " query and output floats, got ", queries.size(), " and ",
+                          out.size());
     const std::size_t stride = std::size_t(opt_.max_pages);
     if (!page_mass.empty() && page_mass.size() < batch.size() * stride)
-      return status::make(errc::invalid_argument, "attend: page_mass holds ", page_mass.size(), " floats, ",
-                          batch.size() * stride, " needed (batch x max_pages)");
+      return status::make(errc::invalid_argument, "attend: page_mass holds ", page_mass.size(),
+                          " floats, ", batch.size() * stride, " needed (batch x max_pages)");
     if (!lse.empty() && lse.size() < batch.size() * std::size_t(q_heads))
       return status::make(errc::invalid_argument, "attend: lse holds ", lse.size(), " floats, ",
                           batch.size() * std::size_t(q_heads), " needed");
@@ -179,8 +189,9 @@ class tiered_cache {
     a.index = *view;
     a.pools = pools.data();
     a.source = layer_source{storage_->config().codec_seed, layer, storage_->config().head_base};
-    a.logits = logit_params{opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
-                            opt_.soft_cap};
+    a.logits = logit_params{
+        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
+        opt_.soft_cap};
     a.out = out.data();
     a.lse = lse.empty() ? nullptr : lse.data();
     a.page_mass = mass_->data();
@@ -189,7 +200,8 @@ class tiered_cache {
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::span<const float> row(mass_->data() + b * stride, stride);
       if (auto st = controller_->observe_mass(batch[b], layer, row); !st) return st;
-      if (!page_mass.empty()) std::copy(row.begin(), row.end(), page_mass.begin() + std::ptrdiff_t(b * stride));
+      if (!page_mass.empty())
+        std::copy(row.begin(), row.end(), page_mass.begin() + std::ptrdiff_t(b * stride));
     }
     return {};
   }

@@ -17,14 +17,14 @@
 namespace tierkv {
 
 struct tier_report {
-  std::string name;                 // "key codec / value codec"
-  std::size_t page_bytes = 0;       // one physical page (one layer, all KV heads)
+  std::string name;            // "key codec / value codec"
+  std::size_t page_bytes = 0;  // one physical page (one layer, all KV heads)
   std::size_t capacity_pages = 0;
-  std::size_t live_pages = 0;       // published or held by a caller
+  std::size_t live_pages = 0;  // published or held by a caller
   // Bytes of live pages by role; they sum to live_pages * page_bytes.
   std::size_t key_payload = 0;
   std::size_t value_payload = 0;
-  std::size_t key_meta = 0;         // FP8 scales, TQ3 norms
+  std::size_t key_meta = 0;  // FP8 scales, TQ3 norms
   std::size_t value_meta = 0;
   std::size_t padding = 0;          // 16-byte alignment of the page regions
   std::size_t free_page_bytes = 0;  // capacity not in use
@@ -32,7 +32,9 @@ struct tier_report {
   double kib_per_token = 0;         // if every layer were in this tier
   double bits_per_scalar = 0;       // stored bits per key or value scalar
 
-  std::size_t live_bytes() const { return key_payload + value_payload + key_meta + value_meta + padding; }
+  std::size_t live_bytes() const {
+    return key_payload + value_payload + key_meta + value_meta + padding;
+  }
   std::size_t slab_bytes() const { return live_bytes() + free_page_bytes; }
 };
 
@@ -42,17 +44,17 @@ struct memory_report {
   int head_dim = 0;
   int page_tokens = 0;
   std::vector<tier_report> tiers;
-  std::size_t pool_bookkeeping = 0;  // per-page generation, refcount, state, free list
-  std::size_t page_tables = 0;       // sequences, logical page lists, blocks
-  std::size_t index_arrays = 0;      // index_arrays made from this storage
-  std::size_t prefix_index = 0;      // entries, token ids, hash buckets
-  std::size_t scratch = 0;           // storage-owned scratch (none on the host append path)
-  std::size_t allocator_total = 0;   // page allocator + bookkeeping allocator, as they report
-  std::uint64_t live_tokens = 0;     // distinct stored tokens (shared pages count once)
-  std::uint64_t sequence_tokens = 0; // sum of sequence lengths
-  double kib_per_token = 0;          // live page bytes per live token, all layers
+  std::size_t pool_bookkeeping = 0;    // per-page generation, refcount, state, free list
+  std::size_t page_tables = 0;         // sequences, logical page lists, blocks
+  std::size_t index_arrays = 0;        // index_arrays made from this storage
+  std::size_t prefix_index = 0;        // entries, token ids, hash buckets
+  std::size_t scratch = 0;             // storage-owned scratch (none on the host append path)
+  std::size_t allocator_total = 0;     // page allocator + bookkeeping allocator, as they report
+  std::uint64_t live_tokens = 0;       // distinct stored tokens (shared pages count once)
+  std::uint64_t sequence_tokens = 0;   // sum of sequence lengths
+  double kib_per_token = 0;            // live page bytes per live token, all layers
   double kib_per_token_allocated = 0;  // every allocated byte per live token
-  double bits_per_scalar = 0;        // live page bits per stored key/value scalar
+  double bits_per_scalar = 0;          // live page bits per stored key/value scalar
 
   std::size_t live_page_bytes() const {
     std::size_t n = 0;
@@ -77,7 +79,8 @@ memory_report make_report(const Storage& s) {
   std::vector<std::uint64_t> token_layers(std::size_t(Storage::num_tiers), 0);
   s.for_each_block([&](block_ref b, int fill, std::uint32_t) {
     r.live_tokens += std::uint64_t(fill);
-    for (int l = 0; l < s.num_layers(); ++l) token_layers[s.block_page(b, l).format] += std::uint64_t(fill);
+    for (int l = 0; l < s.num_layers(); ++l)
+      token_layers[s.block_page(b, l).format] += std::uint64_t(fill);
   });
   s.for_each_sequence([&](seq_id, std::int64_t len) { r.sequence_tokens += std::uint64_t(len); });
   const double scalars_per_token_layer = 2.0 * Storage::kv_heads * Storage::head_dim;
@@ -96,12 +99,14 @@ memory_report make_report(const Storage& s) {
     t.value_payload = t.live_pages * slots * V::payload_bytes;
     t.key_meta = t.live_pages * slots * K::meta_bytes;
     t.value_meta = t.live_pages * slots * V::meta_bytes;
-    t.padding = t.live_pages * L::page_bytes - t.key_payload - t.value_payload - t.key_meta - t.value_meta;
+    t.padding =
+        t.live_pages * L::page_bytes - t.key_payload - t.value_payload - t.key_meta - t.value_meta;
     t.free_page_bytes = std::size_t(pool.free_count()) * L::page_bytes;
     t.token_layers = token_layers[I];
     if (t.token_layers > 0) {
       t.kib_per_token = double(t.live_bytes()) / double(t.token_layers) * r.num_layers / 1024.0;
-      t.bits_per_scalar = 8.0 * double(t.live_bytes()) / (double(t.token_layers) * scalars_per_token_layer);
+      t.bits_per_scalar =
+          8.0 * double(t.live_bytes()) / (double(t.token_layers) * scalars_per_token_layer);
     }
     r.tiers.push_back(t);
   });
@@ -123,23 +128,24 @@ inline std::ostream& operator<<(std::ostream& out, const memory_report& r) {
   const auto flags = out.flags();
   const auto prec = out.precision();
   out << std::fixed << std::setprecision(3);
-  out << "tierkv memory report: " << r.num_layers << " layers, " << r.kv_heads << " KV heads, head_dim "
-      << r.head_dim << ", " << r.page_tokens << " tokens/page\n";
+  out << "tierkv memory report: " << r.num_layers << " layers, " << r.kv_heads
+      << " KV heads, head_dim " << r.head_dim << ", " << r.page_tokens << " tokens/page\n";
   for (std::size_t i = 0; i < r.tiers.size(); ++i) {
     const auto& t = r.tiers[i];
-    out << "  tier " << i << " (" << t.name << "): " << t.live_pages << "/" << t.capacity_pages << " pages of "
-        << t.page_bytes << " B; live: key payload " << t.key_payload << ", value payload " << t.value_payload
-        << ", key meta " << t.key_meta << ", value meta " << t.value_meta << ", padding " << t.padding
-        << "; free " << t.free_page_bytes << " B; " << t.kib_per_token << " KiB/token, " << t.bits_per_scalar
-        << " bits/scalar\n";
+    out << "  tier " << i << " (" << t.name << "): " << t.live_pages << "/" << t.capacity_pages
+        << " pages of " << t.page_bytes << " B; live: key payload " << t.key_payload
+        << ", value payload " << t.value_payload << ", key meta " << t.key_meta << ", value meta "
+        << t.value_meta << ", padding " << t.padding << "; free " << t.free_page_bytes << " B; "
+        << t.kib_per_token << " KiB/token, " << t.bits_per_scalar << " bits/scalar\n";
   }
-  out << "  pool bookkeeping " << r.pool_bookkeeping << " B, page tables " << r.page_tables << " B, index arrays "
-      << r.index_arrays << " B, prefix index " << r.prefix_index << " B, scratch " << r.scratch << " B\n";
+  out << "  pool bookkeeping " << r.pool_bookkeeping << " B, page tables " << r.page_tables
+      << " B, index arrays " << r.index_arrays << " B, prefix index " << r.prefix_index
+      << " B, scratch " << r.scratch << " B\n";
   out << "  lines " << r.lines_total() << " B, allocators " << r.allocator_total << " B"
       << (r.reconciles() ? " (reconciled)" : " (MISMATCH)") << "\n";
-  out << "  live tokens " << r.live_tokens << " (sequence tokens " << r.sequence_tokens << "): " << r.kib_per_token
-      << " KiB/token in pages, " << r.kib_per_token_allocated << " KiB/token allocated, " << r.bits_per_scalar
-      << " bits/scalar\n";
+  out << "  live tokens " << r.live_tokens << " (sequence tokens " << r.sequence_tokens
+      << "): " << r.kib_per_token << " KiB/token in pages, " << r.kib_per_token_allocated
+      << " KiB/token allocated, " << r.bits_per_scalar << " bits/scalar\n";
   out.flags(flags);
   out.precision(prec);
   return out;

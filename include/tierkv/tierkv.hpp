@@ -18,12 +18,12 @@
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 
-#include "tierkv/memory/allocators.hpp"
 #include "tierkv/codec/page_layout.hpp"
+#include "tierkv/memory/allocators.hpp"
 #include "tierkv/memory/page_pool.hpp"
 
-#include "tierkv/paging/index_builder.hpp"
 #include "tierkv/core/index_view.hpp"
+#include "tierkv/paging/index_builder.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/paging/prefix_index.hpp"
 

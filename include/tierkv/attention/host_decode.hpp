@@ -11,11 +11,11 @@
 #include "tierkv/attention/host_workspace.hpp"
 #include "tierkv/attention/sequence_pass.hpp"
 #include "tierkv/attention/tile.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
-#include "tierkv/core/status.hpp"
-#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/core/index_view.hpp"
+#include "tierkv/core/status.hpp"
 
 namespace tierkv {
 
@@ -51,7 +51,8 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
   constexpr int QH = Geometry::q_heads;
 
   if (!std::isfinite(a.logits.softmax_scale))
-    return status::make(errc::invalid_argument, "logits.softmax_scale = ", a.logits.softmax_scale, " is not finite");
+    return status::make(errc::invalid_argument, "logits.softmax_scale = ", a.logits.softmax_scale,
+                        " is not finite");
   if (!(a.logits.soft_cap >= 0.f) || !std::isfinite(a.logits.soft_cap))
     return status::make(errc::invalid_argument, "logits.soft_cap = ", a.logits.soft_cap,
                         " must be finite and >= 0 (0 = off)");
@@ -59,19 +60,21 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
   if (status s = pass::validate(a.index, a.pools, ws.bitmap(), &max_pages); !s) return s;
   const int batch = a.index.batch;
   if (batch == 0) return status::ok();
-  if (!a.queries || !a.out) return status::make(errc::invalid_argument, "queries and out must not be null");
+  if (!a.queries || !a.out)
+    return status::make(errc::invalid_argument, "queries and out must not be null");
   const std::size_t nq = std::size_t(batch) * QH * D;
   if (const std::size_t i = detail::first_non_finite(a.queries, nq); i < nq)
-    return status::make(errc::non_finite_input, "decode: queries[", i, "] = ", a.queries[i], " (batch row ",
-                        i / (std::size_t(QH) * D), ", query head ", i / D % QH, ", dim ", i % D,
-                        ") is not finite; nothing written");
+    return status::make(errc::non_finite_input, "decode: queries[", i, "] = ", a.queries[i],
+                        " (batch row ", i / (std::size_t(QH) * D), ", query head ", i / D % QH,
+                        ", dim ", i % D, ") is not finite; nothing written");
   if (a.page_mass && a.mass_stride < max_pages)
     return status::exceeds(errc::out_of_range, "largest page count of the batch", max_pages,
                            status::format("mass_stride = ", a.mass_stride));
 
   const bool want_mass = a.page_mass != nullptr;
   const int stats_stride = want_mass ? (max_pages > 0 ? max_pages : 1) : 0;
-  ws.reserve_per_worker(pass::scratch_bytes(G) + sizeof(tile_stats) * std::size_t(G) * std::size_t(stats_stride));
+  ws.reserve_per_worker(pass::scratch_bytes(G) +
+                        sizeof(tile_stats) * std::size_t(G) * std::size_t(stats_stride));
   // Per (sequence, kv head) sums of its group's page masses, reduced over heads below.
   std::vector<float>& head_mass = ws.shared_floats();
   if (want_mass) head_mass.assign(std::size_t(batch) * KVH * std::size_t(stats_stride), 0.f);
@@ -108,7 +111,8 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
       const float lse = s.merged[g].lse();
       if (a.lse) a.lse[qh] = lse;
       if (want_mass) {
-        float* hm = head_mass.data() + (std::size_t(b) * KVH + std::size_t(h)) * std::size_t(stats_stride);
+        float* hm =
+            head_mass.data() + (std::size_t(b) * KVH + std::size_t(h)) * std::size_t(stats_stride);
         const tile_stats* st = stats + std::size_t(g) * std::size_t(stats_stride);
         for (int p = 0; p < pages; ++p) hm[p] += softmax_mass(st[p].m, st[p].l, lse);
       }
@@ -120,7 +124,8 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
       float* row = a.page_mass + std::size_t(b) * std::size_t(a.mass_stride);
       for (int p = 0; p < a.mass_stride; ++p) row[p] = 0.f;
       for (int h = 0; h < KVH; ++h) {
-        const float* hm = head_mass.data() + (std::size_t(b) * KVH + std::size_t(h)) * std::size_t(stats_stride);
+        const float* hm =
+            head_mass.data() + (std::size_t(b) * KVH + std::size_t(h)) * std::size_t(stats_stride);
         for (int p = 0; p < max_pages; ++p) row[p] += hm[p];
       }
       for (int p = 0; p < max_pages; ++p) row[p] *= 1.f / float(QH);

@@ -11,11 +11,11 @@
 #include "tierkv/attention/host_workspace.hpp"
 #include "tierkv/attention/sequence_pass.hpp"
 #include "tierkv/attention/tile.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
-#include "tierkv/core/status.hpp"
-#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/core/index_view.hpp"
+#include "tierkv/core/status.hpp"
 
 namespace tierkv {
 
@@ -29,10 +29,12 @@ namespace tierkv {
 // n_b = 1 is exactly a decode step.
 template <int NumTiers>
 struct host_prefill_args {
-  const float* queries = nullptr;  // [total_q][q_heads][head_dim], post-RoPE, packed by sequence; NaN / Inf: non_finite_input
-  const std::int32_t* q_indptr = nullptr;  // [batch + 1]; sequence b owns query rows [q_indptr[b], q_indptr[b+1])
-  batch_index_view<NumTiers> index{};      // seq_len counts the chunk (already appended)
-  const pool_view* pools = nullptr;        // [NumTiers]
+  const float* queries = nullptr;  // [total_q][q_heads][head_dim], post-RoPE, packed by sequence;
+                                   // NaN / Inf: non_finite_input
+  const std::int32_t* q_indptr =
+      nullptr;  // [batch + 1]; sequence b owns query rows [q_indptr[b], q_indptr[b+1])
+  batch_index_view<NumTiers> index{};  // seq_len counts the chunk (already appended)
+  const pool_view* pools = nullptr;    // [NumTiers]
   layer_source source{};
   logit_params logits{};
   float* out = nullptr;  // [total_q][q_heads][head_dim]
@@ -54,7 +56,8 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
   constexpr int rows_max = QB * G;
 
   if (!std::isfinite(a.logits.softmax_scale))
-    return status::make(errc::invalid_argument, "logits.softmax_scale = ", a.logits.softmax_scale, " is not finite");
+    return status::make(errc::invalid_argument, "logits.softmax_scale = ", a.logits.softmax_scale,
+                        " is not finite");
   if (!(a.logits.soft_cap >= 0.f) || !std::isfinite(a.logits.soft_cap))
     return status::make(errc::invalid_argument, "logits.soft_cap = ", a.logits.soft_cap,
                         " must be finite and >= 0 (0 = off)");
@@ -67,8 +70,8 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
   for (int b = 0; b < batch; ++b) {
     const int n = a.q_indptr[b + 1] - a.q_indptr[b];
     if (n < 0)
-      return status::make(errc::invalid_argument, "q_indptr decreases at sequence ", b, ": ", a.q_indptr[b], " > ",
-                          a.q_indptr[b + 1]);
+      return status::make(errc::invalid_argument, "q_indptr decreases at sequence ", b, ": ",
+                          a.q_indptr[b], " > ", a.q_indptr[b + 1]);
     if (n > a.index.seq_len[b])
       return status::exceeds(errc::out_of_range, status::format("chunk length of sequence ", b), n,
                              status::format("seq_len = ", a.index.seq_len[b],
@@ -76,15 +79,17 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
     block_start[std::size_t(b) + 1] = block_start[std::size_t(b)] + (n + QB - 1) / QB;
   }
   if (block_start[std::size_t(batch)] == 0) return status::ok();
-  if (!a.queries || !a.out) return status::make(errc::invalid_argument, "queries and out must not be null");
+  if (!a.queries || !a.out)
+    return status::make(errc::invalid_argument, "queries and out must not be null");
   const std::size_t row0 = std::size_t(a.q_indptr[0]) * QH * D;
   const std::size_t floats = std::size_t(a.q_indptr[batch] - a.q_indptr[0]) * QH * D;
   if (const std::size_t i = detail::first_non_finite(a.queries + row0, floats); i < floats) {
     const int t = a.q_indptr[0] + int(i / (std::size_t(QH) * D));
     int b = 0;
     while (a.q_indptr[b + 1] <= t) ++b;
-    return status::make(errc::non_finite_input, "prefill: queries[", row0 + i, "] = ", a.queries[row0 + i],
-                        " (query token ", t, " of sequence ", b, ", query head ", i / D % QH, ", dim ", i % D,
+    return status::make(errc::non_finite_input, "prefill: queries[", row0 + i,
+                        "] = ", a.queries[row0 + i], " (query token ", t, " of sequence ", b,
+                        ", query head ", i / D % QH, ", dim ", i % D,
                         ") is not finite; nothing written");
   }
 
@@ -95,7 +100,10 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
     int b = 0, hi = batch;  // sequence of this block: first b with block_start[b+1] > blk
     while (b < hi) {
       const int mid = (b + hi) / 2;
-      if (block_start[std::size_t(mid) + 1] <= blk) b = mid + 1; else hi = mid;
+      if (block_start[std::size_t(mid) + 1] <= blk)
+        b = mid + 1;
+      else
+        hi = mid;
     }
     const int n = a.q_indptr[b + 1] - a.q_indptr[b];
     const int j0 = (blk - block_start[std::size_t(b)]) * QB;

@@ -43,7 +43,8 @@ class host_attention_workspace {
 
   // Bytes held by the workspace (for accounting reports).
   std::size_t bytes() const {
-    std::size_t n = bitmap_.capacity() + shared_.capacity() * sizeof(float) + ints_.capacity() * sizeof(int);
+    std::size_t n =
+        bitmap_.capacity() + shared_.capacity() * sizeof(float) + ints_.capacity() * sizeof(int);
     for (const auto& s : scratch_) n += s.capacity() * sizeof(line);
     return n;
   }

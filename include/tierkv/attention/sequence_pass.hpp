@@ -16,11 +16,11 @@
 #include "tierkv/attention/partial_state.hpp"
 #include "tierkv/attention/tile.hpp"
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
-#include "tierkv/core/status.hpp"
-#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/core/index_view.hpp"
+#include "tierkv/core/status.hpp"
 
 namespace tierkv {
 
@@ -44,7 +44,8 @@ inline std::size_t first_non_finite(const float* x, std::size_t n) {
   return n;
 }
 
-template <class Geometry, class TierList> struct sequence_pass;
+template <class Geometry, class TierList>
+struct sequence_pass;
 
 template <class Geometry, class... Tiers>
 struct sequence_pass<Geometry, tiers<Tiers...>> {
@@ -58,17 +59,18 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
   using state = partial_state<head_dim>;
   using tier_list = tiers<Tiers...>;
   template <int I>
-  using layout_at = page_layout<Geometry, typename tier_at_t<tier_list, I>::template key_codec<head_dim>,
-                                typename tier_at_t<tier_list, I>::template value_codec<head_dim>>;
+  using layout_at =
+      page_layout<Geometry, typename tier_at_t<tier_list, I>::template key_codec<head_dim>,
+                  typename tier_at_t<tier_list, I>::template value_codec<head_dim>>;
 
   // Per-worker scratch for `rows` rows, carved from one block.
   struct scratch {
-    state* tier_states;   // [num_tiers][rows]
-    state* merged;        // [rows]
-    float* prepared;      // [rows][head_dim]
-    float* scores;        // [rows][tile_tokens]
-    tile_stats* tstats;   // [rows]
-    int* row_ntok;        // [rows]
+    state* tier_states;  // [num_tiers][rows]
+    state* merged;       // [rows]
+    float* prepared;     // [rows][head_dim]
+    float* scores;       // [rows][tile_tokens]
+    tile_stats* tstats;  // [rows]
+    int* row_ntok;       // [rows]
   };
   static constexpr std::size_t round64(std::size_t n) { return (n + 63) / 64 * 64; }
   // Begins the lifetime of n trivially constructible objects in raw scratch bytes.
@@ -116,7 +118,9 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     for (int r = 0; r < j.rows; ++r) s.merged[r].clear();
     if (j.page_stats)
       for (int r = 0; r < j.rows; ++r)
-        for (int p = 0; p < j.stats_stride; ++p) j.page_stats[std::size_t(r) * std::size_t(j.stats_stride) + std::size_t(p)] = tile_stats{};
+        for (int p = 0; p < j.stats_stride; ++p)
+          j.page_stats[std::size_t(r) * std::size_t(j.stats_stride) + std::size_t(p)] =
+              tile_stats{};
     run_tiers(index, pools, src, lp, j, s, std::make_index_sequence<num_tiers>{});
   }
 
@@ -124,22 +128,26 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
   // the formats' entries cover each sequence's logical pages exactly once.
   static status validate(const batch_index_view<num_tiers>& index, const pool_view* pools,
                          std::vector<std::uint8_t>& seen, int* max_pages_out) {
-    if (index.batch < 0) return status::make(errc::invalid_argument, "batch = ", index.batch, " is negative");
+    if (index.batch < 0)
+      return status::make(errc::invalid_argument, "batch = ", index.batch, " is negative");
     if (index.batch > 0 && !index.seq_len)
-      return status::make(errc::invalid_argument, "index.seq_len is null for batch = ", index.batch);
+      return status::make(errc::invalid_argument,
+                          "index.seq_len is null for batch = ", index.batch);
     if (!pools) return status::make(errc::invalid_argument, "pools is null");
     const std::size_t expect[] = {layout_at_bytes<Tiers>()...};
     for (int f = 0; f < num_tiers; ++f) {
       if (pools[f].page_bytes != expect[f])
-        return status::make(errc::geometry_mismatch, "pools[", f, "].page_bytes = ", pools[f].page_bytes,
-                            " but tier ", f, "'s page layout needs ", expect[f]);
+        return status::make(errc::geometry_mismatch, "pools[", f,
+                            "].page_bytes = ", pools[f].page_bytes, " but tier ", f,
+                            "'s page layout needs ", expect[f]);
       if (index.batch > 0 && !index.formats[f].indptr)
         return status::make(errc::invalid_argument, "index.formats[", f, "].indptr is null");
     }
     int max_pages = 0;
     for (int b = 0; b < index.batch; ++b) {
       if (index.seq_len[b] < 0)
-        return status::make(errc::invalid_argument, "seq_len[", b, "] = ", index.seq_len[b], " is negative");
+        return status::make(errc::invalid_argument, "seq_len[", b, "] = ", index.seq_len[b],
+                            " is negative");
       const int pages = (index.seq_len[b] + page_tokens - 1) / page_tokens;
       max_pages = pages > max_pages ? pages : max_pages;
     }
@@ -151,31 +159,33 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
         const format_pages_view& v = index.formats[f];
         const int lo = v.indptr[b], hi = v.indptr[b + 1];
         if (hi < lo)
-          return status::make(errc::invalid_argument, "index.formats[", f, "].indptr decreases at sequence ", b,
-                              ": ", lo, " > ", hi);
+          return status::make(errc::invalid_argument, "index.formats[", f,
+                              "].indptr decreases at sequence ", b, ": ", lo, " > ", hi);
         if (hi > lo && (!v.slot || !v.logical))
-          return status::make(errc::invalid_argument, "index.formats[", f, "] has entries but null slot/logical");
+          return status::make(errc::invalid_argument, "index.formats[", f,
+                              "] has entries but null slot/logical");
         if (hi > lo && !pools[f].base)
-          return status::make(errc::invalid_argument, "pools[", f, "].base is null but sequence ", b, " uses it");
+          return status::make(errc::invalid_argument, "pools[", f, "].base is null but sequence ",
+                              b, " uses it");
         for (int e = lo; e < hi; ++e) {
           if (v.slot[e] < 0 || std::uint32_t(v.slot[e]) >= pools[f].capacity)
-            return status::out_of_range(status::format("index.formats[", f, "].slot[", e, "]"), v.slot[e],
-                                        pools[f].capacity);
+            return status::out_of_range(status::format("index.formats[", f, "].slot[", e, "]"),
+                                        v.slot[e], pools[f].capacity);
           if (v.logical[e] < 0 || v.logical[e] >= pages)
             return status::out_of_range(
-                status::format("index.formats[", f, "].logical[", e, "] (sequence ", b, " of ", index.seq_len[b],
-                               " tokens)"),
+                status::format("index.formats[", f, "].logical[", e, "] (sequence ", b, " of ",
+                               index.seq_len[b], " tokens)"),
                 v.logical[e], pages);
           if (seen[std::size_t(v.logical[e])])
-            return status::make(errc::invalid_argument, "sequence ", b, "'s logical page ", v.logical[e],
-                                " appears more than once across formats");
+            return status::make(errc::invalid_argument, "sequence ", b, "'s logical page ",
+                                v.logical[e], " appears more than once across formats");
           seen[std::size_t(v.logical[e])] = 1;
           ++covered;
         }
       }
       if (covered != pages)
-        return status::make(errc::invalid_argument, "sequence ", b, " has ", index.seq_len[b], " tokens = ", pages,
-                            " pages but its index entries cover ", covered);
+        return status::make(errc::invalid_argument, "sequence ", b, " has ", index.seq_len[b],
+                            " tokens = ", pages, " pages but its index entries cover ", covered);
       for (int f = 0; f < num_tiers; ++f) {
         const format_pages_view& v = index.formats[f];
         for (int e = v.indptr[b]; e < v.indptr[b + 1]; ++e) seen[std::size_t(v.logical[e])] = 0;
@@ -237,12 +247,13 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
         }
         if (!any) break;  // limits only cut the tail: later tiles of the page are hidden too
         const auto span = tile::span::template in_page<layout>(page, j.kv_head, t0);
-        tile::run(s.prepared, j.rows, s.row_ntok, span, n, lp, st, j.page_stats ? s.tstats : nullptr,
-                  s.scores);
+        tile::run(s.prepared, j.rows, s.row_ntok, span, n, lp, st,
+                  j.page_stats ? s.tstats : nullptr, s.scores);
       }
       if (j.page_stats)
         for (int r = 0; r < j.rows; ++r)
-          j.page_stats[std::size_t(r) * std::size_t(j.stats_stride) + std::size_t(lpage)] = s.tstats[r];
+          j.page_stats[std::size_t(r) * std::size_t(j.stats_stride) + std::size_t(lpage)] =
+              s.tstats[r];
     }
     for (int r = 0; r < j.rows; ++r) {
       value_codec::finalize(st[r].acc, vctx);  // inverse rotation for TQ3 values

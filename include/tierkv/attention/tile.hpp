@@ -50,7 +50,7 @@ struct tile_stats {
 };
 
 // One KV head's tokens inside one page, in the page's stored formats (see
-// memory/page_layout.hpp): payloads are contiguous per token, metas are packed arrays.
+// codec/page_layout.hpp): payloads are contiguous per token, metas are packed arrays.
 template <vector_codec KeyCodec, vector_codec ValueCodec>
 struct kv_span {
   using key_codec_t = KeyCodec;
@@ -100,18 +100,16 @@ struct token_scalar {
   static constexpr bool known = false;
 };
 template <vector_codec C>
-  requires(C::meta_bytes == 0)
-struct token_scalar<C> {
+requires(C::meta_bytes == 0) struct token_scalar<C> {
   static constexpr bool known = true;
   TIERKV_HD_INLINE static float of(const typename C::meta_type&) { return 1.f; }
   TIERKV_HD_INLINE static typename C::meta_type unit() { return typename C::meta_type{}; }
 };
 template <vector_codec C>
-  requires((C::format == storage_format::fp8_e4m3 || C::format == storage_format::fp8_e5m2 ||
-            C::format == storage_format::tq3 || C::format == storage_format::tq4 ||
-            C::format == storage_format::int8_rotated) &&
-           std::is_same_v<typename C::meta_type, bf16_bits>)
-struct token_scalar<C> {
+requires((C::format == storage_format::fp8_e4m3 || C::format == storage_format::fp8_e5m2 ||
+          C::format == storage_format::tq3 || C::format == storage_format::tq4 ||
+          C::format == storage_format::int8_rotated) &&
+         std::is_same_v<typename C::meta_type, bf16_bits>) struct token_scalar<C> {
   static constexpr bool known = true;
   TIERKV_HD_INLINE static float of(const typename C::meta_type& m) { return bf16_to_float(m); }
   TIERKV_HD_INLINE static typename C::meta_type unit() { return bf16_bits(0x3F80); }  // 1.0
@@ -148,13 +146,17 @@ TIERKV_HD_INLINE float dot8(const float* TIERKV_RESTRICT a, const float* TIERKV_
 // on it; otherwise each row calls codec.dot / codec.accumulate itself (the generic
 // path, kept for codecs outside docs/formats.md, and tested against the fast one).
 template <vector_codec KeyCodec, vector_codec ValueCodec,
-          bool UnpackOnce = detail::token_scalar<KeyCodec>::known && detail::token_scalar<ValueCodec>::known>
+          bool UnpackOnce =
+              detail::token_scalar<KeyCodec>::known&& detail::token_scalar<ValueCodec>::known>
 struct attention_tile {
   static_assert(KeyCodec::head_dim == ValueCodec::head_dim,
                 "attention_tile: key and value codecs must be bound to the same head_dim");
-  static_assert(!UnpackOnce || (detail::token_scalar<KeyCodec>::known && detail::token_scalar<ValueCodec>::known),
-                "attention_tile: UnpackOnce needs codecs whose per-token scalar is known (detail::token_scalar)");
-  static_assert(!UnpackOnce || KeyCodec::head_dim % 8 == 0, "attention_tile: UnpackOnce needs head_dim % 8 == 0");
+  static_assert(!UnpackOnce || (detail::token_scalar<KeyCodec>::known &&
+                                detail::token_scalar<ValueCodec>::known),
+                "attention_tile: UnpackOnce needs codecs whose per-token scalar is known "
+                "(detail::token_scalar)");
+  static_assert(!UnpackOnce || KeyCodec::head_dim % 8 == 0,
+                "attention_tile: UnpackOnce needs head_dim % 8 == 0");
   static constexpr int head_dim = KeyCodec::head_dim;
   using state = partial_state<head_dim>;
   using span = kv_span<KeyCodec, ValueCodec>;
@@ -184,8 +186,8 @@ struct attention_tile {
         const float scalar = ts::of(km);
         for (int r = 0; r < rows; ++r) {
           if (t >= limit(row_ntok, r, ntok)) continue;
-          scores[std::size_t(r) * std::size_t(ntok) + std::size_t(t)] =
-              lp.apply(scalar * detail::dot8<head_dim>(queries + std::size_t(r) * head_dim, unpacked));
+          scores[std::size_t(r) * std::size_t(ntok) + std::size_t(t)] = lp.apply(
+              scalar * detail::dot8<head_dim>(queries + std::size_t(r) * head_dim, unpacked));
         }
       } else {
         for (int r = 0; r < rows; ++r) {

@@ -93,15 +93,17 @@ concept vector_codec = requires(const float* x, float* y, std::uint8_t* payload,
 // A codec family (e.g. tierkv::fp8_e4m3) is a tag that binds to a head_dim:
 //   typename Family::template bind<128> is a vector_codec.
 template <class F>
-concept codec_family = requires { typename F::template bind<128>; } &&
-                       vector_codec<typename F::template bind<128>>;
+concept codec_family = requires {
+  typename F::template bind<128>;
+}
+&&vector_codec<typename F::template bind<128>>;
 
 template <class Family, int HeadDim>
 using codec_for = typename Family::template bind<HeadDim>;
 
 // Exact storage cost of one scalar: payload plus per-vector metadata.
 template <vector_codec C>
-inline constexpr double bits_per_scalar =
-    double(8 * (C::payload_bytes + C::meta_bytes)) / double(C::head_dim);
+inline constexpr double bits_per_scalar = double(8 * (C::payload_bytes + C::meta_bytes)) /
+                                          double(C::head_dim);
 
 }  // namespace tierkv

@@ -48,7 +48,8 @@ struct dense_f32_codec {
 };
 
 struct dense_f32 {
-  template <int HeadDim> using bind = dense_f32_codec<HeadDim>;
+  template <int HeadDim>
+  using bind = dense_f32_codec<HeadDim>;
 };
 
 static_assert(vector_codec<dense_f32_codec<128>>);

@@ -76,7 +76,8 @@ struct dense_bf16_codec {
 };
 
 struct dense_bf16 {
-  template <int HeadDim> using bind = dense_bf16_codec<HeadDim>;
+  template <int HeadDim>
+  using bind = dense_bf16_codec<HeadDim>;
 };
 
 static_assert(vector_codec<dense_bf16_codec<128>>);

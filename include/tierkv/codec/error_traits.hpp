@@ -149,46 +149,57 @@ mse_error measure_relative_mse(int vectors, std::uint64_t seed) {
 //   ip_rms_sqrt_d      expected inner-product rms times sqrt(head_dim) (key role):
 //                      the rms shrinks as 1/sqrt(d) for these codecs;
 //   ip_bias            expected mean inner-product error (key role).
-template <class Family> struct codec_error_traits {
+template <class Family>
+struct codec_error_traits {
   static_assert(detail::dependent_false<Family>,
                 "codec_error_traits: no expected figures recorded for this codec family");
 };
-template <> struct codec_error_traits<dense_f32> {
+template <>
+struct codec_error_traits<dense_f32> {
   static constexpr double rel_mse = 0.0, ip_rms_sqrt_d = 0.0, ip_bias = 0.0;
 };
 // Measured at head_dim 128, 20000 vectors (docs/codecs.md, scripts/measure codec).
-template <> struct codec_error_traits<dense_bf16> {
+template <>
+struct codec_error_traits<dense_bf16> {
   static constexpr double rel_mse = 2.9e-6, ip_rms_sqrt_d = 0.00234, ip_bias = 0.0;
 };
-template <> struct codec_error_traits<fp8_e4m3> {
+template <>
+struct codec_error_traits<fp8_e4m3> {
   static constexpr double rel_mse = 0.00066, ip_rms_sqrt_d = 0.0343, ip_bias = -0.00026;
 };
-template <> struct codec_error_traits<fp8_e5m2> {
+template <>
+struct codec_error_traits<fp8_e5m2> {
   static constexpr double rel_mse = 0.00263, ip_rms_sqrt_d = 0.0705, ip_bias = -0.0014;
 };
 // Uniform 8-bit codes of the rotated vector: 16x lower MSE than E4M3, 5x lower inner-product
 // rms, unbiased (gain 1.0000).
-template <> struct codec_error_traits<int8_rotated> {
+template <>
+struct codec_error_traits<int8_rotated> {
   static constexpr double rel_mse = 4.24e-5, ip_rms_sqrt_d = 0.00653, ip_bias = 0.0;
 };
 // Keys: alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain 1.000) and halves the rms
 // against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340 at d = 128).
-template <> struct codec_error_traits<tq3_key> {
+template <>
+struct codec_error_traits<tq3_key> {
   static constexpr double rel_mse = 0.0348, ip_rms_sqrt_d = 0.1336, ip_bias = 0.0;
 };
 // Values: least-squares alpha gives the lowest MSE; inner products shrink by 0.966.
-template <> struct codec_error_traits<tq3_value> {
+template <>
+struct codec_error_traits<tq3_value> {
   static constexpr double rel_mse = 0.0336, ip_rms_sqrt_d = 0.302, ip_bias = -0.0237;
 };
 // TQ4 (16 uniform levels of the rotated vector): 1.75x lower key inner-product rms than TQ3
 // (3.1x lower variance), MSE 0.011 (d = 128, 20000 vectors; docs/codecs.md).
-template <> struct codec_error_traits<tq4_key> {
+template <>
+struct codec_error_traits<tq4_key> {
   static constexpr double rel_mse = 0.01124, ip_rms_sqrt_d = 0.0760, ip_bias = 0.0;
 };
-template <> struct codec_error_traits<tq4_value> {
+template <>
+struct codec_error_traits<tq4_value> {
   static constexpr double rel_mse = 0.01111, ip_rms_sqrt_d = 0.1196, ip_bias = -0.0079;
 };
-template <> struct codec_error_traits<tq3_plain> {
+template <>
+struct codec_error_traits<tq3_plain> {
   static constexpr double rel_mse = 0.0340, ip_rms_sqrt_d = 0.353, ip_bias = -0.0234;
 };
 
@@ -209,7 +220,9 @@ struct tier_error_traits {
   static constexpr double value_bits_per_scalar = bits_per_scalar<value_codec>;
   static constexpr double bits_per_scalar_kv = (key_bits_per_scalar + value_bits_per_scalar) / 2;
   static constexpr double expected_key_ip_bias = key_traits::ip_bias;
-  static double expected_key_ip_rms() { return key_traits::ip_rms_sqrt_d / std::sqrt(double(HeadDim)); }
+  static double expected_key_ip_rms() {
+    return key_traits::ip_rms_sqrt_d / std::sqrt(double(HeadDim));
+  }
   static constexpr double expected_value_rel_mse = value_traits::rel_mse;
 
   static inner_product_error measure_keys(int vectors, std::uint64_t seed) {

@@ -27,7 +27,8 @@ TIERKV_HD_INLINE float abs_bits(float x) { return bits_float(float_bits(x) & 0x7
 
 // The largest |x_i| of x[0, n) with each |x_i| clipped at `limit` (clipped counts the
 // elements beyond it); false, with amax unspecified, when x holds NaN or Inf.
-TIERKV_HD_INLINE bool clipped_amax(const float* x, int n, float limit, float& amax, std::uint64_t& clipped) {
+TIERKV_HD_INLINE bool clipped_amax(const float* x, int n, float limit, float& amax,
+                                   std::uint64_t& clipped) {
   amax = 0.0f;
   clipped = 0;
   for (int i = 0; i < n; ++i) {

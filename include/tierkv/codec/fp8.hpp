@@ -118,10 +118,12 @@ struct fp8_codec {
 };
 
 struct fp8_e4m3 {
-  template <int HeadDim> using bind = fp8_codec<HeadDim, fp8_kind::e4m3>;
+  template <int HeadDim>
+  using bind = fp8_codec<HeadDim, fp8_kind::e4m3>;
 };
 struct fp8_e5m2 {
-  template <int HeadDim> using bind = fp8_codec<HeadDim, fp8_kind::e5m2>;
+  template <int HeadDim>
+  using bind = fp8_codec<HeadDim, fp8_kind::e5m2>;
 };
 
 static_assert(vector_codec<fp8_codec<128, fp8_kind::e4m3>>);

@@ -19,24 +19,27 @@ namespace tierkv {
 enum class fp8_kind : std::uint8_t { e4m3, e5m2 };
 
 // Parameters of the two OCP FP8 formats as NVIDIA implements them.
-template <fp8_kind K> struct fp8_format;
-template <> struct fp8_format<fp8_kind::e4m3> {
+template <fp8_kind K>
+struct fp8_format;
+template <>
+struct fp8_format<fp8_kind::e4m3> {
   static constexpr int mantissa_bits = 3;
   static constexpr int exponent_bias = 7;
-  static constexpr std::uint8_t max_code = 0x7E;            // 448; 0x7F is NaN, no Inf
+  static constexpr std::uint8_t max_code = 0x7E;  // 448; 0x7F is NaN, no Inf
   static constexpr float max_value = 448.0f;
-  static constexpr std::uint32_t overflow_bits = 0x44000000u;  // 512: exponent beyond range
+  static constexpr std::uint32_t overflow_bits = 0x44000000u;    // 512: exponent beyond range
   static constexpr std::uint32_t min_normal_bits = 0x3C800000u;  // 2^-6
   static constexpr std::uint32_t underflow_bits = 0x3A800000u;   // 2^-10 = half the least subnormal
   static constexpr int subnormal_exponent = -9;                  // subnormal = m * 2^-9
   static constexpr const char* name = "e4m3";
 };
-template <> struct fp8_format<fp8_kind::e5m2> {
+template <>
+struct fp8_format<fp8_kind::e5m2> {
   static constexpr int mantissa_bits = 2;
   static constexpr int exponent_bias = 15;
-  static constexpr std::uint8_t max_code = 0x7B;               // 57344; 0x7C Inf, above NaN
+  static constexpr std::uint8_t max_code = 0x7B;  // 57344; 0x7C Inf, above NaN
   static constexpr float max_value = 57344.0f;
-  static constexpr std::uint32_t overflow_bits = 0x47800000u;  // 65536
+  static constexpr std::uint32_t overflow_bits = 0x47800000u;    // 65536
   static constexpr std::uint32_t min_normal_bits = 0x38800000u;  // 2^-14
   static constexpr std::uint32_t underflow_bits = 0x37000000u;   // 2^-17
   static constexpr int subnormal_exponent = -16;
@@ -53,17 +56,17 @@ TIERKV_HD constexpr std::uint8_t float_to_fp8_portable(float x) {
   const std::uint32_t u = float_bits(x);
   const std::uint32_t a = u & 0x7FFFFFFFu;
   const std::uint8_t sign = std::uint8_t((u >> 24) & 0x80u);
-  if (a > 0x7F800000u) return 0x7F;                        // NaN (canonical, positive)
+  if (a > 0x7F800000u) return 0x7F;                                    // NaN (canonical, positive)
   if (a >= F::overflow_bits) return std::uint8_t(sign | F::max_code);  // includes Inf
-  if (a <= F::underflow_bits) return sign;                 // rounds to (signed) zero
+  if (a <= F::underflow_bits) return sign;                             // rounds to (signed) zero
   if (a >= F::min_normal_bits) {
     const std::uint32_t e = (a >> 23) - 127u + std::uint32_t(F::exponent_bias);
     const std::uint32_t drop = 23u - std::uint32_t(mb);
     std::uint32_t r = (e << mb) | ((a >> drop) & ((1u << mb) - 1u));
     const std::uint32_t rem = a & ((1u << drop) - 1u);
     const std::uint32_t half = 1u << (drop - 1u);
-    if (rem > half || (rem == half && (r & 1u))) ++r;      // a carry moves into the exponent
-    if (r > F::max_code) r = F::max_code;                  // (max, next binade) -> max
+    if (rem > half || (rem == half && (r & 1u))) ++r;  // a carry moves into the exponent
+    if (r > F::max_code) r = F::max_code;              // (max, next binade) -> max
     return std::uint8_t(sign | r);
   }
   // Subnormal target: value in units of 2^subnormal_exponent is sig * 2^(e - 150 - se).
@@ -72,7 +75,7 @@ TIERKV_HD constexpr std::uint8_t float_to_fp8_portable(float x) {
   std::uint32_t r = sig >> shift;
   const std::uint32_t rem = sig & ((1u << shift) - 1u);
   const std::uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (r & 1u))) ++r;        // may become the least normal
+  if (rem > half || (rem == half && (r & 1u))) ++r;  // may become the least normal
   return std::uint8_t(sign | r);
 }
 
@@ -111,13 +114,15 @@ TIERKV_HD constexpr float fp8_to_float(std::uint8_t c) {
                             (m << (23 - mb)));
 }
 
-template <fp8_kind K> struct fp8_decode_table {
+template <fp8_kind K>
+struct fp8_decode_table {
   float value[256];
   constexpr fp8_decode_table() : value{} {
     for (int c = 0; c < 256; ++c) value[c] = fp8_to_float<K>(std::uint8_t(c));
   }
 };
 // Host-side lookup table (256 floats) for the CPU dot product and accumulate loops.
-template <fp8_kind K> inline constexpr fp8_decode_table<K> fp8_table{};
+template <fp8_kind K>
+inline constexpr fp8_decode_table<K> fp8_table{};
 
 }  // namespace tierkv

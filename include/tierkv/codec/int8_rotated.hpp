@@ -131,7 +131,8 @@ struct int8_rotated_codec {
 };
 
 struct int8_rotated {
-  template <int HeadDim> using bind = int8_rotated_codec<HeadDim>;
+  template <int HeadDim>
+  using bind = int8_rotated_codec<HeadDim>;
 };
 
 static_assert(vector_codec<int8_rotated_codec<128>>);

@@ -77,7 +77,7 @@ struct page_layout {
 struct pool_view {
   std::uint8_t* base = nullptr;  // page p starts at base + p * page_bytes
   std::size_t page_bytes = 0;
-  std::uint32_t capacity = 0;    // number of pages
+  std::uint32_t capacity = 0;  // number of pages
 
   TIERKV_HD std::uint8_t* page(std::uint32_t p) const { return base + std::size_t(p) * page_bytes; }
 };

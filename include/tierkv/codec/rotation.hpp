@@ -12,10 +12,12 @@
 
 namespace tierkv {
 
-template <int N> inline constexpr bool is_power_of_two = N > 0 && (N & (N - 1)) == 0;
+template <int N>
+inline constexpr bool is_power_of_two = N > 0 && (N & (N - 1)) == 0;
 
 namespace detail {
-template <int N> inline constexpr int log2_of = N <= 1 ? 0 : 1 + log2_of<N / 2>;
+template <int N>
+inline constexpr int log2_of = N <= 1 ? 0 : 1 + log2_of<N / 2>;
 }  // namespace detail
 
 // Signs of coordinates [64*block, 64*block + 64): bit i%64 set means D_ii = -1.

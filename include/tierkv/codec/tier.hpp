@@ -18,33 +18,45 @@ template <codec_family KeyFamily, codec_family ValueFamily>
 struct tier {
   using key_family = KeyFamily;
   using value_family = ValueFamily;
-  template <int HeadDim> using key_codec = codec_for<KeyFamily, HeadDim>;
-  template <int HeadDim> using value_codec = codec_for<ValueFamily, HeadDim>;
+  template <int HeadDim>
+  using key_codec = codec_for<KeyFamily, HeadDim>;
+  template <int HeadDim>
+  using value_codec = codec_for<ValueFamily, HeadDim>;
 };
 
-template <class T> struct is_tier : std::false_type {};
-template <class K, class V> struct is_tier<tier<K, V>> : std::true_type {};
+template <class T>
+struct is_tier : std::false_type {};
+template <class K, class V>
+struct is_tier<tier<K, V>> : std::true_type {};
 
 // An ordered list of tiers; index 0 is the tier new tokens are appended in.
 template <class... Tiers>
 struct tiers {
   static_assert(sizeof...(Tiers) >= 1, "tiers<...>: a cache needs at least one tier");
-  static_assert((is_tier<Tiers>::value && ...), "tiers<...>: every entry must be a tierkv::tier<K, V>");
+  static_assert((is_tier<Tiers>::value && ...),
+                "tiers<...>: every entry must be a tierkv::tier<K, V>");
   static constexpr int size = int(sizeof...(Tiers));
 };
 
 namespace detail {
-template <int I, class... Ts> struct nth;
-template <class T, class... Ts> struct nth<0, T, Ts...> { using type = T; };
-template <int I, class T, class... Ts> struct nth<I, T, Ts...> : nth<I - 1, Ts...> {};
+template <int I, class... Ts>
+struct nth;
+template <class T, class... Ts>
+struct nth<0, T, Ts...> {
+  using type = T;
+};
+template <int I, class T, class... Ts>
+struct nth<I, T, Ts...> : nth<I - 1, Ts...> {};
 }  // namespace detail
 
-template <class TierList, int I> struct tier_at;
+template <class TierList, int I>
+struct tier_at;
 template <int I, class... Tiers>
 struct tier_at<tiers<Tiers...>, I> {
   static_assert(I >= 0 && I < int(sizeof...(Tiers)), "tier_at: index beyond the tier list");
   using type = typename detail::nth<I, Tiers...>::type;
 };
-template <class TierList, int I> using tier_at_t = typename tier_at<TierList, I>::type;
+template <class TierList, int I>
+using tier_at_t = typename tier_at<TierList, I>::type;
 
 }  // namespace tierkv

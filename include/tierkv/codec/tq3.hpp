@@ -30,7 +30,9 @@ TIERKV_HD_INLINE constexpr int tq3_level_int(int code) {
   return pos ? mag : -mag;
 }
 inline constexpr float tq3_level_scale = 1.0f / 64.0f;  // level = L / 64 (exact)
-TIERKV_HD_INLINE float tq3_centroid(int code) { return float(tq3_level_int(code)) * tq3_level_scale; }
+TIERKV_HD_INLINE float tq3_centroid(int code) {
+  return float(tq3_level_int(code)) * tq3_level_scale;
+}
 // All 8 levels, for the host loops that index them by code.
 struct tq3_level_table {
   float v[8];
@@ -57,16 +59,24 @@ constexpr std::uint32_t tq3_table_word(int first_code, F byte_of) {
   for (int i = 0; i < 4; ++i) w |= (byte_of(first_code + i) & 0xffu) << (8 * i);
   return w;
 }
-inline constexpr std::uint32_t tq3_f16_lo0 = tq3_table_word(0, [](int c) { return tq3_f16_bits(c); });
-inline constexpr std::uint32_t tq3_f16_lo1 = tq3_table_word(4, [](int c) { return tq3_f16_bits(c); });
-inline constexpr std::uint32_t tq3_f16_hi0 = tq3_table_word(0, [](int c) { return tq3_f16_bits(c) >> 8; });
-inline constexpr std::uint32_t tq3_f16_hi1 = tq3_table_word(4, [](int c) { return tq3_f16_bits(c) >> 8; });
-inline constexpr std::uint32_t tq3_s8_0 = tq3_table_word(0, [](int c) { return std::uint32_t(tq3_level_int(c)); });
-inline constexpr std::uint32_t tq3_s8_1 = tq3_table_word(4, [](int c) { return std::uint32_t(tq3_level_int(c)); });
-// u8: the biased levels L + 128 (1..255), which the GPU value path widens to f16 (decode_mma.cuh).
+inline constexpr std::uint32_t tq3_f16_lo0 =
+    tq3_table_word(0, [](int c) { return tq3_f16_bits(c); });
+inline constexpr std::uint32_t tq3_f16_lo1 =
+    tq3_table_word(4, [](int c) { return tq3_f16_bits(c); });
+inline constexpr std::uint32_t tq3_f16_hi0 =
+    tq3_table_word(0, [](int c) { return tq3_f16_bits(c) >> 8; });
+inline constexpr std::uint32_t tq3_f16_hi1 =
+    tq3_table_word(4, [](int c) { return tq3_f16_bits(c) >> 8; });
+inline constexpr std::uint32_t tq3_s8_0 =
+    tq3_table_word(0, [](int c) { return std::uint32_t(tq3_level_int(c)); });
+inline constexpr std::uint32_t tq3_s8_1 =
+    tq3_table_word(4, [](int c) { return std::uint32_t(tq3_level_int(c)); });
+// u8: the biased levels L + 128 (1..255), which the GPU value path widens to f16
+// (cuda/codec/tq3.cuh).
 inline constexpr std::uint32_t tq3_u8_0 = tq3_s8_0 ^ 0x80808080u;
 inline constexpr std::uint32_t tq3_u8_1 = tq3_s8_1 ^ 0x80808080u;
-static_assert(tq3_f16_bits(0) == 0xBFF0u && tq3_f16_bits(4) == 0x3300u && tq3_f16_bits(6) == 0x3CF0u,
+static_assert(tq3_f16_bits(0) == 0xBFF0u && tq3_f16_bits(4) == 0x3300u &&
+                  tq3_f16_bits(6) == 0x3CF0u,
               "tq3: f16 level bits");
 static_assert(tq3_s8_0 == 0xF2D4B181u && tq3_s8_1 == 0x7F4F2C0Eu, "tq3: int8 level table");
 // Nearest-level thresholds for N(0, 1): the midpoints of adjacent int8 levels (29, 61.5, 103)
@@ -123,7 +133,9 @@ struct tq3_grid {
   using bounds = detail::tq3_bounds;
 
   TIERKV_HD_INLINE static bounds make_bounds(float n) { return detail::tq3_make_bounds(n); }
-  TIERKV_HD_INLINE static int quantize(float z, const bounds& b) { return detail::tq3_quantize(z, b); }
+  TIERKV_HD_INLINE static int quantize(float z, const bounds& b) {
+    return detail::tq3_quantize(z, b);
+  }
   TIERKV_HD_INLINE static float level(int code) { return detail::tq3_centroid(code); }
 
   template <int D>
@@ -165,7 +177,8 @@ struct tq3_grid {
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const detail::tq3_level_table t = detail::tq3_levels();
-    for_each_code<D>(payload, [&](int stream, int i, std::uint32_t code) { s[stream] += q[i] * t.v[code]; });
+    for_each_code<D>(payload,
+                     [&](int stream, int i, std::uint32_t code) { s[stream] += q[i] * t.v[code]; });
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <int D>
@@ -179,14 +192,17 @@ template <int HeadDim, tq_norm Norm>
 using tq3_codec = tq_codec<HeadDim, Norm, tq3_grid>;
 
 struct tq3_key {
-  template <int HeadDim> using bind = tq3_codec<HeadDim, tq_norm::unbiased_inner_product>;
+  template <int HeadDim>
+  using bind = tq3_codec<HeadDim, tq_norm::unbiased_inner_product>;
 };
 struct tq3_value {
-  template <int HeadDim> using bind = tq3_codec<HeadDim, tq_norm::least_squares>;
+  template <int HeadDim>
+  using bind = tq3_codec<HeadDim, tq_norm::least_squares>;
 };
 // Not a tier codec: |x| uncorrected, kept to measure the corrections against.
 struct tq3_plain {
-  template <int HeadDim> using bind = tq3_codec<HeadDim, tq_norm::plain>;
+  template <int HeadDim>
+  using bind = tq3_codec<HeadDim, tq_norm::plain>;
 };
 
 static_assert(vector_codec<tq3_codec<128, tq_norm::unbiased_inner_product>>);

@@ -28,7 +28,7 @@ namespace tierkv {
 struct tq4_grid {
   static constexpr storage_format format = storage_format::tq4;
   static constexpr int bits = 4;
-  static constexpr int zero_code = 8;  // codes stored for an all-zero vector (alpha 0)
+  static constexpr int zero_code = 8;         // codes stored for an all-zero vector (alpha 0)
   static constexpr float plain_scale = 1.0f;  // tq4_plain keeps |x| as it was measured
   static constexpr const char* key_name = "tq4_key";
   static constexpr const char* value_name = "tq4_value";
@@ -83,10 +83,12 @@ template <int HeadDim, tq_norm Norm>
 using tq4_codec = tq_codec<HeadDim, Norm, tq4_grid>;
 
 struct tq4_key {
-  template <int HeadDim> using bind = tq4_codec<HeadDim, tq_norm::unbiased_inner_product>;
+  template <int HeadDim>
+  using bind = tq4_codec<HeadDim, tq_norm::unbiased_inner_product>;
 };
 struct tq4_value {
-  template <int HeadDim> using bind = tq4_codec<HeadDim, tq_norm::least_squares>;
+  template <int HeadDim>
+  using bind = tq4_codec<HeadDim, tq_norm::least_squares>;
 };
 
 static_assert(vector_codec<tq4_codec<128, tq_norm::unbiased_inner_product>>);

@@ -18,7 +18,7 @@
 // two, WHT additions), correctly rounded * / sqrt, explicit fmaf, and sums in the
 // "canonical warp order" (lane l of 32 owns coordinates [l*d/32, (l+1)*d/32), adds its
 // terms in ascending order with fmaf, then a xor-butterfly over offsets 16, 8, 4, 2, 1),
-// which the CUDA warp kernels (cuda/warp_vector.cuh, cuda/codec_kernels.cuh) reproduce
+// which the CUDA warp kernels (cuda/warp/, cuda/codec/, cuda/codec_kernels.cuh) reproduce
 // exactly. No a*b+c is left for a compiler to contract.
 #pragma once
 
@@ -129,7 +129,7 @@ struct tq_codec {
   static constexpr std::size_t payload_bytes = std::size_t(HeadDim) * Grid::bits / 8;
   static constexpr std::size_t meta_bytes = sizeof(meta_type);
   static constexpr const char* name = Norm == tq_norm::unbiased_inner_product ? Grid::key_name
-                                      : Norm == tq_norm::least_squares       ? Grid::value_name
+                                      : Norm == tq_norm::least_squares        ? Grid::value_name
                                                                               : Grid::plain_name;
   // Written on non-finite input: codes 0 and a NaN alpha, so a slot read by mistake
   // yields NaN (loud) rather than a plausible vector.

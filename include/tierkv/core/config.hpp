@@ -38,6 +38,7 @@ namespace tierkv {
 namespace detail {
 // For static_assert(dependent_false<T>, "...") in primary templates that must
 // never be instantiated.
-template <class...> inline constexpr bool dependent_false = false;
+template <class...>
+inline constexpr bool dependent_false = false;
 }  // namespace detail
 }  // namespace tierkv

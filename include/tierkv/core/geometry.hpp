@@ -11,20 +11,34 @@ namespace tierkv {
 
 // Named parameters, so an instantiation reads as its meaning:
 //   geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>
-template <int N> struct head_dim { static constexpr int value = N; };
-template <int N> struct kv_heads { static constexpr int value = N; };
-template <int N> struct group_size { static constexpr int value = N; };
-template <int N> struct page_tokens { static constexpr int value = N; };
+template <int N>
+struct head_dim {
+  static constexpr int value = N;
+};
+template <int N>
+struct kv_heads {
+  static constexpr int value = N;
+};
+template <int N>
+struct group_size {
+  static constexpr int value = N;
+};
+template <int N>
+struct page_tokens {
+  static constexpr int value = N;
+};
 
 namespace detail {
-template <template <int> class Tag, class T> struct is_tag : std::false_type {};
-template <template <int> class Tag, int N> struct is_tag<Tag, Tag<N>> : std::true_type {};
+template <template <int> class Tag, class T>
+struct is_tag : std::false_type {};
+template <template <int> class Tag, int N>
+struct is_tag<Tag, Tag<N>> : std::true_type {};
 }  // namespace detail
 
 // Limits below are the ones the kernels are written for; each assertion names
 // the rule so a user knows what to change.
 inline constexpr int max_head_dim = 512;
-inline constexpr int max_group_size = 16;   // query rows of one m16 tensor-core tile
+inline constexpr int max_group_size = 16;  // query rows of one m16 tensor-core tile
 inline constexpr int max_page_tokens = 4096;
 
 template <class HeadDim, class KvHeads, class GroupSize, class PageTokens>
@@ -57,10 +71,12 @@ struct geometry {
                 "geometry: page_tokens must be a multiple of 16 (tensor-core tile of tokens)");
 };
 
-template <class T> struct is_geometry : std::false_type {};
+template <class T>
+struct is_geometry : std::false_type {};
 template <class A, class B, class C, class D>
 struct is_geometry<geometry<A, B, C, D>> : std::true_type {};
-template <class T> inline constexpr bool is_geometry_v = is_geometry<T>::value;
+template <class T>
+inline constexpr bool is_geometry_v = is_geometry<T>::value;
 
 // Runtime mirror of a geometry, for plain-data views handed to kernels and for
 // self-describing buffers.

@@ -30,9 +30,15 @@ struct strong_id {
   }
 };
 
-struct seq_tag { static constexpr const char* prefix = "seq#"; };
-struct layer_tag { static constexpr const char* prefix = "layer#"; };
-struct head_tag { static constexpr const char* prefix = "head#"; };
+struct seq_tag {
+  static constexpr const char* prefix = "seq#";
+};
+struct layer_tag {
+  static constexpr const char* prefix = "layer#";
+};
+struct head_tag {
+  static constexpr const char* prefix = "head#";
+};
 
 using seq_id = strong_id<seq_tag>;
 using layer_id = strong_id<layer_tag>;
@@ -71,8 +77,8 @@ struct std::hash<tierkv::strong_id<Tag, Rep>> {
 template <>
 struct std::hash<tierkv::page_id> {
   std::size_t operator()(const tierkv::page_id& id) const noexcept {
-    const std::uint64_t packed = (std::uint64_t(id.format) << 56) ^
-                                 (std::uint64_t(id.generation) << 32) ^ id.slot;
+    const std::uint64_t packed =
+        (std::uint64_t(id.format) << 56) ^ (std::uint64_t(id.generation) << 32) ^ id.slot;
     return std::hash<std::uint64_t>{}(packed);
   }
 };

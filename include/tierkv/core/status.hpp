@@ -34,18 +34,30 @@ enum class errc : std::uint8_t {
 
 constexpr std::string_view to_string(errc c) noexcept {
   switch (c) {
-    case errc::ok: return "ok";
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::out_of_range: return "out_of_range";
-    case errc::capacity_exhausted: return "capacity_exhausted";
-    case errc::stale_id: return "stale_id";
-    case errc::double_release: return "double_release";
-    case errc::non_finite_input: return "non_finite_input";
-    case errc::not_writable: return "not_writable";
-    case errc::geometry_mismatch: return "geometry_mismatch";
-    case errc::corrupt_data: return "corrupt_data";
-    case errc::cuda_error: return "cuda_error";
-    case errc::injected_fault: return "injected_fault";
+    case errc::ok:
+      return "ok";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::out_of_range:
+      return "out_of_range";
+    case errc::capacity_exhausted:
+      return "capacity_exhausted";
+    case errc::stale_id:
+      return "stale_id";
+    case errc::double_release:
+      return "double_release";
+    case errc::non_finite_input:
+      return "non_finite_input";
+    case errc::not_writable:
+      return "not_writable";
+    case errc::geometry_mismatch:
+      return "geometry_mismatch";
+    case errc::corrupt_data:
+      return "corrupt_data";
+    case errc::cuda_error:
+      return "cuda_error";
+    case errc::injected_fault:
+      return "injected_fault";
   }
   return "unknown";
 }
@@ -132,9 +144,10 @@ class TIERKV_NODISCARD_TYPE result {
 
  public:
   result(T value) : data_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
-  result(status s) : data_(std::move(s)) {       // NOLINT(google-explicit-constructor)
+  result(status s) : data_(std::move(s)) {      // NOLINT(google-explicit-constructor)
     if (std::get<status>(data_).is_ok())
-      data_ = status(errc::invalid_argument, "result constructed from an ok status without a value");
+      data_ =
+          status(errc::invalid_argument, "result constructed from an ok status without a value");
   }
 
   bool has_value() const noexcept { return std::holds_alternative<T>(data_); }

@@ -16,12 +16,12 @@
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/float_bits.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
 #include "tierkv/cuda/codec/int8_rotated.cuh"
-#include "tierkv/codec/page_layout.hpp"
 
 namespace tierkv::cuda {
 
@@ -36,13 +36,13 @@ struct append_inputs {
   const void* k = nullptr;
   const void* v = nullptr;
   input_type type = input_type::f32;
-  std::int64_t layer_stride = 0;         // elements between layers of k and v
-  const std::int32_t* slot = nullptr;    // [layers][slot_layer_stride]
+  std::int64_t layer_stride = 0;       // elements between layers of k and v
+  const std::int32_t* slot = nullptr;  // [layers][slot_layer_stride]
   std::int64_t slot_layer_stride = 0;
   const std::int32_t* offset = nullptr;  // [tokens]
   int tokens = 0;
   int layers = 1;
-  pool_view pool;                        // the append tier's pool
+  pool_view pool;  // the append tier's pool
   // Rotated formats (int8_rotated): codec contexts are make_codec_context(cache_seed, layer,
   // head_base + h, role), as in paged_storage. layer_base is the layer of k's layer 0.
   std::uint64_t cache_seed = 0;
@@ -82,7 +82,8 @@ struct append_target {
     const int n = warp / (2 * H);
     const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
     const std::int32_t off = in.offset[n];
-    if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 || off >= Geometry::page_tokens) {
+    if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 ||
+        off >= Geometry::page_tokens) {
       if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
       return;
     }
@@ -163,8 +164,10 @@ __global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
   float x[P];
 #pragma unroll
   for (int r = 0; r < P; ++r) x[r] = load_input(at.src, in.type, at.base + lane * P + r);
-  const std::uint64_t seed = make_codec_context(in.cache_seed, in.layer_base + at.layer, in.head_base + at.h,
-                                                at.role == 0 ? kv_role::key : kv_role::value).seed;
+  const std::uint64_t seed =
+      make_codec_context(in.cache_seed, in.layer_base + at.layer, in.head_base + at.h,
+                         at.role == 0 ? kv_role::key : kv_role::value)
+          .seed;
   const bool ok = warp_encode_int8r<Codec, P>(x, at.payload, at.meta, seed, lane);
   if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
 }
@@ -177,34 +180,40 @@ template <class Geometry, class Tier>
 status append(const append_inputs& in, cudaStream_t stream) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  static_assert(std::is_same_v<K, V> &&
-                    (K::format == storage_format::fp8_e4m3 || K::format == storage_format::int8_rotated),
-                "cuda::append: the append tier must store keys and values as fp8_e4m3 or int8_rotated");
+  static_assert(
+      std::is_same_v<K, V> &&
+          (K::format == storage_format::fp8_e4m3 || K::format == storage_format::int8_rotated),
+      "cuda::append: the append tier must store keys and values as fp8_e4m3 or int8_rotated");
   static_assert(K::format != storage_format::int8_rotated || Geometry::head_dim % 32 == 0,
                 "cuda::append: int8_rotated needs head_dim a multiple of 32 (one warp per vector)");
   using layout = page_layout<Geometry, K, V>;
   if (in.tokens < 0 || in.layers < 1 || in.layers > 65535)
-    return status::make(errc::invalid_argument, "append: tokens = ", in.tokens, ", layers = ",
-                        in.layers, " (tokens >= 0, layers in [1, 65535])");
+    return status::make(errc::invalid_argument, "append: tokens = ", in.tokens,
+                        ", layers = ", in.layers, " (tokens >= 0, layers in [1, 65535])");
   if (in.tokens == 0) return status::ok();
   if (!in.k || !in.v || !in.slot || !in.offset || !in.pool.base)
-    return status::make(errc::invalid_argument, "append: k, v, slot, offset and pool.base must be set");
+    return status::make(errc::invalid_argument,
+                        "append: k, v, slot, offset and pool.base must be set");
   if (in.pool.page_bytes != layout::page_bytes)
     return status::make(errc::geometry_mismatch, "append: pool.page_bytes = ", in.pool.page_bytes,
                         " but the append tier's page layout needs ", layout::page_bytes);
-  if (in.layers > 1 && (in.layer_stride < std::int64_t(in.tokens) * Geometry::kv_heads * Geometry::head_dim ||
-                        in.slot_layer_stride < in.tokens))
+  if (in.layers > 1 &&
+      (in.layer_stride < std::int64_t(in.tokens) * Geometry::kv_heads * Geometry::head_dim ||
+       in.slot_layer_stride < in.tokens))
     return status::make(errc::invalid_argument, "append: layer_stride = ", in.layer_stride,
                         " and slot_layer_stride = ", in.slot_layer_stride,
                         " must cover one layer's tokens");
   const std::int64_t warps = std::int64_t(in.tokens) * Geometry::kv_heads * 2;
   const std::int64_t blocks = (warps + 7) / 8;
-  if (blocks > 0x7fffffff) return status::exceeds(errc::invalid_argument, "append: blocks", blocks, 0x7fffffff);
+  if (blocks > 0x7fffffff)
+    return status::exceeds(errc::invalid_argument, "append: blocks", blocks, 0x7fffffff);
   if constexpr (K::format == storage_format::fp8_e4m3) {
-    detail::append_fp8_kernel<Geometry, K><<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
+    detail::append_fp8_kernel<Geometry, K>
+        <<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
     return check_launch("append_fp8_kernel");
   } else {
-    detail::append_int8r_kernel<Geometry, K><<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
+    detail::append_int8r_kernel<Geometry, K>
+        <<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
     return check_launch("append_int8r_kernel");
   }
 }

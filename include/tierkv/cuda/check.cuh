@@ -22,15 +22,13 @@ inline status check(cudaError_t err, std::string_view what) {
 
 // The launch error of the kernel just queued (configuration, missing image), without
 // synchronizing: asynchronous faults surface at the caller's next synchronization.
-inline status check_launch(std::string_view kernel) {
-  return check(cudaGetLastError(), kernel);
-}
+inline status check_launch(std::string_view kernel) { return check(cudaGetLastError(), kernel); }
 
 }  // namespace tierkv::cuda
 
 // Returns the status from the enclosing function when a CUDA call fails.
-#define TIERKV_CUDA_TRY(call)                                              \
-  do {                                                                     \
+#define TIERKV_CUDA_TRY(call)                                                        \
+  do {                                                                               \
     ::tierkv::status tierkv_cuda_try_status_ = ::tierkv::cuda::check((call), #call); \
-    if (!tierkv_cuda_try_status_.is_ok()) return tierkv_cuda_try_status_;  \
+    if (!tierkv_cuda_try_status_.is_ok()) return tierkv_cuda_try_status_;            \
   } while (0)

@@ -56,10 +56,14 @@ inline constexpr int codec_warps_per_block = 4;
 
 namespace detail {
 
-template <class Codec> struct is_fp8 : std::false_type {};
-template <int D, fp8_kind K> struct is_fp8<fp8_codec<D, K>> : std::true_type {};
-template <class Codec> struct is_tq3 : std::false_type {};
-template <int D, tq_norm N> struct is_tq3<tq3_codec<D, N>> : std::true_type {};
+template <class Codec>
+struct is_fp8 : std::false_type {};
+template <int D, fp8_kind K>
+struct is_fp8<fp8_codec<D, K>> : std::true_type {};
+template <class Codec>
+struct is_tq3 : std::false_type {};
+template <int D, tq_norm N>
+struct is_tq3<tq3_codec<D, N>> : std::true_type {};
 
 __device__ inline void store_u32(std::uint8_t* p, std::uint32_t w) {
   if ((reinterpret_cast<std::uintptr_t>(p) & 3u) == 0u)
@@ -68,7 +72,8 @@ __device__ inline void store_u32(std::uint8_t* p, std::uint32_t w) {
     tierkv::detail::store_le32(p, w);
 }
 __device__ inline std::uint32_t load_u32(const std::uint8_t* p) {
-  if ((reinterpret_cast<std::uintptr_t>(p) & 3u) == 0u) return *reinterpret_cast<const std::uint32_t*>(p);
+  if ((reinterpret_cast<std::uintptr_t>(p) & 3u) == 0u)
+    return *reinterpret_cast<const std::uint32_t*>(p);
   return tierkv::detail::load_le32(p);
 }
 
@@ -119,7 +124,8 @@ __device__ void fp8_encode_warp(const encode_batch<Codec>& b, int v, int lane) {
     float xi = x[i];
     if (xi > Codec::input_limit) xi = Codec::input_limit;
     if (xi < -Codec::input_limit) xi = -Codec::input_limit;
-    out[i] = float_to_fp8<Codec::format_t::max_code == 0x7E ? fp8_kind::e4m3 : fp8_kind::e5m2>(xi / s);
+    out[i] = float_to_fp8 < Codec::format_t::max_code == 0x7E ? fp8_kind::e4m3
+                                                              : fp8_kind::e5m2 > (xi / s);
   }
   for (int o = 16; o >= 1; o >>= 1) clipped += __shfl_xor_sync(full_warp, clipped, o);
   if (lane == 0) {
@@ -184,7 +190,8 @@ __device__ void tq3_encode_warp(const encode_batch<Codec>& b, int v, int lane,
     }
     const float s_zc = warp_sum_canonical(pzc);
     const float s_cc = warp_sum_canonical(pcc);
-    meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, Codec::grid::plain_scale, &saturated);
+    meta = tierkv::detail::tq_alpha(Codec::norm, D, sumsq, s_zc, s_cc, k, Codec::grid::plain_scale,
+                                    &saturated);
   }
   __syncwarp();
   if (lane < Codec::head_dim / 32) {
@@ -217,7 +224,8 @@ __device__ void tq3_decode_warp(const decode_batch<Codec>& b, int v, int lane) {
   for (int r = 0; r < Per; ++r)
     // 0 + a*c, like the host's acc += w * c from a zero accumulator (with or without
     // contraction), so even the sign of a zero matches.
-    y[r] = 0.0f + alpha * tierkv::detail::tq3_centroid(tierkv::detail::tq3_unpack(w, (first + r) & 31));
+    y[r] = 0.0f +
+           alpha * tierkv::detail::tq3_centroid(tierkv::detail::tq3_unpack(w, (first + r) & 31));
   warp_wht<Per>(y, lane);
   const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
 #pragma unroll
@@ -280,11 +288,13 @@ __global__ void decode_thread_kernel(decode_batch<Codec> b) {
   typename Codec::meta_type meta{};
   if constexpr (Codec::meta_bytes > 0) meta = b.meta[v];
   Codec::decode(b.payload + std::size_t(v) * b.payload_stride, meta,
-                b.out + std::size_t(v) * b.out_stride, codec_context{b.seeds ? b.seeds[v] : b.seed});
+                b.out + std::size_t(v) * b.out_stride,
+                codec_context{b.seeds ? b.seeds[v] : b.seed});
 }
 
 inline int warp_grid(int n) {
-  const long long blocks = (static_cast<long long>(n) + codec_warps_per_block - 1) / codec_warps_per_block;
+  const long long blocks =
+      (static_cast<long long>(n) + codec_warps_per_block - 1) / codec_warps_per_block;
   return static_cast<int>(blocks < 65535 * 16 ? blocks : 65535 * 16);  // grid-stride beyond
 }
 

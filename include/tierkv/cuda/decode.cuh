@@ -40,8 +40,9 @@ status check_pools(const decode_inputs<int(sizeof...(Tiers))>& in, tiers<Tiers..
     if (p.capacity > 0 && p.base == nullptr)
       return status::make(errc::invalid_argument, "decode: pools[", f, "].base is null");
     if (p.page_bytes != expect[f])
-      return status::make(errc::geometry_mismatch, "decode: pools[", f, "].page_bytes = ",
-                          p.page_bytes, " but the tier's page_layout needs ", expect[f]);
+      return status::make(errc::geometry_mismatch, "decode: pools[", f,
+                          "].page_bytes = ", p.page_bytes, " but the tier's page_layout needs ",
+                          expect[f]);
     if (in.index.batch > 0 && in.index.formats[f].indptr == nullptr)
       return status::make(errc::invalid_argument, "decode: index.formats[", f, "].indptr is null");
   }
@@ -59,8 +60,8 @@ enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };
 // Zeroes a new workspace's error words, once per workspace and plan (a step leaves them
 // zeroed for the next: no memset per step, which cost ~0.8 us of a B = 1 step, H200 A/B in
 // docs/gpu.md).
-inline status decode_workspace_init(const decode_plan& plan, void* workspace, std::size_t workspace_bytes,
-                                    cudaStream_t stream) {
+inline status decode_workspace_init(const decode_plan& plan, void* workspace,
+                                    std::size_t workspace_bytes, cudaStream_t stream) {
   if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
     return status::exceeds(errc::capacity_exhausted, "decode_workspace_init: plan.workspace_bytes",
                            plan.workspace_bytes, workspace_bytes);
@@ -84,7 +85,8 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
     return status::exceeds(errc::capacity_exhausted, "decode: plan.workspace_bytes",
                            plan.workspace_bytes, workspace_bytes);
   if (in.queries == nullptr || in.out == nullptr || in.index.seq_len == nullptr)
-    return status::make(errc::invalid_argument, "decode: queries, out and index.seq_len must be set");
+    return status::make(errc::invalid_argument,
+                        "decode: queries, out and index.seq_len must be set");
   if (!(in.softmax_scale > 0.f) || !std::isfinite(in.softmax_scale))
     return status::make(errc::invalid_argument, "decode: softmax_scale = ", in.softmax_scale,
                         " must be positive and finite");
@@ -92,8 +94,8 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
       (!plan.page_mass || in.lse == nullptr || in.page_mass_stride < plan.max_pages))
     return status::make(errc::invalid_argument,
                         "decode: page_mass needs a plan with page_mass, an lse output and "
-                        "page_mass_stride (", in.page_mass_stride, ") >= plan.max_pages (",
-                        plan.max_pages, ")");
+                        "page_mass_stride (",
+                        in.page_mass_stride, ") >= plan.max_pages (", plan.max_pages, ")");
   status bad = detail::check_pools<Geometry>(in, static_cast<TierList*>(nullptr));
   if (!bad) return bad;
   if (in.index.batch == 0) return status::ok();
@@ -102,26 +104,33 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   // KV heads fastest: the blocks dispatched to one SM lie kv_heads x 132 apart in launch order,
   // so by-format chunks (a sequence's FP8 chunks, then its TQ3 ones) mix on an SM rather than
   // chunks 4 apart of one head's run, which were mostly of one format.
-  const dim3 grid_split(unsigned(Geometry::kv_heads), unsigned(plan.max_chunks), unsigned(in.index.batch));
+  const dim3 grid_split(unsigned(Geometry::kv_heads), unsigned(plan.max_chunks),
+                        unsigned(in.index.batch));
   if constexpr (Path == decode_path::tensor_core) {
     using S = detail::mma_smem_size<Geometry, TierList>;
     TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_mma_split_kernel<Geometry, TierList>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes)));
-    detail::decode_mma_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::bytes, stream>>>(in, plan, ws);
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(S::bytes)));
+    detail::decode_mma_split_kernel<Geometry, TierList>
+        <<<grid_split, detail::decode_threads, S::bytes, stream>>>(in, plan, ws);
   } else {
     using S = detail::decode_shape<Geometry>;
     TIERKV_CUDA_TRY(cudaFuncSetAttribute(detail::decode_split_kernel<Geometry, TierList>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::smem_bytes)));
-    detail::decode_split_kernel<Geometry, TierList><<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(S::smem_bytes)));
+    detail::decode_split_kernel<Geometry, TierList>
+        <<<grid_split, detail::decode_threads, S::smem_bytes, stream>>>(in, plan, ws);
   }
   TIERKV_CUDA_TRY(cudaGetLastError());
   using MK = detail::decode_finish<Geometry, TierList>;
   const dim3 grid_merge(unsigned(Geometry::q_heads), unsigned(in.index.batch),
                         unsigned((Geometry::head_dim + MK::merge_slice - 1) / MK::merge_slice));
-  TIERKV_CUDA_TRY(detail::launch_dependent(detail::decode_merge_kernel<Geometry, TierList>, grid_merge,
-                                            dim3(detail::decode_threads), stream, in, plan, ws));
+  TIERKV_CUDA_TRY(detail::launch_dependent(detail::decode_merge_kernel<Geometry, TierList>,
+                                           grid_merge, dim3(detail::decode_threads), stream, in,
+                                           plan, ws));
   if (in.page_mass != nullptr) {
-    detail::decode_page_mass_kernel<Geometry, TierList><<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
+    detail::decode_page_mass_kernel<Geometry, TierList>
+        <<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
     TIERKV_CUDA_TRY(cudaGetLastError());
   }
   return status::ok();
@@ -132,12 +141,14 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
 inline result<errc> decode_device_error(const decode_plan& plan, const void* workspace,
                                         cudaStream_t stream) {
   int code = 0;
-  TIERKV_CUDA_TRY(cudaMemcpyAsync(&code, static_cast<const std::uint8_t*>(workspace) + plan.result_offset,
+  TIERKV_CUDA_TRY(cudaMemcpyAsync(&code,
+                                  static_cast<const std::uint8_t*>(workspace) + plan.result_offset,
                                   sizeof(int), cudaMemcpyDeviceToHost, stream));
   TIERKV_CUDA_TRY(cudaStreamSynchronize(stream));
   if (code != int(errc::ok) && code != int(errc::out_of_range))  // the only code the kernels report
-    return status::make(errc::invalid_argument, "decode_device_error: the workspace holds ", code,
-                        ", no error code of a decode step: it was not decode_workspace_init'ed for this plan");
+    return status::make(
+        errc::invalid_argument, "decode_device_error: the workspace holds ", code,
+        ", no error code of a decode step: it was not decode_workspace_init'ed for this plan");
   return static_cast<errc>(code);
 }
 

@@ -60,8 +60,10 @@ struct decode_plan {
   // Offsets inside the workspace (bytes, 256-aligned).
   std::size_t state_offset = 0;  // float2 {m (log2 units), l} [max_batch][q_heads][max_chunks]
   std::size_t acc_offset = 0;    // float [max_batch][q_heads][max_chunks][head_dim]
-  std::size_t mass_offset = 0;   // float [max_batch][q_heads][max_pages][mass_slots_per_page] (log2 masses)
-  std::size_t error_offset = 0;   // one int: the running step's first device-side errc (0 between steps)
+  std::size_t mass_offset =
+      0;  // float [max_batch][q_heads][max_pages][mass_slots_per_page] (log2 masses)
+  std::size_t error_offset =
+      0;  // one int: the running step's first device-side errc (0 between steps)
   std::size_t result_offset = 0;  // one int: the last step's errc (decode_device_error)
 };
 
@@ -84,7 +86,8 @@ TIERKV_HD_INLINE std::int64_t div_floor(std::int64_t a, std::int64_t b) {
 // The chunks of a sequence whose pages cost `total` per KV head on the plan's cost line:
 // ceil(total / target), at most max_chunks and its page count (the split and merge kernels
 // both count them so; a plan's launched blocks are their sum times kv_heads).
-TIERKV_HD_INLINE int sequence_chunks(std::int64_t total, int pages, std::int64_t target, int max_chunks) {
+TIERKV_HD_INLINE int sequence_chunks(std::int64_t total, int pages, std::int64_t target,
+                                     int max_chunks) {
   std::int64_t k = div_floor(total + target - 1, target);
   if (k > max_chunks) k = max_chunks;
   if (k > pages) k = pages;
@@ -102,7 +105,8 @@ constexpr std::int64_t tier_page_cost() {
          std::int64_t(K::payload_bytes + V::payload_bytes + K::meta_bytes + V::meta_bytes);
 }
 
-template <class Geometry, class TierList> struct page_costs;
+template <class Geometry, class TierList>
+struct page_costs;
 template <class Geometry, class... Tiers>
 struct page_costs<Geometry, tiers<Tiers...>> {
   static constexpr int n = int(sizeof...(Tiers));
@@ -128,7 +132,8 @@ constexpr std::int64_t tier_page_work(int tq3_percent) {
   return per_role * (K::format == storage_format::tq3 ? tq3_percent : 100) / 100 +
          per_role * (V::format == storage_format::tq3 ? tq3_percent : 100) / 100;
 }
-template <class Geometry, class TierList> struct page_works;
+template <class Geometry, class TierList>
+struct page_works;
 template <class Geometry, class... Tiers>
 struct page_works<Geometry, tiers<Tiers...>> {
   static constexpr std::array<std::int64_t, sizeof...(Tiers)> of(int tq3_percent) {
@@ -151,21 +156,23 @@ inline constexpr int decode_default_tq3_work_percent = 75;
 // per (sequence, KV head) because each rounds its chunk count up: without that slack, 4
 // blocks per SM at head_dim <= 128 made (32,8,128) 8K B = 8 a wave and a tenth, +18%, which
 // planning with 3 had hidden; with it, against 3 and no slack: (32,8,128) 32K B = 1 -7..-16%,
-// (24,4,256) 8K B = 8 -8..-19%, B = 32 unchanged; H200 A/B in docs/gpu.md) no chunk gets
-// fewer than `min_chunk_pages` average pages (large chunks hand whole pages to the kernel's 4
-// warps: 16 pages = 4 per warp), and no chunk reads less
-// than `min_chunk_bytes` (per-chunk setup and the merge cost about as much as reading ~16 KB;
-// with 64 KB, the default until run 9, TQ3 pages at d = 64 got 26 chunks per sequence where
-// FP8 got 64: H200 A/B at B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us,
-// no row slower by > 2%). `tq3_work_percent` weighs a TQ3 role against an 8-bit one (75:
-// H200 sweep of tiered and tiered_k4 batches with 32-token TQ3 steps, 75 against 108: B = 1
-// -4.7%, B = 8 -1.3%, B = 32 -1.2%; 60 and 90 in between). docs/gpu.md has the H200
-// measurements behind these defaults.
+// (24,4,256) 8K B = 8 -8..-19%, B = 32 unchanged; H200 A/B in
+// bench/results/decode/ab/ab-h200-2026-11-30-plan-wave.txt) no chunk gets fewer than
+// `min_chunk_pages` average pages (large chunks hand whole pages to the kernel's 4 warps: 16 pages
+// = 4 per warp), and no chunk reads less than `min_chunk_bytes` (per-chunk setup and the merge cost
+// about as much as reading ~16 KB; with 64 KB, the earlier default, TQ3 pages at d = 64 got 26
+// chunks per sequence where FP8 got 64 (bench/results/decode/ab/ab-h200-2026-11-30-min-chunk.txt):
+// H200 A/B at B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by >
+// 2%). `tq3_work_percent` weighs a TQ3 role against an 8-bit one (75: H200 sweep of tiered and
+// tiered_k4 batches with 32-token TQ3 steps, 75 against 108: B = 1 -4.7%, B = 8 -1.3%, B = 32
+// -1.2%; 60 and 90 in between). docs/gpu.md has the H200 measurements behind these defaults.
 template <class Geometry, class TierList>
-result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int32_t* pages_per_format,
-                                int batch, int sm_count, int waves = decode_default_waves,
+result<decode_plan> plan_decode(const decode_capacity& capacity,
+                                const std::int32_t* pages_per_format, int batch, int sm_count,
+                                int waves = decode_default_waves,
                                 std::int64_t min_chunk_bytes = decode_default_min_chunk_bytes,
-                                balance by = balance::work, int min_chunk_pages = decode_default_min_chunk_pages,
+                                balance by = balance::work,
+                                int min_chunk_pages = decode_default_min_chunk_pages,
                                 int resident_blocks = decode_blocks_per_sm<Geometry>,
                                 int tq3_work_percent = decode_default_tq3_work_percent) {
   using costs = detail::page_costs<Geometry, TierList>;
@@ -173,22 +180,25 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   constexpr int n = costs::n;
   static_assert(n <= decode_plan::max_formats, "plan_decode: at most 8 tiers");
   if (capacity.max_batch < 1)
-    return status::make(errc::invalid_argument, "plan_decode: capacity.max_batch = ",
-                        capacity.max_batch, " must be at least 1");
+    return status::make(errc::invalid_argument,
+                        "plan_decode: capacity.max_batch = ", capacity.max_batch,
+                        " must be at least 1");
   if (batch < 0 || batch > capacity.max_batch)
     return status::out_of_range("plan_decode: batch", batch, capacity.max_batch + 1);
   if (capacity.max_chunks_per_seq < 1 || capacity.max_chunks_per_seq > decode_capacity_max_chunks)
-    return status::make(errc::invalid_argument, "plan_decode: capacity.max_chunks_per_seq = ",
-                        capacity.max_chunks_per_seq, " must lie in [1, ", decode_capacity_max_chunks, "]");
+    return status::make(errc::invalid_argument,
+                        "plan_decode: capacity.max_chunks_per_seq = ", capacity.max_chunks_per_seq,
+                        " must lie in [1, ", decode_capacity_max_chunks, "]");
   if (capacity.page_mass && capacity.max_pages_per_seq < 1)
     return status::make(errc::invalid_argument,
                         "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",
                         capacity.max_pages_per_seq);
-  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1 || resident_blocks < 1 ||
-      tq3_work_percent < 1)
+  if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1 ||
+      resident_blocks < 1 || tq3_work_percent < 1)
     return status::make(errc::invalid_argument, "plan_decode: sm_count = ", sm_count,
                         ", waves = ", waves, ", min_chunk_bytes = ", min_chunk_bytes,
-                        ", min_chunk_pages = ", min_chunk_pages, ", resident_blocks = ", resident_blocks,
+                        ", min_chunk_pages = ", min_chunk_pages,
+                        ", resident_blocks = ", resident_blocks,
                         ", tq3_work_percent = ", tq3_work_percent, " must all be positive");
   if (batch > 0 && pages_per_format == nullptr)
     return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
@@ -209,7 +219,8 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   }
   total *= Geometry::kv_heads;
   pages *= Geometry::kv_heads;
-  const std::int64_t pairs = sequences * Geometry::kv_heads;  // (sequence, KV head) pairs with pages
+  const std::int64_t pairs =
+      sequences * Geometry::kv_heads;  // (sequence, KV head) pairs with pages
   auto per_block = [&](std::int64_t blocks) { return (total + blocks - 1) / blocks; };
   std::int64_t target = per_block(std::int64_t(sm_count) * waves);
   if (waves > resident_blocks && pages > 0) {
@@ -222,13 +233,15 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   if (target < min_chunk_bytes) target = min_chunk_bytes;
 
   decode_plan p;
-  for (int f = 0; f < n; ++f) p.page_cost[f] = by == balance::bytes ? costs::value[f] : works[std::size_t(f)];
+  for (int f = 0; f < n; ++f)
+    p.page_cost[f] = by == balance::bytes ? costs::value[f] : works[std::size_t(f)];
   // The target is in bytes; on the work line a chunk gets the same share of the total.
   if (by == balance::work && total > 0) {
     std::int64_t total_work = 0;
     for (int b = 0; b < batch; ++b)
       for (int f = 0; f < n; ++f)
-        total_work += std::int64_t(pages_per_format[std::size_t(b) * n + std::size_t(f)]) * works[std::size_t(f)];
+        total_work += std::int64_t(pages_per_format[std::size_t(b) * n + std::size_t(f)]) *
+                      works[std::size_t(f)];
     total_work *= Geometry::kv_heads;
     const long double chunks = (long double)total / (long double)target;
     target = std::int64_t((long double)total_work / chunks) + 1;
@@ -243,10 +256,11 @@ result<decode_plan> plan_decode(const decode_capacity& capacity, const std::int3
   const std::size_t rows = std::size_t(p.max_batch) * Geometry::q_heads;
   p.state_offset = 0;
   p.acc_offset = detail::align256(p.state_offset + rows * p.max_chunks * 2 * sizeof(float));
-  p.mass_offset = detail::align256(p.acc_offset + rows * p.max_chunks *
-                                                      std::size_t(Geometry::head_dim) * sizeof(float));
+  p.mass_offset = detail::align256(
+      p.acc_offset + rows * p.max_chunks * std::size_t(Geometry::head_dim) * sizeof(float));
   p.error_offset = detail::align256(p.mass_offset + rows * std::size_t(p.max_pages) *
-                                                        std::size_t(mass_slots_per_page<Geometry>) * sizeof(float));
+                                                        std::size_t(mass_slots_per_page<Geometry>) *
+                                                        sizeof(float));
   p.result_offset = p.error_offset + sizeof(int);
   p.workspace_bytes = detail::align256(p.result_offset + sizeof(int));
   return p;

@@ -23,9 +23,9 @@
 
 #include <cub/device/device_scan.cuh>
 
+#include "tierkv/core/index_view.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/paging/index_builder.hpp"
-#include "tierkv/core/index_view.hpp"
 
 namespace tierkv::cuda {
 
@@ -40,13 +40,16 @@ __device__ inline int owner_of(const std::int32_t* indptr, int batch, std::int32
   int hi = batch;  // invariant: indptr[lo] <= e < indptr[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (indptr[mid] <= e) lo = mid; else hi = mid;
+    if (indptr[mid] <= e)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
 
-__global__ void flag_format(page_table_arrays in, int f, int num_formats, int capacity, std::int32_t* flags,
-                            int* error) {
+__global__ void flag_format(page_table_arrays in, int f, int num_formats, int capacity,
+                            std::int32_t* flags, int* error) {
   const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
   if (e > capacity) return;
   const int total = in.batch > 0 ? in.indptr[in.batch] : 0;
@@ -60,8 +63,8 @@ __global__ void flag_format(page_table_arrays in, int f, int num_formats, int ca
   flags[e] = flag;
 }
 
-__global__ void scatter_format(page_table_arrays in, int f, const std::int32_t* rank, std::int32_t* slot_out,
-                               std::int32_t* logical_out, int capacity) {
+__global__ void scatter_format(page_table_arrays in, int f, const std::int32_t* rank,
+                               std::int32_t* slot_out, std::int32_t* logical_out, int capacity) {
   const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
   const int total = in.batch > 0 ? in.indptr[in.batch] : 0;
   if (e >= total || e >= capacity || in.format[e] != f) return;
@@ -70,8 +73,9 @@ __global__ void scatter_format(page_table_arrays in, int f, const std::int32_t* 
   logical_out[rank[e]] = e - in.indptr[b];
 }
 
-__global__ void indptr_and_lengths(page_table_arrays in, const std::int32_t* rank, std::int32_t* indptr_out,
-                                   std::int32_t* seq_len_out, int max_pages, bool write_len, int* error) {
+__global__ void indptr_and_lengths(page_table_arrays in, const std::int32_t* rank,
+                                   std::int32_t* indptr_out, std::int32_t* seq_len_out,
+                                   int max_pages, bool write_len, int* error) {
   const int b = int(blockIdx.x * blockDim.x + threadIdx.x);
   if (b > in.batch) return;
   indptr_out[b] = rank[in.indptr[b]];
@@ -84,8 +88,8 @@ __global__ void indptr_and_lengths(page_table_arrays in, const std::int32_t* ran
 
 // indptr of format f lives at out + indptr0 + f * format_stride (index_layout).
 __global__ void from_paged_kv(paged_kv_table t, int format, int num_formats, std::int32_t* seq_len,
-                              std::uint8_t* out, std::size_t indptr0, std::size_t format_stride, std::int32_t* slot,
-                              std::int32_t* logical, int capacity) {
+                              std::uint8_t* out, std::size_t indptr0, std::size_t format_stride,
+                              std::int32_t* slot, std::int32_t* logical, int capacity) {
   const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
   const int total = t.batch > 0 ? t.indptr[t.batch] : 0;
   if (e < total && e < capacity) {
@@ -95,7 +99,8 @@ __global__ void from_paged_kv(paged_kv_table t, int format, int num_formats, std
   }
   if (e <= t.batch) {
     for (int f = 0; f < num_formats; ++f) {
-      auto* indptr = reinterpret_cast<std::int32_t*>(out + indptr0 + std::size_t(f) * format_stride);
+      auto* indptr =
+          reinterpret_cast<std::int32_t*>(out + indptr0 + std::size_t(f) * format_stride);
       indptr[e] = (f == format) ? t.indptr[e] : 0;
     }
     if (e < t.batch) {
@@ -125,9 +130,10 @@ class device_index_builder {
     if (auto st = layout_.validate(); !st) return st;
     std::size_t cub_bytes = 0;
     const int n = scan_items();
-    if (auto st = detail::cuda_check(cub::DeviceScan::ExclusiveSum(nullptr, cub_bytes, static_cast<std::int32_t*>(nullptr),
-                                                                   static_cast<std::int32_t*>(nullptr), n),
-                                     "cub::DeviceScan::ExclusiveSum (size query)");
+    if (auto st = detail::cuda_check(
+            cub::DeviceScan::ExclusiveSum(nullptr, cub_bytes, static_cast<std::int32_t*>(nullptr),
+                                          static_cast<std::int32_t*>(nullptr), n),
+            "cub::DeviceScan::ExclusiveSum (size query)");
         !st)
       return st;
     return 2 * ints(std::size_t(n)) + align(cub_bytes) + 16;
@@ -140,8 +146,8 @@ class device_index_builder {
     auto need = scratch_bytes();
     if (!need) return need.error_status();
     if (scratch_size < *need)
-      return status::make(errc::capacity_exhausted, "device index builder scratch holds ", scratch_size,
-                          " bytes, needs ", *need, " (scratch_bytes())");
+      return status::make(errc::capacity_exhausted, "device index builder scratch holds ",
+                          scratch_size, " bytes, needs ", *need, " (scratch_bytes())");
     if (in.batch < 0 || in.batch > layout_.max_batch)
       return status::exceeds(errc::capacity_exhausted, "batch", in.batch, layout_.max_batch);
     const int n = scan_items();
@@ -152,11 +158,16 @@ class device_index_builder {
     std::size_t cub_bytes = *need - 2 * ints(std::size_t(n)) - 16;
     int* error = reinterpret_cast<int*>(base + *need - 16);
     auto* o = static_cast<std::uint8_t*>(out);
-    if (auto st = detail::cuda_check(cudaMemsetAsync(error, 0, sizeof(int), stream), "cudaMemsetAsync"); !st) return st;
+    if (auto st =
+            detail::cuda_check(cudaMemsetAsync(error, 0, sizeof(int), stream), "cudaMemsetAsync");
+        !st)
+      return st;
     for (int f = 0; f < NumFormats; ++f) {
-      detail::flag_format<<<blocks(n), threads, 0, stream>>>(in, f, NumFormats, n - 1, flags, error);
-      if (auto st = detail::cuda_check(cub::DeviceScan::ExclusiveSum(cub_temp, cub_bytes, flags, rank, n, stream),
-                                       "cub::DeviceScan::ExclusiveSum");
+      detail::flag_format<<<blocks(n), threads, 0, stream>>>(in, f, NumFormats, n - 1, flags,
+                                                             error);
+      if (auto st = detail::cuda_check(
+              cub::DeviceScan::ExclusiveSum(cub_temp, cub_bytes, flags, rank, n, stream),
+              "cub::DeviceScan::ExclusiveSum");
           !st)
         return st;
       detail::scatter_format<<<blocks(n), threads, 0, stream>>>(
@@ -164,7 +175,8 @@ class device_index_builder {
           reinterpret_cast<std::int32_t*>(o + layout_.logical_offset(f)), n - 1);
       detail::indptr_and_lengths<<<blocks(in.batch + 1), threads, 0, stream>>>(
           in, rank, reinterpret_cast<std::int32_t*>(o + layout_.indptr_offset(f)),
-          reinterpret_cast<std::int32_t*>(o + layout_.seq_len_offset()), layout_.max_pages, f == 0, error);
+          reinterpret_cast<std::int32_t*>(o + layout_.seq_len_offset()), layout_.max_pages, f == 0,
+          error);
     }
     if (auto st = detail::cuda_check(cudaGetLastError(), "index builder launch"); !st) return st;
     return layout_.view_of(out, in.batch);
@@ -176,14 +188,19 @@ class device_index_builder {
     if (!need) return need.error_status();
     int code = 0;
     const auto* word = static_cast<const std::uint8_t*>(scratch) + *need - 16;
-    if (auto st = detail::cuda_check(cudaMemcpyAsync(&code, word, sizeof(int), cudaMemcpyDeviceToHost, stream),
-                                     "cudaMemcpyAsync");
+    if (auto st = detail::cuda_check(
+            cudaMemcpyAsync(&code, word, sizeof(int), cudaMemcpyDeviceToHost, stream),
+            "cudaMemcpyAsync");
         !st)
       return st;
-    if (auto st = detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); !st) return st;
+    if (auto st = detail::cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); !st)
+      return st;
     if (code != 0)
-      return status::make(errc(code), "device index builder: a page table entry has a format or slot out of range, "
-                                      "or a sequence exceeds max_pages = ", layout_.max_pages);
+      return status::make(
+          errc(code),
+          "device index builder: a page table entry has a format or slot out of range, "
+          "or a sequence exceeds max_pages = ",
+          layout_.max_pages);
     return {};
   }
 
@@ -199,12 +216,13 @@ class device_index_builder {
 // The FlashInfer/vLLM adapter on the device: t's arrays are device pointers (validate
 // them on the host with validate_paged_kv_table before upload when they are untrusted).
 template <int NumFormats>
-result<batch_index_view<NumFormats>> index_from_paged_kv_table_device(const paged_kv_table& t, int format,
-                                                                      const index_layout<NumFormats>& layout,
-                                                                      void* out, cudaStream_t stream) {
+result<batch_index_view<NumFormats>> index_from_paged_kv_table_device(
+    const paged_kv_table& t, int format, const index_layout<NumFormats>& layout, void* out,
+    cudaStream_t stream) {
   if (auto st = layout.validate(); !st) return st;
   if (format < 0 || format >= NumFormats) return status::out_of_range("format", format, NumFormats);
-  if (t.batch < 0 || t.batch > layout.max_batch) return status::exceeds(errc::capacity_exhausted, "batch", t.batch, layout.max_batch);
+  if (t.batch < 0 || t.batch > layout.max_batch)
+    return status::exceeds(errc::capacity_exhausted, "batch", t.batch, layout.max_batch);
   auto* o = static_cast<std::uint8_t*>(out);
   const int n = int(layout.entries()) + 1;
   detail::from_paged_kv<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
@@ -212,7 +230,9 @@ result<batch_index_view<NumFormats>> index_from_paged_kv_table_device(const page
       layout.indptr_offset(0), layout.format_bytes(),
       reinterpret_cast<std::int32_t*>(o + layout.slot_offset(format)),
       reinterpret_cast<std::int32_t*>(o + layout.logical_offset(format)), int(layout.entries()));
-  if (auto st = detail::cuda_check(cudaGetLastError(), "index_from_paged_kv_table_device launch"); !st) return st;
+  if (auto st = detail::cuda_check(cudaGetLastError(), "index_from_paged_kv_table_device launch");
+      !st)
+    return st;
   return layout.view_of(out, t.batch);
 }
 

@@ -22,12 +22,12 @@
 #include <type_traits>
 
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
 #include "tierkv/cuda/codec/formats.cuh"
-#include "tierkv/codec/page_layout.hpp"
 
 namespace tierkv::cuda {
 
@@ -53,8 +53,9 @@ namespace detail {
 // Whether a row's vectors take the rotation's D on FP8 codes: an FP8 source's for a rotated
 // destination (warp_decode_fp8), an FP8 destination's for a rotated source (warp_encode_fp8).
 template <class SC, class DC, int N>
-inline constexpr bool fp8_signs = N % 16 == 0 && ((SC::format == storage_format::fp8_e4m3 && rotated_format<DC>) ||
-                                                  (rotated_format<SC> && DC::format == storage_format::fp8_e4m3));
+inline constexpr bool fp8_signs = N % 16 == 0 &&
+                                  ((SC::format == storage_format::fp8_e4m3 && rotated_format<DC>) ||
+                                   (rotated_format<SC> && DC::format == storage_format::fp8_e4m3));
 // Those masks (Runs: for a decoded vector in runs), made once per row in the warp's shared
 // `area`; nothing for other pairs.
 template <bool Used, int N, int G, bool Runs>
@@ -65,7 +66,9 @@ struct row_signs {
 template <int N, int G, bool Runs>
 struct row_signs<true, N, G, Runs> {
   e4m3_sign_masks<N, G, Runs> masks;
-  __device__ row_signs(std::uint64_t seed, uint4* area, int lane) : masks{area} { masks.make(seed, lane); }
+  __device__ row_signs(std::uint64_t seed, uint4* area, int lane) : masks{area} {
+    masks.make(seed, lane);
+  }
   __device__ const e4m3_sign_masks<N, G, Runs>* get() const { return &masks; }
 };
 
@@ -76,14 +79,17 @@ struct row_signs<true, N, G, Runs> {
 // its codes' signs. A rotated source decodes in runs where its lane_exchange `ex` has them
 // (for an FP8 encoder).
 template <class C, int N, bool Signed, class Signs, class Exchange>
-__device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload, typename C::meta_type meta,
-                                                std::uint64_t seed, const Signs* signs, const Exchange& ex, int lane) {
+__device__ __forceinline__ auto warp_decode_any(const std::uint8_t* payload,
+                                                typename C::meta_type meta, std::uint64_t seed,
+                                                const Signs* signs, const Exchange& ex, int lane) {
   return device_codec<C>::template warp_decode<N, Signed>(payload, meta, seed, signs, ex, lane);
 }
 template <class C, int N, bool F, bool S, bool R, class Exchange, int G>
-__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
-                                                typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                tq_norm norm, const Exchange& ex, const e4m3_sign_masks<N, G, R>* signs) {
+__device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v,
+                                                std::uint8_t* payload, typename C::meta_type* meta,
+                                                std::uint64_t seed, int lane, tq_norm norm,
+                                                const Exchange& ex,
+                                                const e4m3_sign_masks<N, G, R>* signs) {
   return device_codec<C>::template warp_encode<N>(v, payload, meta, seed, lane, norm, ex, signs);
 }
 
@@ -92,12 +98,14 @@ __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v
 // in a tier pair whose roles take two code paths, it spills under the 128-register limit), and
 // a rotated decoder's for an FP8 destination; none for other pairs.
 template <bool Used, int N, int G>
-using exchange_if = std::conditional_t<Used && 32 % (G * G) == 0 && N % (8 * G) == 0, lane_exchange<N, G>, no_exchange>;
+using exchange_if = std::conditional_t<Used && 32 % (G * G) == 0 && N % (8 * G) == 0,
+                                       lane_exchange<N, G>, no_exchange>;
 template <class SC, class DC, int N, int G, bool OnePath>
-using encode_exchange =
-    exchange_if<OnePath && SC::format == storage_format::fp8_e4m3 && DC::format == storage_format::tq3, N, G>;
+using encode_exchange = exchange_if<
+    OnePath && SC::format == storage_format::fp8_e4m3 && DC::format == storage_format::tq3, N, G>;
 template <class SC, class DC, int N, int G>
-using decode_exchange = exchange_if<rotated_format<SC> && DC::format == storage_format::fp8_e4m3, N, G>;
+using decode_exchange =
+    exchange_if<rotated_format<SC> && DC::format == storage_format::fp8_e4m3, N, G>;
 template <class SC, class DC, int N, int G, bool OnePath>
 inline constexpr int exchange_float4s =  // per warp
     encode_exchange<SC, DC, N, G, OnePath>::float4s > decode_exchange<SC, DC, N, G>::float4s
@@ -122,9 +130,10 @@ constexpr int retier_lanes(int d) {
 // Units of 32/G vectors a warp converts per task: a whole row of page_tokens tokens (one kv
 // head and role), so the row's seed work is shared; one where 32/G does not divide page_tokens.
 template <class Geometry>
-inline constexpr int units_per_row = Geometry::page_tokens % (32 / retier_lanes(Geometry::head_dim)) == 0
-                                         ? Geometry::page_tokens / (32 / retier_lanes(Geometry::head_dim))
-                                         : 1;
+inline constexpr int units_per_row =
+    Geometry::page_tokens % (32 / retier_lanes(Geometry::head_dim)) == 0
+        ? Geometry::page_tokens / (32 / retier_lanes(Geometry::head_dim))
+        : 1;
 
 inline constexpr int retier_warps = 4;       // 128 threads per block
 inline constexpr int retier_min_blocks = 4;  // per SM: at most 128 registers per thread
@@ -139,7 +148,7 @@ template <class Tier, int D>
 inline constexpr bool one_format =
     Tier::template key_codec<D>::format == Tier::template value_codec<D>::format;
 template <class From, class To, int D>
-inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
+inline constexpr bool roles_alike = one_format<From, D>&& one_format<To, D>;
 
 // The vectors of this lane's row (kv head h, tokens t, t + 32/G, ... below units_per_row * 32/G
 // further on) of a page: decode with From's codecs, encode with To's. Role 0 / 1: the key / value
@@ -147,11 +156,14 @@ inline constexpr bool roles_alike = one_format<From, D> && one_format<To, D>;
 // where `value`. The row's seed work (the FP8 sign masks) is done once. False if any vector was
 // non-finite (its destination holds the codec's poison).
 template <class Geometry, class From, class To, int Role>
-__device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t* dp, int h, int t, bool value,
-                                           std::uint64_t seed, float4* area, uint4* mask_area, int lane) {
+__device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t* dp, int h, int t,
+                                           bool value, std::uint64_t seed, float4* area,
+                                           uint4* mask_area, int lane) {
   constexpr int D = Geometry::head_dim, G = retier_lanes(D), N = D / G, V = 32 / G;
-  using SL = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
-  using DL = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
+  using SL = page_layout<Geometry, typename From::template key_codec<D>,
+                         typename From::template value_codec<D>>;
+  using DL = page_layout<Geometry, typename To::template key_codec<D>,
+                         typename To::template value_codec<D>>;
   using SC = std::conditional_t<Role == 1, typename SL::value_codec, typename SL::key_codec>;
   using DC = std::conditional_t<Role == 1, typename DL::value_codec, typename DL::key_codec>;
   const bool v_role = Role == 1 || (Role == 2 && value);
@@ -162,7 +174,8 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
   if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
-  constexpr bool signed_vector = rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x
+  constexpr bool signed_vector =
+      rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x
   using DX = decode_exchange<SC, DC, N, G>;
   const row_signs<fp8_signs<SC, DC, N>, N, G, DX::runs> signs(seed, mask_area, lane);
   const auto dx = make_exchange<DX>(area);
@@ -172,9 +185,11 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   for (int u = 0; u < units_per_row<Geometry>; ++u) {
     const auto v = warp_decode_any<SC, N, signed_vector>(
         s_payload + std::size_t(u) * V * SC::payload_bytes,
-        reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), dx, lane);
+        reinterpret_cast<const typename SC::meta_type*>(s_meta)[u * V], seed, signs.get(), dx,
+        lane);
     ok &= warp_encode_any<DC, N>(v, d_payload + std::size_t(u) * V * DC::payload_bytes,
-                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed, lane, norm, ex, signs.get());
+                                 reinterpret_cast<typename DC::meta_type*>(d_meta) + u * V, seed,
+                                 lane, norm, ex, signs.get());
   }
   return ok;
 }
@@ -186,7 +201,8 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
 // The slot checks, page pointers, codec seed and sign masks are worked out once per task (not
 // per 32/G vectors); (page, task) advance by the grid's warp count in 32-bit arithmetic.
 template <class Geometry, class From, class To>
-__global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_kernel(retier_inputs in) {
+__global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks)
+    retier_kernel(retier_inputs in) {
   constexpr int H = Geometry::kv_heads, T = Geometry::page_tokens;
   constexpr int G = retier_lanes(Geometry::head_dim), V = 32 / G, W = units_per_row<Geometry> * V;
   constexpr unsigned tasks = unsigned(2 * H * T / W);
@@ -202,7 +218,8 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
   using TK = typename To::template key_codec<D>;
   using TV = typename To::template value_codec<D>;
   constexpr bool one_path = roles_alike<From, To, D>;
-  constexpr int kx = exchange_float4s<FK, TK, D / G, G, one_path>, vx = exchange_float4s<FV, TV, D / G, G, one_path>;
+  constexpr int kx = exchange_float4s<FK, TK, D / G, G, one_path>,
+                vx = exchange_float4s<FV, TV, D / G, G, one_path>;
   constexpr int area_float4s = kx > vx ? kx : vx;  // per warp
   float4* area = nullptr;
   if constexpr (area_float4s > 0) {
@@ -217,22 +234,27 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
   }
   while (i < unsigned(in.pages)) {
     const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
-    if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 || std::uint32_t(d) >= in.dst.capacity) {
+    if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 ||
+        std::uint32_t(d) >= in.dst.capacity) {
       if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
     } else {
       const int layer = in.layer_of ? in.layer_of[i] : in.layer;
       const int v = int(r) * W + lane / G;  // (role * H + h) * T + t
       const int t = v % T, row = v / T, h = row % H, role = row / H;
-      const std::uint64_t seed =
-          make_codec_context(in.cache_seed, layer, in.head_base + h, role == 0 ? kv_role::key : kv_role::value).seed;
+      const std::uint64_t seed = make_codec_context(in.cache_seed, layer, in.head_base + h,
+                                                    role == 0 ? kv_role::key : kv_role::value)
+                                     .seed;
       const std::uint8_t* sp = in.src.page(std::uint32_t(s));
       std::uint8_t* dp = in.dst.page(std::uint32_t(d));
       bool ok;
       if constexpr (roles_alike<From, To, Geometry::head_dim>)
-        ok = retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, area, mask_area, lane);
+        ok =
+            retier_row<Geometry, From, To, 2>(sp, dp, h, t, role != 0, seed, area, mask_area, lane);
       else
-        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, area, mask_area, lane)
-                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area, mask_area, lane);
+        ok = role == 0 ? retier_row<Geometry, From, To, 0>(sp, dp, h, t, false, seed, area,
+                                                           mask_area, lane)
+                       : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area,
+                                                           mask_area, lane);
       if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
     }
     i += di;
@@ -251,13 +273,18 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks) retier_k
 template <class Geometry, class From, class To>
 status retier(const retier_inputs& in, cudaStream_t stream) {
   constexpr int D = Geometry::head_dim;
-  static_assert(D % 32 == 0, "cuda::retier: head_dim must be a multiple of 32 (canonical 32-lane sums)");
-  using src_layout = page_layout<Geometry, typename From::template key_codec<D>, typename From::template value_codec<D>>;
-  using dst_layout = page_layout<Geometry, typename To::template key_codec<D>, typename To::template value_codec<D>>;
-  if (in.pages < 0) return status::make(errc::invalid_argument, "retier: pages = ", in.pages, " is negative");
+  static_assert(D % 32 == 0,
+                "cuda::retier: head_dim must be a multiple of 32 (canonical 32-lane sums)");
+  using src_layout = page_layout<Geometry, typename From::template key_codec<D>,
+                                 typename From::template value_codec<D>>;
+  using dst_layout = page_layout<Geometry, typename To::template key_codec<D>,
+                                 typename To::template value_codec<D>>;
+  if (in.pages < 0)
+    return status::make(errc::invalid_argument, "retier: pages = ", in.pages, " is negative");
   if (in.pages == 0) return status::ok();
   if (!in.src_slot || !in.dst_slot || !in.src.base || !in.dst.base)
-    return status::make(errc::invalid_argument, "retier: src_slot, dst_slot and both pools must be set");
+    return status::make(errc::invalid_argument,
+                        "retier: src_slot, dst_slot and both pools must be set");
   if (in.src.page_bytes != src_layout::page_bytes)
     return status::make(errc::geometry_mismatch, "retier: src.page_bytes = ", in.src.page_bytes,
                         " but tier From's layout needs ", src_layout::page_bytes);
@@ -265,10 +292,12 @@ status retier(const retier_inputs& in, cudaStream_t stream) {
     return status::make(errc::geometry_mismatch, "retier: dst.page_bytes = ", in.dst.page_bytes,
                         " but tier To's layout needs ", dst_layout::page_bytes);
   constexpr int vectors_per_warp = 32 / detail::retier_lanes(D) * detail::units_per_row<Geometry>;
-  const std::int64_t warps = std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2 / vectors_per_warp;
+  const std::int64_t warps =
+      std::int64_t(in.pages) * Geometry::kv_heads * Geometry::page_tokens * 2 / vectors_per_warp;
   std::int64_t blocks = (warps + detail::retier_warps - 1) / detail::retier_warps;
   if (blocks > detail::retier_max_blocks) blocks = detail::retier_max_blocks;
-  detail::retier_kernel<Geometry, From, To><<<unsigned(blocks), detail::retier_warps * 32, 0, stream>>>(in);
+  detail::retier_kernel<Geometry, From, To>
+      <<<unsigned(blocks), detail::retier_warps * 32, 0, stream>>>(in);
   return check_launch("retier_kernel");
 }
 

@@ -56,7 +56,8 @@ class retier_async_events {
   static result<retier_async_events> create() {
     retier_async_events e;
     for (cudaEvent_t* p : {&e.sources_ready_, &e.converted_, &e.old_pages_idle_}) {
-      status s = check(cudaEventCreateWithFlags(p, cudaEventDisableTiming), "retier_async_events: cudaEventCreate");
+      status s = check(cudaEventCreateWithFlags(p, cudaEventDisableTiming),
+                       "retier_async_events: cudaEventCreate");
       if (!s.is_ok()) return s;
     }
     return result<retier_async_events>(std::move(e));
@@ -85,7 +86,8 @@ class retier_async_events {
 // A non-blocking stream at the device's lowest priority (the side stream of the protocol).
 inline result<cudaStream_t> create_side_stream() {
   int least = 0, greatest = 0;
-  status s = check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "create_side_stream: priority range");
+  status s = check(cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                   "create_side_stream: priority range");
   if (!s.is_ok()) return s;
   cudaStream_t st = nullptr;
   s = check(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, least), "create_side_stream");
@@ -95,19 +97,24 @@ inline result<cudaStream_t> create_side_stream() {
 
 // Step 2: the sources are immutable from this point of the main stream on.
 inline status mark_sources_ready(const retier_async_events& ev, cudaStream_t main_stream) {
-  if (!ev.sources_ready()) return status::make(errc::invalid_argument, "mark_sources_ready: events not created");
-  return check(cudaEventRecord(ev.sources_ready(), main_stream), "mark_sources_ready: cudaEventRecord");
+  if (!ev.sources_ready())
+    return status::make(errc::invalid_argument, "mark_sources_ready: events not created");
+  return check(cudaEventRecord(ev.sources_ready(), main_stream),
+               "mark_sources_ready: cudaEventRecord");
 }
 
 // Step 4: side waits for sources_ready, converts, records converted. Fails without enqueuing
 // anything if the inputs are rejected by cuda::retier's host checks.
 template <class Geometry, class From, class To>
-status enqueue_retier_async(const retier_inputs& in, const retier_async_events& ev, cudaStream_t side_stream) {
-  if (!ev.converted()) return status::make(errc::invalid_argument, "enqueue_retier_async: events not created");
+status enqueue_retier_async(const retier_inputs& in, const retier_async_events& ev,
+                            cudaStream_t side_stream) {
+  if (!ev.converted())
+    return status::make(errc::invalid_argument, "enqueue_retier_async: events not created");
   TIERKV_CUDA_TRY(cudaStreamWaitEvent(side_stream, ev.sources_ready(), 0));
   status s = retier<Geometry, From, To>(in, side_stream);
   if (!s.is_ok()) return s;
-  return check(cudaEventRecord(ev.converted(), side_stream), "enqueue_retier_async: cudaEventRecord");
+  return check(cudaEventRecord(ev.converted(), side_stream),
+               "enqueue_retier_async: cudaEventRecord");
 }
 
 namespace detail {
@@ -131,7 +138,8 @@ inline status wait_converted(const retier_async_events& ev) {
 
 // Step 6: after the last decode that may read the old pages has been enqueued on main.
 inline status mark_old_pages_last_read(const retier_async_events& ev, cudaStream_t main_stream) {
-  return check(cudaEventRecord(ev.old_pages_idle(), main_stream), "mark_old_pages_last_read: cudaEventRecord");
+  return check(cudaEventRecord(ev.old_pages_idle(), main_stream),
+               "mark_old_pages_last_read: cudaEventRecord");
 }
 // May the old slots be handed out again?
 inline result<bool> old_pages_idle(const retier_async_events& ev) {

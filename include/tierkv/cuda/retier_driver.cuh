@@ -13,7 +13,8 @@
 //   ... build index arrays, enqueue appends ...
 //   enqueue(ctl, plan, main, stats);   // reserve + launch this step's batch on the side stream
 //   ... enqueue this step's decodes on main (they read the old, still published pages) ...
-//   mark_decodes_enqueued(main);       // after the last decode whose index arrays predate publication
+//   mark_decodes_enqueued(main);       // after the last decode whose index arrays predate
+//   publication
 // A failed batch (a device error flag: a non-finite source vector, a bad slot) publishes
 // nothing: every old page stays published at its old id and tier, the reserved pages go back.
 #pragma once
@@ -56,9 +57,11 @@ class retier_driver {
 
   // A driver for `storage` converting up to `max_batch_pages` pages per step on `side`
   // (create_side_stream(): non-blocking, lowest priority).
-  static result<std::unique_ptr<retier_driver>> create(Storage& storage, int max_batch_pages, cudaStream_t side) {
+  static result<std::unique_ptr<retier_driver>> create(Storage& storage, int max_batch_pages,
+                                                       cudaStream_t side) {
     if (max_batch_pages < 1)
-      return status::make(errc::invalid_argument, "retier_driver: max_batch_pages = ", max_batch_pages,
+      return status::make(errc::invalid_argument,
+                          "retier_driver: max_batch_pages = ", max_batch_pages,
                           " must be at least 1");
     std::unique_ptr<retier_driver> p(new retier_driver(storage, max_batch_pages, side));
     retier_driver& d = *p;
@@ -93,9 +96,11 @@ class retier_driver {
     const std::size_t n = ctl.stage(plan, std::span<staged_conversion>(staged_), stats);
     if (n == 0) return std::size_t(0);
     // Group by (from, to) so each pair is one contiguous launch.
-    std::stable_sort(staged_.begin(), staged_.begin() + std::ptrdiff_t(n), [](const auto& a, const auto& b) {
-      return std::pair(int(a.from.format), int(a.to.format)) < std::pair(int(b.from.format), int(b.to.format));
-    });
+    std::stable_sort(staged_.begin(), staged_.begin() + std::ptrdiff_t(n),
+                     [](const auto& a, const auto& b) {
+                       return std::pair(int(a.from.format), int(a.to.format)) <
+                              std::pair(int(b.from.format), int(b.to.format));
+                     });
     const std::size_t cap = std::size_t(max_);
     std::int32_t* hs = h_lists_;
     std::int32_t* hd = h_lists_ + cap;
@@ -112,7 +117,8 @@ class retier_driver {
       // the reserved pages go back, then abort them all.
       (void)cudaStreamSynchronize(side_);
       for (std::size_t i = 0; i < n; ++i) filled_[i] = false;
-      ctl.commit(std::span<staged_conversion>(staged_.data(), n), std::span<const bool>(filled_.get(), n), stats);
+      ctl.commit(std::span<staged_conversion>(staged_.data(), n),
+                 std::span<const bool>(filled_.get(), n), stats);
       return st;
     }
     in_flight_ = n;
@@ -136,10 +142,12 @@ class retier_driver {
       retained_.push_back(filled_[i] ? staged_[i].from : page_id{});
     }
     if (!ok)
-      stats.first_error = status::make(static_cast<errc>(*h_error_), "retier_driver: the batch of ", n,
-                                       " pages failed on the device (", to_string(static_cast<errc>(*h_error_)),
-                                       "); nothing was published");
-    ctl.commit(std::span<staged_conversion>(staged_.data(), n), std::span<const bool>(filled_.get(), n), stats);
+      stats.first_error =
+          status::make(static_cast<errc>(*h_error_), "retier_driver: the batch of ", n,
+                       " pages failed on the device (", to_string(static_cast<errc>(*h_error_)),
+                       "); nothing was published");
+    ctl.commit(std::span<staged_conversion>(staged_.data(), n),
+               std::span<const bool>(filled_.get(), n), stats);
     for (const page_id p : retained_) {
       if (!p.valid()) continue;
       if (storage_->page_published(p))
@@ -172,11 +180,13 @@ class retier_driver {
   }
 
  private:
-  retier_driver(Storage& s, int max_batch_pages, cudaStream_t side) : storage_(&s), max_(max_batch_pages), side_(side) {}
+  retier_driver(Storage& s, int max_batch_pages, cudaStream_t side)
+      : storage_(&s), max_(max_batch_pages), side_(side) {}
 
   status launch(std::size_t n, cudaStream_t main) {
     const std::size_t cap = std::size_t(max_);
-    TIERKV_CUDA_TRY(cudaMemcpyAsync(d_lists_, h_lists_, 3 * cap * sizeof(std::int32_t) + sizeof(int),
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(d_lists_, h_lists_,
+                                    3 * cap * sizeof(std::int32_t) + sizeof(int),
                                     cudaMemcpyHostToDevice, side_));
     if (auto st = mark_sources_ready(ev_, main); !st) return st;
     const auto views = storage_->views();
@@ -200,13 +210,15 @@ class retier_driver {
         tierkv::detail::with_index<N>(to, [&](auto T) {
           using tl = typename Storage::tier_list;
           if constexpr (F.value != T.value)
-            st = enqueue_retier_async<G, tier_at_t<tl, F.value>, tier_at_t<tl, T.value>>(in, ev_, side_);
+            st = enqueue_retier_async<G, tier_at_t<tl, F.value>, tier_at_t<tl, T.value>>(in, ev_,
+                                                                                         side_);
         });
       });
       if (!st) return st;
       i = j;
     }
-    TIERKV_CUDA_TRY(cudaMemcpyAsync(h_error_, d_error_, sizeof(int), cudaMemcpyDeviceToHost, side_));
+    TIERKV_CUDA_TRY(
+        cudaMemcpyAsync(h_error_, d_error_, sizeof(int), cudaMemcpyDeviceToHost, side_));
     return check(cudaEventRecord(done_, side_), "retier_driver: cudaEventRecord");
   }
 
@@ -223,15 +235,15 @@ class retier_driver {
   int max_ = 0;
   cudaStream_t side_ = nullptr;
   retier_async_events ev_;
-  cudaEvent_t done_ = nullptr;        // the batch and its error flag copy have completed
-  std::int32_t* h_lists_ = nullptr;   // pinned: src slots, dst slots, layers [max_ each], error flag
-  std::int32_t* d_lists_ = nullptr;   // their device copy
+  cudaEvent_t done_ = nullptr;       // the batch and its error flag copy have completed
+  std::int32_t* h_lists_ = nullptr;  // pinned: src slots, dst slots, layers [max_ each], error flag
+  std::int32_t* d_lists_ = nullptr;  // their device copy
   int* h_error_ = nullptr;
   int* d_error_ = nullptr;
   std::vector<staged_conversion> staged_;
   std::unique_ptr<bool[]> filled_;
   std::vector<page_id> retained_;
-  std::vector<page_id> old_;          // replaced pages held until their decodes completed
+  std::vector<page_id> old_;  // replaced pages held until their decodes completed
   std::size_t in_flight_ = 0;
   bool marked_ = false;
 };

@@ -44,16 +44,26 @@ enum class memory_space : std::uint8_t { host = 0, pinned_host = 1, device = 2 }
 //   a.bytes_allocated()           bytes currently held (sum of live allocate(n) sizes)
 //   a.copy(dst, src, n), a.fill(p, byte, n)   status; in the policy's memory space
 namespace detail {
-template <class A> concept has_space = requires { { A::space } -> std::convertible_to<memory_space>; };
 template <class A>
-concept has_host_accessible = requires { { A::host_accessible } -> std::convertible_to<bool>; };
+concept has_space = requires {
+  { A::space } -> std::convertible_to<memory_space>;
+};
 template <class A>
-concept has_allocate = requires(A& a, std::size_t n) { { a.allocate(n) } -> std::same_as<result<void*>>; };
+concept has_host_accessible = requires {
+  { A::host_accessible } -> std::convertible_to<bool>;
+};
 template <class A>
-concept has_deallocate = requires(A& a, void* p, std::size_t n) { a.deallocate(p, n); };
+concept has_allocate = requires(A& a, std::size_t n) {
+  { a.allocate(n) } -> std::same_as<result<void*>>;
+};
 template <class A>
-concept has_bytes_allocated =
-    requires(const A& a) { { a.bytes_allocated() } -> std::convertible_to<std::size_t>; };
+concept has_deallocate = requires(A& a, void* p, std::size_t n) {
+  a.deallocate(p, n);
+};
+template <class A>
+concept has_bytes_allocated = requires(const A& a) {
+  { a.bytes_allocated() } -> std::convertible_to<std::size_t>;
+};
 template <class A>
 concept has_copy_fill = requires(A& a, void* p, const void* q, std::size_t n, std::uint8_t b) {
   { a.copy(p, q, n) } -> std::same_as<status>;
@@ -62,14 +72,15 @@ concept has_copy_fill = requires(A& a, void* p, const void* q, std::size_t n, st
 }  // namespace detail
 
 template <class A>
-concept allocator_policy = detail::has_space<A> && detail::has_host_accessible<A> &&
-                           detail::has_allocate<A> && detail::has_deallocate<A> &&
-                           detail::has_bytes_allocated<A> && detail::has_copy_fill<A>;
+concept allocator_policy =
+    detail::has_space<A> && detail::has_host_accessible<A> && detail::has_allocate<A> &&
+    detail::has_deallocate<A> && detail::has_bytes_allocated<A> && detail::has_copy_fill<A>;
 
 // static_assert(check_allocator_policy<A>()) names the first missing member.
 template <class A>
 constexpr bool check_allocator_policy() {
-  static_assert(detail::has_space<A>, "allocator policy: missing `static constexpr memory_space space`");
+  static_assert(detail::has_space<A>,
+                "allocator policy: missing `static constexpr memory_space space`");
   static_assert(detail::has_host_accessible<A>,
                 "allocator policy: missing `static constexpr bool host_accessible`");
   static_assert(detail::has_allocate<A>,
@@ -106,8 +117,14 @@ class allocation_counter {
   std::size_t live_allocations() const noexcept { return count_; }
 
  protected:
-  void add(std::size_t n) noexcept { bytes_ += n; ++count_; }
-  void remove(std::size_t n) noexcept { bytes_ -= n; --count_; }
+  void add(std::size_t n) noexcept {
+    bytes_ += n;
+    ++count_;
+  }
+  void remove(std::size_t n) noexcept {
+    bytes_ -= n;
+    --count_;
+  }
 
  private:
   std::size_t bytes_ = 0;
@@ -115,14 +132,15 @@ class allocation_counter {
 };
 
 inline result<void*> host_aligned_new(std::size_t n) {
-  if (n == 0) return status(errc::invalid_argument, "allocate: bytes = 0 (a pool needs at least one page)");
-  void* p = ::operator new(n, std::align_val_t{allocation_alignment}, std::nothrow);
+  if (n == 0)
+    return status(errc::invalid_argument, "allocate: bytes = 0 (a pool needs at least one page)");
+  void* p = ::operator new (n, std::align_val_t{allocation_alignment}, std::nothrow);
   if (p == nullptr)
     return status::make(errc::capacity_exhausted, "host allocation of ", n, " bytes failed");
   return p;
 }
 inline void host_aligned_delete(void* p) noexcept {
-  ::operator delete(p, std::align_val_t{allocation_alignment});
+  ::operator delete (p, std::align_val_t{allocation_alignment});
 }
 }  // namespace detail
 
@@ -160,9 +178,15 @@ class failing_allocator : public detail::allocation_counter {
   static constexpr memory_space space = memory_space::host;
   static constexpr bool host_accessible = true;
 
-  void fail_on(std::uint64_t k) noexcept { fail_at_ = requests_ + k; always_ = false; }
+  void fail_on(std::uint64_t k) noexcept {
+    fail_at_ = requests_ + k;
+    always_ = false;
+  }
   void fail_every() noexcept { always_ = true; }
-  void reset() noexcept { fail_at_ = 0; always_ = false; }
+  void reset() noexcept {
+    fail_at_ = 0;
+    always_ = false;
+  }
   std::uint64_t requests() const noexcept { return requests_; }
   std::uint64_t faults_injected() const noexcept { return faults_; }
 
@@ -170,8 +194,8 @@ class failing_allocator : public detail::allocation_counter {
     ++requests_;
     if (always_ || requests_ == fail_at_) {
       ++faults_;
-      return status::make(errc::injected_fault, "failing_allocator: request #", requests_, " of ", n,
-                          " bytes failed by injection");
+      return status::make(errc::injected_fault, "failing_allocator: request #", requests_, " of ",
+                          n, " bytes failed by injection");
     }
     auto r = detail::host_aligned_new(n);
     if (r) add(n);

@@ -20,7 +20,9 @@ namespace tierkv {
 class allocation_failure : public std::bad_alloc {
  public:
   explicit allocation_failure(status s) : status_(std::move(s)) {}
-  const char* what() const noexcept override { return "tierkv: host bookkeeping allocation failed"; }
+  const char* what() const noexcept override {
+    return "tierkv: host bookkeeping allocation failed";
+  }
   const status& get_status() const noexcept { return status_; }
 
  private:
@@ -34,13 +36,15 @@ class counted_allocator {
 
   counted_allocator(A& policy, std::size_t& line) noexcept : policy_(&policy), line_(&line) {}
   template <class U>
-  counted_allocator(const counted_allocator<U, A>& o) noexcept  // NOLINT(google-explicit-constructor)
+  counted_allocator(
+      const counted_allocator<U, A>& o) noexcept  // NOLINT(google-explicit-constructor)
       : policy_(o.policy_), line_(o.line_) {}
 
   T* allocate(std::size_t n) {
     if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
-      throw allocation_failure(status::exceeds(errc::capacity_exhausted, "element count", n,
-                                               std::numeric_limits<std::size_t>::max() / sizeof(T)));
+      throw allocation_failure(
+          status::exceeds(errc::capacity_exhausted, "element count", n,
+                          std::numeric_limits<std::size_t>::max() / sizeof(T)));
     auto r = policy_->allocate(n * sizeof(T));
     if (!r) throw allocation_failure(r.error_status());
     *line_ += n * sizeof(T);
@@ -57,7 +61,8 @@ class counted_allocator {
   }
 
  private:
-  template <class U, host_allocator_policy B> friend class counted_allocator;
+  template <class U, host_allocator_policy B>
+  friend class counted_allocator;
   A* policy_;
   std::size_t* line_;
 };

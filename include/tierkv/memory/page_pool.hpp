@@ -12,10 +12,10 @@
 #include <span>
 #include <utility>
 
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
-#include "tierkv/codec/page_layout.hpp"
 
 // New pages are filled with a poison pattern in debug and test builds, so a reader
 // that looks past a page's fill sees garbage it must not use (attention tests check
@@ -41,7 +41,8 @@ struct page_slot_meta {
   std::uint32_t generation = 0;  // bumped when the slot is freed
   std::uint32_t refcount = 0;
   page_state state = page_state::free;
-  std::uint8_t owner_flags = 0;  // for the pool's owner (e.g. "named by a page table"); 0 when freed
+  std::uint8_t owner_flags =
+      0;  // for the pool's owner (e.g. "named by a page table"); 0 when freed
 };
 
 // PageAlloc provides the slab, MetaAlloc (host) the slot bookkeeping. Not movable:
@@ -63,13 +64,15 @@ class page_pool {
   // Allocates the slab and the bookkeeping; on failure nothing stays allocated.
   status init(PageAlloc& pages, MetaAlloc& meta, std::size_t& bookkeeping_line,
               std::uint32_t capacity, format_index format) {
-    if (slab_ != nullptr) return status(errc::invalid_argument, "page_pool::init: pool already initialized");
+    if (slab_ != nullptr)
+      return status(errc::invalid_argument, "page_pool::init: pool already initialized");
     if (capacity == 0 || capacity >= end_of_list)
       return status::make(errc::invalid_argument, "page_pool::init: capacity = ", capacity,
                           " must lie in [1, ", end_of_list, ")");
     const std::size_t max_pages = std::numeric_limits<std::size_t>::max() / page_bytes;
     if (capacity > max_pages)
-      return status::exceeds(errc::invalid_argument, "page_pool::init: capacity", capacity, max_pages);
+      return status::exceeds(errc::invalid_argument, "page_pool::init: capacity", capacity,
+                             max_pages);
     auto m = meta.allocate(sizeof(page_slot_meta) * capacity);
     if (!m) return m.error_status();
     auto s = pages.allocate(page_bytes * capacity);
@@ -131,7 +134,8 @@ class page_pool {
     if (id.format != format_)
       return status::make(errc::invalid_argument, "page ", id, " has format ", unsigned(id.format),
                           " but this pool holds format ", unsigned(format_));
-    if (!id.valid() || id.slot >= capacity_) return status::out_of_range("page slot", id.slot, capacity_);
+    if (!id.valid() || id.slot >= capacity_)
+      return status::out_of_range("page slot", id.slot, capacity_);
     const page_slot_meta& m = slots_[id.slot];
     if (m.state == page_state::free) {
       // The generation is bumped on free: the id of the page just freed is one behind.
@@ -187,16 +191,18 @@ class page_pool {
   std::uint8_t owner_flags(page_id id) const { return check(id) ? slots_[id.slot].owner_flags : 0; }
 
   std::uint32_t refcount(page_id id) const { return check(id) ? slots_[id.slot].refcount : 0; }
-  page_state state(page_id id) const { return check(id) ? slots_[id.slot].state : page_state::free; }
+  page_state state(page_id id) const {
+    return check(id) ? slots_[id.slot].state : page_state::free;
+  }
   const page_slot_meta& slot_meta(std::uint32_t slot) const { return slots_[slot]; }
 
   // Host access to page bytes, only for host-visible memory.
-  std::uint8_t* host_page(page_id id) const
-    requires PageAlloc::host_accessible
-  {
+  std::uint8_t* host_page(page_id id) const requires PageAlloc::host_accessible {
     return slab_ + std::size_t(id.slot) * page_bytes;
   }
-  std::uint8_t* device_page(page_id id) const noexcept { return slab_ + std::size_t(id.slot) * page_bytes; }
+  std::uint8_t* device_page(page_id id) const noexcept {
+    return slab_ + std::size_t(id.slot) * page_bytes;
+  }
 
   // Copies all bytes of page src into page dst (same pool), in the slab's memory space.
   status copy_page(page_id dst, page_id src) {

@@ -32,14 +32,19 @@ namespace tierkv {
 // The geometry of one of T ranks: same head_dim, group size and page size, kv_heads / T heads.
 template <class Geometry, int Ranks>
 struct shard_geometry {
-  static_assert(is_geometry_v<Geometry>, "shard_geometry: Geometry must be a tierkv::geometry<...>");
+  static_assert(is_geometry_v<Geometry>,
+                "shard_geometry: Geometry must be a tierkv::geometry<...>");
   static_assert(Ranks >= 1, "shard_geometry: at least one rank");
   static_assert(Geometry::kv_heads % Ranks == 0,
-                "shard_geometry: kv_heads must be divisible by the number of ranks (whole KV heads per rank)");
-  using type = geometry<tierkv::head_dim<Geometry::head_dim>, tierkv::kv_heads<Geometry::kv_heads / Ranks>,
-                        tierkv::group_size<Geometry::group_size>, tierkv::page_tokens<Geometry::page_tokens>>;
+                "shard_geometry: kv_heads must be divisible by the number of ranks (whole KV heads "
+                "per rank)");
+  using type =
+      geometry<tierkv::head_dim<Geometry::head_dim>, tierkv::kv_heads<Geometry::kv_heads / Ranks>,
+               tierkv::group_size<Geometry::group_size>,
+               tierkv::page_tokens<Geometry::page_tokens>>;
 };
-template <class Geometry, int Ranks> using shard_geometry_t = typename shard_geometry<Geometry, Ranks>::type;
+template <class Geometry, int Ranks>
+using shard_geometry_t = typename shard_geometry<Geometry, Ranks>::type;
 
 // Which heads rank r of T holds.
 struct rank_heads {
@@ -48,8 +53,8 @@ struct rank_heads {
 };
 inline result<rank_heads> heads_of_rank(int kv_heads, int group_size, int ranks, int rank) {
   if (ranks < 1 || kv_heads % ranks != 0)
-    return status::make(errc::invalid_argument, "tensor parallel: ", kv_heads, " KV heads do not split over ", ranks,
-                        " ranks");
+    return status::make(errc::invalid_argument, "tensor parallel: ", kv_heads,
+                        " KV heads do not split over ", ranks, " ranks");
   if (rank < 0 || rank >= ranks) return status::out_of_range("rank", rank, ranks);
   const int n = kv_heads / ranks;
   return rank_heads{rank * n, n, rank * n * group_size, n * group_size};
@@ -58,7 +63,8 @@ inline result<rank_heads> heads_of_rank(int kv_heads, int group_size, int ranks,
 // Rank r's storage options: the unsharded cache's `opt` with head_base advanced by the
 // rank's first KV head (r * kv_heads / T when the unsharded cache starts at head 0).
 template <int NumTiers>
-result<storage_options<NumTiers>> rank_options(storage_options<NumTiers> opt, int kv_heads, int ranks, int rank) {
+result<storage_options<NumTiers>> rank_options(storage_options<NumTiers> opt, int kv_heads,
+                                               int ranks, int rank) {
   auto h = heads_of_rank(kv_heads, 1, ranks, rank);
   if (!h) return h.error_status();
   opt.head_base += h->kv_begin;
@@ -71,41 +77,46 @@ inline status slice_heads(std::span<const float> all, int heads, int dim, int be
                           std::span<float> out) {
   const std::size_t per_row = std::size_t(heads) * std::size_t(dim);
   if (begin < 0 || count < 1 || begin + count > heads)
-    return status::make(errc::out_of_range, "head slice [", begin, ", ", begin + count, ") of ", heads, " heads");
+    return status::make(errc::out_of_range, "head slice [", begin, ", ", begin + count, ") of ",
+                        heads, " heads");
   if (per_row == 0 || all.size() % per_row != 0)
-    return status::make(errc::invalid_argument, "slice_heads: ", all.size(), " floats are not rows of ", heads,
-                        " x ", dim);
+    return status::make(errc::invalid_argument, "slice_heads: ", all.size(),
+                        " floats are not rows of ", heads, " x ", dim);
   const std::size_t rows = all.size() / per_row;
   const std::size_t chunk = std::size_t(count) * std::size_t(dim);
   if (out.size() != rows * chunk)
-    return status::make(errc::invalid_argument, "slice_heads: output holds ", out.size(), " floats, ", rows * chunk,
-                        " needed");
+    return status::make(errc::invalid_argument, "slice_heads: output holds ", out.size(),
+                        " floats, ", rows * chunk, " needed");
   for (std::size_t r = 0; r < rows; ++r)
-    std::copy_n(all.data() + r * per_row + std::size_t(begin) * std::size_t(dim), chunk, out.data() + r * chunk);
+    std::copy_n(all.data() + r * per_row + std::size_t(begin) * std::size_t(dim), chunk,
+                out.data() + r * chunk);
   return {};
 }
 // The inverse: writes a rank's [rows][count][dim] slice into heads [begin, begin + count) of out.
-inline status join_heads(std::span<const float> part, int heads, int dim, int begin, int count, std::span<float> out) {
+inline status join_heads(std::span<const float> part, int heads, int dim, int begin, int count,
+                         std::span<float> out) {
   const std::size_t per_row = std::size_t(heads) * std::size_t(dim);
   const std::size_t chunk = std::size_t(count) * std::size_t(dim);
   if (begin < 0 || count < 1 || begin + count > heads)
-    return status::make(errc::out_of_range, "head slice [", begin, ", ", begin + count, ") of ", heads, " heads");
+    return status::make(errc::out_of_range, "head slice [", begin, ", ", begin + count, ") of ",
+                        heads, " heads");
   if (out.size() % per_row != 0 || part.size() != out.size() / per_row * chunk)
-    return status::make(errc::invalid_argument, "join_heads: ", part.size(), " floats do not fill heads [", begin,
-                        ", ", begin + count, ") of ", out.size(), " floats of rows of ", heads, " x ", dim);
+    return status::make(errc::invalid_argument, "join_heads: ", part.size(),
+                        " floats do not fill heads [", begin, ", ", begin + count, ") of ",
+                        out.size(), " floats of rows of ", heads, " x ", dim);
   const std::size_t rows = out.size() / per_row;
   for (std::size_t r = 0; r < rows; ++r)
-    std::copy_n(part.data() + r * chunk, chunk, out.data() + r * per_row + std::size_t(begin) * std::size_t(dim));
+    std::copy_n(part.data() + r * chunk, chunk,
+                out.data() + r * per_row + std::size_t(begin) * std::size_t(dim));
   return {};
 }
 
 // Exports rank r's head slice (of T) of logical pages [first, first + count) of seq,
 // for import_pages into that rank's cache (made with rank_options, so TQ3 pages fit).
 template <class Storage>
-result<std::vector<std::uint8_t>> export_rank_pages(const Storage& s, seq_id seq, int ranks, int rank,
-                                                    std::int64_t first = 0, std::int64_t count = -1)
-  requires Storage::page_allocator::host_accessible
-{
+result<std::vector<std::uint8_t>> export_rank_pages(
+    const Storage& s, seq_id seq, int ranks, int rank, std::int64_t first = 0,
+    std::int64_t count = -1) requires Storage::page_allocator::host_accessible {
   auto h = heads_of_rank(Storage::kv_heads, Storage::geometry::group_size, ranks, rank);
   if (!h) return h.error_status();
   return export_pages(s, seq, first, count, head_slice{h->kv_begin, h->kv_count});
@@ -120,17 +131,18 @@ status compare_page_tables(const StorageA& a, seq_id sa, const StorageB& b, seq_
   if (!la) return la.error_status();
   auto lb = b.length(sb);
   if (!lb) return lb.error_status();
-  if (*la != *lb) return status::make(errc::corrupt_data, "page tables differ: lengths ", *la, " and ", *lb);
+  if (*la != *lb)
+    return status::make(errc::corrupt_data, "page tables differ: lengths ", *la, " and ", *lb);
   if (a.num_layers() != b.num_layers())
-    return status::make(errc::geometry_mismatch, "page tables differ: ", a.num_layers(), " and ", b.num_layers(),
-                        " layers");
+    return status::make(errc::geometry_mismatch, "page tables differ: ", a.num_layers(), " and ",
+                        b.num_layers(), " layers");
   const std::int64_t n = *a.logical_pages(sa);
   for (std::int64_t j = 0; j < n; ++j)
     for (int l = 0; l < a.num_layers(); ++l) {
       const page_id pa = *a.page(sa, l, j), pb = *b.page(sb, l, j);
       if (!(pa == pb))
-        return status::make(errc::corrupt_data, "page tables differ at logical page ", j, " layer ", l, ": ", pa,
-                            " vs ", pb);
+        return status::make(errc::corrupt_data, "page tables differ at logical page ", j, " layer ",
+                            l, ": ", pa, " vs ", pb);
     }
   return {};
 }

@@ -17,9 +17,9 @@
 #include <utility>
 
 #include "tierkv/core/ids.hpp"
+#include "tierkv/core/index_view.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
-#include "tierkv/core/index_view.hpp"
 
 namespace tierkv {
 
@@ -39,22 +39,31 @@ struct index_layout {
 
   // Ok when the shape fits int32 indices.
   constexpr status validate() const {
-    if (max_batch < 1) return status::make(errc::invalid_argument, "index_layout: max_batch = ", max_batch, " < 1");
-    if (max_pages < 1) return status::make(errc::invalid_argument, "index_layout: max_pages = ", max_pages, " < 1");
+    if (max_batch < 1)
+      return status::make(errc::invalid_argument, "index_layout: max_batch = ", max_batch, " < 1");
+    if (max_pages < 1)
+      return status::make(errc::invalid_argument, "index_layout: max_pages = ", max_pages, " < 1");
     if (std::int64_t(max_batch) * max_pages > std::numeric_limits<std::int32_t>::max())
       return status::exceeds(errc::out_of_range, "index_layout: max_batch * max_pages",
-                             std::int64_t(max_batch) * max_pages, std::numeric_limits<std::int32_t>::max());
+                             std::int64_t(max_batch) * max_pages,
+                             std::numeric_limits<std::int32_t>::max());
     return {};
   }
   constexpr std::size_t entries() const { return std::size_t(max_batch) * std::size_t(max_pages); }
   constexpr std::size_t seq_len_offset() const { return 0; }
-  constexpr std::size_t format_bytes() const { return ints(std::size_t(max_batch) + 1) + 2 * ints(entries()); }
+  constexpr std::size_t format_bytes() const {
+    return ints(std::size_t(max_batch) + 1) + 2 * ints(entries());
+  }
   constexpr std::size_t indptr_offset(int f) const {
     return ints(std::size_t(max_batch)) + std::size_t(f) * format_bytes();
   }
-  constexpr std::size_t slot_offset(int f) const { return indptr_offset(f) + ints(std::size_t(max_batch) + 1); }
+  constexpr std::size_t slot_offset(int f) const {
+    return indptr_offset(f) + ints(std::size_t(max_batch) + 1);
+  }
   constexpr std::size_t logical_offset(int f) const { return slot_offset(f) + ints(entries()); }
-  constexpr std::size_t bytes() const { return ints(std::size_t(max_batch)) + NumFormats * format_bytes(); }
+  constexpr std::size_t bytes() const {
+    return ints(std::size_t(max_batch)) + NumFormats * format_bytes();
+  }
 
   // Bytes an index buffer needs for max_batch sequences of up to max_pages logical pages.
   static constexpr std::size_t capacity_for(int max_batch, int max_pages) {
@@ -79,8 +88,8 @@ struct index_layout {
 namespace detail {
 inline status check_index_buffer(std::span<std::uint8_t> buffer, std::size_t need) {
   if (buffer.size() < need)
-    return status::make(errc::capacity_exhausted, "index buffer holds ", buffer.size(), " bytes, the layout needs ",
-                        need, " (index_layout::capacity_for)");
+    return status::make(errc::capacity_exhausted, "index buffer holds ", buffer.size(),
+                        " bytes, the layout needs ", need, " (index_layout::capacity_for)");
   if (reinterpret_cast<std::uintptr_t>(buffer.data()) % 16 != 0)
     return status(errc::invalid_argument, "index buffer must be 16-byte aligned");
   return {};
@@ -93,21 +102,23 @@ T* at(std::span<std::uint8_t> buffer, std::size_t offset) {
 
 // Host builder. Checks everything first; on error the buffer is untouched.
 template <class Storage>
-result<batch_index_view<Storage::num_tiers>> build_batch_index(const Storage& storage, int layer,
-                                                                std::span<const seq_id> batch,
-                                                                const index_layout<Storage::num_tiers>& layout,
-                                                                std::span<std::uint8_t> buffer) {
+result<batch_index_view<Storage::num_tiers>> build_batch_index(
+    const Storage& storage, int layer, std::span<const seq_id> batch,
+    const index_layout<Storage::num_tiers>& layout, std::span<std::uint8_t> buffer) {
   constexpr int N = Storage::num_tiers;
   if (auto st = layout.validate(); !st) return st;
   if (auto st = detail::check_index_buffer(buffer, layout.bytes()); !st) return st;
-  if (layer < 0 || layer >= storage.num_layers()) return status::out_of_range("layer", layer, storage.num_layers());
-  if (batch.size() > std::size_t(layout.max_batch)) return status::exceeds(errc::capacity_exhausted, "batch size", batch.size(), layout.max_batch);
+  if (layer < 0 || layer >= storage.num_layers())
+    return status::out_of_range("layer", layer, storage.num_layers());
+  if (batch.size() > std::size_t(layout.max_batch))
+    return status::exceeds(errc::capacity_exhausted, "batch size", batch.size(), layout.max_batch);
   for (std::size_t b = 0; b < batch.size(); ++b) {
     auto pages = storage.logical_pages(batch[b]);
     if (!pages) return pages.error_status();
     if (*pages > layout.max_pages)
-      return status::make(errc::capacity_exhausted, "sequence ", batch[b], " (batch entry ", b, ") has ", *pages,
-                          " logical pages, the index layout holds ", layout.max_pages);
+      return status::make(errc::capacity_exhausted, "sequence ", batch[b], " (batch entry ", b,
+                          ") has ", *pages, " logical pages, the index layout holds ",
+                          layout.max_pages);
   }
   auto* seq_len = detail::at<std::int32_t>(buffer, layout.seq_len_offset());
   std::int32_t* indptr[N];
@@ -148,7 +159,9 @@ struct page_table_arrays {
 struct page_table_layout {
   int max_batch = 0;
   int max_pages = 0;
-  static constexpr std::size_t ints(std::size_t n) { return (n * sizeof(std::int32_t) + 15) / 16 * 16; }
+  static constexpr std::size_t ints(std::size_t n) {
+    return (n * sizeof(std::int32_t) + 15) / 16 * 16;
+  }
   constexpr std::size_t entries() const { return std::size_t(max_batch) * std::size_t(max_pages); }
   constexpr std::size_t indptr_offset() const { return 0; }
   constexpr std::size_t slot_offset() const { return ints(std::size_t(max_batch) + 1); }
@@ -169,12 +182,16 @@ struct page_table_layout {
 
 // Writes one layer's page tables for a batch into a host buffer (to be copied to the device).
 template <class Storage>
-result<page_table_arrays> export_page_tables(const Storage& storage, int layer, std::span<const seq_id> batch,
-                                             const page_table_layout& layout, std::span<std::uint8_t> buffer) {
+result<page_table_arrays> export_page_tables(const Storage& storage, int layer,
+                                             std::span<const seq_id> batch,
+                                             const page_table_layout& layout,
+                                             std::span<std::uint8_t> buffer) {
   if (auto st = index_layout<1>{layout.max_batch, layout.max_pages}.validate(); !st) return st;
   if (auto st = detail::check_index_buffer(buffer, layout.bytes()); !st) return st;
-  if (layer < 0 || layer >= storage.num_layers()) return status::out_of_range("layer", layer, storage.num_layers());
-  if (batch.size() > std::size_t(layout.max_batch)) return status::exceeds(errc::capacity_exhausted, "batch size", batch.size(), layout.max_batch);
+  if (layer < 0 || layer >= storage.num_layers())
+    return status::out_of_range("layer", layer, storage.num_layers());
+  if (batch.size() > std::size_t(layout.max_batch))
+    return status::exceeds(errc::capacity_exhausted, "batch size", batch.size(), layout.max_batch);
   for (std::size_t b = 0; b < batch.size(); ++b) {
     auto pages = storage.logical_pages(batch[b]);
     if (!pages) return pages.error_status();
@@ -214,39 +231,45 @@ struct paged_kv_table {
 // Checks a paged_kv_table (host memory) against a layout and a pool capacity.
 inline status validate_paged_kv_table(const paged_kv_table& t, int max_batch, int max_pages,
                                       std::uint32_t pool_capacity) {
-  if (t.batch < 0 || t.batch > max_batch) return status::exceeds(errc::capacity_exhausted, "batch", t.batch, max_batch);
-  if (t.page_tokens < 1) return status::make(errc::invalid_argument, "page_tokens = ", t.page_tokens, " < 1");
+  if (t.batch < 0 || t.batch > max_batch)
+    return status::exceeds(errc::capacity_exhausted, "batch", t.batch, max_batch);
+  if (t.page_tokens < 1)
+    return status::make(errc::invalid_argument, "page_tokens = ", t.page_tokens, " < 1");
   if (t.batch > 0 && (t.indptr == nullptr || t.last_page_len == nullptr))
     return status(errc::invalid_argument, "paged_kv_table: null indptr or last_page_len");
-  if (t.batch > 0 && t.indptr[0] != 0) return status::make(errc::invalid_argument, "indptr[0] = ", t.indptr[0], " (must be 0)");
+  if (t.batch > 0 && t.indptr[0] != 0)
+    return status::make(errc::invalid_argument, "indptr[0] = ", t.indptr[0], " (must be 0)");
   for (int b = 0; b < t.batch; ++b) {
     const std::int64_t n = std::int64_t(t.indptr[b + 1]) - t.indptr[b];
     if (n < 0) return status::make(errc::invalid_argument, "indptr decreases at sequence ", b);
-    if (n > max_pages) return status::make(errc::capacity_exhausted, "sequence ", b, " has ", n, " pages, the layout holds ", max_pages);
+    if (n > max_pages)
+      return status::make(errc::capacity_exhausted, "sequence ", b, " has ", n,
+                          " pages, the layout holds ", max_pages);
     const int last = t.last_page_len[b];
     if (n == 0 ? last != 0 : (last < 1 || last > t.page_tokens))
-      return status::make(errc::invalid_argument, "last_page_len[", b, "] = ", last, " must lie in [1, ", t.page_tokens,
-                          "] (0 for a sequence without pages)");
+      return status::make(errc::invalid_argument, "last_page_len[", b, "] = ", last,
+                          " must lie in [1, ", t.page_tokens, "] (0 for a sequence without pages)");
     if (n > 0 && (n - 1) * t.page_tokens + last > std::numeric_limits<std::int32_t>::max())
       return status::exceeds(errc::out_of_range, "sequence length", (n - 1) * t.page_tokens + last,
                              std::numeric_limits<std::int32_t>::max());
     for (std::int32_t e = t.indptr[b]; e < t.indptr[b + 1]; ++e)
       if (t.indices[e] < 0 || std::uint32_t(t.indices[e]) >= pool_capacity)
-        return status::out_of_range("indices[" + std::to_string(e) + "]", t.indices[e], pool_capacity);
+        return status::out_of_range("indices[" + std::to_string(e) + "]", t.indices[e],
+                                    pool_capacity);
   }
   return {};
 }
 
 // Adapter: the table's pages all belong to format `format`; other formats are empty.
 template <int NumFormats>
-result<batch_index_view<NumFormats>> index_from_paged_kv_table(const paged_kv_table& t, int format,
-                                                               std::uint32_t pool_capacity,
-                                                               const index_layout<NumFormats>& layout,
-                                                               std::span<std::uint8_t> buffer) {
+result<batch_index_view<NumFormats>> index_from_paged_kv_table(
+    const paged_kv_table& t, int format, std::uint32_t pool_capacity,
+    const index_layout<NumFormats>& layout, std::span<std::uint8_t> buffer) {
   if (auto st = layout.validate(); !st) return st;
   if (auto st = detail::check_index_buffer(buffer, layout.bytes()); !st) return st;
   if (format < 0 || format >= NumFormats) return status::out_of_range("format", format, NumFormats);
-  if (auto st = validate_paged_kv_table(t, layout.max_batch, layout.max_pages, pool_capacity); !st) return st;
+  if (auto st = validate_paged_kv_table(t, layout.max_batch, layout.max_pages, pool_capacity); !st)
+    return st;
   auto* seq_len = detail::at<std::int32_t>(buffer, layout.seq_len_offset());
   for (int f = 0; f < NumFormats; ++f) {
     auto* indptr = detail::at<std::int32_t>(buffer, layout.indptr_offset(f));
@@ -302,7 +325,8 @@ class index_arrays {
   }
 
  private:
-  index_arrays(Storage& s, index_layout<num_formats> l, std::uint8_t* d) : storage_(&s), layout_(l), data_(d) {}
+  index_arrays(Storage& s, index_layout<num_formats> l, std::uint8_t* d)
+      : storage_(&s), layout_(l), data_(d) {}
   Storage* storage_;
   index_layout<num_formats> layout_;
   std::uint8_t* data_;

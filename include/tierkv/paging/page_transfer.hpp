@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
-#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 
 namespace tierkv {
@@ -64,15 +64,16 @@ struct transfer_tier_info {
 struct transfer_info {
   std::uint32_t version = 0;
   std::uint64_t total_bytes = 0;
-  geometry_desc geometry{};       // kv_heads = heads in the buffer (the slice)
-  std::uint32_t head_begin = 0;   // global index of the slice's first KV head (source head_base + slice begin)
+  geometry_desc geometry{};  // kv_heads = heads in the buffer (the slice)
+  std::uint32_t head_begin =
+      0;  // global index of the slice's first KV head (source head_base + slice begin)
   std::uint32_t source_kv_heads = 0;
   std::uint32_t num_layers = 0;
   std::uint32_t num_tiers = 0;
   std::uint64_t codec_seed = 0;
   std::uint32_t first_logical = 0;  // the run's first logical page in the source sequence
   std::uint32_t logical_pages = 0;
-  std::uint64_t tokens = 0;         // tokens the run holds (sum of the logical pages' fills)
+  std::uint64_t tokens = 0;  // tokens the run holds (sum of the logical pages' fills)
   std::vector<transfer_tier_info> tiers;
   std::vector<std::uint64_t> pages_per_tier;  // records (logical page x layer) per tier
   std::uint32_t last_fill = 0;                // fill of the run's last logical page
@@ -160,13 +161,14 @@ storage_format key_format_of(int tier) {
 template <class Storage>
 storage_format value_format_of(int tier) {
   storage_format f{};
-  with_index<Storage::num_tiers>(tier, [&](auto I) { f = Storage::template value_codec<I>::format; });
+  with_index<Storage::num_tiers>(tier,
+                                 [&](auto I) { f = Storage::template value_codec<I>::format; });
   return f;
 }
 
 inline status truncated(std::size_t have, std::size_t need, const char* what) {
-  return status::make(errc::corrupt_data, "page transfer: buffer of ", have, " bytes is truncated: ", what,
-                      " needs ", need, "; nothing imported");
+  return status::make(errc::corrupt_data, "page transfer: buffer of ", have,
+                      " bytes is truncated: ", what, " needs ", need, "; nothing imported");
 }
 
 }  // namespace detail
@@ -179,29 +181,34 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
   using detail::get;
   const std::uint8_t* b = buf.data();
   constexpr std::size_t H = page_transfer_header_bytes;
-  if (buf.size() < H + page_transfer_checksum_bytes) return detail::truncated(buf.size(), H + 8, "the header");
+  if (buf.size() < H + page_transfer_checksum_bytes)
+    return detail::truncated(buf.size(), H + 8, "the header");
   if (std::memcmp(b, page_transfer_magic.data(), 8) != 0)
     return status::make(errc::corrupt_data, "page transfer: bad magic (first bytes ",
-                        std::string(reinterpret_cast<const char*>(b), 8).c_str(), "), expected \"TKVPAGES\"");
+                        std::string(reinterpret_cast<const char*>(b), 8).c_str(),
+                        "), expected \"TKVPAGES\"");
   transfer_info t;
   t.version = get<std::uint32_t>(b, 8);
   if (t.version != page_transfer_version)
-    return status::make(errc::corrupt_data, "page transfer: version ", t.version, " is not supported (expected ",
-                        page_transfer_version, ")");
+    return status::make(errc::corrupt_data, "page transfer: version ", t.version,
+                        " is not supported (expected ", page_transfer_version, ")");
   const std::uint32_t header_bytes = get<std::uint32_t>(b, 12);
   if (header_bytes != H)
-    return status::make(errc::corrupt_data, "page transfer: header_bytes = ", header_bytes, ", expected ", H);
+    return status::make(errc::corrupt_data, "page transfer: header_bytes = ", header_bytes,
+                        ", expected ", H);
   t.total_bytes = get<std::uint64_t>(b, 16);
   if (t.total_bytes != buf.size()) {
-    if (t.total_bytes > buf.size()) return detail::truncated(buf.size(), std::size_t(t.total_bytes), "total_bytes");
-    return status::make(errc::corrupt_data, "page transfer: header says ", t.total_bytes, " bytes, buffer has ",
-                        buf.size());
+    if (t.total_bytes > buf.size())
+      return detail::truncated(buf.size(), std::size_t(t.total_bytes), "total_bytes");
+    return status::make(errc::corrupt_data, "page transfer: header says ", t.total_bytes,
+                        " bytes, buffer has ", buf.size());
   }
   t.checksum = get<std::uint64_t>(b, buf.size() - 8);
   const std::uint64_t sum = detail::transfer_checksum(buf.first(buf.size() - 8));
   if (sum != t.checksum)
-    return status::make(errc::corrupt_data, "page transfer: checksum 0x", std::hex, sum, " of the content != 0x",
-                        t.checksum, " stored; the buffer is corrupt, nothing imported");
+    return status::make(errc::corrupt_data, "page transfer: checksum 0x", std::hex, sum,
+                        " of the content != 0x", t.checksum,
+                        " stored; the buffer is corrupt, nothing imported");
   t.geometry.head_dim = int(get<std::uint32_t>(b, 24));
   t.geometry.kv_heads = int(get<std::uint32_t>(b, 28));
   t.geometry.group_size = int(get<std::uint32_t>(b, 32));
@@ -215,15 +222,19 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
   t.logical_pages = get<std::uint32_t>(b, 68);
   t.tokens = get<std::uint64_t>(b, 72);
   if (t.num_tiers < 1 || t.num_tiers > 255)
-    return status::make(errc::corrupt_data, "page transfer: num_tiers = ", t.num_tiers, " outside [1, 255]");
+    return status::make(errc::corrupt_data, "page transfer: num_tiers = ", t.num_tiers,
+                        " outside [1, 255]");
   if (t.num_layers < 1 || t.geometry.page_tokens < 1 || t.geometry.kv_heads < 1)
-    return status::make(errc::corrupt_data, "page transfer: num_layers = ", t.num_layers, ", page_tokens = ",
-                        t.geometry.page_tokens, ", kv_heads = ", t.geometry.kv_heads, " must all be >= 1");
+    return status::make(errc::corrupt_data, "page transfer: num_layers = ", t.num_layers,
+                        ", page_tokens = ", t.geometry.page_tokens,
+                        ", kv_heads = ", t.geometry.kv_heads, " must all be >= 1");
   std::size_t off = H;
   const std::size_t tier_table = std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
-  if (buf.size() - 8 < off + tier_table) return detail::truncated(buf.size(), off + tier_table + 8, "the tier table");
+  if (buf.size() - 8 < off + tier_table)
+    return detail::truncated(buf.size(), off + tier_table + 8, "the tier table");
   for (std::uint32_t i = 0; i < t.num_tiers; ++i, off += page_transfer_tier_entry_bytes)
-    t.tiers.push_back({storage_format(b[off]), storage_format(b[off + 1]), get<std::uint32_t>(b, off + 4)});
+    t.tiers.push_back(
+        {storage_format(b[off]), storage_format(b[off + 1]), get<std::uint32_t>(b, off + 4)});
   t.pages_per_tier.assign(t.num_tiers, 0);
   std::uint64_t tokens = 0;
   for (std::uint32_t j = 0; j < t.logical_pages; ++j) {
@@ -236,27 +247,28 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
       const std::uint32_t tier = b[off + 8];
       const std::uint32_t fill = get<std::uint32_t>(b, off + 12);
       if (logical != j || layer != l)
-        return status::make(errc::corrupt_data, "page transfer: record (logical ", logical, ", layer ", layer,
-                            ") out of order, expected (", j, ", ", l, ")");
+        return status::make(errc::corrupt_data, "page transfer: record (logical ", logical,
+                            ", layer ", layer, ") out of order, expected (", j, ", ", l, ")");
       if (tier >= t.num_tiers)
-        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " layer ", l, " names tier ",
-                            tier, ", the tier table has ", t.num_tiers);
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " layer ", l,
+                            " names tier ", tier, ", the tier table has ", t.num_tiers);
       if (fill < 1 || fill > std::uint32_t(t.geometry.page_tokens))
         return status::make(errc::corrupt_data, "page transfer: logical page ", j, " fill = ", fill,
                             " outside [1, ", t.geometry.page_tokens, "]");
       if (l == 0) fill0 = fill;
       if (fill != fill0)
-        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " layer ", l, " fill ", fill,
-                            " != layer 0's ", fill0);
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " layer ", l,
+                            " fill ", fill, " != layer 0's ", fill0);
       if (fill < std::uint32_t(t.geometry.page_tokens) && j + 1 != t.logical_pages)
-        return status::make(errc::corrupt_data, "page transfer: logical page ", j, " is partial (fill ", fill,
-                            ") but is not the run's last page");
+        return status::make(errc::corrupt_data, "page transfer: logical page ", j,
+                            " is partial (fill ", fill, ") but is not the run's last page");
       if (fill < std::uint32_t(t.geometry.page_tokens) && tier != 0)
         return status::make(errc::corrupt_data, "page transfer: partial logical page ", j,
                             " is in tier ", tier, "; open pages are always in tier 0");
       off += page_transfer_record_bytes;
       const std::size_t pb = t.tiers[tier].page_bytes;
-      if (buf.size() - 8 < off + pb) return detail::truncated(buf.size(), off + pb + 8, "a page's bytes");
+      if (buf.size() - 8 < off + pb)
+        return detail::truncated(buf.size(), off + pb + 8, "a page's bytes");
       off += pb;
       ++t.pages_per_tier[tier];
     }
@@ -264,17 +276,18 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
     t.last_fill = fill0;
   }
   if (off + 8 != buf.size())
-    return status::make(errc::corrupt_data, "page transfer: records end at byte ", off, ", checksum expected there but ",
-                        buf.size() - 8 - off, " bytes follow");
+    return status::make(errc::corrupt_data, "page transfer: records end at byte ", off,
+                        ", checksum expected there but ", buf.size() - 8 - off, " bytes follow");
   if (tokens != t.tokens)
-    return status::make(errc::corrupt_data, "page transfer: header says ", t.tokens, " tokens, the pages hold ", tokens);
+    return status::make(errc::corrupt_data, "page transfer: header says ", t.tokens,
+                        " tokens, the pages hold ", tokens);
   return t;
 }
 
 // Bytes an export of `pages` logical pages (all layers) whose tiers are `tier_of(j, l)`.
 template <class Storage>
-result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first = 0, std::int64_t count = -1,
-                                head_slice heads = {}) {
+result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first = 0,
+                                std::int64_t count = -1, head_slice heads = {}) {
   auto n = s.logical_pages(seq);
   if (!n) return n.error_status();
   if (first < 0 || first > *n) return status::out_of_range("first logical page", first, *n + 1);
@@ -283,14 +296,17 @@ result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first
     return status::exceeds(errc::out_of_range, "export page count", count, *n - first);
   if (heads.count < 0) heads.count = Storage::kv_heads - heads.begin;
   if (heads.begin < 0 || heads.count < 1 || heads.begin + heads.count > Storage::kv_heads)
-    return status::make(errc::out_of_range, "head slice [", heads.begin, ", ", heads.begin + heads.count,
-                        ") is not a non-empty part of the ", Storage::kv_heads, " KV heads");
-  std::size_t total = page_transfer_header_bytes + std::size_t(Storage::num_tiers) * page_transfer_tier_entry_bytes +
+    return status::make(errc::out_of_range, "head slice [", heads.begin, ", ",
+                        heads.begin + heads.count, ") is not a non-empty part of the ",
+                        Storage::kv_heads, " KV heads");
+  std::size_t total = page_transfer_header_bytes +
+                      std::size_t(Storage::num_tiers) * page_transfer_tier_entry_bytes +
                       page_transfer_checksum_bytes;
   for (std::int64_t j = first; j < first + count; ++j)
     for (int l = 0; l < s.num_layers(); ++l) {
       const page_id p = *s.page(seq, l, j);
-      total += page_transfer_record_bytes + detail::slice_page_bytes<Storage>(p.format, heads.begin, heads.count);
+      total += page_transfer_record_bytes +
+               detail::slice_page_bytes<Storage>(p.format, heads.begin, heads.count);
     }
   return total;
 }
@@ -299,15 +315,14 @@ result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first
 // into out, which must hold exactly export_size(...) bytes (a pinned or registered
 // buffer, say). The storage is not changed.
 template <class Storage>
-status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> out, std::int64_t first = 0,
-                         std::int64_t count = -1, head_slice heads = {})
-  requires Storage::page_allocator::host_accessible
-{
+status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> out,
+                         std::int64_t first = 0, std::int64_t count = -1,
+                         head_slice heads = {}) requires Storage::page_allocator::host_accessible {
   auto size = export_size(s, seq, first, count, heads);
   if (!size) return size.error_status();
   if (out.size() != *size)
-    return status::make(errc::invalid_argument, "export: buffer holds ", out.size(), " bytes, the export needs ",
-                        *size);
+    return status::make(errc::invalid_argument, "export: buffer holds ", out.size(),
+                        " bytes, the export needs ", *size);
   const std::int64_t n = *s.logical_pages(seq);
   const std::int64_t len = *s.length(seq);
   if (count < 0) count = n - first;
@@ -333,16 +348,19 @@ status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> o
   put<std::uint32_t>(b, 64, std::uint32_t(first));
   put<std::uint32_t>(b, 68, std::uint32_t(count));
   const std::int64_t end_tok = std::min<std::int64_t>(len, (first + count) * Storage::page_tokens);
-  put<std::uint64_t>(b, 72, std::uint64_t(std::max<std::int64_t>(0, end_tok - first * Storage::page_tokens)));
+  put<std::uint64_t>(
+      b, 72, std::uint64_t(std::max<std::int64_t>(0, end_tok - first * Storage::page_tokens)));
   std::size_t off = page_transfer_header_bytes;
   for (int t = 0; t < Storage::num_tiers; ++t, off += page_transfer_tier_entry_bytes) {
     b[off] = std::uint8_t(detail::key_format_of<Storage>(t));
     b[off + 1] = std::uint8_t(detail::value_format_of<Storage>(t));
     put<std::uint16_t>(b, off + 2, 0);
-    put<std::uint32_t>(b, off + 4, std::uint32_t(detail::slice_page_bytes<Storage>(t, heads.begin, heads.count)));
+    put<std::uint32_t>(
+        b, off + 4, std::uint32_t(detail::slice_page_bytes<Storage>(t, heads.begin, heads.count)));
   }
   for (std::int64_t j = first; j < first + count; ++j) {
-    const std::int64_t fill = std::min<std::int64_t>(len - j * Storage::page_tokens, Storage::page_tokens);
+    const std::int64_t fill =
+        std::min<std::int64_t>(len - j * Storage::page_tokens, Storage::page_tokens);
     for (int l = 0; l < s.num_layers(); ++l) {
       const page_id p = *s.page(seq, l, j);
       put<std::uint32_t>(b, off, std::uint32_t(j - first));
@@ -361,9 +379,11 @@ status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> o
           for (int k = 0; k < 4; ++k)
             if (r.len[k] != 0) std::memcpy(b + off + r.dst[k], src + r.src[k], r.len[k]);
         } else {
-          // Each region is [head][token slot][bytes per slot]: copy the first `fill` slots per head.
+          // Each region is [head][token slot][bytes per slot]: copy the first `fill` slots per
+          // head.
           for (int k = 0; k < 4; ++k) {
-            const std::size_t slot = r.len[k] / (std::size_t(heads.count) * std::size_t(Storage::page_tokens));
+            const std::size_t slot =
+                r.len[k] / (std::size_t(heads.count) * std::size_t(Storage::page_tokens));
             const std::size_t head_bytes = slot * std::size_t(Storage::page_tokens);
             for (int h = 0; h < heads.count && slot != 0; ++h) {
               const std::size_t at = std::size_t(h) * head_bytes;
@@ -380,14 +400,14 @@ status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> o
 }
 
 template <class Storage>
-result<std::vector<std::uint8_t>> export_pages(const Storage& s, seq_id seq, std::int64_t first = 0,
-                                               std::int64_t count = -1, head_slice heads = {})
-  requires Storage::page_allocator::host_accessible
-{
+result<std::vector<std::uint8_t>> export_pages(
+    const Storage& s, seq_id seq, std::int64_t first = 0, std::int64_t count = -1,
+    head_slice heads = {}) requires Storage::page_allocator::host_accessible {
   auto size = export_size(s, seq, first, count, heads);
   if (!size) return size.error_status();
   std::vector<std::uint8_t> out(*size);
-  if (auto st = export_pages_into(s, seq, std::span<std::uint8_t>(out), first, count, heads); !st) return st;
+  if (auto st = export_pages_into(s, seq, std::span<std::uint8_t>(out), first, count, heads); !st)
+    return st;
   return out;
 }
 
@@ -405,29 +425,36 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
     return status::make(errc::geometry_mismatch, "page transfer: buffer ", what, " = ", got,
                         ", this storage has ", want, "; nothing imported");
   };
-  if (t.geometry.head_dim != Storage::head_dim) return mismatch("head_dim", t.geometry.head_dim, Storage::head_dim);
-  if (t.geometry.kv_heads != Storage::kv_heads) return mismatch("kv_heads", t.geometry.kv_heads, Storage::kv_heads);
+  if (t.geometry.head_dim != Storage::head_dim)
+    return mismatch("head_dim", t.geometry.head_dim, Storage::head_dim);
+  if (t.geometry.kv_heads != Storage::kv_heads)
+    return mismatch("kv_heads", t.geometry.kv_heads, Storage::kv_heads);
   if (t.geometry.group_size != Storage::geometry::group_size)
     return mismatch("group_size", t.geometry.group_size, Storage::geometry::group_size);
   if (t.geometry.page_tokens != Storage::page_tokens)
     return mismatch("page_tokens", t.geometry.page_tokens, Storage::page_tokens);
-  if (t.num_layers != std::uint32_t(s.num_layers())) return mismatch("num_layers", t.num_layers, s.num_layers());
-  if (t.num_tiers != std::uint32_t(Storage::num_tiers)) return mismatch("num_tiers", t.num_tiers, Storage::num_tiers);
+  if (t.num_layers != std::uint32_t(s.num_layers()))
+    return mismatch("num_layers", t.num_layers, s.num_layers());
+  if (t.num_tiers != std::uint32_t(Storage::num_tiers))
+    return mismatch("num_tiers", t.num_tiers, Storage::num_tiers);
   for (int i = 0; i < Storage::num_tiers; ++i) {
     const transfer_tier_info& ti = t.tiers[std::size_t(i)];
-    const storage_format kf = detail::key_format_of<Storage>(i), vf = detail::value_format_of<Storage>(i);
+    const storage_format kf = detail::key_format_of<Storage>(i),
+                         vf = detail::value_format_of<Storage>(i);
     if (ti.key_format != kf || ti.value_format != vf)
-      return status::make(errc::geometry_mismatch, "page transfer: tier ", i, " formats (key ", unsigned(ti.key_format),
-                          ", value ", unsigned(ti.value_format), ") != this storage's (key ", unsigned(kf), ", value ",
-                          unsigned(vf), "); storage_format tags, nothing imported");
+      return status::make(errc::geometry_mismatch, "page transfer: tier ", i, " formats (key ",
+                          unsigned(ti.key_format), ", value ", unsigned(ti.value_format),
+                          ") != this storage's (key ", unsigned(kf), ", value ", unsigned(vf),
+                          "); storage_format tags, nothing imported");
     const std::size_t pb = detail::slice_page_bytes<Storage>(i, 0, Storage::kv_heads);
     if (ti.page_bytes != pb)
-      return status::make(errc::geometry_mismatch, "page transfer: tier ", i, " page_bytes = ", ti.page_bytes,
-                          ", this storage's pages have ", pb, "; nothing imported");
+      return status::make(errc::geometry_mismatch, "page transfer: tier ", i,
+                          " page_bytes = ", ti.page_bytes, ", this storage's pages have ", pb,
+                          "; nothing imported");
   }
   if (t.codec_seed != s.config().codec_seed)
-    return status::make(errc::geometry_mismatch, "page transfer: codec seed 0x", std::hex, t.codec_seed,
-                        " != this storage's 0x", s.config().codec_seed,
+    return status::make(errc::geometry_mismatch, "page transfer: codec seed 0x", std::hex,
+                        t.codec_seed, " != this storage's 0x", s.config().codec_seed,
                         " (rotations would differ); nothing imported");
   const int head_base = s.config().head_base;
   if (t.head_begin != std::uint32_t(head_base))
@@ -435,10 +462,13 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
       const transfer_tier_info& ti = t.tiers[std::size_t(i)];
       if (t.pages_per_tier[std::size_t(i)] != 0 &&
           (format_uses_codec_context(ti.key_format) || format_uses_codec_context(ti.value_format)))
-        return status::make(errc::geometry_mismatch, "page transfer: ", t.pages_per_tier[std::size_t(i)],
-                            " pages of tier ", i, " use a rotation seeded by the global KV head index; the buffer's ",
-                            "slice starts at global head ", t.head_begin, ", this storage's head_base = ", head_base,
-                            " (they must be equal: docs/multigpu.md, head-sharded caches); nothing imported");
+        return status::make(
+            errc::geometry_mismatch, "page transfer: ", t.pages_per_tier[std::size_t(i)],
+            " pages of tier ", i,
+            " use a rotation seeded by the global KV head index; the buffer's ",
+            "slice starts at global head ", t.head_begin,
+            ", this storage's head_base = ", head_base,
+            " (they must be equal: docs/multigpu.md, head-sharded caches); nothing imported");
     }
   return info;
 }
@@ -454,9 +484,8 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
 // of zero tokens (a tier-0 block), then overwrite each layer's tier-0 page with the
 // buffer's bytes, or publish a page of the buffer's tier with replace_page.
 template <class Storage>
-result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf)
-  requires Storage::page_allocator::host_accessible
-{
+result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf) requires
+    Storage::page_allocator::host_accessible {
   auto info = verify_import(s, buf);
   if (!info) return info.error_status();
   const transfer_info& t = *info;
@@ -475,7 +504,8 @@ result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf)
   // layers plus one fresh tier-0 page per layer.
   std::uint64_t tier0_before_last = 0;
   {
-    std::size_t off = page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+    std::size_t off =
+        page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
     for (std::uint32_t j = 0; j < P; ++j)
       for (int l = 0; l < L; ++l) {
         const std::uint32_t tier = buf[off + 8];
@@ -487,8 +517,9 @@ result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf)
     const std::uint64_t need = i == 0 ? (P == 0 ? 0 : tier0_before_last + std::uint64_t(L))
                                       : t.pages_per_tier[std::size_t(i)];
     if (s.free_pages(i) < need)
-      return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ", s.free_pages(i),
-                          " free pages, the import needs ", need, " at its peak; nothing imported");
+      return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ",
+                          s.free_pages(i), " free pages, the import needs ", need,
+                          " at its peak; nothing imported");
   }
 
   auto seq = s.create_sequence();
@@ -501,9 +532,11 @@ result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf)
   try {
     zeros.assign(std::size_t(L) * std::size_t(T) * Storage::kv_heads * Storage::head_dim, 0.f);
   } catch (const std::bad_alloc&) {
-    return fail(status::make(errc::capacity_exhausted, "import: no host memory for the staging tokens"));
+    return fail(
+        status::make(errc::capacity_exhausted, "import: no host memory for the staging tokens"));
   }
-  std::size_t off = page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+  std::size_t off =
+      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
   for (std::uint32_t j = 0; j < P; ++j) {
     const std::uint32_t fill = detail::get<std::uint32_t>(buf.data(), off + 12);
     const std::size_t nfloat = std::size_t(L) * fill * Storage::kv_heads * Storage::head_dim;

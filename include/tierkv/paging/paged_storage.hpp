@@ -31,13 +31,13 @@
 #include <vector>
 
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/memory/counted_allocator.hpp"
-#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/memory/page_pool.hpp"
 
 namespace tierkv {
@@ -55,7 +55,7 @@ struct storage_options {
   int num_layers = 1;
   std::uint32_t max_sequences = 1024;
   std::array<std::uint32_t, NumTiers> pages_per_tier{};  // pool capacities, in physical pages
-  std::uint64_t codec_seed = 0;                            // rotation seeds (make_codec_context)
+  std::uint64_t codec_seed = 0;                          // rotation seeds (make_codec_context)
   // Global index of this storage's first KV head: codec contexts use head_base + local
   // head, so a tensor-parallel rank's pages are the head slices of an unsharded cache's.
   int head_base = 0;
@@ -66,7 +66,8 @@ struct storage_options {
 // pages by demoting (tier_controller::make_room, through tiered_cache) does it here, so a
 // refused operation never demotes first. A failing status refuses the operation.
 template <class F>
-concept room_hook = std::invocable<F&, std::uint32_t> && std::convertible_to<std::invoke_result_t<F&, std::uint32_t>, status>;
+concept room_hook = std::invocable<F&, std::uint32_t> &&
+    std::convertible_to<std::invoke_result_t<F&, std::uint32_t>, status>;
 struct no_room {
   status operator()(std::uint32_t) const { return {}; }
 };
@@ -84,7 +85,8 @@ template <class Geometry, class Tier>
 using tier_layout = page_layout<Geometry, typename Tier::template key_codec<Geometry::head_dim>,
                                 typename Tier::template value_codec<Geometry::head_dim>>;
 
-template <class Geometry, class Tiers, class PageAlloc, class MetaAlloc> struct pool_tuple;
+template <class Geometry, class Tiers, class PageAlloc, class MetaAlloc>
+struct pool_tuple;
 template <class Geometry, class... Ts, class PageAlloc, class MetaAlloc>
 struct pool_tuple<Geometry, tiers<Ts...>, PageAlloc, MetaAlloc> {
   using type = std::tuple<page_pool<tier_layout<Geometry, Ts>, PageAlloc, MetaAlloc>...>;
@@ -92,16 +94,16 @@ struct pool_tuple<Geometry, tiers<Ts...>, PageAlloc, MetaAlloc> {
 
 template <int N, class F>
 void for_each_index(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (f(std::integral_constant<int, I>{}), ...);
-  }(std::make_integer_sequence<int, N>{});
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
+  (std::make_integer_sequence<int, N>{});
 }
 // Calls f(std::integral_constant<int, I>) for the runtime index i (0 <= i < N).
 template <int N, class F>
 void with_index(int i, F&& f) {
   [&]<int... I>(std::integer_sequence<int, I...>) {
     (void)((i == I ? (f(std::integral_constant<int, I>{}), true) : false) || ...);
-  }(std::make_integer_sequence<int, N>{});
+  }
+  (std::make_integer_sequence<int, N>{});
 }
 }  // namespace detail
 
@@ -122,10 +124,14 @@ class paged_storage {
   static constexpr int kv_heads = Geometry::kv_heads;
   static constexpr int head_dim = Geometry::head_dim;
   static constexpr std::int64_t max_sequence_tokens = std::numeric_limits<std::int32_t>::max();
-  template <int I> using layout = detail::tier_layout<Geometry, tier_at_t<Tiers, I>>;
-  template <int I> using key_codec = typename layout<I>::key_codec;
-  template <int I> using value_codec = typename layout<I>::value_codec;
-  template <int I> using pool_type = page_pool<layout<I>, PageAlloc, MetaAlloc>;
+  template <int I>
+  using layout = detail::tier_layout<Geometry, tier_at_t<Tiers, I>>;
+  template <int I>
+  using key_codec = typename layout<I>::key_codec;
+  template <int I>
+  using value_codec = typename layout<I>::value_codec;
+  template <int I>
+  using pool_type = page_pool<layout<I>, PageAlloc, MetaAlloc>;
   using options = storage_options<num_tiers>;
 
   paged_storage(const paged_storage&) = delete;
@@ -140,12 +146,14 @@ class paged_storage {
   }
 
   // Builds a storage; every allocation failure is returned, nothing leaks.
-  static result<std::unique_ptr<paged_storage>> create(const options& opt, PageAlloc page_alloc = {},
+  static result<std::unique_ptr<paged_storage>> create(const options& opt,
+                                                       PageAlloc page_alloc = {},
                                                        MetaAlloc meta_alloc = {}) {
     if (auto st = validate(opt); !st) return st;
     std::uint64_t total_pages = 0;
     for (std::uint32_t n : opt.pages_per_tier) total_pages += n;
-    std::unique_ptr<paged_storage> s(new paged_storage(opt, std::move(page_alloc), std::move(meta_alloc)));
+    std::unique_ptr<paged_storage> s(
+        new paged_storage(opt, std::move(page_alloc), std::move(meta_alloc)));
     if (auto st = s->init(total_pages); !st) return st;
     return result<std::unique_ptr<paged_storage>>(std::move(s));
   }
@@ -161,13 +169,16 @@ class paged_storage {
                           " must lie in [1, 2^24]");
     const int head_base = opt.head_base;
     if (head_base < 0 || head_base > (1 << 24))
-      return status::make(errc::invalid_argument, "head_base = ", head_base, " must lie in [0, 2^24]");
+      return status::make(errc::invalid_argument, "head_base = ", head_base,
+                          " must lie in [0, 2^24]");
     for (int t = 0; t < num_tiers; ++t)
       if (opt.pages_per_tier[std::size_t(t)] == 0)
-        return status::make(errc::invalid_argument, "pages_per_tier[", t, "] = 0: every tier needs a pool");
+        return status::make(errc::invalid_argument, "pages_per_tier[", t,
+                            "] = 0: every tier needs a pool");
     if (opt.pages_per_tier[0] < std::uint32_t(opt.num_layers))
       return status::make(errc::invalid_argument, "pages_per_tier[0] = ", opt.pages_per_tier[0],
-                          " is below num_layers = ", opt.num_layers, ": not even one logical page fits");
+                          " is below num_layers = ", opt.num_layers,
+                          ": not even one logical page fits");
     return {};
   }
 
@@ -186,8 +197,14 @@ class paged_storage {
   storage_lines& lines() noexcept { return lines_; }
   const storage_lines& lines() const noexcept { return lines_; }
 
-  template <int I> pool_type<I>& pool() noexcept { return std::get<I>(pools_); }
-  template <int I> const pool_type<I>& pool() const noexcept { return std::get<I>(pools_); }
+  template <int I>
+  pool_type<I>& pool() noexcept {
+    return std::get<I>(pools_);
+  }
+  template <int I>
+  const pool_type<I>& pool() const noexcept {
+    return std::get<I>(pools_);
+  }
   std::array<pool_view, num_tiers> views() const {
     std::array<pool_view, num_tiers> v{};
     detail::for_each_index<num_tiers>([&](auto I) { v[I] = std::get<I>(pools_).view(); });
@@ -202,7 +219,8 @@ class paged_storage {
   // ---- sequences ---------------------------------------------------------------------------
   result<seq_id> create_sequence() {
     if (seq_free_->empty())
-      return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences, " sequence slots are in use");
+      return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
+                          " sequence slots are in use");
     const std::uint32_t slot = seq_free_->back();
     seq_free_->pop_back();
     seq_record& r = (*seqs_)[slot];
@@ -231,13 +249,13 @@ class paged_storage {
   // and bookkeeping memory are checked and reserved first, then make_room is called
   // (room_hook), then the tier-0 pool's free pages are checked, then the first write.
   template <room_hook MakeRoom = no_room>
-  status append(seq_id s, std::int64_t n, std::span<const float> keys, std::span<const float> values,
-                MakeRoom&& make_room = {})
-    requires PageAlloc::host_accessible
-  {
+  status append(seq_id s, std::int64_t n, std::span<const float> keys,
+                std::span<const float> values,
+                MakeRoom&& make_room = {}) requires PageAlloc::host_accessible {
     seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
-    if (n < 0) return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
+    if (n < 0)
+      return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
     if (n == 0) return {};
     if (n > max_sequence_tokens - r->length)
       return status::exceeds(errc::out_of_range, "append: sequence length after append",
@@ -366,7 +384,8 @@ class paged_storage {
   result<page_id> allocate_page(int tier) {
     if (tier < 0 || tier >= num_tiers) return status::out_of_range("tier", tier, num_tiers);
     result<page_id> out = status(errc::invalid_argument, "unreachable");
-    detail::with_index<num_tiers>(tier, [&](auto I) { (void)(out = std::get<I>(pools_).allocate()); });
+    detail::with_index<num_tiers>(tier,
+                                  [&](auto I) { (void)(out = std::get<I>(pools_).allocate()); });
     return out;
   }
   // Drops a caller-owned reference: a page from allocate_page that was not published, or
@@ -388,7 +407,10 @@ class paged_storage {
   }
   bool page_published(page_id p) const {
     bool out = false;
-    (void)on_pool(p, [&](const auto& pl) { out = (pl.owner_flags(p) & published_flag) != 0; return status{}; });
+    (void)on_pool(p, [&](const auto& pl) {
+      out = (pl.owner_flags(p) & published_flag) != 0;
+      return status{};
+    });
     return out;
   }
   status check_page(page_id p) const {
@@ -396,14 +418,15 @@ class paged_storage {
   }
   std::uint32_t page_refcount(page_id p) const {
     std::uint32_t n = 0;
-    (void)on_pool(p, [&](const auto& pl) { n = pl.refcount(p); return status{}; });
+    (void)on_pool(p, [&](const auto& pl) {
+      n = pl.refcount(p);
+      return status{};
+    });
     return n;
   }
 
   // Host pointer to a page's bytes (host-visible pools only).
-  result<std::span<std::uint8_t>> page_bytes(page_id p)
-    requires PageAlloc::host_accessible
-  {
+  result<std::span<std::uint8_t>> page_bytes(page_id p) requires PageAlloc::host_accessible {
     std::span<std::uint8_t> out;
     auto st = on_pool(p, [&](auto& pl) {
       if (auto c = pl.check(p); !c) return c;
@@ -420,7 +443,8 @@ class paged_storage {
   // new_page must come from allocate_page (open, refcount 1). Publish, then release:
   // the block takes over the caller's reference to new_page and drops its old page.
   // Any failed check changes nothing and leaves the caller owning new_page.
-  status replace_page(seq_id s, int layer, std::int64_t logical, page_id expected_old, page_id new_page) {
+  status replace_page(seq_id s, int layer, std::int64_t logical, page_id expected_old,
+                      page_id new_page) {
     auto b = block_of(s, logical);
     if (!b) return b.error_status();
     return replace_page(*b, layer, expected_old, new_page);
@@ -432,10 +456,11 @@ class paged_storage {
     if (m.state != page_state::sealed)
       return status::make(errc::not_writable, "replace_page: logical page (block ", b.index,
                           ") is open; only sealed pages are converted");
-    page_id& slot = (*block_pages_)[std::size_t(b.index) * std::size_t(layers_) + std::size_t(layer)];
+    page_id& slot =
+        (*block_pages_)[std::size_t(b.index) * std::size_t(layers_) + std::size_t(layer)];
     if (!(slot == expected_old))
-      return status::make(errc::stale_id, "replace_page: expected ", expected_old, " at layer ", layer,
-                          " but ", slot, " is published");
+      return status::make(errc::stale_id, "replace_page: expected ", expected_old, " at layer ",
+                          layer, " but ", slot, " is published");
     if (auto st = check_page(new_page); !st) return st;
     if (page_published(new_page) || page_state_of(new_page) != page_state::open ||
         page_refcount(new_page) != 1)
@@ -451,9 +476,8 @@ class paged_storage {
   }
 
   // Decodes (layer, token, kv head) of a sequence through its page's tier codecs.
-  status read_token(seq_id s, int layer, std::int64_t token, int head, float* key, float* value) const
-    requires PageAlloc::host_accessible
-  {
+  status read_token(seq_id s, int layer, std::int64_t token, int head, float* key,
+                    float* value) const requires PageAlloc::host_accessible {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
@@ -465,18 +489,20 @@ class paged_storage {
     detail::with_index<num_tiers>(p.format, [&](auto I) {
       using L = layout<I>;
       const std::uint8_t* base = std::get<I>(pools_).host_page(p);
-      decode_vector<typename L::key_codec>(base + L::key_payload(head, t), base + L::key_meta(head, t),
-                                           key, make_codec_context(opt_.codec_seed, layer, g, kv_role::key));
-      decode_vector<typename L::value_codec>(base + L::value_payload(head, t),
-                                             base + L::value_meta(head, t), value,
-                                             make_codec_context(opt_.codec_seed, layer, g, kv_role::value));
+      decode_vector<typename L::key_codec>(
+          base + L::key_payload(head, t), base + L::key_meta(head, t), key,
+          make_codec_context(opt_.codec_seed, layer, g, kv_role::key));
+      decode_vector<typename L::value_codec>(
+          base + L::value_payload(head, t), base + L::value_meta(head, t), value,
+          make_codec_context(opt_.codec_seed, layer, g, kv_role::value));
     });
     return {};
   }
 
   // ---- blocks (for the prefix index) ------------------------------------------------------
   status check_block(block_ref b) const {
-    if (!b.valid() || b.index >= block_capacity_) return status::out_of_range("block", b.index, block_capacity_);
+    if (!b.valid() || b.index >= block_capacity_)
+      return status::out_of_range("block", b.index, block_capacity_);
     const block_meta& m = (*block_meta_)[b.index];
     if (m.state == page_state::free || m.generation != b.generation)
       return status::make(errc::stale_id, "block ", b.index, "@", b.generation, " is stale (now ",
@@ -489,13 +515,12 @@ class paged_storage {
   bool block_sealed(block_ref b) const {
     return check_block(b) && (*block_meta_)[b.index].state == page_state::sealed;
   }
-  page_id block_page(block_ref b, int layer) const {
-    return page_of(b.index, layer);
-  }
+  page_id block_page(block_ref b, int layer) const { return page_of(b.index, layer); }
   status retain_block(block_ref b) {
     if (auto st = check_block(b); !st) return st;
     if ((*block_meta_)[b.index].state != page_state::sealed)
-      return status::make(errc::not_writable, "retain_block: block ", b.index, " is open (private)");
+      return status::make(errc::not_writable, "retain_block: block ", b.index,
+                          " is open (private)");
     ++(*block_meta_)[b.index].refcount;
     return {};
   }
@@ -510,12 +535,15 @@ class paged_storage {
     for (const block_ref& b : blocks) {
       if (auto st = check_block(b); !st) return st;
       if ((*block_meta_)[b.index].state != page_state::sealed)
-        return status::make(errc::not_writable, "block ", b.index, " is open; only sealed pages are shared");
+        return status::make(errc::not_writable, "block ", b.index,
+                            " is open; only sealed pages are shared");
     }
     if (std::int64_t(blocks.size()) > max_sequence_tokens / page_tokens)
-      return status::exceeds(errc::out_of_range, "prefix pages", blocks.size(), max_sequence_tokens / page_tokens);
+      return status::exceeds(errc::out_of_range, "prefix pages", blocks.size(),
+                             max_sequence_tokens / page_tokens);
     if (seq_free_->empty())
-      return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences, " sequence slots are in use");
+      return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
+                          " sequence slots are in use");
     const std::uint32_t slot = seq_free_->back();
     seq_record& c = (*seqs_)[slot];
     if (auto st = reserve(c.blocks, blocks.size()); !st) return st;
@@ -535,7 +563,8 @@ class paged_storage {
   template <class F>
   void for_each_page(seq_id s, int layer, F&& f) const {
     const seq_record* r = find(s);
-    for (std::size_t i = 0; i < r->blocks.size(); ++i) f(std::int64_t(i), page_of(r->blocks[i], layer));
+    for (std::size_t i = 0; i < r->blocks.size(); ++i)
+      f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
   // f(block_ref, fill, refcount) for each live block.
   template <class F>
@@ -554,7 +583,10 @@ class paged_storage {
   }
   page_state page_state_of(page_id p) const {
     page_state st = page_state::free;
-    (void)on_pool(p, [&](const auto& pl) { st = pl.state(p); return status{}; });
+    (void)on_pool(p, [&](const auto& pl) {
+      st = pl.state(p);
+      return status{};
+    });
     return st;
   }
 
@@ -574,7 +606,8 @@ class paged_storage {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
       const seq_record& r = (*seqs_)[i];
       if (!r.live) {
-        if (!r.blocks.empty()) return status::make(errc::corrupt_data, "free sequence slot ", i, " holds pages");
+        if (!r.blocks.empty())
+          return status::make(errc::corrupt_data, "free sequence slot ", i, " holds pages");
         continue;
       }
       ++seqs;
@@ -591,37 +624,44 @@ class paged_storage {
         if (std::int64_t(m.fill) != fill)
           return status::make(errc::corrupt_data, "block ", b, " fill ", m.fill, " != ", fill);
         if ((m.state == page_state::open) != (fill < page_tokens))
-          return status::make(errc::corrupt_data, "block ", b, " open/sealed state disagrees with its fill");
+          return status::make(errc::corrupt_data, "block ", b,
+                              " open/sealed state disagrees with its fill");
         ++seq_refs[b];
       }
     }
-    if (seqs != live_seqs_) return status::make(errc::corrupt_data, "live sequence count ", live_seqs_, " != ", seqs);
+    if (seqs != live_seqs_)
+      return status::make(errc::corrupt_data, "live sequence count ", live_seqs_, " != ", seqs);
     std::array<std::uint64_t, num_tiers> named{};
     std::uint32_t blocks = 0;
     for (std::uint32_t b = 0; b < block_capacity_; ++b) {
       const block_meta& m = (*block_meta_)[b];
       if (m.state == page_state::free) {
-        if (m.refcount != 0) return status::make(errc::corrupt_data, "free block ", b, " has refcount ", m.refcount);
+        if (m.refcount != 0)
+          return status::make(errc::corrupt_data, "free block ", b, " has refcount ", m.refcount);
         continue;
       }
       ++blocks;
       if (m.refcount < seq_refs[b] || m.refcount == 0)
-        return status::make(errc::corrupt_data, "block ", b, " refcount ", m.refcount, " < ", seq_refs[b],
-                            " sequence references");
+        return status::make(errc::corrupt_data, "block ", b, " refcount ", m.refcount, " < ",
+                            seq_refs[b], " sequence references");
       if (m.state == page_state::open && m.refcount != 1)
-        return status::make(errc::corrupt_data, "open block ", b, " is shared (refcount ", m.refcount, ")");
+        return status::make(errc::corrupt_data, "open block ", b, " is shared (refcount ",
+                            m.refcount, ")");
       for (int l = 0; l < layers_; ++l) {
         const page_id p = page_of(b, l);
         if (auto c = check_page(p); !c) return c;
         ++named[p.format];
         if (!page_published(p))
-          return status::make(errc::corrupt_data, "block ", b, " layer ", l, " names unpublished ", p);
+          return status::make(errc::corrupt_data, "block ", b, " layer ", l, " names unpublished ",
+                              p);
         const page_state ps = page_state_of(p);
         if (ps != m.state)
-          return status::make(errc::corrupt_data, "block ", b, " layer ", l, " page state differs from the block's");
+          return status::make(errc::corrupt_data, "block ", b, " layer ", l,
+                              " page state differs from the block's");
       }
     }
-    if (blocks != live_blocks_) return status::make(errc::corrupt_data, "live block count ", live_blocks_, " != ", blocks);
+    if (blocks != live_blocks_)
+      return status::make(errc::corrupt_data, "live block count ", live_blocks_, " != ", blocks);
     std::uint64_t live_total = 0;
     std::uint64_t named_total = 0;
     detail::for_each_index<num_tiers>([&](auto I) {
@@ -631,8 +671,9 @@ class paged_storage {
     // Each block holds exactly one reference to each of its pages and pages are never
     // shared between blocks, so live pages = named pages + the caller's outstanding pages.
     if (live_total != named_total + outstanding_pages)
-      return status::make(errc::corrupt_data, "pools hold ", live_total, " live pages, blocks name ",
-                          named_total, ", caller holds ", outstanding_pages);
+      return status::make(errc::corrupt_data, "pools hold ", live_total,
+                          " live pages, blocks name ", named_total, ", caller holds ",
+                          outstanding_pages);
     return {};
   }
 
@@ -662,7 +703,8 @@ class paged_storage {
     std::uint32_t fill = 0;
     page_state state = page_state::free;
   };
-  template <class T> using counted_vector = std::vector<T, counted_allocator<T, MetaAlloc>>;
+  template <class T>
+  using counted_vector = std::vector<T, counted_allocator<T, MetaAlloc>>;
 
   paged_storage(const options& opt, PageAlloc&& pa, MetaAlloc&& ma)
       : opt_(opt), layers_(opt.num_layers), page_alloc_(std::move(pa)), meta_alloc_(std::move(ma)) {
@@ -671,7 +713,8 @@ class paged_storage {
     seq_slot_bits_ = bits;
   }
 
-  template <class T> counted_allocator<T, MetaAlloc> table_alloc() {
+  template <class T>
+  counted_allocator<T, MetaAlloc> table_alloc() {
     return counted_allocator<T, MetaAlloc>(meta_alloc_, lines_.page_tables);
   }
 
@@ -723,7 +766,8 @@ class paged_storage {
   seq_record* find(seq_id s) { return const_cast<seq_record*>(std::as_const(*this).find(s)); }
   status bad_seq(seq_id s) const {
     if (s.valid() && slot_of(s) < opt_.max_sequences)
-      return status::make(errc::stale_id, s, " is not a live sequence (released, or never created)");
+      return status::make(errc::stale_id, s,
+                          " is not a live sequence (released, or never created)");
     return status::make(errc::out_of_range, s, " is not a sequence id of this storage (",
                         opt_.max_sequences, " slots)");
   }
@@ -750,7 +794,8 @@ class paged_storage {
     const std::uint64_t pages = std::uint64_t(n) * std::uint64_t(layers_);
     if (pool<0>().free_count() < pages)
       return status::make(errc::capacity_exhausted, "tier 0 pool has ", pool<0>().free_count(),
-                          " free pages, ", n, " new logical pages x ", layers_, " layers need ", pages);
+                          " free pages, ", n, " new logical pages x ", layers_, " layers need ",
+                          pages);
     return can_allocate_block_entries(n);
   }
 
@@ -792,14 +837,16 @@ class paged_storage {
 
   template <class F>
   status on_pool(page_id p, F&& f) const {
-    if (p.format >= num_tiers) return status::out_of_range("page format (tier)", unsigned(p.format), num_tiers);
+    if (p.format >= num_tiers)
+      return status::out_of_range("page format (tier)", unsigned(p.format), num_tiers);
     status st;
     detail::with_index<num_tiers>(p.format, [&](auto I) { (void)(st = f(std::get<I>(pools_))); });
     return st;
   }
   template <class F>
   status on_pool(page_id p, F&& f) {
-    if (p.format >= num_tiers) return status::out_of_range("page format (tier)", unsigned(p.format), num_tiers);
+    if (p.format >= num_tiers)
+      return status::out_of_range("page format (tier)", unsigned(p.format), num_tiers);
     status st;
     detail::with_index<num_tiers>(p.format, [&](auto I) { (void)(st = f(std::get<I>(pools_))); });
     return st;
@@ -810,16 +857,18 @@ class paged_storage {
       if (!std::isfinite(x[i])) {
         const std::size_t per_token = std::size_t(kv_heads) * head_dim;
         const std::size_t per_layer = std::size_t(n) * per_token;
-        return status::make(errc::non_finite_input, "append: ", what, "[", i, "] = ", x[i], " (layer ",
-                            i / per_layer, ", token ", (i % per_layer) / per_token, ", kv head ",
-                            (i % per_token) / head_dim, ") is not finite; nothing appended");
+        return status::make(errc::non_finite_input, "append: ", what, "[", i, "] = ", x[i],
+                            " (layer ", i / per_layer, ", token ", (i % per_layer) / per_token,
+                            ", kv head ", (i % per_token) / head_dim,
+                            ") is not finite; nothing appended");
       }
     }
     return {};
   }
 
   template <class C>
-  void encode_vector(const float* x, std::uint8_t* payload, std::uint8_t* meta, const codec_context& ctx) {
+  void encode_vector(const float* x, std::uint8_t* payload, std::uint8_t* meta,
+                     const codec_context& ctx) {
     typename C::meta_type m{};
     (void)C::encode(x, payload, m, ctx, &stats_);  // finiteness was checked up front
     if constexpr (C::meta_bytes > 0) std::memcpy(meta, &m, C::meta_bytes);
@@ -832,7 +881,8 @@ class paged_storage {
     C::decode(payload, m, out, ctx);
   }
 
-  void write_tokens(seq_record& r, std::int64_t start, std::int64_t n, const float* keys, const float* values) {
+  void write_tokens(seq_record& r, std::int64_t start, std::int64_t n, const float* keys,
+                    const float* values) {
     using L = layout<0>;
     using KC = typename L::key_codec;
     using VC = typename L::value_codec;
@@ -851,7 +901,8 @@ class paged_storage {
           std::uint8_t* base = pool<0>().host_page(page_of(b, l));
           const std::size_t off = std::size_t(i) * per_token + std::size_t(h) * head_dim;
           encode_vector<KC>(kl + off, base + L::key_payload(h, t), base + L::key_meta(h, t), kctx);
-          encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t), vctx);
+          encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t),
+                            vctx);
         }
       }
     }
@@ -859,7 +910,8 @@ class paged_storage {
     const std::int64_t end = start + n;
     for (std::size_t j = std::size_t(start / page_tokens); j < r.blocks.size(); ++j) {
       block_meta& m = (*block_meta_)[r.blocks[j]];
-      const std::int64_t fill = std::min<std::int64_t>(end - std::int64_t(j) * page_tokens, page_tokens);
+      const std::int64_t fill =
+          std::min<std::int64_t>(end - std::int64_t(j) * page_tokens, page_tokens);
       m.fill = std::uint32_t(fill);
       if (fill == page_tokens && m.state == page_state::open) {
         m.state = page_state::sealed;

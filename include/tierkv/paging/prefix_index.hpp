@@ -25,8 +25,11 @@ namespace tierkv {
 
 // Chained page hash: h_i = H(h_{i-1}, tokens of page i), h_{-1} = root(salt).
 struct prefix_hash {
-  std::uint64_t root(std::uint64_t salt) const noexcept { return mix64(salt ^ 0x7072656669785f31ull); }
-  std::uint64_t operator()(std::uint64_t parent, std::span<const std::int32_t> tokens) const noexcept {
+  std::uint64_t root(std::uint64_t salt) const noexcept {
+    return mix64(salt ^ 0x7072656669785f31ull);
+  }
+  std::uint64_t operator()(std::uint64_t parent,
+                           std::span<const std::int32_t> tokens) const noexcept {
     std::uint64_t h = mix64(parent ^ std::uint64_t(tokens.size()));
     for (std::int32_t t : tokens) h = mix64(h ^ std::uint64_t(std::uint32_t(t)));
     return h;
@@ -44,7 +47,8 @@ struct prefix_match {
 template <class Storage, class Hash = prefix_hash>
 class prefix_index {
   using meta_allocator = typename Storage::meta_allocator;
-  template <class T> using counted_vector = std::vector<T, counted_allocator<T, meta_allocator>>;
+  template <class T>
+  using counted_vector = std::vector<T, counted_allocator<T, meta_allocator>>;
   static constexpr std::uint32_t none = std::numeric_limits<std::uint32_t>::max();
   static constexpr int page_tokens = Storage::page_tokens;
 
@@ -52,8 +56,12 @@ class prefix_index {
   // The storage must outlive the index; its bookkeeping allocator pays for the
   // entries, charged to storage.lines().prefix_index.
   explicit prefix_index(Storage& storage, Hash hash = {})
-      : storage_(&storage), hash_(hash), entries_(alloc<entry>()), tokens_(alloc<std::int32_t>()),
-        free_(alloc<std::uint32_t>()), buckets_(alloc<std::uint32_t>()) {}
+      : storage_(&storage),
+        hash_(hash),
+        entries_(alloc<entry>()),
+        tokens_(alloc<std::int32_t>()),
+        free_(alloc<std::uint32_t>()),
+        buckets_(alloc<std::uint32_t>()) {}
   prefix_index(const prefix_index&) = delete;
   prefix_index& operator=(const prefix_index&) = delete;
   ~prefix_index() { clear(); }
@@ -66,8 +74,8 @@ class prefix_index {
     auto len = storage_->length(seq);
     if (!len) return len.error_status();
     if (std::int64_t(tokens.size()) > *len)
-      return status::make(errc::invalid_argument, "prefix insert: ", tokens.size(), " token ids for ", seq,
-                          " which holds ", *len, " tokens");
+      return status::make(errc::invalid_argument, "prefix insert: ", tokens.size(),
+                          " token ids for ", seq, " which holds ", *len, " tokens");
     const std::size_t full = tokens.size() / page_tokens;
     std::uint32_t parent = none;
     std::uint64_t h = hash_.root(salt);
@@ -86,7 +94,8 @@ class prefix_index {
       auto b = storage_->block_of(seq, std::int64_t(j));
       if (!b) return b.error_status();
       if (!storage_->block_sealed(*b))
-        return status::make(errc::not_writable, "prefix insert: page ", j, " of ", seq, " is not sealed");
+        return status::make(errc::not_writable, "prefix insert: page ", j, " of ", seq,
+                            " is not sealed");
       blocks.push_back(*b);
     }
     if (auto st = reserve(live_ + fresh); !st) return st;
@@ -178,23 +187,32 @@ class prefix_index {
       if (!en.live) continue;
       ++live;
       if (auto st = storage_->check_block(en.block); !st) return st;
-      if (!storage_->block_sealed(en.block)) return status::make(errc::corrupt_data, "prefix entry ", e, " names an open page");
+      if (!storage_->block_sealed(en.block))
+        return status::make(errc::corrupt_data, "prefix entry ", e, " names an open page");
       if (en.parent != none) {
-        if (!(*entries_)[en.parent].live) return status::make(errc::corrupt_data, "prefix entry ", e, " has a dead parent");
+        if (!(*entries_)[en.parent].live)
+          return status::make(errc::corrupt_data, "prefix entry ", e, " has a dead parent");
         ++children[en.parent];
       }
     }
-    if (live != live_) return status::make(errc::corrupt_data, "prefix index counts ", live_, " entries, holds ", live);
+    if (live != live_)
+      return status::make(errc::corrupt_data, "prefix index counts ", live_, " entries, holds ",
+                          live);
     std::size_t chained = 0;
     for (std::uint32_t head : *buckets_)
       for (std::uint32_t e = head; e != none; e = (*entries_)[e].next) {
-        if (!(*entries_)[e].live) return status::make(errc::corrupt_data, "bucket chain holds dead entry ", e);
-        if (++chained > live_) return status(errc::corrupt_data, "bucket chains hold more entries than live");
+        if (!(*entries_)[e].live)
+          return status::make(errc::corrupt_data, "bucket chain holds dead entry ", e);
+        if (++chained > live_)
+          return status(errc::corrupt_data, "bucket chains hold more entries than live");
       }
-    if (chained != live_) return status::make(errc::corrupt_data, "bucket chains hold ", chained, " of ", live_, " entries");
+    if (chained != live_)
+      return status::make(errc::corrupt_data, "bucket chains hold ", chained, " of ", live_,
+                          " entries");
     for (std::uint32_t e = 0; e < entries_->size(); ++e)
       if ((*entries_)[e].live && (*entries_)[e].children != children[e])
-        return status::make(errc::corrupt_data, "prefix entry ", e, " children ", (*entries_)[e].children, " != ", children[e]);
+        return status::make(errc::corrupt_data, "prefix entry ", e, " children ",
+                            (*entries_)[e].children, " != ", children[e]);
     return {};
   }
 
@@ -210,14 +228,17 @@ class prefix_index {
     bool live = false;
   };
 
-  template <class T> counted_allocator<T, meta_allocator> alloc() {
-    return counted_allocator<T, meta_allocator>(storage_->meta_alloc(), storage_->lines().prefix_index);
+  template <class T>
+  counted_allocator<T, meta_allocator> alloc() {
+    return counted_allocator<T, meta_allocator>(storage_->meta_alloc(),
+                                                storage_->lines().prefix_index);
   }
 
   std::uint32_t find(std::uint64_t h, std::uint32_t parent, std::uint64_t salt,
                      std::span<const std::int32_t> page) const {
     if (buckets_->empty()) return none;
-    for (std::uint32_t e = (*buckets_)[h & (buckets_->size() - 1)]; e != none; e = (*entries_)[e].next) {
+    for (std::uint32_t e = (*buckets_)[h & (buckets_->size() - 1)]; e != none;
+         e = (*entries_)[e].next) {
       const entry& en = (*entries_)[e];
       if (en.hash != h || en.parent != parent || (parent == none && en.salt != salt)) continue;
       const std::int32_t* t = tokens_->data() + std::size_t(e) * page_tokens;
@@ -257,7 +278,8 @@ class prefix_index {
   // Makes room for `live` entries without changing any entry (strong guarantee).
   status reserve(std::size_t live) {
     try {
-      if (live > std::size_t(none) - 1) return status::exceeds(errc::capacity_exhausted, "prefix entries", live, none - 1);
+      if (live > std::size_t(none) - 1)
+        return status::exceeds(errc::capacity_exhausted, "prefix entries", live, none - 1);
       const std::size_t fresh = live > live_ ? live - live_ : 0;
       const std::size_t grow = fresh > free_->size() ? fresh - free_->size() : 0;
       const std::size_t want = entries_->size() + grow;
@@ -277,15 +299,15 @@ class prefix_index {
         buckets_->swap(heads);
       }
     } catch (const allocation_failure& e) {
-      return status::make(errc::capacity_exhausted, "prefix index growth to ", live, " entries failed; nothing changed (",
-                          e.get_status(), ")");
+      return status::make(errc::capacity_exhausted, "prefix index growth to ", live,
+                          " entries failed; nothing changed (", e.get_status(), ")");
     }
     return {};
   }
 
   // Caller reserved room: nothing here allocates.
-  std::uint32_t add(std::uint64_t h, std::uint32_t parent, std::uint64_t salt, std::span<const std::int32_t> page,
-                    block_ref block) {
+  std::uint32_t add(std::uint64_t h, std::uint32_t parent, std::uint64_t salt,
+                    std::span<const std::int32_t> page, block_ref block) {
     std::uint32_t e;
     if (!free_->empty()) {
       e = free_->back();
@@ -297,7 +319,8 @@ class prefix_index {
     }
     entry& en = (*entries_)[e];
     en = entry{h, salt, ++tick_, block, parent, none, 0, true};
-    std::copy(page.begin(), page.end(), tokens_->begin() + std::ptrdiff_t(std::size_t(e) * page_tokens));
+    std::copy(page.begin(), page.end(),
+              tokens_->begin() + std::ptrdiff_t(std::size_t(e) * page_tokens));
     std::uint32_t& head = (*buckets_)[h & (buckets_->size() - 1)];
     en.next = head;
     head = e;

@@ -35,7 +35,9 @@ enum class conversion_step : std::uint8_t { reserve = 0, fill = 1, publish = 2 }
 inline constexpr int conversion_steps = 3;
 
 constexpr const char* to_string(conversion_step s) noexcept {
-  return s == conversion_step::reserve ? "reserve" : s == conversion_step::fill ? "fill" : "publish";
+  return s == conversion_step::reserve ? "reserve"
+         : s == conversion_step::fill  ? "fill"
+                                       : "publish";
 }
 
 // A fault hook is called as hook(step, block, layer) before each step and returns
@@ -64,15 +66,16 @@ struct conversion_counters {
 
 namespace detail {
 inline status injected(conversion_step s, block_ref b, int layer, errc code) {
-  return status::make(code == errc::ok ? errc::injected_fault : code, "conversion of block ", b.index, "@",
-                      b.generation, " layer ", layer, ": fault injected before step '", to_string(s), "'");
+  return status::make(code == errc::ok ? errc::injected_fault : code, "conversion of block ",
+                      b.index, "@", b.generation, " layer ", layer,
+                      ": fault injected before step '", to_string(s), "'");
 }
 
 // Decodes one vector with codec S and encodes it with codec T (same context: the
 // rotation seed depends on layer, head and role only, never on the tier).
 template <class S, class T>
-errc transcode_vector(const std::uint8_t* sp, const std::uint8_t* sm, std::uint8_t* tp, std::uint8_t* tm,
-                      const codec_context& ctx, encode_stats& stats) {
+errc transcode_vector(const std::uint8_t* sp, const std::uint8_t* sm, std::uint8_t* tp,
+                      std::uint8_t* tm, const codec_context& ctx, encode_stats& stats) {
   static_assert(S::head_dim == T::head_dim, "transcode: codecs of different head_dim");
   float x[S::head_dim];
   typename S::meta_type smeta{};
@@ -88,18 +91,21 @@ errc transcode_vector(const std::uint8_t* sp, const std::uint8_t* sm, std::uint8
 // Step 1: a fresh page of `to_tier` for (block, layer). Fails (changing nothing) when
 // the block is stale or open, the page is already in that tier, or the pool is full.
 template <class Storage, conversion_fault_hook Faults = no_faults>
-result<staged_conversion> reserve_conversion(Storage& storage, block_ref block, int layer, int to_tier,
-                                             Faults&& faults = {}) {
+result<staged_conversion> reserve_conversion(Storage& storage, block_ref block, int layer,
+                                             int to_tier, Faults&& faults = {}) {
   if (auto st = storage.check_block(block); !st) return st;
-  if (layer < 0 || layer >= storage.num_layers()) return status::out_of_range("layer", layer, storage.num_layers());
-  if (to_tier < 0 || to_tier >= Storage::num_tiers) return status::out_of_range("target tier", to_tier, Storage::num_tiers);
+  if (layer < 0 || layer >= storage.num_layers())
+    return status::out_of_range("layer", layer, storage.num_layers());
+  if (to_tier < 0 || to_tier >= Storage::num_tiers)
+    return status::out_of_range("target tier", to_tier, Storage::num_tiers);
   if (!storage.block_sealed(block))
-    return status::make(errc::not_writable, "conversion of block ", block.index, ": the logical page is open ",
+    return status::make(errc::not_writable, "conversion of block ", block.index,
+                        ": the logical page is open ",
                         "(still being appended); only sealed pages change tier");
   const page_id from = storage.block_page(block, layer);
   if (int(from.format) == to_tier)
-    return status::make(errc::invalid_argument, "conversion of block ", block.index, " layer ", layer,
-                        ": the page is already in tier ", to_tier);
+    return status::make(errc::invalid_argument, "conversion of block ", block.index, " layer ",
+                        layer, ": the page is already in tier ", to_tier);
   if (const errc e = faults(conversion_step::reserve, block, layer); e != errc::ok)
     return detail::injected(conversion_step::reserve, block, layer, e);
   auto to = storage.allocate_page(to_tier);
@@ -117,10 +123,9 @@ void abort_conversion(Storage& storage, staged_conversion& c) {
 // Step 2 on the host: fills c.to from c.from. On failure c.to stays reserved (the
 // caller aborts); the published page is never written.
 template <class Storage, conversion_fault_hook Faults = no_faults>
-status fill_conversion_on_host(Storage& storage, const staged_conversion& c, conversion_counters& counters,
-                               Faults&& faults = {})
-  requires Storage::page_allocator::host_accessible
-{
+status fill_conversion_on_host(
+    Storage& storage, const staged_conversion& c, conversion_counters& counters,
+    Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
   if (const errc e = faults(conversion_step::fill, c.block, c.layer); e != errc::ok)
     return detail::injected(conversion_step::fill, c.block, c.layer, e);
   auto src = storage.page_bytes(c.from);
@@ -146,19 +151,21 @@ status fill_conversion_on_host(Storage& storage, const staged_conversion& c, con
         std::uint8_t* d = dst->data();
         for (int h = 0; h < H && out; ++h) {
           const codec_context kctx = make_codec_context(seed, c.layer, head_base + h, kv_role::key);
-          const codec_context vctx = make_codec_context(seed, c.layer, head_base + h, kv_role::value);
+          const codec_context vctx =
+              make_codec_context(seed, c.layer, head_base + h, kv_role::value);
           for (int t = 0; t < T; ++t) {
             errc e = detail::transcode_vector<typename SL::key_codec, typename TL::key_codec>(
-                s + SL::key_payload(h, t), s + SL::key_meta(h, t), d + TL::key_payload(h, t), d + TL::key_meta(h, t),
-                kctx, stats);
+                s + SL::key_payload(h, t), s + SL::key_meta(h, t), d + TL::key_payload(h, t),
+                d + TL::key_meta(h, t), kctx, stats);
             if (e == errc::ok)
               e = detail::transcode_vector<typename SL::value_codec, typename TL::value_codec>(
-                  s + SL::value_payload(h, t), s + SL::value_meta(h, t), d + TL::value_payload(h, t),
-                  d + TL::value_meta(h, t), vctx, stats);
+                  s + SL::value_payload(h, t), s + SL::value_meta(h, t),
+                  d + TL::value_payload(h, t), d + TL::value_meta(h, t), vctx, stats);
             if (e != errc::ok) {
-              out = status::make(e, "conversion of ", c.from, " (block ", c.block.index, ", layer ", c.layer,
-                                 ") to tier ", unsigned(c.to.format), ": kv head ", h, " token ", t,
-                                 " does not encode (", to_string(e), "); the old page stays published");
+              out = status::make(e, "conversion of ", c.from, " (block ", c.block.index, ", layer ",
+                                 c.layer, ") to tier ", unsigned(c.to.format), ": kv head ", h,
+                                 " token ", t, " does not encode (", to_string(e),
+                                 "); the old page stays published");
               break;
             }
           }
@@ -184,10 +191,9 @@ status publish_conversion(Storage& storage, staged_conversion& c, Faults&& fault
 // All three steps on the host; on any failure the reserved page is released and the
 // old page stays published. Returns the newly published page.
 template <class Storage, conversion_fault_hook Faults = no_faults>
-result<page_id> convert_page(Storage& storage, block_ref block, int layer, int to_tier,
-                             conversion_counters& counters, Faults&& faults = {})
-  requires Storage::page_allocator::host_accessible
-{
+result<page_id> convert_page(
+    Storage& storage, block_ref block, int layer, int to_tier, conversion_counters& counters,
+    Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
   auto staged = reserve_conversion(storage, block, layer, to_tier, faults);
   if (!staged) return staged.error_status();
   staged_conversion c = *staged;

@@ -16,8 +16,8 @@
 namespace tierkv::policy {
 
 struct recency_anchor_options {
-  int recent_pages = 4;        // R: the newest R logical pages of a sequence are Recent
-  int sink_pages = 1;          // A: the first A logical pages (attention sinks) are Anchor
+  int recent_pages = 4;  // R: the newest R logical pages of a sequence are Recent
+  int sink_pages = 1;    // A: the first A logical pages (attention sinks) are Anchor
   // Attention mass is taken relative to a uniform share (mass x pages of the sequence),
   // smoothed by an EMA with weight ema_alpha for the newest step. A page becomes an
   // anchor when the EMA rises above enter_mass and stops being one when it falls below
@@ -46,13 +46,17 @@ class recency_anchor {
   const options& knobs() const noexcept { return opt_; }
 
   status validate() const {
-    if (opt_.recent_pages < 0) return status::make(errc::invalid_argument, "recent_pages = ", opt_.recent_pages, " < 0");
-    if (opt_.sink_pages < 0) return status::make(errc::invalid_argument, "sink_pages = ", opt_.sink_pages, " < 0");
+    if (opt_.recent_pages < 0)
+      return status::make(errc::invalid_argument, "recent_pages = ", opt_.recent_pages, " < 0");
+    if (opt_.sink_pages < 0)
+      return status::make(errc::invalid_argument, "sink_pages = ", opt_.sink_pages, " < 0");
     if (!(opt_.ema_alpha > 0.0f && opt_.ema_alpha <= 1.0f))
-      return status::make(errc::invalid_argument, "ema_alpha = ", opt_.ema_alpha, " must lie in (0, 1]");
-    if (!std::isfinite(opt_.enter_mass) || !std::isfinite(opt_.leave_mass) || !(opt_.leave_mass >= 0.0f) ||
-        !(opt_.enter_mass >= opt_.leave_mass))
-      return status::make(errc::invalid_argument, "enter_mass = ", opt_.enter_mass, ", leave_mass = ", opt_.leave_mass,
+      return status::make(errc::invalid_argument, "ema_alpha = ", opt_.ema_alpha,
+                          " must lie in (0, 1]");
+    if (!std::isfinite(opt_.enter_mass) || !std::isfinite(opt_.leave_mass) ||
+        !(opt_.leave_mass >= 0.0f) || !(opt_.enter_mass >= opt_.leave_mass))
+      return status::make(errc::invalid_argument, "enter_mass = ", opt_.enter_mass,
+                          ", leave_mass = ", opt_.leave_mass,
                           ": need finite 0 <= leave_mass <= enter_mass (hysteresis)");
     if (opt_.keep_first_layers < 0 || opt_.keep_last_layers < 0)
       return status::make(errc::invalid_argument, "keep_first_layers = ", opt_.keep_first_layers,
@@ -64,8 +68,10 @@ class recency_anchor {
     if (!std::isfinite(mass) || mass < 0.0f) return;  // a broken signal never moves a page
     s.ema = s.observed ? s.ema + opt_.ema_alpha * (mass - s.ema) : mass;
     s.observed = true;
-    if (!s.anchored && s.ema > opt_.enter_mass) s.anchored = true;
-    else if (s.anchored && s.ema < opt_.leave_mass) s.anchored = false;
+    if (!s.anchored && s.ema > opt_.enter_mass)
+      s.anchored = true;
+    else if (s.anchored && s.ema < opt_.leave_mass)
+      s.anchored = false;
   }
 
   bool sensitive_layer(int layer, int num_layers) const {

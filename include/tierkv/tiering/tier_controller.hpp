@@ -44,9 +44,9 @@ struct conversion {
 
 struct retier_stats {
   std::uint64_t planned = 0;
-  std::uint64_t converted = 0;      // published conversions (promotions + demotions + others)
-  std::uint64_t promoted = 0;       // into tier 0
-  std::uint64_t demoted = 0;        // out of tier 0
+  std::uint64_t converted = 0;          // published conversions (promotions + demotions + others)
+  std::uint64_t promoted = 0;           // into tier 0
+  std::uint64_t demoted = 0;            // out of tier 0
   std::uint64_t pressure_demoted = 0;   // demotions made by make_room
   std::uint64_t shadow_promotions = 0;  // promotions served losslessly from a kept tier-0 copy
   // Held back for capacity, not faults (the old page stays published; a later step retries):
@@ -56,14 +56,23 @@ struct retier_stats {
   std::uint64_t injected_faults = 0;
   std::uint64_t shadows_made = 0;
   std::uint64_t shadows_dropped = 0;
-  std::uint64_t saturated = 0;      // encoder saturations while converting
-  status first_error;               // the first failure, ok when none
+  std::uint64_t saturated = 0;  // encoder saturations while converting
+  status first_error;           // the first failure, ok when none
 
   void add(const retier_stats& o) {
-    planned += o.planned; converted += o.converted; promoted += o.promoted; demoted += o.demoted;
-    pressure_demoted += o.pressure_demoted; shadow_promotions += o.shadow_promotions; deferred += o.deferred;
-    deferred_full += o.deferred_full; failed += o.failed; injected_faults += o.injected_faults; shadows_made += o.shadows_made;
-    shadows_dropped += o.shadows_dropped; saturated += o.saturated;
+    planned += o.planned;
+    converted += o.converted;
+    promoted += o.promoted;
+    demoted += o.demoted;
+    pressure_demoted += o.pressure_demoted;
+    shadow_promotions += o.shadow_promotions;
+    deferred += o.deferred;
+    deferred_full += o.deferred_full;
+    failed += o.failed;
+    injected_faults += o.injected_faults;
+    shadows_made += o.shadows_made;
+    shadows_dropped += o.shadows_dropped;
+    saturated += o.saturated;
     if (first_error.is_ok() && !o.first_error.is_ok()) first_error = o.first_error;
   }
 };
@@ -101,7 +110,8 @@ class tier_controller {
   // The storage must outlive the controller. Bookkeeping (per-page policy state, the
   // plan buffer) is allocated once here from the storage's bookkeeping allocator and
   // charged to its page_tables line; on failure nothing leaks.
-  static result<std::unique_ptr<tier_controller>> create(Storage& storage, Policy policy = {}, options opt = {}) {
+  static result<std::unique_ptr<tier_controller>> create(Storage& storage, Policy policy = {},
+                                                         options opt = {}) {
     if (auto st = validate(policy, opt); !st) return st;
     std::unique_ptr<tier_controller> c(new tier_controller(storage, std::move(policy), opt));
     try {
@@ -115,17 +125,20 @@ class tier_controller {
     } catch (const allocation_failure& e) {
       return e.get_status();
     }
-    return result<std::unique_ptr<tier_controller>>(std::move(c));  // explicit: nvcc does not move implicitly here
+    return result<std::unique_ptr<tier_controller>>(
+        std::move(c));  // explicit: nvcc does not move implicitly here
   }
 
   // The policy's knobs and the options against their limits, allocating nothing.
   static status validate(const Policy& policy, const options& opt) {
     if (auto st = policy.validate(); !st) return st;
     if (opt.promotion_reserve_percent < 0 || opt.promotion_reserve_percent > 100)
-      return status::make(errc::invalid_argument, "promotion_reserve_percent = ", opt.promotion_reserve_percent,
+      return status::make(errc::invalid_argument,
+                          "promotion_reserve_percent = ", opt.promotion_reserve_percent,
                           " must lie in [0, 100]");
     if (opt.shadow_slack_percent < 0 || opt.shadow_slack_percent > 100)
-      return status::make(errc::invalid_argument, "shadow_slack_percent = ", opt.shadow_slack_percent,
+      return status::make(errc::invalid_argument,
+                          "shadow_slack_percent = ", opt.shadow_slack_percent,
                           " must lie in [0, 100]");
     return {};
   }
@@ -142,9 +155,10 @@ class tier_controller {
     auto pages = storage_->logical_pages(s);
     if (!pages) return pages.error_status();
     if (first < 0 || count < 0 || first > *pages - count)
-      return status::make(errc::out_of_range, "pin: logical pages [", first, ", ", first + count, ") of ", s,
-                          " which has ", *pages, " pages");
-    for (std::int64_t i = first; i < first + count; ++i) sync(*storage_->block_of(s, i)).pinned = pinned;
+      return status::make(errc::out_of_range, "pin: logical pages [", first, ", ", first + count,
+                          ") of ", s, " which has ", *pages, " pages");
+    for (std::int64_t i = first; i < first + count; ++i)
+      sync(*storage_->block_of(s, i)).pinned = pinned;
     return {};
   }
 
@@ -155,10 +169,11 @@ class tier_controller {
   status observe_mass(seq_id s, int layer, std::span<const float> mass) {
     auto pages = storage_->logical_pages(s);
     if (!pages) return pages.error_status();
-    if (layer < 0 || layer >= storage_->num_layers()) return status::out_of_range("layer", layer, storage_->num_layers());
+    if (layer < 0 || layer >= storage_->num_layers())
+      return status::out_of_range("layer", layer, storage_->num_layers());
     if (std::int64_t(mass.size()) < *pages)
-      return status::make(errc::invalid_argument, "observe_mass: ", mass.size(), " masses for ", s, " with ", *pages,
-                          " logical pages");
+      return status::make(errc::invalid_argument, "observe_mass: ", mass.size(), " masses for ", s,
+                          " with ", *pages, " logical pages");
     const float uniform = float(*pages);
     for (std::int64_t i = 0; i < *pages; ++i) {
       const float m = mass[std::size_t(i)] * uniform;
@@ -210,22 +225,24 @@ class tier_controller {
   // failed conversion leaves its page published at its old id and tier; the rest go on.
   // One held back for capacity (held_back) is counted as deferred, not as failed.
   template <conversion_fault_hook Faults = no_faults>
-  retier_stats apply(std::span<const conversion> todo, Faults&& faults = {})
-    requires Storage::page_allocator::host_accessible
-  {
+  retier_stats apply(std::span<const conversion> todo,
+                     Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
     retier_stats st;
     st.planned = todo.size();
     trim_shadows(st);
     const std::uint32_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);
     for (const conversion& c : todo) {
       if (!storage_->check_block(c.block) || c.layer < 0 || c.layer >= storage_->num_layers()) {
-        note_failure(st, status::make(errc::stale_id, "apply: block ", c.block.index, "@", c.block.generation,
-                                      " layer ", c.layer, " is no longer live"));
+        note_failure(st,
+                     status::make(errc::stale_id, "apply: block ", c.block.index, "@",
+                                  c.block.generation, " layer ", c.layer, " is no longer live"));
         continue;
       }
-      if (int(storage_->block_page(c.block, c.layer).format) != c.from) continue;  // moved since planned
+      if (int(storage_->block_page(c.block, c.layer).format) != c.from)
+        continue;  // moved since planned
       page_rec& r = page(c.block.index, c.layer);
-      if (c.to == append_tier && r.shadow.valid() && r.shadow_of == storage_->block_page(c.block, c.layer)) {
+      if (c.to == append_tier && r.shadow.valid() &&
+          r.shadow_of == storage_->block_page(c.block, c.layer)) {
         promote_from_shadow(c, r, st, faults);
         continue;
       }
@@ -243,19 +260,21 @@ class tier_controller {
   // where filled[i] is true and releases the other reserved pages, with apply()'s
   // bookkeeping (dwell, counters). Shadows are neither made nor used on this path.
   template <conversion_fault_hook Faults = no_faults>
-  std::size_t stage(std::span<const conversion> todo, std::span<staged_conversion> out, retier_stats& st,
-                    Faults&& faults = {}) {
+  std::size_t stage(std::span<const conversion> todo, std::span<staged_conversion> out,
+                    retier_stats& st, Faults&& faults = {}) {
     st.planned += todo.size();
     const std::uint32_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);
     std::size_t n = 0;
     for (const conversion& c : todo) {
       if (n == out.size()) break;
       if (!storage_->check_block(c.block) || c.layer < 0 || c.layer >= storage_->num_layers()) {
-        note_failure(st, status::make(errc::stale_id, "stage: block ", c.block.index, "@", c.block.generation,
-                                      " layer ", c.layer, " is no longer live"));
+        note_failure(st,
+                     status::make(errc::stale_id, "stage: block ", c.block.index, "@",
+                                  c.block.generation, " layer ", c.layer, " is no longer live"));
         continue;
       }
-      if (int(storage_->block_page(c.block, c.layer).format) != c.from) continue;  // moved since planned
+      if (int(storage_->block_page(c.block, c.layer).format) != c.from)
+        continue;  // moved since planned
       if (held_back(c, reserve, st)) continue;
       auto staged = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
       if (!staged) {
@@ -273,8 +292,9 @@ class tier_controller {
       staged_conversion& sc = staged[i];
       if (!(i < filled.size() && filled[i])) {
         abort_conversion(*storage_, sc);
-        note_failure(st, status::make(errc::non_finite_input, "commit: the fill of block ", sc.block.index,
-                                      " layer ", sc.layer, " failed; the old page stays published"));
+        note_failure(
+            st, status::make(errc::non_finite_input, "commit: the fill of block ", sc.block.index,
+                             " layer ", sc.layer, " failed; the old page stays published"));
         continue;
       }
       const int from = int(sc.from.format), to = int(sc.to.format);
@@ -295,9 +315,8 @@ class tier_controller {
 
   // plan(step) + apply(): one retier step.
   template <conversion_fault_hook Faults = no_faults>
-  retier_stats retier(std::uint64_t step, Faults&& faults = {})
-    requires Storage::page_allocator::host_accessible
-  {
+  retier_stats retier(std::uint64_t step,
+                      Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
     const auto todo = plan(step);
     return apply(todo, faults);
   }
@@ -308,16 +327,16 @@ class tier_controller {
   // failing midway (an injected fault) returns its status; the demotions already done
   // stay published and valid.
   template <conversion_fault_hook Faults = no_faults>
-  status make_room(std::uint32_t pages, Faults&& faults = {})
-    requires Storage::page_allocator::host_accessible
-  {
+  status make_room(std::uint32_t pages,
+                   Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
     if (storage_->free_pages(append_tier) >= pages) return {};
     refresh();
     const std::uint32_t free0 = storage_->free_pages(append_tier);
     const std::uint32_t deficit = pages - free0;
     constexpr int stale = Roles::stale;
-    if (stale == append_tier) return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages, ",
-                                                  pages, " needed, and the Stale role maps to tier 0 too");
+    if (stale == append_tier)
+      return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages, ", pages,
+                          " needed, and the Stale role maps to tier 0 too");
     // Candidates: sealed tier-0 pages the policy lets go, lowest value first.
     plan_->clear();
     const int layers = storage_->num_layers();
@@ -335,12 +354,14 @@ class tier_controller {
         plan_->push_back(conversion{ref, l, append_tier, stale, v});
       }
     }
-    const std::uint64_t demotable = std::min<std::uint64_t>(plan_->size(), storage_->free_pages(stale));
+    const std::uint64_t demotable =
+        std::min<std::uint64_t>(plan_->size(), storage_->free_pages(stale));
     if (std::uint64_t(shadows_) + demotable < deficit)
       return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages and ", pages,
-                          " are needed; dropping ", shadows_, " shadow copies and demoting ", demotable,
-                          " pages (of ", plan_->size(), " demotable, ", storage_->free_pages(stale),
-                          " free in the Stale tier) cannot free ", deficit, "; nothing was changed");
+                          " are needed; dropping ", shadows_, " shadow copies and demoting ",
+                          demotable, " pages (of ", plan_->size(), " demotable, ",
+                          storage_->free_pages(stale), " free in the Stale tier) cannot free ",
+                          deficit, "; nothing was changed");
     retier_stats st;
     while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
     std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
@@ -356,8 +377,8 @@ class tier_controller {
     totals_.add(st);
     if (storage_->free_pages(append_tier) >= pages) return {};
     if (!st.first_error.is_ok()) return st.first_error;
-    return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ", storage_->free_pages(append_tier),
-                        " free pages of ", pages, " needed");
+    return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ",
+                        storage_->free_pages(append_tier), " free pages of ", pages, " needed");
   }
 
   // Storage invariants with the controller's own pages (shadows) accounted for, and
@@ -369,15 +390,19 @@ class tier_controller {
       ++n;
       if (auto st = storage_->check_page(r.shadow); !st) return st;
       if (r.shadow.format != append_tier || storage_->page_published(r.shadow))
-        return status::make(errc::corrupt_data, "shadow ", r.shadow, " is not a caller-owned tier-0 page");
+        return status::make(errc::corrupt_data, "shadow ", r.shadow,
+                            " is not a caller-owned tier-0 page");
     }
-    if (n != shadows_) return status::make(errc::corrupt_data, "shadow count ", shadows_, " != ", n);
+    if (n != shadows_)
+      return status::make(errc::corrupt_data, "shadow count ", shadows_, " != ", n);
     return storage_->check_invariants(shadows_);
   }
 
   // The policy state of (block, layer) (tests, reports).
   const typename Policy::page_state& page_state_of(block_ref b, int layer) const {
-    return (*pages_)[std::size_t(b.index) * std::size_t(storage_->num_layers()) + std::size_t(layer)].state;
+    return (*pages_)[std::size_t(b.index) * std::size_t(storage_->num_layers()) +
+                     std::size_t(layer)]
+        .state;
   }
 
  private:
@@ -397,9 +422,12 @@ class tier_controller {
     page_id shadow_of;      // the page it was demoted into (the shadow is valid while published)
     std::uint64_t shadow_step = 0;
   };
-  template <class T> using counted_vector = std::vector<T, counted_allocator<T, typename Storage::meta_allocator>>;
-  template <class T> counted_allocator<T, typename Storage::meta_allocator> alloc() {
-    return counted_allocator<T, typename Storage::meta_allocator>(storage_->meta_alloc(), storage_->lines().page_tables);
+  template <class T>
+  using counted_vector = std::vector<T, counted_allocator<T, typename Storage::meta_allocator>>;
+  template <class T>
+  counted_allocator<T, typename Storage::meta_allocator> alloc() {
+    return counted_allocator<T, typename Storage::meta_allocator>(storage_->meta_alloc(),
+                                                                  storage_->lines().page_tables);
   }
 
   tier_controller(Storage& s, Policy p, options o) : storage_(&s), policy_(std::move(p)), opt_(o) {}
@@ -469,13 +497,15 @@ class tier_controller {
     f.age = b.age;
     f.holders = b.holders;
     f.pinned = b.pinned;
-    const std::uint64_t last = (*pages_)[std::size_t(bi) * std::size_t(f.num_layers) + std::size_t(layer)].last_move;
+    const std::uint64_t last =
+        (*pages_)[std::size_t(bi) * std::size_t(f.num_layers) + std::size_t(layer)].last_move;
     f.steps_since_move = step_ - std::min(step_, last);
     return f;
   }
 
   std::uint32_t percent_of_tier0(int percent) const {
-    return std::uint32_t(std::uint64_t(storage_->template pool<append_tier>().capacity()) * std::uint64_t(percent) / 100);
+    return std::uint32_t(std::uint64_t(storage_->template pool<append_tier>().capacity()) *
+                         std::uint64_t(percent) / 100);
   }
 
   // Capacity, not a fault: a promotion that would eat into the tier-0 reserve, or any
@@ -548,7 +578,8 @@ class tier_controller {
   template <class Faults>
   void promote_from_shadow(const conversion& c, page_rec& r, retier_stats& st, Faults& faults) {
     staged_conversion sc{c.block, c.layer, r.shadow_of, r.shadow};
-    if (auto s = publish_conversion(*storage_, sc, faults); !s) return note_failure(st, std::move(s));
+    if (auto s = publish_conversion(*storage_, sc, faults); !s)
+      return note_failure(st, std::move(s));
     r.shadow = page_id{};  // published: the block owns it
     r.shadow_of = page_id{};
     --shadows_;
@@ -567,7 +598,8 @@ class tier_controller {
   void drop_oldest_shadow(retier_stats& st) {
     page_rec* oldest = nullptr;
     for (page_rec& r : *pages_)
-      if (r.shadow.valid() && (oldest == nullptr || r.shadow_step < oldest->shadow_step)) oldest = &r;
+      if (r.shadow.valid() && (oldest == nullptr || r.shadow_step < oldest->shadow_step))
+        oldest = &r;
     if (oldest == nullptr) return;
     release_shadow(*oldest);
     ++st.shadows_dropped;

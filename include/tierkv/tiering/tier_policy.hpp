@@ -23,12 +23,12 @@ struct page_facts {
 
   int layer = 0;
   int num_layers = 1;
-  int tier = 0;                         // tier index it is stored in now
-  std::int64_t position = no_holder;    // smallest logical page index among its sequences
-  std::int64_t age = no_holder;         // pages after it in its youngest holder (0 = newest page)
-  std::uint32_t holders = 0;            // sequences holding it (0: only the prefix index)
-  bool pinned = false;                  // structural metadata from the engine (e.g. system prompt)
-  std::uint64_t steps_since_move = 0;   // retier steps since it last changed tier (or was created)
+  int tier = 0;                        // tier index it is stored in now
+  std::int64_t position = no_holder;   // smallest logical page index among its sequences
+  std::int64_t age = no_holder;        // pages after it in its youngest holder (0 = newest page)
+  std::uint32_t holders = 0;           // sequences holding it (0: only the prefix index)
+  bool pinned = false;                 // structural metadata from the engine (e.g. system prompt)
+  std::uint64_t steps_since_move = 0;  // retier steps since it last changed tier (or was created)
 };
 
 // A tier policy P provides:
@@ -43,47 +43,60 @@ struct page_facts {
 //                                          value are demoted first; +inf = never demote
 //   p.validate() -> status                 its knobs are consistent
 namespace detail {
-template <class P> concept has_page_state = requires {
+template <class P>
+concept has_page_state = requires {
   typename P::page_state;
   requires std::is_trivially_copyable_v<typename P::page_state>;
   requires std::default_initializable<typename P::page_state>;
 };
-template <class P> concept has_observe = has_page_state<P> && requires(const P& p, typename P::page_state& s, float m) {
+template <class P>
+concept has_observe = has_page_state<P> &&
+    requires(const P& p, typename P::page_state& s, float m) {
   { p.observe(s, m) } -> std::same_as<void>;
 };
 template <class P>
-concept has_choose = has_page_state<P> && requires(const P& p, const typename P::page_state& s, const page_facts& f) {
+concept has_choose = has_page_state<P> &&
+    requires(const P& p, const typename P::page_state& s, const page_facts& f) {
   { p.choose(s, f) } -> std::same_as<tier_role>;
 };
-template <class P> concept has_min_dwell = requires(const P& p) {
+template <class P>
+concept has_min_dwell = requires(const P& p) {
   { p.min_dwell_steps() } -> std::convertible_to<std::uint64_t>;
 };
 template <class P>
-concept has_keep_value = has_page_state<P> && requires(const P& p, const typename P::page_state& s, const page_facts& f) {
+concept has_keep_value = has_page_state<P> &&
+    requires(const P& p, const typename P::page_state& s, const page_facts& f) {
   { p.keep_value(s, f) } -> std::convertible_to<float>;
 };
-template <class P> concept has_validate = requires(const P& p) {
+template <class P>
+concept has_validate = requires(const P& p) {
   { p.validate() } -> std::same_as<status>;
 };
 }  // namespace detail
 
 template <class P>
-concept tier_policy = std::copy_constructible<P> && detail::has_page_state<P> && detail::has_observe<P> &&
-                      detail::has_choose<P> && detail::has_min_dwell<P> && detail::has_keep_value<P> &&
-                      detail::has_validate<P>;
+concept tier_policy = std::copy_constructible<P> && detail::has_page_state<P> &&
+    detail::has_observe<P> && detail::has_choose<P> && detail::has_min_dwell<P> &&
+    detail::has_keep_value<P> && detail::has_validate<P>;
 
 // static_assert(check_tier_policy<P>()) names the first missing member.
 template <class P>
 constexpr bool check_tier_policy() {
-  static_assert(std::copy_constructible<P>, "tier policy: must be copy constructible (a value type of knobs)");
-  static_assert(detail::has_page_state<P>,
-                "tier policy: missing `struct page_state` (trivially copyable, default constructible)");
-  static_assert(detail::has_observe<P>, "tier policy: missing `void observe(page_state&, float mass) const`");
-  static_assert(detail::has_choose<P>,
-                "tier policy: missing `tier_role choose(const page_state&, const page_facts&) const`");
-  static_assert(detail::has_min_dwell<P>, "tier policy: missing `std::uint64_t min_dwell_steps() const`");
-  static_assert(detail::has_keep_value<P>,
-                "tier policy: missing `float keep_value(const page_state&, const page_facts&) const`");
+  static_assert(std::copy_constructible<P>,
+                "tier policy: must be copy constructible (a value type of knobs)");
+  static_assert(
+      detail::has_page_state<P>,
+      "tier policy: missing `struct page_state` (trivially copyable, default constructible)");
+  static_assert(detail::has_observe<P>,
+                "tier policy: missing `void observe(page_state&, float mass) const`");
+  static_assert(
+      detail::has_choose<P>,
+      "tier policy: missing `tier_role choose(const page_state&, const page_facts&) const`");
+  static_assert(detail::has_min_dwell<P>,
+                "tier policy: missing `std::uint64_t min_dwell_steps() const`");
+  static_assert(
+      detail::has_keep_value<P>,
+      "tier policy: missing `float keep_value(const page_state&, const page_facts&) const`");
   static_assert(detail::has_validate<P>, "tier policy: missing `status validate() const`");
   return tier_policy<P>;
 }

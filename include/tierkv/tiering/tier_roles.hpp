@@ -21,9 +21,12 @@ enum class tier_role : std::uint8_t {
 
 constexpr std::string_view to_string(tier_role r) noexcept {
   switch (r) {
-    case tier_role::recent: return "recent";
-    case tier_role::anchor: return "anchor";
-    case tier_role::stale: return "stale";
+    case tier_role::recent:
+      return "recent";
+    case tier_role::anchor:
+      return "anchor";
+    case tier_role::stale:
+      return "stale";
   }
   return "unknown";
 }
@@ -35,9 +38,12 @@ inline std::ostream& operator<<(std::ostream& out, tier_role r) { return out << 
 // inner loop per distinct tier, not per role.
 template <class TierList, int Recent = 0, int Anchor = 0, int Stale = TierList::size - 1>
 struct tier_roles {
-  static_assert(Recent >= 0 && Recent < TierList::size, "tier_roles: Recent is not an index of the tier list");
-  static_assert(Anchor >= 0 && Anchor < TierList::size, "tier_roles: Anchor is not an index of the tier list");
-  static_assert(Stale >= 0 && Stale < TierList::size, "tier_roles: Stale is not an index of the tier list");
+  static_assert(Recent >= 0 && Recent < TierList::size,
+                "tier_roles: Recent is not an index of the tier list");
+  static_assert(Anchor >= 0 && Anchor < TierList::size,
+                "tier_roles: Anchor is not an index of the tier list");
+  static_assert(Stale >= 0 && Stale < TierList::size,
+                "tier_roles: Stale is not an index of the tier list");
   static_assert(Recent == 0,
                 "tier_roles: Recent must be tier 0, the tier new tokens are appended in (pages are "
                 "written while open, and only sealed pages are converted)");

@@ -18,8 +18,8 @@
 #include "catch.hpp"
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/attention/host_prefill.hpp"
-#include "tierkv/codec/tier.hpp"
 #include "tierkv/codec/page_layout.hpp"
+#include "tierkv/codec/tier.hpp"
 
 namespace tierkv::test {
 
@@ -29,7 +29,7 @@ using tier_of_page_fn = std::function<int(int seq, int page, int pages)>;
 struct kv_data_options {
   double outlier_scale = 1.0;  // keys' first `outlier_channels` channels scaled by this
   int outlier_channels = 0;
-  double key_offset = 0.0;     // added to the outlier channels (a real-model offset channel)
+  double key_offset = 0.0;  // added to the outlier channels (a real-model offset channel)
 };
 
 template <class Geometry, class TierList>
@@ -55,8 +55,8 @@ struct mixed_cache {
 
   std::size_t at(int t, int h) const { return (std::size_t(t) * KVH + std::size_t(h)) * D; }
 
-  void build(const std::vector<std::int32_t>& lens, const tier_of_page_fn& tier_of, std::mt19937_64& rng,
-             const kv_data_options& opt = {}, std::uint8_t poison = 0xFF) {
+  void build(const std::vector<std::int32_t>& lens, const tier_of_page_fn& tier_of,
+             std::mt19937_64& rng, const kv_data_options& opt = {}, std::uint8_t poison = 0xFF) {
     seq_len = lens;
     const int B = int(lens.size());
     k.assign(std::size_t(B), {});
@@ -90,7 +90,8 @@ struct mixed_cache {
     encode_all(owned, rng, poison, std::make_index_sequence<T>{});
     index.batch = B;
     index.seq_len = seq_len.data();
-    for (int f = 0; f < T; ++f) index.formats[f] = {indptr[f].data(), slot[f].data(), logical[f].data()};
+    for (int f = 0; f < T; ++f)
+      index.formats[f] = {indptr[f].data(), slot[f].data(), logical[f].data()};
   }
 
  private:
@@ -101,7 +102,8 @@ struct mixed_cache {
   }
 
   template <int I>
-  void encode_tier(const std::vector<std::pair<int, int>>& owned, std::mt19937_64& rng, std::uint8_t poison) {
+  void encode_tier(const std::vector<std::pair<int, int>>& owned, std::mt19937_64& rng,
+                   std::uint8_t poison) {
     using tier_t = tier_at_t<TierList, I>;
     using KC = typename tier_t::template key_codec<D>;
     using VC = typename tier_t::template value_codec<D>;
@@ -140,12 +142,14 @@ struct mixed_cache {
             const std::size_t off = at(p * P + t, h);
             typename KC::meta_type km{};
             typename VC::meta_type vm{};
-            REQUIRE(KC::encode(k[std::size_t(b)].data() + off, page + layout::key_payload(h, t), km, kctx,
-                               nullptr) == errc::ok);
-            REQUIRE(VC::encode(v[std::size_t(b)].data() + off, page + layout::value_payload(h, t), vm, vctx,
-                               nullptr) == errc::ok);
-            if constexpr (KC::meta_bytes > 0) std::memcpy(page + layout::key_meta(h, t), &km, KC::meta_bytes);
-            if constexpr (VC::meta_bytes > 0) std::memcpy(page + layout::value_meta(h, t), &vm, VC::meta_bytes);
+            REQUIRE(KC::encode(k[std::size_t(b)].data() + off, page + layout::key_payload(h, t), km,
+                               kctx, nullptr) == errc::ok);
+            REQUIRE(VC::encode(v[std::size_t(b)].data() + off, page + layout::value_payload(h, t),
+                               vm, vctx, nullptr) == errc::ok);
+            if constexpr (KC::meta_bytes > 0)
+              std::memcpy(page + layout::key_meta(h, t), &km, KC::meta_bytes);
+            if constexpr (VC::meta_bytes > 0)
+              std::memcpy(page + layout::value_meta(h, t), &vm, VC::meta_bytes);
             KC::decode(page + layout::key_payload(h, t), km, kd.data() + off, kctx);
             VC::decode(page + layout::value_payload(h, t), vm, vd.data() + off, vctx);
           }
@@ -165,15 +169,17 @@ struct ref_result {
   std::vector<double> page_l, page_m;  // per logical page, {m, l} of this row
 };
 
-inline ref_result reference_row(const float* q, const std::vector<float>& K, const std::vector<float>& V, int kvh,
-                                int h, int D, int limit, int page_tokens, double scale, double cap) {
+inline ref_result reference_row(const float* q, const std::vector<float>& K,
+                                const std::vector<float>& V, int kvh, int h, int D, int limit,
+                                int page_tokens, double scale, double cap) {
   ref_result r;
   r.out.assign(std::size_t(D), 0.0);
   if (limit <= 0) return r;
   std::vector<double> s(static_cast<std::size_t>(limit));
   double m = -std::numeric_limits<double>::infinity();
   for (int t = 0; t < limit; ++t) {
-    const float* kk = K.data() + (std::size_t(t) * std::size_t(kvh) + std::size_t(h)) * std::size_t(D);
+    const float* kk =
+        K.data() + (std::size_t(t) * std::size_t(kvh) + std::size_t(h)) * std::size_t(D);
     double d = 0;
     for (int i = 0; i < D; ++i) d += double(q[i]) * double(kk[i]);
     d *= scale;
@@ -189,7 +195,8 @@ inline ref_result reference_row(const float* q, const std::vector<float>& K, con
     const double p = std::exp(s[std::size_t(t)] - m);
     l += p;
     r.page_l[std::size_t(t / page_tokens)] += p;
-    const float* vv = V.data() + (std::size_t(t) * std::size_t(kvh) + std::size_t(h)) * std::size_t(D);
+    const float* vv =
+        V.data() + (std::size_t(t) * std::size_t(kvh) + std::size_t(h)) * std::size_t(D);
     for (int i = 0; i < D; ++i) r.out[std::size_t(i)] += p * double(vv[i]);
   }
   for (auto& o : r.out) o /= l;
@@ -223,9 +230,9 @@ namespace tierkv::test {
 struct decode_errors {
   double max_rel_decoded = 0, max_rel_original = 0, mean_rel_original = 0;
   double max_lse_decoded = 0, max_lse_original = 0;
-  double max_mass_err = 0;  // |mass - reference mass on decoded vectors|
+  double max_mass_err = 0;      // |mass - reference mass on decoded vectors|
   double max_mass_sum_err = 0;  // |sum of a non-empty sequence's masses - 1|
-  bool non_finite = false;  // any NaN/Inf in outputs, or a finite LSE where -inf is due
+  bool non_finite = false;      // any NaN/Inf in outputs, or a finite LSE where -inf is due
   int rows = 0;
 };
 
@@ -270,10 +277,10 @@ decode_errors check_decode(const mixed_cache<Geometry, TierList>& c, const std::
         continue;
       }
       if (!std::isfinite(lse[row])) e.non_finite = true;
-      const auto rd = reference_row(qq, c.k_dec[std::size_t(b)], c.v_dec[std::size_t(b)], KVH, h / G, D, n, P,
-                                    lp.softmax_scale, lp.soft_cap);
-      const auto ro = reference_row(qq, c.k[std::size_t(b)], c.v[std::size_t(b)], KVH, h / G, D, n, P,
-                                    lp.softmax_scale, lp.soft_cap);
+      const auto rd = reference_row(qq, c.k_dec[std::size_t(b)], c.v_dec[std::size_t(b)], KVH,
+                                    h / G, D, n, P, lp.softmax_scale, lp.soft_cap);
+      const auto ro = reference_row(qq, c.k[std::size_t(b)], c.v[std::size_t(b)], KVH, h / G, D, n,
+                                    P, lp.softmax_scale, lp.soft_cap);
       const double ed = rel_l2(o, rd.out), eo = rel_l2(o, ro.out);
       e.max_rel_decoded = std::max(e.max_rel_decoded, ed);
       e.max_rel_original = std::max(e.max_rel_original, eo);
@@ -281,7 +288,8 @@ decode_errors check_decode(const mixed_cache<Geometry, TierList>& c, const std::
       e.max_lse_decoded = std::max(e.max_lse_decoded, std::abs(double(lse[row]) - rd.lse));
       e.max_lse_original = std::max(e.max_lse_original, std::abs(double(lse[row]) - ro.lse));
       for (int p = 0; p < pages; ++p)
-        mref[std::size_t(p)] += rd.page_l[std::size_t(p)] * std::exp(rd.page_m[std::size_t(p)] - rd.lse) / QH;
+        mref[std::size_t(p)] +=
+            rd.page_l[std::size_t(p)] * std::exp(rd.page_m[std::size_t(p)] - rd.lse) / QH;
       ++e.rows;
     }
     double sum = 0;

@@ -82,19 +82,24 @@ TEST_CASE("FP8, TQ3 and mixed pages: attention math equals float64 on the decode
   sweep_codecs<geometry<head_dim<256>, kv_heads<1>, group_size<8>, page_tokens<16>>>(5);
 }
 
-TEST_CASE("int8_rotated and mixed int8_rotated/TQ3 pages: exact math on decoded vectors, error far below FP8",
-          "[attention][codec][int8_rotated]") {
+TEST_CASE(
+    "int8_rotated and mixed int8_rotated/TQ3 pages: exact math on decoded vectors, error far below "
+    "FP8",
+    "[attention][codec][int8_rotated]") {
   // arm::fp8 here means tier 0 everywhere, i.e. all int8_rotated.
   sweep_codecs<geometry<head_dim<64>, kv_heads<2>, group_size<3>, page_tokens<16>>, mixed_int8r>(6);
-  sweep_codecs<geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<64>>, mixed_int8r>(7);
+  sweep_codecs<geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<64>>, mixed_int8r>(
+      7);
   using Geo = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<64>>;
   const std::vector<std::int32_t> lens = {2048};
   const auto f = run_arm<Geo>(arm::fp8, lens, 11);
   const auto i8 = run_arm<Geo, mixed_int8r>(arm::fp8, lens, 11);
   const auto m8 = run_arm<Geo>(arm::mix, lens, 11);
   const auto mi = run_arm<Geo, mixed_int8r>(arm::mix, lens, 11);
-  std::printf("mean rel err vs original: fp8 %.5f int8_rotated %.5f; mixed with fp8 %.4f, with int8_rotated %.4f\n",
-              f.mean_rel_original, i8.mean_rel_original, m8.mean_rel_original, mi.mean_rel_original);
+  std::printf(
+      "mean rel err vs original: fp8 %.5f int8_rotated %.5f; mixed with fp8 %.4f, with "
+      "int8_rotated %.4f\n",
+      f.mean_rel_original, i8.mean_rel_original, m8.mean_rel_original, mi.mean_rel_original);
   CHECK(i8.mean_rel_original > 1e-4);  // lossy: an exact match would mean the codec was bypassed
   CHECK(i8.mean_rel_original * 3 < f.mean_rel_original);
   CHECK(mi.mean_rel_original <= m8.mean_rel_original);
@@ -113,8 +118,9 @@ TEST_CASE("TQ4-key Stale pages: exact math on decoded vectors; key error between
   const logit_params sharp{0.5f, 0.f};
   const auto t3 = run_arm<Geo, mixed_int8r>(arm::tq3, lens, 12, {}, sharp);
   const auto t4 = run_arm<Geo, mixed_k4>(arm::tq3, lens, 12, {}, sharp);
-  std::printf("sharp attention, mean rel err vs original: all TQ3 %.4f, TQ4 keys + TQ3 values %.4f\n",
-              t3.mean_rel_original, t4.mean_rel_original);
+  std::printf(
+      "sharp attention, mean rel err vs original: all TQ3 %.4f, TQ4 keys + TQ3 values %.4f\n",
+      t3.mean_rel_original, t4.mean_rel_original);
   CHECK(t4.mean_rel_original < t3.mean_rel_original);
   CHECK(t4.max_lse_original < t3.max_lse_original);
 }
@@ -133,7 +139,8 @@ TEST_CASE("FP8, TQ3 and mixed pages: error against the original vectors lies in 
               f.mean_rel_original, t.mean_rel_original, m.mean_rel_original, f.max_lse_original,
               t.max_lse_original);
   CHECK(f.mean_rel_original < 0.06);
-  CHECK(f.mean_rel_original > 0.002);  // FP8 is lossy: an exact match would mean the codec was bypassed
+  CHECK(f.mean_rel_original >
+        0.002);  // FP8 is lossy: an exact match would mean the codec was bypassed
   CHECK(t.mean_rel_original < 0.32);  // value error ~sqrt(0.034) plus logit error of similar size
   CHECK(t.mean_rel_original > 0.03);
   CHECK(m.mean_rel_original < t.mean_rel_original);
@@ -142,7 +149,8 @@ TEST_CASE("FP8, TQ3 and mixed pages: error against the original vectors lies in 
   CHECK(t.max_lse_original < 0.2);
 }
 
-TEST_CASE("mixed pages with outlier key channels, soft-cap, and a 32K context", "[attention][codec]") {
+TEST_CASE("mixed pages with outlier key channels, soft-cap, and a 32K context",
+          "[attention][codec]") {
   using Geo = geometry<head_dim<64>, kv_heads<1>, group_size<2>, page_tokens<64>>;
   kv_data_options opt;
   opt.outlier_channels = 4;
@@ -163,27 +171,33 @@ TEST_CASE("mixed pages with outlier key channels, soft-cap, and a 32K context", 
   }
 }
 
-TEST_CASE("unpack-once tiles equal the generic per-row codec.dot/accumulate path", "[attention][codec][tile]") {
+TEST_CASE("unpack-once tiles equal the generic per-row codec.dot/accumulate path",
+          "[attention][codec][tile]") {
   using Geo = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<32>>;
   std::mt19937_64 rng(31);
   mixed_cache<Geo, mixed> c;
   c.seed = 3;
-  c.build({64}, [](int, int p, int) { return p; }, rng);  // page 0 FP8, page 1 TQ3
+  c.build(
+      {64}, [](int, int p, int) { return p; }, rng);  // page 0 FP8, page 1 TQ3
   const auto q = random_queries(4 * 128, rng);
   auto compare = [&](auto fast_tag, auto slow_tag, int fmt) {
     using fast = decltype(fast_tag);
     using slow = decltype(slow_tag);
-    using layout = page_layout<Geo, typename fast::span::key_codec_t, typename fast::span::value_codec_t>;
+    using layout =
+        page_layout<Geo, typename fast::span::key_codec_t, typename fast::span::value_codec_t>;
     const std::uint8_t* page = c.pools[fmt].page(std::uint32_t(c.slot[fmt][0]));
     const auto sp = fast::span::template in_page<layout>(page, 1, 0);
     std::vector<float> prepared(4 * 128);
     const auto kctx = make_codec_context(c.seed, c.layer, 1, kv_role::key);
-    for (int r = 0; r < 4; ++r) layout::key_codec::prepare_query(q.data() + r * 128, prepared.data() + r * 128, kctx);
+    for (int r = 0; r < 4; ++r)
+      layout::key_codec::prepare_query(q.data() + r * 128, prepared.data() + r * 128, kctx);
     std::vector<partial_state<128>> a(4, partial_state<128>::empty_state()), b = a;
     std::vector<float> scores(4 * 32);
     const int lim[4] = {32, 1, 17, 0};
-    fast::run(prepared.data(), 4, lim, sp, 32, logit_params{0.09f, 0.f}, a.data(), nullptr, scores.data());
-    slow::run(prepared.data(), 4, lim, sp, 32, logit_params{0.09f, 0.f}, b.data(), nullptr, scores.data());
+    fast::run(prepared.data(), 4, lim, sp, 32, logit_params{0.09f, 0.f}, a.data(), nullptr,
+              scores.data());
+    slow::run(prepared.data(), 4, lim, sp, 32, logit_params{0.09f, 0.f}, b.data(), nullptr,
+              scores.data());
     for (int r = 0; r < 4; ++r) {
       CHECK(a[std::size_t(r)].empty() == b[std::size_t(r)].empty());
       if (a[std::size_t(r)].empty()) continue;

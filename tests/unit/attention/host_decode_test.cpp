@@ -15,7 +15,8 @@ using namespace tierkv::test;
 namespace {
 using dense_tier = tier<dense_f32, dense_f32>;
 using one_dense = tiers<dense_tier>;
-using two_dense = tiers<dense_tier, dense_tier>;  // two pools of one format: exercises the mixed path exactly
+using two_dense =
+    tiers<dense_tier, dense_tier>;  // two pools of one format: exercises the mixed path exactly
 
 template <class Geo>
 std::vector<std::int32_t> edge_lengths() {
@@ -32,11 +33,13 @@ void sweep_dense(std::uint64_t seed) {
   mixed_cache<Geo, two_dense> c;
   c.seed = seed;
   c.layer = 3;
-  c.build(edge_lengths<Geo>(), [&](int, int, int) { return random_tier(rng); }, rng);
+  c.build(
+      edge_lengths<Geo>(), [&](int, int, int) { return random_tier(rng); }, rng);
   const auto q = random_queries(c.seq_len.size() * Geo::q_heads * Geo::head_dim, rng);
   host_attention_workspace ws(2);
   const auto e = check_decode(c, q, logit_params{1.f / std::sqrt(float(Geo::head_dim)), 0.f}, ws);
-  INFO("head_dim " << Geo::head_dim << " group " << Geo::group_size << " kv_heads " << Geo::kv_heads);
+  INFO("head_dim " << Geo::head_dim << " group " << Geo::group_size << " kv_heads "
+                   << Geo::kv_heads);
   CHECK_FALSE(e.non_finite);
   CHECK(e.max_rel_decoded < 2e-6);
   CHECK(e.max_rel_original < 2e-6);  // dense_f32 is lossless
@@ -46,8 +49,9 @@ void sweep_dense(std::uint64_t seed) {
 }
 }  // namespace
 
-TEST_CASE("host decode over dense pages equals float64 attention: head_dim x group sweep, edge lengths",
-          "[attention][decode]") {
+TEST_CASE(
+    "host decode over dense pages equals float64 attention: head_dim x group sweep, edge lengths",
+    "[attention][decode]") {
   // Unused slots of every page are NaN (0xFF bytes): they must never reach an output.
   sweep_dense<geometry<head_dim<64>, kv_heads<3>, group_size<1>, page_tokens<16>>>(1);
   sweep_dense<geometry<head_dim<64>, kv_heads<2>, group_size<2>, page_tokens<32>>>(2);
@@ -67,7 +71,9 @@ TEST_CASE("host decode: soft-cap, outlier key channels and a long context", "[at
   opt.outlier_channels = 4;
   opt.outlier_scale = 8.0;
   opt.key_offset = 10.0;
-  c.build({8192, 300}, [&](int, int p, int pages) { return p < 4 || p >= pages - 16 ? 0 : 1; }, rng, opt);
+  c.build(
+      {8192, 300}, [&](int, int p, int pages) { return p < 4 || p >= pages - 16 ? 0 : 1; }, rng,
+      opt);
   const auto q = random_queries(2 * Geo::q_heads * Geo::head_dim, rng, 2.f);
   host_attention_workspace ws(2);
   SECTION("no cap, outlier keys (peaked softmax)") {
@@ -86,8 +92,9 @@ TEST_CASE("host decode: soft-cap, outlier key channels and a long context", "[at
   }
 }
 
-TEST_CASE("host decode: any split of a sequence's pages over tiers and threads gives the same result",
-          "[attention][decode][order]") {
+TEST_CASE(
+    "host decode: any split of a sequence's pages over tiers and threads gives the same result",
+    "[attention][decode][order]") {
   using Geo = geometry<head_dim<64>, kv_heads<2>, group_size<4>, page_tokens<16>>;
   constexpr int D = Geo::head_dim, QH = Geo::q_heads;
   const std::vector<std::int32_t> lens = {1000, 37, 16};
@@ -123,7 +130,8 @@ TEST_CASE("host decode: any split of a sequence's pages over tiers and threads g
     const auto other = run(sp, 2);
     double worst = 0;
     for (std::size_t i = 0; i < base.size(); ++i)
-      worst = std::max(worst, std::abs(double(other[i]) - base[i]) / (1.0 + std::abs(double(base[i]))));
+      worst =
+          std::max(worst, std::abs(double(other[i]) - base[i]) / (1.0 + std::abs(double(base[i]))));
     CHECK(worst < 2e-6);
   }
   // Same split, 1 vs 2 threads: every (sequence, kv head) is one task, so bit-identical.
@@ -131,11 +139,13 @@ TEST_CASE("host decode: any split of a sequence's pages over tiers and threads g
   CHECK(std::memcmp(t1.data(), t2.data(), t1.size() * sizeof(float)) == 0);
 }
 
-TEST_CASE("host decode rejects inconsistent index arrays and pools with a clear error", "[attention][decode]") {
+TEST_CASE("host decode rejects inconsistent index arrays and pools with a clear error",
+          "[attention][decode]") {
   using Geo = geometry<head_dim<64>, kv_heads<1>, group_size<2>, page_tokens<16>>;
   std::mt19937_64 rng(31);
   mixed_cache<Geo, two_dense> c;
-  c.build({40, 20}, [](int, int p, int) { return p % 2; }, rng);
+  c.build(
+      {40, 20}, [](int, int p, int) { return p % 2; }, rng);
   const auto q = random_queries(2 * Geo::q_heads * Geo::head_dim, rng);
   std::vector<float> out(2 * Geo::q_heads * Geo::head_dim), mass(2 * 3);
   host_attention_workspace ws(1);
@@ -205,7 +215,8 @@ TEST_CASE("host decode with one tier list entry (single-format cache)", "[attent
   using Geo = geometry<head_dim<128>, kv_heads<2>, group_size<3>, page_tokens<32>>;
   std::mt19937_64 rng(41);
   mixed_cache<Geo, one_dense> c;
-  c.build({0, 1, 33, 500}, [](int, int, int) { return 0; }, rng);
+  c.build(
+      {0, 1, 33, 500}, [](int, int, int) { return 0; }, rng);
   const auto q = random_queries(4 * Geo::q_heads * Geo::head_dim, rng);
   host_attention_workspace ws(2);
   const auto e = check_decode(c, q, logit_params{0.1f, 0.f}, ws);

@@ -23,12 +23,13 @@ using mixed = tiers<fp8_tier, tq3_tier>;
 // Prefill of chunks (the last chunk[b] tokens of each sequence, already in the cache)
 // against float64 causal attention on the decoded vectors.
 template <class Geo, class TL>
-void check_prefill(const mixed_cache<Geo, TL>& c, const std::vector<std::int32_t>& chunk, logit_params lp,
-                   unsigned threads, double tol) {
+void check_prefill(const mixed_cache<Geo, TL>& c, const std::vector<std::int32_t>& chunk,
+                   logit_params lp, unsigned threads, double tol) {
   constexpr int D = Geo::head_dim, QH = Geo::q_heads, G = Geo::group_size, KVH = Geo::kv_heads;
   const int B = int(chunk.size());
   std::vector<std::int32_t> qptr(std::size_t(B) + 1, 0);
-  for (int b = 0; b < B; ++b) qptr[std::size_t(b) + 1] = qptr[std::size_t(b)] + chunk[std::size_t(b)];
+  for (int b = 0; b < B; ++b)
+    qptr[std::size_t(b) + 1] = qptr[std::size_t(b)] + chunk[std::size_t(b)];
   const std::size_t total = std::size_t(qptr.back());
   std::mt19937_64 rng(77);
   const auto q = random_queries(total * QH * D, rng);
@@ -50,8 +51,9 @@ void check_prefill(const mixed_cache<Geo, TL>& c, const std::vector<std::int32_t
       const int pos = c.seq_len[std::size_t(b)] - chunk[std::size_t(b)] + j;
       for (int h = 0; h < QH; ++h) {
         const std::size_t row = (std::size_t(qptr[std::size_t(b)] + j)) * QH + std::size_t(h);
-        const auto r = reference_row(q.data() + row * D, c.k_dec[std::size_t(b)], c.v_dec[std::size_t(b)], KVH,
-                                     h / G, D, pos + 1, Geo::page_tokens, lp.softmax_scale, lp.soft_cap);
+        const auto r =
+            reference_row(q.data() + row * D, c.k_dec[std::size_t(b)], c.v_dec[std::size_t(b)], KVH,
+                          h / G, D, pos + 1, Geo::page_tokens, lp.softmax_scale, lp.soft_cap);
         worst = std::max(worst, rel_l2(out.data() + row * D, r.out));
         worst_lse = std::max(worst_lse, std::abs(double(lse[row]) - r.lse));
       }
@@ -61,13 +63,15 @@ void check_prefill(const mixed_cache<Geo, TL>& c, const std::vector<std::int32_t
 }
 }  // namespace
 
-TEST_CASE("chunked prefill: causal within the chunk, cached mixed pages before it", "[attention][prefill]") {
+TEST_CASE("chunked prefill: causal within the chunk, cached mixed pages before it",
+          "[attention][prefill]") {
   SECTION("dense, chunk crossing pages, several sequences, empty chunk") {
     using Geo = geometry<head_dim<64>, kv_heads<2>, group_size<3>, page_tokens<16>>;
     using TL = tiers<tier<dense_f32, dense_f32>, tier<dense_f32, dense_f32>>;
     std::mt19937_64 rng(1);
     mixed_cache<Geo, TL> c;
-    c.build({100, 37, 20, 5}, [&](int, int p, int) { return p % 2; }, rng);
+    c.build(
+        {100, 37, 20, 5}, [&](int, int p, int) { return p % 2; }, rng);
     check_prefill(c, {29, 37, 0, 1}, logit_params{0.125f, 0.f}, 2, 3e-6);
   }
   SECTION("mixed FP8/TQ3 cache, the chunk read in its stored FP8 pages; soft-cap") {
@@ -76,7 +80,8 @@ TEST_CASE("chunked prefill: causal within the chunk, cached mixed pages before i
     mixed_cache<Geo, mixed> c;
     c.seed = 5;
     // Pages 0..5 stale (TQ3) except page 0 (anchor); the chunk's pages (the newest) are FP8.
-    c.build({300, 64}, [](int, int p, int pages) { return p == 0 || p >= pages - 4 ? 0 : 1; }, rng);
+    c.build(
+        {300, 64}, [](int, int p, int pages) { return p == 0 || p >= pages - 4 ? 0 : 1; }, rng);
     check_prefill(c, {70, 64}, logit_params{0.09f, 20.f}, 2, 1e-5);
   }
 }
@@ -85,7 +90,8 @@ TEST_CASE("prefill of a one-token chunk equals decode bit for bit", "[attention]
   using Geo = geometry<head_dim<128>, kv_heads<2>, group_size<2>, page_tokens<16>>;
   std::mt19937_64 rng(3);
   mixed_cache<Geo, mixed> c;
-  c.build({77, 1, 160}, [](int, int p, int) { return p % 3 == 0 ? 0 : 1; }, rng);
+  c.build(
+      {77, 1, 160}, [](int, int p, int) { return p % 3 == 0 ? 0 : 1; }, rng);
   const auto q = random_queries(3 * Geo::q_heads * Geo::head_dim, rng);
   std::vector<float> o1(q.size()), o2(q.size()), l1(3 * Geo::q_heads), l2(3 * Geo::q_heads);
   host_attention_workspace ws(2);
@@ -116,7 +122,8 @@ TEST_CASE("prefill rejects a chunk longer than the cached sequence", "[attention
   using TL = tiers<tier<dense_f32, dense_f32>>;
   std::mt19937_64 rng(4);
   mixed_cache<Geo, TL> c;
-  c.build({10}, [](int, int, int) { return 0; }, rng);
+  c.build(
+      {10}, [](int, int, int) { return 0; }, rng);
   std::vector<float> q(11 * 64), out(11 * 64);
   const std::vector<std::int32_t> qptr = {0, 11};
   host_prefill_args<1> p;

@@ -41,8 +41,9 @@ TEST_CASE("int8 query digits: two digits cover every |Q| < 2^13 exactly", "[int8
 TEST_CASE("int8 query digits: three digits, 20 bits: edges and random values", "[int8_query]") {
   STATIC_REQUIRE(int8_query_bits<3> == 20);
   const int lim = 1 << int8_query_bits<3>;
-  for (int q : {0, 1, -1, 63, 64, -64, -65, 127, 128, -128, 8191, -8191, 8192, 16383, -16384, lim - 1, -(lim - 1),
-                lim - 64, -(lim - 64), lim - 65})
+  for (int q :
+       {0,    1,     -1,   63,    64,     -64,     -65,        127,      128,         -128,
+        8191, -8191, 8192, 16383, -16384, lim - 1, -(lim - 1), lim - 64, -(lim - 64), lim - 65})
     check_digits<3>(q);
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> u(-(lim - 1), lim - 1);

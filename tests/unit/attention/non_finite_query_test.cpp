@@ -18,14 +18,17 @@ namespace {
 using Geo = geometry<head_dim<64>, kv_heads<2>, group_size<2>, page_tokens<16>>;
 using mixed = tiers<tier<fp8_e4m3, fp8_e4m3>, tier<tq3_key, tq3_value>>;
 constexpr int D = Geo::head_dim, QH = Geo::q_heads;
-const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity()};
 }  // namespace
 
-TEST_CASE("host decode refuses a non-finite query, naming the batch row and query head", "[attention][decode]") {
+TEST_CASE("host decode refuses a non-finite query, naming the batch row and query head",
+          "[attention][decode]") {
   std::mt19937_64 rng(5);
   mixed_cache<Geo, mixed> c;
-  c.build({40, 0, 20}, [](int, int p, int) { return p % 2; }, rng);  // an empty sequence too
+  c.build(
+      {40, 0, 20}, [](int, int p, int) { return p % 2; }, rng);  // an empty sequence too
   const auto q = random_queries(3 * QH * D, rng);
   host_attention_workspace ws(2);
   for (const int row : {1, 2})
@@ -57,7 +60,8 @@ TEST_CASE("host prefill refuses a non-finite query, naming the token, sequence a
           "[attention][prefill]") {
   std::mt19937_64 rng(6);
   mixed_cache<Geo, mixed> c;
-  c.build({40, 20}, [](int, int p, int) { return p % 2; }, rng);
+  c.build(
+      {40, 20}, [](int, int p, int) { return p % 2; }, rng);
   const std::vector<std::int32_t> qptr = {0, 5, 8};  // the last 5 and 3 tokens
   const auto q = random_queries(8 * QH * D, rng);
   host_attention_workspace ws(2);

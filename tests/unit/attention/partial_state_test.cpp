@@ -38,7 +38,8 @@ state make_state(std::mt19937_64& rng, int n, float spread) {
 bool bit_equal(const state& a, const state& b) { return std::memcmp(&a, &b, sizeof(state)) == 0; }
 }  // namespace
 
-TEST_CASE("partial_state: empty state is the identity of the merge, bit for bit", "[attention][state]") {
+TEST_CASE("partial_state: empty state is the identity of the merge, bit for bit",
+          "[attention][state]") {
   std::mt19937_64 rng(11);
   const state e = state::empty_state();
   CHECK(e.empty());
@@ -65,7 +66,8 @@ TEST_CASE("partial_state: empty state is the identity of the merge, bit for bit"
   CHECK(softmax_mass(ee.m, ee.l, ee.lse()) == 0.f);
 }
 
-TEST_CASE("partial_state: merge is commutative and associative within float rounding", "[attention][state]") {
+TEST_CASE("partial_state: merge is commutative and associative within float rounding",
+          "[attention][state]") {
   std::mt19937_64 rng(12);
   for (int trial = 0; trial < 200; ++trial) {
     // Spreads up to 60 nats so the rescale factors underflow for some inputs.
@@ -96,7 +98,8 @@ TEST_CASE("partial_state: merge is commutative and associative within float roun
   }
 }
 
-TEST_CASE("partial_state: merged chunks equal the float64 softmax over their union", "[attention][state]") {
+TEST_CASE("partial_state: merged chunks equal the float64 softmax over their union",
+          "[attention][state]") {
   std::mt19937_64 rng(13);
   std::normal_distribution<float> nd;
   const int n = 300;
@@ -141,13 +144,15 @@ TEST_CASE("partial_state: merged chunks equal the float64 softmax over their uni
   }
 }
 
-TEST_CASE("tile: rows with causal limits match float64 per row; -inf logits give no NaN", "[attention][tile]") {
+TEST_CASE("tile: rows with causal limits match float64 per row; -inf logits give no NaN",
+          "[attention][tile]") {
   using C = dense_f32_codec<D>;
   using tile = attention_tile<C, C>;
   std::mt19937_64 rng(14);
   std::normal_distribution<float> nd;
   const int ntok = 20, rows = 5;
-  std::vector<float> keys(std::size_t(ntok) * D), vals(std::size_t(ntok) * D), q(std::size_t(rows) * D);
+  std::vector<float> keys(std::size_t(ntok) * D), vals(std::size_t(ntok) * D),
+      q(std::size_t(rows) * D);
   for (auto& x : keys) x = nd(rng);
   for (auto& x : vals) x = nd(rng);
   for (auto& x : q) x = nd(rng);
@@ -165,7 +170,8 @@ TEST_CASE("tile: rows with causal limits match float64 per row; -inf logits give
     lim1[r] = lim[r] - 8;
   }
   tile::run(q.data(), rows, lim0, sp, 8, lp, st.data(), ts.data(), scores.data());
-  tile::span sp1{sp.key_payload + 8 * C::payload_bytes, nullptr, sp.value_payload + 8 * C::payload_bytes, nullptr};
+  tile::span sp1{sp.key_payload + 8 * C::payload_bytes, nullptr,
+                 sp.value_payload + 8 * C::payload_bytes, nullptr};
   tile::run(q.data(), rows, lim1, sp1, 12, lp, st.data(), ts.data(), scores.data());
   for (int r = 0; r < rows; ++r) {
     const int n = std::min(lim[r], ntok);
@@ -178,7 +184,9 @@ TEST_CASE("tile: rows with causal limits match float64 per row; -inf logits give
     std::vector<double> sc(static_cast<std::size_t>(n));
     for (int t = 0; t < n; ++t) {
       double d = 0;
-      for (int i = 0; i < D; ++i) d += double(q[std::size_t(r) * D + std::size_t(i)]) * keys[std::size_t(t) * D + std::size_t(i)];
+      for (int i = 0; i < D; ++i)
+        d += double(q[std::size_t(r) * D + std::size_t(i)]) *
+             keys[std::size_t(t) * D + std::size_t(i)];
       sc[std::size_t(t)] = 0.25 * d;
       m = std::max(m, sc[std::size_t(t)]);
     }
@@ -187,14 +195,16 @@ TEST_CASE("tile: rows with causal limits match float64 per row; -inf logits give
     for (int t = 0; t < n; ++t) {
       const double p = std::exp(sc[std::size_t(t)] - m);
       l += p;
-      for (int i = 0; i < D; ++i) o[std::size_t(i)] += p * vals[std::size_t(t) * D + std::size_t(i)];
+      for (int i = 0; i < D; ++i)
+        o[std::size_t(i)] += p * vals[std::size_t(t) * D + std::size_t(i)];
     }
     float out[D];
     st[std::size_t(r)].normalize(out);
     for (int i = 0; i < D; ++i) CHECK(out[i] == Approx(o[std::size_t(i)] / l).margin(1e-5));
     CHECK(st[std::size_t(r)].lse() == Approx(m + std::log(l)).epsilon(1e-6));
     // The tile stats of a row over both tiles are the row's {m, l} over its tokens.
-    CHECK(ts[std::size_t(r)].m + std::log(ts[std::size_t(r)].l) == Approx(m + std::log(l)).epsilon(1e-6));
+    CHECK(ts[std::size_t(r)].m + std::log(ts[std::size_t(r)].l) ==
+          Approx(m + std::log(l)).epsilon(1e-6));
   }
 
   // A query so large that every logit overflows to -inf: no mass, no NaN.

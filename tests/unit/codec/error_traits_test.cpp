@@ -13,7 +13,8 @@ TEST_CASE("error traits: measured figures agree with the documented constants", 
     const auto ip = measure_inner_product_error<tq3_key::bind<128>>(n, 1);
     CHECK(std::fabs(ip.bias) < 0.0015);
     CHECK(ip.gain == Approx(1.0).margin(0.005));
-    CHECK(ip.rms * std::sqrt(128.0) == Approx(codec_error_traits<tq3_key>::ip_rms_sqrt_d).epsilon(0.1));
+    CHECK(ip.rms * std::sqrt(128.0) ==
+          Approx(codec_error_traits<tq3_key>::ip_rms_sqrt_d).epsilon(0.1));
   }
   SECTION("tq3_value: least-squares norm, lowest MSE, shrunk inner products") {
     const auto ms = measure_relative_mse<tq3_value::bind<128>>(n, 2);
@@ -32,14 +33,16 @@ TEST_CASE("error traits: measured figures agree with the documented constants", 
     const auto e5 = measure_relative_mse<fp8_e5m2::bind<128>>(n, 4);
     CHECK(e5.rel_mse == Approx(codec_error_traits<fp8_e5m2>::rel_mse).epsilon(0.1));
     const auto ip = measure_inner_product_error<fp8_e4m3::bind<128>>(n, 5);
-    CHECK(ip.rms * std::sqrt(128.0) == Approx(codec_error_traits<fp8_e4m3>::ip_rms_sqrt_d).epsilon(0.15));
+    CHECK(ip.rms * std::sqrt(128.0) ==
+          Approx(codec_error_traits<fp8_e4m3>::ip_rms_sqrt_d).epsilon(0.15));
   }
   SECTION("int8_rotated: far below E4M3 at the same bits, unbiased") {
     const auto ms = measure_relative_mse<int8_rotated::bind<128>>(n, 4);
     CHECK(ms.rel_mse == Approx(codec_error_traits<int8_rotated>::rel_mse).epsilon(0.1));
     CHECK(ms.rel_mse * 10 < measure_relative_mse<fp8_e4m3::bind<128>>(n, 4).rel_mse);
     const auto ip = measure_inner_product_error<int8_rotated::bind<128>>(n, 5);
-    CHECK(ip.rms * std::sqrt(128.0) == Approx(codec_error_traits<int8_rotated>::ip_rms_sqrt_d).epsilon(0.15));
+    CHECK(ip.rms * std::sqrt(128.0) ==
+          Approx(codec_error_traits<int8_rotated>::ip_rms_sqrt_d).epsilon(0.15));
     CHECK(std::fabs(ip.bias) < 0.0005);
     CHECK(ip.gain == Approx(1.0).margin(0.001));
   }

@@ -16,7 +16,8 @@ using codec_test::gaussian;
 
 namespace {
 
-template <class C> void check_fp8_codec_random(double scale_of_inputs) {
+template <class C>
+void check_fp8_codec_random(double scale_of_inputs) {
   constexpr int d = C::head_dim;
   codec_test::gaussian_source rng(0xF8 + d);
   const codec_context ctx{};
@@ -65,7 +66,8 @@ template <class C> void check_fp8_codec_random(double scale_of_inputs) {
   }
 }
 
-template <class C> void check_fp8_bad_input() {
+template <class C>
+void check_fp8_bad_input() {
   constexpr int d = C::head_dim;
   const codec_context ctx{};
   std::vector<std::uint8_t> payload(C::payload_bytes, 0xAB);
@@ -104,7 +106,8 @@ template <class C> void check_fp8_bad_input() {
   CHECK(double(y[2]) == Approx(1e38).epsilon(0.07));
   // A vector of subnormals: finite, no NaN, zeros stay zeros, max element kept well.
   std::vector<float> sub(d, 0.0f);
-  for (int i = 0; i < d; i += 3) sub[std::size_t(i)] = float(i + 1) * std::numeric_limits<float>::denorm_min();
+  for (int i = 0; i < d; i += 3)
+    sub[std::size_t(i)] = float(i + 1) * std::numeric_limits<float>::denorm_min();
   REQUIRE(C::encode(sub.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
   CHECK(meta != 0);
   C::decode(payload.data(), meta, y.data(), ctx);

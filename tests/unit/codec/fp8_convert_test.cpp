@@ -15,7 +15,8 @@ using namespace tierkv;
 
 namespace {
 
-template <fp8_kind K> double reference_value(int c) {
+template <fp8_kind K>
+double reference_value(int c) {
   using F = fp8_format<K>;
   const int mb = F::mantissa_bits;
   const int e = (c & 0x7F) >> mb;
@@ -30,7 +31,8 @@ template <fp8_kind K> double reference_value(int c) {
 }
 
 // Non-negative finite codes sorted by value (index = code for these formats).
-template <fp8_kind K> std::vector<double> positive_values() {
+template <fp8_kind K>
+std::vector<double> positive_values() {
   std::vector<double> v;
   for (int c = 0; c <= fp8_format<K>::max_code; ++c) v.push_back(reference_value<K>(c));
   return v;
@@ -38,7 +40,8 @@ template <fp8_kind K> std::vector<double> positive_values() {
 
 // Reference float -> code: nearest finite value in double, ties to the even code,
 // saturating; NaN -> 0x7F.
-template <fp8_kind K> std::uint8_t reference_encode(float xf) {
+template <fp8_kind K>
+std::uint8_t reference_encode(float xf) {
   if (std::isnan(xf)) return 0x7F;
   static const std::vector<double> pos = positive_values<K>();
   const double x = std::fabs(double(xf));
@@ -50,13 +53,17 @@ template <fp8_kind K> std::uint8_t reference_encode(float xf) {
   const int lo = hi - 1;
   const double dlo = x - pos[std::size_t(lo)], dhi = pos[std::size_t(hi)] - x;
   int c;
-  if (dlo < dhi) c = lo;
-  else if (dhi < dlo) c = hi;
-  else c = (lo % 2 == 0) ? lo : hi;
+  if (dlo < dhi)
+    c = lo;
+  else if (dhi < dlo)
+    c = hi;
+  else
+    c = (lo % 2 == 0) ? lo : hi;
   return std::uint8_t(sign | c);
 }
 
-template <fp8_kind K> void check_all_codes_decode() {
+template <fp8_kind K>
+void check_all_codes_decode() {
   for (int c = 0; c < 256; ++c) {
     const double ref = reference_value<K>(c);
     const float got = fp8_to_float<K>(std::uint8_t(c));
@@ -71,7 +78,8 @@ template <fp8_kind K> void check_all_codes_decode() {
   }
 }
 
-template <fp8_kind K> void check_round_trip_and_ties() {
+template <fp8_kind K>
+void check_round_trip_and_ties() {
   const auto pos = positive_values<K>();
   for (int c = 0; c < 256; ++c) {
     const float v = fp8_to_float<K>(std::uint8_t(c));
@@ -94,7 +102,8 @@ template <fp8_kind K> void check_round_trip_and_ties() {
   CHECK(ties == int(pos.size()) - 1);
 }
 
-template <fp8_kind K> void check_against_reference_sweep() {
+template <fp8_kind K>
+void check_against_reference_sweep() {
   // A strided sweep of all 2^32 float bit patterns (both signs, every binade).
   std::uint64_t mismatches = 0, tested = 0;
   for (std::uint64_t b = 0; b < (1ull << 32); b += 65537) {
@@ -113,7 +122,8 @@ template <fp8_kind K> void check_against_reference_sweep() {
   CHECK(tested > 60000);
 }
 
-template <fp8_kind K> void check_monotone() {
+template <fp8_kind K>
+void check_monotone() {
   // Non-decreasing decoded value over ascending positive floats, dense near the range.
   float prev = -1.0f;
   for (std::uint32_t b = 0; b < 0x7F800000u; b += 4093) {
@@ -155,7 +165,8 @@ TEST_CASE("fp8: subnormals, underflow, saturation and specials", "[fp8]") {
   CHECK(detail::float_to_fp8_portable<e4>(std::ldexp(7.0f, -9)) == 0x07);
   CHECK(detail::float_to_fp8_portable<e4>(std::ldexp(1.0f, -10)) == 0x00);  // tie -> even 0
   CHECK(detail::float_to_fp8_portable<e4>(std::ldexp(3.0f, -11)) == 0x01);  // 0.75 units -> 1
-  CHECK(detail::float_to_fp8_portable<e4>(std::ldexp(15.0f, -10)) == 0x08);  // 7.5 -> 8 = min normal
+  CHECK(detail::float_to_fp8_portable<e4>(std::ldexp(15.0f, -10)) ==
+        0x08);  // 7.5 -> 8 = min normal
   CHECK(detail::float_to_fp8_portable<e4>(std::numeric_limits<float>::denorm_min()) == 0x00);
   CHECK(detail::float_to_fp8_portable<e4>(-std::numeric_limits<float>::denorm_min()) == 0x80);
   CHECK(detail::float_to_fp8_portable<e5>(std::ldexp(1.0f, -16)) == 0x01);
@@ -208,10 +219,14 @@ TEST_CASE("bf16: nearest-even, round-up and saturating conversions", "[bf16]") {
     const double dhi = std::fabs(hid - double(x));
     const std::uint16_t tl = std::uint16_t(u >> 16);
     std::uint16_t want;
-    if ((u & 0xFFFFu) == 0) want = tl;
-    else if (dlo < dhi) want = tl;
-    else if (dhi < dlo) want = std::uint16_t(tl + 1);
-    else want = (tl & 1u) ? std::uint16_t(tl + 1) : tl;
+    if ((u & 0xFFFFu) == 0)
+      want = tl;
+    else if (dlo < dhi)
+      want = tl;
+    else if (dhi < dlo)
+      want = std::uint16_t(tl + 1);
+    else
+      want = (tl & 1u) ? std::uint16_t(tl + 1) : tl;
     bad += float_to_bf16(x) != want;
     if (x >= 0.0f && !std::isinf(x)) {
       const float up = bf16_to_float(float_to_bf16_up(x));

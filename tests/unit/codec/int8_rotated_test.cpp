@@ -16,14 +16,16 @@ using namespace tierkv;
 namespace {
 
 // D H (alpha c) / N in float64: the decoded vector from codes and the stored alpha.
-template <int N> std::vector<double> reference_decode(const std::uint8_t* payload, double alpha,
-                                                      std::uint64_t seed) {
+template <int N>
+std::vector<double> reference_decode(const std::uint8_t* payload, double alpha,
+                                     std::uint64_t seed) {
   std::vector<double> levels(N);
   for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * double(std::int8_t(payload[j]));
   return codec_test::rotated_decode64<N>(levels, seed);
 }
 
-template <int N> void check_against_reference(double input_scale, std::uint64_t seed) {
+template <int N>
+void check_against_reference(double input_scale, std::uint64_t seed) {
   using C = int8_rotated_codec<N>;
   codec_test::gaussian_source rng(seed + N);
   int tie_mismatches = 0;
@@ -59,7 +61,8 @@ template <int N> void check_against_reference(double input_scale, std::uint64_t 
     C::decode(payload.data(), meta, y.data(), ctx);
     double err2 = 0;
     for (int i = 0; i < N; ++i) {
-      CHECK(double(y[std::size_t(i)]) == Approx(yref[std::size_t(i)]).margin(2e-6 * std::sqrt(xn2 / N) + 1e-30));
+      CHECK(double(y[std::size_t(i)]) ==
+            Approx(yref[std::size_t(i)]).margin(2e-6 * std::sqrt(xn2 / N) + 1e-30));
       const double d = yref[std::size_t(i)] - double(x[std::size_t(i)]);
       err2 += d * d;
     }
@@ -82,7 +85,8 @@ template <int N> void check_against_reference(double input_scale, std::uint64_t 
 
 }  // namespace
 
-TEST_CASE("int8_rotated: scale, codes, decode and dot match a float64 reference", "[int8_rotated][codec]") {
+TEST_CASE("int8_rotated: scale, codes, decode and dot match a float64 reference",
+          "[int8_rotated][codec]") {
   check_against_reference<8>(1.0, 1);
   check_against_reference<64>(1.0, 2);
   check_against_reference<64>(3e-3, 3);
@@ -91,15 +95,18 @@ TEST_CASE("int8_rotated: scale, codes, decode and dot match a float64 reference"
   check_against_reference<512>(1.0, 6);
 }
 
-TEST_CASE("int8_rotated: accumulate + finalize equals the sum of p * decoded values", "[int8_rotated][codec]") {
+TEST_CASE("int8_rotated: accumulate + finalize equals the sum of p * decoded values",
+          "[int8_rotated][codec]") {
   codec_test::check_accumulate_finalize<int8_rotated_codec<128>>(7, 12345, 20, 1e-4);
 }
 
-TEST_CASE("int8_rotated: scale invariance: x * 2^j gives the same codes and alpha * 2^j", "[int8_rotated][codec]") {
+TEST_CASE("int8_rotated: scale invariance: x * 2^j gives the same codes and alpha * 2^j",
+          "[int8_rotated][codec]") {
   codec_test::check_scale_invariance<int8_rotated_codec<64>>(9, 777, {-60, -7, 5, 90});
 }
 
-TEST_CASE("int8_rotated: zero vectors, NaN/Inf, huge and subnormal inputs", "[int8_rotated][codec]") {
+TEST_CASE("int8_rotated: zero vectors, NaN/Inf, huge and subnormal inputs",
+          "[int8_rotated][codec]") {
   constexpr int N = 64;
   using C = int8_rotated_codec<N>;
   const codec_context ctx{99};
@@ -116,8 +123,9 @@ TEST_CASE("int8_rotated: zero vectors, NaN/Inf, huge and subnormal inputs", "[in
     CHECK(C::dot(q.data(), payload.data(), meta) == 0.f);
   }
   SECTION("NaN or Inf: non_finite_input, zero codes and a NaN alpha (loud if read)") {
-    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                      -std::numeric_limits<float>::infinity()}) {
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity()}) {
       std::vector<float> x(N, 1.f);
       x[17] = bad;
       CHECK(C::encode(x.data(), payload.data(), meta, ctx, &stats) == errc::non_finite_input);
@@ -150,7 +158,8 @@ TEST_CASE("int8_rotated: zero vectors, NaN/Inf, huge and subnormal inputs", "[in
     C::decode(payload.data(), meta, y.data(), ctx);
     for (float v : y) CHECK(v == Approx(double(C::input_limit)).epsilon(0.02));
   }
-  SECTION("tiny and subnormal inputs: scaled before rotating; the bound holds with the stored alpha") {
+  SECTION(
+      "tiny and subnormal inputs: scaled before rotating; the bound holds with the stored alpha") {
     // 1e-36: alpha stays a normal bf16, so the relative error is that of normal inputs.
     // 1e-41 (subnormal): alpha rounds up to bf16's least subnormals, so precision is coarse
     // (as for FP8's bf16 scale), but the error stays within alpha / 2 and nothing is lost.

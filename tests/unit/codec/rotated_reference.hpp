@@ -20,17 +20,20 @@
 namespace codec_test {
 
 // H D x in float64 (unnormalized H).
-template <int N> std::vector<double> hd64(const std::vector<double>& x, std::uint64_t seed) {
+template <int N>
+std::vector<double> hd64(const std::vector<double>& x, std::uint64_t seed) {
   std::vector<double> y(N, 0.0);
   for (int i = 0; i < N; ++i)
     for (int j = 0; j < N; ++j)
       y[std::size_t(i)] += ((std::popcount(unsigned(i & j)) & 1) ? -1.0 : 1.0) *
-                           (tierkv::rotation_sign_negative(seed, j) ? -1.0 : 1.0) * x[std::size_t(j)];
+                           (tierkv::rotation_sign_negative(seed, j) ? -1.0 : 1.0) *
+                           x[std::size_t(j)];
   return y;
 }
 
 // D H (alpha c) / N in float64: the decoded vector from the scaled levels alpha * c_j.
-template <int N> std::vector<double> rotated_decode64(const std::vector<double>& scaled_levels, std::uint64_t seed) {
+template <int N>
+std::vector<double> rotated_decode64(const std::vector<double>& scaled_levels, std::uint64_t seed) {
   std::vector<double> y(N, 0.0);
   for (int i = 0; i < N; ++i) {
     double s = 0;
@@ -44,7 +47,8 @@ template <int N> std::vector<double> rotated_decode64(const std::vector<double>&
 // encode(x * 2^j) gives the same codes and alpha * 2^j for every j (the power-of-two prescaling
 // is exact); another rotation seed gives other codes.
 template <class C>
-void check_scale_invariance(std::uint64_t rng_seed, std::uint64_t ctx_seed, std::initializer_list<int> js) {
+void check_scale_invariance(std::uint64_t rng_seed, std::uint64_t ctx_seed,
+                            std::initializer_list<int> js) {
   constexpr int N = C::head_dim;
   gaussian_source rng(rng_seed);
   const tierkv::codec_context ctx{ctx_seed};
@@ -60,14 +64,16 @@ void check_scale_invariance(std::uint64_t rng_seed, std::uint64_t ctx_seed, std:
     CHECK(p1 == p0);
     CHECK(double(tierkv::bf16_to_float(m1)) == std::ldexp(double(tierkv::bf16_to_float(m0)), j));
   }
-  REQUIRE(C::encode(x.data(), p1.data(), m1, tierkv::codec_context{ctx_seed + 1}, nullptr) == tierkv::errc::ok);
+  REQUIRE(C::encode(x.data(), p1.data(), m1, tierkv::codec_context{ctx_seed + 1}, nullptr) ==
+          tierkv::errc::ok);
   CHECK(p1 != p0);
 }
 
 // accumulate(p, ...) over `tokens` vectors then finalize equals sum p * decode (the rotated
 // accumulator maps back once, linearly).
 template <class C>
-void check_accumulate_finalize(std::uint64_t rng_seed, std::uint64_t ctx_seed, int tokens, double margin) {
+void check_accumulate_finalize(std::uint64_t rng_seed, std::uint64_t ctx_seed, int tokens,
+                               double margin) {
   constexpr int N = C::head_dim;
   gaussian_source rng(rng_seed);
   const tierkv::codec_context ctx{ctx_seed};
@@ -85,7 +91,8 @@ void check_accumulate_finalize(std::uint64_t rng_seed, std::uint64_t ctx_seed, i
     for (int i = 0; i < N; ++i) want[std::size_t(i)] += double(p) * y[std::size_t(i)];
   }
   C::finalize(acc.data(), ctx);
-  for (int i = 0; i < N; ++i) CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(margin));
+  for (int i = 0; i < N; ++i)
+    CHECK(double(acc[std::size_t(i)]) == Approx(want[std::size_t(i)]).margin(margin));
 }
 
 // NaN or +-Inf at element `at`: errc::non_finite_input, zero codes and the poison alpha, so a
@@ -100,7 +107,8 @@ void check_non_finite_poisons(const tierkv::codec_context& ctx, int at) {
                     -std::numeric_limits<float>::infinity()}) {
     std::vector<float> x(N, 0.5f);
     x[std::size_t(at)] = bad;
-    CHECK(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == tierkv::errc::non_finite_input);
+    CHECK(C::encode(x.data(), payload.data(), meta, ctx, nullptr) ==
+          tierkv::errc::non_finite_input);
     CHECK(meta == C::poison_meta);
     CHECK(std::all_of(payload.begin(), payload.end(), [](std::uint8_t b) { return b == 0; }));
     C::decode(payload.data(), meta, y.data(), ctx);
@@ -114,7 +122,8 @@ void check_non_finite_poisons(const tierkv::codec_context& ctx, int at) {
 // one nonzero element (decode finite, that element close to it). Returns the zero vector's
 // payload so a caller can check its codes.
 template <class C>
-std::vector<std::uint8_t> check_tq_edge_inputs(const tierkv::codec_context& ctx, std::uint64_t rng_seed, double min_cosine,
+std::vector<std::uint8_t> check_tq_edge_inputs(const tierkv::codec_context& ctx,
+                                               std::uint64_t rng_seed, double min_cosine,
                                                double one_hot_rel) {
   constexpr int N = C::head_dim;
   std::vector<std::uint8_t> payload(C::payload_bytes, 0xEE), zero_payload;
@@ -133,7 +142,8 @@ std::vector<std::uint8_t> check_tq_edge_inputs(const tierkv::codec_context& ctx,
   gaussian_source rng(rng_seed);
   const auto g = gaussian(rng, N);
   auto cosine = [&](const std::vector<float>& a) {
-    return dot64(a.data(), g.data(), N) / std::sqrt(dot64(a.data(), a.data(), N) * dot64(g.data(), g.data(), N));
+    return dot64(a.data(), g.data(), N) /
+           std::sqrt(dot64(a.data(), a.data(), N) * dot64(g.data(), g.data(), N));
   };
   std::vector<float> h(N), sub(N);
   for (int i = 0; i < N; ++i) {

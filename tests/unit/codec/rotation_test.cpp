@@ -12,7 +12,8 @@ using namespace tierkv;
 
 namespace {
 
-template <int N> void check_rotation(std::uint64_t seed) {
+template <int N>
+void check_rotation(std::uint64_t seed) {
   codec_test::gaussian_source rng(seed);
   for (int v = 0; v < 20; ++v) {
     auto x = codec_test::gaussian(rng, N);

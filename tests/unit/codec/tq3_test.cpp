@@ -17,7 +17,8 @@ using namespace tierkv;
 namespace {
 
 // The int8-grid levels L / 64 and their unit-variance decision thresholds (codec/tq3.hpp).
-const double kCentroid[8] = {-127 / 64., -79 / 64., -44 / 64., -14 / 64., 14 / 64., 44 / 64., 79 / 64., 127 / 64.};
+const double kCentroid[8] = {-127 / 64., -79 / 64., -44 / 64., -14 / 64.,
+                             14 / 64.,   44 / 64.,  79 / 64.,  127 / 64.};
 const double kThreshold[3] = {0.49223481171792629, 1.04387727312594713, 1.74828226230849682};
 
 struct reference_result {
@@ -26,7 +27,8 @@ struct reference_result {
   double alpha_key = 0, alpha_value = 0, norm = 0;
 };
 
-template <int N> reference_result reference_encode(const std::vector<float>& x, std::uint64_t seed) {
+template <int N>
+reference_result reference_encode(const std::vector<float>& x, std::uint64_t seed) {
   std::vector<double> xd(x.begin(), x.end());
   double n2 = 0;
   for (double v : xd) n2 += v * v;
@@ -51,14 +53,16 @@ template <int N> reference_result reference_encode(const std::vector<float>& x, 
 }
 
 // D H (alpha c) / N in float64 from the codes and the stored alpha.
-template <int N> std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes,
-                                                      double alpha, std::uint64_t seed) {
+template <int N>
+std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes, double alpha,
+                                     std::uint64_t seed) {
   std::vector<double> levels(N);
   for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * kCentroid[codes[std::size_t(j)]];
   return codec_test::rotated_decode64<N>(levels, seed);
 }
 
-template <class C> void check_against_reference(double input_scale) {
+template <class C>
+void check_against_reference(double input_scale) {
   constexpr int N = C::head_dim;
   codec_test::gaussian_source rng(1000 + N);
   int near_threshold_mismatches = 0, far_mismatches = 0;
@@ -81,8 +85,9 @@ template <class C> void check_against_reference(double input_scale) {
     }
     // alpha: float64 formula from the float64 reference, within bf16 rounding.
     const double want_alpha = C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key
-                              : C::norm == tq_norm::least_squares        ? ref.alpha_value
-                                                                          : ref.norm * tq3_grid::plain_scale;
+                              : C::norm == tq_norm::least_squares
+                                  ? ref.alpha_value
+                                  : ref.norm * tq3_grid::plain_scale;
     CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
     // decode vs float64 decode of the same codes and alpha.
     const auto yref = reference_decode<N>(codes, double(bf16_to_float(meta)), ctx.seed);
@@ -141,16 +146,17 @@ TEST_CASE("tq3: levels are int8 L / 64, and the GPU lookup tables hold exactly t
     // The value path's biased byte u = L + 128 as an f16 subnormal (u 2^-24: mantissa u < 1024),
     // times 2^14 minus 2^-3 in one fma: L / 1024; or, biased (phased steps), as is, the bias
     // 128 2^-24 (value_bias_pair, the subnormal 0x0080) subtracted from the accumulator
-    // (docs/gpu.md, tq3_widen in decode_mma.cuh).
+    // (docs/gpu.md, tq3_widen in cuda/codec/tq3.cuh).
     const std::uint32_t u = table_byte(detail::tq3_u8_0, detail::tq3_u8_1, code);
     CHECK(int(u) == L + 128);
     CHECK(u < 1024u);
     CHECK(std::ldexp(double(u), -24) * 16384.0 - 0.125 == double(L) / 1024.0);
     CHECK(std::ldexp(double(u), -24) - std::ldexp(128.0, -24) == std::ldexp(double(L), -24));
     if (code > 0) CHECK(detail::tq3_level_int(code - 1) < L);  // ascending
-    CHECK(detail::tq3_level_int(7 - code) == -L);               // symmetric
+    CHECK(detail::tq3_level_int(7 - code) == -L);              // symmetric
   }
-  // Thresholds: the midpoints of adjacent levels at the unit scale 0.0169736 (Gaussian MSE optimum).
+  // Thresholds: the midpoints of adjacent levels at the unit scale 0.0169736 (Gaussian MSE
+  // optimum).
   const double a = 0.016973614197169872;
   CHECK(double(detail::tq3_threshold1) == Approx(a * (14 + 44) / 2).epsilon(1e-7));
   CHECK(double(detail::tq3_threshold2) == Approx(a * (44 + 79) / 2).epsilon(1e-7));
@@ -183,8 +189,8 @@ TEST_CASE("tq3: packing layout of docs/formats.md", "[tq3]") {
       for (int j = 0; j < 24; ++j)
         CHECK(((w[j / 8] & 0x77777777u) >> (4 * (j % 8)) & 0xFu) == codes[std::size_t(32 * g + j)]);
       // j >= 24: the documented 3-op gather gives codes 24..31 as nibbles.
-      const std::uint32_t hi = ((w[0] >> 3) & 0x11111111u) | ((w[1] >> 2) & 0x22222222u) |
-                               ((w[2] >> 1) & 0x44444444u);
+      const std::uint32_t hi =
+          ((w[0] >> 3) & 0x11111111u) | ((w[1] >> 2) & 0x22222222u) | ((w[2] >> 1) & 0x44444444u);
       for (int n = 0; n < 8; ++n)
         CHECK(((hi >> (4 * n)) & 0xFu) == codes[std::size_t(32 * g + 24 + n)]);
     }

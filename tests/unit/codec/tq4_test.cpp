@@ -27,7 +27,8 @@ struct reference_result {
 
 // The definition: t_i = (H D x)_i / |x| ~ N(0, 1); code = clamp(floor(t / step) + 8, 0, 15);
 // the alphas from <u, u_hat> and |u_hat|^2 with u_hat = D H c / N (any scale of c).
-template <int N> reference_result reference_encode(const std::vector<float>& x, std::uint64_t seed) {
+template <int N>
+reference_result reference_encode(const std::vector<float>& x, std::uint64_t seed) {
   std::vector<double> xd(x.begin(), x.end());
   double n2 = 0;
   for (double v : xd) n2 += v * v;
@@ -52,14 +53,16 @@ template <int N> reference_result reference_encode(const std::vector<float>& x, 
   return r;
 }
 
-template <int N> std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes, double alpha,
-                                                      std::uint64_t seed) {
+template <int N>
+std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes, double alpha,
+                                     std::uint64_t seed) {
   std::vector<double> levels(N);
   for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * (codes[std::size_t(j)] - 7.5);
   return codec_test::rotated_decode64<N>(levels, seed);
 }
 
-template <class C> void check_against_reference(double input_scale, std::uint64_t seed) {
+template <class C>
+void check_against_reference(double input_scale, std::uint64_t seed) {
   constexpr int N = C::head_dim;
   codec_test::gaussian_source rng(seed + N);
   int boundary_mismatches = 0, far_mismatches = 0, clipped = 0;
@@ -81,14 +84,16 @@ template <class C> void check_against_reference(double input_scale, std::uint64_
       const bool at_boundary = std::fabs(q - std::round(q)) < 1e-4;
       (at_boundary ? boundary_mismatches : far_mismatches) += 1;
     }
-    const double want_alpha = C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key : ref.alpha_value;
+    const double want_alpha =
+        C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key : ref.alpha_value;
     CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
     const auto yref = reference_decode<N>(codes, double(bf16_to_float(meta)), ctx.seed);
     std::vector<float> y(N);
     C::decode(payload.data(), meta, y.data(), ctx);
     const double xn = std::sqrt(codec_test::dot64(x.data(), x.data(), N));
     for (int i = 0; i < N; ++i)
-      CHECK(double(y[std::size_t(i)]) == Approx(yref[std::size_t(i)]).margin(1e-5 * xn / std::sqrt(double(N))));
+      CHECK(double(y[std::size_t(i)]) ==
+            Approx(yref[std::size_t(i)]).margin(1e-5 * xn / std::sqrt(double(N))));
     // The attention path: q·k_hat through prepare_query + dot.
     auto q = codec_test::gaussian(rng, N);
     std::vector<float> qp(N);
@@ -96,7 +101,8 @@ template <class C> void check_against_reference(double input_scale, std::uint64_
     double want_dot = 0;
     for (int i = 0; i < N; ++i) want_dot += double(q[std::size_t(i)]) * yref[std::size_t(i)];
     const double qn = std::sqrt(codec_test::dot64(q.data(), q.data(), N));
-    CHECK(double(C::dot(qp.data(), payload.data(), meta)) == Approx(want_dot).margin(2e-6 * qn * xn));
+    CHECK(double(C::dot(qp.data(), payload.data(), meta)) ==
+          Approx(want_dot).margin(2e-6 * qn * xn));
   }
   CHECK(far_mismatches == 0);
   CHECK(boundary_mismatches <= 2);
@@ -143,8 +149,10 @@ TEST_CASE("tq4: scale invariance: x * 2^j gives the same codes and alpha * 2^j",
 
 TEST_CASE("tq4: zero vectors, NaN/Inf, huge and subnormal inputs", "[tq4][codec]") {
   // one-hot: every rotated coordinate has the same magnitude, all in the clip region's neighbours
-  const auto zero = codec_test::check_tq_edge_inputs<tq4_key::bind<256>>(codec_context{6}, 9, 0.99, 0.05);
-  CHECK(std::all_of(zero.begin(), zero.end(), [](std::uint8_t b) { return b == 0x88; }));  // codes 8
+  const auto zero =
+      codec_test::check_tq_edge_inputs<tq4_key::bind<256>>(codec_context{6}, 9, 0.99, 0.05);
+  CHECK(
+      std::all_of(zero.begin(), zero.end(), [](std::uint8_t b) { return b == 0x88; }));  // codes 8
   codec_test::check_tq_edge_inputs<tq4_value::bind<64>>(codec_context{7}, 10, 0.99, 0.05);
   // The largest alpha times the largest level through a 512-point WHT stays finite.
   using C512 = tq4_key::bind<512>;
@@ -160,7 +168,8 @@ TEST_CASE("tq4: error against TQ3 and the recorded traits", "[tq4][codec][traits
   const auto k3 = measure_inner_product_error<tq3_key::bind<128>>(n, 5);
   CHECK(std::fabs(k4.bias) < 0.001);
   CHECK(k4.gain == Approx(1.0).margin(0.003));
-  CHECK(k4.rms * std::sqrt(128.0) == Approx(codec_error_traits<tq4_key>::ip_rms_sqrt_d).epsilon(0.1));
+  CHECK(k4.rms * std::sqrt(128.0) ==
+        Approx(codec_error_traits<tq4_key>::ip_rms_sqrt_d).epsilon(0.1));
   CHECK(k4.rms * 1.6 < k3.rms);  // the point of the codec: 1.75x lower key error (docs/codecs.md)
   const auto v4 = measure_relative_mse<tq4_value::bind<128>>(n, 4);
   CHECK(v4.rel_mse == Approx(codec_error_traits<tq4_value>::rel_mse).epsilon(0.07));

@@ -74,11 +74,13 @@ TEST_CASE("failing allocator fails exactly the chosen request", "[memory][alloca
   CHECK(a.live_allocations() == 0);
 }
 
-TEST_CASE("counted allocator charges its line and throws a status on failure", "[memory][allocator]") {
+TEST_CASE("counted allocator charges its line and throws a status on failure",
+          "[memory][allocator]") {
   failing_allocator a;
   std::size_t line = 0;
   {
-    std::vector<int, counted_allocator<int, failing_allocator>> v(counted_allocator<int, failing_allocator>(a, line));
+    std::vector<int, counted_allocator<int, failing_allocator>> v(
+        counted_allocator<int, failing_allocator>(a, line));
     v.reserve(100);
     CHECK(line == 400);
     CHECK(a.bytes_allocated() == 400);

@@ -31,7 +31,8 @@ std::vector<float> roundtrip(const float* x, const codec_context& ctx) {
 }
 }  // namespace
 
-TEST_CASE("FP8 pages hold the codec's bytes; TQ3 conversion publishes TQ3 pages", "[paging][codec]") {
+TEST_CASE("FP8 pages hold the codec's bytes; TQ3 conversion publishes TQ3 pages",
+          "[paging][codec]") {
   S::options o;
   o.num_layers = 2;
   o.pages_per_tier = {16, 16};
@@ -60,11 +61,13 @@ TEST_CASE("FP8 pages hold the codec's bytes; TQ3 conversion publishes TQ3 pages"
       for (int h = 0; h < 2; ++h) {
         REQUIRE(s->read_token(id, l, t, h, kk, vv));
         const auto ek = roundtrip<FP8>(at(k, l, t, h), make_codec_context(99, l, h, kv_role::key));
-        const auto ev = roundtrip<FP8>(at(v, l, t, h), make_codec_context(99, l, h, kv_role::value));
+        const auto ev =
+            roundtrip<FP8>(at(v, l, t, h), make_codec_context(99, l, h, kv_role::value));
         REQUIRE(std::memcmp(kk, ek.data(), sizeof kk) == 0);
         REQUIRE(std::memcmp(vv, ev.data(), sizeof vv) == 0);
       }
-  CHECK(s->saturations() == 1);  // 3e38 is beyond the FP8 codec's input limit 2^127: clipped and counted
+  CHECK(s->saturations() ==
+        1);  // 3e38 is beyond the FP8 codec's input limit 2^127: clipped and counted
 
   // Convert logical page 1 of layer 0: decode FP8, encode TQ3, publish, release.
   using L0 = S::layout<0>;
@@ -110,7 +113,8 @@ TEST_CASE("FP8 pages hold the codec's bytes; TQ3 conversion publishes TQ3 pages"
   CHECK(r.tiers[0].live_pages == 5);
   CHECK(r.tiers[0].key_meta == 5 * 2 * 16 * 2);
   CHECK(r.tiers[0].padding == 0);
-  // Live page bytes per stored token, all layers: 3 FP8 pages (2 full + tail) per layer... exact sum.
+  // Live page bytes per stored token, all layers: 3 FP8 pages (2 full + tail) per layer... exact
+  // sum.
   const double bytes = 5.0 * double(L0::page_bytes) + double(L1::page_bytes);
   CHECK(r.kib_per_token == Approx(bytes / 40.0 / 1024.0));
 }

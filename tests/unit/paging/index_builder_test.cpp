@@ -15,7 +15,9 @@ using namespace paging_test;
 namespace {
 struct aligned_buffer {
   explicit aligned_buffer(std::size_t n) : store((n + 7) / 8 + 2) {}
-  std::span<std::uint8_t> span(std::size_t n) { return {reinterpret_cast<std::uint8_t*>(store.data()), n}; }
+  std::span<std::uint8_t> span(std::size_t n) {
+    return {reinterpret_cast<std::uint8_t*>(store.data()), n};
+  }
   std::vector<std::uint64_t> store;
 };
 
@@ -56,7 +58,8 @@ struct fixture {
 };
 
 // Reference: walks logical pages one by one through the storage's checked accessors.
-void check_view(const storage_t& s, int layer, const std::vector<seq_id>& batch, const batch_index_view<2>& v) {
+void check_view(const storage_t& s, int layer, const std::vector<seq_id>& batch,
+                const batch_index_view<2>& v) {
   REQUIRE(v.batch == int(batch.size()));
   for (int b = 0; b < v.batch; ++b) {
     const seq_id id = batch[std::size_t(b)];
@@ -101,27 +104,32 @@ TEST_CASE("index layout: capacity computed ahead, aligned regions", "[paging][in
   CHECK(index_layout<2>{1 << 20, 1 << 20}.validate().code() == errc::out_of_range);
 }
 
-TEST_CASE("host index builder partitions by format and preserves logical order", "[paging][index]") {
+TEST_CASE("host index builder partitions by format and preserves logical order",
+          "[paging][index]") {
   fixture fx;
   const index_layout<2> layout{8, 8};
   aligned_buffer buf(layout.bytes());
   for (int layer = 0; layer < 3; ++layer) {
-    auto v = build_batch_index(*fx.s, layer, std::span<const seq_id>(fx.seqs), layout, buf.span(layout.bytes()));
+    auto v = build_batch_index(*fx.s, layer, std::span<const seq_id>(fx.seqs), layout,
+                               buf.span(layout.bytes()));
     REQUIRE(v);
     check_view(*fx.s, layer, fx.seqs, *v);
   }
   // A sub-batch in another order, reusing the same buffer.
   std::vector<seq_id> sub{fx.seqs[4], fx.seqs[0], fx.seqs[2]};
-  auto v = build_batch_index(*fx.s, 1, std::span<const seq_id>(sub), layout, buf.span(layout.bytes()));
+  auto v =
+      build_batch_index(*fx.s, 1, std::span<const seq_id>(sub), layout, buf.span(layout.bytes()));
   REQUIRE(v);
   check_view(*fx.s, 1, sub, *v);
   // Both formats appear (the fixture moved about half of the sealed pages).
-  auto all = build_batch_index(*fx.s, 0, std::span<const seq_id>(fx.seqs), layout, buf.span(layout.bytes()));
+  auto all = build_batch_index(*fx.s, 0, std::span<const seq_id>(fx.seqs), layout,
+                               buf.span(layout.bytes()));
   CHECK(all->formats[0].indptr[5] > 0);
   CHECK(all->formats[1].indptr[5] > 0);
 }
 
-TEST_CASE("host index builder rejects bad input and leaves the buffer untouched", "[paging][index]") {
+TEST_CASE("host index builder rejects bad input and leaves the buffer untouched",
+          "[paging][index]") {
   fixture fx;
   const index_layout<2> layout{4, 4};
   aligned_buffer buf(layout.bytes() + 16);
@@ -131,18 +139,23 @@ TEST_CASE("host index builder rejects bad input and leaves the buffer untouched"
   std::vector<seq_id> five = fx.seqs;
   std::vector<seq_id> big{fx.seqs[4]};  // 5 logical pages > 4
   std::vector<seq_id> ok{fx.seqs[1]};
-  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(five), layout, span).code() == errc::capacity_exhausted);
+  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(five), layout, span).code() ==
+        errc::capacity_exhausted);
   auto too_many_pages = build_batch_index(*fx.s, 0, std::span<const seq_id>(big), layout, span);
   CHECK(too_many_pages.code() == errc::capacity_exhausted);
   CHECK(too_many_pages.error_status().message().find("5 logical pages") != std::string::npos);
-  CHECK(build_batch_index(*fx.s, 3, std::span<const seq_id>(ok), layout, span).code() == errc::out_of_range);
-  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(ok), layout, span.first(span.size() - 4)).code() ==
-        errc::capacity_exhausted);
-  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(ok), layout, buf.span(layout.bytes() + 8).subspan(8)).code() ==
-        errc::invalid_argument);
+  CHECK(build_batch_index(*fx.s, 3, std::span<const seq_id>(ok), layout, span).code() ==
+        errc::out_of_range);
+  CHECK(
+      build_batch_index(*fx.s, 0, std::span<const seq_id>(ok), layout, span.first(span.size() - 4))
+          .code() == errc::capacity_exhausted);
+  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(ok), layout,
+                          buf.span(layout.bytes() + 8).subspan(8))
+            .code() == errc::invalid_argument);
   std::vector<seq_id> gone{*fx.s->create_sequence()};
   REQUIRE(fx.s->release(gone[0]));
-  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(gone), layout, span).code() == errc::stale_id);
+  CHECK(build_batch_index(*fx.s, 0, std::span<const seq_id>(gone), layout, span).code() ==
+        errc::stale_id);
   CHECK(std::equal(before.begin(), before.end(), span.begin()));
 }
 
@@ -150,7 +163,8 @@ TEST_CASE("page table export matches the storage", "[paging][index]") {
   fixture fx;
   const page_table_layout layout{8, 8};
   aligned_buffer buf(layout.bytes());
-  auto t = export_page_tables(*fx.s, 2, std::span<const seq_id>(fx.seqs), layout, buf.span(layout.bytes()));
+  auto t = export_page_tables(*fx.s, 2, std::span<const seq_id>(fx.seqs), layout,
+                              buf.span(layout.bytes()));
   REQUIRE(t);
   CHECK(t->batch == 5);
   for (int b = 0; b < 5; ++b) {
@@ -196,16 +210,21 @@ TEST_CASE("FlashInfer/vLLM page table adapter", "[paging][index][interop]") {
   }
   std::vector<std::int32_t> indptr{0, 2}, indices{3, 4}, last{0};
   paged_kv_table t{1, 16, indptr.data(), indices.data(), last.data()};
-  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() == errc::invalid_argument);
+  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() ==
+        errc::invalid_argument);
   last[0] = 17;
-  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() == errc::invalid_argument);
+  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() ==
+        errc::invalid_argument);
   last[0] = 16;
   indices[1] = 100;
-  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() == errc::out_of_range);
+  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() ==
+        errc::out_of_range);
   indices[1] = 5;
-  CHECK(index_from_paged_kv_table<2>(t, 2, 100, layout, buf.span(layout.bytes())).code() == errc::out_of_range);
+  CHECK(index_from_paged_kv_table<2>(t, 2, 100, layout, buf.span(layout.bytes())).code() ==
+        errc::out_of_range);
   indptr[1] = -1;
-  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() == errc::invalid_argument);
+  CHECK(index_from_paged_kv_table<2>(t, 0, 100, layout, buf.span(layout.bytes())).code() ==
+        errc::invalid_argument);
 }
 
 TEST_CASE("index arrays owned by a storage are accounted", "[paging][index][report]") {

@@ -32,7 +32,9 @@ struct weak_hash {
   }
 };
 
-std::uint64_t seed_of(std::int32_t token, std::size_t pos) { return mix64(std::uint64_t(token) << 32 | pos); }
+std::uint64_t seed_of(std::int32_t token, std::size_t pos) {
+  return mix64(std::uint64_t(token) << 32 | pos);
+}
 
 struct ref_seq {
   std::vector<std::int32_t> tokens;
@@ -44,7 +46,8 @@ struct harness {
   std::unique_ptr<prefix_index<storage_t, weak_hash>> px;
   std::map<std::uint32_t, ref_seq> model;  // seq id value -> reference contents
   std::mt19937_64 rng;
-  std::uint64_t ops = 0, failures_expected = 0, divergences = 0, content_checks = 0, faults_injected = 0;
+  std::uint64_t ops = 0, failures_expected = 0, divergences = 0, content_checks = 0,
+                faults_injected = 0;
   std::vector<std::vector<std::int32_t>> docs;
 
   explicit harness(std::uint64_t seed) : rng(seed) {
@@ -72,8 +75,9 @@ struct harness {
   }
   void diverge(const char* what, const status& st) {
     ++divergences;
-    if (divergences <= 5) std::fprintf(stderr, "divergence at op %llu: %s (%s)\n", (unsigned long long)ops, what,
-                                       st.message().c_str());
+    if (divergences <= 5)
+      std::fprintf(stderr, "divergence at op %llu: %s (%s)\n", (unsigned long long)ops, what,
+                   st.message().c_str());
   }
 
   bool append_ok(seq_id id, const std::vector<std::int32_t>& add) {
@@ -94,7 +98,8 @@ struct harness {
     s->meta_alloc().reset();
     const bool injected = s->meta_alloc().faults_injected() != faults;
     faults_injected += injected;
-    if (injected ? bool(st) : fits != bool(st)) diverge("append success differs from prediction", st);
+    if (injected ? bool(st) : fits != bool(st))
+      diverge("append success differs from prediction", st);
     if (!st) {
       ++failures_expected;
       if (st.code() != errc::capacity_exhausted) diverge("append failed with another code", st);
@@ -107,7 +112,8 @@ struct harness {
   }
 
   // Checks tokens [from, to) at every layer, or at one random layer when sampled.
-  void check_tokens(seq_id id, std::size_t from, std::size_t to, bool sampled = false, int only_layer = -1) {
+  void check_tokens(seq_id id, std::size_t from, std::size_t to, bool sampled = false,
+                    int only_layer = -1) {
     const ref_seq& m = model[id.value];
     const int l0 = only_layer >= 0 ? only_layer : sampled ? int(pick(layers)) : 0;
     const int l1 = (sampled || only_layer >= 0) ? l0 + 1 : layers;
@@ -115,7 +121,8 @@ struct harness {
       for (std::size_t i = from; i < to; ++i) {
         ++content_checks;
         if (!token_matches(*s, id, std::int64_t(i), seed_of(m.tokens[i], i), l)) {
-          diverge("token content differs", status::make(errc::corrupt_data, "seq ", id, " token ", i, " layer ", l));
+          diverge("token content differs",
+                  status::make(errc::corrupt_data, "seq ", id, " token ", i, " layer ", l));
           return;
         }
       }
@@ -132,7 +139,10 @@ struct harness {
       const std::uint64_t salt = rng() % 2;
       auto st = px->start_sequence(salt, t);
       if (has_slot != st.has_value()) diverge("create success differs", st.error_status());
-      if (!st) { ++failures_expected; return; }
+      if (!st) {
+        ++failures_expected;
+        return;
+      }
       ref_seq& m = model[st->seq.value];
       m.salt = salt;
       m.tokens.assign(t.begin(), t.begin() + st->cached_tokens);
@@ -149,19 +159,21 @@ struct harness {
     } else if (op < 50) {  // fork
       const seq_id id = random_seq();
       const bool tail = model[id.value].tokens.size() % P != 0;
-      const bool fits = s->live_sequences() < s->max_sequences() && (!tail || s->free_pages(0) >= layers);
+      const bool fits =
+          s->live_sequences() < s->max_sequences() && (!tail || s->free_pages(0) >= layers);
       const snapshot before = fits ? snapshot{} : take_snapshot(*s);
       auto c = s->fork(id);
       if (fits != c.has_value()) diverge("fork success differs", c.error_status());
       if (!c) {
         ++failures_expected;
-        if (!(take_snapshot(*s) == before)) diverge("failed fork changed the storage", c.error_status());
+        if (!(take_snapshot(*s) == before))
+          diverge("failed fork changed the storage", c.error_status());
         return;
       }
       model[c->value] = model[id.value];
       const std::size_t len = model[id.value].tokens.size();
       check_tokens(*c, len - len % P, len);  // the copied tail
-    } else if (op < 62) {  // release
+    } else if (op < 62) {                    // release
       const seq_id id = random_seq();
       if (auto st = s->release(id); !st) diverge("release failed", st);
       model.erase(id.value);
@@ -176,7 +188,8 @@ struct harness {
       const std::uint64_t salt = rng() % 2;
       const auto m = px->lookup(salt, std::span<const std::int32_t>(d).first(1 + pick(d.size())));
       for (std::size_t i = 0; i < m.blocks.size(); ++i)
-        if (!s->block_sealed(m.blocks[i]) || !(s->block_page(m.blocks[i], 0) == m.pages[i * layers]))
+        if (!s->block_sealed(m.blocks[i]) ||
+            !(s->block_page(m.blocks[i], 0) == m.pages[i * layers]))
           diverge("lookup returned an unsealed or inconsistent page", {});
     } else if (op < 86) {  // evict
       (void)px->evict(1 + pick(3));
@@ -189,10 +202,14 @@ struct harness {
       const page_id old = *s->page(id, l, lp);
       const int to = 1 - old.format;
       auto fresh = s->allocate_page(to);
-      if (!fresh) { ++failures_expected; return; }
+      if (!fresh) {
+        ++failures_expected;
+        return;
+      }
       const std::size_t from_len = std::size_t(lp) * P;
       copy_dense(old, *fresh);
-      if (auto st = s->replace_page(id, l, lp, old, *fresh); !st) diverge("replace_page failed", st);
+      if (auto st = s->replace_page(id, l, lp, old, *fresh); !st)
+        diverge("replace_page failed", st);
       check_tokens(id, from_len, from_len + P, false, l);
     }
   }
@@ -250,10 +267,12 @@ TEST_CASE("model-based randomized paging operations", "[paging][model]") {
     checks += h.content_checks;
     faults += h.faults_injected;
   }
-  std::printf("paging model test: %llu operations, %llu token-vector content checks, %llu refused operations "
-              "(capacity or injected fault), %llu faults injected, %llu divergences\n",
-              (unsigned long long)ops, (unsigned long long)checks, (unsigned long long)expected_failures,
-              (unsigned long long)faults, (unsigned long long)divergences);
+  std::printf(
+      "paging model test: %llu operations, %llu token-vector content checks, %llu refused "
+      "operations "
+      "(capacity or injected fault), %llu faults injected, %llu divergences\n",
+      (unsigned long long)ops, (unsigned long long)checks, (unsigned long long)expected_failures,
+      (unsigned long long)faults, (unsigned long long)divergences);
   CHECK(ops >= total - runs);
   CHECK(divergences == 0);
   CHECK(expected_failures > 0);  // the pools really ran full

@@ -24,9 +24,11 @@ using storage_t = paged_storage<small_geometry, two_dense, host_allocator, faili
 // The head_dim scalars of (token content seed, layer, head, role): deterministic,
 // finite, varied; one hash per vector, then an LCG step per scalar (cheap enough for
 // tens of millions of checks).
-inline void pattern_vector(std::uint64_t token_seed, int layer, int head, int role, int dim, float* out) {
-  std::uint64_t h = mix64(token_seed * 0x9E3779B97F4A7C15ull ^
-                          (std::uint64_t(layer) << 40 | std::uint64_t(head) << 24 | std::uint64_t(role) << 16));
+inline void pattern_vector(std::uint64_t token_seed, int layer, int head, int role, int dim,
+                           float* out) {
+  std::uint64_t h =
+      mix64(token_seed * 0x9E3779B97F4A7C15ull ^
+            (std::uint64_t(layer) << 40 | std::uint64_t(head) << 24 | std::uint64_t(role) << 16));
   for (int d = 0; d < dim; ++d) {
     h = h * 6364136223846793005ull + 1442695040888963407ull;
     out[d] = float(std::int64_t(h >> 40) - (1 << 23)) / float(1 << 20);  // in [-8, 8)
@@ -52,7 +54,8 @@ void make_kv(int layers, const std::vector<std::uint64_t>& seeds, std::vector<fl
 
 // True when token `token` of seq decodes exactly to the pattern of `seed` (lossless tiers).
 template <class Storage>
-bool token_matches(const Storage& s, seq_id seq, std::int64_t token, std::uint64_t seed, int layer) {
+bool token_matches(const Storage& s, seq_id seq, std::int64_t token, std::uint64_t seed,
+                   int layer) {
   constexpr int D = Storage::head_dim;
   float k[D], v[D], ek[D], ev[D];
   for (int h = 0; h < Storage::kv_heads; ++h) {
@@ -65,7 +68,8 @@ bool token_matches(const Storage& s, seq_id seq, std::int64_t token, std::uint64
 }
 
 struct snapshot {
-  std::vector<std::tuple<std::uint32_t, std::int64_t, std::vector<std::uint32_t>>> seqs;  // id, len, pages
+  std::vector<std::tuple<std::uint32_t, std::int64_t, std::vector<std::uint32_t>>>
+      seqs;  // id, len, pages
   std::vector<std::uint32_t> free_pages;
   std::size_t page_bytes = 0;
   std::size_t meta_bytes = 0;

@@ -20,9 +20,12 @@ std::unique_ptr<storage_t> make_storage(std::uint32_t pages0 = 40) {
   return std::move(*s);
 }
 // Token content depends on the token id and its position (a prefix determines its KV).
-std::uint64_t seed_of(std::int32_t token, std::size_t pos) { return std::uint64_t(token) * 100003u + pos; }
+std::uint64_t seed_of(std::int32_t token, std::size_t pos) {
+  return std::uint64_t(token) * 100003u + pos;
+}
 
-void append_tokens(storage_t& s, seq_id id, const std::vector<std::int32_t>& tokens, std::size_t from) {
+void append_tokens(storage_t& s, seq_id id, const std::vector<std::int32_t>& tokens,
+                   std::size_t from) {
   std::vector<std::uint64_t> sd;
   for (std::size_t i = from; i < tokens.size(); ++i) sd.push_back(seed_of(tokens[i], i));
   std::vector<float> k, v;
@@ -42,7 +45,9 @@ std::vector<std::int32_t> doc(std::int32_t first, std::size_t n) {
 }
 struct colliding_hash {  // every page hashes alike: only the token comparison tells them apart
   std::uint64_t root(std::uint64_t) const noexcept { return 7; }
-  std::uint64_t operator()(std::uint64_t, std::span<const std::int32_t>) const noexcept { return 7; }
+  std::uint64_t operator()(std::uint64_t, std::span<const std::int32_t>) const noexcept {
+    return 7;
+  }
 };
 }  // namespace
 
@@ -127,7 +132,7 @@ TEST_CASE("eviction is LRU and never touches pages a sequence uses", "[paging][p
   CHECK(px.evict(10) == 0);  // every page is still used by a sequence
   REQUIRE(s->release(seqs[0]));
   REQUIRE(s->release(seqs[1]));
-  CHECK(px.evictable() == 2);  // leaves only; their parents are not leaves
+  CHECK(px.evictable() == 2);         // leaves only; their parents are not leaves
   (void)px.lookup(0, doc(1000, 32));  // doc 0 becomes most recently used
   const std::uint32_t free_before = s->free_pages(0);
   CHECK(px.evict(1) == 1);

@@ -64,7 +64,8 @@ TEST_CASE("storage creation validates options and reports every failure", "[pagi
   }
 }
 
-TEST_CASE("append encodes every layer and head, seals full pages, reads back exactly", "[paging][storage]") {
+TEST_CASE("append encodes every layer and head, seals full pages, reads back exactly",
+          "[paging][storage]") {
   auto s = make_storage(3, 30, 6);
   auto id = s->create_sequence();
   REQUIRE(id);
@@ -84,7 +85,8 @@ TEST_CASE("append encodes every layer and head, seals full pages, reads back exa
   auto bytes = s->page_bytes(*s->page(*id, 1, 2));
   REQUIRE(bytes);
   const std::uint8_t* past = bytes->data() + L::key_payload(1, 5);
-  CHECK(std::all_of(past, past + L::key_codec::payload_bytes, [](std::uint8_t b) { return b == page_poison_byte; }));
+  CHECK(std::all_of(past, past + L::key_codec::payload_bytes,
+                    [](std::uint8_t b) { return b == page_poison_byte; }));
 #endif
   // Appending in pieces gives the same content as at once.
   auto id2 = s->create_sequence();
@@ -94,7 +96,8 @@ TEST_CASE("append encodes every layer and head, seals full pages, reads back exa
     append_seeds(*s, *id2, part);
   }
   for (int l = 0; l < 3; ++l)
-    for (std::int64_t t = 0; t < 37; ++t) REQUIRE(token_matches(*s, *id2, t, sd[std::size_t(t)], l));
+    for (std::int64_t t = 0; t < 37; ++t)
+      REQUIRE(token_matches(*s, *id2, t, sd[std::size_t(t)], l));
   REQUIRE(s->check_invariants());
   CHECK(s->read_token(*id, 3, 0, 0, nullptr, nullptr).code() == errc::out_of_range);
   CHECK(s->read_token(*id, 0, 37, 0, nullptr, nullptr).code() == errc::out_of_range);
@@ -108,7 +111,8 @@ TEST_CASE("append failures change nothing (strong guarantee)", "[paging][storage
   std::vector<float> k, v;
 
   SECTION("full pool") {
-    // 20 tokens use 2 logical pages x 2 layers = 4 of 8 pages; 60 more need 4 new pages... 80 tokens = 5 pages.
+    // 20 tokens use 2 logical pages x 2 layers = 4 of 8 pages; 60 more need 4 new pages... 80
+    // tokens = 5 pages.
     make_kv<storage_t>(2, seeds(50, 60), k, v);
     auto st = s->append(*id, 60, k, v);
     CHECK(st.code() == errc::capacity_exhausted);
@@ -147,7 +151,8 @@ TEST_CASE("append failures change nothing (strong guarantee)", "[paging][storage
   REQUIRE(s->check_invariants());
   CHECK(make_report(*s).reconciles());
   for (int l = 0; l < 2; ++l)
-    for (std::int64_t t = 0; t < 20; ++t) REQUIRE(token_matches(*s, *id, t, std::uint64_t(t + 1), l));
+    for (std::int64_t t = 0; t < 20; ++t)
+      REQUIRE(token_matches(*s, *id, t, std::uint64_t(t + 1), l));
 }
 
 TEST_CASE("fork shares sealed pages and copies the open tail", "[paging][storage]") {
@@ -219,7 +224,8 @@ TEST_CASE("fork failures change nothing", "[paging][storage][fault]") {
   CHECK(make_report(*s).reconciles());
 }
 
-TEST_CASE("replace_page publishes for every holder, then releases the old page", "[paging][storage][tiering]") {
+TEST_CASE("replace_page publishes for every holder, then releases the old page",
+          "[paging][storage][tiering]") {
   auto s = make_storage(2, 12, 4);
   auto a = s->create_sequence();
   append_seeds(*s, *a, seeds(1, 20));
@@ -238,10 +244,12 @@ TEST_CASE("replace_page publishes for every holder, then releases the old page",
 
   SECTION("errors change nothing") {
     const snapshot before = take_snapshot(*s);
-    CHECK(s->replace_page(*a, 1, 1, *s->page(*a, 1, 1), *fresh).code() == errc::not_writable);  // open tail
+    CHECK(s->replace_page(*a, 1, 1, *s->page(*a, 1, 1), *fresh).code() ==
+          errc::not_writable);  // open tail
     CHECK(s->replace_page(*a, 1, 0, *s->page(*a, 0, 0), *fresh).code() == errc::stale_id);
     CHECK(s->replace_page(*a, 2, 0, old, *fresh).code() == errc::out_of_range);
-    CHECK(s->replace_page(*a, 0, 0, *s->page(*a, 0, 0), *s->page(*a, 1, 1)).code() == errc::invalid_argument);
+    CHECK(s->replace_page(*a, 0, 0, *s->page(*a, 0, 0), *s->page(*a, 1, 1)).code() ==
+          errc::invalid_argument);
     CHECK(s->release_page(*s->page(*a, 0, 0)).code() == errc::not_writable);
     CHECK(take_snapshot(*s) == before);
     REQUIRE(s->release_page(*fresh));

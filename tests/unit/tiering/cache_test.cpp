@@ -4,16 +4,17 @@
 #include <cmath>
 
 #include "catch.hpp"
+#include "tiering_test_support.hpp"
 #include "tierkv/cache.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq4.hpp"
-#include "tiering_test_support.hpp"
 
 using namespace tiering_test;
 
 namespace {
 
-using cache_t = tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
+using cache_t =
+    tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
 // The recommended quality configuration: int8_rotated Recent/Anchor pages, Stale keys TQ4.
 using k4_tiers = tiers<tier<int8_rotated, int8_rotated>, tier<tq4_key, tq3_value>>;
 constexpr int D = tiny::head_dim, QH = tiny::q_heads, G = tiny::group_size;
@@ -60,14 +61,20 @@ double rel_l2(const float* got, const std::vector<double>& ref) {
 
 TEMPLATE_TEST_CASE("tiered_cache: an engine's decode loop with retiering, checked against float64",
                    "[tiering][cache]", two_tiers, k4_tiers) {
-  using cache_t = tiered_cache<tiny, TestType, policy::recency_anchor, host_allocator, failing_allocator>;
+  using cache_t =
+      tiered_cache<tiny, TestType, policy::recency_anchor, host_allocator, failing_allocator>;
   typename cache_t::options opt;
   opt.storage.num_layers = 3;
   opt.storage.max_sequences = 4;
   opt.storage.pages_per_tier = {60, 60};
   opt.storage.codec_seed = 42;
-  opt.policy = policy::recency_anchor({.recent_pages = 2, .sink_pages = 1, .ema_alpha = 0.5f, .enter_mass = 3.0f,
-                                       .leave_mass = 1.5f, .min_dwell_steps = 2, .keep_first_layers = 1,
+  opt.policy = policy::recency_anchor({.recent_pages = 2,
+                                       .sink_pages = 1,
+                                       .ema_alpha = 0.5f,
+                                       .enter_mass = 3.0f,
+                                       .leave_mass = 1.5f,
+                                       .min_dwell_steps = 2,
+                                       .keep_first_layers = 1,
                                        .keep_last_layers = 0});
   opt.tiering.keep_shadows = true;  // promotions of pages demoted recently are lossless
   opt.tiering.shadow_slack_percent = 10;
@@ -98,7 +105,8 @@ TEMPLATE_TEST_CASE("tiered_cache: an engine's decode loop with retiering, checke
         const std::uint64_t target = tokens[b][step <= 30 ? 40 : (b == 0 ? 100 : 75)];
         for (int h = 0; h < QH; ++h)
           for (int d = 0; d < D; ++d)
-            q[(b * QH + std::size_t(h)) * D + std::size_t(d)] = 2.0f * gauss(target, layer, h / G, 0, d);
+            q[(b * QH + std::size_t(h)) * D + std::size_t(d)] =
+                2.0f * gauss(target, layer, h / G, 0, d);
       }
       REQUIRE(cache->attend(layer, batch, q, out, mass));
     }
@@ -115,36 +123,42 @@ TEMPLATE_TEST_CASE("tiered_cache: an engine's decode loop with retiering, checke
   // The layer kept in FP8, the sink and the attended page; stale pages are TQ3.
   for (std::size_t b = 0; b < batch.size(); ++b) {
     const std::int64_t attended = b == 0 ? 6 : 4;
-    CHECK(s.page(batch[b], 0, 3).value().format == 0);  // first layer: sensitive
-    CHECK(s.page(batch[b], 1, 0).value().format == 0);  // sink
+    CHECK(s.page(batch[b], 0, 3).value().format == 0);         // first layer: sensitive
+    CHECK(s.page(batch[b], 1, 0).value().format == 0);         // sink
     CHECK(s.page(batch[b], 1, attended).value().format == 0);  // promoted back when attended
     CHECK(s.page(batch[b], 2, attended).value().format == 0);
     CHECK(s.page(batch[b], 1, 2).value().format == 1);  // attended once, left behind
     CHECK(s.page(batch[b], 2, 3).value().format == 1);  // never attended
   }
 
-  // The last attend (layer 2) against float64 attention over what is stored, and over the originals.
+  // The last attend (layer 2) against float64 attention over what is stored, and over the
+  // originals.
   for (std::size_t b = 0; b < batch.size(); ++b) {
     const std::int64_t len = std::int64_t(tokens[b].size());
     std::vector<double> ref, ref_mass, orig, orig_mass;
-    reference_attend(q.data() + b * QH * D, len,
-                     [&](std::int64_t t, int h, float* kk, float* vv) { REQUIRE(s.read_token(batch[b], 2, t, h, kk, vv)); },
-                     ref, ref_mass);
-    reference_attend(q.data() + b * QH * D, len,
-                     [&](std::int64_t t, int h, float* kk, float* vv) {
-                       for (int d = 0; d < D; ++d) {
-                         kk[d] = gauss(tokens[b][std::size_t(t)], 2, h, 0, d);
-                         vv[d] = gauss(tokens[b][std::size_t(t)], 2, h, 1, d);
-                       }
-                     },
-                     orig, orig_mass);
+    reference_attend(
+        q.data() + b * QH * D, len,
+        [&](std::int64_t t, int h, float* kk, float* vv) {
+          REQUIRE(s.read_token(batch[b], 2, t, h, kk, vv));
+        },
+        ref, ref_mass);
+    reference_attend(
+        q.data() + b * QH * D, len,
+        [&](std::int64_t t, int h, float* kk, float* vv) {
+          for (int d = 0; d < D; ++d) {
+            kk[d] = gauss(tokens[b][std::size_t(t)], 2, h, 0, d);
+            vv[d] = gauss(tokens[b][std::size_t(t)], 2, h, 1, d);
+          }
+        },
+        orig, orig_mass);
     const double stored_err = rel_l2(out.data() + b * QH * D, ref);
     const double orig_err = rel_l2(out.data() + b * QH * D, orig);
     CHECK(stored_err < 1e-5);  // attention over mixed pages is exact up to float rounding
     // Measured 0.022 / 0.026: the mass sits on FP8 pages, and the attended page came back from
     // its shadow copy. Promoted from TQ3 without a shadow it measured 0.18 (TQ3's own error).
     CHECK(orig_err < 0.1);
-    for (std::size_t p = 0; p < ref_mass.size(); ++p) CHECK(mass[b * 32 + p] == Approx(ref_mass[p]).margin(1e-5));
+    for (std::size_t p = 0; p < ref_mass.size(); ++p)
+      CHECK(mass[b * 32 + p] == Approx(ref_mass[p]).margin(1e-5));
     WARN("cache decode rel err vs stored " << stored_err << ", vs original " << orig_err);
   }
 
@@ -166,17 +180,24 @@ TEMPLATE_TEST_CASE("tiered_cache: an engine's decode loop with retiering, checke
   const std::int64_t before = cache->length(f).value();
   CHECK(cache->append(f, 1, bad, v).code() == errc::non_finite_input);
   CHECK(cache->length(f).value() == before);
-  CHECK(cache->attend(0, std::vector<seq_id>{f}, std::vector<float>(3), out).code() == errc::invalid_argument);
+  CHECK(cache->attend(0, std::vector<seq_id>{f}, std::vector<float>(3), out).code() ==
+        errc::invalid_argument);
   REQUIRE(cache->check_invariants());
 }
 
-TEST_CASE("tiered_cache: appends under memory pressure demote instead of failing", "[tiering][cache]") {
+TEST_CASE("tiered_cache: appends under memory pressure demote instead of failing",
+          "[tiering][cache]") {
   cache_t::options opt;
   opt.storage.num_layers = 3;
   opt.storage.max_sequences = 2;
   opt.storage.pages_per_tier = {12, 64};  // four logical pages of FP8
-  opt.policy = policy::recency_anchor({.recent_pages = 1, .sink_pages = 1, .ema_alpha = 0.5f, .enter_mass = 3.0f,
-                                       .leave_mass = 1.5f, .min_dwell_steps = 1, .keep_first_layers = 0,
+  opt.policy = policy::recency_anchor({.recent_pages = 1,
+                                       .sink_pages = 1,
+                                       .ema_alpha = 0.5f,
+                                       .enter_mass = 3.0f,
+                                       .leave_mass = 1.5f,
+                                       .min_dwell_steps = 1,
+                                       .keep_first_layers = 0,
                                        .keep_last_layers = 0});
   opt.max_batch = 1;
   opt.max_pages = 32;

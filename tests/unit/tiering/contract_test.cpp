@@ -9,14 +9,15 @@
 #include <string>
 
 #include "catch.hpp"
-#include "tierkv/cache.hpp"
 #include "tiering_test_support.hpp"
+#include "tierkv/cache.hpp"
 
 using namespace tiering_test;
 
 namespace {
 
-using cache_t = tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
+using cache_t =
+    tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
 constexpr int D = tiny::head_dim, QH = tiny::q_heads;
 
 // Everything observable about a cache, as text: equal before and after a refused operation.
@@ -26,16 +27,18 @@ std::string snapshot(cache_t& c) {
   const auto& s = c.storage();
   s.for_each_sequence([&](seq_id q, std::int64_t len) {
     o << q << " length " << len << ':';
-    for (int l = 0; l < s.num_layers(); ++l) s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
+    for (int l = 0; l < s.num_layers(); ++l)
+      s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
     o << '\n';
   });
   s.for_each_block([&](block_ref b, int fill, std::uint32_t refs) {
     o << "block " << b.index << '@' << b.generation << " fill " << fill << " refs " << refs << '\n';
   });
-  for (int t = 0; t < cache_t::num_tiers; ++t) o << "tier " << t << " free " << s.free_pages(t) << '\n';
+  for (int t = 0; t < cache_t::num_tiers; ++t)
+    o << "tier " << t << " free " << s.free_pages(t) << '\n';
   const retier_stats& tot = c.controller().totals();
-  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed " << tot.failed
-    << " shadows " << c.controller().shadow_pages() << '\n';
+  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed "
+    << tot.failed << " shadows " << c.controller().shadow_pages() << '\n';
   return o.str();
 }
 
@@ -51,8 +54,13 @@ cache_t::options pressure_options() {
   opt.storage.num_layers = 3;
   opt.storage.max_sequences = 2;
   opt.storage.pages_per_tier = {12, 64};
-  opt.policy = policy::recency_anchor({.recent_pages = 1, .sink_pages = 0, .ema_alpha = 0.5f, .enter_mass = 3.0f,
-                                       .leave_mass = 1.5f, .min_dwell_steps = 1, .keep_first_layers = 0,
+  opt.policy = policy::recency_anchor({.recent_pages = 1,
+                                       .sink_pages = 0,
+                                       .ema_alpha = 0.5f,
+                                       .enter_mass = 3.0f,
+                                       .leave_mass = 1.5f,
+                                       .min_dwell_steps = 1,
+                                       .keep_first_layers = 0,
                                        .keep_last_layers = 0});
   opt.max_batch = 2;
   opt.max_pages = 32;
@@ -61,8 +69,10 @@ cache_t::options pressure_options() {
 
 }  // namespace
 
-TEST_CASE("tiered_cache::create refuses every bad option before allocating, naming it, its value and the limit",
-          "[tiering][cache][contract]") {
+TEST_CASE(
+    "tiered_cache::create refuses every bad option before allocating, naming it, its value and the "
+    "limit",
+    "[tiering][cache][contract]") {
   const auto base = [] {
     cache_t::options o;
     o.storage.num_layers = 2;
@@ -73,7 +83,8 @@ TEST_CASE("tiered_cache::create refuses every bad option before allocating, nami
     return o;
   };
   REQUIRE(cache_t::create(base()));
-  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
   struct bad_option {
     std::string name, value;
     std::function<void(cache_t::options&)> set;
@@ -95,9 +106,12 @@ TEST_CASE("tiered_cache::create refuses every bad option before allocating, nami
       {"pages_per_tier[0]", "1", [](auto& o) { o.storage.pages_per_tier[0] = 1; }},
       {"head_base", "-1", [](auto& o) { o.storage.head_base = -1; }},
       {"ema_alpha", "nan", [&](auto& o) { o.policy = policy::recency_anchor({.ema_alpha = nan}); }},
-      {"recent_pages", "-1", [](auto& o) { o.policy = policy::recency_anchor({.recent_pages = -1}); }},
-      {"leave_mass", "5", [](auto& o) { o.policy = policy::recency_anchor({.enter_mass = 4.f, .leave_mass = 5.f}); }},
-      {"promotion_reserve_percent", "101", [](auto& o) { o.tiering.promotion_reserve_percent = 101; }},
+      {"recent_pages", "-1",
+       [](auto& o) { o.policy = policy::recency_anchor({.recent_pages = -1}); }},
+      {"leave_mass", "5",
+       [](auto& o) { o.policy = policy::recency_anchor({.enter_mass = 4.f, .leave_mass = 5.f}); }},
+      {"promotion_reserve_percent", "101",
+       [](auto& o) { o.tiering.promotion_reserve_percent = 101; }},
       {"shadow_slack_percent", "-1", [](auto& o) { o.tiering.shadow_slack_percent = -1; }},
   };
   for (const bad_option& c : cases) {
@@ -105,7 +119,8 @@ TEST_CASE("tiered_cache::create refuses every bad option before allocating, nami
     cache_t::options o = base();
     c.set(o);
     failing_allocator meta;
-    meta.fail_every();  // an option checked only after an allocation would surface as injected_fault
+    meta.fail_every();  // an option checked only after an allocation would surface as
+                        // injected_fault
     auto r = cache_t::create(o, {}, std::move(meta));
     REQUIRE_FALSE(r);
     const status st = r.error_status();
@@ -134,7 +149,8 @@ TEST_CASE("a refused fork changes nothing, even where it would have had to make 
     REQUIRE_FALSE(f);
     CHECK(f.code() == errc::capacity_exhausted);
     CHECK(f.error_status().message().find("sequence slots") != std::string::npos);
-    CHECK(snapshot(*c) == before);  // no page of a was demoted to TQ3 for a fork that never happened
+    CHECK(snapshot(*c) ==
+          before);  // no page of a was demoted to TQ3 for a fork that never happened
   }
   SECTION("no bookkeeping memory for the child's page list") {
     const std::string before = snapshot(*c);
@@ -179,7 +195,7 @@ TEST_CASE("max_pages is enforced at append: a sequence never grows past what att
   CHECK(st.code() == errc::out_of_range);
   CHECK(st.message().find("max_pages") != std::string::npos);
   CHECK(st.message().find('5') != std::string::npos);
-  CHECK(snapshot(*c) == before);  // refused before make_room demoted anything
+  CHECK(snapshot(*c) == before);         // refused before make_room demoted anything
   REQUIRE(append_tokens(*c, s, 61, 4));  // exactly max_pages pages
   std::vector<float> q(QH * D, 0.5f), out(q.size());
   CHECK(c->attend(0, std::vector<seq_id>{s}, q, out));
@@ -199,10 +215,11 @@ TEST_CASE("attend refuses a NaN or Inf query, naming the batch row and head, and
   const std::vector<seq_id> batch{c->create_sequence().value(), c->create_sequence().value()};
   REQUIRE(append_tokens(*c, batch[0], 1, 20));
   REQUIRE(append_tokens(*c, batch[1], 100, 20));
-  std::vector<float> q(batch.size() * QH * D, 0.25f), out(q.size(), 7.f), mass(batch.size() * 32, 7.f),
-      lse(batch.size() * QH, 7.f);
-  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                          -std::numeric_limits<float>::infinity()}) {
+  std::vector<float> q(batch.size() * QH * D, 0.25f), out(q.size(), 7.f),
+      mass(batch.size() * 32, 7.f), lse(batch.size() * QH, 7.f);
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()}) {
     INFO("query value " << bad);
     std::vector<float> qb = q;
     qb[(1 * QH + 1) * D + 5] = bad;  // batch row 1, query head 1, dim 5
@@ -219,12 +236,16 @@ TEST_CASE("attend refuses a NaN or Inf query, naming the batch row and head, and
   for (float x : out) REQUIRE(std::isfinite(x));
 }
 
-TEST_CASE("retier with the Stale pool full reports deferred conversions, not failures", "[tiering][cache][contract]") {
+TEST_CASE("retier with the Stale pool full reports deferred conversions, not failures",
+          "[tiering][cache][contract]") {
   cache_t::options opt = pressure_options();
   opt.storage.max_sequences = 1;
   opt.storage.pages_per_tier = {30, 3};  // room for one layer of one logical page in TQ3
-  opt.policy = policy::recency_anchor({.recent_pages = 1, .sink_pages = 0, .min_dwell_steps = 0,
-                                       .keep_first_layers = 0, .keep_last_layers = 0});
+  opt.policy = policy::recency_anchor({.recent_pages = 1,
+                                       .sink_pages = 0,
+                                       .min_dwell_steps = 0,
+                                       .keep_first_layers = 0,
+                                       .keep_last_layers = 0});
   auto c = cache_t::create(opt).value();
   const seq_id s = c->create_sequence().value();
   REQUIRE(append_tokens(*c, s, 1, 6 * 16));  // six sealed pages: pages 0-4 are Stale, 15 demotions
@@ -254,7 +275,8 @@ TEST_CASE("retier with the Stale pool full reports deferred conversions, not fai
   REQUIRE(c->check_invariants());
 }
 
-TEST_CASE("a refused prefix start_sequence leaves the LRU order as it was", "[tiering][prefix][contract]") {
+TEST_CASE("a refused prefix start_sequence leaves the LRU order as it was",
+          "[tiering][prefix][contract]") {
   storage2::options so;
   so.num_layers = 1;
   so.max_sequences = 2;

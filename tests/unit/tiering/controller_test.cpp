@@ -35,7 +35,9 @@ std::unique_ptr<storage2> make_storage(std::uint32_t t0, std::uint32_t t1, int l
 }
 
 struct broken_policy {  // no keep_value
-  struct page_state { float x = 0; };
+  struct page_state {
+    float x = 0;
+  };
   void observe(page_state&, float) const {}
   tier_role choose(const page_state&, const page_facts&) const { return tier_role::stale; }
   std::uint64_t min_dwell_steps() const { return 0; }
@@ -106,7 +108,8 @@ TEST_CASE("recency_anchor: roles, hysteresis and demotion order", "[tiering][pol
   ps.observe(e, 10.0f);  // 4.9375
   CHECK(e.anchored);
 
-  // Demotion order under pressure: plain < anchored < sink < recent < sensitive layer; pinned never.
+  // Demotion order under pressure: plain < anchored < sink < recent < sensitive layer; pinned
+  // never.
   recency_anchor::page_state lo, hi;
   lo.ema = 0.5f;
   hi.ema = 5.0f;
@@ -132,7 +135,8 @@ TEST_CASE("recency_anchor: roles, hysteresis and demotion order", "[tiering][pol
   CHECK(controller2::create(*st, recency_anchor(bad)).code() == errc::invalid_argument);
 }
 
-TEST_CASE("controller: recency and sinks demote, attention mass promotes, dwell holds", "[tiering][controller]") {
+TEST_CASE("controller: recency and sinks demote, attention mass promotes, dwell holds",
+          "[tiering][controller]") {
   auto s = make_storage(32, 32);
   auto knobs = plain_knobs();
   knobs.min_dwell_steps = 3;
@@ -217,7 +221,9 @@ TEST_CASE("controller: sensitive layers, pinned pages and forks", "[tiering][con
   REQUIRE(c->check_invariants());
 }
 
-TEST_CASE("controller: memory pressure demotes the least valuable pages, or refuses without a change", "[tiering][controller]") {
+TEST_CASE(
+    "controller: memory pressure demotes the least valuable pages, or refuses without a change",
+    "[tiering][controller]") {
   auto s = make_storage(12, 6);
   auto knobs = plain_knobs();
   knobs.recent_pages = 2;
@@ -228,9 +234,10 @@ TEST_CASE("controller: memory pressure demotes the least valuable pages, or refu
   REQUIRE(c->observe_mass(q, 0, mass));
   REQUIRE(c->observe_mass(q, 1, mass));
   REQUIRE(c->pin(q, 1, 1));
-  (void)c->plan(0);  // folds the masses; the policy wants pages 1..2 stale only after dwell 0: apply nothing
-  // 4 free pages needed, 2 free: two demotions. Candidates by value: page 2 (mass 2.5, not anchored),
-  // then sink page 0; page 1 is pinned, pages 3-4 are recent.
+  (void)c->plan(
+      0);  // folds the masses; the policy wants pages 1..2 stale only after dwell 0: apply nothing
+  // 4 free pages needed, 2 free: two demotions. Candidates by value: page 2 (mass 2.5, not
+  // anchored), then sink page 0; page 1 is pinned, pages 3-4 are recent.
   REQUIRE(c->make_room(4));
   CHECK(s->free_pages(0) == 4);
   CHECK(s->page(q, 0, 2).value().format == 1);
@@ -256,7 +263,8 @@ TEST_CASE("controller: memory pressure demotes the least valuable pages, or refu
   REQUIRE(c->check_invariants());
 }
 
-TEST_CASE("controller: shadows make quick promotions lossless and give tier 0 back under pressure", "[tiering][controller]") {
+TEST_CASE("controller: shadows make quick promotions lossless and give tier 0 back under pressure",
+          "[tiering][controller]") {
   auto s = make_storage(24, 16, 1);
   auto knobs = plain_knobs();
   knobs.enter_mass = 3.0f;
@@ -295,7 +303,8 @@ TEST_CASE("controller: shadows make quick promotions lossless and give tier 0 ba
   CHECK(s->template pool<1>().live_count() == 0);
 }
 
-TEST_CASE("controller: faults at every conversion step of a retier keep every page", "[tiering][controller][faults]") {
+TEST_CASE("controller: faults at every conversion step of a retier keep every page",
+          "[tiering][controller][faults]") {
   auto s = make_storage(64, 64);
   auto c = controller2::create(*s, recency_anchor(plain_knobs())).value();
   const seq_id q = s->create_sequence().value();
@@ -348,7 +357,8 @@ TEST_CASE("controller: faults at every conversion step of a retier keep every pa
   CHECK(kept == injected);
 }
 
-TEST_CASE("controller: bookkeeping allocation failures leak nothing", "[tiering][controller][faults]") {
+TEST_CASE("controller: bookkeeping allocation failures leak nothing",
+          "[tiering][controller][faults]") {
   auto s = make_storage(16, 16);
   const std::size_t base = s->meta_alloc().bytes_allocated();
   const std::size_t line = s->lines().page_tables;
@@ -367,8 +377,10 @@ TEST_CASE("controller: bookkeeping allocation failures leak nothing", "[tiering]
   CHECK(s->meta_alloc().bytes_allocated() == base);
 }
 
-TEST_CASE("controller: two-phase stage / commit (a device fill) equals apply, and an unfilled batch changes nothing",
-          "[tiering][controller]") {
+TEST_CASE(
+    "controller: two-phase stage / commit (a device fill) equals apply, and an unfilled batch "
+    "changes nothing",
+    "[tiering][controller]") {
   auto a = make_storage(32, 32);
   auto b = make_storage(32, 32);
   auto knobs = plain_knobs();
@@ -389,7 +401,8 @@ TEST_CASE("controller: two-phase stage / commit (a device fill) equals apply, an
     retier_stats sb;
     const std::size_t n = cb->stage(plan_b, staged, sb);
     REQUIRE(n == 8);
-    for (std::size_t i = 0; i < n; ++i) CHECK(b->page_published(staged[i].from));  // nothing published yet
+    for (std::size_t i = 0; i < n; ++i)
+      CHECK(b->page_published(staged[i].from));  // nothing published yet
     conversion_counters counters;
     for (std::size_t i = 0; i < n; ++i) REQUIRE(fill_conversion_on_host(*b, staged[i], counters));
     // A holder of an old page (a device driver) keeps its slot alive past the publication.

@@ -12,7 +12,8 @@ using namespace tiering_test;
 namespace {
 
 template <class Storage>
-std::unique_ptr<Storage> make_storage(std::array<std::uint32_t, Storage::num_tiers> pages, int layers = 2) {
+std::unique_ptr<Storage> make_storage(std::array<std::uint32_t, Storage::num_tiers> pages,
+                                      int layers = 2) {
   typename Storage::options o;
   o.num_layers = layers;
   o.max_sequences = 8;
@@ -24,12 +25,13 @@ std::unique_ptr<Storage> make_storage(std::array<std::uint32_t, Storage::num_tie
 // What the converted page must hold: every vector of `src` (bytes of a page in tier
 // From) decoded with From's codecs and encoded with To's, assembled independently.
 template <class Storage, int From, int To>
-std::vector<std::uint8_t> reference_reencode(const Storage& s, const std::vector<std::uint8_t>& src, int layer) {
+std::vector<std::uint8_t> reference_reencode(const Storage& s, const std::vector<std::uint8_t>& src,
+                                             int layer) {
   using SL = typename Storage::template layout<From>;
   using TL = typename Storage::template layout<To>;
   std::vector<std::uint8_t> out(TL::page_bytes, 0);
-  const auto one = [&](auto scodec, auto tcodec, std::size_t sp, std::size_t sm, std::size_t tp, std::size_t tm,
-                       codec_context ctx) {
+  const auto one = [&](auto scodec, auto tcodec, std::size_t sp, std::size_t sm, std::size_t tp,
+                       std::size_t tm, codec_context ctx) {
     using SC = decltype(scodec);
     using TC = decltype(tcodec);
     float x[Storage::head_dim];
@@ -43,12 +45,15 @@ std::vector<std::uint8_t> reference_reencode(const Storage& s, const std::vector
   for (int h = 0; h < Storage::kv_heads; ++h)
     for (int t = 0; t < Storage::page_tokens; ++t) {
       const auto seed = s.config().codec_seed;
-      one(typename SL::key_codec{}, typename TL::key_codec{}, SL::key_payload(h, t), SL::key_meta(h, t),
-          TL::key_payload(h, t), TL::key_meta(h, t), make_codec_context(seed, layer, h, kv_role::key));
-      one(typename SL::value_codec{}, typename TL::value_codec{}, SL::value_payload(h, t), SL::value_meta(h, t),
-          TL::value_payload(h, t), TL::value_meta(h, t), make_codec_context(seed, layer, h, kv_role::value));
+      one(typename SL::key_codec{}, typename TL::key_codec{}, SL::key_payload(h, t),
+          SL::key_meta(h, t), TL::key_payload(h, t), TL::key_meta(h, t),
+          make_codec_context(seed, layer, h, kv_role::key));
+      one(typename SL::value_codec{}, typename TL::value_codec{}, SL::value_payload(h, t),
+          SL::value_meta(h, t), TL::value_payload(h, t), TL::value_meta(h, t),
+          make_codec_context(seed, layer, h, kv_role::value));
     }
-  // Alignment padding of the target layout is never written by either side: compare it as the page has it.
+  // Alignment padding of the target layout is never written by either side: compare it as the page
+  // has it.
   return out;
 }
 
@@ -61,15 +66,20 @@ bool same_regions(const std::vector<std::uint8_t>& a, const std::vector<std::uin
   const std::size_t vp = std::size_t(Layout::heads) * Layout::value_head_stride;
   const std::size_t km = std::size_t(Layout::heads) * Layout::tokens * K::meta_bytes;
   const std::size_t vm = std::size_t(Layout::heads) * Layout::tokens * V::meta_bytes;
-  return std::memcmp(a.data() + Layout::key_payload_offset, b.data() + Layout::key_payload_offset, kp) == 0 &&
-         std::memcmp(a.data() + Layout::value_payload_offset, b.data() + Layout::value_payload_offset, vp) == 0 &&
-         std::memcmp(a.data() + Layout::key_meta_offset, b.data() + Layout::key_meta_offset, km) == 0 &&
-         std::memcmp(a.data() + Layout::value_meta_offset, b.data() + Layout::value_meta_offset, vm) == 0;
+  return std::memcmp(a.data() + Layout::key_payload_offset, b.data() + Layout::key_payload_offset,
+                     kp) == 0 &&
+         std::memcmp(a.data() + Layout::value_payload_offset,
+                     b.data() + Layout::value_payload_offset, vp) == 0 &&
+         std::memcmp(a.data() + Layout::key_meta_offset, b.data() + Layout::key_meta_offset, km) ==
+             0 &&
+         std::memcmp(a.data() + Layout::value_meta_offset, b.data() + Layout::value_meta_offset,
+                     vm) == 0;
 }
 
 }  // namespace
 
-TEST_CASE("demotion FP8 -> TQ3 and promotion back are exact re-encodes within the codec bounds", "[tiering][conversion]") {
+TEST_CASE("demotion FP8 -> TQ3 and promotion back are exact re-encodes within the codec bounds",
+          "[tiering][conversion]") {
   auto s = make_storage<storage2>({16, 16});
   const auto tokens = seeds_from(1000, 40);  // two sealed pages and an open one
   const seq_id q = s->create_sequence().value();
@@ -87,8 +97,10 @@ TEST_CASE("demotion FP8 -> TQ3 and promotion back are exact re-encodes within th
   CHECK(now.format == 1);
   CHECK(s->block_page(b, layer) == now);
   CHECK(s->page(q, layer, 0).value() == now);
-  CHECK(s->check_page(old).code() == errc::double_release);  // the old page was freed, its id is stale
-  CHECK(same_regions<storage2::layout<1>>(bytes_of(*s, now), reference_reencode<storage2, 0, 1>(*s, src, layer)));
+  CHECK(s->check_page(old).code() ==
+        errc::double_release);  // the old page was freed, its id is stale
+  CHECK(same_regions<storage2::layout<1>>(bytes_of(*s, now),
+                                          reference_reencode<storage2, 0, 1>(*s, src, layer)));
   const page_error tq3_err = page_error_of(*s, q, layer, 0, tokens);
   CHECK(tq3_err.finite);
   CHECK(tq3_err.mean <= tq3_page_bound);
@@ -103,11 +115,13 @@ TEST_CASE("demotion FP8 -> TQ3 and promotion back are exact re-encodes within th
   const auto tq3_bytes = bytes_of(*s, now);
   const page_id back = convert_page(*s, b, layer, 0, counters).value();
   CHECK(back.format == 0);
-  CHECK(same_regions<storage2::layout<0>>(bytes_of(*s, back), reference_reencode<storage2, 1, 0>(*s, tq3_bytes, layer)));
+  CHECK(same_regions<storage2::layout<0>>(
+      bytes_of(*s, back), reference_reencode<storage2, 1, 0>(*s, tq3_bytes, layer)));
   const page_error round = page_error_of(*s, q, layer, 0, tokens);
   CHECK(round.mean <= tq3_page_bound + fp8_vector_bound);
 
-  // Repeated round trips do not drift: TQ3 re-quantizes its own reconstruction to (nearly) the same codes.
+  // Repeated round trips do not drift: TQ3 re-quantizes its own reconstruction to (nearly) the same
+  // codes.
   for (int i = 0; i < 10; ++i) {
     REQUIRE(convert_page(*s, b, layer, 1, counters));
     REQUIRE(convert_page(*s, b, layer, 0, counters));
@@ -118,7 +132,8 @@ TEST_CASE("demotion FP8 -> TQ3 and promotion back are exact re-encodes within th
   REQUIRE(s->check_invariants());
 }
 
-TEST_CASE("conversion refuses open pages, same-tier moves and bad arguments without a change", "[tiering][conversion]") {
+TEST_CASE("conversion refuses open pages, same-tier moves and bad arguments without a change",
+          "[tiering][conversion]") {
   auto s = make_storage<storage2>({16, 16});
   const seq_id q = s->create_sequence().value();
   REQUIRE(append_seeds(*s, q, seeds_from(7, 20)));
@@ -130,13 +145,15 @@ TEST_CASE("conversion refuses open pages, same-tier moves and bad arguments with
   CHECK(convert_page(*s, sealed, 0, 0, c).code() == errc::invalid_argument);
   CHECK(convert_page(*s, sealed, 2, 1, c).code() == errc::out_of_range);
   CHECK(convert_page(*s, sealed, 0, 2, c).code() == errc::out_of_range);
-  CHECK(convert_page(*s, block_ref{sealed.index, sealed.generation + 1}, 0, 1, c).code() == errc::stale_id);
+  CHECK(convert_page(*s, block_ref{sealed.index, sealed.generation + 1}, 0, 1, c).code() ==
+        errc::stale_id);
   CHECK(s->block_page(sealed, 0) == p0);
   CHECK(s->template pool<1>().live_count() == 0);
   REQUIRE(s->check_invariants());
 }
 
-TEST_CASE("a page shared by forks and the prefix index converts once and every holder sees it", "[tiering][conversion]") {
+TEST_CASE("a page shared by forks and the prefix index converts once and every holder sees it",
+          "[tiering][conversion]") {
   auto s = make_storage<storage2>({32, 16});
   const auto tokens = seeds_from(50, 36);
   const seq_id a = s->create_sequence().value();
@@ -172,7 +189,8 @@ TEST_CASE("a page shared by forks and the prefix index converts once and every h
   CHECK(s->template pool<0>().live_count() == 0);
 }
 
-TEST_CASE("moves between tiers with the same codecs are byte-exact copies", "[tiering][conversion]") {
+TEST_CASE("moves between tiers with the same codecs are byte-exact copies",
+          "[tiering][conversion]") {
   auto s = make_storage<storage3>({16, 16, 16});
   const seq_id q = s->create_sequence().value();
   const auto tokens = seeds_from(77, 32);
@@ -187,7 +205,8 @@ TEST_CASE("moves between tiers with the same codecs are byte-exact copies", "[ti
   REQUIRE(s->check_invariants());
 }
 
-TEST_CASE("a failure at any step leaves the old page published at its old id and tier", "[tiering][conversion][faults]") {
+TEST_CASE("a failure at any step leaves the old page published at its old id and tier",
+          "[tiering][conversion][faults]") {
   auto s = make_storage<storage2>({16, 16});
   const seq_id q = s->create_sequence().value();
   const auto tokens = seeds_from(300, 48);
@@ -203,7 +222,8 @@ TEST_CASE("a failure at any step leaves the old page published at its old id and
     for (std::uint64_t k = 1; k <= conversion_steps; ++k) {
       const page_id old = s->block_page(b, 0);
       const auto bytes = bytes_of(*s, old);
-      const auto live = std::array{s->template pool<0>().live_count(), s->template pool<1>().live_count()};
+      const auto live =
+          std::array{s->template pool<0>().live_count(), s->template pool<1>().live_count()};
       fault_injector f{0, k, 0};
       conversion_counters c;
       const auto r = convert_page(*s, b, 0, target, c, f);
@@ -213,7 +233,8 @@ TEST_CASE("a failure at any step leaves the old page published at its old id and
                       bytes_of(*s, old) == bytes;
       kept += ok ? 1 : 0;
       lost += ok ? 0 : 1;
-      CHECK(std::array{s->template pool<0>().live_count(), s->template pool<1>().live_count()} == live);
+      CHECK(std::array{s->template pool<0>().live_count(), s->template pool<1>().live_count()} ==
+            live);
       REQUIRE(s->check_invariants());
     }
   }
@@ -222,7 +243,8 @@ TEST_CASE("a failure at any step leaves the old page published at its old id and
   CHECK(kept == injected);
 }
 
-TEST_CASE("full target pool, a stale publish and non-finite sources fail cleanly", "[tiering][conversion][faults]") {
+TEST_CASE("full target pool, a stale publish and non-finite sources fail cleanly",
+          "[tiering][conversion][faults]") {
   auto s = make_storage<storage2>({16, 2});
   const seq_id q = s->create_sequence().value();
   REQUIRE(append_seeds(*s, q, seeds_from(5, 48)));

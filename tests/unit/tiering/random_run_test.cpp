@@ -9,9 +9,9 @@
 #include <tuple>
 
 #include "catch.hpp"
+#include "tiering_test_support.hpp"
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/paging/index_builder.hpp"
-#include "tiering_test_support.hpp"
 
 using namespace tiering_test;
 using tierkv::policy::recency_anchor;
@@ -20,8 +20,10 @@ using controller2 = tier_controller<storage2>;
 namespace {
 
 struct run_totals {
-  std::uint64_t steps = 0, conversions = 0, promotions = 0, demotions = 0, pressure = 0, shadow_hits = 0;
-  std::uint64_t faults = 0, faulted_kept = 0, lost = 0, refused_appends = 0, decodes = 0, content_checks = 0;
+  std::uint64_t steps = 0, conversions = 0, promotions = 0, demotions = 0, pressure = 0,
+                shadow_hits = 0;
+  std::uint64_t faults = 0, faulted_kept = 0, lost = 0, refused_appends = 0, decodes = 0,
+                content_checks = 0;
   double worst_fp8 = 0, worst_tq3_mean = 0;
 };
 
@@ -94,7 +96,9 @@ struct runner {
       ok = ok && s->block_page(b, layer).format == 0 && e.max <= fp8_vector_bound;
       t.worst_fp8 = std::max(t.worst_fp8, e.max);
     }
-    if (!ok) FAIL("page " << i << " layer " << layer << " of " << q << ": error mean " << e.mean << ", max " << e.max);
+    if (!ok)
+      FAIL("page " << i << " layer " << layer << " of " << q << ": error mean " << e.mean
+                   << ", max " << e.max);
   }
   void check_all_content() {
     for (auto& [id, entry] : model) {
@@ -166,7 +170,8 @@ struct runner {
     const auto& tok = tokens_of(*q);
     const std::uint64_t target = tok[std::size_t(pick(tok.size()))];
     for (int h = 0; h < QH; ++h)
-      for (int d = 0; d < D; ++d) query[h * D + d] = 3.0f * gauss(target, layer, h / tiny::group_size, 0, d);
+      for (int d = 0; d < D; ++d)
+        query[h * D + d] = 3.0f * gauss(target, layer, h / tiny::group_size, 0, d);
     std::vector<float> mass(64, -1.0f);
     const auto pools = s->views();
     host_decode_args<2> a;
@@ -194,7 +199,8 @@ struct runner {
     const auto planned = c->plan(step);
     const std::vector<conversion> plan(planned.begin(), planned.end());
     std::vector<page_id> before(plan.size());
-    for (std::size_t i = 0; i < plan.size(); ++i) before[i] = s->block_page(plan[i].block, plan[i].layer);
+    for (std::size_t i = 0; i < plan.size(); ++i)
+      before[i] = s->block_page(plan[i].block, plan[i].layer);
     fault_injector f;
     if (!plan.empty() && pick(4) == 0) f.fail_at = pick(plan.size() * conversion_steps) + 1;
     const retier_stats st = c->apply(plan, f);
@@ -214,7 +220,8 @@ struct runner {
       if (unchanged) ++kept;
     }
     REQUIRE(t.lost == 0);
-    // Every conversion either completed or (the faulted one, or one deferred by the reserve) kept its page.
+    // Every conversion either completed or (the faulted one, or one deferred by the reserve) kept
+    // its page.
     REQUIRE(plan.size() - kept == st.converted);
     if (f.injected) ++t.faulted_kept;  // checked above: the faulted page is among the unchanged
     // Converted pages: their content against the originals.
@@ -257,11 +264,16 @@ struct runner {
   void run(std::uint64_t steps) {
     for (std::uint64_t i = 0; i < steps; ++i) {
       const std::uint64_t op = pick(100);
-      if (op < 35) do_append();
-      else if (op < 65) do_decode();
-      else if (op < 85) do_retier();
-      else if (op < 93) do_fork();
-      else do_release();
+      if (op < 35)
+        do_append();
+      else if (op < 65)
+        do_decode();
+      else if (op < 85)
+        do_retier();
+      else if (op < 93)
+        do_fork();
+      else
+        do_release();
       check_structure();
       if (i % 2500 == 2499) check_all_content();
       ++t.steps;
@@ -280,7 +292,8 @@ struct runner {
 
 }  // namespace
 
-TEST_CASE("randomized long runs keep every live page, its content and the page counts", "[tiering][random]") {
+TEST_CASE("randomized long runs keep every live page, its content and the page counts",
+          "[tiering][random]") {
   run_totals t;
   constexpr int runs = 8;
   constexpr std::uint64_t steps_per_run = 12500;  // 10^5 steps in total
@@ -288,10 +301,11 @@ TEST_CASE("randomized long runs keep every live page, its content and the page c
     runner x(0xC0FFEEull + std::uint64_t(r) * 7919, t);
     x.run(steps_per_run);
   }
-  INFO("conversions " << t.conversions << ", promotions " << t.promotions << ", demotions " << t.demotions
-                      << ", shadow hits " << t.shadow_hits << ", faults " << t.faults << ", refused appends "
-                      << t.refused_appends << ", decodes " << t.decodes << ", content checks " << t.content_checks
-                      << ", worst fp8 " << t.worst_fp8 << ", worst tq3 page mean " << t.worst_tq3_mean);
+  INFO("conversions " << t.conversions << ", promotions " << t.promotions << ", demotions "
+                      << t.demotions << ", shadow hits " << t.shadow_hits << ", faults " << t.faults
+                      << ", refused appends " << t.refused_appends << ", decodes " << t.decodes
+                      << ", content checks " << t.content_checks << ", worst fp8 " << t.worst_fp8
+                      << ", worst tq3 page mean " << t.worst_tq3_mean);
   CHECK(t.steps == runs * steps_per_run);
   CHECK(t.lost == 0);
   CHECK(t.faulted_kept == t.faults);
@@ -301,7 +315,8 @@ TEST_CASE("randomized long runs keep every live page, its content and the page c
   CHECK(t.faults > 100);
   CHECK(t.refused_appends > 0);
   CHECK(t.content_checks > 10000);
-  WARN("random runs: conversions " << t.conversions << ", promotions " << t.promotions << ", shadow hits "
-                                   << t.shadow_hits << ", faults " << t.faults << ", worst tq3 page mean "
-                                   << t.worst_tq3_mean << ", worst fp8 vector " << t.worst_fp8);
+  WARN("random runs: conversions " << t.conversions << ", promotions " << t.promotions
+                                   << ", shadow hits " << t.shadow_hits << ", faults " << t.faults
+                                   << ", worst tq3 page mean " << t.worst_tq3_mean
+                                   << ", worst fp8 vector " << t.worst_fp8);
 }

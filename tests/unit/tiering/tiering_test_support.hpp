@@ -44,9 +44,11 @@ inline constexpr double tq3_vector_bound = 0.25;
 // runs recompute originals for every content check; TQ3's rotation makes the codec see
 // near-Gaussian coordinates either way.
 inline float gauss(std::uint64_t seed, int layer, int head, int role, int d) {
-  const std::uint64_t k = mix64(seed * 0x9E3779B97F4A7C15ull ^ (std::uint64_t(layer) << 40 | std::uint64_t(head) << 24 |
-                                                                std::uint64_t(role) << 16 | std::uint64_t(d)));
-  const float sum = float(k & 0xFFFF) + float((k >> 16) & 0xFFFF) + float((k >> 32) & 0xFFFF) + float(k >> 48);
+  const std::uint64_t k =
+      mix64(seed * 0x9E3779B97F4A7C15ull ^ (std::uint64_t(layer) << 40 | std::uint64_t(head) << 24 |
+                                            std::uint64_t(role) << 16 | std::uint64_t(d)));
+  const float sum =
+      float(k & 0xFFFF) + float((k >> 16) & 0xFFFF) + float((k >> 32) & 0xFFFF) + float(k >> 48);
   return (sum / 65536.0f - 2.0f) * 1.7320508f;
 }
 
@@ -58,7 +60,8 @@ inline std::vector<std::uint64_t> seeds_from(std::uint64_t base, int n) {
 
 // keys / values of the given tokens, laid out [layer][token][head][dim].
 template <class Storage>
-void make_kv(int layers, const std::vector<std::uint64_t>& seeds, std::vector<float>& keys, std::vector<float>& values) {
+void make_kv(int layers, const std::vector<std::uint64_t>& seeds, std::vector<float>& keys,
+             std::vector<float>& values) {
   constexpr int H = Storage::kv_heads, D = Storage::head_dim;
   keys.resize(std::size_t(layers) * seeds.size() * H * D);
   values.resize(keys.size());
@@ -80,7 +83,8 @@ status append_seeds(Storage& s, seq_id seq, const std::vector<std::uint64_t>& se
 }
 
 // Relative squared error of one decoded vector against the original.
-inline double rel_err(const float* got, std::uint64_t seed, int layer, int head, int role, int dim) {
+inline double rel_err(const float* got, std::uint64_t seed, int layer, int head, int role,
+                      int dim) {
   double num = 0, den = 0;
   for (int d = 0; d < dim; ++d) {
     const double x = gauss(seed, layer, head, role, d);
@@ -103,7 +107,8 @@ page_error page_error_of(const Storage& s, seq_id seq, int layer, std::int64_t l
   page_error e;
   int n = 0;
   float k[D], v[D];
-  for (std::int64_t t = logical * T; t < std::min<std::int64_t>((logical + 1) * T, std::int64_t(tokens.size())); ++t)
+  for (std::int64_t t = logical * T;
+       t < std::min<std::int64_t>((logical + 1) * T, std::int64_t(tokens.size())); ++t)
     for (int h = 0; h < Storage::kv_heads; ++h) {
       if (!s.read_token(seq, layer, t, h, k, v)) return page_error{1e9, 1e9, false};
       for (int d = 0; d < D; ++d) e.finite = e.finite && std::isfinite(k[d]) && std::isfinite(v[d]);

@@ -29,8 +29,9 @@ std::unique_ptr<paged_storage<G, Tiers>> make(int head_base = 0) {
 // Rank r of T, through rank_options (the contract's way to make a rank).
 template <class G, class Tiers>
 std::unique_ptr<paged_storage<G, Tiers>> make_rank(int ranks, int rank) {
-  const auto o = rank_options(typename paged_storage<G, Tiers>::options{layers, 4, {64, 64}, 0xabcull},
-                              geo::kv_heads, ranks, rank);
+  const auto o =
+      rank_options(typename paged_storage<G, Tiers>::options{layers, 4, {64, 64}, 0xabcull},
+                   geo::kv_heads, ranks, rank);
   REQUIRE(o);
   return paged_storage<G, Tiers>::create(*o).value();
 }
@@ -43,7 +44,8 @@ void tensor_parallel(std::uint64_t rng_seed) {
   auto whole = make<geo, Tiers>();
   std::vector<std::unique_ptr<paged_storage<rank_geo, Tiers>>> ranks;
   for (int r = 0; r < T; ++r) ranks.push_back(make_rank<rank_geo, Tiers>(T, r));
-  for (int r = 0; r < T; ++r) CHECK(ranks[std::size_t(r)]->config().head_base == r * geo::kv_heads / T);
+  for (int r = 0; r < T; ++r)
+    CHECK(ranks[std::size_t(r)]->config().head_base == r * geo::kv_heads / T);
   const seq_id sw = whole->create_sequence().value();
   std::vector<seq_id> sr;
   for (auto& r : ranks) sr.push_back(r->create_sequence().value());
@@ -67,9 +69,11 @@ void tensor_parallel(std::uint64_t rng_seed) {
     for (int l = 0; l < layers; ++l)
       if (rng() % 2) {
         REQUIRE(retier(*whole, sw, j, l, 1));
-        for (int r = 0; r < T; ++r) REQUIRE(retier(*ranks[std::size_t(r)], sr[std::size_t(r)], j, l, 1));
+        for (int r = 0; r < T; ++r)
+          REQUIRE(retier(*ranks[std::size_t(r)], sr[std::size_t(r)], j, l, 1));
       }
-  for (int r = 1; r < T; ++r) CHECK(compare_page_tables(*ranks[0], sr[0], *ranks[std::size_t(r)], sr[std::size_t(r)]));
+  for (int r = 1; r < T; ++r)
+    CHECK(compare_page_tables(*ranks[0], sr[0], *ranks[std::size_t(r)], sr[std::size_t(r)]));
   CHECK(compare_page_tables(*ranks[0], sr[0], *whole, sw));  // same ops, same pools: same ids
   for (auto& r : ranks) CHECK(r->check_invariants());
 
@@ -103,28 +107,33 @@ void tensor_parallel(std::uint64_t rng_seed) {
     const std::int64_t n = rk.logical_pages(sr[std::size_t(r)]).value();
     for (std::int64_t j = 0; j < n; ++j)
       for (int l = 0; l < layers; ++l)
-        CHECK(pages_equal(rk, rk.page(sr[std::size_t(r)], l, j).value(), *fresh, fresh->page(*d, l, j).value(),
-                          fill_of(rk, sr[std::size_t(r)], j)));
+        CHECK(pages_equal(rk, rk.page(sr[std::size_t(r)], l, j).value(), *fresh,
+                          fresh->page(*d, l, j).value(), fill_of(rk, sr[std::size_t(r)], j)));
   }
 }
 }  // namespace
 
-TEST_CASE("tensor parallel, 2 ranks: identical tables, joined outputs equal the unsharded cache", "[transfer][tp]") {
+TEST_CASE("tensor parallel, 2 ranks: identical tables, joined outputs equal the unsharded cache",
+          "[transfer][tp]") {
   tensor_parallel<two, 2>(21);
 }
-TEST_CASE("tensor parallel, 4 ranks: identical tables, joined outputs equal the unsharded cache", "[transfer][tp]") {
+TEST_CASE("tensor parallel, 4 ranks: identical tables, joined outputs equal the unsharded cache",
+          "[transfer][tp]") {
   tensor_parallel<two, 4>(22);
 }
-TEST_CASE("tensor parallel with TQ3 tiers, 2 ranks: joined outputs equal the unsharded cache bit for bit",
-          "[transfer][tp]") {
+TEST_CASE(
+    "tensor parallel with TQ3 tiers, 2 ranks: joined outputs equal the unsharded cache bit for bit",
+    "[transfer][tp]") {
   tensor_parallel<fp8_tq3, 2>(23);
 }
-TEST_CASE("tensor parallel with TQ3 tiers, 4 ranks: joined outputs equal the unsharded cache bit for bit",
-          "[transfer][tp]") {
+TEST_CASE(
+    "tensor parallel with TQ3 tiers, 4 ranks: joined outputs equal the unsharded cache bit for bit",
+    "[transfer][tp]") {
   tensor_parallel<fp8_tq3, 4>(24);
 }
 
-TEST_CASE("TQ3 pages of a rank made without head_base are not the unsharded cache's", "[transfer][tp]") {
+TEST_CASE("TQ3 pages of a rank made without head_base are not the unsharded cache's",
+          "[transfer][tp]") {
   // The control for the cases above: rank 1's heads encoded with local contexts (head_base 0)
   // decode differently from the same heads of the unsharded cache; with head_base they agree.
   using rank_geo = shard_geometry_t<geo, 2>;
@@ -185,6 +194,8 @@ TEST_CASE("head helpers reject bad splits", "[transfer][tp]") {
   CHECK(h.q_count == 4);
   std::vector<float> all(2 * 4 * 2), part(2 * 2 * 2);
   CHECK(slice_heads(all, 4, 2, 3, 2, part).code() == errc::out_of_range);
-  CHECK(slice_heads(all, 4, 2, 1, 2, std::span<float>(part.data(), 3)).code() == errc::invalid_argument);
-  CHECK(join_heads(std::span<const float>(part.data(), 5), 4, 2, 0, 2, all).code() == errc::invalid_argument);
+  CHECK(slice_heads(all, 4, 2, 1, 2, std::span<float>(part.data(), 3)).code() ==
+        errc::invalid_argument);
+  CHECK(join_heads(std::span<const float>(part.data(), 5), 4, 2, 0, 2, all).code() ==
+        errc::invalid_argument);
 }

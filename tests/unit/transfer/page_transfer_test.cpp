@@ -45,7 +45,8 @@ seq_id fill(storage_t& s, std::mt19937_64& rng, std::int64_t tokens) {
   if (tokens >= 3) {
     std::fill_n(k.begin(), geo::head_dim, 0.f);
     std::fill_n(v.begin() + geo::head_dim * geo::kv_heads, geo::head_dim, 3e38f);
-    std::fill_n(k.begin() + 2 * geo::head_dim * geo::kv_heads, geo::head_dim, std::numeric_limits<float>::denorm_min());
+    std::fill_n(k.begin() + 2 * geo::head_dim * geo::kv_heads, geo::head_dim,
+                std::numeric_limits<float>::denorm_min());
   }
   REQUIRE(s.append(q, tokens, k, v));
   const std::int64_t full = tokens / geo::page_tokens;
@@ -61,12 +62,14 @@ struct snapshot {
   bool operator==(const snapshot&) const = default;
 };
 snapshot snap(const storage_t& s) {
-  return {s.live_sequences(), s.live_blocks(), s.free_pages(0), s.free_pages(1), s.meta_alloc().bytes_allocated()};
+  return {s.live_sequences(), s.live_blocks(), s.free_pages(0), s.free_pages(1),
+          s.meta_alloc().bytes_allocated()};
 }
 
 // Re-seals a buffer after a deliberate edit, so a check after the checksum is reached.
 void reseal(std::vector<std::uint8_t>& b) {
-  const std::uint64_t c = detail::transfer_checksum(std::span<const std::uint8_t>(b.data(), b.size() - 8));
+  const std::uint64_t c =
+      detail::transfer_checksum(std::span<const std::uint8_t>(b.data(), b.size() - 8));
   std::memcpy(b.data() + b.size() - 8, &c, 8);
 }
 
@@ -92,12 +95,14 @@ TEST_CASE("transfer checksum: every single-byte change is detected", "[transfer]
     CHECK(detail::transfer_checksum(b) != c0);
     b[i] ^= 0x10;
   }
-  CHECK(detail::transfer_checksum(std::span<const std::uint8_t>(b.data(), 76)) != c0);  // length counts
+  CHECK(detail::transfer_checksum(std::span<const std::uint8_t>(b.data(), 76)) !=
+        c0);  // length counts
 }
 
 TEST_CASE("export/import round trip: byte-identical pages, identical decode", "[transfer]") {
   std::mt19937_64 rng(11);
-  for (std::int64_t tokens : {std::int64_t(1), std::int64_t(16), std::int64_t(16 * 5 + 7), std::int64_t(16 * 6)}) {
+  for (std::int64_t tokens :
+       {std::int64_t(1), std::int64_t(16), std::int64_t(16 * 5 + 7), std::int64_t(16 * 6)}) {
     CAPTURE(tokens);
     auto src = make();
     const seq_id q = fill(*src, rng, tokens);
@@ -183,15 +188,16 @@ TEST_CASE("import verifies first and imports nothing on any mismatch", "[transfe
     refused(b, errc::corrupt_data, "version 1");
   }
   SECTION("checksum failure anywhere") {
-    for (std::size_t i : {std::size_t(20), std::size_t(100), good.size() / 2, good.size() - 9, good.size() - 1}) {
+    for (std::size_t i :
+         {std::size_t(20), std::size_t(100), good.size() / 2, good.size() - 9, good.size() - 1}) {
       auto b = good;
       b[i] ^= 0x01;
       refused(b, errc::corrupt_data, i < 24 && i >= 16 ? "bytes" : "checksum");
     }
   }
   SECTION("truncated at every record boundary and inside") {
-    for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(80), std::size_t(100), good.size() / 3,
-                          good.size() - 8, good.size() - 1}) {
+    for (std::size_t n : {std::size_t(0), std::size_t(7), std::size_t(80), std::size_t(100),
+                          good.size() / 3, good.size() - 8, good.size() - 1}) {
       auto b = std::vector<std::uint8_t>(good.begin(), good.begin() + std::ptrdiff_t(n));
       refused(b, errc::corrupt_data, "truncated");
     }
@@ -270,7 +276,7 @@ TEST_CASE("import into full pools or failing bookkeeping imports nothing", "[tra
   }
   SECTION("tier 0 at its peak") {
     const std::uint64_t peak = info.pages_per_tier[0] + layers;  // upper bound of the need
-    auto dst = make(std::uint32_t(layers), 64);                   // room for one logical page only
+    auto dst = make(std::uint32_t(layers), 64);                  // room for one logical page only
     const snapshot before = snap(*dst);
     CHECK(import_pages(*dst, buf).code() == errc::capacity_exhausted);
     CHECK(snap(*dst) == before);
@@ -295,7 +301,8 @@ TEST_CASE("import into full pools or failing bookkeeping imports nothing", "[tra
       dst->meta_alloc().reset();
       REQUIRE(dst->check_invariants());
       if (r) {
-        CHECK(pages_equal(*src, src->page(q, 2, 5).value(), *dst, dst->page(*r, 2, 5).value(), fill_of(*src, q, 5)));
+        CHECK(pages_equal(*src, src->page(q, 2, 5).value(), *dst, dst->page(*r, 2, 5).value(),
+                          fill_of(*src, q, 5)));
         check_same_outputs(*src, q, *dst, *r, rng);
         break;
       }
@@ -310,8 +317,10 @@ TEST_CASE("import into full pools or failing bookkeeping imports nothing", "[tra
   }
 }
 
-TEST_CASE("head slices: context-free formats import anywhere, TQ3 where head_base is the slice's first head",
-          "[transfer]") {
+TEST_CASE(
+    "head slices: context-free formats import anywhere, TQ3 where head_base is the slice's first "
+    "head",
+    "[transfer]") {
   std::mt19937_64 rng(15);
   auto src = make();
   const seq_id q = fill(*src, rng, 16 * 3 + 6);
@@ -392,7 +401,8 @@ TEST_CASE("head slices: context-free formats import anywhere, TQ3 where head_bas
   CHECK(export_pages(*src, q, 0, -1, head_slice{3, 2}).code() == errc::out_of_range);
 }
 
-TEST_CASE("export of a partial page: zero bytes past the fill, whatever the page held", "[transfer]") {
+TEST_CASE("export of a partial page: zero bytes past the fill, whatever the page held",
+          "[transfer]") {
   std::mt19937_64 rng(16);
   auto src = make();
   const int fill5 = 5;
@@ -429,8 +439,10 @@ TEST_CASE("export of a partial page: zero bytes past the fill, whatever the page
             for (int h = 0; h < hs.count; ++h) {
               const std::size_t head = r.dst[k] + std::size_t(h) * geo::page_tokens * units[k];
               const std::size_t shead = r.src[k] + std::size_t(h) * geo::page_tokens * units[k];
-              for (std::size_t i = fill * units[k]; i < geo::page_tokens * units[k]; ++i) nonzero += page[head + i] != 0;
-              differ += std::memcmp(page + head, sp + shead, fill * units[k]) != 0;  // the filled part is copied
+              for (std::size_t i = fill * units[k]; i < geo::page_tokens * units[k]; ++i)
+                nonzero += page[head + i] != 0;
+              differ += std::memcmp(page + head, sp + shead, fill * units[k]) !=
+                        0;  // the filled part is copied
             }
           CHECK(nonzero == 0);
           CHECK(differ == 0);
@@ -444,7 +456,8 @@ TEST_CASE("export of a partial page: zero bytes past the fill, whatever the page
     for (int l = 0; l < layers; ++l) {
       auto pb = src->page_bytes(src->page(q, l, last).value()).value();
       for (int h = 0; h < geo::kv_heads; ++h)
-        for (int t = fill5; t < geo::page_tokens; ++t) pb[L::value_payload(h, t)] = std::uint8_t(rng());
+        for (int t = fill5; t < geo::page_tokens; ++t)
+          pb[L::value_payload(h, t)] = std::uint8_t(rng());
     }
     CHECK(export_pages(*src, q, 0, -1, hs).value() == buf);
   }
@@ -456,7 +469,8 @@ TEST_CASE("export of a partial page: zero bytes past the fill, whatever the page
     auto pd = dst->page_bytes(dst->page(*d, l, last).value()).value();
     CHECK(pd[L::key_payload(3, fill5)] == 0);
     CHECK(pd[L::value_meta(3, geo::page_tokens - 1)] == 0);
-    CHECK(pages_equal(*src, src->page(q, l, last).value(), *dst, dst->page(*d, l, last).value(), fill5));
+    CHECK(pages_equal(*src, src->page(q, l, last).value(), *dst, dst->page(*d, l, last).value(),
+                      fill5));
   }
   CHECK(export_pages(*dst, *d).value() == buf);
 }

@@ -22,22 +22,26 @@
 namespace tierkv::test_transfer {
 
 // [layer][token][kv_head][dim] floats: Gaussian with a few large channels (keys look like that).
-inline std::vector<float> random_kv(std::mt19937_64& rng, int layers, std::int64_t tokens, int heads, int dim) {
+inline std::vector<float> random_kv(std::mt19937_64& rng, int layers, std::int64_t tokens,
+                                    int heads, int dim) {
   std::normal_distribution<float> g(0.f, 1.f);
-  std::vector<float> x(std::size_t(layers) * std::size_t(tokens) * std::size_t(heads) * std::size_t(dim));
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = g(rng) * ((i % std::size_t(dim)) < 2 ? 8.f : 1.f);
+  std::vector<float> x(std::size_t(layers) * std::size_t(tokens) * std::size_t(heads) *
+                       std::size_t(dim));
+  for (std::size_t i = 0; i < x.size(); ++i)
+    x[i] = g(rng) * ((i % std::size_t(dim)) < 2 ? 8.f : 1.f);
   return x;
 }
 
 // One decode step of one layer for one sequence: out [q_heads][head_dim], lse [q_heads].
 template <class Storage>
-status decode_layer(const Storage& s, seq_id seq, int layer, std::span<const float> queries, std::vector<float>& out,
-                    std::vector<float>& lse) {
+status decode_layer(const Storage& s, seq_id seq, int layer, std::span<const float> queries,
+                    std::vector<float>& out, std::vector<float>& lse) {
   using G = typename Storage::geometry;
   const index_layout<Storage::num_tiers> layout{1, 512};
   std::vector<std::uint8_t> buf(layout.bytes());
   const seq_id batch[1] = {seq};
-  auto view = build_batch_index(s, layer, std::span<const seq_id>(batch, 1), layout, std::span<std::uint8_t>(buf));
+  auto view = build_batch_index(s, layer, std::span<const seq_id>(batch, 1), layout,
+                                std::span<std::uint8_t>(buf));
   if (!view) return view.error_status();
   out.assign(std::size_t(G::q_heads) * G::head_dim, -1.f);
   lse.assign(std::size_t(G::q_heads), -1.f);
@@ -91,7 +95,8 @@ bool pages_equal(SA& a, page_id pa, SB& b, page_id pb, int fill = -1) {
       for (int t = 0; t < fill; ++t)
         same = same && eq(L::key_payload(h, t), L::key_codec::payload_bytes) &&
                eq(L::value_payload(h, t), L::value_codec::payload_bytes) &&
-               eq(L::key_meta(h, t), L::key_codec::meta_bytes) && eq(L::value_meta(h, t), L::value_codec::meta_bytes);
+               eq(L::key_meta(h, t), L::key_codec::meta_bytes) &&
+               eq(L::value_meta(h, t), L::value_codec::meta_bytes);
   });
   return same;
 }

@@ -25,7 +25,8 @@ __device__ __forceinline__ std::uint32_t prmt(std::uint32_t a, std::uint32_t b, 
   return r;
 }
 // The bits of a where m is set, of b elsewhere (one lop3).
-__device__ __forceinline__ std::uint32_t bit_select(std::uint32_t a, std::uint32_t b, std::uint32_t m) {
+__device__ __forceinline__ std::uint32_t bit_select(std::uint32_t a, std::uint32_t b,
+                                                    std::uint32_t m) {
   std::uint32_t r;
   asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
   return r;

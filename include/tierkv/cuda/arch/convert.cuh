@@ -16,14 +16,17 @@ __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
 }
 // Two E4M3 codes (low 16 bits) -> f16x2, exact.
 __device__ __forceinline__ std::uint32_t fp8x2_to_h2(std::uint32_t w) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  const __half2_raw r =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
   return std::uint32_t(r.x) | (std::uint32_t(r.y) << 16);
 }
 // Two E4M3 codes (high 16 bits) -> f16x2, exact: the cvt reads the register's high half
 // (F2FP ... .H1), where `w >> 16` took a shift per pair.
 __device__ __forceinline__ std::uint32_t fp8x2_hi_to_h2(std::uint32_t w) {
   std::uint32_t r;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(w));
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}"
+      : "=r"(r)
+      : "r"(w));
   return r;
 }
 // int8 x2 (bytes 0, 1: Sel = 0x4140; bytes 2, 3: 0x4342) -> half2, exact: byte b + 128 placed
@@ -31,7 +34,8 @@ __device__ __forceinline__ std::uint32_t fp8x2_hi_to_h2(std::uint32_t w) {
 template <unsigned Sel>
 __device__ __forceinline__ std::uint32_t s8x2_to_h2(std::uint32_t w) {
   const std::uint32_t h = __byte_perm(w ^ 0x80808080u, 0x64646464u, Sel);
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __half2(__half(1152.f), __half(1152.f)));
+  const __half2 r =
+      __hsub2(*reinterpret_cast<const __half2*>(&h), __half2(__half(1152.f), __half(1152.f)));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
 

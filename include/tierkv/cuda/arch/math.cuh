@@ -8,12 +8,13 @@
 namespace tierkv::cuda::detail {
 
 // The step's exponentials and logarithms on the MUFU unit alone: exp2f / log2f compile to ~8 /
-// ~30 instructions of range handling each (SASS of run 8: 12 exp2 and 2 log2 per 16-token
-// step, ~150 of a TQ3 step's ~1260 instructions at d = 256). ex2.approx: ~2 ulp, results below
-// 2^-126 flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx.ftz: ~2^-22
-// absolute, 0 and inputs below 2^-126 -> -inf (a value scale that small weighs its token's
-// value by 0; the non-ftz form took 3 more instructions per meta). The f16 probabilities that
-// consume them keep 11 bits.
+// ~30 instructions of range handling each (SASS,
+// bench/results/decode/ab/ab-h200-2026-11-30-staging.txt: 12 exp2 and 2 log2 per 16-token step,
+// ~150 of a TQ3 step's ~1260 instructions at d = 256). ex2.approx: ~2 ulp, results below 2^-126
+// flush to 0 (probabilities that small add nothing to an f32 sum); lg2.approx.ftz: ~2^-22 absolute,
+// 0 and inputs below 2^-126 -> -inf (a value scale that small weighs its token's value by 0; the
+// non-ftz form took 3 more instructions per meta). The f16 probabilities that consume them keep 11
+// bits.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -8,8 +8,8 @@
 #include <cstdint>
 namespace tierkv::cuda::detail {
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                                          std::uint32_t b1) {
+__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
+                                          std::uint32_t b0, std::uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -18,7 +18,8 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
 }
 // A with every element a (a bias): rows g and g + 8 of the product are equal, so only row g's
 // two columns are accumulated (2 live registers instead of 4; d = 128 spills at the cap).
-__device__ __forceinline__ void mma_16816_uniform_a(float (&c)[2], std::uint32_t a, std::uint32_t b0, std::uint32_t b1) {
+__device__ __forceinline__ void mma_16816_uniform_a(float (&c)[2], std::uint32_t a,
+                                                    std::uint32_t b0, std::uint32_t b1) {
   asm volatile(
       "{\n.reg .f32 d2, d3;\n"
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,d2,d3}, {%2,%2,%2,%2}, {%3,%4}, "
@@ -29,7 +30,8 @@ __device__ __forceinline__ void mma_16816_uniform_a(float (&c)[2], std::uint32_t
 // int8 (or uint8: UnsignedA) x int8 -> int32, exact: the key products of TQ3, TQ4 and
 // int8_rotated (native IMMA.16832 on sm_90).
 template <bool UnsignedA>
-__device__ __forceinline__ void mma_16832_s8(int (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+__device__ __forceinline__ void mma_16832_s8(int (&c)[4], const std::uint32_t (&a)[4],
+                                             std::uint32_t b0, std::uint32_t b1) {
   if constexpr (UnsignedA) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

@@ -26,8 +26,8 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 // the previous kernel (which calls allow_dependent_launch) still runs, and waits for it with
 // wait_for_prerequisite_grid.
 template <class... Params, class... Args>
-inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                                    Args&&... args) {
+inline cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block,
+                                    cudaStream_t stream, Args&&... args) {
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl[0].val.programmaticStreamSerializationAllowed = 1;

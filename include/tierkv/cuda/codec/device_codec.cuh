@@ -27,22 +27,28 @@ namespace tierkv::cuda::detail {
 
 template <class C, storage_format F = C::format>
 struct device_codec {
-  static_assert(tierkv::detail::dependent_false<C>,
-                "tierkv::cuda: no device codec for this codec's storage_format. Supported: fp8_e4m3, "
-                "int8_rotated, tq3, tq4. A new format needs a device_codec specialization in a file of "
-                "cuda/codec/, included from cuda/codec/formats.cuh");
+  static_assert(
+      tierkv::detail::dependent_false<C>,
+      "tierkv::cuda: no device codec for this codec's storage_format. Supported: fp8_e4m3, "
+      "int8_rotated, tq3, tq4. A new format needs a device_codec specialization in a file of "
+      "cuda/codec/, included from cuda/codec/formats.cuh");
 };
 
 // What a specialization must provide, checked where a kernel first uses one.
 template <class C>
 consteval bool check_device_codec() {
   using DC = device_codec<C>;
-  static_assert(requires { { DC::rotated } -> std::convertible_to<bool>; },
-                "device_codec<C>: missing `static constexpr bool rotated`");
-  static_assert(requires { typename DC::slice_reader; },
-                "device_codec<C>: missing `slice_reader` (the CUDA-core decode's inner loop)");
-  static_assert(requires { typename DC::fragments; },
-                "device_codec<C>: missing `fragments` (the tensor-core decode's operand builders)");
+  static_assert(
+      requires {
+        { DC::rotated } -> std::convertible_to<bool>;
+      },
+      "device_codec<C>: missing `static constexpr bool rotated`");
+  static_assert(
+      requires { typename DC::slice_reader; },
+      "device_codec<C>: missing `slice_reader` (the CUDA-core decode's inner loop)");
+  static_assert(
+      requires { typename DC::fragments; },
+      "device_codec<C>: missing `fragments` (the tensor-core decode's operand builders)");
   return true;
 }
 

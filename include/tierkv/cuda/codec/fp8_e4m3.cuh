@@ -25,7 +25,8 @@ __device__ __forceinline__ std::uint32_t float2_to_e4m3x2(float lo, float hi) {
 #if __CUDA_ARCH__ >= 890
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 #else
-  return std::uint32_t(float_to_fp8<fp8_kind::e4m3>(lo)) | (std::uint32_t(float_to_fp8<fp8_kind::e4m3>(hi)) << 8);
+  return std::uint32_t(float_to_fp8<fp8_kind::e4m3>(lo)) |
+         (std::uint32_t(float_to_fp8<fp8_kind::e4m3>(hi)) << 8);
 #endif
 }
 
@@ -46,8 +47,9 @@ __device__ __forceinline__ std::uint32_t e4m3_sign_mask(std::uint32_t nib) {
 // in lane_exchange's runs (word i: run i / (S/4), coordinates g N + gl S + 4 (i % (S/4)) ..).
 template <int N, int G, bool Runs = false>
 struct e4m3_sign_masks {
-  static_assert(N % 16 == 0 && (!Runs || (N <= 64 && (N / G) % 4 == 0)),
-                "e4m3_sign_masks: whole 16-byte groups of masks (runs: within one 64-bit sign word)");
+  static_assert(
+      N % 16 == 0 && (!Runs || (N <= 64 && (N / G) % 4 == 0)),
+      "e4m3_sign_masks: whole 16-byte groups of masks (runs: within one 64-bit sign word)");
   static constexpr int uint4s = 32 * N / 16;  // per warp
   uint4* area;                                // the warp's uint4s
   __device__ __forceinline__ void make(std::uint64_t seed, int lane) const {
@@ -59,7 +61,8 @@ struct e4m3_sign_masks {
         const int first = g * N + (lane & (G - 1)) * S;
         const std::uint64_t bits = rotation_sign_word(seed, first >> 6) >> (first & 63);
 #pragma unroll
-        for (int i = 0; i < S / 4; ++i) m[g * (S / 4) + i] = e4m3_sign_mask(std::uint32_t(bits >> (4 * i)));
+        for (int i = 0; i < S / 4; ++i)
+          m[g * (S / 4) + i] = e4m3_sign_mask(std::uint32_t(bits >> (4 * i)));
       }
     } else {
       std::uint32_t bits[(N + 31) / 32];
@@ -68,7 +71,8 @@ struct e4m3_sign_masks {
       for (int i = 0; i < N / 4; ++i) m[i] = e4m3_sign_mask(bits[i / 8] >> (4 * (i % 8)));
     }
 #pragma unroll
-    for (int k = 0; k < N / 16; ++k) area[32 * k + lane] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
+    for (int k = 0; k < N / 16; ++k)
+      area[32 * k + lane] = make_uint4(m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
   }
   __device__ __forceinline__ void load(std::uint32_t (&w)[N / 4], int lane) const {
 #pragma unroll
@@ -84,8 +88,8 @@ struct e4m3_sign_masks {
 // Returns false (and writes the codec's poison) on non-finite input.
 template <class Codec, int N, bool F, bool S, bool Runs>
 __device__ __forceinline__ bool warp_encode_fp8(
-    const lane_vector<N, F, S, Runs>& v, std::uint8_t* payload, typename Codec::meta_type* meta, int lane,
-    const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G, Runs>* signs = nullptr) {
+    const lane_vector<N, F, S, Runs>& v, std::uint8_t* payload, typename Codec::meta_type* meta,
+    int lane, const e4m3_sign_masks<N, lane_group<Codec::head_dim, N>::G, Runs>* signs = nullptr) {
   static_assert(!S || N % 16 == 0, "warp_encode_fp8: signs on whole groups of code words");
   using lg = lane_group<Codec::head_dim, N>;
   using meta_t = typename Codec::meta_type;
@@ -106,7 +110,8 @@ __device__ __forceinline__ bool warp_encode_fp8(
 #pragma unroll
       for (int u = 0; u < 2 && r + u < N; ++u) {
         const float x = F ? v.x[r + u] * v.scale : v.x[r + u];
-        q[u] = div.template divide<fast>(fast ? x : fmaxf(fminf(x, Codec::input_limit), -Codec::input_limit));
+        q[u] = div.template divide<fast>(
+            fast ? x : fmaxf(fminf(x, Codec::input_limit), -Codec::input_limit));
       }
       const std::uint32_t two = float2_to_e4m3x2(q[0], q[1]);
       w[r / 4] = r % 4 == 0 ? two : w[r / 4] | (two << 16);
@@ -129,10 +134,12 @@ __device__ __forceinline__ bool warp_encode_fp8(
       std::uint32_t run[R / 4];
 #pragma unroll
       for (int i = 0; i < R / 4; ++i) run[i] = w[g * (R / 4) + i];
-      store_code_words<lane_alignment(Codec::payload_bytes, R), R>(payload + g * N + lg::index(lane) * R, run, coded);
+      store_code_words<lane_alignment(Codec::payload_bytes, R), R>(
+          payload + g * N + lg::index(lane) * R, run, coded);
     }
   } else {
-    store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
+    store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w,
+                                                                 coded);
   }
   if (lg::index(lane) == 0) *meta = finite ? scale : Codec::poison_meta;
   return finite;
@@ -145,14 +152,18 @@ __device__ __forceinline__ bool warp_encode_fp8(const float (&x)[N], std::uint8_
 
 // Four E4M3 codes (a little-endian word) as two f16x2 (exact, like code_value): one
 // cvt.f16x2.e4m3x2 per 16-bit half of the word.
-__device__ __forceinline__ void e4m3x4_to_f16x2x2(std::uint32_t w, std::uint32_t& lo, std::uint32_t& hi) {
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(std::uint32_t w, std::uint32_t& lo,
+                                                  std::uint32_t& hi) {
 #if __CUDA_ARCH__ >= 890
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}"
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 "
+      "%1, b;\n}"
       : "=r"(lo), "=r"(hi)
       : "r"(w));
 #else
-  const __half2_raw l = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  const __half2_raw l =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
   lo = std::uint32_t(l.x) | (std::uint32_t(l.y) << 16);
   hi = std::uint32_t(h.x) | (std::uint32_t(h.y) << 16);
 #endif
@@ -223,13 +234,16 @@ struct fp8_slice_reader {
     return __ldg(reinterpret_cast<const uint4*>(payload) + slice);
   }
   __device__ __forceinline__ static void unpack4(std::uint32_t w, float* x) {
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    const __half2_raw lo =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw hi =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
     const float2 a = __half22float2(__half2(lo));
     const float2 b = __half22float2(__half2(hi));
-    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    x[0] = a.x;
+    x[1] = a.y;
+    x[2] = b.x;
+    x[3] = b.y;
   }
   __device__ __forceinline__ static void unpack(const raw& r, int, float (&x)[16]) {
     unpack4(r.x, x + 0);
@@ -246,16 +260,19 @@ struct device_codec<C, storage_format::fp8_e4m3> {
   using fragments = mma_byte_codec<C, fp8_to_h2>;
 
   template <int N, bool Signed, class Signs, class Exchange>
-  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload, typename C::meta_type meta,
-                                                     std::uint64_t seed, const Signs* signs, const Exchange& ex,
+  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload,
+                                                     typename C::meta_type meta, std::uint64_t seed,
+                                                     const Signs* signs, const Exchange& ex,
                                                      int lane) {
     (void)seed, (void)ex;
-    return warp_decode_fp8<C, N, Signed && N % 16 == 0>(payload, meta, lane, signs);
+    return warp_decode_fp8 < C, N, Signed && N % 16 == 0 > (payload, meta, lane, signs);
   }
   template <int N, bool F, bool S, bool R, class Norm, class Exchange, class Signs>
-  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
-                                                     typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                     Norm norm, const Exchange& ex, const Signs* signs) {
+  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v,
+                                                     std::uint8_t* payload,
+                                                     typename C::meta_type* meta,
+                                                     std::uint64_t seed, int lane, Norm norm,
+                                                     const Exchange& ex, const Signs* signs) {
     (void)seed, (void)norm, (void)ex;
     return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
   }

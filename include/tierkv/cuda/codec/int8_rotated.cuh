@@ -22,9 +22,10 @@ namespace tierkv::cuda::detail {
 // int8_rotated encode (exactly int8_rotated_codec::encode): the same power-of-two scaling
 // and rotation as TQ3, a group maximum, then the codec's alpha_for and per-element rounding.
 template <class Codec, int N, bool F, bool S>
-__device__ __forceinline__ bool warp_encode_int8r(const lane_vector<N, F, S>& v, std::uint8_t* payload,
-                                                  typename Codec::meta_type* meta, std::uint64_t seed,
-                                                  int lane) {
+__device__ __forceinline__ bool warp_encode_int8r(const lane_vector<N, F, S>& v,
+                                                  std::uint8_t* payload,
+                                                  typename Codec::meta_type* meta,
+                                                  std::uint64_t seed, int lane) {
   using lg = lane_group<Codec::head_dim, N>;
   using meta_t = typename Codec::meta_type;
   float z[N];
@@ -33,7 +34,8 @@ __device__ __forceinline__ bool warp_encode_int8r(const lane_vector<N, F, S>& v,
   warp_wht<N, lg::G>(z, lane);
   const float zmax = __uint_as_float(group_max_bits<lg::G>(lane_max_abs_bits(z)));
   const meta_t alpha = coded ? Codec::alpha_for(zmax, k) : meta_t(0);
-  const narrow_divisor div = narrow_divisor::of(tierkv::detail::scale_pow2(bf16_to_float(alpha), k));
+  const narrow_divisor div =
+      narrow_divisor::of(tierkv::detail::scale_pow2(bf16_to_float(alpha), k));
   std::uint32_t w[(N + 3) / 4];  // codes four to a word as they are produced
   const auto encode = [&](auto fast) {
 #pragma unroll
@@ -49,22 +51,25 @@ __device__ __forceinline__ bool warp_encode_int8r(const lane_vector<N, F, S>& v,
     encode(std::true_type{});
   else
     encode(std::false_type{});
-  store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w, coded);
+  store_code_words<lane_alignment(Codec::payload_bytes, N), N>(payload + lg::index(lane) * N, w,
+                                                               coded);
   if (lg::index(lane) == 0) *meta = finite ? alpha : Codec::poison_meta;
   return finite;
 }
 template <class Codec, int N>
 __device__ __forceinline__ bool warp_encode_int8r(const float (&x)[N], std::uint8_t* payload,
-                                                  typename Codec::meta_type* meta, std::uint64_t seed,
-                                                  int lane) {
+                                                  typename Codec::meta_type* meta,
+                                                  std::uint64_t seed, int lane) {
   return warp_encode_int8r<Codec, N>(make_lane_vector(x), payload, meta, seed, lane);
 }
 
 // int8_rotated decode (exactly int8_rotated_codec::decode: 0 + alpha*c, D H_un / d; Signed: D x;
 // with a lane_exchange in runs).
 template <class Codec, int N, bool Signed = false, class Exchange = no_exchange>
-__device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload, typename Codec::meta_type meta,
-                                                  std::uint64_t seed, float (&x)[N], int lane, const Exchange& ex = {}) {
+__device__ __forceinline__ void warp_decode_int8r(const std::uint8_t* payload,
+                                                  typename Codec::meta_type meta,
+                                                  std::uint64_t seed, float (&x)[N], int lane,
+                                                  const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   const std::uint8_t* p = payload + lane_group<D, N>::index(lane) * N;
   if constexpr (N % 4 == 0) {  // a word of four codes at a time, biased by one xor
@@ -109,8 +114,9 @@ struct device_codec<C, storage_format::int8_rotated> {
   using fragments = mma_byte_codec<C, s8_to_h2>;
 
   template <int N, bool Signed, class Signs, class Exchange>
-  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload, typename C::meta_type meta,
-                                                     std::uint64_t seed, const Signs* signs, const Exchange& ex,
+  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload,
+                                                     typename C::meta_type meta, std::uint64_t seed,
+                                                     const Signs* signs, const Exchange& ex,
                                                      int lane) {
     (void)signs;
     float x[N];
@@ -118,9 +124,11 @@ struct device_codec<C, storage_format::int8_rotated> {
     return make_lane_vector<Signed, Exchange::runs>(x);
   }
   template <int N, bool F, bool S, bool R, class Norm, class Exchange, class Signs>
-  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
-                                                     typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                     Norm norm, const Exchange& ex, const Signs* signs) {
+  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v,
+                                                     std::uint8_t* payload,
+                                                     typename C::meta_type* meta,
+                                                     std::uint64_t seed, int lane, Norm norm,
+                                                     const Exchange& ex, const Signs* signs) {
     (void)norm, (void)ex, (void)signs;
     return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
   }

@@ -30,8 +30,9 @@ template <unsigned Sel, bool Biased>
 __device__ __forceinline__ std::uint32_t tq3_widen(std::uint32_t u) {
   const std::uint32_t h = __byte_perm(u, 0u, Sel);
   if constexpr (Biased) return h;
-  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
-                            __half2(__half(-0.125f), __half(-0.125f)));
+  const __half2 r =
+      __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
+              __half2(__half(-0.125f), __half(-0.125f)));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
 // TQ3 keys: the same nibbles -> their int8 levels, one byte each (the A register of an int8 mma).
@@ -50,7 +51,8 @@ struct tq3_lane_words {
   static constexpr int raw = 3 * groups;
   static_assert(EW >= 4 ? EW % 4 == 0 : 4 % EW == 0, "tq3: effective words per lane");
   template <bool Shared>
-  __device__ __forceinline__ static void load(const std::uint8_t* row, int lane, std::uint32_t (&w)[raw]) {
+  __device__ __forceinline__ static void load(const std::uint8_t* row, int lane,
+                                              std::uint32_t (&w)[raw]) {
     const std::uint32_t* p = reinterpret_cast<const std::uint32_t*>(row) + ((lane * EW) / 4) * 3;
 #pragma unroll
     for (int i = 0; i < raw; ++i) w[i] = Shared ? p[i] : __ldg(p + i);
@@ -58,11 +60,13 @@ struct tq3_lane_words {
   // bits 3 of the nibbles of a, b, c -> bits 0, 1, 2 by two bit-selects (one lop3 each; bit 3
   // is left as is, since the caller masks it): written as masks and ors, the compiler narrowed
   // the masks and took three lop3
-  __device__ __forceinline__ static std::uint32_t gather(std::uint32_t a, std::uint32_t b, std::uint32_t c) {
+  __device__ __forceinline__ static std::uint32_t gather(std::uint32_t a, std::uint32_t b,
+                                                         std::uint32_t c) {
     return bit_select(bit_select(a >> 3, b >> 2, 0x11111111u), c >> 1, 0x33333333u);
   }
   // effective word k (0 <= k < EW) of this lane
-  __device__ __forceinline__ static std::uint32_t eff(const std::uint32_t (&w)[raw], int lane, int k) {
+  __device__ __forceinline__ static std::uint32_t eff(const std::uint32_t (&w)[raw], int lane,
+                                                      int k) {
     if constexpr (EW >= 4) {
       const int gi = k / 4, e = k % 4;
       return e < 3 ? w[3 * gi + e] : gather(w[3 * gi], w[3 * gi + 1], w[3 * gi + 2]);
@@ -97,8 +101,10 @@ struct tq3_slice_reader {
   // fp16 of the levels (exact), code 0 = -127/64 ... code 7 = +127/64 (codec/tq3.hpp):
   // 0xBFF0 0xBCF0 0xB980 0xB300 0x3300 0x3980 0x3CF0 0x3FF0.
   __device__ __forceinline__ static void lookup4(std::uint32_t sel, float* x) {
-    constexpr std::uint32_t lo0 = tierkv::detail::tq3_f16_lo0, lo1 = tierkv::detail::tq3_f16_lo1;  // low bytes, codes 0-3 / 4-7
-    constexpr std::uint32_t hi0 = tierkv::detail::tq3_f16_hi0, hi1 = tierkv::detail::tq3_f16_hi1;  // high bytes
+    constexpr std::uint32_t lo0 = tierkv::detail::tq3_f16_lo0,
+                            lo1 = tierkv::detail::tq3_f16_lo1;  // low bytes, codes 0-3 / 4-7
+    constexpr std::uint32_t hi0 = tierkv::detail::tq3_f16_hi0,
+                            hi1 = tierkv::detail::tq3_f16_hi1;  // high bytes
     const std::uint32_t lo = __byte_perm(lo0, lo1, sel);
     const std::uint32_t hi = __byte_perm(hi0, hi1, sel);
     const std::uint32_t h01 = __byte_perm(lo, hi, 0x5140);
@@ -110,7 +116,10 @@ struct tq3_slice_reader {
     r23.y = static_cast<unsigned short>(h23 >> 16);
     const float2 a = __half22float2(__half2(r01));
     const float2 b = __half22float2(__half2(r23));
-    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    x[0] = a.x;
+    x[1] = a.y;
+    x[2] = b.x;
+    x[3] = b.y;
   }
   __device__ __forceinline__ static void lookup8(std::uint32_t nibbles, float* x) {
     lookup4(nibbles & 0x7777u, x);
@@ -118,8 +127,8 @@ struct tq3_slice_reader {
   }
   __device__ __forceinline__ static void unpack(const raw& r, int slice, float (&x)[16]) {
     if (slice & 1) {
-      const std::uint32_t g = ((r.x >> 3) & 0x11111111u) | ((r.y >> 2) & 0x22222222u) |
-                              ((r.z >> 1) & 0x44444444u);
+      const std::uint32_t g =
+          ((r.x >> 3) & 0x11111111u) | ((r.y >> 2) & 0x22222222u) | ((r.z >> 1) & 0x44444444u);
       lookup8(r.z, x);
       lookup8(g, x + 8);
     } else {
@@ -137,7 +146,8 @@ struct tq3_fragments {
   using KL = tq3_lane_words<D / 32>;
   static constexpr int key_words = KL::raw;
   template <bool Shared>
-  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
+  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c,
+                                                  std::uint32_t (&w)[key_words]) {
     KL::template load<Shared>(row, c, w);
   }
   // Keys score on int8 mma: k32 step s is effective word s, its nibbles 0-3 (k slots 4c..4c+3)
@@ -150,8 +160,8 @@ struct tq3_fragments {
   // 13-bit queries (2 int8 digits): rounding at 2^-14 of the head's largest element, far below
   // TQ3's own inner-product error (rms 0.12/sqrt(d)).
   static constexpr int query_parts = 2;
-  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int c, int s, std::uint32_t& a0,
-                                                     std::uint32_t& a2) {
+  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int c,
+                                                     int s, std::uint32_t& a0, std::uint32_t& a2) {
     const std::uint32_t e = mask_codes<0x77777777u>(KL::eff(w, c, s));
     a0 = tq3_lookup_s8(e);
     a2 = tq3_lookup_s8(e >> 16);
@@ -167,10 +177,12 @@ struct tq3_fragments {
   static constexpr int value_words = VL::raw;
   static constexpr int value_eff_words = D / 64;
   template <bool Shared>
-  __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g, std::uint32_t (&w)[value_words]) {
+  __device__ __forceinline__ static void load_value(const std::uint8_t* row, int g,
+                                                    std::uint32_t (&w)[value_words]) {
     VL::template load<Shared>(row, g, w);
   }
-  __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words], int g, int k) {
+  __device__ __forceinline__ static std::uint32_t value_word(const std::uint32_t (&w)[value_words],
+                                                             int g, int k) {
     return VL::eff(w, g, k);
   }
   // The lookup table's low word (the high one is an immediate). At d = 256 it is loaded from
@@ -185,14 +197,17 @@ struct tq3_fragments {
       return tierkv::detail::tq3_u8_0;
   }
   template <bool Biased>
-  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1, std::uint32_t (&out)[4][2],
+  __device__ __forceinline__ static void value_pairs(std::uint32_t w0, std::uint32_t w1,
+                                                     std::uint32_t (&out)[4][2],
                                                      std::uint32_t table) {
-    const std::uint32_t x = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x5140));  // bytes 0, 1 of t0, t1
+    const std::uint32_t x =
+        mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x5140));  // bytes 0, 1 of t0, t1
     const std::uint32_t y = mask_codes<0x77777777u>(__byte_perm(w0, w1, 0x7362));  // bytes 2, 3
     const std::uint32_t sels[4] = {x, x >> 16, y, y >> 16};
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const std::uint32_t u = prmt(table, tierkv::detail::tq3_u8_1, sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
+      const std::uint32_t u =
+          prmt(table, tierkv::detail::tq3_u8_1, sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
       out[b][0] = tq3_widen<0x4240, Biased>(u);
       out[b][1] = tq3_widen<0x4341, Biased>(u);
     }
@@ -218,8 +233,9 @@ struct device_codec<C, storage_format::tq3> {
   using fragments = tq3_fragments<C>;
 
   template <int N, bool Signed, class Signs, class Exchange>
-  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload, typename C::meta_type meta,
-                                                     std::uint64_t seed, const Signs* signs, const Exchange& ex,
+  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload,
+                                                     typename C::meta_type meta, std::uint64_t seed,
+                                                     const Signs* signs, const Exchange& ex,
                                                      int lane) {
     (void)signs;
     float x[N];
@@ -227,9 +243,11 @@ struct device_codec<C, storage_format::tq3> {
     return make_lane_vector<Signed, Exchange::runs>(x);
   }
   template <int N, bool F, bool S, bool R, class Norm, class Exchange, class Signs>
-  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
-                                                     typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                     Norm norm, const Exchange& ex, const Signs* signs) {
+  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v,
+                                                     std::uint8_t* payload,
+                                                     typename C::meta_type* meta,
+                                                     std::uint64_t seed, int lane, Norm norm,
+                                                     const Exchange& ex, const Signs* signs) {
     (void)signs;
     return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
   }

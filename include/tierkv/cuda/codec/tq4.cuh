@@ -17,7 +17,8 @@ namespace tierkv::cuda::detail {
 // 8w..8w+7); level c - 7.5 (codec/tq4.hpp).
 template <class C>
 struct tq4_slice_reader {
-  static_assert(C::payload_bytes * 2 == std::size_t(C::head_dim), "tq4 reader: payload must be head_dim/2 bytes");
+  static_assert(C::payload_bytes * 2 == std::size_t(C::head_dim),
+                "tq4 reader: payload must be head_dim/2 bytes");
   using raw = uint2;
   static constexpr float code_scale = 1.f;
 
@@ -56,16 +57,18 @@ struct tq4_key_fragments {
   static constexpr float key_level_scale = 1.f, key_level_offset = C::grid::offset;
   static constexpr int query_parts = 2;  // 13 bits: as TQ3, far below TQ4's own error
   template <bool Shared>
-  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c, std::uint32_t (&w)[key_words]) {
+  __device__ __forceinline__ static void load_key(const std::uint8_t* row, int c,
+                                                  std::uint32_t (&w)[key_words]) {
     load_lane_segments<lane_bytes, 4, Shared>(row, c, w);
   }
-  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int, int s, std::uint32_t& a0,
-                                                     std::uint32_t& a2) {
+  __device__ __forceinline__ static void key_frag_s8(const std::uint32_t (&w)[key_words], int,
+                                                     int s, std::uint32_t& a0, std::uint32_t& a2) {
     a0 = w[s] & 0x0F0F0F0Fu;
     a2 = (w[s] >> 4) & 0x0F0F0F0Fu;
   }
   __device__ __forceinline__ static int key_coord_s8(int c, int s, int j) {
-    const int byte = (s / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (s % words_per_seg) + j % 4;
+    const int byte =
+        (s / words_per_seg) * seg_bytes + lane_bytes * c + 4 * (s % words_per_seg) + j % 4;
     return 2 * byte + (j >= 4 ? 1 : 0);
   }
   static constexpr int query_offset_s8(int j) { return 2 * (j % 4) + (j >= 4 ? 1 : 0); }
@@ -78,8 +81,9 @@ struct device_codec<C, storage_format::tq4> {
   using fragments = tq4_key_fragments<C>;  // keys only (decode/tensor_core.cuh refuses TQ4 values)
 
   template <int N, bool Signed, class Signs, class Exchange>
-  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload, typename C::meta_type meta,
-                                                     std::uint64_t seed, const Signs* signs, const Exchange& ex,
+  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload,
+                                                     typename C::meta_type meta, std::uint64_t seed,
+                                                     const Signs* signs, const Exchange& ex,
                                                      int lane) {
     (void)signs;
     float x[N];
@@ -87,9 +91,11 @@ struct device_codec<C, storage_format::tq4> {
     return make_lane_vector<Signed, Exchange::runs>(x);
   }
   template <int N, bool F, bool S, bool R, class Norm, class Exchange, class Signs>
-  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v, std::uint8_t* payload,
-                                                     typename C::meta_type* meta, std::uint64_t seed, int lane,
-                                                     Norm norm, const Exchange& ex, const Signs* signs) {
+  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v,
+                                                     std::uint8_t* payload,
+                                                     typename C::meta_type* meta,
+                                                     std::uint64_t seed, int lane, Norm norm,
+                                                     const Exchange& ex, const Signs* signs) {
     (void)signs;
     return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
   }

@@ -37,7 +37,8 @@ struct tq_packer {
   static constexpr int D = Codec::head_dim;
   static constexpr bool tq3 = Codec::format == storage_format::tq3;
   static_assert(tq3 || Codec::format == storage_format::tq4, "tq_packer: a TQ3 or TQ4 codec");
-  static_assert(!tq3 || N % 32 == 0 || 32 % N == 0, "tq_packer: a lane's coordinates are whole TQ3 groups or lie in one");
+  static_assert(!tq3 || N % 32 == 0 || 32 % N == 0,
+                "tq_packer: a lane's coordinates are whole TQ3 groups or lie in one");
   static_assert(tq3 || N % 2 == 0, "tq_packer: TQ4 needs whole bytes per lane (head_dim >= 64)");
   static constexpr std::uint32_t bias = tq3 ? tq_packer_bias : 0u;  // the bits of 2^23
   // minus the biases of eight codes added at nibbles 0..7 (bias << 4k vanishes from k = 2 on)
@@ -139,7 +140,9 @@ __device__ __forceinline__ float greater_step(float a, float b2_32) {
   return r;
 }
 // TQ3 level magnitudes by rank m (codes 4 + m): mag(0) plus the steps to mag(1..3).
-constexpr float tq3_magnitude(int m) { return float(tierkv::detail::tq3_level_int(4 + m)) * tierkv::detail::tq3_level_scale; }
+constexpr float tq3_magnitude(int m) {
+  return float(tierkv::detail::tq3_level_int(4 + m)) * tierkv::detail::tq3_level_scale;
+}
 // The code from the level L: floor(4 + L * 64/36) is 4 + m for L = +mag(m) and 3 - m for L =
 // -mag(m), since 64 mag(m) / 36 (14, 44, 79, 127 over 36: 0.39, 1.22, 2.19, 3.53) lies in
 // (m, m + 1) with a margin of 0.19 or more.
@@ -158,13 +161,16 @@ static_assert(tq3_magnitude(0) * 64 / 36 > 0.1f && tq3_magnitude(0) * 64 / 36 < 
 // negative), and the code 4 + m or 3 - m comes back as the bits of the float 2^23 + code,
 // rounded down from 2^23 + 4 + level * 64/36 (tq3_code_slope). TQ4: the grid's own functions.
 template <class Grid>
-__device__ __forceinline__ std::uint32_t quantize_level(float z, const typename Grid::bounds& b2_32, float& level) {
+__device__ __forceinline__ std::uint32_t quantize_level(float z, const typename Grid::bounds& b2_32,
+                                                        float& level) {
   if constexpr (Grid::format == storage_format::tq3) {
     const float a = fabsf(z);
-    const float f1 = greater_step(a, b2_32.b1), f2 = greater_step(a, b2_32.b2), f3 = greater_step(a, b2_32.b3);
+    const float f1 = greater_step(a, b2_32.b1), f2 = greater_step(a, b2_32.b2),
+                f3 = greater_step(a, b2_32.b3);
     const float magnitude =
         fmaf(f3, tq3_magnitude(3) - tq3_magnitude(2),
-             fmaf(f2, tq3_magnitude(2) - tq3_magnitude(1), fmaf(f1, tq3_magnitude(1) - tq3_magnitude(0), tq3_magnitude(0))));
+             fmaf(f2, tq3_magnitude(2) - tq3_magnitude(1),
+                  fmaf(f1, tq3_magnitude(1) - tq3_magnitude(0), tq3_magnitude(0))));
     level = __uint_as_float(__float_as_uint(magnitude) | (__float_as_uint(z) & 0x80000000u));
     return __float_as_uint(__fmaf_rd(level, tq3_code_slope, 8388612.0f));
   } else {
@@ -187,7 +193,8 @@ __device__ __forceinline__ typename Grid::bounds quantize_bounds(float n) {
 // A code as quantize_level returns it (TQ3: biased), for the packer.
 template <class Grid>
 constexpr std::uint32_t packer_code(int code) {
-  return Grid::format == storage_format::tq3 ? tq_packer_bias + std::uint32_t(code) : std::uint32_t(code);
+  return Grid::format == storage_format::tq3 ? tq_packer_bias + std::uint32_t(code)
+                                             : std::uint32_t(code);
 }
 
 // The canonical butterfly (group_sum_canonical) over partial sums held in runs: part[g][i] is
@@ -206,7 +213,8 @@ __device__ __forceinline__ float runs_sum_canonical(float (&part)[G][32 / (G * G
           if (g < o * G / 32) part[g][i] = part[g][i] + part[g + o * G / 32][i];
     } else if (o >= I) {
 #pragma unroll
-      for (int i = 0; i < I; ++i) part[0][i] = part[0][i] + __shfl_xor_sync(full_warp, part[0][i], o / I);
+      for (int i = 0; i < I; ++i)
+        part[0][i] = part[0][i] + __shfl_xor_sync(full_warp, part[0][i], o / I);
     } else {
 #pragma unroll
       for (int i = 0; i < I / 2; ++i)
@@ -226,7 +234,8 @@ __device__ __forceinline__ int tq3_level_square_sum(const std::uint32_t (&q)[W])
   for (int i = 0; i < W; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int l = int(__byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, q[i] >> (16 * h)));
+      const int l =
+          int(__byte_perm(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, q[i] >> (16 * h)));
       s = __dp4a(l, l, s);
     }
   return s;
@@ -239,12 +248,15 @@ __device__ __forceinline__ int tq3_level_square_sum(const std::uint32_t (&q)[W])
 // 2^23), exact in any order, so the host's canonical sum is the integer sum L_i^2 / 4096.
 // The codes go back to layout A into `pk`.
 template <class Codec, int N, int G>
-__device__ __forceinline__ void tq3_quantize_runs(float (&z)[N], float sumsq, const lane_exchange<N, G>& ex, int lane,
-                                                  tq_packer<Codec, N>& pk, float& s_zc, float& s_cc) {
+__device__ __forceinline__ void tq3_quantize_runs(float (&z)[N], float sumsq,
+                                                  const lane_exchange<N, G>& ex, int lane,
+                                                  tq_packer<Codec, N>& pk, float& s_zc,
+                                                  float& s_cc) {
   using grid = typename Codec::grid;
   using X = lane_exchange<N, G>;
   constexpr int P = Codec::head_dim / 32;
-  static_assert(grid::format == storage_format::tq3 && X::S % P == 0, "tq3_quantize_runs: TQ3, whole canonical lanes per run");
+  static_assert(grid::format == storage_format::tq3 && X::S % P == 0,
+                "tq3_quantize_runs: TQ3, whole canonical lanes per run");
   lane_wht<N>(z);
   float y[N];
   ex.to_runs(z, y, lane);
@@ -281,8 +293,9 @@ __device__ __forceinline__ void tq3_quantize_runs(float (&z)[N], float sumsq, co
 // the rotation's cross-lane half and the quantization run in runs (tq3_quantize_runs).
 template <class Codec, int N, bool F, bool S, class Exchange = no_exchange>
 __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, std::uint8_t* payload,
-                                               typename Codec::meta_type* meta, std::uint64_t seed, int lane,
-                                               tq_norm norm = Codec::norm, const Exchange& ex = {}) {
+                                               typename Codec::meta_type* meta, std::uint64_t seed,
+                                               int lane, tq_norm norm = Codec::norm,
+                                               const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   using grid = typename Codec::grid;
   using lg = lane_group<D, N>;
@@ -316,12 +329,14 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
   }
   tq_packer<Codec, N> special;  // zero_code codes (zero vector) or zeros (poison)
 #pragma unroll
-  for (int r = 0; r < N; ++r) special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
+  for (int r = 0; r < N; ++r)
+    special.add(r, finite ? packer_code<grid>(Codec::zero_code) : packer_code<grid>(0), gl);
   pk.replace_if(!coded, special);
   pk.store(payload, lane);
   if (gl == 0) {
     bool saturated = false;
-    *meta = coded    ? tierkv::detail::tq_alpha(norm, D, sumsq, s_zc, s_cc, k, grid::plain_scale, &saturated)
+    *meta = coded    ? tierkv::detail::tq_alpha(norm, D, sumsq, s_zc, s_cc, k, grid::plain_scale,
+                                                &saturated)
             : finite ? typename Codec::meta_type(0)
                      : Codec::poison_meta;
   }
@@ -329,7 +344,8 @@ __device__ __forceinline__ bool warp_encode_tq(const lane_vector<N, F, S>& v, st
 }
 template <class Codec, int N>
 __device__ __forceinline__ bool warp_encode_tq(const float (&x)[N], std::uint8_t* payload,
-                                               typename Codec::meta_type* meta, std::uint64_t seed, int lane) {
+                                               typename Codec::meta_type* meta, std::uint64_t seed,
+                                               int lane) {
   return warp_encode_tq<Codec, N>(make_lane_vector(x), payload, meta, seed, lane);
 }
 
@@ -344,7 +360,8 @@ inline constexpr std::uint32_t tq3_biased_levels_1 = tierkv::detail::tq3_s8_1 ^ 
 template <class Codec, int N>
 __device__ __forceinline__ void tq3_lane_nibbles(const std::uint8_t* payload, int lane,
                                                  std::uint32_t (&nib)[(N + 7) / 8]) {
-  static_assert(N % 32 == 0 || 32 % N == 0, "TQ3: a lane's coordinates are whole groups or lie in one");
+  static_assert(N % 32 == 0 || 32 % N == 0,
+                "TQ3: a lane's coordinates are whole groups or lie in one");
   constexpr int groups = N >= 32 ? N / 32 : 1;
   const int first = lane_group<Codec::head_dim, N>::index(lane) * N;
   std::uint32_t words[3 * groups];
@@ -352,8 +369,9 @@ __device__ __forceinline__ void tq3_lane_nibbles(const std::uint8_t* payload, in
 #pragma unroll
   for (int g = 0; g < groups; ++g) {
     const std::uint32_t w0 = words[3 * g], w1 = words[3 * g + 1], w2 = words[3 * g + 2];
-    const std::uint32_t q[4] = {w0 & 0x77777777u, w1 & 0x77777777u, w2 & 0x77777777u,
-                                ((w0 >> 3) & 0x11111111u) | ((w1 >> 2) & 0x22222222u) | ((w2 >> 1) & 0x44444444u)};
+    const std::uint32_t q[4] = {
+        w0 & 0x77777777u, w1 & 0x77777777u, w2 & 0x77777777u,
+        ((w0 >> 3) & 0x11111111u) | ((w1 >> 2) & 0x22222222u) | ((w2 >> 1) & 0x44444444u)};
     if constexpr (N >= 32) {
 #pragma unroll
       for (int t = 0; t < 4; ++t) nib[4 * g + t] = q[t];
@@ -372,14 +390,16 @@ __device__ __forceinline__ void tq3_lane_nibbles(const std::uint8_t* payload, in
 // The integer levels L_r of the lane's TQ3 / TQ4 codes as floats (TQ3: level = L / 64; TQ4:
 // level = L = code - 7.5), and the level unit u (1/64 or 1): exact.
 template <class Codec, int N>
-__device__ __forceinline__ float decode_levels(const std::uint8_t* payload, float (&x)[N], int lane) {
+__device__ __forceinline__ float decode_levels(const std::uint8_t* payload, float (&x)[N],
+                                               int lane) {
   if constexpr (Codec::format == storage_format::tq3) {
     std::uint32_t nib[(N + 7) / 8];
     tq3_lane_nibbles<Codec, N>(payload, lane, nib);
 #pragma unroll
     for (int r = 0; r < N; r += 4) {
       const std::uint32_t sel = nib[r / 8] >> (16 * ((r / 4) % 2));
-      const std::uint32_t bytes = __byte_perm(tq3_biased_levels_0, tq3_biased_levels_1, sel & 0xffffu);
+      const std::uint32_t bytes =
+          __byte_perm(tq3_biased_levels_0, tq3_biased_levels_1, sel & 0xffffu);
 #pragma unroll
       for (int u = 0; u < 4 && r + u < N; ++u) x[r + u] = biased_byte_value(bytes, u);
     }
@@ -403,8 +423,9 @@ __device__ __forceinline__ float decode_levels(const std::uint8_t* payload, floa
 // TQ3 / TQ4 decode (exactly tq_codec::decode: 0 + alpha*c, inverse rotation D H_un / d; Signed:
 // D x, i.e. without the last D; with a lane_exchange in runs).
 template <class Codec, int N, bool Signed = false, class Exchange = no_exchange>
-__device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload, typename Codec::meta_type meta,
-                                               std::uint64_t seed, float (&x)[N], int lane, const Exchange& ex = {}) {
+__device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload,
+                                               typename Codec::meta_type meta, std::uint64_t seed,
+                                               float (&x)[N], int lane, const Exchange& ex = {}) {
   constexpr int D = Codec::head_dim;
   const float unit = decode_levels<Codec, N>(payload, x, lane);
   warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), unit, seed, lane, ex);

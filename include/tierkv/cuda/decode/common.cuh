@@ -141,17 +141,20 @@ __device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int
 // sequence's chunks returns at once. (A struct of these returned to the kernel kept the
 // chunking in another stack slot: other SASS for the two-tier kernels.)
 template <int N, class Body>
-__device__ __forceinline__ void with_split_chunk(const decode_inputs<N>& in, const decode_plan& plan,
-                                                 std::uint8_t* workspace, Body&& body) {
+__device__ __forceinline__ void with_split_chunk(const decode_inputs<N>& in,
+                                                 const decode_plan& plan, std::uint8_t* workspace,
+                                                 Body&& body) {
   std::int64_t cost[N];
 #pragma unroll
   for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
   const int kvh = int(blockIdx.x), c = int(blockIdx.y), b = int(blockIdx.z);
   if (b >= in.index.batch) return;
-  const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+  const chunking<N> ch =
+      chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
   if (c >= ch.chunks) return;
   int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
-  float* mass_ws = plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
+  float* mass_ws =
+      plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
   body(kvh, c, b, ch, cost, err, mass_ws);
 }
 
@@ -178,13 +181,15 @@ __device__ __forceinline__ void report_error(int* flag, errc e) {
 // iteration put an L2 round trip per element on every chunk's start (ncu, (24,4,256) 32K
 // B = 1: 3.5% of the split kernel's stall samples).
 template <int G, int D, class Inputs>
-__device__ __forceinline__ void load_group_queries(const Inputs& in, std::size_t qrow, float* q_raw, float* acc_total) {
+__device__ __forceinline__ void load_group_queries(const Inputs& in, std::size_t qrow, float* q_raw,
+                                                   float* acc_total) {
   constexpr int V = G * D / 4;  // float4 units
   constexpr int per = (V + decode_threads - 1) / decode_threads;
   static_assert(D % 4 == 0, "decode: head_dim must be a multiple of 4");
   const int tid = int(threadIdx.x);
   const bool bf16 = in.queries_type == query_type::bf16;
-  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(in.queries) + qrow * D * (bf16 ? 2 : 4);
+  const std::uintptr_t base =
+      reinterpret_cast<std::uintptr_t>(in.queries) + qrow * D * (bf16 ? 2 : 4);
   if (base % (bf16 ? 8 : 16) != 0) {  // an unaligned caller buffer: element by element
     for (int i = tid; i < G * D; i += decode_threads) {
       const std::size_t at = qrow * D + std::size_t(i);
@@ -201,8 +206,8 @@ __device__ __forceinline__ void load_group_queries(const Inputs& in, std::size_t
     if (i < V) {
       if (bf16) {
         const uint2 w = __ldg(reinterpret_cast<const uint2*>(base) + i);
-        v[k] = make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
-                           __uint_as_float(w.y & 0xffff0000u));
+        v[k] = make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                           __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
       } else {
         v[k] = __ldg(reinterpret_cast<const float4*>(base) + i);
       }
@@ -222,14 +227,17 @@ __device__ __forceinline__ void load_group_queries(const Inputs& in, std::size_t
 // accumulator, in 16-byte units with every shared load before the first global store (one
 // element per iteration and head was 9.7% of the split kernel's stall samples at B = 1).
 template <int G, int D>
-__device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::uint8_t* workspace, std::size_t qrow,
-                                                  int c, const float* m, const float* l, const float* acc_total) {
+__device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::uint8_t* workspace,
+                                                  std::size_t qrow, int c, const float* m,
+                                                  const float* l, const float* acc_total) {
   constexpr int V = G * D / 4, VH = D / 4;
   constexpr int per = (V + decode_threads - 1) / decode_threads;
   const int tid = int(threadIdx.x);
   float2* states = reinterpret_cast<float2*>(workspace + plan.state_offset);
   float4* accs = reinterpret_cast<float4*>(workspace + plan.acc_offset);
-  auto at = [&](int h) { return (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c); };
+  auto at = [&](int h) {
+    return (qrow + std::size_t(h)) * std::size_t(plan.max_chunks) + std::size_t(c);
+  };
   float4 v[per];
 #pragma unroll
   for (int k = 0; k < per; ++k) {
@@ -247,9 +255,11 @@ __device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::
 // A lane's P consecutive floats of shared memory in the widest aligned vectors (warp/payload.cuh's
 // load_words): lanes P words apart make scalar accesses P-way bank conflicted (d = 256: 8-way;
 // ~0.7 us of a chunk for each of prepare_query and finalize at B = 1, per-CTA %clock64 trace,
-// session 7).
+// docs/history/gpu-runs.md, run 12).
 template <int P>
-inline constexpr int lane_float_alignment = P % 4 == 0 ? 16 : P % 2 == 0 ? 8 : 4;
+inline constexpr int lane_float_alignment = P % 4 == 0   ? 16
+                                            : P % 2 == 0 ? 8
+                                                         : 4;
 template <int P>
 __device__ __forceinline__ void load_lane_floats(const float* p, float (&x)[P]) {
   std::uint32_t w[P];
@@ -269,7 +279,8 @@ __device__ __forceinline__ void store_lane_floats(float* p, const float (&x)[P])
 // order makes it bit-identical to the codec's serial functions (int8_rotated: the same
 // rotation); FP8's are the identity.
 template <class C, int G>
-__device__ __forceinline__ void group_prepare_query(const float* q, float* out, const codec_context& ctx) {
+__device__ __forceinline__ void group_prepare_query(const float* q, float* out,
+                                                    const codec_context& ctx) {
   constexpr int D = C::head_dim;
   if constexpr (rotated_format<C>) {
     constexpr int P = D / 32;
@@ -307,7 +318,8 @@ __device__ __forceinline__ void group_finalize(float* acc, const codec_context& 
 
 // The second pass of a decode step, the same for both split kernels: the merge of the chunk
 // states and the per-page mass.
-template <class Geometry, class TierList> struct decode_finish;
+template <class Geometry, class TierList>
+struct decode_finish;
 
 template <class Geometry, class... Tiers>
 struct decode_finish<Geometry, tiers<Tiers...>> {
@@ -323,7 +335,8 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
   // order (deterministic).
   static constexpr int merge_slice = 64;  // dims per block: lanes hold 2 each
   static constexpr int merge_batch = 16;  // chunks per warp with loads in flight
-  static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+  static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan,
+                               std::uint8_t* workspace) {
     constexpr int D = Geometry::head_dim;
     constexpr int U = merge_batch;
     static_assert(D % 2 == 0, "decode merge: float2 lanes");
@@ -333,19 +346,23 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
     const int h = int(blockIdx.x), b = int(blockIdx.y), slice = int(blockIdx.z);
     if (b >= in.index.batch) return;
-    const chunking<N> ch = chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
+    const chunking<N> ch =
+        chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
     const int chunks = ch.chunks;
     const std::size_t row = std::size_t(b) * QH + std::size_t(h);
     wait_for_prerequisite_grid();  // the split kernel's chunk states
     // The step's error word -> its result, and back to 0 for the next step (no memset per
     // step: decode_workspace_init zeroes it once).
     if (h == 0 && b == 0 && slice == 0 && threadIdx.x == 0)
-      *reinterpret_cast<int*>(workspace + plan.result_offset) = atomicExch(reinterpret_cast<int*>(workspace + plan.error_offset), 0);
+      *reinterpret_cast<int*>(workspace + plan.result_offset) =
+          atomicExch(reinterpret_cast<int*>(workspace + plan.error_offset), 0);
     const float2* states = reinterpret_cast<const float2*>(workspace + plan.state_offset) +
                            row * std::size_t(plan.max_chunks);
     const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
-    if (chunks == 0) {  // an empty sequence: no split block stored a state (the loads below would read slot 0)
-      if (tid < merge_slice && slice * merge_slice + tid < D) in.out[row * D + std::size_t(slice * merge_slice + tid)] = 0.f;
+    if (chunks == 0) {  // an empty sequence: no split block stored a state (the loads below would
+                        // read slot 0)
+      if (tid < merge_slice && slice * merge_slice + tid < D)
+        in.out[row * D + std::size_t(slice * merge_slice + tid)] = 0.f;
       if (tid == 0 && slice == 0 && in.lse != nullptr) in.lse[row] = -INFINITY;
       return;
     }
@@ -380,7 +397,8 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
       for (int j = 0; j < U; ++j) {
         const float w = st[j].y > 0.f ? exp2f(st[j].x - mx) : 0.f;
         l = fmaf(st[j].y, w, l);
-        o.x = w != 0.f ? fmaf(a[j].x, w, o.x) : o.x;  // a select: an unused chunk's slot may hold anything
+        o.x = w != 0.f ? fmaf(a[j].x, w, o.x)
+                       : o.x;  // a select: an unused chunk's slot may hold anything
         o.y = w != 0.f ? fmaf(a[j].y, w, o.y) : o.y;
       }
       k0 += decode_warps * U;
@@ -406,7 +424,8 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
   }
 
   // grid (batch): per-page mass averaged over q_heads, from the log2 page masses.
-  static __device__ void page_mass(const decode_inputs<N>& in, const decode_plan& plan, const std::uint8_t* workspace) {
+  static __device__ void page_mass(const decode_inputs<N>& in, const decode_plan& plan,
+                                   const std::uint8_t* workspace) {
     const int b = int(blockIdx.x);
     if (b >= in.index.batch) return;
     const float* mass_ws = reinterpret_cast<const float*>(workspace + plan.mass_offset);
@@ -418,7 +437,8 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     constexpr int SL = mass_slots_per_page<Geometry>;
     for (int p = int(threadIdx.x); p < pages; p += decode_threads) {
       // the slots the split kernels wrote: one per step of the page (at least one)
-      const int steps = std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
+      const int steps =
+          std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
       float s = 0.f;
       for (int h = 0; h < QH; ++h) {
         const std::size_t row = std::size_t(b) * QH + std::size_t(h);
@@ -429,19 +449,22 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
           if (lse2 != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2);
         }
       }
-      in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] = s / float(QH);
+      in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] =
+          s / float(QH);
     }
   }
 };
 
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads)
-decode_merge_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+    decode_merge_kernel(decode_inputs<TierList::size> in, decode_plan plan,
+                        std::uint8_t* workspace) {
   decode_finish<Geometry, TierList>::merge(in, plan, workspace);
 }
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads)
-decode_page_mass_kernel(decode_inputs<TierList::size> in, decode_plan plan, const std::uint8_t* workspace) {
+    decode_page_mass_kernel(decode_inputs<TierList::size> in, decode_plan plan,
+                            const std::uint8_t* workspace) {
   decode_finish<Geometry, TierList>::page_mass(in, plan, workspace);
 }
 

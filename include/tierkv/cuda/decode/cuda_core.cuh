@@ -21,7 +21,7 @@ struct decode_shape {
   static constexpr int d = Geometry::head_dim;
   static constexpr int g = Geometry::group_size;
   static constexpr int qh = Geometry::q_heads;
-  static constexpr int lanes_per_token = d / 16;       // 16 scalars per lane slice
+  static constexpr int lanes_per_token = d / 16;  // 16 scalars per lane slice
   static constexpr int token_groups = decode_threads / lanes_per_token;
   static constexpr int tile = Geometry::page_tokens < 64 ? Geometry::page_tokens : 64;
   static constexpr int iters = tile / token_groups > 0 ? tile / token_groups : 1;
@@ -30,10 +30,12 @@ struct decode_shape {
   // than spill inside the inner loop (ptxas -v, docs/gpu.md).
   static constexpr int min_blocks = g <= 4 ? 3 : 2;
   static_assert(lanes_per_token <= 32, "decode: head_dim above 512 is not supported");
-  static_assert(Geometry::page_tokens % tile == 0, "decode: page_tokens must be a multiple of 64 or below 64");
-  static_assert(g <= 8,
-                "decode: the CUDA-core decode keeps group_size x 16 accumulators per thread; "
-                "group sizes above 8 are not supported (the tensor-core kernel has 8 head columns)");
+  static_assert(Geometry::page_tokens % tile == 0,
+                "decode: page_tokens must be a multiple of 64 or below 64");
+  static_assert(
+      g <= 8,
+      "decode: the CUDA-core decode keeps group_size x 16 accumulators per thread; "
+      "group sizes above 8 are not supported (the tensor-core kernel has 8 head columns)");
 
   // Shared memory in floats.
   static constexpr int q_raw = g * d;      // queries as given (float)
@@ -42,9 +44,10 @@ struct decode_shape {
   static constexpr int acc_total = g * d;  // finalized accumulators of the tiers done
   static constexpr int scores = g * tile;
   static constexpr int probs = g * tile;
-  static constexpr int vscale = tile;      // per-token value scale / norm of the tile
-  static constexpr int per_head = 8 * g;   // m, l, alpha, m_ref, page m, page l
-  static constexpr int floats = q_raw + q_prep + acc_part + acc_total + scores + probs + vscale + per_head;
+  static constexpr int vscale = tile;     // per-token value scale / norm of the tile
+  static constexpr int per_head = 8 * g;  // m, l, alpha, m_ref, page m, page l
+  static constexpr int floats =
+      q_raw + q_prep + acc_part + acc_total + scores + probs + vscale + per_head;
   static constexpr std::size_t smem_bytes = std::size_t(floats) * sizeof(float);
 };
 
@@ -86,8 +89,10 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
   const int slice = tid % LPT;
   const int tg = tid / LPT;
   const int warp = tid / 32, lane = tid % 32;
-  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
-  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
+  const codec_context kctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
   const float score_scale = in.softmax_scale * log2e * KR::code_scale;
 
   // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
@@ -128,54 +133,54 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
       // thread (IB bounded so acc + loads stay in registers at 3 blocks per SM)
 #pragma unroll
       for (int u0 = 0; u0 < IT; u0 += IB) {
-      typename KR::raw kr[IB];
-      float km[IB], vm[IB];
+        typename KR::raw kr[IB];
+        float km[IB], vm[IB];
 #pragma unroll
-      for (int uu = 0; uu < IB; ++uu) {
-        const int u = u0 + uu;
-        const int t = t0 + tg + u * NTG;
-        if (u < IT && tg + u * NTG < TILE && t < ntok) {
-          kr[uu] = KR::load(hr.keys + std::size_t(t) * K::payload_bytes, slice);
-          km[uu] = bf16_bits_to_float(__ldg(hr.key_meta + t));
-          vm[uu] = bf16_bits_to_float(__ldg(hr.value_meta + t));
-        }
-      }
-#pragma unroll
-      for (int uu = 0; uu < IB; ++uu) {
-        const int u = u0 + uu;
-        const int tl = tg + u * NTG;
-        if (u >= IT || tl >= TILE) break;
-        const bool live = t0 + tl < ntok;
-        float dot[G];
-#pragma unroll
-        for (int h = 0; h < G; ++h) dot[h] = 0.f;
-        if (live) {
-          float x[16];
-          KR::unpack(kr[uu], slice, x);
-#pragma unroll
-          for (int h = 0; h < G; ++h) {
-            const float4* q4 = reinterpret_cast<const float4*>(sm.q_prep + h * D);
-#pragma unroll
-            for (int qq = 0; qq < 4; ++qq) {
-              const float4 q = q4[qq * LPT + slice];
-              dot[h] = fmaf(q.x, x[4 * qq + 0], dot[h]);
-              dot[h] = fmaf(q.y, x[4 * qq + 1], dot[h]);
-              dot[h] = fmaf(q.z, x[4 * qq + 2], dot[h]);
-              dot[h] = fmaf(q.w, x[4 * qq + 3], dot[h]);
-            }
+        for (int uu = 0; uu < IB; ++uu) {
+          const int u = u0 + uu;
+          const int t = t0 + tg + u * NTG;
+          if (u < IT && tg + u * NTG < TILE && t < ntok) {
+            kr[uu] = KR::load(hr.keys + std::size_t(t) * K::payload_bytes, slice);
+            km[uu] = bf16_bits_to_float(__ldg(hr.key_meta + t));
+            vm[uu] = bf16_bits_to_float(__ldg(hr.value_meta + t));
           }
         }
 #pragma unroll
-        for (int off = 1; off < LPT; off <<= 1)
+        for (int uu = 0; uu < IB; ++uu) {
+          const int u = u0 + uu;
+          const int tl = tg + u * NTG;
+          if (u >= IT || tl >= TILE) break;
+          const bool live = t0 + tl < ntok;
+          float dot[G];
 #pragma unroll
-          for (int h = 0; h < G; ++h) dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], off);
-        if (slice == 0) {
+          for (int h = 0; h < G; ++h) dot[h] = 0.f;
+          if (live) {
+            float x[16];
+            KR::unpack(kr[uu], slice, x);
 #pragma unroll
-          for (int h = 0; h < G; ++h)
-            sm.scores[h * TILE + tl] = live ? dot[h] * km[uu] * score_scale : -INFINITY;
-          sm.vscale[tl] = live ? vm[uu] : 0.f;
+            for (int h = 0; h < G; ++h) {
+              const float4* q4 = reinterpret_cast<const float4*>(sm.q_prep + h * D);
+#pragma unroll
+              for (int qq = 0; qq < 4; ++qq) {
+                const float4 q = q4[qq * LPT + slice];
+                dot[h] = fmaf(q.x, x[4 * qq + 0], dot[h]);
+                dot[h] = fmaf(q.y, x[4 * qq + 1], dot[h]);
+                dot[h] = fmaf(q.z, x[4 * qq + 2], dot[h]);
+                dot[h] = fmaf(q.w, x[4 * qq + 3], dot[h]);
+              }
+            }
+          }
+#pragma unroll
+          for (int off = 1; off < LPT; off <<= 1)
+#pragma unroll
+            for (int h = 0; h < G; ++h) dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], off);
+          if (slice == 0) {
+#pragma unroll
+            for (int h = 0; h < G; ++h)
+              sm.scores[h * TILE + tl] = live ? dot[h] * km[uu] * score_scale : -INFINITY;
+            sm.vscale[tl] = live ? vm[uu] : 0.f;
+          }
         }
-      }
       }
       __syncthreads();
       // ---- online softmax of this tile, one warp per query head
@@ -183,7 +188,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
         float tmax = -INFINITY;
         for (int t = lane; t < TILE; t += 32) tmax = fmaxf(tmax, sm.scores[h * TILE + t]);
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        for (int off = 16; off > 0; off >>= 1)
+          tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
         const float m_old = sm.m[h];
         const float m_new = fmaxf(m_old, tmax);
         float sum = 0.f;
@@ -224,7 +230,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
         for (int uu = 0; uu < IB; ++uu) {
           const int u = u0 + uu;
           const int t = t0 + tg + u * NTG;
-          if (u < IT && tg + u * NTG < TILE && t < ntok) vr[uu] = VR::load(hr.values + std::size_t(t) * V::payload_bytes, slice);
+          if (u < IT && tg + u * NTG < TILE && t < ntok)
+            vr[uu] = VR::load(hr.values + std::size_t(t) * V::payload_bytes, slice);
         }
 #pragma unroll
         for (int uu = 0; uu < IB; ++uu) {
@@ -292,7 +299,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
 }
 
 // grid (kv_heads, max_chunks, batch); decode_finish (decode/common.cuh) merges the chunk states.
-template <class Geometry, class TierList> struct cuda_core_kernels;
+template <class Geometry, class TierList>
+struct cuda_core_kernels;
 
 template <class Geometry, class... Tiers>
 struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
@@ -300,40 +308,43 @@ struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
   using S = decode_shape<Geometry>;
 
   // grid (kv_heads, max_chunks, batch); chunks beyond the sequence's count exit at once.
-  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan,
+                               std::uint8_t* workspace) {
     constexpr int D = S::d, G = S::g;
-    with_split_chunk<N>(in, plan, workspace, [&](int kvh, int c, int b, const chunking<N>& ch,
-                                                 const std::int64_t (&cost)[N], int* err, float* mass_ws) {
-      extern __shared__ float4 smem4[];
-      float* smem = reinterpret_cast<float*>(smem4);
-      decode_smem sm;
-      sm.q_raw = smem;
-      sm.q_prep = sm.q_raw + S::q_raw;
-      sm.acc_part = sm.q_prep + S::q_prep;
-      sm.acc_total = sm.acc_part + S::acc_part;
-      sm.scores = sm.acc_total + S::acc_total;
-      sm.probs = sm.scores + S::scores;
-      sm.vscale = sm.probs + S::probs;
-      sm.m = sm.vscale + S::vscale;
-      sm.l = sm.m + G;
-      sm.alpha = sm.l + G;
-      sm.m_ref = sm.alpha + G;
-      sm.page_m = sm.m_ref + G;
-      sm.page_l = sm.page_m + G;
+    with_split_chunk<N>(
+        in, plan, workspace,
+        [&](int kvh, int c, int b, const chunking<N>& ch, const std::int64_t(&cost)[N], int* err,
+            float* mass_ws) {
+          extern __shared__ float4 smem4[];
+          float* smem = reinterpret_cast<float*>(smem4);
+          decode_smem sm;
+          sm.q_raw = smem;
+          sm.q_prep = sm.q_raw + S::q_raw;
+          sm.acc_part = sm.q_prep + S::q_prep;
+          sm.acc_total = sm.acc_part + S::acc_part;
+          sm.scores = sm.acc_total + S::acc_total;
+          sm.probs = sm.scores + S::scores;
+          sm.vscale = sm.probs + S::probs;
+          sm.m = sm.vscale + S::vscale;
+          sm.l = sm.m + G;
+          sm.alpha = sm.l + G;
+          sm.m_ref = sm.alpha + G;
+          sm.page_m = sm.m_ref + G;
+          sm.page_l = sm.page_m + G;
 
-      const int tid = int(threadIdx.x);
-      const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-      load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
-      if (tid < G) {
-        sm.m[tid] = -INFINITY;
-        sm.l[tid] = 0.f;
-        sm.m_ref[tid] = -INFINITY;
-      }
-      run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
-      __syncthreads();  // a chunk without pages ran no tier: order the init before the write
+          const int tid = int(threadIdx.x);
+          const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+          load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+          if (tid < G) {
+            sm.m[tid] = -INFINITY;
+            sm.l[tid] = 0.f;
+            sm.m_ref[tid] = -INFINITY;
+          }
+          run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+          __syncthreads();  // a chunk without pages ran no tier: order the init before the write
 
-      store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
-    });
+          store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
+        });
   }
 
   template <std::size_t... I>
@@ -357,7 +368,8 @@ struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
 
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads, decode_shape<Geometry>::min_blocks)
-decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+    decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan,
+                        std::uint8_t* workspace) {
   allow_dependent_launch();
   cuda_core_kernels<Geometry, TierList>::split(in, plan, workspace);
 }

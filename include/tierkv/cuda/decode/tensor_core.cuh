@@ -33,8 +33,8 @@
 #include "tierkv/attention/int8_query.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
-#include "tierkv/cuda/arch/cp_async.cuh"
 #include "tierkv/cuda/arch/convert.cuh"
+#include "tierkv/cuda/arch/cp_async.cuh"
 #include "tierkv/cuda/arch/math.cuh"
 #include "tierkv/cuda/arch/mma.cuh"
 #include "tierkv/cuda/decode/common.cuh"
@@ -49,7 +49,8 @@ struct mma_shape {
   static constexpr int d = Geometry::head_dim;
   static constexpr int g = Geometry::group_size;
   static constexpr int qh = Geometry::q_heads;
-  static constexpr int steps = d / 16;  // k steps of the score product = m-tiles of the value product
+  static constexpr int steps =
+      d / 16;  // k steps of the score product = m-tiles of the value product
   // Q fragments live in shared memory (one LDS.128 per k step), so 3 blocks (12 warps) fit
   // per SM at d = 256 without spills (ptxas -v, docs/gpu.md).
   // d <= 128 fits 4 blocks (16 warps; <= 128 registers, no spills, ptxas -v): more warps to
@@ -57,12 +58,14 @@ struct mma_shape {
   // instruction per warp, 0.7 eligible warps per scheduler).
   static constexpr int min_blocks = decode_blocks_per_sm<Geometry>;
   // Independent accumulator chains of the score product (query hi / lo parts). H200 A/B at
-  // 128K B=32 (run 6, docs/gpu.md): two chains took d = 256 fp8 / tq3 / tiered from 3.12 /
-  // 2.44 / 2.58 ms to 2.74 / 2.33 / 2.41 ms and d = 64 1-2% down, but d = 128 (at its
-  // 128-register cap, 20 bytes of spill) up to 2.5% slower.
+  // 128K B=32 (bench/results/decode/decode-h200-2026-11-29-run6.json): two chains took d = 256 fp8
+  // / tq3 / tiered from 3.12 / 2.44 / 2.58 ms to 2.74 / 2.33 / 2.41 ms and d = 64 1-2% down, but d
+  // = 128 (at its 128-register cap, 20 bytes of spill) up to 2.5% slower.
   static constexpr int score_chains = d == 128 ? 1 : 2;
-  static_assert(g <= 8, "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
-  static_assert(Geometry::page_tokens % 16 == 0, "tensor-core decode: page_tokens must be a multiple of 16");
+  static_assert(g <= 8,
+                "tensor-core decode: the group's query heads are the 8 columns (group_size <= 8)");
+  static_assert(Geometry::page_tokens % 16 == 0,
+                "tensor-core decode: page_tokens must be a multiple of 16");
   // Shared memory in floats: raw queries, prepared queries / tier accumulator, chunk
   // accumulator, per-warp {m, m_v, l} x 8 heads, m, l, m_ref, query exponent, sum of the
   // int8-rounded query (TQ4 keys), then the query B fragments (f16 [step][lane][hi0 hi1 lo0
@@ -84,14 +87,15 @@ struct mma_staging {
   // 32-token steps: their unpacking is about half of a 16-token step's instructions, the rest
   // (page bookkeeping, staging addresses and waits, the query fragments' shared loads, the
   // softmax's column reductions and rescales) is per step (SASS, docs/gpu.md). So do FP8
-  // tiers at d <= 128 (session 10: 783 SASS for 32 tokens against 2 x 541 at d = 128, 594
-  // against 2 x 413 at d = 64; H200 A/B: fp8 rows at d = 64 -3..-20%, tiered rows at d <= 128
-  // and L >= 32K -1.5..-7% at B >= 8 (8K: +1..+2%), fp8 rows at d = 128 -5..+3%); at d = 256
-  // their 66 KB slot per block would leave 2 blocks per SM. int8_rotated tiers keep 16-token
-  // steps (not measured).
+  // tiers at d <= 128 (bench/results/decode/ab/ab-h200-2026-11-30-fp8-step32.txt: 783 SASS for 32
+  // tokens against 2 x 541 at d = 128, 594 against 2 x 413 at d = 64; H200 A/B: fp8 rows at d = 64
+  // -3..-20%, tiered rows at d <= 128 and L >= 32K -1.5..-7% at B >= 8 (8K: +1..+2%), fp8 rows at d
+  // = 128 -5..+3%); at d = 256 their 66 KB slot per block would leave 2 blocks per SM. int8_rotated
+  // tiers keep 16-token steps (not measured).
   static constexpr int substeps =
-      Geometry::page_tokens % 32 == 0 && ((KC::s8_keys && V::format == storage_format::tq3) ||
-                                          (K::format == storage_format::fp8_e4m3 && Geometry::head_dim <= 128))
+      Geometry::page_tokens % 32 == 0 &&
+              ((KC::s8_keys && V::format == storage_format::tq3) ||
+               (K::format == storage_format::fp8_e4m3 && Geometry::head_dim <= 128))
           ? 2
           : 1;
   // Phased (key rows, then value rows) where a step's code words and the accumulators (per
@@ -107,13 +111,15 @@ struct mma_staging {
   static constexpr std::size_t key_bytes = std::size_t(rows) * K::payload_bytes;
   // 8-bit value rows at d >= 128 are read as 16 bytes at 16 g of rows 2c, 2c + 1, ... (lane
   // 4g + c): rows d bytes apart put the 4 rows of a quarter-warp on the same banks (4-way
-  // conflicts, ncu run 10: 4x the ideal wavefronts). A 16-byte pad per row moves row 2c by
-  // 8c banks.
-  static constexpr bool pad_values = V::payload_bytes == std::size_t(Geometry::head_dim) && Geometry::head_dim >= 128 &&
-                                     V::payload_bytes / 16 <= 32 && 32 % (V::payload_bytes / 16) == 0;
+  // conflicts, ncu in bench/results/decode/ab/ab-h200-2026-11-30-value-pad.txt: 4x the ideal
+  // wavefronts). A 16-byte pad per row moves row 2c by 8c banks.
+  static constexpr bool pad_values = V::payload_bytes == std::size_t(Geometry::head_dim) &&
+                                     Geometry::head_dim >= 128 && V::payload_bytes / 16 <= 32 &&
+                                     32 % (V::payload_bytes / 16) == 0;
   static constexpr std::size_t value_stride = V::payload_bytes + (pad_values ? 16 : 0);
   static constexpr std::size_t value_bytes = std::size_t(rows) * value_stride;
-  static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0, "decode: staged rows must be whole 16-byte units");
+  static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0,
+                "decode: staged rows must be whole 16-byte units");
   static constexpr std::size_t meta_bytes = std::size_t(rows) * 2 * 2;  // bf16 key and value metas
   static constexpr std::size_t slot_bytes = key_bytes + value_bytes + meta_bytes;
   static constexpr int key_chunks = int(key_bytes / 16);
@@ -126,9 +132,9 @@ struct mma_staging {
 // k = 4 mt + i of o[mt][i]) go to its slice of the idle staging ring in fragment order, row k
 // of 32 lanes padded to 33 words, so the stores and the block's sum (32 consecutive k of one
 // lane) are free of bank conflicts. Stored at their head coordinates instead (the layout
-// before session 7), the rows of a quarter-warp's heads lay d words apart and the value
-// coordinates of its row groups 16 or 64 words apart: 16- to 32-way conflicts, 3-4 us of
-// a chunk at d = 256 (per-CTA %clock64 trace, B = 1).
+// before bench/results/decode/ab/ab-h200-2026-11-30-fold-prologue.txt), the rows of a
+// quarter-warp's heads lay d words apart and the value coordinates of its row groups 16 or 64 words
+// apart: 16- to 32-way conflicts, 3-4 us of a chunk at d = 256 (per-CTA %clock64 trace, B = 1).
 template <class Geometry>
 struct mma_fold {
   static constexpr int values = Geometry::head_dim / 4;  // per lane: d/16 m-tiles x 4
@@ -137,11 +143,13 @@ struct mma_fold {
   static constexpr std::size_t bytes = std::size_t(mma_warps) * slice * sizeof(float);
 };
 
-template <class Geometry, class TierList> struct mma_smem_size;
+template <class Geometry, class TierList>
+struct mma_smem_size;
 template <class Geometry, class... Tiers>
 struct mma_smem_size<Geometry, tiers<Tiers...>> {
   // The ring also holds the warps' accumulators when a tier's pages are done (the fold).
-  static constexpr std::size_t ring = std::max({mma_fold<Geometry>::bytes, mma_staging<Geometry, Tiers>::block_bytes...});
+  static constexpr std::size_t ring =
+      std::max({mma_fold<Geometry>::bytes, mma_staging<Geometry, Tiers>::block_bytes...});
   static constexpr std::size_t bytes = mma_shape<Geometry>::smem_bytes + ring;
 };
 
@@ -155,18 +163,18 @@ struct mma_smem {
   float* l;
   float* m_ref;
   float* qexp;
-  float* qsum;  // per head: sum of the int8-rounded query (TQ4 keys' level offset)
+  float* qsum;           // per head: sum of the int8-rounded query (TQ4 keys' level offset)
   std::uint32_t* table;  // [0]: the TQ3 value table's low word (mma_codec<tq3>::value_table)
   uint4* qfrag;
 };
-
 
 // One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
 // step; the value product accumulates p x value_scale relative to its own running max m_v
 // (so the f16 probabilities are <= 1 whatever the scales), rebased to m at the tier's end.
 template <class Geometry, class Tier, int N>
-__device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b, int kvh,
-                               int e_begin, int e_end, bool sole, const mma_smem& sm, float* mass_ws, int* err) {
+__device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
+                               int kvh, int e_begin, int e_end, bool sole, const mma_smem& sm,
+                               float* mass_ws, int* err) {
   using S = mma_shape<Geometry>;
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
@@ -177,8 +185,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
                 "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, ST = S::steps;
   using staging = mma_staging<Geometry, Tier>;
-  constexpr int P = staging::substeps, RT = staging::rows;  // 16-token sub-steps and tokens per step
-  constexpr int SL = Geometry::page_tokens / RT;             // steps per page
+  constexpr int P = staging::substeps,
+                RT = staging::rows;               // 16-token sub-steps and tokens per step
+  constexpr int SL = Geometry::page_tokens / RT;  // steps per page
   // Int8 keys (TQ3 and TQ4 levels, int8_rotated codes) score on int8 mma against the query
   // rounded to 13 (TQ3, TQ4) or 20 (int8_rotated) bits of its largest element, as int8 digits
   // (s8_keys). FP8 keys take the f16 hi + lo split (~fp32 queries).
@@ -187,14 +196,17 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // Key codes that enter the mma as level + offset (TQ4: c = level + 7.5, as uint8): subtract
   // the offset x (the head's sum of its rounded query, an exact integer) per head.
   constexpr bool key_offset = s8_keys && KC::key_level_offset != 0.f;
-  static_assert(V::format != storage_format::tq4,
-                "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
-                "8-bit value codec, or decode_path::cuda_core");
+  static_assert(
+      V::format != storage_format::tq4,
+      "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
+      "8-bit value codec, or decode_path::cuda_core");
   const int tid = int(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
-  const codec_context kctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
-  const codec_context vctx = make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
+  const codec_context kctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
 
   // int8 queries: Q = rint(q 2^(bits - e)) as QP balanced base-128 digits
   // (attention/int8_query.hpp), digit p in its own int8 fragment; the score is the sum of
@@ -213,29 +225,32 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
   };
 
-  // A warp's pages are one stream of steps (staging::rows tokens), staged through one shared-memory slot
-  // per warp in two cp.async groups: K (key rows + metas) and V (value rows). Step i+1 is
+  // A warp's pages are one stream of steps (staging::rows tokens), staged through one shared-memory
+  // slot per warp in two cp.async groups: K (key rows + metas) and V (value rows). Step i+1 is
   // copied as soon as step i's rows are in registers, while step i's scores, softmax and
   // value product run, so every format keeps about a step of loads in flight per warp
-  // without registers held for them. The direct loads of runs 1-8 paid a full memory round
-  // trip per step, and TQ3's 12-byte groups were uncoalesced (ncu: 77% excess L2 sectors at
-  // d = 256). `phased` below: where key and value codes do not fit the registers together,
-  // the K group is read and reissued before the scores, the V group before the values.
+  // without registers held for them. The direct loads before
+  // bench/results/decode/ab/ab-h200-2026-11-30-staging.txt paid a full memory round trip per step,
+  // and TQ3's 12-byte groups were uncoalesced (ncu: 77% excess L2 sectors at d = 256). `phased`
+  // below: where key and value codes do not fit the registers together, the K group is read and
+  // reissued before the scores, the V group before the values.
   std::uint8_t* slot_p = sm.ring + std::size_t(warp) * staging::slot_bytes;
   const std::uint8_t* kst = slot_p;
   const std::uint8_t* vst = slot_p + staging::key_bytes;
   const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
   const std::uint16_t* vms = kms + RT;
   // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
-  // compiled to ~200 instructions per step, SASS of run 8). An empty group when there is no
-  // next step keeps the wait counts uniform.
+  // compiled to ~200 instructions per step, SASS before the staging). An empty group when there is
+  // no next step keeps the wait counts uniform.
   auto issue_keys = [&](const std::uint8_t* page, int step) {
     if (page != nullptr) {
-      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, RT * step), lane);
+      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, RT * step),
+                                           lane);
       constexpr int MC = staging::meta_chunks;
       if (lane < 2 * MC) {  // the step's bf16 key metas, then its value metas, 16 bytes a lane
-        const std::uint8_t* src = lane < MC ? page + layout::key_meta(kvh, RT * step) + 16 * lane
-                                            : page + layout::value_meta(kvh, RT * step) + 16 * (lane - MC);
+        const std::uint8_t* src =
+            lane < MC ? page + layout::key_meta(kvh, RT * step) + 16 * lane
+                      : page + layout::value_meta(kvh, RT * step) + 16 * (lane - MC);
         cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
       }
     }
@@ -245,8 +260,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     if (page != nullptr) {
       const std::uint8_t* src = page + layout::value_payload(kvh, RT * step);
       if constexpr (staging::pad_values)
-        cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(slot_p + staging::key_bytes, src,
-                                                                                            lane);
+        cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(
+            slot_p + staging::key_bytes, src, lane);
       else
         cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, src, lane);
     }
@@ -255,8 +270,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // Which steps a warp takes. Small chunks (< 4 pages per warp): the steps of the tier's pages
   // in this chunk split into 4 contiguous ranges, balanced to a step (whole pages per warp
   // left up to a page of 4 steps idle per warp on the critical path of small batches; part
-  // of run 9's A/B, docs/gpu.md: B = 1 -10..-18% at d = 256). Larger chunks: whole pages round
-  // robin (stride 4 pages), as before run 9; contiguous ranges there measured the same (+-1%).
+  // of bench/results/decode/ab/ab-h200-2026-11-30-run9.txt: B = 1 -10..-18% at d = 256). Larger
+  // chunks: whole pages round robin (stride 4 pages), as before; contiguous ranges there measured
+  // the same (+-1%).
   const int pages = e_end - e_begin;
   const bool ranges = pages < 4 * mma_warps;
   const int stride = ranges ? 1 : mma_warps;  // pages from one of the warp's pages to its next
@@ -286,14 +302,16 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   issue_keys(page, int(j % SL));
   issue_values(page, int(j % SL));
   if (pages > 0) {  // every page has SL steps but the last (a step past a page's tokens is masked)
-    const int last_tok = last >= 0 ? in.index.tokens_in_page_of(length, last, Geometry::page_tokens) : Geometry::page_tokens;
-    const unsigned total_steps = unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + RT - 1) / RT));
+    const int last_tok = last >= 0 ? in.index.tokens_in_page_of(length, last, Geometry::page_tokens)
+                                   : Geometry::page_tokens;
+    const unsigned total_steps =
+        unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + RT - 1) / RT));
     if (j_end > total_steps) j_end = total_steps;
   }
   group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
   // group_prepare_query gives head h to warp h % 4, as the loop below does: a warp reads
   // only what it wrote (no block barrier; at B = 1 the per-chunk prologue and epilogue are
-  // about half of the split kernel's stall samples, ncu run 10).
+  // about half of the split kernel's stall samples, ncu; docs/history/gpu-runs.md, run 10).
   static_assert(mma_warps == decode_warps, "decode: the prologue's head-to-warp map");
   __syncwarp();
   for (int h = warp; h < G; h += mma_warps) {
@@ -326,7 +344,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // The block builds the fragments item by item, reading the prepared query as 16-byte
     // vectors in an order with few bank conflicts: per lane (head qg, column pair qc) its
     // coordinates lie a multiple of 32 words apart across qg and qc, so the per-lane loop of
-    // scalar loads (before session 7) was 16- to 32-way conflicted (~1.7 us of a chunk at d = 256).
+    // scalar loads (before bench/results/decode/ab/ab-h200-2026-11-30-fold-prologue.txt) was 16- to
+    // 32-way conflicted (~1.7 us of a chunk at d = 256).
     if constexpr (s8_keys) {
       // item (lane, k step s), s fastest: the 8 coordinates [key_coord_s8(qc, s, 0), +8) of head qg
       uint2* qf = reinterpret_cast<uint2*>(sm.qfrag);
@@ -335,7 +354,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t dg[QP][2] = {};
         if (g < unsigned(G)) {
           const float qs = exp2f(float(s8_query_bits) - sm.qexp[g]);
-          const float4* src = reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord_s8(c, s, 0));
+          const float4* src =
+              reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord_s8(c, s, 0));
           const float4 a = src[0], b = src[1];
           const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -343,7 +363,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
             int d[QP];
             int8_query_digits<QP>(__float2int_rn(x[KC::query_offset_s8(j)] * qs), d);
 #pragma unroll
-            for (int p = 0; p < QP; ++p) dg[p][j / 4] |= (std::uint32_t(d[p]) & 0xffu) << (8 * (j % 4));
+            for (int p = 0; p < QP; ++p)
+              dg[p][j / 4] |= (std::uint32_t(d[p]) & 0xffu) << (8 * (j % 4));
           }
         }
 #pragma unroll
@@ -356,7 +377,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         float x[4] = {0.f, 0.f, 0.f, 0.f};
         if (g < unsigned(G)) {
           const float qs = exp2f(-sm.qexp[g]);
-          const float4 a = *reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord(c, s, 0));
+          const float4 a =
+              *reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord(c, s, 0));
           x[0] = a.x * qs;
           x[1] = a.y * qs;
           x[2] = a.z * qs;
@@ -384,7 +406,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     colscale[j] = 0.f;
     if (h < G) {
       if constexpr (s8_keys) {
-        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h] - float(s8_query_bits)) * KC::key_level_scale;
+        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h] - float(s8_query_bits)) *
+                      KC::key_level_scale;
       } else {
         colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h]);
       }
@@ -393,7 +416,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   float koff[2] = {0.f, 0.f};
   if constexpr (key_offset) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) koff[j] = 2 * qc + j < G ? KC::key_level_offset * sm.qsum[2 * qc + j] : 0.f;
+    for (int j = 0; j < 2; ++j)
+      koff[j] = 2 * qc + j < G ? KC::key_level_offset * sm.qsum[2 * qc + j] : 0.f;
   }
 
   float o[ST][4];
@@ -401,9 +425,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
-  // Biased value fragments (TQ3) where the step is phased (H200 A/B, session 10,
-  // bench/results/ab-h200-2026-11-30-value-bias.txt: phased TQ3 / TQ4-key tiers -0.5..-4% at
-  // B = 32; the unphased TQ3 steps at d <= 128 +0..+2%): the bias's share of o, the same in
+  // Biased value fragments (TQ3) where the step is phased (H200 A/B,
+  // bench/results/decode/ab/ab-h200-2026-11-30-value-bias.txt: phased TQ3 / TQ4-key tiers -0.5..-4%
+  // at B = 32; the unphased TQ3 steps at d <= 128 +0..+2%): the bias's share of o, the same in
   // every row (o's columns)
   constexpr bool value_bias = VC::value_bias_pair != 0u && staging::phased;
   float ob[2] = {0.f, 0.f};
@@ -415,8 +439,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // are masked in the scores (read_values below says which value codes must be zeroed there).
   // Scores and one online-softmax update for the step's 16 P tokens; returns P^T of each
   // sub-step as the value product's B fragments.
-  auto step_scores = [&](const std::uint32_t (&kw)[P][2][KC::key_words], const float (&ks)[P][2],
-                         const float (&lvs)[P][2], int t0, int ntok, float (&ps)[2], std::uint32_t (&pb)[P][2]) {
+  auto step_scores = [&](const std::uint32_t(&kw)[P][2][KC::key_words], const float(&ks)[P][2],
+                         const float(&lvs)[P][2], int t0, int ntok, float(&ps)[2],
+                         std::uint32_t(&pb)[P][2]) {
     // ---- scores S^T (rows tokens qg, qg + 8 of each sub-step; columns heads 2qc, 2qc + 1)
     // Query hi and lo parts in two independent accumulator chains (summed at the end) where
     // it measured faster: one chain of 2 x d/16 dependent mma was the step's critical path at
@@ -529,14 +554,19 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     }
   };
   // ---- values O^T += V^T P^T, sub-step by sub-step
-  auto step_values = [&](const std::uint32_t (&vw)[4][VC::value_words], const std::uint32_t (&pb)[2]) {
+  auto step_values = [&](const std::uint32_t(&vw)[4][VC::value_words],
+                         const std::uint32_t(&pb)[2]) {
     const std::uint32_t table = VC::value_table(sm.table);
 #pragma unroll
     for (int wi = 0; wi < VC::value_eff_words; ++wi) {
       constexpr int MPW = VC::value_mtiles_per_word;
       std::uint32_t lo[MPW][2], hi[MPW][2];
-      VC::template value_pairs<value_bias>(VC::value_word(vw[0], qg, wi), VC::value_word(vw[1], qg, wi), lo, table);  // tokens 2qc, 2qc + 1
-      VC::template value_pairs<value_bias>(VC::value_word(vw[2], qg, wi), VC::value_word(vw[3], qg, wi), hi, table);  // 2qc + 8, 2qc + 9
+      VC::template value_pairs<value_bias>(VC::value_word(vw[0], qg, wi),
+                                           VC::value_word(vw[1], qg, wi), lo,
+                                           table);  // tokens 2qc, 2qc + 1
+      VC::template value_pairs<value_bias>(VC::value_word(vw[2], qg, wi),
+                                           VC::value_word(vw[3], qg, wi), hi,
+                                           table);  // 2qc + 8, 2qc + 9
 #pragma unroll
       for (int k = 0; k < MPW; ++k) {
         const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
@@ -549,7 +579,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // p) in the slot of its first 16 tokens (logical page, P x step) of the mass workspace
   // (mass_slots_per_page a page), -inf in its other sub-steps' slots; the page-mass kernel
   // adds the slots. Per step, because a page's steps may be split between two warps.
-  auto write_step_mass = [&](std::int32_t logical, int step, float (&ps)[2]) {
+  auto write_step_mass = [&](std::int32_t logical, int step, float(&ps)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) ps[j] = quad_col_sum(ps[j]);
     if (logical < plan.max_pages) {
@@ -559,8 +589,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           const int h = 2 * qc + j;
           if (h < G) {
             const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(h);
-            float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(logical)) *
-                                         std::size_t(mass_slots_per_page<Geometry>) + std::size_t(P * step);
+            float* slots = mass_ws +
+                           (row * std::size_t(plan.max_pages) + std::size_t(logical)) *
+                               std::size_t(mass_slots_per_page<Geometry>) +
+                           std::size_t(P * step);
             slots[0] = m[j] + fast_log2(ps[j]);
 #pragma unroll
             for (int k = 1; k < P; ++k) slots[k] = -INFINITY;
@@ -579,7 +611,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8). Rows past the page's
   // tokens are read as staged (step_scores masks them): at fixed offsets from one base, the
   // loads take immediates (clamping the row to a real token cost ~6 instructions a row).
-  auto read_keys = [&](int h, std::uint32_t (&kw)[2][KC::key_words], float (&ks)[2], float (&lvs)[2]) {
+  auto read_keys = [&](int h, std::uint32_t(&kw)[2][KC::key_words], float(&ks)[2], float(&lvs)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * h + qg + 8 * r;
@@ -590,14 +622,15 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     }
   };
   // Value rows of sub-step h
-  auto read_values = [&](int h, int t0, int ntok, std::uint32_t (&vw)[4][VC::value_words]) {
+  auto read_values = [&](int h, int t0, int ntok, std::uint32_t(&vw)[4][VC::value_words]) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const int row = 16 * h + 2 * qc + (v & 1) + 8 * (v >> 1);
       VC::template load_value<true>(vst + std::size_t(row) * staging::value_stride, qg, vw[v]);
     }
     if constexpr (zero_tail_values) {
-      if (t0 + 16 * (h + 1) > ntok) {  // the last step of a partial page only (uniform across the warp)
+      if (t0 + 16 * (h + 1) >
+          ntok) {  // the last step of a partial page only (uniform across the warp)
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           const bool tail = t0 + 16 * h + 2 * qc + (v & 1) + 8 * (v >> 1) >= ntok;
@@ -718,7 +751,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       fold[warp * fold_shape::slice + (4 * mt + i) * fold_shape::row + lane] = x * fac[i % 2];
     }
   __syncthreads();
-  static_assert(fold_shape::values * 32 % decode_threads == 0, "decode: whole fold rounds per thread");
+  static_assert(fold_shape::values * 32 % decode_threads == 0,
+                "decode: whole fold rounds per thread");
 #pragma unroll 4
   for (unsigned n = 0; n < fold_shape::values * 32 / decode_threads; ++n) {
     // value k of lane src (unsigned: the divisions are shifts); the loads unconditional (a
@@ -727,14 +761,16 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     const unsigned k = e % fold_shape::values, src = e / fold_shape::values;
     float x = fold[k * fold_shape::row + src];
 #pragma unroll
-    for (int w = 1; w < mma_warps; ++w) x += fold[w * fold_shape::slice + k * fold_shape::row + src];
+    for (int w = 1; w < mma_warps; ++w)
+      x += fold[w * fold_shape::slice + k * fold_shape::row + src];
     const unsigned h = 2 * (src % 4) + k % 2;
     if (h < unsigned(G)) sm.acc_part[h * D + VC::value_coord(src / 4, k / 4, (k % 4) / 2)] = x;
   }
   __syncthreads();
   if (tid < G) {
     float lt = sm.l[tid] * exp2_rel(sm.m[tid], mnew_t);
-    for (int w = 0; w < mma_warps; ++w) lt += sm.wstate[w * 24 + 16 + tid] * exp2_rel(sm.wstate[w * 24 + tid], mnew_t);
+    for (int w = 0; w < mma_warps; ++w)
+      lt += sm.wstate[w * 24 + 16 + tid] * exp2_rel(sm.wstate[w * 24 + tid], mnew_t);
     sm.l[tid] = lt;
     sm.m[tid] = mnew_t;
   }
@@ -753,7 +789,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   __syncthreads();
 }
 
-template <class Geometry, class TierList> struct mma_kernels;
+template <class Geometry, class TierList>
+struct mma_kernels;
 
 template <class Geometry, class... Tiers>
 struct mma_kernels<Geometry, tiers<Tiers...>> {
@@ -762,64 +799,72 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
 
   // grid (kv_heads, max_chunks, batch), 128 threads: the chunks and workspace states of
   // decode/common.cuh, so decode_finish merges them.
-  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan, std::uint8_t* workspace) {
+  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan,
+                               std::uint8_t* workspace) {
     constexpr int D = S::d, G = S::g;
-    with_split_chunk<N>(in, plan, workspace, [&](int kvh, int c, int b, const chunking<N>& ch,
-                                                 const std::int64_t (&cost)[N], int* err, float* mass_ws) {
-      extern __shared__ float4 smem4[];
-      float* smem = reinterpret_cast<float*>(smem4);
-      mma_smem sm;
-      sm.q_raw = smem;
-      sm.acc_part = sm.q_raw + G * D;
-      sm.acc_total = sm.acc_part + G * D;
-      sm.wstate = sm.acc_total + G * D;
-      sm.m = sm.wstate + mma_warps * 24;
-      sm.l = sm.m + 8;
-      sm.m_ref = sm.l + 8;
-      sm.qexp = sm.m_ref + 8;
-      sm.qsum = sm.qexp + 8;
-      sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
-      sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
-      sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
+    with_split_chunk<N>(in, plan, workspace,
+                        [&](int kvh, int c, int b, const chunking<N>& ch,
+                            const std::int64_t(&cost)[N], int* err, float* mass_ws) {
+                          extern __shared__ float4 smem4[];
+                          float* smem = reinterpret_cast<float*>(smem4);
+                          mma_smem sm;
+                          sm.q_raw = smem;
+                          sm.acc_part = sm.q_raw + G * D;
+                          sm.acc_total = sm.acc_part + G * D;
+                          sm.wstate = sm.acc_total + G * D;
+                          sm.m = sm.wstate + mma_warps * 24;
+                          sm.l = sm.m + 8;
+                          sm.m_ref = sm.l + 8;
+                          sm.qexp = sm.m_ref + 8;
+                          sm.qsum = sm.qexp + 8;
+                          sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
+                          sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
+                          sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
 
-      const int tid = int(threadIdx.x);
-      const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-      load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
-      if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
-      if (tid < G) {
-        sm.m[tid] = -INFINITY;
-        sm.l[tid] = 0.f;
-        sm.m_ref[tid] = -INFINITY;
-      }
-      // The tiers with pages in this chunk (by-format chunks, the usual case, have one).
-      int lo[N], hi[N], with_pages = 0;
-  #pragma unroll
-      for (int f = 0; f < N; ++f) {
-        chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
-        with_pages += hi[f] > lo[f];
-      }
-      const bool sole = with_pages == 1;
-      run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
-      __syncthreads();
+                          const int tid = int(threadIdx.x);
+                          const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+                          load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+                          if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
+                          if (tid < G) {
+                            sm.m[tid] = -INFINITY;
+                            sm.l[tid] = 0.f;
+                            sm.m_ref[tid] = -INFINITY;
+                          }
+                          // The tiers with pages in this chunk (by-format chunks, the usual case,
+                          // have one).
+                          int lo[N], hi[N], with_pages = 0;
+#pragma unroll
+                          for (int f = 0; f < N; ++f) {
+                            chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+                            with_pages += hi[f] > lo[f];
+                          }
+                          const bool sole = with_pages == 1;
+                          run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err,
+                                    std::make_index_sequence<N>{});
+                          __syncthreads();
 
-      store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sole ? sm.acc_part : sm.acc_total);
-    });
+                          store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l,
+                                                  sole ? sm.acc_part : sm.acc_total);
+                        });
   }
 
   template <std::size_t... I>
-  static __device__ void run_tiers(const decode_inputs<N>& in, const decode_plan& plan, const chunking<N>& ch,
-                                   const int (&lo)[N], const int (&hi)[N], bool sole, int b, int kvh,
-                                   const mma_smem& sm, float* mass_ws, int* err, std::index_sequence<I...>) {
-    ((hi[I] > lo[I] ? mma_tier_pages<Geometry, Tiers, N>(in, plan, int(I), b, kvh, ch.first[I] + lo[I],
-                                                          ch.first[I] + hi[I], sole, sm, mass_ws, err)
-                    : void()),
+  static __device__ void run_tiers(const decode_inputs<N>& in, const decode_plan& plan,
+                                   const chunking<N>& ch, const int (&lo)[N], const int (&hi)[N],
+                                   bool sole, int b, int kvh, const mma_smem& sm, float* mass_ws,
+                                   int* err, std::index_sequence<I...>) {
+    ((hi[I] > lo[I]
+          ? mma_tier_pages<Geometry, Tiers, N>(in, plan, int(I), b, kvh, ch.first[I] + lo[I],
+                                               ch.first[I] + hi[I], sole, sm, mass_ws, err)
+          : void()),
      ...);
   }
 };
 
 template <class Geometry, class TierList>
 __global__ void __launch_bounds__(decode_threads, mma_shape<Geometry>::min_blocks)
-decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan, std::uint8_t* workspace) {
+    decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan,
+                            std::uint8_t* workspace) {
   allow_dependent_launch();  // the merge kernel's programmatic launch (arch/pdl.cuh)
   mma_kernels<Geometry, TierList>::split(in, plan, workspace);
 }

@@ -21,8 +21,9 @@ struct lane_group {
   static constexpr int G = D / N;
   static constexpr int R = 32 / G;
   static constexpr int P = D / 32;
-  static_assert(D % 32 == 0 && N * G == D && G >= 1 && G <= 32 && (G & (G - 1)) == 0,
-                "lane groups: head_dim a multiple of 32, held by a power-of-two number of lanes <= 32");
+  static_assert(
+      D % 32 == 0 && N * G == D && G >= 1 && G <= 32 && (G & (G - 1)) == 0,
+      "lane groups: head_dim a multiple of 32, held by a power-of-two number of lanes <= 32");
   __device__ static int index(int lane) { return lane & (G - 1); }
 };
 
@@ -92,7 +93,8 @@ struct lane_vector {
   std::uint32_t max_bits;
 };
 template <bool Signed = false, bool Runs = false, int N>
-__device__ __forceinline__ lane_vector<N, false, Signed, Runs> make_lane_vector(const float (&x)[N]) {
+__device__ __forceinline__ lane_vector<N, false, Signed, Runs> make_lane_vector(
+    const float (&x)[N]) {
   lane_vector<N, false, Signed, Runs> v;
 #pragma unroll
   for (int r = 0; r < N; ++r) v.x[r] = x[r];
@@ -114,7 +116,8 @@ __device__ __forceinline__ float group_sum_canonical(float (&part)[32 / G]) {
       for (int r = 0; r < R; ++r) part[r] = part[r] + __shfl_xor_sync(full_warp, part[r], o / R);
     } else {
 #pragma unroll
-      for (int r = 0; r < R / 2; ++r)  // only r < o feeds the result (constant bound: fully unrolled)
+      for (int r = 0; r < R / 2;
+           ++r)  // only r < o feeds the result (constant bound: fully unrolled)
         if (r < o) part[r] = part[r] + part[r + o];
     }
   }

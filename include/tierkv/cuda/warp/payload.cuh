@@ -50,10 +50,12 @@ __device__ __forceinline__ void store_words(std::uint8_t* p, const std::uint32_t
   if constexpr (A >= 16 && W % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < W / 4; ++i)
-      reinterpret_cast<uint4*>(p)[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+      reinterpret_cast<uint4*>(p)[i] =
+          make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
   } else if constexpr (A >= 8 && W % 2 == 0) {
 #pragma unroll
-    for (int i = 0; i < W / 2; ++i) reinterpret_cast<uint2*>(p)[i] = make_uint2(w[2 * i], w[2 * i + 1]);
+    for (int i = 0; i < W / 2; ++i)
+      reinterpret_cast<uint2*>(p)[i] = make_uint2(w[2 * i], w[2 * i + 1]);
   } else {
 #pragma unroll
     for (int i = 0; i < W; ++i) reinterpret_cast<std::uint32_t*>(p)[i] = w[i];
@@ -79,8 +81,8 @@ __device__ __forceinline__ void store_bytes(std::uint8_t* p, const std::uint8_t 
     std::uint32_t w[B / 4];
 #pragma unroll
     for (int i = 0; i < B / 4; ++i)
-      w[i] = std::uint32_t(b[4 * i]) | (std::uint32_t(b[4 * i + 1]) << 8) | (std::uint32_t(b[4 * i + 2]) << 16) |
-             (std::uint32_t(b[4 * i + 3]) << 24);
+      w[i] = std::uint32_t(b[4 * i]) | (std::uint32_t(b[4 * i + 1]) << 8) |
+             (std::uint32_t(b[4 * i + 2]) << 16) | (std::uint32_t(b[4 * i + 3]) << 24);
     store_words<A>(p, w);
   } else {
 #pragma unroll
@@ -91,7 +93,8 @@ __device__ __forceinline__ void store_bytes(std::uint8_t* p, const std::uint8_t 
 // N one-byte codes held four to a word (code r in byte r % 4 of word r / 4), or N zero bytes
 // where `keep` is false, at p (A-byte aligned).
 template <int A, int N>
-__device__ __forceinline__ void store_code_words(std::uint8_t* p, std::uint32_t (&w)[(N + 3) / 4], bool keep) {
+__device__ __forceinline__ void store_code_words(std::uint8_t* p, std::uint32_t (&w)[(N + 3) / 4],
+                                                 bool keep) {
 #pragma unroll
   for (int i = 0; i < (N + 3) / 4; ++i) w[i] = keep ? w[i] : 0u;
   if constexpr (N % 4 == 0 && A >= 4) {
@@ -112,7 +115,8 @@ __device__ __forceinline__ float biased_byte_value(std::uint32_t bytes, int k) {
 // one load each (coalesced across the lanes): words [Bytes/4 seg, Bytes/4 (seg + 1)) hold
 // bytes [Bytes i, Bytes (i + 1)) of segment seg.
 template <int Bytes, int Lanes, bool Shared, int Words>
-__device__ __forceinline__ void load_lane_segments(const std::uint8_t* row, int i, std::uint32_t (&w)[Words]) {
+__device__ __forceinline__ void load_lane_segments(const std::uint8_t* row, int i,
+                                                   std::uint32_t (&w)[Words]) {
   static_assert(Bytes == 8 || Bytes == 16, "load_lane_segments: 8- or 16-byte loads");
   constexpr int per = Bytes / 4;
   static_assert(Words % per == 0, "load_lane_segments: whole loads per lane");
@@ -122,11 +126,15 @@ __device__ __forceinline__ void load_lane_segments(const std::uint8_t* row, int 
     if constexpr (Bytes == 16) {
       const uint4* a = reinterpret_cast<const uint4*>(p);
       const uint4 v = Shared ? *a : __ldg(a);
-      w[4 * seg + 0] = v.x; w[4 * seg + 1] = v.y; w[4 * seg + 2] = v.z; w[4 * seg + 3] = v.w;
+      w[4 * seg + 0] = v.x;
+      w[4 * seg + 1] = v.y;
+      w[4 * seg + 2] = v.z;
+      w[4 * seg + 3] = v.w;
     } else {
       const uint2* a = reinterpret_cast<const uint2*>(p);
       const uint2 v = Shared ? *a : __ldg(a);
-      w[2 * seg + 0] = v.x; w[2 * seg + 1] = v.y;
+      w[2 * seg + 0] = v.x;
+      w[2 * seg + 1] = v.y;
     }
   }
 }

@@ -19,8 +19,10 @@ namespace tierkv::cuda::detail {
 // bit r of word q belongs to coordinate gl*N + 32q + r (set: negative). One splitmix64 sign word
 // per 64 coordinates a lane holds, or per lane when N divides 64.
 template <int N, int G>
-__device__ __forceinline__ void lane_sign_bits(std::uint64_t seed, int lane, std::uint32_t (&bits)[(N + 31) / 32]) {
-  static_assert(N > 0 && (N & (N - 1)) == 0, "rotation signs: a power-of-two number of coordinates per lane");
+__device__ __forceinline__ void lane_sign_bits(std::uint64_t seed, int lane,
+                                               std::uint32_t (&bits)[(N + 31) / 32]) {
+  static_assert(N > 0 && (N & (N - 1)) == 0,
+                "rotation signs: a power-of-two number of coordinates per lane");
   const int first = (lane & (G - 1)) * N;
   if constexpr (N >= 64) {
 #pragma unroll
@@ -91,11 +93,12 @@ struct no_exchange {
 template <int N, int G>
 struct lane_exchange {
   static constexpr bool runs = true;
-  static_assert(32 % (G * G) == 0 && N % (8 * G) == 0, "lane_exchange: runs of whole canonical lanes and code words");
+  static_assert(32 % (G * G) == 0 && N % (8 * G) == 0,
+                "lane_exchange: runs of whole canonical lanes and code words");
   static constexpr int S = N / G, run_chunks = S / 4, words = N / 8, run_words = S / 8;
-  static constexpr int pitch = (N / 4 + G - 1) | 1;                         // float4s per row
+  static constexpr int pitch = (N / 4 + G - 1) | 1;        // float4s per row
   static constexpr int float4s = G == 1 ? 0 : 32 * pitch;  // per warp
-  float4* area;  // this warp's float4s
+  float4* area;                                            // this warp's float4s
   static constexpr int chunk_at(int c) { return c + c / run_chunks; }
 
   // y (runs) from x (layout A), once every lane is done with the scratch's previous contents.
@@ -107,7 +110,8 @@ struct lane_exchange {
       float4* row = area + lane * pitch;
       __syncwarp();
 #pragma unroll
-      for (int c = 0; c < N / 4; ++c) row[chunk_at(c)] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
+      for (int c = 0; c < N / 4; ++c)
+        row[chunk_at(c)] = make_float4(x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]);
       __syncwarp();
       const int gl = lane & (G - 1);
       const float4* runs = area + (lane - gl) * pitch + chunk_at(run_chunks * gl);
@@ -123,8 +127,8 @@ struct lane_exchange {
   }
   // The lane's layout-A code words (eight codes each, coordinate order) from its runs' words
   // (run g's in q[g S/8 ..]), through the rows' first chunks once every lane has read its runs.
-  __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words], std::uint32_t (&w)[words],
-                                                  int lane) const {
+  __device__ __forceinline__ void words_from_runs(const std::uint32_t (&q)[words],
+                                                  std::uint32_t (&w)[words], int lane) const {
     if constexpr (G == 1) {
 #pragma unroll
       for (int i = 0; i < words; ++i) w[i] = q[i];
@@ -187,8 +191,9 @@ __device__ __forceinline__ void warp_inverse_rotation(float (&x)[N], std::uint64
 // the same Walsh-Hadamard, then times 1/D. Then D, the signs (unless the caller wants D x).
 // With a lane_exchange x comes out in runs (D x only: the signs are the caller's).
 template <int D, int N, bool Signs = true, class Exchange = no_exchange>
-__device__ __forceinline__ void warp_inverse_rotation_of_levels(float (&x)[N], float w, float u, std::uint64_t seed,
-                                                                int lane, const Exchange& ex = {}) {
+__device__ __forceinline__ void warp_inverse_rotation_of_levels(float (&x)[N], float w, float u,
+                                                                std::uint64_t seed, int lane,
+                                                                const Exchange& ex = {}) {
   static_assert(!(Signs && Exchange::runs), "warp_inverse_rotation_of_levels: runs come as D x");
   constexpr int G = lane_group<D, N>::G;
   constexpr float exact_limit = 0x1p127f / float(128 * D);  // w u below it: exact sums

@@ -27,7 +27,8 @@ struct rotated_start {
   int k;
 };
 template <int G, int N, bool F, bool S>
-__device__ __forceinline__ rotated_start rotated_input(const lane_vector<N, F, S>& v, float limit, float (&z)[N]) {
+__device__ __forceinline__ rotated_start rotated_input(const lane_vector<N, F, S>& v, float limit,
+                                                       float (&z)[N]) {
   const std::uint32_t mbits = group_max_bits<G>(v.max_bits);
   float amax = __uint_as_float(mbits);
   if constexpr (F) amax *= fabsf(v.scale);  // max |x_r scale|: exact products, monotone
@@ -70,7 +71,8 @@ struct narrow_divisor {
     } else {
       const float q = __fmul_rn(a, y);
       const float q1 = fmaf(fmaf(-b, q, a), y, q);
-      return __uint_as_float((__float_as_uint(q1) & 0x7fffffffu) | (__float_as_uint(a) & 0x80000000u));
+      return __uint_as_float((__float_as_uint(q1) & 0x7fffffffu) |
+                             (__float_as_uint(a) & 0x80000000u));
     }
   }
 };
