@@ -7,28 +7,21 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "cuda_test.hpp"
+#include "paging_index_builder_kernels.hpp"
 #include "tierkv/codec/dense.hpp"
-#include "tierkv/cuda/index_builder.cuh"
 #include "tierkv/paging/index_builder.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 
-// No `using namespace tierkv` at file scope: nvcc's generated kernel stubs name
-// ::cuda::std at global scope, which tierkv::cuda would make ambiguous.
 namespace paging_cuda_test {
 using namespace tierkv;
+using cuda_test::device_buffer;
 
 namespace {
 using G = geometry<head_dim<16>, kv_heads<2>, group_size<1>, page_tokens<16>>;
 using T = tiers<tier<dense_f32, dense_f32>, tier<dense_f32, dense_f32>, tier<dense_f32, dense_f32>>;
 using S = paged_storage<G, T>;
-constexpr int N = 3;
-
-struct device_buffer {
-  explicit device_buffer(std::size_t n) : bytes(n) { REQUIRE(cudaMalloc(&p, n) == cudaSuccess); }
-  ~device_buffer() { cudaFree(p); }
-  void* p = nullptr;
-  std::size_t bytes;
-};
+constexpr int N = cuda_test::index_formats;
 
 std::vector<std::int32_t> ints_at(const std::vector<std::uint8_t>& host, std::size_t off, std::size_t n) {
   std::vector<std::int32_t> v(n);
@@ -81,10 +74,10 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
   auto s = make_storage(seqs, rng);
   const index_layout<N> layout{16, 16};
   const page_table_layout tl{16, 16};
-  tierkv::cuda::device_index_builder<N> builder(layout);
+  cuda_test::device_index_builder builder(layout);
   auto scratch_bytes = builder.scratch_bytes();
   REQUIRE(scratch_bytes);
-  device_buffer d_table(tl.bytes()), d_out(layout.bytes()), d_scratch(*scratch_bytes);
+  device_buffer<std::uint8_t> d_table(tl.bytes()), d_out(layout.bytes()), d_scratch(*scratch_bytes);
   cudaStream_t stream;
   REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
 
@@ -98,7 +91,7 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
       REQUIRE(export_page_tables(*s, layer, sub, tl, table_span));
       REQUIRE(build_batch_index(*s, layer, sub, layout, index_span));
       REQUIRE(cudaMemcpy(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
-      auto v = builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.bytes, stream);
+      auto v = builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.n, stream);
       REQUIRE(v);
       REQUIRE(builder.error(d_scratch.p, stream));
       std::vector<std::uint8_t> got(layout.bytes());
@@ -112,7 +105,7 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
   cudaGraphExec_t exec;
   const int batch = 12;
   REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-  REQUIRE(builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.bytes, stream));
+  REQUIRE(builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.n, stream));
   REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
   REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
   for (int layer = 0; layer < 2; ++layer) {
@@ -136,7 +129,7 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
   std::int32_t bad = 7;
   std::memcpy(table_span.data() + fmt_at, &bad, sizeof bad);
   REQUIRE(cudaMemcpy(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
-  REQUIRE(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, d_scratch.bytes, stream));
+  REQUIRE(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, d_scratch.n, stream));
   CHECK(builder.error(d_scratch.p, stream).code() == errc::out_of_range);
   CHECK(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, 8, stream).code() == errc::capacity_exhausted);
   cudaStreamDestroy(stream);
@@ -145,7 +138,7 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
 TEST_CASE("device page-table adapter equals the host adapter", "[cuda][paging][interop]") {
   std::mt19937 rng(9);
   const index_layout<N> layout{8, 12};
-  device_buffer d_out(layout.bytes());
+  device_buffer<std::uint8_t> d_out(layout.bytes());
   std::vector<std::uint64_t> host_index((layout.bytes() + 7) / 8);
   auto index_span = std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_index.data()), layout.bytes());
   for (int trial = 0; trial < 50; ++trial) {
@@ -161,13 +154,9 @@ TEST_CASE("device page-table adapter equals the host adapter", "[cuda][paging][i
     const int fmt = int(rng() % N);
     const paged_kv_table host_t{batch, 16, indptr.data(), indices.data(), last.data()};
     REQUIRE(index_from_paged_kv_table<N>(host_t, fmt, 500, layout, index_span));
-    device_buffer d_indptr(indptr.size() * 4), d_indices(indices.size() * 4), d_last(last.size() * 4 + 4);
-    cudaMemcpy(d_indptr.p, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(d_indices.p, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(d_last.p, last.data(), last.size() * 4, cudaMemcpyHostToDevice);
-    const paged_kv_table dev_t{batch, 16, static_cast<std::int32_t*>(d_indptr.p), static_cast<std::int32_t*>(d_indices.p),
-                               static_cast<std::int32_t*>(d_last.p)};
-    REQUIRE(tierkv::cuda::index_from_paged_kv_table_device<N>(dev_t, fmt, layout, d_out.p, nullptr));
+    device_buffer<std::int32_t> d_indptr(indptr), d_indices(indices), d_last(last);
+    const paged_kv_table dev_t{batch, 16, d_indptr.p, d_indices.p, d_last.p};
+    REQUIRE(cuda_test::index_from_paged_kv_table_device(dev_t, fmt, layout, d_out.p, nullptr));
     std::vector<std::uint8_t> got(layout.bytes());
     REQUIRE(cudaMemcpy(got.data(), d_out.p, layout.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
     compare(layout, std::vector<std::uint8_t>(index_span.begin(), index_span.end()), got, batch);

@@ -3,9 +3,6 @@
 // 2^32 float bit patterns, and the host conversion equals the device one on a sampled set;
 // (2) the warp encode/decode kernels produce the host encoder's codes, meta and status
 // bit for bit over >= 10^6 random vectors plus special vectors.
-#include <cuda_fp8.h>
-#include <cuda_runtime.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -14,64 +11,21 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "codec_exact_kernels.hpp"
+#include "cuda_test.hpp"
 #include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/error_traits.hpp"
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
-#include "tierkv/cuda/codec_kernels.cuh"
 
 using namespace tierkv;
-
-#define CUDA_OK(expr) REQUIRE((expr) == cudaSuccess)
+using cuda_test::device_buffer;
 
 namespace {
 
-struct fp8_sweep_result {
-  unsigned long long mismatch_hw_portable;   // non-NaN inputs
-  unsigned long long mismatch_public_hw;     // non-NaN inputs
-  unsigned long long nan_not_nan;            // NaN input without a NaN code
-  unsigned long long nan_pattern_differs;    // NaN codes that differ (informational)
-  unsigned int first_bad_bits;
-};
-
-template <fp8_kind K>
-__global__ void fp8_sweep_kernel(std::uint64_t begin, std::uint64_t end, fp8_sweep_result* r) {
-  const __nv_fp8_interpretation_t interp = K == fp8_kind::e4m3 ? __NV_E4M3 : __NV_E5M2;
-  for (std::uint64_t b = begin + blockIdx.x * std::uint64_t(blockDim.x) + threadIdx.x; b < end;
-       b += std::uint64_t(gridDim.x) * blockDim.x) {
-    const float x = __uint_as_float(std::uint32_t(b));
-    const std::uint8_t hw = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, interp);
-    const std::uint8_t portable = tierkv::detail::float_to_fp8_portable<K>(x);
-    const std::uint8_t pub = float_to_fp8<K>(x);
-    if (isnan(x)) {
-      const bool hw_nan = isnan(fp8_to_float<K>(hw));
-      const bool p_nan = isnan(fp8_to_float<K>(portable));
-      if (!hw_nan || !p_nan) atomicAdd(&r->nan_not_nan, 1ull);
-      if (hw != portable) atomicAdd(&r->nan_pattern_differs, 1ull);
-      continue;
-    }
-    if (hw != portable) {
-      atomicAdd(&r->mismatch_hw_portable, 1ull);
-      atomicExch(&r->first_bad_bits, std::uint32_t(b));
-    }
-    if (pub != hw) atomicAdd(&r->mismatch_public_hw, 1ull);
-  }
-}
-
-template <fp8_kind K>
-__global__ void fp8_convert_kernel(const float* x, std::uint8_t* out, int n) {
-  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i < n) out[i] = float_to_fp8<K>(x[i]);
-}
-
 template <fp8_kind K> void check_all_fp8_patterns() {
-  fp8_sweep_result* r = nullptr;
-  CUDA_OK(cudaMalloc(&r, sizeof(fp8_sweep_result)));
-  CUDA_OK(cudaMemset(r, 0, sizeof(fp8_sweep_result)));
-  fp8_sweep_kernel<K><<<4096, 256>>>(0, 1ull << 32, r);
-  CUDA_OK(cudaGetLastError());
-  fp8_sweep_result h{};
-  CUDA_OK(cudaMemcpy(&h, r, sizeof h, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaFree(r));
+  const cuda_test::fp8_sweep_result h = cuda_test::fp8_sweep_all_floats<K>();
   std::printf("fp8 %s: all 2^32 floats: hw vs portable mismatches %llu, public vs hw %llu, "
               "NaN without NaN code %llu, NaN code patterns differing %llu\n",
               fp8_format<K>::name, h.mismatch_hw_portable, h.mismatch_public_hw, h.nan_not_nan,
@@ -89,23 +43,13 @@ template <fp8_kind K> void check_all_fp8_patterns() {
                   std::numeric_limits<float>::max(), std::numeric_limits<float>::min()})
     xs.push_back(s);
   const int n = int(xs.size());
-  float* dx = nullptr;
-  std::uint8_t* dout = nullptr;
-  CUDA_OK(cudaMalloc(&dx, sizeof(float) * xs.size()));
-  CUDA_OK(cudaMalloc(&dout, xs.size()));
-  CUDA_OK(cudaMemcpy(dx, xs.data(), sizeof(float) * xs.size(), cudaMemcpyHostToDevice));
-  fp8_convert_kernel<K><<<(n + 255) / 256, 256>>>(dx, dout, n);
-  CUDA_OK(cudaGetLastError());
-  std::vector<std::uint8_t> dev(xs.size());
-  CUDA_OK(cudaMemcpy(dev.data(), dout, xs.size(), cudaMemcpyDeviceToHost));
+  const std::vector<std::uint8_t> dev = cuda_test::fp8_convert_on_device<K>(xs);
   std::uint64_t bad = 0;
   for (int i = 0; i < n; ++i)
     if (!std::isnan(xs[std::size_t(i)]) && dev[std::size_t(i)] != float_to_fp8<K>(xs[std::size_t(i)])) ++bad;
   std::printf("fp8 %s: host vs device on %d sampled floats: %llu mismatches\n", fp8_format<K>::name, n,
               (unsigned long long)bad);
   CHECK(bad == 0);
-  CUDA_OK(cudaFree(dx));
-  CUDA_OK(cudaFree(dout));
 }
 
 // Random vectors with per-vector magnitudes over 2^[-40, 40], offset channels, and
@@ -155,26 +99,23 @@ template <class Codec> void check_codec_exact(int n) {
                   hd.data() + std::size_t(v) * d, ctx);
   }
 
-  float *dx = nullptr, *dout = nullptr;
-  std::uint8_t* dp = nullptr;
-  meta_t* dm = nullptr;
-  errc* ds = nullptr;
-  std::uint64_t* dseeds = nullptr;
-  unsigned long long* dsat = nullptr;
-  CUDA_OK(cudaMalloc(&dx, sizeof(float) * x.size()));
-  CUDA_OK(cudaMalloc(&dout, sizeof(float) * x.size()));
-  CUDA_OK(cudaMalloc(&dp, hp.size()));
-  CUDA_OK(cudaMalloc(&dm, sizeof(meta_t) * hm.size()));
-  CUDA_OK(cudaMalloc(&ds, sizeof(errc) * hs.size()));
-  CUDA_OK(cudaMalloc(&dseeds, sizeof(std::uint64_t) * seeds.size()));
-  CUDA_OK(cudaMalloc(&dsat, sizeof(unsigned long long)));
-  CUDA_OK(cudaMemcpy(dx, x.data(), sizeof(float) * x.size(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(dseeds, seeds.data(), sizeof(std::uint64_t) * seeds.size(), cudaMemcpyHostToDevice));
+  device_buffer<float> bx(x), bout(x.size());
+  device_buffer<std::uint8_t> bp(hp.size());
+  device_buffer<meta_t> bm(hm.size());
+  device_buffer<errc> bs(hs.size());
+  device_buffer<std::uint64_t> bseeds(seeds);
+  device_buffer<unsigned long long> bsat(1);
+  float *dx = bx.p, *dout = bout.p;
+  std::uint8_t* dp = bp.p;
+  meta_t* dm = bm.p;
+  errc* ds = bs.p;
+  std::uint64_t* dseeds = bseeds.p;
+  unsigned long long* dsat = bsat.p;
 
   for (int path = 0; path < 2; ++path) {  // 0: warp kernels, 1: reference thread kernel
     CUDA_OK(cudaMemset(dp, 0xEE, hp.size()));
     CUDA_OK(cudaMemset(dsat, 0, sizeof(unsigned long long)));
-    cuda::encode_batch<Codec> b;
+    cuda_test::codec_batch<Codec> b;
     b.x = dx;
     b.payload = dp;
     b.meta = dm;
@@ -182,14 +123,9 @@ template <class Codec> void check_codec_exact(int n) {
     b.n = n;
     b.status = ds;
     b.saturated = dsat;
-    CUDA_OK(path == 0 ? cuda::launch_encode(b) : cuda::launch_encode_reference(b));
-    cuda::decode_batch<Codec> db;
-    db.payload = dp;
-    db.meta = dm;
-    db.seeds = dseeds;
-    db.n = n;
-    db.out = dout;
-    CUDA_OK(cuda::launch_decode(db));
+    b.out = dout;
+    CUDA_OK(cuda_test::launch_encode(b, path == 1));
+    CUDA_OK(cuda_test::launch_decode(b));
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<std::uint8_t> gp(hp.size());
     std::vector<meta_t> gm(hm.size());
@@ -223,13 +159,6 @@ template <class Codec> void check_codec_exact(int n) {
     CHECK(bad_decode == 0);
     CHECK(gsat == hstats.saturated);
   }
-  CUDA_OK(cudaFree(dx));
-  CUDA_OK(cudaFree(dout));
-  CUDA_OK(cudaFree(dp));
-  CUDA_OK(cudaFree(dm));
-  CUDA_OK(cudaFree(ds));
-  CUDA_OK(cudaFree(dseeds));
-  CUDA_OK(cudaFree(dsat));
 }
 
 }  // namespace

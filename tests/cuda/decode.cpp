@@ -17,37 +17,19 @@
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/codec/tq3.hpp"
-#include "tierkv/cuda/decode.cuh"
+#include "tierkv/cuda/decode_plan.cuh"
+#include "tierkv/memory/page_layout.hpp"
+#include "cuda_test.hpp"
+#include "decode_kernels.hpp"
 
 namespace {
 
 using namespace tierkv;
-using recent = tier<fp8_e4m3, fp8_e4m3>;
-using stale = tier<tq3_key, tq3_value>;
+using cuda_test::decode_path;
+using cuda_test::device_buffer;
+using recent = cuda_test::decode_recent;
+using stale = cuda_test::decode_stale;
 using two_tiers = tiers<recent, stale>;
-
-#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
-
-template <class T>
-struct dbuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit dbuf(std::size_t count) : n(count) {
-    if (n) CUDA_OK(cudaMalloc(&p, n * sizeof(T)));
-  }
-  dbuf(const dbuf&) = delete;
-  dbuf& operator=(const dbuf&) = delete;
-  ~dbuf() { if (p) cudaFree(p); }
-  void put(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n);
-    if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    if (n) CUDA_OK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
 
 enum class mix { all_fp8, all_tq3, tiered, interleaved };
 
@@ -221,9 +203,9 @@ double rel_l2(const std::vector<float>& a, const std::vector<double>& ref, std::
 // other batches in the same buffers).
 template <class G, class Recent = recent, class Stale = stale>
 struct device_batch {
-  dbuf<std::uint8_t> pool0, pool1;
-  dbuf<std::int32_t> seq_len, indptr0, indptr1, slot0, slot1, logical0, logical1;
-  dbuf<float> q, out, lse, mass;
+  device_buffer<std::uint8_t> pool0, pool1;
+  device_buffer<std::int32_t> seq_len, indptr0, indptr1, slot0, slot1, logical0, logical1;
+  device_buffer<float> q, out, lse, mass;
   int mass_stride;
   device_batch(std::size_t pool0_bytes, std::size_t pool1_bytes, int max_batch, int cap_entries, int stride)
       : pool0(pool0_bytes), pool1(pool1_bytes), seq_len(max_batch), indptr0(max_batch + 1),
@@ -245,8 +227,8 @@ struct device_batch {
     q.put(h.q);
     CUDA_OK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // NaN: every output must be written
   }
-  cuda::decode_inputs<2> inputs(const host_batch<G, Recent, Stale>& h, int batch, bool with_mass) {
-    cuda::decode_inputs<2> in;
+  cuda_test::decode_args inputs(const host_batch<G, Recent, Stale>& h, int batch, bool with_mass) {
+    cuda_test::decode_args in;
     in.index.batch = batch;
     in.index.seq_len = seq_len.p;
     in.index.formats[0] = {indptr0.p, slot0.p, logical0.p};
@@ -280,12 +262,12 @@ std::vector<std::int32_t> page_counts(const HB& h) {
 // split hi + lo, so FP8 scores keep ~fp32 precision; int8 keys score against the query
 // rounded to 2^-13 of its largest element); TQ3 pages are 3-bit codes whose scores move the
 // softmax most.
-double out_tol(cuda::decode_path path, bool has_tq3) {
+double out_tol(decode_path path, bool has_tq3) {
   if (has_tq3) return 2e-3;
-  return path == cuda::decode_path::tensor_core ? 2e-4 : 2e-5;
+  return path == decode_path::tensor_core ? 2e-4 : 2e-5;
 }
 
-template <class G, cuda::decode_path Path, class Recent = recent, class Stale = stale>
+template <class G, decode_path Path, class Recent = recent, class Stale = stale>
 void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves,
                      std::int64_t min_chunk, float key_offset, int value_spread, float q_scale,
                      int head_base) {
@@ -305,12 +287,12 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   // min_chunk_pages = 1: the cases below ask for many small chunks on purpose
   auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, 132, waves, min_chunk, cuda::balance::work, 1);
   REQUIRE(plan.has_value());
-  dbuf<std::uint8_t> ws(plan->workspace_bytes);
-  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+  device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, B, true);
-  REQUIRE(cuda::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+  REQUIRE(cuda_test::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
-  auto derr = cuda::decode_device_error(*plan, ws.p, nullptr);
+  auto derr = cuda_test::decode_device_error(*plan, ws.p, nullptr);
   REQUIRE(derr.has_value());
   CHECK(*derr == errc::ok);
 
@@ -365,7 +347,7 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   INFO("vs host path rel_l2 " << herr);
   CHECK(herr < tol);
   std::printf("decode %-11s %-12s %3d/%d/%3d mix %d B %d: rel_l2 vs float64 %.2e, vs host path %.2e\n",
-              Path == cuda::decode_path::tensor_core ? "tensor_core" : "cuda_core",
+              Path == decode_path::tensor_core ? "tensor_core" : "cuda_core",
               host_batch<G, Recent, Stale>::KF::name, QH, G::kv_heads, D, int(m), B, err, herr);
 }
 
@@ -374,18 +356,17 @@ template <class G, class Recent = recent, class Stale = stale>
 void check_case(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves = 4,
                 std::int64_t min_chunk = 32 * 1024, float key_offset = 0.f, int value_spread = 0,
                 float q_scale = 1.f, int head_base = 0) {
-  check_case_path<G, cuda::decode_path::tensor_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
+  check_case_path<G, decode_path::tensor_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
                                                              value_spread, q_scale, head_base);
-  check_case_path<G, cuda::decode_path::cuda_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
+  check_case_path<G, decode_path::cuda_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
                                                            value_spread, q_scale, head_base);
 }
 
-using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
-using g_llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
-using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
-using g_small_pages = geometry<head_dim<64>, kv_heads<2>, group_size<1>, page_tokens<16>>;
-// TQ3 / TQ4 tiers step 32 tokens at a time (tensor-core kernel): one step a page here
-using g_pages32 = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<32>>;
+using g_qwen = cuda_test::decode_qwen;
+using g_llama = cuda_test::decode_llama;
+using g_smol = cuda_test::decode_smol;
+using g_small_pages = cuda_test::decode_small_pages;
+using g_pages32 = cuda_test::decode_pages32;
 
 }  // namespace
 
@@ -399,7 +380,7 @@ TEST_CASE("gpu decode: benchmark shapes, every mix, unequal lengths", "[cuda][de
 }
 
 TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)", "[cuda][decode][int8_rotated]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
+  using recent_int8r = cuda_test::decode_int8r;
   const std::vector<int> lens = {3000, 1, 700, 64, 129};
   for (mix m : {mix::all_fp8, mix::tiered, mix::interleaved}) {
     check_case<g_qwen, recent_int8r>(lens, m, 61 + int(m));
@@ -412,8 +393,8 @@ TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)", "[cuda][
 }
 
 TEST_CASE("gpu decode: TQ4 keys with TQ3 values in the Stale tier", "[cuda][decode][tq4]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
-  using stale_k4 = tier<tq4_key, tq3_value>;
+  using recent_int8r = cuda_test::decode_int8r;
+  using stale_k4 = cuda_test::decode_stale_k4;
   const std::vector<int> lens = {3000, 1, 700, 64, 129};
   for (mix m : {mix::all_tq3, mix::tiered, mix::interleaved}) {  // all_tq3: every page in the Stale tier
     check_case<g_qwen, recent_int8r, stale_k4>(lens, m, 161 + int(m));
@@ -473,10 +454,10 @@ TEST_CASE("gpu decode: the chunk split does not change the result", "[cuda][deco
     auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132, variant ? 64 : 1,
                                                 variant ? 512 : (1ll << 40), cuda::balance::work, 1);
     REQUIRE(plan.has_value());
-    dbuf<std::uint8_t> ws(plan->workspace_bytes);
-    REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+    device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+    REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
     auto in = dev.inputs(h, 2, false);
-    REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+    REQUIRE(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
     CUDA_OK(cudaDeviceSynchronize());
     outs[variant] = dev.out.get();
   }
@@ -502,8 +483,8 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
   std::vector<std::int32_t> counts(std::size_t(max_batch) * 2, max_pages / 2);  // plan for capacity
   auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), max_batch, 132);
   REQUIRE(plan.has_value());
-  dbuf<std::uint8_t> ws(plan->workspace_bytes);
-  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+  device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
   dev.upload(first);
@@ -512,7 +493,7 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
   in.pools[1].capacity = std::uint32_t(cap_entries + 3);
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, stream).is_ok());
+  REQUIRE(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n, stream).is_ok());
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -535,7 +516,7 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
     const auto out = dev.out.get();
     const double err = rel_l2(out, ref_out, std::size_t(max_batch) * QH * D);
     INFO("replay mix " << int(s.m) << " rel_l2 " << err);
-    CHECK(err < out_tol(cuda::decode_path::tensor_core, s.m != mix::all_fp8));
+    CHECK(err < out_tol(decode_path::tensor_core, s.m != mix::all_fp8));
     const auto mass = dev.mass.get();
     for (std::size_t i = 0; i < std::size_t(max_batch) * max_pages; ++i)
       if (i % max_pages < std::size_t((s.lens[i / max_pages] + 63) / 64))
@@ -559,8 +540,8 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
   cuda::decode_capacity cap{2, 8, 8, false};
   auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132);
   REQUIRE(plan.has_value());
-  dbuf<std::uint8_t> ws(plan->workspace_bytes);
-  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+  device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, 2, false);
   SECTION("slot beyond the pool: device error, no fault; the next good step reads ok") {
     // Garbage left in the workspace must not show as an error, and an error must not outlive
@@ -570,48 +551,48 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
     auto plan7 = cuda::plan_decode<G, two_tiers>(cap7, counts.data(), 2, 132);
     REQUIRE(plan7.has_value());
     REQUIRE(plan7->workspace_bytes <= ws.n);
-    auto run = [&](const cuda::decode_plan& p, cuda::decode_path path) {
+    auto run = [&](const cuda::decode_plan& p, decode_path path) {
       CUDA_OK(cudaMemset(ws.p, 0x5a, ws.n));
-      REQUIRE(cuda::decode_workspace_init(p, ws.p, ws.n, nullptr).is_ok());
-      REQUIRE((path == cuda::decode_path::tensor_core
-                   ? cuda::decode<G, two_tiers>(p, in, ws.p, ws.n, nullptr)
-                   : cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(p, in, ws.p, ws.n, nullptr))
+      REQUIRE(cuda_test::decode_workspace_init(p, ws.p, ws.n, nullptr).is_ok());
+      REQUIRE((path == decode_path::tensor_core
+                   ? cuda_test::decode<G, two_tiers>(p, in, ws.p, ws.n, nullptr)
+                   : cuda_test::decode<G, two_tiers, decode_path::cuda_core>(p, in, ws.p, ws.n, nullptr))
                   .is_ok());
-      auto e = cuda::decode_device_error(p, ws.p, nullptr);
+      auto e = cuda_test::decode_device_error(p, ws.p, nullptr);
       REQUIRE(e.has_value());
       return *e;
     };
     for (const auto* p : {&*plan, &*plan7})
-      for (auto path : {cuda::decode_path::tensor_core, cuda::decode_path::cuda_core}) {
+      for (auto path : {decode_path::tensor_core, decode_path::cuda_core}) {
         INFO("max_chunks " << p->max_chunks << " path " << int(path));
         CHECK(run(*p, path) == errc::out_of_range);
       }
     CUDA_OK(cudaMemset(ws.p, 0x5a, ws.n));  // not initialized: said so, not a made-up error
-    CHECK(cuda::decode_device_error(*plan, ws.p, nullptr).code() == errc::invalid_argument);
+    CHECK(cuda_test::decode_device_error(*plan, ws.p, nullptr).code() == errc::invalid_argument);
     h.slot[1][0] = 0;  // a valid slot: the same workspace now reports no error
     dev.upload(h);
     in = dev.inputs(h, 2, false);
     for (const auto* p : {&*plan, &*plan7})
-      for (auto path : {cuda::decode_path::tensor_core, cuda::decode_path::cuda_core}) {
+      for (auto path : {decode_path::tensor_core, decode_path::cuda_core}) {
         INFO("max_chunks " << p->max_chunks << " path " << int(path));
         CHECK(run(*p, path) == errc::ok);
       }
   }
   SECTION("host checks") {
-    CHECK(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() == errc::capacity_exhausted);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() == errc::capacity_exhausted);
     auto bad = in;
     bad.index.batch = 3;
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::out_of_range);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::out_of_range);
     bad = in;
     bad.pools[1].page_bytes += 16;
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::geometry_mismatch);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::geometry_mismatch);
     bad = in;
     bad.softmax_scale = std::numeric_limits<float>::quiet_NaN();
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
     bad = in;
     bad.page_mass = dev.mass.p;  // plan without page mass
     bad.page_mass_stride = 8;
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
     cuda::decode_capacity zero{0, 8, 0, false};
     CHECK(!cuda::plan_decode<G, two_tiers>(zero, counts.data(), 0, 132).has_value());
   }
