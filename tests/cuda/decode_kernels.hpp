@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// test_cuda_decode's device side (decode_kernels.cu: decode.cuh needs nvcc); the planner
+// test_cuda_decode's device side (decode_kernels*.cu: decode.cuh needs nvcc); the planner
 // (decode_plan.cuh) is host code and decode.cpp calls it directly.
 #pragma once
 
@@ -50,7 +50,7 @@ struct decode_args {
   int page_mass_stride = 0;
 };
 
-// cuda::decode<G, TierList, Path>; decode_kernels.cu instantiates, for both paths, the
+// cuda::decode<G, TierList, Path>; the decode_kernels*.cu files instantiate, for both paths, the
 // (G, TierList) that decode.cpp runs (another one is a link error).
 template <class G, class TierList, decode_path Path = decode_path::tensor_core>
 tierkv::status decode(const tierkv::cuda::decode_plan& plan, const decode_args& in, void* workspace,
