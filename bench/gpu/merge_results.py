@@ -51,7 +51,7 @@ def main():
         rows.append(r)
     out = dict(date=date, gpu=tk["gpu"], commit=tk["commit"], copy_gbps=tk["copy_gbps"], sms=tk["sms"],
                l2_bytes=tk["l2_bytes"], launch_floor_us=tk.get("launch_floor_us"), torch=sd.get("torch"),
-               command="scripts/gpu-bench",
+               command="scripts/gpu-check bench",
                time_us_note="time_us: stream launch (split + merge kernels), graph_us: CUDA-graph replay; "
                             "each timed call is enqueued behind a ~100 us spin kernel so host launch latency is "
                             "hidden (GPU time; the SDPA control is timed the same way, behind torch.cuda._sleep); "

@@ -3,6 +3,12 @@
 // and Catch2 3.x (Ubuntu 24.04).
 #pragma once
 
+// Catch2 v3's assertion macros stall nvcc's front end (cudafe++, issue 29): a GPU test's
+// TEST_CASEs live in a .cpp, its kernels in a Catch2-free *_kernels.cu.
+#if defined(__CUDACC__)
+#error "Catch2 is not compiled by nvcc: put the TEST_CASEs in a .cpp (tests/CMakeLists.txt)"
+#endif
+
 #if defined(TIERKV_CATCH3)
 #include <catch2/catch_approx.hpp>
 #include <catch2/catch_test_macros.hpp>

@@ -2,7 +2,7 @@
 // Append kernel: writes new tokens' keys and values (one decode token or a prefill chunk
 // per sequence, one layer or all layers) into open pages of the append tier (FP8 E4M3 or
 // int8_rotated), computing per-token scales, at the slots the engine's slot mapping names.
-// Codes and scales equal the host codec's encode() bit for bit (tests/cuda/append.cu).
+// Codes and scales equal the host codec's encode() bit for bit (tests/cuda/append.cpp).
 #pragma once
 
 #include "tierkv/core/config.hpp"

@@ -2,7 +2,7 @@
 // Retier kernels: convert whole pages between two tiers (FP8 -> TQ3 demotion, TQ3 -> FP8
 // promotion, or any pair of supported formats) over a list of (source, destination) page
 // slots, on the caller's stream. Codes equal the host codecs' decode-then-encode bit for bit
-// (tests/cuda/retier.cu).
+// (tests/cuda/retier.cpp).
 //
 // A token vector is held by a lane group of G = d/64 lanes, 64 coordinates each (one lane
 // below d = 128; warp/lane_group.cuh), so a warp converts 32/G consecutive tokens of one (page,

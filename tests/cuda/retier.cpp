@@ -10,32 +10,25 @@
 #include <random>
 #include <vector>
 
+#include "cuda_test.hpp"
+#include "retier_kernels.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
-#include "tierkv/codec/tq4.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tq3.hpp"
-#include "tierkv/cuda/retier.cuh"
+#include "tierkv/codec/tq4.hpp"
 
 namespace {
 
 using namespace tierkv;
-using recent = tier<fp8_e4m3, fp8_e4m3>;
-using stale = tier<tq3_key, tq3_value>;
-
-#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
-
-template <class T>
-T* to_device(const std::vector<T>& h) {
-  T* p = nullptr;
-  CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, h.size()) * sizeof(T)));
-  if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+using cuda_test::device_buffer;
+using recent = cuda_test::retier_recent;
+using stale = cuda_test::retier_stale;
 
 // Fills every vector of `pages` pages of tier Tr by encoding random/adversarial floats.
 template <class G, class Tr>
-std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int layer, std::mt19937_64& rng,
-                                     int* poisoned, int head_base) {
+std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int layer,
+                                     std::mt19937_64& rng, int* poisoned, int head_base) {
   constexpr int D = G::head_dim;
   using K = typename Tr::template key_codec<D>;
   using V = typename Tr::template value_codec<D>;
@@ -58,14 +51,19 @@ std::vector<std::uint8_t> make_pages(int pages, std::uint64_t cache_seed, int la
             x[d] = s;
           }
           std::uint8_t* page = pool.data() + std::size_t(p) * L::page_bytes;
-          const codec_context ctx = make_codec_context(cache_seed, layer, head_base + h, role == 0 ? kv_role::key : kv_role::value);
+          const codec_context ctx = make_codec_context(cache_seed, layer, head_base + h,
+                                                       role == 0 ? kv_role::key : kv_role::value);
           if (role == 0) {
-            (void)K::encode(x.data(), page + L::key_payload(h, t), *reinterpret_cast<bf16_bits*>(page + L::key_meta(h, t)), ctx, nullptr);
+            (void)K::encode(x.data(), page + L::key_payload(h, t),
+                            *reinterpret_cast<bf16_bits*>(page + L::key_meta(h, t)), ctx, nullptr);
           } else {
-            (void)V::encode(x.data(), page + L::value_payload(h, t), *reinterpret_cast<bf16_bits*>(page + L::value_meta(h, t)), ctx, nullptr);
+            (void)V::encode(x.data(), page + L::value_payload(h, t),
+                            *reinterpret_cast<bf16_bits*>(page + L::value_meta(h, t)), ctx,
+                            nullptr);
           }
           if (kind == 5) {  // NaN poison as a freed-slot pattern would leave
-            *reinterpret_cast<bf16_bits*>(page + (role == 0 ? L::key_meta(h, t) : L::value_meta(h, t))) = bf16_quiet_nan;
+            *reinterpret_cast<bf16_bits*>(
+                page + (role == 0 ? L::key_meta(h, t) : L::value_meta(h, t))) = bf16_quiet_nan;
             ++*poisoned;
           }
         }
@@ -92,11 +90,16 @@ void host_retier(const std::vector<std::uint8_t>& src, std::vector<std::uint8_t>
     for (int h = 0; h < G::kv_heads; ++h)
       for (int t = 0; t < G::page_tokens; ++t) {
         const codec_context kc = make_codec_context(cache_seed, layer, head_base + h, kv_role::key);
-        const codec_context vc = make_codec_context(cache_seed, layer, head_base + h, kv_role::value);
-        SK::decode(sp + SL::key_payload(h, t), *reinterpret_cast<const bf16_bits*>(sp + SL::key_meta(h, t)), x.data(), kc);
-        (void)DK::encode(x.data(), dp + DL::key_payload(h, t), *reinterpret_cast<bf16_bits*>(dp + DL::key_meta(h, t)), kc, nullptr);
-        SV::decode(sp + SL::value_payload(h, t), *reinterpret_cast<const bf16_bits*>(sp + SL::value_meta(h, t)), x.data(), vc);
-        (void)DV::encode(x.data(), dp + DL::value_payload(h, t), *reinterpret_cast<bf16_bits*>(dp + DL::value_meta(h, t)), vc, nullptr);
+        const codec_context vc =
+            make_codec_context(cache_seed, layer, head_base + h, kv_role::value);
+        SK::decode(sp + SL::key_payload(h, t),
+                   *reinterpret_cast<const bf16_bits*>(sp + SL::key_meta(h, t)), x.data(), kc);
+        (void)DK::encode(x.data(), dp + DL::key_payload(h, t),
+                         *reinterpret_cast<bf16_bits*>(dp + DL::key_meta(h, t)), kc, nullptr);
+        SV::decode(sp + SL::value_payload(h, t),
+                   *reinterpret_cast<const bf16_bits*>(sp + SL::value_meta(h, t)), x.data(), vc);
+        (void)DV::encode(x.data(), dp + DL::value_payload(h, t),
+                         *reinterpret_cast<bf16_bits*>(dp + DL::value_meta(h, t)), vc, nullptr);
       }
   }
 }
@@ -104,8 +107,10 @@ void host_retier(const std::vector<std::uint8_t>& src, std::vector<std::uint8_t>
 template <class G, class From, class To>
 void check_retier(int pages, std::uint64_t seed, int head_base = 0) {
   constexpr int D = G::head_dim;
-  using DL = page_layout<G, typename To::template key_codec<D>, typename To::template value_codec<D>>;
-  using SL = page_layout<G, typename From::template key_codec<D>, typename From::template value_codec<D>>;
+  using DL =
+      page_layout<G, typename To::template key_codec<D>, typename To::template value_codec<D>>;
+  using SL =
+      page_layout<G, typename From::template key_codec<D>, typename From::template value_codec<D>>;
   std::mt19937_64 rng(seed);
   const std::uint64_t cache_seed = rng();
   const int layer = 5;
@@ -119,43 +124,43 @@ void check_retier(int pages, std::uint64_t seed, int head_base = 0) {
   for (int i = 0; i < dst_cap; ++i) perm[i] = i;
   std::shuffle(perm.begin(), perm.end(), rng);
   for (int i = 0; i < pages; ++i) ds[i] = perm[i];
-  std::uint8_t* dsrc = to_device(src);
-  std::uint8_t* ddst = to_device(dst);
-  std::int32_t* dss = to_device(ss);
-  std::int32_t* dds = to_device(ds);
-  int* derr = to_device(std::vector<int>{0});
-  cuda::retier_inputs in;
-  in.src = {dsrc, SL::page_bytes, std::uint32_t(pages)};
-  in.dst = {ddst, DL::page_bytes, std::uint32_t(dst_cap)};
-  in.src_slot = dss;
-  in.dst_slot = dds;
+  device_buffer<std::uint8_t> dsrc(src), ddst(dst);
+  device_buffer<std::int32_t> dss(ss), dds(ds);
+  device_buffer<int> derr(std::vector<int>{0});
+  cuda_test::retier_args in;
+  in.src = {dsrc.p, SL::page_bytes, std::uint32_t(pages)};
+  in.dst = {ddst.p, DL::page_bytes, std::uint32_t(dst_cap)};
+  in.src_slot = dss.p;
+  in.dst_slot = dds.p;
   in.layer = layer;
   in.pages = pages;
   in.cache_seed = cache_seed;
   in.head_base = head_base;
-  in.error = derr;
+  in.error = derr.p;
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
-  REQUIRE(cuda::retier<G, From, To>(in, stream).is_ok());
+  REQUIRE(cuda_test::retier<G, From, To>(in, stream).is_ok());
   CUDA_OK(cudaStreamSynchronize(stream));
   std::vector<std::uint8_t> got(dst.size());
-  CUDA_OK(cudaMemcpy(got.data(), ddst, got.size(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got.data(), ddst.p, got.size(), cudaMemcpyDeviceToHost));
   int err = 0;
-  CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&err, derr.p, sizeof(int), cudaMemcpyDeviceToHost));
   CHECK(err == (poisoned ? int(errc::non_finite_input) : 0));
   host_retier<G, From, To>(src, dst, ss, ds, cache_seed, layer, head_base);
   std::size_t diff = 0, first = got.size();
   for (std::size_t i = 0; i < got.size(); ++i)
-    if (got[i] != dst[i]) { ++diff; first = std::min(first, i); }
+    if (got[i] != dst[i]) {
+      ++diff;
+      first = std::min(first, i);
+    }
   INFO("pages " << pages << " D " << D << " differing bytes " << diff << " first at " << first);
   CHECK(diff == 0);
   CUDA_OK(cudaStreamDestroy(stream));
-  cudaFree(dsrc); cudaFree(ddst); cudaFree(dss); cudaFree(dds); cudaFree(derr);
 }
 
-using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
-using g_llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
-using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
+using g_qwen = cuda_test::retier_qwen;
+using g_llama = cuda_test::retier_llama;
+using g_smol = cuda_test::retier_smol;
 
 }  // namespace
 
@@ -165,19 +170,22 @@ TEST_CASE("gpu retier FP8 -> TQ3 equals the host codecs bit for bit", "[cuda][re
   check_retier<g_smol, recent, stale>(40, 3);
 }
 
-TEST_CASE("gpu retier TQ3 -> FP8 (promotion) equals the host codecs bit for bit", "[cuda][retier]") {
+TEST_CASE("gpu retier TQ3 -> FP8 (promotion) equals the host codecs bit for bit",
+          "[cuda][retier]") {
   check_retier<g_qwen, stale, recent>(24, 5);
   check_retier<g_llama, stale, recent>(20, 6);
   check_retier<g_smol, stale, recent>(40, 7);
 }
 
-TEST_CASE("gpu retier of a tensor-parallel rank's pages uses the global heads' rotations", "[cuda][retier]") {
+TEST_CASE("gpu retier of a tensor-parallel rank's pages uses the global heads' rotations",
+          "[cuda][retier]") {
   check_retier<g_llama, recent, stale>(12, 8, 8);  // rank 1 of 2 of a 16-head model
   check_retier<g_llama, stale, recent>(12, 9, 8);
 }
 
-TEST_CASE("gpu retier int8_rotated <-> TQ3 and <-> FP8 equals the host codecs bit for bit", "[cuda][retier][int8_rotated]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
+TEST_CASE("gpu retier int8_rotated <-> TQ3 and <-> FP8 equals the host codecs bit for bit",
+          "[cuda][retier][int8_rotated]") {
+  using recent_int8r = cuda_test::retier_int8r;
   check_retier<g_qwen, recent_int8r, stale>(12, 11);
   check_retier<g_llama, recent_int8r, stale>(10, 12, 8);
   check_retier<g_smol, recent_int8r, stale>(20, 13);
@@ -187,9 +195,10 @@ TEST_CASE("gpu retier int8_rotated <-> TQ3 and <-> FP8 equals the host codecs bi
   check_retier<g_smol, recent_int8r, recent>(20, 17);
 }
 
-TEST_CASE("gpu retier to and from TQ4-key Stale pages equals the host codecs bit for bit", "[cuda][retier][tq4]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
-  using stale_k4 = tier<tq4_key, tq3_value>;
+TEST_CASE("gpu retier to and from TQ4-key Stale pages equals the host codecs bit for bit",
+          "[cuda][retier][tq4]") {
+  using recent_int8r = cuda_test::retier_int8r;
+  using stale_k4 = cuda_test::retier_stale_k4;
   check_retier<g_qwen, recent_int8r, stale_k4>(12, 21);
   check_retier<g_llama, recent, stale_k4>(10, 22, 8);
   check_retier<g_smol, recent_int8r, stale_k4>(20, 23);
@@ -200,11 +209,11 @@ TEST_CASE("gpu retier to and from TQ4-key Stale pages equals the host codecs bit
 
 TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {
   using G = g_smol;
-  cuda::retier_inputs in;
+  cuda_test::retier_args in;
   in.pages = -1;
-  CHECK(cuda::retier<G, recent, stale>(in, nullptr).code() == errc::invalid_argument);
+  CHECK(cuda_test::retier<G, recent, stale>(in, nullptr).code() == errc::invalid_argument);
   in.pages = 0;
-  CHECK(cuda::retier<G, recent, stale>(in, nullptr).is_ok());
+  CHECK(cuda_test::retier<G, recent, stale>(in, nullptr).is_ok());
   in.pages = 1;
-  CHECK(cuda::retier<G, recent, stale>(in, nullptr).code() == errc::invalid_argument);
+  CHECK(cuda_test::retier<G, recent, stale>(in, nullptr).code() == errc::invalid_argument);
 }

@@ -12,42 +12,24 @@
 #include <random>
 #include <vector>
 
+#include "cuda_test.hpp"
+#include "decode_kernels.hpp"
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
-#include "tierkv/codec/tq4.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tq3.hpp"
-#include "tierkv/cuda/decode.cuh"
+#include "tierkv/codec/tq4.hpp"
+#include "tierkv/cuda/decode_plan.cuh"
 
 namespace {
 
 using namespace tierkv;
-using recent = tier<fp8_e4m3, fp8_e4m3>;
-using stale = tier<tq3_key, tq3_value>;
+using cuda_test::decode_path;
+using cuda_test::device_buffer;
+using recent = cuda_test::decode_recent;
+using stale = cuda_test::decode_stale;
 using two_tiers = tiers<recent, stale>;
-
-#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
-
-template <class T>
-struct dbuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit dbuf(std::size_t count) : n(count) {
-    if (n) CUDA_OK(cudaMalloc(&p, n * sizeof(T)));
-  }
-  dbuf(const dbuf&) = delete;
-  dbuf& operator=(const dbuf&) = delete;
-  ~dbuf() { if (p) cudaFree(p); }
-  void put(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n);
-    if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    if (n) CUDA_OK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
 
 enum class mix { all_fp8, all_tq3, tiered, interleaved };
 
@@ -63,11 +45,12 @@ struct host_batch {
 
   std::uint64_t seed = 0x5eed;
   int layer = 3;
-  int head_base = 0;  // global index of KV head 0 (a tensor-parallel rank): contexts use head_base + h
+  int head_base =
+      0;  // global index of KV head 0 (a tensor-parallel rank): contexts use head_base + h
   std::vector<std::int32_t> seq_len;
   std::vector<std::uint8_t> pool[2];
   std::vector<std::int32_t> indptr[2], slot[2], logical[2];
-  std::vector<float> q;                  // [batch][q_heads][D]
+  std::vector<float> q;                         // [batch][q_heads][D]
   std::vector<std::vector<double>> kdec, vdec;  // [b] -> [token][head][D] decoded vectors
   int pages_cap[2] = {0, 0};
 
@@ -76,9 +59,12 @@ struct host_batch {
   // Which tier logical page i of a sequence with n pages lives in.
   static int tier_of(mix m, int i, int n) {
     switch (m) {
-      case mix::all_fp8: return 0;
-      case mix::all_tq3: return 1;
-      case mix::interleaved: return i % 2;
+      case mix::all_fp8:
+        return 0;
+      case mix::all_tq3:
+        return 1;
+      case mix::interleaved:
+        return i % 2;
       case mix::tiered: {
         const int recent_pages = (n * 27 + 99) / 100 - 1;  // ~27% FP8: anchor page 0 + recent
         return (i == 0 || i >= n - (recent_pages > 0 ? recent_pages : 0)) ? 0 : 1;
@@ -134,8 +120,8 @@ struct host_batch {
         const int f = tier_of(m, i, n);
         int e = indptr[f][b];
         while (logical[f][e] != i) ++e;
-        std::uint8_t* page = pool[f].data() + std::size_t(slot[f][e]) *
-                                                  (f == 0 ? L8::page_bytes : L3::page_bytes);
+        std::uint8_t* page =
+            pool[f].data() + std::size_t(slot[f][e]) * (f == 0 ? L8::page_bytes : L3::page_bytes);
         for (int t = 0; t < T && i * T + t < lens[b]; ++t) {
           const int tok = i * T + t;
           for (int h = 0; h < H; ++h) {
@@ -143,14 +129,17 @@ struct host_batch {
             const codec_context vc = make_codec_context(seed, layer, head_base + h, kv_role::value);
             std::vector<float> dec(D);
             for (int role = 0; role < 2; ++role) {
-              for (int d = 0; d < D; ++d) kv[d] = nd(rng) + (role == 0 && d % 17 == 0 ? key_offset : 0.f);
+              for (int d = 0; d < D; ++d)
+                kv[d] = nd(rng) + (role == 0 && d % 17 == 0 ? key_offset : 0.f);
               if (role == 1 && value_spread > 0) {
                 const float f2 = std::ldexp(1.f, spread(rng));
                 for (int d = 0; d < D; ++d) kv[d] *= f2;
               }
               if (f == 0) {
-                auto& meta = *reinterpret_cast<bf16_bits*>(page + (role == 0 ? L8::key_meta(h, t) : L8::value_meta(h, t)));
-                std::uint8_t* pay = page + (role == 0 ? L8::key_payload(h, t) : L8::value_payload(h, t));
+                auto& meta = *reinterpret_cast<bf16_bits*>(
+                    page + (role == 0 ? L8::key_meta(h, t) : L8::value_meta(h, t)));
+                std::uint8_t* pay =
+                    page + (role == 0 ? L8::key_payload(h, t) : L8::value_payload(h, t));
                 REQUIRE(KF::encode(kv.data(), pay, meta, role == 0 ? kc : vc, nullptr) == errc::ok);
                 KF::decode(pay, meta, dec.data(), role == 0 ? kc : vc);
               } else if (role == 0) {
@@ -189,7 +178,8 @@ struct host_batch {
         for (int t = 0; t < n; ++t) {
           double dot = 0;
           for (int d = 0; d < D; ++d)
-            dot += double(q[(std::size_t(b) * QH + qh) * D + d]) * kdec[b][(std::size_t(t) * H + h) * D + d];
+            dot += double(q[(std::size_t(b) * QH + qh) * D + d]) *
+                   kdec[b][(std::size_t(t) * H + h) * D + d];
           s[t] = dot * scale;
           mx = std::max(mx, s[t]);
         }
@@ -200,7 +190,8 @@ struct host_batch {
           const double p = std::exp(s[t] - mx) / l;
           mass[std::size_t(b) * mass_stride + t / T] += p / QH;
           for (int d = 0; d < D; ++d)
-            out[(std::size_t(b) * QH + qh) * D + d] += p * vdec[b][(std::size_t(t) * H + h) * D + d];
+            out[(std::size_t(b) * QH + qh) * D + d] +=
+                p * vdec[b][(std::size_t(t) * H + h) * D + d];
         }
         lse[std::size_t(b) * QH + qh] = mx + std::log(l);
       }
@@ -221,16 +212,26 @@ double rel_l2(const std::vector<float>& a, const std::vector<double>& ref, std::
 // other batches in the same buffers).
 template <class G, class Recent = recent, class Stale = stale>
 struct device_batch {
-  dbuf<std::uint8_t> pool0, pool1;
-  dbuf<std::int32_t> seq_len, indptr0, indptr1, slot0, slot1, logical0, logical1;
-  dbuf<float> q, out, lse, mass;
+  device_buffer<std::uint8_t> pool0, pool1;
+  device_buffer<std::int32_t> seq_len, indptr0, indptr1, slot0, slot1, logical0, logical1;
+  device_buffer<float> q, out, lse, mass;
   int mass_stride;
-  device_batch(std::size_t pool0_bytes, std::size_t pool1_bytes, int max_batch, int cap_entries, int stride)
-      : pool0(pool0_bytes), pool1(pool1_bytes), seq_len(max_batch), indptr0(max_batch + 1),
-        indptr1(max_batch + 1), slot0(cap_entries), slot1(cap_entries), logical0(cap_entries),
-        logical1(cap_entries), q(std::size_t(max_batch) * G::q_heads * G::head_dim),
-        out(std::size_t(max_batch) * G::q_heads * G::head_dim), lse(std::size_t(max_batch) * G::q_heads),
-        mass(std::size_t(max_batch) * stride), mass_stride(stride) {}
+  device_batch(std::size_t pool0_bytes, std::size_t pool1_bytes, int max_batch, int cap_entries,
+               int stride)
+      : pool0(pool0_bytes),
+        pool1(pool1_bytes),
+        seq_len(max_batch),
+        indptr0(max_batch + 1),
+        indptr1(max_batch + 1),
+        slot0(cap_entries),
+        slot1(cap_entries),
+        logical0(cap_entries),
+        logical1(cap_entries),
+        q(std::size_t(max_batch) * G::q_heads * G::head_dim),
+        out(std::size_t(max_batch) * G::q_heads * G::head_dim),
+        lse(std::size_t(max_batch) * G::q_heads),
+        mass(std::size_t(max_batch) * stride),
+        mass_stride(stride) {}
 
   void upload(const host_batch<G, Recent, Stale>& h) {
     pool0.put(h.pool[0]);
@@ -245,14 +246,16 @@ struct device_batch {
     q.put(h.q);
     CUDA_OK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // NaN: every output must be written
   }
-  cuda::decode_inputs<2> inputs(const host_batch<G, Recent, Stale>& h, int batch, bool with_mass) {
-    cuda::decode_inputs<2> in;
+  cuda_test::decode_args inputs(const host_batch<G, Recent, Stale>& h, int batch, bool with_mass) {
+    cuda_test::decode_args in;
     in.index.batch = batch;
     in.index.seq_len = seq_len.p;
     in.index.formats[0] = {indptr0.p, slot0.p, logical0.p};
     in.index.formats[1] = {indptr1.p, slot1.p, logical1.p};
-    in.pools[0] = {pool0.p, host_batch<G, Recent, Stale>::L8::page_bytes, std::uint32_t(h.pages_cap[0])};
-    in.pools[1] = {pool1.p, host_batch<G, Recent, Stale>::L3::page_bytes, std::uint32_t(h.pages_cap[1])};
+    in.pools[0] = {pool0.p, host_batch<G, Recent, Stale>::L8::page_bytes,
+                   std::uint32_t(h.pages_cap[0])};
+    in.pools[1] = {pool1.p, host_batch<G, Recent, Stale>::L3::page_bytes,
+                   std::uint32_t(h.pages_cap[1])};
     in.queries = q.p;
     in.softmax_scale = 1.f / std::sqrt(float(G::head_dim));
     in.cache_seed = h.seed;
@@ -280,12 +283,12 @@ std::vector<std::int32_t> page_counts(const HB& h) {
 // split hi + lo, so FP8 scores keep ~fp32 precision; int8 keys score against the query
 // rounded to 2^-13 of its largest element); TQ3 pages are 3-bit codes whose scores move the
 // softmax most.
-double out_tol(cuda::decode_path path, bool has_tq3) {
+double out_tol(decode_path path, bool has_tq3) {
   if (has_tq3) return 2e-3;
-  return path == cuda::decode_path::tensor_core ? 2e-4 : 2e-5;
+  return path == decode_path::tensor_core ? 2e-4 : 2e-5;
 }
 
-template <class G, cuda::decode_path Path, class Recent = recent, class Stale = stale>
+template <class G, decode_path Path, class Recent = recent, class Stale = stale>
 void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves,
                      std::int64_t min_chunk, float key_offset, int value_spread, float q_scale,
                      int head_base) {
@@ -303,14 +306,15 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   cuda::decode_capacity cap{B, 64, max_pages, true};
   const auto counts = page_counts(h);
   // min_chunk_pages = 1: the cases below ask for many small chunks on purpose
-  auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, 132, waves, min_chunk, cuda::balance::work, 1);
+  auto plan = cuda::plan_decode<G, tiers<Recent, Stale>>(cap, counts.data(), B, 132, waves,
+                                                         min_chunk, cuda::balance::work, 1);
   REQUIRE(plan.has_value());
-  dbuf<std::uint8_t> ws(plan->workspace_bytes);
-  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+  device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, B, true);
-  REQUIRE(cuda::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+  REQUIRE(cuda_test::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
-  auto derr = cuda::decode_device_error(*plan, ws.p, nullptr);
+  auto derr = cuda_test::decode_device_error(*plan, ws.p, nullptr);
   REQUIRE(derr.has_value());
   CHECK(*derr == errc::ok);
 
@@ -331,14 +335,16 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
       CHECK(std::isinf(lse[i]));
       CHECK(lse[i] < 0);
     } else {
-      CHECK(std::abs(lse[i] - ref_lse[i]) < (has_tq3 ? 2e-3 : 1e-4) * std::max(1.0, std::abs(ref_lse[i])));
+      CHECK(std::abs(lse[i] - ref_lse[i]) <
+            (has_tq3 ? 2e-3 : 1e-4) * std::max(1.0, std::abs(ref_lse[i])));
     }
   }
   for (int b = 0; b < B; ++b) {
     double sum = 0;
     const int np = (lens[b] + G::page_tokens - 1) / G::page_tokens;
     for (int p = 0; p < np; ++p) {
-      CHECK(std::abs(mass[std::size_t(b) * max_pages + p] - ref_mass[std::size_t(b) * max_pages + p]) < 2e-3);
+      CHECK(std::abs(mass[std::size_t(b) * max_pages + p] -
+                     ref_mass[std::size_t(b) * max_pages + p]) < 2e-3);
       sum += mass[std::size_t(b) * max_pages + p];
     }
     if (lens[b] > 0) CHECK(std::abs(sum - 1.0) < 1e-3);
@@ -350,9 +356,12 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   ha.queries = h.q.data();
   ha.index.batch = B;
   ha.index.seq_len = h.seq_len.data();
-  for (int f = 0; f < 2; ++f) ha.index.formats[f] = {h.indptr[f].data(), h.slot[f].data(), h.logical[f].data()};
-  pool_view pools[2] = {{h.pool[0].data(), host_batch<G, Recent, Stale>::L8::page_bytes, std::uint32_t(h.pages_cap[0])},
-                        {h.pool[1].data(), host_batch<G, Recent, Stale>::L3::page_bytes, std::uint32_t(h.pages_cap[1])}};
+  for (int f = 0; f < 2; ++f)
+    ha.index.formats[f] = {h.indptr[f].data(), h.slot[f].data(), h.logical[f].data()};
+  pool_view pools[2] = {{h.pool[0].data(), host_batch<G, Recent, Stale>::L8::page_bytes,
+                         std::uint32_t(h.pages_cap[0])},
+                        {h.pool[1].data(), host_batch<G, Recent, Stale>::L3::page_bytes,
+                         std::uint32_t(h.pages_cap[1])}};
   ha.pools = pools;
   ha.source = {h.seed, h.layer, h.head_base};
   ha.logits.softmax_scale = float(scale);
@@ -364,9 +373,10 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   const double herr = rel_l2(out, hout_d, hout.size());
   INFO("vs host path rel_l2 " << herr);
   CHECK(herr < tol);
-  std::printf("decode %-11s %-12s %3d/%d/%3d mix %d B %d: rel_l2 vs float64 %.2e, vs host path %.2e\n",
-              Path == cuda::decode_path::tensor_core ? "tensor_core" : "cuda_core",
-              host_batch<G, Recent, Stale>::KF::name, QH, G::kv_heads, D, int(m), B, err, herr);
+  std::printf(
+      "decode %-11s %-12s %3d/%d/%3d mix %d B %d: rel_l2 vs float64 %.2e, vs host path %.2e\n",
+      Path == decode_path::tensor_core ? "tensor_core" : "cuda_core",
+      host_batch<G, Recent, Stale>::KF::name, QH, G::kv_heads, D, int(m), B, err, herr);
 }
 
 // Both split kernels on the same case. Recent: the tier of the "fp8" pages of a mix.
@@ -374,18 +384,17 @@ template <class G, class Recent = recent, class Stale = stale>
 void check_case(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves = 4,
                 std::int64_t min_chunk = 32 * 1024, float key_offset = 0.f, int value_spread = 0,
                 float q_scale = 1.f, int head_base = 0) {
-  check_case_path<G, cuda::decode_path::tensor_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
-                                                             value_spread, q_scale, head_base);
-  check_case_path<G, cuda::decode_path::cuda_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk, key_offset,
-                                                           value_spread, q_scale, head_base);
+  check_case_path<G, decode_path::tensor_core, Recent, Stale>(
+      lens, m, rng_seed, waves, min_chunk, key_offset, value_spread, q_scale, head_base);
+  check_case_path<G, decode_path::cuda_core, Recent, Stale>(
+      lens, m, rng_seed, waves, min_chunk, key_offset, value_spread, q_scale, head_base);
 }
 
-using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
-using g_llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
-using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
-using g_small_pages = geometry<head_dim<64>, kv_heads<2>, group_size<1>, page_tokens<16>>;
-// TQ3 / TQ4 tiers step 32 tokens at a time (tensor-core kernel): one step a page here
-using g_pages32 = geometry<head_dim<128>, kv_heads<2>, group_size<4>, page_tokens<32>>;
+using g_qwen = cuda_test::decode_qwen;
+using g_llama = cuda_test::decode_llama;
+using g_smol = cuda_test::decode_smol;
+using g_small_pages = cuda_test::decode_small_pages;
+using g_pages32 = cuda_test::decode_pages32;
 
 }  // namespace
 
@@ -398,8 +407,9 @@ TEST_CASE("gpu decode: benchmark shapes, every mix, unequal lengths", "[cuda][de
   }
 }
 
-TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)", "[cuda][decode][int8_rotated]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
+TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)",
+          "[cuda][decode][int8_rotated]") {
+  using recent_int8r = cuda_test::decode_int8r;
   const std::vector<int> lens = {3000, 1, 700, 64, 129};
   for (mix m : {mix::all_fp8, mix::tiered, mix::interleaved}) {
     check_case<g_qwen, recent_int8r>(lens, m, 61 + int(m));
@@ -412,18 +422,21 @@ TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)", "[cuda][
 }
 
 TEST_CASE("gpu decode: TQ4 keys with TQ3 values in the Stale tier", "[cuda][decode][tq4]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
-  using stale_k4 = tier<tq4_key, tq3_value>;
+  using recent_int8r = cuda_test::decode_int8r;
+  using stale_k4 = cuda_test::decode_stale_k4;
   const std::vector<int> lens = {3000, 1, 700, 64, 129};
-  for (mix m : {mix::all_tq3, mix::tiered, mix::interleaved}) {  // all_tq3: every page in the Stale tier
+  for (mix m :
+       {mix::all_tq3, mix::tiered, mix::interleaved}) {  // all_tq3: every page in the Stale tier
     check_case<g_qwen, recent_int8r, stale_k4>(lens, m, 161 + int(m));
     check_case<g_llama, recent, stale_k4>(lens, m, 171 + int(m));
     check_case<g_smol, recent_int8r, stale_k4>(lens, m, 181 + int(m));
   }
   check_case<g_small_pages, recent_int8r, stale_k4>({1000, 17, 16, 1}, mix::tiered, 191, 8, 256);
   // a key offset channel (the score's 1024 + c fold sees large query sums) and value spread
-  check_case<g_llama, recent_int8r, stale_k4>({2000, 500}, mix::all_tq3, 192, 4, 32 * 1024, 8.f, 40);
-  check_case<g_qwen, recent, stale_k4>({1500, 3}, mix::all_tq3, 193, 4, 32 * 1024, 0.f, 0, 1e-7f, 4);
+  check_case<g_llama, recent_int8r, stale_k4>({2000, 500}, mix::all_tq3, 192, 4, 32 * 1024, 8.f,
+                                              40);
+  check_case<g_qwen, recent, stale_k4>({1500, 3}, mix::all_tq3, 193, 4, 32 * 1024, 0.f, 0, 1e-7f,
+                                       4);
   check_case<g_smol, recent, stale_k4>({1500, 3}, mix::all_tq3, 194, 4, 32 * 1024, 0.f, 0, 30.f);
 }
 
@@ -438,11 +451,16 @@ TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {
   SECTION("a tensor-parallel rank's heads (head_base 4: contexts of global heads 4..11)") {
     check_case<g_llama>({3000, 650}, mix::tiered, 47, 4, 32 * 1024, 0.f, 0, 1.f, 4);
   }
-  SECTION("one chunk per sequence") { check_case<g_qwen>({5000, 70}, mix::tiered, 44, 1, 1ll << 40); }
-  SECTION("small pages, group 1") { check_case<g_small_pages>({1000, 17, 16, 1}, mix::tiered, 45, 8, 256); }
+  SECTION("one chunk per sequence") {
+    check_case<g_qwen>({5000, 70}, mix::tiered, 44, 1, 1ll << 40);
+  }
+  SECTION("small pages, group 1") {
+    check_case<g_small_pages>({1000, 17, 16, 1}, mix::tiered, 45, 8, 256);
+  }
   SECTION("32-token pages: one TQ3 step a page, partial sub-steps") {
     check_case<g_pages32>({1000, 33, 32, 31, 17, 16, 1}, mix::interleaved, 51, 8, 1024);
-    check_case<g_pages32, recent, tier<tq4_key, tq3_value>>({777, 48, 15}, mix::tiered, 52, 8, 1024);
+    check_case<g_pages32, recent, tier<tq4_key, tq3_value>>({777, 48, 15}, mix::tiered, 52, 8,
+                                                            1024);
   }
   SECTION("offset key channels (large logits)") {
     check_case<g_llama>({2000, 500}, mix::tiered, 46, 4, 32 * 1024, 8.f);
@@ -470,13 +488,14 @@ TEST_CASE("gpu decode: the chunk split does not change the result", "[cuda][deco
   std::vector<float> outs[2];
   for (int variant = 0; variant < 2; ++variant) {
     cuda::decode_capacity cap{2, 64, 128, false};
-    auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132, variant ? 64 : 1,
-                                                variant ? 512 : (1ll << 40), cuda::balance::work, 1);
+    auto plan =
+        cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132, variant ? 64 : 1,
+                                        variant ? 512 : (1ll << 40), cuda::balance::work, 1);
     REQUIRE(plan.has_value());
-    dbuf<std::uint8_t> ws(plan->workspace_bytes);
-    REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+    device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+    REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
     auto in = dev.inputs(h, 2, false);
-    REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
+    REQUIRE(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr).is_ok());
     CUDA_OK(cudaDeviceSynchronize());
     outs[variant] = dev.out.get();
   }
@@ -487,7 +506,8 @@ TEST_CASE("gpu decode: the chunk split does not change the result", "[cuda][deco
   CHECK(split_err < 1e-3);
 }
 
-TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and formats", "[cuda][decode]") {
+TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and formats",
+          "[cuda][decode]") {
   using G = g_qwen;
   constexpr int D = G::head_dim, QH = G::q_heads;
   const int max_batch = 4, max_pages = 80, cap_entries = max_batch * max_pages;
@@ -502,8 +522,8 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
   std::vector<std::int32_t> counts(std::size_t(max_batch) * 2, max_pages / 2);  // plan for capacity
   auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), max_batch, 132);
   REQUIRE(plan.has_value());
-  dbuf<std::uint8_t> ws(plan->workspace_bytes);
-  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+  device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
   dev.upload(first);
@@ -512,12 +532,15 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
   in.pools[1].capacity = std::uint32_t(cap_entries + 3);
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  REQUIRE(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n, stream).is_ok());
+  REQUIRE(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n, stream).is_ok());
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
-  struct step { std::vector<int> lens; mix m; };
+  struct step {
+    std::vector<int> lens;
+    mix m;
+  };
   const std::vector<step> steps = {{{5000, 100, 2000, 1}, mix::tiered},
                                    {{64, 4900, 1, 3333}, mix::interleaved},
                                    {{1, 1, 1, 1}, mix::all_fp8},
@@ -535,7 +558,7 @@ TEST_CASE("gpu decode: CUDA graph captured once, replayed with new lengths and f
     const auto out = dev.out.get();
     const double err = rel_l2(out, ref_out, std::size_t(max_batch) * QH * D);
     INFO("replay mix " << int(s.m) << " rel_l2 " << err);
-    CHECK(err < out_tol(cuda::decode_path::tensor_core, s.m != mix::all_fp8));
+    CHECK(err < out_tol(decode_path::tensor_core, s.m != mix::all_fp8));
     const auto mass = dev.mass.get();
     for (std::size_t i = 0; i < std::size_t(max_batch) * max_pages; ++i)
       if (i % max_pages < std::size_t((s.lens[i / max_pages] + 63) / 64))
@@ -559,8 +582,8 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
   cuda::decode_capacity cap{2, 8, 8, false};
   auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), 2, 132);
   REQUIRE(plan.has_value());
-  dbuf<std::uint8_t> ws(plan->workspace_bytes);
-  REQUIRE(cuda::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
+  device_buffer<std::uint8_t> ws(plan->workspace_bytes);
+  REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, 2, false);
   SECTION("slot beyond the pool: device error, no fault; the next good step reads ok") {
     // Garbage left in the workspace must not show as an error, and an error must not outlive
@@ -570,48 +593,54 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
     auto plan7 = cuda::plan_decode<G, two_tiers>(cap7, counts.data(), 2, 132);
     REQUIRE(plan7.has_value());
     REQUIRE(plan7->workspace_bytes <= ws.n);
-    auto run = [&](const cuda::decode_plan& p, cuda::decode_path path) {
+    auto run = [&](const cuda::decode_plan& p, decode_path path) {
       CUDA_OK(cudaMemset(ws.p, 0x5a, ws.n));
-      REQUIRE(cuda::decode_workspace_init(p, ws.p, ws.n, nullptr).is_ok());
-      REQUIRE((path == cuda::decode_path::tensor_core
-                   ? cuda::decode<G, two_tiers>(p, in, ws.p, ws.n, nullptr)
-                   : cuda::decode<G, two_tiers, cuda::decode_path::cuda_core>(p, in, ws.p, ws.n, nullptr))
+      REQUIRE(cuda_test::decode_workspace_init(p, ws.p, ws.n, nullptr).is_ok());
+      REQUIRE((path == decode_path::tensor_core
+                   ? cuda_test::decode<G, two_tiers>(p, in, ws.p, ws.n, nullptr)
+                   : cuda_test::decode<G, two_tiers, decode_path::cuda_core>(p, in, ws.p, ws.n,
+                                                                             nullptr))
                   .is_ok());
-      auto e = cuda::decode_device_error(p, ws.p, nullptr);
+      auto e = cuda_test::decode_device_error(p, ws.p, nullptr);
       REQUIRE(e.has_value());
       return *e;
     };
     for (const auto* p : {&*plan, &*plan7})
-      for (auto path : {cuda::decode_path::tensor_core, cuda::decode_path::cuda_core}) {
+      for (auto path : {decode_path::tensor_core, decode_path::cuda_core}) {
         INFO("max_chunks " << p->max_chunks << " path " << int(path));
         CHECK(run(*p, path) == errc::out_of_range);
       }
     CUDA_OK(cudaMemset(ws.p, 0x5a, ws.n));  // not initialized: said so, not a made-up error
-    CHECK(cuda::decode_device_error(*plan, ws.p, nullptr).code() == errc::invalid_argument);
+    CHECK(cuda_test::decode_device_error(*plan, ws.p, nullptr).code() == errc::invalid_argument);
     h.slot[1][0] = 0;  // a valid slot: the same workspace now reports no error
     dev.upload(h);
     in = dev.inputs(h, 2, false);
     for (const auto* p : {&*plan, &*plan7})
-      for (auto path : {cuda::decode_path::tensor_core, cuda::decode_path::cuda_core}) {
+      for (auto path : {decode_path::tensor_core, decode_path::cuda_core}) {
         INFO("max_chunks " << p->max_chunks << " path " << int(path));
         CHECK(run(*p, path) == errc::ok);
       }
   }
   SECTION("host checks") {
-    CHECK(cuda::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() == errc::capacity_exhausted);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() ==
+          errc::capacity_exhausted);
     auto bad = in;
     bad.index.batch = 3;
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::out_of_range);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() ==
+          errc::out_of_range);
     bad = in;
     bad.pools[1].page_bytes += 16;
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::geometry_mismatch);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() ==
+          errc::geometry_mismatch);
     bad = in;
     bad.softmax_scale = std::numeric_limits<float>::quiet_NaN();
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() ==
+          errc::invalid_argument);
     bad = in;
     bad.page_mass = dev.mass.p;  // plan without page mass
     bad.page_mass_stride = 8;
-    CHECK(cuda::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() == errc::invalid_argument);
+    CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() ==
+          errc::invalid_argument);
     cuda::decode_capacity zero{0, 8, 0, false};
     CHECK(!cuda::plan_decode<G, two_tiers>(zero, counts.data(), 0, 132).has_value());
   }

@@ -7,38 +7,34 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "cuda_test.hpp"
+#include "paging_index_builder_kernels.hpp"
 #include "tierkv/codec/dense.hpp"
-#include "tierkv/cuda/index_builder.cuh"
 #include "tierkv/paging/index_builder.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 
-// No `using namespace tierkv` at file scope: nvcc's generated kernel stubs name
-// ::cuda::std at global scope, which tierkv::cuda would make ambiguous.
 namespace paging_cuda_test {
 using namespace tierkv;
+using cuda_test::device_buffer;
 
 namespace {
 using G = geometry<head_dim<16>, kv_heads<2>, group_size<1>, page_tokens<16>>;
 using T = tiers<tier<dense_f32, dense_f32>, tier<dense_f32, dense_f32>, tier<dense_f32, dense_f32>>;
 using S = paged_storage<G, T>;
-constexpr int N = 3;
+constexpr int N = cuda_test::index_formats;
 
-struct device_buffer {
-  explicit device_buffer(std::size_t n) : bytes(n) { REQUIRE(cudaMalloc(&p, n) == cudaSuccess); }
-  ~device_buffer() { cudaFree(p); }
-  void* p = nullptr;
-  std::size_t bytes;
-};
-
-std::vector<std::int32_t> ints_at(const std::vector<std::uint8_t>& host, std::size_t off, std::size_t n) {
+std::vector<std::int32_t> ints_at(const std::vector<std::uint8_t>& host, std::size_t off,
+                                  std::size_t n) {
   std::vector<std::int32_t> v(n);
   std::memcpy(v.data(), host.data() + off, n * sizeof(std::int32_t));
   return v;
 }
 
 // Compares the live parts of two index buffers (host-built and device-built).
-void compare(const index_layout<N>& l, const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b, int batch) {
-  CHECK(ints_at(a, l.seq_len_offset(), std::size_t(batch)) == ints_at(b, l.seq_len_offset(), std::size_t(batch)));
+void compare(const index_layout<N>& l, const std::vector<std::uint8_t>& a,
+             const std::vector<std::uint8_t>& b, int batch) {
+  CHECK(ints_at(a, l.seq_len_offset(), std::size_t(batch)) ==
+        ints_at(b, l.seq_len_offset(), std::size_t(batch)));
   for (int f = 0; f < N; ++f) {
     const auto ia = ints_at(a, l.indptr_offset(f), std::size_t(batch) + 1);
     const auto ib = ints_at(b, l.indptr_offset(f), std::size_t(batch) + 1);
@@ -75,34 +71,40 @@ std::unique_ptr<S> make_storage(std::vector<seq_id>& seqs, std::mt19937& rng) {
 }
 }  // namespace
 
-TEST_CASE("device index builder equals the host builder, also under graph capture", "[cuda][paging][index]") {
+TEST_CASE("device index builder equals the host builder, also under graph capture",
+          "[cuda][paging][index]") {
   std::mt19937 rng(7);
   std::vector<seq_id> seqs;
   auto s = make_storage(seqs, rng);
   const index_layout<N> layout{16, 16};
   const page_table_layout tl{16, 16};
-  tierkv::cuda::device_index_builder<N> builder(layout);
+  cuda_test::device_index_builder builder(layout);
   auto scratch_bytes = builder.scratch_bytes();
   REQUIRE(scratch_bytes);
-  device_buffer d_table(tl.bytes()), d_out(layout.bytes()), d_scratch(*scratch_bytes);
+  device_buffer<std::uint8_t> d_table(tl.bytes()), d_out(layout.bytes()), d_scratch(*scratch_bytes);
   cudaStream_t stream;
   REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
 
   std::vector<std::uint64_t> host_table((tl.bytes() + 7) / 8), host_index((layout.bytes() + 7) / 8);
-  auto table_span = std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_table.data()), tl.bytes());
-  auto index_span = std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_index.data()), layout.bytes());
+  auto table_span =
+      std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_table.data()), tl.bytes());
+  auto index_span =
+      std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_index.data()), layout.bytes());
 
   for (int layer = 0; layer < 2; ++layer) {
     for (int batch : {0, 1, 5, 12}) {
       std::span<const seq_id> sub(seqs.data(), std::size_t(batch));
       REQUIRE(export_page_tables(*s, layer, sub, tl, table_span));
       REQUIRE(build_batch_index(*s, layer, sub, layout, index_span));
-      REQUIRE(cudaMemcpy(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
-      auto v = builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.bytes, stream);
+      REQUIRE(cudaMemcpy(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice) ==
+              cudaSuccess);
+      auto v =
+          builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.n, stream);
       REQUIRE(v);
       REQUIRE(builder.error(d_scratch.p, stream));
       std::vector<std::uint8_t> got(layout.bytes());
-      REQUIRE(cudaMemcpy(got.data(), d_out.p, layout.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
+      REQUIRE(cudaMemcpy(got.data(), d_out.p, layout.bytes(), cudaMemcpyDeviceToHost) ==
+              cudaSuccess);
       compare(layout, std::vector<std::uint8_t>(index_span.begin(), index_span.end()), got, batch);
     }
   }
@@ -112,7 +114,7 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
   cudaGraphExec_t exec;
   const int batch = 12;
   REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-  REQUIRE(builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.bytes, stream));
+  REQUIRE(builder.build(tl.view_of(d_table.p, batch), d_out.p, d_scratch.p, d_scratch.n, stream));
   REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
   REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
   for (int layer = 0; layer < 2; ++layer) {
@@ -120,10 +122,12 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
     std::shuffle(shuffled.begin(), shuffled.end(), rng);
     REQUIRE(export_page_tables(*s, layer, std::span<const seq_id>(shuffled), tl, table_span));
     REQUIRE(build_batch_index(*s, layer, std::span<const seq_id>(shuffled), layout, index_span));
-    REQUIRE(cudaMemcpyAsync(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice, stream) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice,
+                            stream) == cudaSuccess);
     REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
     std::vector<std::uint8_t> got(layout.bytes());
-    REQUIRE(cudaMemcpyAsync(got.data(), d_out.p, layout.bytes(), cudaMemcpyDeviceToHost, stream) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(got.data(), d_out.p, layout.bytes(), cudaMemcpyDeviceToHost, stream) ==
+            cudaSuccess);
     REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
     compare(layout, std::vector<std::uint8_t>(index_span.begin(), index_span.end()), got, batch);
   }
@@ -135,19 +139,22 @@ TEST_CASE("device index builder equals the host builder, also under graph captur
   const auto fmt_at = tl.format_offset();
   std::int32_t bad = 7;
   std::memcpy(table_span.data() + fmt_at, &bad, sizeof bad);
-  REQUIRE(cudaMemcpy(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice) == cudaSuccess);
-  REQUIRE(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, d_scratch.bytes, stream));
+  REQUIRE(cudaMemcpy(d_table.p, table_span.data(), tl.bytes(), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+  REQUIRE(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, d_scratch.n, stream));
   CHECK(builder.error(d_scratch.p, stream).code() == errc::out_of_range);
-  CHECK(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, 8, stream).code() == errc::capacity_exhausted);
+  CHECK(builder.build(tl.view_of(d_table.p, 12), d_out.p, d_scratch.p, 8, stream).code() ==
+        errc::capacity_exhausted);
   cudaStreamDestroy(stream);
 }
 
 TEST_CASE("device page-table adapter equals the host adapter", "[cuda][paging][interop]") {
   std::mt19937 rng(9);
   const index_layout<N> layout{8, 12};
-  device_buffer d_out(layout.bytes());
+  device_buffer<std::uint8_t> d_out(layout.bytes());
   std::vector<std::uint64_t> host_index((layout.bytes() + 7) / 8);
-  auto index_span = std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_index.data()), layout.bytes());
+  auto index_span =
+      std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(host_index.data()), layout.bytes());
   for (int trial = 0; trial < 50; ++trial) {
     const int batch = int(rng() % 9);
     std::vector<std::int32_t> indptr{0}, indices, last;
@@ -161,13 +168,9 @@ TEST_CASE("device page-table adapter equals the host adapter", "[cuda][paging][i
     const int fmt = int(rng() % N);
     const paged_kv_table host_t{batch, 16, indptr.data(), indices.data(), last.data()};
     REQUIRE(index_from_paged_kv_table<N>(host_t, fmt, 500, layout, index_span));
-    device_buffer d_indptr(indptr.size() * 4), d_indices(indices.size() * 4), d_last(last.size() * 4 + 4);
-    cudaMemcpy(d_indptr.p, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(d_indices.p, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(d_last.p, last.data(), last.size() * 4, cudaMemcpyHostToDevice);
-    const paged_kv_table dev_t{batch, 16, static_cast<std::int32_t*>(d_indptr.p), static_cast<std::int32_t*>(d_indices.p),
-                               static_cast<std::int32_t*>(d_last.p)};
-    REQUIRE(tierkv::cuda::index_from_paged_kv_table_device<N>(dev_t, fmt, layout, d_out.p, nullptr));
+    device_buffer<std::int32_t> d_indptr(indptr), d_indices(indices), d_last(last);
+    const paged_kv_table dev_t{batch, 16, d_indptr.p, d_indices.p, d_last.p};
+    REQUIRE(cuda_test::index_from_paged_kv_table_device(dev_t, fmt, layout, d_out.p, nullptr));
     std::vector<std::uint8_t> got(layout.bytes());
     REQUIRE(cudaMemcpy(got.data(), d_out.p, layout.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess);
     compare(layout, std::vector<std::uint8_t>(index_span.begin(), index_span.end()), got, batch);

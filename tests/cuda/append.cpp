@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// GPU append into open FP8 (or int8_rotated) pages: codes and scales equal the host codec's encode() bit for
-// bit (fp32 and bf16 inputs, decode and prefill, all layers), bad slots and non-finite
-// input are reported, nothing else in the pool is touched.
+// GPU append into open FP8 (or int8_rotated) pages: codes and scales equal the host codec's
+// encode() bit for bit (fp32 and bf16 inputs, decode and prefill, all layers), bad slots and
+// non-finite input are reported, nothing else in the pool is touched.
 #include "catch.hpp"
 
 #include <cmath>
@@ -13,35 +13,34 @@
 
 #include <cuda_bf16.h>
 
+#include "append_kernels.hpp"
+#include "cuda_test.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tq3.hpp"
-#include "tierkv/cuda/append.cuh"
 
 namespace {
 
 using namespace tierkv;
-using recent = tier<fp8_e4m3, fp8_e4m3>;
-
-#define CUDA_OK(call) REQUIRE(cuda::check((call), #call).is_ok())
-
-template <class T>
-T* to_device(const std::vector<T>& h) {
-  T* p = nullptr;
-  CUDA_OK(cudaMalloc(&p, std::max<std::size_t>(1, h.size()) * sizeof(T)));
-  if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+using cuda_test::device_buffer;
+using recent = cuda_test::append_recent;
 
 float adversarial(std::mt19937_64& rng, int i) {
   std::normal_distribution<float> nd(0.f, 1.f);
   switch (i % 23) {
-    case 0: return 0.f;
-    case 1: return 1e30f;
-    case 2: return -3e38f;
-    case 3: return 1e-41f;  // subnormal
-    case 4: return -1e-30f;
-    default: return nd(rng) * (i % 5 == 0 ? 1000.f : 1.f);
+    case 0:
+      return 0.f;
+    case 1:
+      return 1e30f;
+    case 2:
+      return -3e38f;
+    case 3:
+      return 1e-41f;  // subnormal
+    case 4:
+      return -1e-30f;
+    default:
+      return nd(rng) * (i % 5 == 0 ? 1000.f : 1.f);
   }
 }
 
@@ -63,7 +62,9 @@ void check_append(int tokens, int layers, bool bf16, std::uint64_t seed) {
     offset[n] = int(rng() % T);
     for (int l = 0; l < layers; ++l) {
       int s;
-      do { s = int(rng() % cap); } while (used[std::size_t(s) * T + offset[n]]);
+      do {
+        s = int(rng() % cap);
+      } while (used[std::size_t(s) * T + offset[n]]);
       used[std::size_t(s) * T + offset[n]] = 1;
       slot[std::size_t(l) * tokens + n] = s;
     }
@@ -83,70 +84,73 @@ void check_append(int tokens, int layers, bool bf16, std::uint64_t seed) {
       v[i] = __bfloat162float(vb[i]);
     }
   }
-  std::uint8_t* dpool = to_device(pool);
-  void* dk = bf16 ? static_cast<void*>(to_device(kb)) : static_cast<void*>(to_device(k));
-  void* dv = bf16 ? static_cast<void*>(to_device(vb)) : static_cast<void*>(to_device(v));
-  std::int32_t* dslot = to_device(slot);
-  std::int32_t* doff = to_device(offset);
-  int* derr = to_device(std::vector<int>{0});
-  cuda::append_inputs in;
-  in.k = dk;
-  in.v = dv;
-  in.type = bf16 ? cuda::input_type::bf16 : cuda::input_type::f32;
+  device_buffer<std::uint8_t> dpool(pool);
+  device_buffer<float> dkf(k), dvf(v);
+  device_buffer<__nv_bfloat16> dkb(kb), dvb(vb);  // zeros unless bf16
+  device_buffer<std::int32_t> dslot(slot), doff(offset);
+  device_buffer<int> derr(std::vector<int>{0});
+  cuda_test::append_args in;
+  in.k = bf16 ? static_cast<const void*>(dkb.p) : dkf.p;
+  in.v = bf16 ? static_cast<const void*>(dvb.p) : dvf.p;
+  in.bf16 = bf16;
   in.layer_stride = std::int64_t(tokens) * H * D;
-  in.slot = dslot;
+  in.slot = dslot.p;
   in.slot_layer_stride = tokens;
-  in.offset = doff;
+  in.offset = doff.p;
   in.tokens = tokens;
   in.layers = layers;
-  in.pool = {dpool, L::page_bytes, std::uint32_t(cap)};
-  in.error = derr;
+  in.pool = {dpool.p, L::page_bytes, std::uint32_t(cap)};
+  in.error = derr.p;
   in.cache_seed = cache_seed;
   in.layer_base = layer_base;
   in.head_base = head_base;
-  REQUIRE(cuda::append<G, Tier>(in, nullptr).is_ok());
+  REQUIRE(cuda_test::append<G, Tier>(in, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<std::uint8_t> got(pool.size());
-  CUDA_OK(cudaMemcpy(got.data(), dpool, got.size(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got.data(), dpool.p, got.size(), cudaMemcpyDeviceToHost));
   int err = -1;
-  CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&err, derr.p, sizeof(int), cudaMemcpyDeviceToHost));
   CHECK(err == 0);
 
   // Host reference: the codec's own encode into a copy of the pool.
   for (int l = 0; l < layers; ++l)
     for (int n = 0; n < tokens; ++n)
       for (int h = 0; h < H; ++h) {
-        std::uint8_t* page = pool.data() + std::size_t(slot[std::size_t(l) * tokens + n]) * L::page_bytes;
+        std::uint8_t* page =
+            pool.data() + std::size_t(slot[std::size_t(l) * tokens + n]) * L::page_bytes;
         const std::size_t at = (std::size_t(l) * tokens + n) * H * D + std::size_t(h) * D;
         auto* km = reinterpret_cast<bf16_bits*>(page + L::key_meta(h, offset[n]));
         auto* vm = reinterpret_cast<bf16_bits*>(page + L::value_meta(h, offset[n]));
         const auto kc = make_codec_context(cache_seed, layer_base + l, head_base + h, kv_role::key);
-        const auto vc = make_codec_context(cache_seed, layer_base + l, head_base + h, kv_role::value);
-        REQUIRE(C::encode(k.data() + at, page + L::key_payload(h, offset[n]), *km, kc, nullptr) == errc::ok);
-        REQUIRE(C::encode(v.data() + at, page + L::value_payload(h, offset[n]), *vm, vc, nullptr) == errc::ok);
+        const auto vc =
+            make_codec_context(cache_seed, layer_base + l, head_base + h, kv_role::value);
+        REQUIRE(C::encode(k.data() + at, page + L::key_payload(h, offset[n]), *km, kc, nullptr) ==
+                errc::ok);
+        REQUIRE(C::encode(v.data() + at, page + L::value_payload(h, offset[n]), *vm, vc, nullptr) ==
+                errc::ok);
       }
   std::size_t diff = 0;
   for (std::size_t i = 0; i < pool.size(); ++i) diff += pool[i] != got[i];
   INFO("tokens " << tokens << " layers " << layers << " bf16 " << bf16);
   CHECK(diff == 0);  // every written byte equal, every untouched byte still 0xA5
-  cudaFree(dpool); cudaFree(dk); cudaFree(dv); cudaFree(dslot); cudaFree(doff); cudaFree(derr);
 }
 
-using g_qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
-using g_smol = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
+using g_qwen = cuda_test::append_qwen;
+using g_smol = cuda_test::append_smol;
 
 }  // namespace
 
 TEST_CASE("gpu append equals the host FP8 encoder bit for bit", "[cuda][append]") {
-  check_append<g_qwen>(64, 1, false, 1);     // decode step, B = 64
-  check_append<g_qwen>(300, 2, true, 2);     // prefill chunk, two layers, bf16 input
+  check_append<g_qwen>(64, 1, false, 1);  // decode step, B = 64
+  check_append<g_qwen>(300, 2, true, 2);  // prefill chunk, two layers, bf16 input
   check_append<g_smol>(1, 1, false, 3);
   check_append<g_smol>(517, 3, false, 4);
   check_append<g_smol>(128, 1, true, 5);
 }
 
-TEST_CASE("gpu append into int8_rotated pages equals the host encoder bit for bit", "[cuda][append][int8_rotated]") {
-  using recent_int8r = tier<int8_rotated, int8_rotated>;
+TEST_CASE("gpu append into int8_rotated pages equals the host encoder bit for bit",
+          "[cuda][append][int8_rotated]") {
+  using recent_int8r = cuda_test::append_int8r;
   check_append<g_qwen, recent_int8r>(64, 1, false, 11);
   check_append<g_qwen, recent_int8r>(300, 2, true, 12);
   check_append<g_smol, recent_int8r>(1, 1, false, 13);
@@ -161,27 +165,26 @@ TEST_CASE("gpu append reports bad slots and non-finite input", "[cuda][append]")
   std::vector<float> k(std::size_t(2) * H * D, 1.f), v(k);
   k[5] = std::numeric_limits<float>::quiet_NaN();
   std::vector<std::uint8_t> pool(L::page_bytes * 2, 0);
-  std::uint8_t* dpool = to_device(pool);
-  float* dk = to_device(k);
-  float* dv = to_device(v);
-  std::int32_t* dslot = to_device(std::vector<std::int32_t>{0, 7});
-  std::int32_t* doff = to_device(std::vector<std::int32_t>{3, 0});
-  int* derr = to_device(std::vector<int>{0});
-  cuda::append_inputs in;
-  in.k = dk;
-  in.v = dv;
-  in.slot = dslot;
-  in.offset = doff;
+  device_buffer<std::uint8_t> dpool(pool);
+  device_buffer<float> dk(k), dv(v);
+  device_buffer<std::int32_t> dslot(std::vector<std::int32_t>{0, 7}),
+      doff(std::vector<std::int32_t>{3, 0});
+  device_buffer<int> derr(std::vector<int>{0});
+  cuda_test::append_args in;
+  in.k = dk.p;
+  in.v = dv.p;
+  in.slot = dslot.p;
+  in.offset = doff.p;
   in.tokens = 2;
-  in.pool = {dpool, L::page_bytes, 2};
-  in.error = derr;
-  REQUIRE(cuda::append<G, recent>(in, nullptr).is_ok());
+  in.pool = {dpool.p, L::page_bytes, 2};
+  in.error = derr.p;
+  REQUIRE(cuda_test::append<G, recent>(in, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
   int err = 0;
-  CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(&err, derr.p, sizeof(int), cudaMemcpyDeviceToHost));
   CHECK((err == int(errc::non_finite_input) || err == int(errc::out_of_range)));
   std::vector<std::uint8_t> got(pool.size());
-  CUDA_OK(cudaMemcpy(got.data(), dpool, got.size(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got.data(), dpool.p, got.size(), cudaMemcpyDeviceToHost));
   // NaN key of token 0, head 0: poison (NaN scale); its value and other heads are fine.
   const auto km = *reinterpret_cast<const bf16_bits*>(got.data() + L::key_meta(0, 3));
   CHECK(std::isnan(bf16_to_float(km)));
@@ -190,13 +193,12 @@ TEST_CASE("gpu append reports bad slots and non-finite input", "[cuda][append]")
   // Host-side checks.
   auto bad = in;
   bad.pool.page_bytes += 16;
-  CHECK(cuda::append<G, recent>(bad, nullptr).code() == errc::geometry_mismatch);
+  CHECK(cuda_test::append<G, recent>(bad, nullptr).code() == errc::geometry_mismatch);
   bad = in;
   bad.k = nullptr;
-  CHECK(cuda::append<G, recent>(bad, nullptr).code() == errc::invalid_argument);
+  CHECK(cuda_test::append<G, recent>(bad, nullptr).code() == errc::invalid_argument);
   bad = in;
   bad.layers = 2;
   bad.layer_stride = 1;
-  CHECK(cuda::append<G, recent>(bad, nullptr).code() == errc::invalid_argument);
-  cudaFree(dpool); cudaFree(dk); cudaFree(dv); cudaFree(dslot); cudaFree(doff); cudaFree(derr);
+  CHECK(cuda_test::append<G, recent>(bad, nullptr).code() == errc::invalid_argument);
 }

@@ -7,8 +7,6 @@
 // corrupted source page fails its batch on the device: nothing is published, nothing lost.
 // The ordering is checked with spin kernels: nothing is published while the batch waits for
 // the main stream, and no replaced slot returns to its pool before the decodes' event.
-#include <cuda_runtime.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -16,9 +14,10 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "cuda_test.hpp"
+#include "retier_driver_kernels.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
-#include "tierkv/cuda/retier_driver.cuh"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
@@ -26,20 +25,12 @@
 namespace {
 
 using namespace tierkv;
-using G = geometry<head_dim<64>, kv_heads<2>, group_size<2>, page_tokens<16>>;
-using TL = tiers<tier<fp8_e4m3, fp8_e4m3>, tier<tq3_key, tq3_value>>;
+using G = cuda_test::driver_geometry;
+using TL = cuda_test::driver_tiers;
 using host_storage = paged_storage<G, TL, host_allocator>;
-using gpu_storage = paged_storage<G, TL, pinned_host_allocator>;
+using gpu_storage = cuda_test::gpu_storage;
 using host_ctl = tier_controller<host_storage>;
-using gpu_ctl = tier_controller<gpu_storage>;
-
-#define CUDA_OK(x) REQUIRE((x) == cudaSuccess)
-
-__global__ void spin_kernel(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
+using gpu_ctl = cuda_test::gpu_ctl;
 
 template <class S>
 std::unique_ptr<S> make_storage() {
@@ -91,13 +82,13 @@ void check_same(A& a, B& b, const std::vector<seq_id>& sa, const std::vector<seq
 // A main stream, a low-priority side stream and a driver over `gs` (64 pages per batch).
 struct driver_fixture {
   cudaStream_t main = nullptr, side = nullptr;
-  std::unique_ptr<cuda::retier_driver<gpu_storage>> drv;
+  std::unique_ptr<cuda_test::retier_driver> drv;
   explicit driver_fixture(gpu_storage& gs) {
     CUDA_OK(cudaStreamCreate(&main));
-    auto s = cuda::create_side_stream();
+    auto s = cuda_test::create_side_stream();
     REQUIRE(s);
     side = *s;
-    auto d = cuda::retier_driver<gpu_storage>::create(gs, 64, side);
+    auto d = cuda_test::retier_driver::create(gs, 64, side);
     REQUIRE(d);
     drv = std::move(*d);
   }
@@ -110,7 +101,8 @@ struct driver_fixture {
 
 }  // namespace
 
-TEST_CASE("retier_driver: GPU batches equal the host controller step by step", "[cuda][retier][driver]") {
+TEST_CASE("retier_driver: GPU batches equal the host controller step by step",
+          "[cuda][retier][driver]") {
   auto hs = make_storage<host_storage>();
   auto gs = make_storage<gpu_storage>();
   auto hc = std::move(host_ctl::create(*hs, knobs()).value());
@@ -193,14 +185,15 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
   std::mt19937_64 rng(9);
   std::normal_distribution<float> nd(0.f, 1.f);
   const std::int64_t tokens = 16 * 8;
-  const std::size_t n = std::size_t(gs->num_layers()) * std::size_t(tokens) * G::kv_heads * G::head_dim;
+  const std::size_t n =
+      std::size_t(gs->num_layers()) * std::size_t(tokens) * G::kv_heads * G::head_dim;
   std::vector<float> k(n), v(n);
   for (auto& x : k) x = nd(rng);
   for (auto& x : v) x = nd(rng);
   REQUIRE(gs->append(s, tokens, k, v).is_ok());
 
   SECTION("publication waits for the batch, reclaim for the decodes") {
-    spin_kernel<<<1, 1, 0, main>>>(200000000);  // ~0.1 s of main-stream work before sources_ready
+    cuda_test::spin(main, 200000000);  // ~0.1 s of main-stream work before sources_ready
     retier_stats st;
     const auto plan = gc->plan(1);
     REQUIRE(!plan.empty());
@@ -218,7 +211,7 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
     REQUIRE(*late);
     CHECK(st.converted == *staged);
     CHECK(drv->pages_held() == *staged);
-    spin_kernel<<<1, 1, 0, main>>>(200000000);  // a "decode" still reading the old pages
+    cuda_test::spin(main, 200000000);  // a "decode" still reading the old pages
     REQUIRE(drv->mark_decodes_enqueued(main).is_ok());
     auto none = drv->reclaim();
     REQUIRE(none);

@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side helpers of the GPU tests, shared by their Catch2 .cpp files and their nvcc-compiled
+// *_kernels.cu files (no Catch2 here: it stays out of nvcc, see tests/CMakeLists.txt).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cuda_test {
+
+// Throws "file:line: call: <cuda name>: <cuda message>" unless err is cudaSuccess; Catch2
+// reports the exception as a failure of the running test case.
+inline void cuda_ok(cudaError_t err, const char* call, const char* file, int line) {
+  if (err == cudaSuccess) return;
+  throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + call + ": " +
+                           cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+// `n` elements of T in device memory, freed with the buffer; put/get copy synchronously.
+template <class T>
+struct device_buffer {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit device_buffer(std::size_t count) : n(count) {
+    if (n)
+      cuda_ok(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(T)), "cudaMalloc", __FILE__,
+              __LINE__);
+  }
+  // A device copy of `h` (at least one element, so an empty vector still has a valid pointer).
+  explicit device_buffer(const std::vector<T>& h)
+      : device_buffer(std::max<std::size_t>(1, h.size())) {
+    put(h);
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() {
+    if (p) (void)cudaFree(p);
+  }
+  void put(const std::vector<T>& h) {
+    if (h.size() > n)
+      throw std::length_error("device_buffer::put: " + std::to_string(h.size()) +
+                              " elements into " + std::to_string(n));
+    if (!h.empty())
+      cuda_ok(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy",
+              __FILE__, __LINE__);
+  }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    if (n)
+      cuda_ok(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy",
+              __FILE__, __LINE__);
+    return h;
+  }
+};
+
+}  // namespace cuda_test
+
+#define CUDA_OK(call) ::cuda_test::cuda_ok((call), #call, __FILE__, __LINE__)
