@@ -310,41 +310,47 @@ struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
   // grid (kv_heads, max_chunks, batch); chunks beyond the sequence's count exit at once.
   static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan,
                                std::uint8_t* workspace) {
-    constexpr int D = S::d, G = S::g;
     with_split_chunk<N>(
         in, plan, workspace,
         [&](int kvh, int c, int b, const chunking<N>& ch, const std::int64_t(&cost)[N], int* err,
-            float* mass_ws) {
-          extern __shared__ float4 smem4[];
-          float* smem = reinterpret_cast<float*>(smem4);
-          decode_smem sm;
-          sm.q_raw = smem;
-          sm.q_prep = sm.q_raw + S::q_raw;
-          sm.acc_part = sm.q_prep + S::q_prep;
-          sm.acc_total = sm.acc_part + S::acc_part;
-          sm.scores = sm.acc_total + S::acc_total;
-          sm.probs = sm.scores + S::scores;
-          sm.vscale = sm.probs + S::probs;
-          sm.m = sm.vscale + S::vscale;
-          sm.l = sm.m + G;
-          sm.alpha = sm.l + G;
-          sm.m_ref = sm.alpha + G;
-          sm.page_m = sm.m_ref + G;
-          sm.page_l = sm.page_m + G;
+            float* mass_ws) { chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws); });
+  }
 
-          const int tid = int(threadIdx.x);
-          const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-          load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
-          if (tid < G) {
-            sm.m[tid] = -INFINITY;
-            sm.l[tid] = 0.f;
-            sm.m_ref[tid] = -INFINITY;
-          }
-          run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
-          __syncthreads();  // a chunk without pages ran no tier: order the init before the write
+  // One chunk of a split block: its tiers' pages, then its state to the workspace.
+  static __device__ __forceinline__ void chunk(const decode_inputs<N>& in, const decode_plan& plan,
+                                               std::uint8_t* workspace, int kvh, int c, int b,
+                                               const chunking<N>& ch, const std::int64_t (&cost)[N],
+                                               int* err, float* mass_ws) {
+    constexpr int D = S::d, G = S::g;
+    extern __shared__ float4 smem4[];
+    float* smem = reinterpret_cast<float*>(smem4);
+    decode_smem sm;
+    sm.q_raw = smem;
+    sm.q_prep = sm.q_raw + S::q_raw;
+    sm.acc_part = sm.q_prep + S::q_prep;
+    sm.acc_total = sm.acc_part + S::acc_part;
+    sm.scores = sm.acc_total + S::acc_total;
+    sm.probs = sm.scores + S::scores;
+    sm.vscale = sm.probs + S::probs;
+    sm.m = sm.vscale + S::vscale;
+    sm.l = sm.m + G;
+    sm.alpha = sm.l + G;
+    sm.m_ref = sm.alpha + G;
+    sm.page_m = sm.m_ref + G;
+    sm.page_l = sm.page_m + G;
 
-          store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
-        });
+    const int tid = int(threadIdx.x);
+    const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+    load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+    if (tid < G) {
+      sm.m[tid] = -INFINITY;
+      sm.l[tid] = 0.f;
+      sm.m_ref[tid] = -INFINITY;
+    }
+    run_tiers(in, plan, ch, cost, c, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+    __syncthreads();  // a chunk without pages ran no tier: order the init before the write
+
+    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l, sm.acc_total);
   }
 
   template <std::size_t... I>

@@ -801,51 +801,56 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
   // decode/common.cuh, so decode_finish merges them.
   static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan,
                                std::uint8_t* workspace) {
+    with_split_chunk<N>(
+        in, plan, workspace,
+        [&](int kvh, int c, int b, const chunking<N>& ch, const std::int64_t(&cost)[N], int* err,
+            float* mass_ws) { chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws); });
+  }
+
+  // One chunk of a split block: its tiers' pages, then its state to the workspace.
+  static __device__ __forceinline__ void chunk(const decode_inputs<N>& in, const decode_plan& plan,
+                                               std::uint8_t* workspace, int kvh, int c, int b,
+                                               const chunking<N>& ch, const std::int64_t (&cost)[N],
+                                               int* err, float* mass_ws) {
     constexpr int D = S::d, G = S::g;
-    with_split_chunk<N>(in, plan, workspace,
-                        [&](int kvh, int c, int b, const chunking<N>& ch,
-                            const std::int64_t(&cost)[N], int* err, float* mass_ws) {
-                          extern __shared__ float4 smem4[];
-                          float* smem = reinterpret_cast<float*>(smem4);
-                          mma_smem sm;
-                          sm.q_raw = smem;
-                          sm.acc_part = sm.q_raw + G * D;
-                          sm.acc_total = sm.acc_part + G * D;
-                          sm.wstate = sm.acc_total + G * D;
-                          sm.m = sm.wstate + mma_warps * 24;
-                          sm.l = sm.m + 8;
-                          sm.m_ref = sm.l + 8;
-                          sm.qexp = sm.m_ref + 8;
-                          sm.qsum = sm.qexp + 8;
-                          sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
-                          sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
-                          sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
+    extern __shared__ float4 smem4[];
+    float* smem = reinterpret_cast<float*>(smem4);
+    mma_smem sm;
+    sm.q_raw = smem;
+    sm.acc_part = sm.q_raw + G * D;
+    sm.acc_total = sm.acc_part + G * D;
+    sm.wstate = sm.acc_total + G * D;
+    sm.m = sm.wstate + mma_warps * 24;
+    sm.l = sm.m + 8;
+    sm.m_ref = sm.l + 8;
+    sm.qexp = sm.m_ref + 8;
+    sm.qsum = sm.qexp + 8;
+    sm.table = reinterpret_cast<std::uint32_t*>(sm.qsum + 8);
+    sm.qfrag = reinterpret_cast<uint4*>(sm.qsum + 16);
+    sm.ring = reinterpret_cast<std::uint8_t*>(sm.qfrag + S::steps * 32);
 
-                          const int tid = int(threadIdx.x);
-                          const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
-                          load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
-                          if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
-                          if (tid < G) {
-                            sm.m[tid] = -INFINITY;
-                            sm.l[tid] = 0.f;
-                            sm.m_ref[tid] = -INFINITY;
-                          }
-                          // The tiers with pages in this chunk (by-format chunks, the usual case,
-                          // have one).
-                          int lo[N], hi[N], with_pages = 0;
+    const int tid = int(threadIdx.x);
+    const std::size_t qrow = std::size_t(b) * S::qh + std::size_t(kvh) * G;
+    load_group_queries<G, D>(in, qrow, sm.q_raw, sm.acc_total);
+    if (tid == 0) sm.table[0] = tierkv::detail::tq3_u8_0;
+    if (tid < G) {
+      sm.m[tid] = -INFINITY;
+      sm.l[tid] = 0.f;
+      sm.m_ref[tid] = -INFINITY;
+    }
+    // The tiers with pages in this chunk (by-format chunks, the usual case, have one).
+    int lo[N], hi[N], with_pages = 0;
 #pragma unroll
-                          for (int f = 0; f < N; ++f) {
-                            chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
-                            with_pages += hi[f] > lo[f];
-                          }
-                          const bool sole = with_pages == 1;
-                          run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err,
-                                    std::make_index_sequence<N>{});
-                          __syncthreads();
+    for (int f = 0; f < N; ++f) {
+      chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+      with_pages += hi[f] > lo[f];
+    }
+    const bool sole = with_pages == 1;
+    run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
+    __syncthreads();
 
-                          store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l,
-                                                  sole ? sm.acc_part : sm.acc_total);
-                        });
+    store_chunk_state<G, D>(plan, workspace, qrow, c, sm.m, sm.l,
+                            sole ? sm.acc_part : sm.acc_total);
   }
 
   template <std::size_t... I>
