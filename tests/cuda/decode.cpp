@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cuda_test.hpp"
@@ -620,6 +621,46 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
         INFO("max_chunks " << p->max_chunks << " path " << int(path));
         CHECK(run(*p, path) == errc::ok);
       }
+  }
+  SECTION("a non-finite query element: its head's output and lse are NaN, nothing else moves") {
+    h.slot[1][0] = 0;
+    dev.upload(h);
+    in = dev.inputs(h, 2, false);
+    constexpr int D = G::head_dim, QH = G::q_heads;
+    auto run = [&](decode_path path) {
+      REQUIRE((path == decode_path::tensor_core
+                   ? cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n, nullptr)
+                   : cuda_test::decode<G, two_tiers, decode_path::cuda_core>(*plan, in, ws.p, ws.n,
+                                                                             nullptr))
+                  .is_ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      return std::make_pair(dev.out.get(), dev.lse.get());
+    };
+    for (auto path : {decode_path::tensor_core, decode_path::cuda_core}) {
+      for (float poison :
+           {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+        INFO("path " << int(path) << " poison " << poison);
+        dev.q.put(h.q);
+        const auto clean = run(path);
+        const int bad_row = 1 * QH + 4;  // sequence 1, query head 4
+        auto q = h.q;
+        q[std::size_t(bad_row) * D + 7] = poison;
+        dev.q.put(q);
+        const auto got = run(path);
+        for (int r = 0; r < 2 * QH; ++r) {
+          INFO("row " << r);
+          if (r == bad_row) {
+            CHECK(std::isnan(got.second[std::size_t(r)]));
+            for (int i = 0; i < D; ++i) CHECK(std::isnan(got.first[std::size_t(r) * D + i]));
+          } else {  // bit-equal to the clean step
+            CHECK(std::memcmp(&got.second[std::size_t(r)], &clean.second[std::size_t(r)], 4) == 0);
+            CHECK(std::memcmp(&got.first[std::size_t(r) * D], &clean.first[std::size_t(r) * D],
+                              sizeof(float) * D) == 0);
+          }
+        }
+      }
+    }
+    dev.q.put(h.q);
   }
   SECTION("host checks") {
     CHECK(cuda_test::decode<G, two_tiers>(*plan, in, ws.p, ws.n - 1, nullptr).code() ==

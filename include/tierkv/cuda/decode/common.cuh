@@ -316,6 +316,23 @@ __device__ __forceinline__ void group_finalize(float* acc, const codec_context& 
   }  // else the identity
 }
 
+// Whether query row `row` (D elements, f32 or bf16) holds a NaN or an infinity, by each thread
+// of the block over its share of the row (the caller combines the threads' answers).
+template <int D, class Inputs>
+__device__ __forceinline__ bool query_has_non_finite(const Inputs& in, std::size_t row) {
+  bool bad = false;
+  for (int i = int(threadIdx.x); i < D; i += decode_threads) {
+    const std::size_t at = row * D + std::size_t(i);
+    const std::uint32_t bits =
+        in.queries_type == query_type::bf16
+            ? std::uint32_t(__bfloat16_as_ushort(static_cast<const __nv_bfloat16*>(in.queries)[at]))
+                  << 16
+            : __float_as_uint(static_cast<const float*>(in.queries)[at]);
+    bad |= (bits & 0x7f800000u) == 0x7f800000u;
+  }
+  return bad;
+}
+
 // The second pass of a decode step, the same for both split kernels: the merge of the chunk
 // states and the per-page mass.
 template <class Geometry, class TierList>
@@ -350,6 +367,11 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
         chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
     const int chunks = ch.chunks;
     const std::size_t row = std::size_t(b) * QH + std::size_t(h);
+    // A non-finite query element makes its head's output and lse NaN (and so its sequence's
+    // page mass): the split kernels' softmax drops NaN scores, which would leave a silent
+    // finite (often zero) output. Read before the wait: the query is an input, so this
+    // overlaps the split kernel (arch/pdl.cuh).
+    const bool bad_query = query_has_non_finite<D>(in, row);
     wait_for_prerequisite_grid();  // the split kernel's chunk states
     // The step's error word -> its result, and back to 0 for the next step (no memset per
     // step: decode_workspace_init zeroes it once).
@@ -361,9 +383,10 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
     if (chunks == 0) {  // an empty sequence: no split block stored a state (the loads below would
                         // read slot 0)
+      const bool poisoned = __syncthreads_or(bad_query) != 0;
       if (tid < merge_slice && slice * merge_slice + tid < D)
-        in.out[row * D + std::size_t(slice * merge_slice + tid)] = 0.f;
-      if (tid == 0 && slice == 0 && in.lse != nullptr) in.lse[row] = -INFINITY;
+        in.out[row * D + std::size_t(slice * merge_slice + tid)] = poisoned ? NAN : 0.f;
+      if (tid == 0 && slice == 0 && in.lse != nullptr) in.lse[row] = poisoned ? NAN : -INFINITY;
       return;
     }
     const int dim = slice * merge_slice + 2 * lane;
@@ -408,7 +431,7 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     part[warp][2 * lane] = o.x;
     part[warp][2 * lane + 1] = o.y;
     if (lane == 0) part[warp][merge_slice] = l;
-    __syncthreads();
+    const bool poisoned = __syncthreads_or(bad_query) != 0;
     float lt = part[0][merge_slice];
 #pragma unroll
     for (int w = 1; w < decode_warps; ++w) lt += part[w][merge_slice];
@@ -417,10 +440,10 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
       float x = part[0][tid];
 #pragma unroll
       for (int w = 1; w < decode_warps; ++w) x += part[w][tid];
-      in.out[row * D + std::size_t(slice * merge_slice + tid)] = x * inv;
+      in.out[row * D + std::size_t(slice * merge_slice + tid)] = poisoned ? NAN : x * inv;
     }
     if (tid == 0 && slice == 0 && in.lse != nullptr)
-      in.lse[row] = lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;
+      in.lse[row] = poisoned ? NAN : lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;
   }
 
   // grid (batch): per-page mass averaged over q_heads, from the log2 page masses.
