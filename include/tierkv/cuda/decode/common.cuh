@@ -135,15 +135,14 @@ __device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int
   hi = int(first_at_or_after(z));
 }
 
-// The chunk of a split block, handed to `body(kvh, c, b, ch, cost, err, mass_ws)`. Grid
-// (kv_heads, max_chunks, batch): the KV head, the chunk and the sequence come from the block
-// index, the chunking is the merge's (decode_finish); a block past the batch or past its
-// sequence's chunks returns at once. (A struct of these returned to the kernel kept the
-// chunking in another stack slot: other SASS for the two-tier kernels.)
-template <int N, class Body>
-__device__ __forceinline__ void with_split_chunk(const decode_inputs<N>& in,
-                                                 const decode_plan& plan, std::uint8_t* workspace,
-                                                 Body&& body) {
+// A split block of `Kernels` (a split kernel's chunk function). Grid (kv_heads, max_chunks,
+// batch): the KV head, the chunk and the sequence come from the block index, the chunking is the
+// merge's (decode_finish); a block past the batch or past its sequence's chunks returns at once,
+// the others run Kernels::chunk. (The chunking kept as this function's local: a struct of these
+// returned to the kernel held it in another stack slot, other SASS for the two-tier kernels.)
+template <class Kernels, int N>
+__device__ __forceinline__ void run_split_block(const decode_inputs<N>& in, const decode_plan& plan,
+                                                std::uint8_t* workspace) {
   std::int64_t cost[N];
 #pragma unroll
   for (int f = 0; f < N; ++f) cost[f] = plan.page_cost[f];
@@ -155,7 +154,7 @@ __device__ __forceinline__ void with_split_chunk(const decode_inputs<N>& in,
   int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
   float* mass_ws =
       plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
-  body(kvh, c, b, ch, cost, err, mass_ws);
+  Kernels::chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws);
 }
 
 // One KV head's regions of a page: key / value payload rows and their bf16 metas.

@@ -307,16 +307,8 @@ struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   using S = decode_shape<Geometry>;
 
-  // grid (kv_heads, max_chunks, batch); chunks beyond the sequence's count exit at once.
-  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan,
-                               std::uint8_t* workspace) {
-    with_split_chunk<N>(
-        in, plan, workspace,
-        [&](int kvh, int c, int b, const chunking<N>& ch, const std::int64_t(&cost)[N], int* err,
-            float* mass_ws) { chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws); });
-  }
-
-  // One chunk of a split block: its tiers' pages, then its state to the workspace.
+  // One chunk (run_split_block, decode/common.cuh): its tiers' pages, then its state to the
+  // workspace.
   static __device__ __forceinline__ void chunk(const decode_inputs<N>& in, const decode_plan& plan,
                                                std::uint8_t* workspace, int kvh, int c, int b,
                                                const chunking<N>& ch, const std::int64_t (&cost)[N],
@@ -377,7 +369,7 @@ __global__ void __launch_bounds__(decode_threads, decode_shape<Geometry>::min_bl
     decode_split_kernel(decode_inputs<TierList::size> in, decode_plan plan,
                         std::uint8_t* workspace) {
   allow_dependent_launch();
-  cuda_core_kernels<Geometry, TierList>::split(in, plan, workspace);
+  run_split_block<cuda_core_kernels<Geometry, TierList>>(in, plan, workspace);
 }
 
 }  // namespace tierkv::cuda::detail

@@ -797,17 +797,8 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   using S = mma_shape<Geometry>;
 
-  // grid (kv_heads, max_chunks, batch), 128 threads: the chunks and workspace states of
-  // decode/common.cuh, so decode_finish merges them.
-  static __device__ void split(const decode_inputs<N>& in, const decode_plan& plan,
-                               std::uint8_t* workspace) {
-    with_split_chunk<N>(
-        in, plan, workspace,
-        [&](int kvh, int c, int b, const chunking<N>& ch, const std::int64_t(&cost)[N], int* err,
-            float* mass_ws) { chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws); });
-  }
-
-  // One chunk of a split block: its tiers' pages, then its state to the workspace.
+  // One chunk (run_split_block, decode/common.cuh): its tiers' pages, then its state to the
+  // workspace.
   static __device__ __forceinline__ void chunk(const decode_inputs<N>& in, const decode_plan& plan,
                                                std::uint8_t* workspace, int kvh, int c, int b,
                                                const chunking<N>& ch, const std::int64_t (&cost)[N],
@@ -871,7 +862,7 @@ __global__ void __launch_bounds__(decode_threads, mma_shape<Geometry>::min_block
     decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan,
                             std::uint8_t* workspace) {
   allow_dependent_launch();  // the merge kernel's programmatic launch (arch/pdl.cuh)
-  mma_kernels<Geometry, TierList>::split(in, plan, workspace);
+  run_split_block<mma_kernels<Geometry, TierList>>(in, plan, workspace);
 }
 
 }  // namespace tierkv::cuda::detail
