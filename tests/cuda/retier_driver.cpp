@@ -200,13 +200,19 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
     auto staged = drv->enqueue(*gc, plan, main, st);
     REQUIRE(staged);
     REQUIRE(*staged > 0);
+    // The premise: the spin still runs. Under a tool that serializes launches (compute-sanitizer
+    // initcheck) it has finished by now, and publishing at once is then right.
+    const bool main_busy = cudaStreamQuery(main) == cudaErrorNotReady;
+    if (!main_busy) WARN("the main stream finished before try_publish: 'waits' not checked");
     auto early = drv->try_publish(*gc, st);
     REQUIRE(early);
-    CHECK(!*early);  // the batch is still waiting for the main stream
-    const auto page0 = gs->page(s, 1, 1).value();
-    CHECK(int(page0.format) == 0);  // still the old page
+    if (main_busy) {
+      CHECK(!*early);  // the batch is still waiting for the main stream
+      const auto page0 = gs->page(s, 1, 1).value();
+      CHECK(int(page0.format) == 0);  // still the old page
+    }
     CUDA_OK(cudaStreamSynchronize(fx.side));
-    auto late = drv->try_publish(*gc, st);
+    auto late = *early ? early : drv->try_publish(*gc, st);
     REQUIRE(late);
     REQUIRE(*late);
     CHECK(st.converted == *staged);

@@ -21,15 +21,20 @@ inline void cuda_ok(cudaError_t err, const char* call, const char* file, int lin
                            cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
-// `n` elements of T in device memory, freed with the buffer; put/get copy synchronously.
+// `n` elements of T in device memory, freed with the buffer; put/get copy synchronously. New
+// memory is poisoned with 0xFF bytes (NaN floats, NaN FP8 codes and bf16 metas, slot -1): a kernel
+// that reads what nobody wrote gets NaN into the test's comparison, and a capacity tail that get()
+// copies back is defined (compute-sanitizer initcheck then reports only kernel reads).
 template <class T>
 struct device_buffer {
   T* p = nullptr;
   std::size_t n = 0;
   explicit device_buffer(std::size_t count) : n(count) {
-    if (n)
+    if (n) {
       cuda_ok(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(T)), "cudaMalloc", __FILE__,
               __LINE__);
+      cuda_ok(cudaMemset(p, 0xFF, n * sizeof(T)), "cudaMemset", __FILE__, __LINE__);
+    }
   }
   // A device copy of `h` (at least one element, so an empty vector still has a valid pointer).
   explicit device_buffer(const std::vector<T>& h)
