@@ -80,6 +80,18 @@ struct storage_lines {
   std::size_t prefix_index = 0;      // a prefix_index over this storage
 };
 
+// Where the tokens of a reservation go, in cuda::append_inputs's layout (caller memory; the
+// storage only fills it): reserved token i (sequence position length + i) of layer l goes to
+// slot[l * layer_stride + i], a slot of the append tier's (tier 0's) pool, at token row
+// offset[i] of that page; the offset is the same for every layer. layer_stride 0 means n (a
+// dense [layers][n] array); a larger one lets several sequences' reservations share one array
+// (pass spans starting at each sequence's first column). An empty span is not filled.
+struct slot_mapping {
+  std::span<std::int32_t> slot;    // >= (num_layers - 1) * layer_stride + n entries
+  std::int64_t layer_stride = 0;   // >= n, or 0 for n
+  std::span<std::int32_t> offset;  // >= n entries
+};
+
 namespace detail {
 template <class Geometry, class Tier>
 using tier_layout = page_layout<Geometry, typename Tier::template key_codec<Geometry::head_dim>,
@@ -226,6 +238,7 @@ class paged_storage {
     seq_record& r = (*seqs_)[slot];
     r.live = true;
     r.length = 0;
+    r.reserved = 0;
     ++live_seqs_;
     return make_seq_id(slot, r.generation);
   }
@@ -237,10 +250,17 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     return r->length;
   }
+  // Committed logical pages (a reservation's new pages are not counted until commit).
   result<std::int64_t> logical_pages(seq_id s) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
-    return std::int64_t(r->blocks.size());
+    return std::int64_t(committed_pages(*r));
+  }
+  // Tokens of the sequence's outstanding reservation (0: none).
+  result<std::int64_t> reserved(seq_id s) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    return r->reserved;
   }
 
   // Appends n tokens to every layer. keys and values hold n * num_layers * kv_heads *
@@ -248,6 +268,8 @@ class paged_storage {
   // appended or nothing changes (strong guarantee): sizes, finiteness, the block table
   // and bookkeeping memory are checked and reserved first, then make_room is called
   // (room_hook), then the tier-0 pool's free pages are checked, then the first write.
+  // The same pages and bytes as reserve + write_layer for every layer + commit (tested);
+  // refused while the sequence has a reservation outstanding.
   template <room_hook MakeRoom = no_room>
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values,
@@ -257,39 +279,123 @@ class paged_storage {
     if (n < 0)
       return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
     if (n == 0) return {};
+    if (r->reserved != 0) return reservation_outstanding(s, *r, "append");
     if (n > max_sequence_tokens - r->length)
       return status::exceeds(errc::out_of_range, "append: sequence length after append",
                              r->length + n, max_sequence_tokens);
-    const std::size_t expect = std::size_t(n) * std::size_t(layers_) * kv_heads * head_dim;
+    const std::size_t per_layer = std::size_t(n) * kv_heads * head_dim;
+    const std::size_t expect = per_layer * std::size_t(layers_);
     if (keys.size() != expect || values.size() != expect)
       return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
                           " floats for keys and for values ([layer][token][kv_head][dim]), got ",
                           keys.size(), " and ", values.size());
-    if (auto st = check_finite(keys, "keys", n); !st) return st;
-    if (auto st = check_finite(values, "values", n); !st) return st;
-
+    if (auto st = check_finite(keys, "keys", n, "append", 0, "appended"); !st) return st;
+    if (auto st = check_finite(values, "values", n, "append", 0, "appended"); !st) return st;
+    if (auto st = open_pages(*r, n, make_room); !st) return st;
     const std::int64_t len = r->length;
-    const std::size_t have = r->blocks.size();
-    const std::size_t need = std::size_t((len + n + page_tokens - 1) / page_tokens);
-    const std::size_t fresh = need - have;
-    if (auto st = can_allocate_block_entries(fresh); !st) return st;
-    // The grown page list is built aside, so a refusal below gives its memory back exactly.
-    const bool grow = need > r->blocks.capacity();
-    block_list grown(r->blocks.get_allocator());
-    if (grow) {
-      if (auto st = reserve(grown, need); !st) return st;
-      grown.assign(r->blocks.begin(), r->blocks.end());
-    }
-    if (fresh > 0)
-      if (auto st = make_room(std::uint32_t(fresh * std::size_t(layers_))); !st) return st;
-    if (auto st = can_allocate_blocks(fresh); !st) return st;
-
-    if (grow) r->blocks.swap(grown);
-    for (std::size_t i = 0; i < fresh; ++i) r->blocks.push_back(new_block());
-    write_tokens(*r, len, n, keys.data(), values.data());
+    for (int l = 0; l < layers_; ++l)
+      encode_layer(*r, len, n, l, keys.data() + std::size_t(l) * per_layer,
+                   values.data() + std::size_t(l) * per_layer);
+    seal_filled(*r, len, n);
     r->length = len + n;
     return {};
   }
+
+  // ---- layer-by-layer writes: reserve, write every layer, commit ----------------------------
+  // reserve makes room for the sequence's next n tokens in the append tier (tier 0), opening
+  // ceil((length + n) / page_tokens) - logical pages new logical pages (one tier-0 page per
+  // layer each), and fills `out` (slot_mapping: the slot of every (layer, token) and the
+  // offset of every token), which cuda::append_inputs takes as is. Metadata only: nothing is
+  // encoded and no bookkeeping is allocated once the page list has grown to its length. The
+  // checks come in append's order (the sequence, n, the mapping's sizes, the length limit,
+  // the block table and page-list memory, then make_room (room_hook), then the tier-0 pool),
+  // and a refused reserve changes nothing. One reservation per sequence at a time.
+  //
+  // Until commit the reserved tokens are not part of the sequence: length, logical_pages,
+  // page, block_of, read_token, the index builders and so attention see only committed
+  // tokens; a reservation's pages are open and private, so no conversion, fork or prefix
+  // index touches them and its slots stay valid. commit(s, m), m <= reserved, makes the
+  // first m tokens live (length grows by m; pages they fill are sealed, as append seals them)
+  // and ends the reservation: the pages opened only for the other reserved tokens go back to
+  // their pool (speculative tokens that were not accepted). cancel(s) is commit(s, 0);
+  // release(s) drops a reservation with the sequence. Every layer of a committed token must
+  // have been written (write_layer, cuda::append or the engine's own kernel) before commit:
+  // the storage cannot tell, and an unwritten slot holds whatever bytes the page held.
+  template <room_hook MakeRoom = no_room>
+  status reserve(seq_id s, std::int64_t n, slot_mapping out = {}, MakeRoom&& make_room = {}) {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (n < 0)
+      return status::make(errc::invalid_argument, "reserve: token count = ", n, " is negative");
+    if (r->reserved != 0) return reservation_outstanding(s, *r, "reserve");
+    if (auto st = check_mapping(out, n); !st) return st;
+    if (n == 0) return {};
+    if (n > max_sequence_tokens - r->length)
+      return status::exceeds(errc::out_of_range, "reserve: sequence length after commit",
+                             r->length + n, max_sequence_tokens);
+    if (auto st = open_pages(*r, n, make_room); !st) return st;
+    r->reserved = n;
+    fill_mapping(*r, out);
+    return {};
+  }
+
+  // The slot mapping of the sequence's outstanding reservation again (same layout as
+  // reserve's); invalid_argument when there is none.
+  status slots(seq_id s, slot_mapping out) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (r->reserved == 0)
+      return status::make(errc::invalid_argument, "slots: ", s, " has no reservation");
+    if (auto st = check_mapping(out, r->reserved); !st) return st;
+    fill_mapping(*r, out);
+    return {};
+  }
+
+  // Encodes one layer of every reserved token on the host with tier 0's codecs, exactly as
+  // append encodes that layer (byte for byte). keys and values hold reserved * kv_heads *
+  // head_dim floats, [token][kv_head][dim]. Sizes and finiteness are checked first; a refusal
+  // writes nothing. Writing a layer again overwrites it (the tokens are not live yet).
+  status write_layer(seq_id s, int layer, std::span<const float> keys,
+                     std::span<const float> values) requires PageAlloc::host_accessible {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (r->reserved == 0)
+      return status::make(errc::invalid_argument, "write_layer: ", s,
+                          " has no reservation (reserve first)");
+    if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
+    const std::int64_t n = r->reserved;
+    const std::size_t expect = std::size_t(n) * kv_heads * head_dim;
+    if (keys.size() != expect || values.size() != expect)
+      return status::make(errc::invalid_argument, "write_layer: ", n, " reserved tokens need ",
+                          expect, " floats for keys and for values ([token][kv_head][dim]), got ",
+                          keys.size(), " and ", values.size());
+    if (auto st = check_finite(keys, "keys", n, "write_layer", layer, "written"); !st) return st;
+    if (auto st = check_finite(values, "values", n, "write_layer", layer, "written"); !st)
+      return st;
+    encode_layer(*r, r->length, n, layer, keys.data(), values.data());
+    return {};
+  }
+
+  // Makes the first n reserved tokens live and ends the reservation (see reserve). n = 0
+  // with no reservation is a no-op; n beyond the reservation is refused, changing nothing.
+  status commit(seq_id s, std::int64_t n) {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (n < 0 || n > r->reserved)
+      return status::make(errc::invalid_argument, "commit: ", n, " tokens, but ", s, " has ",
+                          r->reserved, " reserved; nothing committed");
+    const std::int64_t len = r->length;
+    seal_filled(*r, len, n);
+    const std::size_t keep = pages_for(len + n);
+    while (r->blocks.size() > keep) {  // opened for tokens not committed: back to the pool
+      drop_block(r->blocks.back());
+      r->blocks.pop_back();
+    }
+    r->length = len + n;
+    r->reserved = 0;
+    return {};
+  }
+  status cancel(seq_id s) { return commit(s, 0); }
 
   // A new sequence sharing every sealed logical page of parent; the open tail page
   // (if the length is not a multiple of page_tokens) is copied, so both may append.
@@ -302,12 +408,14 @@ class paged_storage {
     if (seq_free_->empty())
       return status::make(errc::capacity_exhausted, "fork: all ", opt_.max_sequences,
                           " sequence slots are in use");
+    // Committed pages only: a reservation of the parent stays the parent's.
+    const std::size_t pages = committed_pages(*p);
     const bool open_tail = (p->length % page_tokens) != 0;
     if (open_tail)
       if (auto st = can_allocate_block_entries(1); !st) return st;
     const std::uint32_t slot = seq_free_->back();
     seq_record& c = (*seqs_)[slot];
-    if (auto st = reserve(c.blocks, p->blocks.size()); !st) return st;
+    if (auto st = reserve_list(c.blocks, pages); !st) return st;
     if (open_tail) {
       status room = make_room(std::uint32_t(layers_));
       if (room) room = can_allocate_blocks(1);
@@ -320,7 +428,7 @@ class paged_storage {
     std::uint32_t tail_copy = no_block;
     if (open_tail) {
       tail_copy = new_block();
-      const std::uint32_t src = p->blocks.back();
+      const std::uint32_t src = p->blocks[pages - 1];
       status copied;
       for (int l = 0; l < layers_ && copied; ++l)
         (void)(copied = pool<0>().copy_page(page_of(tail_copy, l), page_of(src, l)));
@@ -332,8 +440,8 @@ class paged_storage {
       (*block_meta_)[tail_copy].fill = (*block_meta_)[src].fill;
     }
     seq_free_->pop_back();
-    for (std::size_t i = 0; i < p->blocks.size(); ++i) {
-      if (open_tail && i + 1 == p->blocks.size()) {
+    for (std::size_t i = 0; i < pages; ++i) {
+      if (open_tail && i + 1 == pages) {
         c.blocks.push_back(tail_copy);
       } else {
         ++(*block_meta_)[p->blocks[i]].refcount;
@@ -354,6 +462,7 @@ class paged_storage {
     block_list(r->blocks.get_allocator()).swap(r->blocks);  // gives the list's memory back
     r->live = false;
     r->length = 0;
+    r->reserved = 0;
     ++r->generation;
     seq_free_->push_back(std::uint32_t(slot_of(s)));
     --live_seqs_;
@@ -365,16 +474,16 @@ class paged_storage {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
-    if (logical < 0 || logical >= std::int64_t(r->blocks.size()))
-      return status::out_of_range("logical page", logical, r->blocks.size());
+    if (logical < 0 || logical >= std::int64_t(committed_pages(*r)))
+      return status::out_of_range("logical page", logical, committed_pages(*r));
     return page_of(r->blocks[std::size_t(logical)], layer);
   }
 
   result<block_ref> block_of(seq_id s, std::int64_t logical) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
-    if (logical < 0 || logical >= std::int64_t(r->blocks.size()))
-      return status::out_of_range("logical page", logical, r->blocks.size());
+    if (logical < 0 || logical >= std::int64_t(committed_pages(*r)))
+      return status::out_of_range("logical page", logical, committed_pages(*r));
     const std::uint32_t b = r->blocks[std::size_t(logical)];
     return block_ref{b, (*block_meta_)[b].generation};
   }
@@ -546,7 +655,7 @@ class paged_storage {
                           " sequence slots are in use");
     const std::uint32_t slot = seq_free_->back();
     seq_record& c = (*seqs_)[slot];
-    if (auto st = reserve(c.blocks, blocks.size()); !st) return st;
+    if (auto st = reserve_list(c.blocks, blocks.size()); !st) return st;
     seq_free_->pop_back();
     for (const block_ref& b : blocks) {
       ++(*block_meta_)[b.index].refcount;
@@ -559,11 +668,12 @@ class paged_storage {
   }
 
   // ---- iteration (index builder, accounting, tests) ----------------------------------------
-  // f(logical, page_id) for each logical page of s at one layer; s and layer must be valid.
+  // f(logical, page_id) for each committed logical page of s at one layer; s and layer must
+  // be valid.
   template <class F>
   void for_each_page(seq_id s, int layer, F&& f) const {
     const seq_record* r = find(s);
-    for (std::size_t i = 0; i < r->blocks.size(); ++i)
+    for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
   // f(block_ref, fill, refcount) for each live block.
@@ -606,21 +716,28 @@ class paged_storage {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
       const seq_record& r = (*seqs_)[i];
       if (!r.live) {
-        if (!r.blocks.empty())
-          return status::make(errc::corrupt_data, "free sequence slot ", i, " holds pages");
+        if (!r.blocks.empty() || r.reserved != 0)
+          return status::make(errc::corrupt_data, "free sequence slot ", i,
+                              " holds pages or a reservation");
         continue;
       }
       ++seqs;
-      if (r.blocks.size() != std::size_t((r.length + page_tokens - 1) / page_tokens))
+      if (r.reserved < 0 || r.reserved > max_sequence_tokens - r.length ||
+          r.blocks.size() != pages_for(r.length + r.reserved))
         return status::make(errc::corrupt_data, "sequence slot ", i, " has ", r.blocks.size(),
-                            " logical pages for ", r.length, " tokens");
+                            " logical pages for ", r.length, " tokens and ", r.reserved,
+                            " reserved");
+      const std::size_t committed = committed_pages(r);
       for (std::size_t j = 0; j < r.blocks.size(); ++j) {
         const std::uint32_t b = r.blocks[j];
         const block_meta& m = (*block_meta_)[b];
         if (m.state == page_state::free)
           return status::make(errc::corrupt_data, "sequence slot ", i, " names free block ", b);
-        const bool last = j + 1 == r.blocks.size();
-        const std::int64_t fill = last ? r.length - std::int64_t(j) * page_tokens : page_tokens;
+        // Pages past the committed ones belong to the reservation only: open and empty.
+        const bool last = j + 1 == committed;
+        const std::int64_t fill = j >= committed ? 0
+                                  : last         ? r.length - std::int64_t(j) * page_tokens
+                                                 : page_tokens;
         if (std::int64_t(m.fill) != fill)
           return status::make(errc::corrupt_data, "block ", b, " fill ", m.fill, " != ", fill);
         if ((m.state == page_state::open) != (fill < page_tokens))
@@ -692,8 +809,9 @@ class paged_storage {
   }
   using block_list = std::vector<std::uint32_t, counted_allocator<std::uint32_t, MetaAlloc>>;
   struct seq_record {
-    block_list blocks;
+    block_list blocks;  // committed pages, then the pages opened only for the reservation
     std::int64_t length = 0;
+    std::int64_t reserved = 0;  // tokens of the outstanding reservation, after length
     std::uint32_t generation = 0;
     bool live = false;
   };
@@ -773,7 +891,7 @@ class paged_storage {
   }
 
   template <class V>
-  static status reserve(V& v, std::size_t n) {
+  static status reserve_list(V& v, std::size_t n) {
     try {
       v.reserve(n);
     } catch (const allocation_failure& e) {
@@ -852,15 +970,18 @@ class paged_storage {
     return st;
   }
 
-  status check_finite(std::span<const float> x, const char* what, std::int64_t n) const {
+  // first_layer: the layer of x's first element (x holds whole layers of n tokens); the
+  // message ends "nothing <done>".
+  status check_finite(std::span<const float> x, const char* what, std::int64_t n, const char* op,
+                      int first_layer, const char* done) const {
     for (std::size_t i = 0; i < x.size(); ++i) {
       if (!std::isfinite(x[i])) {
         const std::size_t per_token = std::size_t(kv_heads) * head_dim;
         const std::size_t per_layer = std::size_t(n) * per_token;
-        return status::make(errc::non_finite_input, "append: ", what, "[", i, "] = ", x[i],
-                            " (layer ", i / per_layer, ", token ", (i % per_layer) / per_token,
-                            ", kv head ", (i % per_token) / head_dim,
-                            ") is not finite; nothing appended");
+        return status::make(errc::non_finite_input, op, ": ", what, "[", i, "] = ", x[i],
+                            " (layer ", std::size_t(first_layer) + i / per_layer, ", token ",
+                            (i % per_layer) / per_token, ", kv head ", (i % per_token) / head_dim,
+                            ") is not finite; nothing ", done);
       }
     }
     return {};
@@ -881,34 +1002,105 @@ class paged_storage {
     C::decode(payload, m, out, ctx);
   }
 
-  void write_tokens(seq_record& r, std::int64_t start, std::int64_t n, const float* keys,
-                    const float* values) {
+  static std::size_t pages_for(std::int64_t tokens) {
+    return std::size_t((tokens + page_tokens - 1) / page_tokens);
+  }
+  static std::size_t committed_pages(const seq_record& r) { return pages_for(r.length); }
+
+  static status reservation_outstanding(seq_id s, const seq_record& r, const char* op) {
+    return status::make(errc::invalid_argument, op, ": ", s, " has a reservation of ", r.reserved,
+                        " tokens outstanding; commit or cancel it first");
+  }
+
+  status check_mapping(const slot_mapping& out, std::int64_t n) const {
+    const std::int64_t stride = out.layer_stride == 0 ? n : out.layer_stride;
+    if (!out.slot.empty()) {
+      if (stride < n)
+        return status::make(errc::invalid_argument,
+                            "slot_mapping: layer_stride = ", out.layer_stride, " is below the ", n,
+                            " reserved tokens");
+      const std::int64_t need = std::int64_t(layers_ - 1) * stride + n;
+      if (std::int64_t(out.slot.size()) < need)
+        return status::make(errc::invalid_argument, "slot_mapping: slot holds ", out.slot.size(),
+                            " entries, ", need, " needed (", layers_, " layers, layer_stride ",
+                            stride, ", ", n, " tokens)");
+      if (pool<0>().capacity() > std::uint32_t(std::numeric_limits<std::int32_t>::max()))
+        return status::exceeds(errc::invalid_argument, "slot_mapping: tier-0 pool slots",
+                               pool<0>().capacity(), std::numeric_limits<std::int32_t>::max());
+    }
+    if (!out.offset.empty() && std::int64_t(out.offset.size()) < n)
+      return status::make(errc::invalid_argument, "slot_mapping: offset holds ", out.offset.size(),
+                          " entries, ", n, " needed");
+    return {};
+  }
+  // The reservation's slots and offsets; check_mapping passed.
+  void fill_mapping(const seq_record& r, const slot_mapping& out) const {
+    const std::int64_t n = r.reserved;
+    const std::size_t stride = std::size_t(out.layer_stride == 0 ? n : out.layer_stride);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t pos = r.length + i;
+      const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
+      if (!out.offset.empty()) out.offset[std::size_t(i)] = std::int32_t(pos % page_tokens);
+      if (!out.slot.empty())
+        for (int l = 0; l < layers_; ++l)
+          out.slot[std::size_t(l) * stride + std::size_t(i)] = std::int32_t(page_of(b, l).slot);
+    }
+  }
+
+  // The pages tokens [length, length + n) need, for append and reserve (no reservation is
+  // outstanding, n > 0 and the length limit were checked): block entries and the grown page
+  // list first (built aside, so a refusal gives its memory back exactly), then make_room,
+  // then the tier-0 pool; only then the new blocks. Nothing changes on refusal.
+  template <class MakeRoom>
+  status open_pages(seq_record& r, std::int64_t n, MakeRoom& make_room) {
+    const std::size_t have = r.blocks.size();
+    const std::size_t need = pages_for(r.length + n);
+    const std::size_t fresh = need - have;
+    if (auto st = can_allocate_block_entries(fresh); !st) return st;
+    const bool grow = need > r.blocks.capacity();
+    block_list grown(r.blocks.get_allocator());
+    if (grow) {
+      if (auto st = reserve_list(grown, need); !st) return st;
+      grown.assign(r.blocks.begin(), r.blocks.end());
+    }
+    if (fresh > 0)
+      if (auto st = make_room(std::uint32_t(fresh * std::size_t(layers_))); !st) return st;
+    if (auto st = can_allocate_blocks(fresh); !st) return st;
+    if (grow) r.blocks.swap(grown);
+    for (std::size_t i = 0; i < fresh; ++i) r.blocks.push_back(new_block());
+    return {};
+  }
+
+  // Encodes layer l of tokens [start, start + n) (keys / values: [token][kv_head][dim]) into
+  // their open tier-0 pages; the pages exist (open_pages) and the input is finite.
+  void encode_layer(seq_record& r, std::int64_t start, std::int64_t n, int l, const float* kl,
+                    const float* vl) {
     using L = layout<0>;
     using KC = typename L::key_codec;
     using VC = typename L::value_codec;
     const std::size_t per_token = std::size_t(kv_heads) * head_dim;
-    for (int l = 0; l < layers_; ++l) {
-      const float* kl = keys + std::size_t(l) * std::size_t(n) * per_token;
-      const float* vl = values + std::size_t(l) * std::size_t(n) * per_token;
-      for (int h = 0; h < kv_heads; ++h) {
-        const int g = opt_.head_base + h;  // global KV head: ranks encode as the unsharded cache
-        const codec_context kctx = make_codec_context(opt_.codec_seed, l, g, kv_role::key);
-        const codec_context vctx = make_codec_context(opt_.codec_seed, l, g, kv_role::value);
-        for (std::int64_t i = 0; i < n; ++i) {
-          const std::int64_t pos = start + i;
-          const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
-          const int t = int(pos % page_tokens);
-          std::uint8_t* base = pool<0>().host_page(page_of(b, l));
-          const std::size_t off = std::size_t(i) * per_token + std::size_t(h) * head_dim;
-          encode_vector<KC>(kl + off, base + L::key_payload(h, t), base + L::key_meta(h, t), kctx);
-          encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t),
-                            vctx);
-        }
+    for (int h = 0; h < kv_heads; ++h) {
+      const int g = opt_.head_base + h;  // global KV head: ranks encode as the unsharded cache
+      const codec_context kctx = make_codec_context(opt_.codec_seed, l, g, kv_role::key);
+      const codec_context vctx = make_codec_context(opt_.codec_seed, l, g, kv_role::value);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t pos = start + i;
+        const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
+        const int t = int(pos % page_tokens);
+        std::uint8_t* base = pool<0>().host_page(page_of(b, l));
+        const std::size_t off = std::size_t(i) * per_token + std::size_t(h) * head_dim;
+        encode_vector<KC>(kl + off, base + L::key_payload(h, t), base + L::key_meta(h, t), kctx);
+        encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t),
+                          vctx);
       }
     }
-    // Fill counts and sealing: a page that is full is immutable from now on.
+  }
+
+  // Fill counts and sealing of the pages tokens [start, start + n) land in: a page that is
+  // full is immutable from now on (the controller and the prefix index see it sealed).
+  void seal_filled(seq_record& r, std::int64_t start, std::int64_t n) {
     const std::int64_t end = start + n;
-    for (std::size_t j = std::size_t(start / page_tokens); j < r.blocks.size(); ++j) {
+    for (std::size_t j = std::size_t(start / page_tokens), e = pages_for(end); j < e; ++j) {
       block_meta& m = (*block_meta_)[r.blocks[j]];
       const std::int64_t fill =
           std::min<std::int64_t>(end - std::int64_t(j) * page_tokens, page_tokens);
