@@ -3,6 +3,11 @@
 // pages, per-layer physical pages, refcounted sharing (fork, prefix reuse), and the
 // replace hook the tiering engine converts pages through.
 //
+// Parts, one idea per header: storage_types.hpp (options, block_ref, room hook, slot_mapping,
+// tier loops), sequence_table.hpp (sequence slots, ids, page lists), token_writer.hpp (host
+// encode / decode of token vectors); this header holds the block table, the pools and the
+// operations that tie them together (append, reserve / write_layer / commit, fork, replace).
+//
 // Ownership, two levels:
 //   sequence --(logical page i)--> block --(layer l)--> physical page (tier, slot, generation)
 // A block is one logical page across all layers. Sequences and the prefix index hold
@@ -16,11 +21,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
-#include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -39,85 +41,11 @@
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/memory/counted_allocator.hpp"
 #include "tierkv/memory/page_pool.hpp"
+#include "tierkv/paging/sequence_table.hpp"
+#include "tierkv/paging/storage_types.hpp"
+#include "tierkv/paging/token_writer.hpp"
 
 namespace tierkv {
-
-// A shared logical page (all layers); the generation detects a stale reference.
-struct block_ref {
-  std::uint32_t index = std::numeric_limits<std::uint32_t>::max();
-  std::uint32_t generation = 0;
-  bool valid() const noexcept { return index != std::numeric_limits<std::uint32_t>::max(); }
-  friend constexpr bool operator==(const block_ref&, const block_ref&) = default;
-};
-
-template <int NumTiers>
-struct storage_options {
-  int num_layers = 1;
-  std::uint32_t max_sequences = 1024;
-  std::array<std::uint32_t, NumTiers> pages_per_tier{};  // pool capacities, in physical pages
-  std::uint64_t codec_seed = 0;                          // rotation seeds (make_codec_context)
-  // Global index of this storage's first KV head: codec contexts use head_base + local
-  // head, so a tensor-parallel rank's pages are the head slices of an unsharded cache's.
-  int head_base = 0;
-};
-
-// Called by append and fork with the tier-0 pages they are about to allocate, once every
-// other check has passed and their bookkeeping memory is reserved: a caller that frees tier-0
-// pages by demoting (tier_controller::make_room, through tiered_cache) does it here, so a
-// refused operation never demotes first. A failing status refuses the operation.
-template <class F>
-concept room_hook = std::invocable<F&, std::uint32_t> &&
-    std::convertible_to<std::invoke_result_t<F&, std::uint32_t>, status>;
-struct no_room {
-  status operator()(std::uint32_t) const { return {}; }
-};
-
-// The byte lines the storage charges its host bookkeeping to (see report.hpp).
-struct storage_lines {
-  std::size_t pool_bookkeeping = 0;  // per-slot generation, refcount, state, free list
-  std::size_t page_tables = 0;       // sequences, their logical page lists, blocks
-  std::size_t index_arrays = 0;      // index_arrays buffers made from this storage
-  std::size_t prefix_index = 0;      // a prefix_index over this storage
-};
-
-// Where the tokens of a reservation go, in cuda::append_inputs's layout (caller memory; the
-// storage only fills it): reserved token i (sequence position length + i) of layer l goes to
-// slot[l * layer_stride + i], a slot of the append tier's (tier 0's) pool, at token row
-// offset[i] of that page; the offset is the same for every layer. layer_stride 0 means n (a
-// dense [layers][n] array); a larger one lets several sequences' reservations share one array
-// (pass spans starting at each sequence's first column). An empty span is not filled.
-struct slot_mapping {
-  std::span<std::int32_t> slot;    // >= (num_layers - 1) * layer_stride + n entries
-  std::int64_t layer_stride = 0;   // >= n, or 0 for n
-  std::span<std::int32_t> offset;  // >= n entries
-};
-
-namespace detail {
-template <class Geometry, class Tier>
-using tier_layout = page_layout<Geometry, typename Tier::template key_codec<Geometry::head_dim>,
-                                typename Tier::template value_codec<Geometry::head_dim>>;
-
-template <class Geometry, class Tiers, class PageAlloc, class MetaAlloc>
-struct pool_tuple;
-template <class Geometry, class... Ts, class PageAlloc, class MetaAlloc>
-struct pool_tuple<Geometry, tiers<Ts...>, PageAlloc, MetaAlloc> {
-  using type = std::tuple<page_pool<tier_layout<Geometry, Ts>, PageAlloc, MetaAlloc>...>;
-};
-
-template <int N, class F>
-void for_each_index(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
-  (std::make_integer_sequence<int, N>{});
-}
-// Calls f(std::integral_constant<int, I>) for the runtime index i (0 <= i < N).
-template <int N, class F>
-void with_index(int i, F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (void)((i == I ? (f(std::integral_constant<int, I>{}), true) : false) || ...);
-  }
-  (std::make_integer_sequence<int, N>{});
-}
-}  // namespace detail
 
 template <class Geometry, class Tiers, allocator_policy PageAlloc = host_allocator,
           host_allocator_policy MetaAlloc = host_allocator>
@@ -151,7 +79,6 @@ class paged_storage {
   ~paged_storage() {
     // Sequences and blocks first (they hold page references), then the pools.
     seqs_.reset();
-    seq_free_.reset();
     block_meta_.reset();
     block_pages_.reset();
     block_free_.reset();
@@ -198,7 +125,7 @@ class paged_storage {
   int num_layers() const noexcept { return layers_; }
   std::uint32_t max_sequences() const noexcept { return opt_.max_sequences; }
   std::uint32_t block_capacity() const noexcept { return block_capacity_; }
-  std::uint32_t live_sequences() const noexcept { return live_seqs_; }
+  std::uint32_t live_sequences() const noexcept { return seqs_.live(); }
   std::uint32_t live_blocks() const noexcept { return live_blocks_; }
   std::uint64_t saturations() const noexcept { return stats_.saturated; }
   const options& config() const noexcept { return opt_; }
@@ -230,17 +157,10 @@ class paged_storage {
 
   // ---- sequences ---------------------------------------------------------------------------
   result<seq_id> create_sequence() {
-    if (seq_free_->empty())
+    if (seqs_.full())
       return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
                           " sequence slots are in use");
-    const std::uint32_t slot = seq_free_->back();
-    seq_free_->pop_back();
-    seq_record& r = (*seqs_)[slot];
-    r.live = true;
-    r.length = 0;
-    r.reserved = 0;
-    ++live_seqs_;
-    return make_seq_id(slot, r.generation);
+    return seqs_.open(0);
   }
 
   bool contains(seq_id s) const noexcept { return find(s) != nullptr; }
@@ -405,7 +325,7 @@ class paged_storage {
   result<seq_id> fork(seq_id parent, MakeRoom&& make_room = {}) {
     seq_record* p = find(parent);
     if (p == nullptr) return bad_seq(parent);
-    if (seq_free_->empty())
+    if (seqs_.full())
       return status::make(errc::capacity_exhausted, "fork: all ", opt_.max_sequences,
                           " sequence slots are in use");
     // Committed pages only: a reservation of the parent stays the parent's.
@@ -413,8 +333,7 @@ class paged_storage {
     const bool open_tail = (p->length % page_tokens) != 0;
     if (open_tail)
       if (auto st = can_allocate_block_entries(1); !st) return st;
-    const std::uint32_t slot = seq_free_->back();
-    seq_record& c = (*seqs_)[slot];
+    seq_record& c = seqs_.at(seqs_.next_free());
     if (auto st = reserve_list(c.blocks, pages); !st) return st;
     if (open_tail) {
       status room = make_room(std::uint32_t(layers_));
@@ -439,7 +358,6 @@ class paged_storage {
       }
       (*block_meta_)[tail_copy].fill = (*block_meta_)[src].fill;
     }
-    seq_free_->pop_back();
     for (std::size_t i = 0; i < pages; ++i) {
       if (open_tail && i + 1 == pages) {
         c.blocks.push_back(tail_copy);
@@ -448,10 +366,7 @@ class paged_storage {
         c.blocks.push_back(p->blocks[i]);
       }
     }
-    c.live = true;
-    c.length = p->length;
-    ++live_seqs_;
-    return make_seq_id(slot, c.generation);
+    return seqs_.open(p->length);
   }
 
   // Drops the sequence's references; pages nobody else holds return to their pools.
@@ -459,13 +374,7 @@ class paged_storage {
     seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     for (std::uint32_t b : r->blocks) drop_block(b);
-    block_list(r->blocks.get_allocator()).swap(r->blocks);  // gives the list's memory back
-    r->live = false;
-    r->length = 0;
-    r->reserved = 0;
-    ++r->generation;
-    seq_free_->push_back(std::uint32_t(slot_of(s)));
-    --live_seqs_;
+    seqs_.close(s);  // gives the list's memory back
     return {};
   }
 
@@ -596,14 +505,8 @@ class paged_storage {
     const int t = int(token % page_tokens);
     const int g = opt_.head_base + head;  // the global head names the rotation
     detail::with_index<num_tiers>(p.format, [&](auto I) {
-      using L = layout<I>;
-      const std::uint8_t* base = std::get<I>(pools_).host_page(p);
-      decode_vector<typename L::key_codec>(
-          base + L::key_payload(head, t), base + L::key_meta(head, t), key,
-          make_codec_context(opt_.codec_seed, layer, g, kv_role::key));
-      decode_vector<typename L::value_codec>(
-          base + L::value_payload(head, t), base + L::value_meta(head, t), value,
-          make_codec_context(opt_.codec_seed, layer, g, kv_role::value));
+      decode_token<layout<I>>(std::get<I>(pools_).host_page(p), t, head, layer, g, opt_.codec_seed,
+                              key, value);
     });
     return {};
   }
@@ -650,21 +553,16 @@ class paged_storage {
     if (std::int64_t(blocks.size()) > max_sequence_tokens / page_tokens)
       return status::exceeds(errc::out_of_range, "prefix pages", blocks.size(),
                              max_sequence_tokens / page_tokens);
-    if (seq_free_->empty())
+    if (seqs_.full())
       return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
                           " sequence slots are in use");
-    const std::uint32_t slot = seq_free_->back();
-    seq_record& c = (*seqs_)[slot];
+    seq_record& c = seqs_.at(seqs_.next_free());
     if (auto st = reserve_list(c.blocks, blocks.size()); !st) return st;
-    seq_free_->pop_back();
     for (const block_ref& b : blocks) {
       ++(*block_meta_)[b.index].refcount;
       c.blocks.push_back(b.index);
     }
-    c.live = true;
-    c.length = std::int64_t(blocks.size()) * page_tokens;
-    ++live_seqs_;
-    return make_seq_id(slot, c.generation);
+    return seqs_.open(std::int64_t(blocks.size()) * page_tokens);
   }
 
   // ---- iteration (index builder, accounting, tests) ----------------------------------------
@@ -687,8 +585,8 @@ class paged_storage {
   template <class F>
   void for_each_sequence(F&& f) const {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
-      const seq_record& r = (*seqs_)[i];
-      if (r.live) f(make_seq_id(i, r.generation), r.length);
+      const seq_record& r = seqs_.at(i);
+      if (r.live) f(seqs_.id_of(i, r.generation), r.length);
     }
   }
   page_state page_state_of(page_id p) const {
@@ -714,7 +612,7 @@ class paged_storage {
     std::vector<std::uint32_t> seq_refs(block_capacity_, 0);
     std::uint32_t seqs = 0;
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
-      const seq_record& r = (*seqs_)[i];
+      const seq_record& r = seqs_.at(i);
       if (!r.live) {
         if (!r.blocks.empty() || r.reserved != 0)
           return status::make(errc::corrupt_data, "free sequence slot ", i,
@@ -746,8 +644,8 @@ class paged_storage {
         ++seq_refs[b];
       }
     }
-    if (seqs != live_seqs_)
-      return status::make(errc::corrupt_data, "live sequence count ", live_seqs_, " != ", seqs);
+    if (seqs != seqs_.live())
+      return status::make(errc::corrupt_data, "live sequence count ", seqs_.live(), " != ", seqs);
     std::array<std::uint64_t, num_tiers> named{};
     std::uint32_t blocks = 0;
     for (std::uint32_t b = 0; b < block_capacity_; ++b) {
@@ -807,14 +705,9 @@ class paged_storage {
       return pl.release(p);
     });
   }
-  using block_list = std::vector<std::uint32_t, counted_allocator<std::uint32_t, MetaAlloc>>;
-  struct seq_record {
-    block_list blocks;  // committed pages, then the pages opened only for the reservation
-    std::int64_t length = 0;
-    std::int64_t reserved = 0;  // tokens of the outstanding reservation, after length
-    std::uint32_t generation = 0;
-    bool live = false;
-  };
+  using seq_table = sequence_table<MetaAlloc>;
+  using block_list = typename seq_table::block_list;
+  using seq_record = typename seq_table::record;
   struct block_meta {
     std::uint32_t refcount = 0;
     std::uint32_t generation = 0;
@@ -825,11 +718,10 @@ class paged_storage {
   using counted_vector = std::vector<T, counted_allocator<T, MetaAlloc>>;
 
   paged_storage(const options& opt, PageAlloc&& pa, MetaAlloc&& ma)
-      : opt_(opt), layers_(opt.num_layers), page_alloc_(std::move(pa)), meta_alloc_(std::move(ma)) {
-    std::uint32_t bits = 1;
-    while ((std::uint64_t(1) << bits) < opt.max_sequences) ++bits;
-    seq_slot_bits_ = bits;
-  }
+      : opt_(opt),
+        layers_(opt.num_layers),
+        page_alloc_(std::move(pa)),
+        meta_alloc_(std::move(ma)) {}
 
   template <class T>
   counted_allocator<T, MetaAlloc> table_alloc() {
@@ -846,14 +738,9 @@ class paged_storage {
     if (!st) return st;
     // A live block holds num_layers distinct live pages, so this many blocks can exist.
     block_capacity_ = std::uint32_t(total_pages / std::uint64_t(layers_));
+    st = seqs_.init(meta_alloc_, lines_.page_tables, opt_.max_sequences);
+    if (!st) return st;
     try {
-      seqs_.emplace(table_alloc<seq_record>());
-      seqs_->reserve(opt_.max_sequences);
-      for (std::uint32_t i = 0; i < opt_.max_sequences; ++i)
-        seqs_->push_back(seq_record{block_list(table_alloc<std::uint32_t>()), 0, 0, false});
-      seq_free_.emplace(table_alloc<std::uint32_t>());
-      seq_free_->reserve(opt_.max_sequences);
-      for (std::uint32_t i = opt_.max_sequences; i-- > 0;) seq_free_->push_back(i);
       block_meta_.emplace(std::size_t(block_capacity_), block_meta{}, table_alloc<block_meta>());
       block_pages_.emplace(std::size_t(block_capacity_) * std::size_t(layers_), page_id{},
                            table_alloc<page_id>());
@@ -866,29 +753,9 @@ class paged_storage {
     return {};
   }
 
-  seq_id make_seq_id(std::uint32_t slot, std::uint32_t generation) const {
-    const std::uint32_t gen_mask = (seq_slot_bits_ >= 32) ? 0u : (~0u >> seq_slot_bits_);
-    std::uint32_t v = ((generation & gen_mask) << seq_slot_bits_) | slot;
-    if (v == seq_id::invalid_value) v = slot;  // all-ones is reserved for "invalid"
-    return seq_id(v);
-  }
-  std::uint32_t slot_of(seq_id s) const { return s.value & ((1u << seq_slot_bits_) - 1u); }
-  const seq_record* find(seq_id s) const {
-    if (!s.valid()) return nullptr;
-    const std::uint32_t slot = slot_of(s);
-    if (slot >= opt_.max_sequences) return nullptr;
-    const seq_record& r = (*seqs_)[slot];
-    if (!r.live || !(make_seq_id(slot, r.generation) == s)) return nullptr;
-    return &r;
-  }
-  seq_record* find(seq_id s) { return const_cast<seq_record*>(std::as_const(*this).find(s)); }
-  status bad_seq(seq_id s) const {
-    if (s.valid() && slot_of(s) < opt_.max_sequences)
-      return status::make(errc::stale_id, s,
-                          " is not a live sequence (released, or never created)");
-    return status::make(errc::out_of_range, s, " is not a sequence id of this storage (",
-                        opt_.max_sequences, " slots)");
-  }
+  const seq_record* find(seq_id s) const { return seqs_.find(s); }
+  seq_record* find(seq_id s) { return seqs_.find(s); }
+  status bad_seq(seq_id s) const { return seqs_.bad(s); }
 
   template <class V>
   static status reserve_list(V& v, std::size_t n) {
@@ -970,36 +837,9 @@ class paged_storage {
     return st;
   }
 
-  // first_layer: the layer of x's first element (x holds whole layers of n tokens); the
-  // message ends "nothing <done>".
   status check_finite(std::span<const float> x, const char* what, std::int64_t n, const char* op,
                       int first_layer, const char* done) const {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      if (!std::isfinite(x[i])) {
-        const std::size_t per_token = std::size_t(kv_heads) * head_dim;
-        const std::size_t per_layer = std::size_t(n) * per_token;
-        return status::make(errc::non_finite_input, op, ": ", what, "[", i, "] = ", x[i],
-                            " (layer ", std::size_t(first_layer) + i / per_layer, ", token ",
-                            (i % per_layer) / per_token, ", kv head ", (i % per_token) / head_dim,
-                            ") is not finite; nothing ", done);
-      }
-    }
-    return {};
-  }
-
-  template <class C>
-  void encode_vector(const float* x, std::uint8_t* payload, std::uint8_t* meta,
-                     const codec_context& ctx) {
-    typename C::meta_type m{};
-    (void)C::encode(x, payload, m, ctx, &stats_);  // finiteness was checked up front
-    if constexpr (C::meta_bytes > 0) std::memcpy(meta, &m, C::meta_bytes);
-  }
-  template <class C>
-  static void decode_vector(const std::uint8_t* payload, const std::uint8_t* meta, float* out,
-                            const codec_context& ctx) {
-    typename C::meta_type m{};
-    if constexpr (C::meta_bytes > 0) std::memcpy(&m, meta, C::meta_bytes);
-    C::decode(payload, m, out, ctx);
+    return check_finite_tokens(x, what, n, kv_heads, head_dim, op, first_layer, done);
   }
 
   static std::size_t pages_for(std::int64_t tokens) {
@@ -1075,25 +915,11 @@ class paged_storage {
   // their open tier-0 pages; the pages exist (open_pages) and the input is finite.
   void encode_layer(seq_record& r, std::int64_t start, std::int64_t n, int l, const float* kl,
                     const float* vl) {
-    using L = layout<0>;
-    using KC = typename L::key_codec;
-    using VC = typename L::value_codec;
-    const std::size_t per_token = std::size_t(kv_heads) * head_dim;
-    for (int h = 0; h < kv_heads; ++h) {
-      const int g = opt_.head_base + h;  // global KV head: ranks encode as the unsharded cache
-      const codec_context kctx = make_codec_context(opt_.codec_seed, l, g, kv_role::key);
-      const codec_context vctx = make_codec_context(opt_.codec_seed, l, g, kv_role::value);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::int64_t pos = start + i;
-        const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
-        const int t = int(pos % page_tokens);
-        std::uint8_t* base = pool<0>().host_page(page_of(b, l));
-        const std::size_t off = std::size_t(i) * per_token + std::size_t(h) * head_dim;
-        encode_vector<KC>(kl + off, base + L::key_payload(h, t), base + L::key_meta(h, t), kctx);
-        encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t),
-                          vctx);
-      }
-    }
+    encode_token_layer<layout<0>>(
+        [&](std::int64_t pos) {
+          return pool<0>().host_page(page_of(r.blocks[std::size_t(pos / page_tokens)], l));
+        },
+        start, n, l, kl, vl, opt_.codec_seed, opt_.head_base, &stats_);
   }
 
   // Fill counts and sealing of the pages tokens [start, start + n) land in: a page that is
@@ -1114,18 +940,15 @@ class paged_storage {
 
   options opt_;
   int layers_ = 1;
-  std::uint32_t seq_slot_bits_ = 1;
   PageAlloc page_alloc_;
   MetaAlloc meta_alloc_;
   storage_lines lines_;
   typename detail::pool_tuple<Geometry, Tiers, PageAlloc, MetaAlloc>::type pools_;
-  std::optional<counted_vector<seq_record>> seqs_;
-  std::optional<counted_vector<std::uint32_t>> seq_free_;
+  seq_table seqs_;
   std::optional<counted_vector<block_meta>> block_meta_;
   std::optional<counted_vector<page_id>> block_pages_;
   std::optional<counted_vector<std::uint32_t>> block_free_;
   std::uint32_t block_capacity_ = 0;
-  std::uint32_t live_seqs_ = 0;
   std::uint32_t live_blocks_ = 0;
   encode_stats stats_{};
 };
