@@ -56,6 +56,60 @@ void BM_append_one_token(benchmark::State& state) {
 }
 BENCHMARK(BM_append_one_token)->Arg(1)->Arg(32);
 
+// The same token layer by layer: reserve (slot mapping into a reused buffer), one
+// write_layer per layer, commit.
+void BM_reserve_write_commit_one_token(benchmark::State& state) {
+  const int layers = int(state.range(0));
+  auto s = make(layers, std::uint32_t(layers * 64), 1);
+  const auto k = random_floats(std::size_t(layers) * 8 * 128);
+  const auto v = random_floats(k.size());
+  std::vector<std::int32_t> slot(static_cast<std::size_t>(layers)), offset(1);
+  seq_id id = *s->create_sequence();
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    if (++n == 64 * 63) {  // keep the pool from filling
+      state.PauseTiming();
+      (void)s->release(id);
+      id = *s->create_sequence();
+      n = 0;
+      state.ResumeTiming();
+    }
+    benchmark::DoNotOptimize(s->reserve(id, 1, slot_mapping{slot, 0, offset}));
+    for (int l = 0; l < layers; ++l) {
+      const std::span<const float> kl(k.data() + std::size_t(l) * 8 * 128, 8 * 128);
+      const std::span<const float> vl(v.data() + std::size_t(l) * 8 * 128, 8 * 128);
+      benchmark::DoNotOptimize(s->write_layer(id, l, kl, vl));
+    }
+    benchmark::DoNotOptimize(s->commit(id, 1));
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.SetBytesProcessed(state.iterations() * std::int64_t(k.size() + v.size()) * 4);
+}
+BENCHMARK(BM_reserve_write_commit_one_token)->Arg(1)->Arg(32);
+
+// Metadata only: reserve + commit of one token (what an engine whose kernel writes the
+// pages pays on the host per sequence and step).
+void BM_reserve_commit_one_token(benchmark::State& state) {
+  const int layers = int(state.range(0));
+  auto s = make(layers, std::uint32_t(layers * 64), 1);
+  std::vector<std::int32_t> slot(static_cast<std::size_t>(layers)), offset(1);
+  seq_id id = *s->create_sequence();
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    if (++n == 64 * 63) {
+      state.PauseTiming();
+      (void)s->release(id);
+      id = *s->create_sequence();
+      n = 0;
+      state.ResumeTiming();
+    }
+    benchmark::DoNotOptimize(s->reserve(id, 1, slot_mapping{slot, 0, offset}));
+    benchmark::DoNotOptimize(s->commit(id, 1));
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_reserve_commit_one_token)->Arg(1)->Arg(32);
+
 void BM_fork_release(benchmark::State& state) {
   const int layers = 32;
   const std::int64_t tokens = state.range(0);

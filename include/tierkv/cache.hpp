@@ -8,6 +8,8 @@
 //   auto c = cache::create(opts).value();
 //   auto s = c->create_sequence().value();
 //   c->append(s, n, keys, values);              // [layer][token][kv_head][dim]
+//   // or layer by layer: c->reserve(s, n, mapping); c->write_layer(s, l, k, v) (or a
+//   // kernel into the mapped slots) for every layer; c->commit(s, n)
 //   for (int l = 0; l < layers; ++l) c->attend(l, batch, queries, out);
 //   c->retier(step);                            // once per scheduler step
 //   std::cout << c->report();
@@ -145,16 +147,27 @@ class tiered_cache {
   // A sequence never grows past max_pages logical pages (out_of_range).
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values) {
-    auto len = storage_->length(s);
-    if (!len) return len.error_status();
-    constexpr std::int64_t T = storage_type::page_tokens;
-    if (n > 0 && n <= storage_type::max_sequence_tokens - *len &&
-        (*len + n + T - 1) / T > opt_.max_pages)
-      return status::make(
-          errc::out_of_range, "append: ", *len, " + ", n, " tokens = ", (*len + n + T - 1) / T,
-          " logical pages exceeds the limit max_pages = ", opt_.max_pages, "; nothing appended");
+    if (auto st = check_max_pages(s, n, "append", "appended"); !st) return st;
     return storage_->append(s, n, keys, values, room());
   }
+
+  // Layer by layer (paged_storage::reserve): reserve room for the next n tokens (the slot
+  // mapping cuda::append_inputs takes goes to `out`), write every layer (write_layer on the
+  // host, or cuda::append / the engine's kernel into the mapped slots), then commit(s, m) the
+  // first m <= n of them (the rest are given back) or cancel(s). Until commit, attend sees
+  // only committed tokens. reserve refuses like append (max_pages, then make_room under
+  // pressure only once every other check passed), changing nothing.
+  status reserve(seq_id s, std::int64_t n, slot_mapping out = {}) {
+    if (auto st = check_max_pages(s, n, "reserve", "reserved"); !st) return st;
+    return storage_->reserve(s, n, out, room());
+  }
+  status write_layer(seq_id s, int layer, std::span<const float> keys,
+                     std::span<const float> values) {
+    return storage_->write_layer(s, layer, keys, values);
+  }
+  status commit(seq_id s, std::int64_t n) { return storage_->commit(s, n); }
+  status cancel(seq_id s) { return storage_->cancel(s); }
+  result<std::int64_t> reserved(seq_id s) const { return storage_->reserved(s); }
 
   // Structural metadata: pinned pages stay Anchor and are never demoted under pressure.
   status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
@@ -219,6 +232,19 @@ class tiered_cache {
  private:
   tiered_cache(const options& opt, std::unique_ptr<storage_type> s)
       : opt_(opt), storage_(std::move(s)), workspace_(opt.threads) {}
+
+  // n more tokens of s must fit in max_pages logical pages (checked before make_room).
+  status check_max_pages(seq_id s, std::int64_t n, const char* op, const char* done) const {
+    auto len = storage_->length(s);
+    if (!len) return len.error_status();
+    constexpr std::int64_t T = storage_type::page_tokens;
+    if (n > 0 && n <= storage_type::max_sequence_tokens - *len &&
+        (*len + n + T - 1) / T > opt_.max_pages)
+      return status::make(
+          errc::out_of_range, op, ": ", *len, " + ", n, " tokens = ", (*len + n + T - 1) / T,
+          " logical pages exceeds the limit max_pages = ", opt_.max_pages, "; nothing ", done);
+    return {};
+  }
 
   // The storage calls it once its own checks passed: tier-0 pages freed by demotion.
   auto room() {

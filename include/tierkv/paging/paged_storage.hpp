@@ -3,6 +3,11 @@
 // pages, per-layer physical pages, refcounted sharing (fork, prefix reuse), and the
 // replace hook the tiering engine converts pages through.
 //
+// Parts, one idea per header: storage_types.hpp (options, block_ref, room hook, slot_mapping,
+// tier loops), sequence_table.hpp (sequence slots, ids, page lists), token_writer.hpp (host
+// encode / decode of token vectors); this header holds the block table, the pools and the
+// operations that tie them together (append, reserve / write_layer / commit, fork, replace).
+//
 // Ownership, two levels:
 //   sequence --(logical page i)--> block --(layer l)--> physical page (tier, slot, generation)
 // A block is one logical page across all layers. Sequences and the prefix index hold
@@ -16,11 +21,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
-#include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -39,73 +41,11 @@
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/memory/counted_allocator.hpp"
 #include "tierkv/memory/page_pool.hpp"
+#include "tierkv/paging/sequence_table.hpp"
+#include "tierkv/paging/storage_types.hpp"
+#include "tierkv/paging/token_writer.hpp"
 
 namespace tierkv {
-
-// A shared logical page (all layers); the generation detects a stale reference.
-struct block_ref {
-  std::uint32_t index = std::numeric_limits<std::uint32_t>::max();
-  std::uint32_t generation = 0;
-  bool valid() const noexcept { return index != std::numeric_limits<std::uint32_t>::max(); }
-  friend constexpr bool operator==(const block_ref&, const block_ref&) = default;
-};
-
-template <int NumTiers>
-struct storage_options {
-  int num_layers = 1;
-  std::uint32_t max_sequences = 1024;
-  std::array<std::uint32_t, NumTiers> pages_per_tier{};  // pool capacities, in physical pages
-  std::uint64_t codec_seed = 0;                          // rotation seeds (make_codec_context)
-  // Global index of this storage's first KV head: codec contexts use head_base + local
-  // head, so a tensor-parallel rank's pages are the head slices of an unsharded cache's.
-  int head_base = 0;
-};
-
-// Called by append and fork with the tier-0 pages they are about to allocate, once every
-// other check has passed and their bookkeeping memory is reserved: a caller that frees tier-0
-// pages by demoting (tier_controller::make_room, through tiered_cache) does it here, so a
-// refused operation never demotes first. A failing status refuses the operation.
-template <class F>
-concept room_hook = std::invocable<F&, std::uint32_t> &&
-    std::convertible_to<std::invoke_result_t<F&, std::uint32_t>, status>;
-struct no_room {
-  status operator()(std::uint32_t) const { return {}; }
-};
-
-// The byte lines the storage charges its host bookkeeping to (see report.hpp).
-struct storage_lines {
-  std::size_t pool_bookkeeping = 0;  // per-slot generation, refcount, state, free list
-  std::size_t page_tables = 0;       // sequences, their logical page lists, blocks
-  std::size_t index_arrays = 0;      // index_arrays buffers made from this storage
-  std::size_t prefix_index = 0;      // a prefix_index over this storage
-};
-
-namespace detail {
-template <class Geometry, class Tier>
-using tier_layout = page_layout<Geometry, typename Tier::template key_codec<Geometry::head_dim>,
-                                typename Tier::template value_codec<Geometry::head_dim>>;
-
-template <class Geometry, class Tiers, class PageAlloc, class MetaAlloc>
-struct pool_tuple;
-template <class Geometry, class... Ts, class PageAlloc, class MetaAlloc>
-struct pool_tuple<Geometry, tiers<Ts...>, PageAlloc, MetaAlloc> {
-  using type = std::tuple<page_pool<tier_layout<Geometry, Ts>, PageAlloc, MetaAlloc>...>;
-};
-
-template <int N, class F>
-void for_each_index(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
-  (std::make_integer_sequence<int, N>{});
-}
-// Calls f(std::integral_constant<int, I>) for the runtime index i (0 <= i < N).
-template <int N, class F>
-void with_index(int i, F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (void)((i == I ? (f(std::integral_constant<int, I>{}), true) : false) || ...);
-  }
-  (std::make_integer_sequence<int, N>{});
-}
-}  // namespace detail
 
 template <class Geometry, class Tiers, allocator_policy PageAlloc = host_allocator,
           host_allocator_policy MetaAlloc = host_allocator>
@@ -139,7 +79,6 @@ class paged_storage {
   ~paged_storage() {
     // Sequences and blocks first (they hold page references), then the pools.
     seqs_.reset();
-    seq_free_.reset();
     block_meta_.reset();
     block_pages_.reset();
     block_free_.reset();
@@ -186,7 +125,7 @@ class paged_storage {
   int num_layers() const noexcept { return layers_; }
   std::uint32_t max_sequences() const noexcept { return opt_.max_sequences; }
   std::uint32_t block_capacity() const noexcept { return block_capacity_; }
-  std::uint32_t live_sequences() const noexcept { return live_seqs_; }
+  std::uint32_t live_sequences() const noexcept { return seqs_.live(); }
   std::uint32_t live_blocks() const noexcept { return live_blocks_; }
   std::uint64_t saturations() const noexcept { return stats_.saturated; }
   const options& config() const noexcept { return opt_; }
@@ -218,16 +157,10 @@ class paged_storage {
 
   // ---- sequences ---------------------------------------------------------------------------
   result<seq_id> create_sequence() {
-    if (seq_free_->empty())
+    if (seqs_.full())
       return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
                           " sequence slots are in use");
-    const std::uint32_t slot = seq_free_->back();
-    seq_free_->pop_back();
-    seq_record& r = (*seqs_)[slot];
-    r.live = true;
-    r.length = 0;
-    ++live_seqs_;
-    return make_seq_id(slot, r.generation);
+    return seqs_.open(0);
   }
 
   bool contains(seq_id s) const noexcept { return find(s) != nullptr; }
@@ -237,10 +170,17 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     return r->length;
   }
+  // Committed logical pages (a reservation's new pages are not counted until commit).
   result<std::int64_t> logical_pages(seq_id s) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
-    return std::int64_t(r->blocks.size());
+    return std::int64_t(committed_pages(*r));
+  }
+  // Tokens of the sequence's outstanding reservation (0: none).
+  result<std::int64_t> reserved(seq_id s) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    return r->reserved;
   }
 
   // Appends n tokens to every layer. keys and values hold n * num_layers * kv_heads *
@@ -248,6 +188,8 @@ class paged_storage {
   // appended or nothing changes (strong guarantee): sizes, finiteness, the block table
   // and bookkeeping memory are checked and reserved first, then make_room is called
   // (room_hook), then the tier-0 pool's free pages are checked, then the first write.
+  // The same pages and bytes as reserve + write_layer for every layer + commit (tested);
+  // refused while the sequence has a reservation outstanding.
   template <room_hook MakeRoom = no_room>
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values,
@@ -257,39 +199,123 @@ class paged_storage {
     if (n < 0)
       return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
     if (n == 0) return {};
+    if (r->reserved != 0) return reservation_outstanding(s, *r, "append");
     if (n > max_sequence_tokens - r->length)
       return status::exceeds(errc::out_of_range, "append: sequence length after append",
                              r->length + n, max_sequence_tokens);
-    const std::size_t expect = std::size_t(n) * std::size_t(layers_) * kv_heads * head_dim;
+    const std::size_t per_layer = std::size_t(n) * kv_heads * head_dim;
+    const std::size_t expect = per_layer * std::size_t(layers_);
     if (keys.size() != expect || values.size() != expect)
       return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
                           " floats for keys and for values ([layer][token][kv_head][dim]), got ",
                           keys.size(), " and ", values.size());
-    if (auto st = check_finite(keys, "keys", n); !st) return st;
-    if (auto st = check_finite(values, "values", n); !st) return st;
-
+    if (auto st = check_finite(keys, "keys", n, "append", 0, "appended"); !st) return st;
+    if (auto st = check_finite(values, "values", n, "append", 0, "appended"); !st) return st;
+    if (auto st = open_pages(*r, n, make_room); !st) return st;
     const std::int64_t len = r->length;
-    const std::size_t have = r->blocks.size();
-    const std::size_t need = std::size_t((len + n + page_tokens - 1) / page_tokens);
-    const std::size_t fresh = need - have;
-    if (auto st = can_allocate_block_entries(fresh); !st) return st;
-    // The grown page list is built aside, so a refusal below gives its memory back exactly.
-    const bool grow = need > r->blocks.capacity();
-    block_list grown(r->blocks.get_allocator());
-    if (grow) {
-      if (auto st = reserve(grown, need); !st) return st;
-      grown.assign(r->blocks.begin(), r->blocks.end());
-    }
-    if (fresh > 0)
-      if (auto st = make_room(std::uint32_t(fresh * std::size_t(layers_))); !st) return st;
-    if (auto st = can_allocate_blocks(fresh); !st) return st;
-
-    if (grow) r->blocks.swap(grown);
-    for (std::size_t i = 0; i < fresh; ++i) r->blocks.push_back(new_block());
-    write_tokens(*r, len, n, keys.data(), values.data());
+    for (int l = 0; l < layers_; ++l)
+      encode_layer(*r, len, n, l, keys.data() + std::size_t(l) * per_layer,
+                   values.data() + std::size_t(l) * per_layer);
+    seal_filled(*r, len, n);
     r->length = len + n;
     return {};
   }
+
+  // ---- layer-by-layer writes: reserve, write every layer, commit ----------------------------
+  // reserve makes room for the sequence's next n tokens in the append tier (tier 0), opening
+  // ceil((length + n) / page_tokens) - logical pages new logical pages (one tier-0 page per
+  // layer each), and fills `out` (slot_mapping: the slot of every (layer, token) and the
+  // offset of every token), which cuda::append_inputs takes as is. Metadata only: nothing is
+  // encoded and no bookkeeping is allocated once the page list has grown to its length. The
+  // checks come in append's order (the sequence, n, the mapping's sizes, the length limit,
+  // the block table and page-list memory, then make_room (room_hook), then the tier-0 pool),
+  // and a refused reserve changes nothing. One reservation per sequence at a time.
+  //
+  // Until commit the reserved tokens are not part of the sequence: length, logical_pages,
+  // page, block_of, read_token, the index builders and so attention see only committed
+  // tokens; a reservation's pages are open and private, so no conversion, fork or prefix
+  // index touches them and its slots stay valid. commit(s, m), m <= reserved, makes the
+  // first m tokens live (length grows by m; pages they fill are sealed, as append seals them)
+  // and ends the reservation: the pages opened only for the other reserved tokens go back to
+  // their pool (speculative tokens that were not accepted). cancel(s) is commit(s, 0);
+  // release(s) drops a reservation with the sequence. Every layer of a committed token must
+  // have been written (write_layer, cuda::append or the engine's own kernel) before commit:
+  // the storage cannot tell, and an unwritten slot holds whatever bytes the page held.
+  template <room_hook MakeRoom = no_room>
+  status reserve(seq_id s, std::int64_t n, slot_mapping out = {}, MakeRoom&& make_room = {}) {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (n < 0)
+      return status::make(errc::invalid_argument, "reserve: token count = ", n, " is negative");
+    if (r->reserved != 0) return reservation_outstanding(s, *r, "reserve");
+    if (auto st = check_mapping(out, n); !st) return st;
+    if (n == 0) return {};
+    if (n > max_sequence_tokens - r->length)
+      return status::exceeds(errc::out_of_range, "reserve: sequence length after commit",
+                             r->length + n, max_sequence_tokens);
+    if (auto st = open_pages(*r, n, make_room); !st) return st;
+    r->reserved = n;
+    fill_mapping(*r, out);
+    return {};
+  }
+
+  // The slot mapping of the sequence's outstanding reservation again (same layout as
+  // reserve's); invalid_argument when there is none.
+  status slots(seq_id s, slot_mapping out) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (r->reserved == 0)
+      return status::make(errc::invalid_argument, "slots: ", s, " has no reservation");
+    if (auto st = check_mapping(out, r->reserved); !st) return st;
+    fill_mapping(*r, out);
+    return {};
+  }
+
+  // Encodes one layer of every reserved token on the host with tier 0's codecs, exactly as
+  // append encodes that layer (byte for byte). keys and values hold reserved * kv_heads *
+  // head_dim floats, [token][kv_head][dim]. Sizes and finiteness are checked first; a refusal
+  // writes nothing. Writing a layer again overwrites it (the tokens are not live yet).
+  status write_layer(seq_id s, int layer, std::span<const float> keys,
+                     std::span<const float> values) requires PageAlloc::host_accessible {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (r->reserved == 0)
+      return status::make(errc::invalid_argument, "write_layer: ", s,
+                          " has no reservation (reserve first)");
+    if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
+    const std::int64_t n = r->reserved;
+    const std::size_t expect = std::size_t(n) * kv_heads * head_dim;
+    if (keys.size() != expect || values.size() != expect)
+      return status::make(errc::invalid_argument, "write_layer: ", n, " reserved tokens need ",
+                          expect, " floats for keys and for values ([token][kv_head][dim]), got ",
+                          keys.size(), " and ", values.size());
+    if (auto st = check_finite(keys, "keys", n, "write_layer", layer, "written"); !st) return st;
+    if (auto st = check_finite(values, "values", n, "write_layer", layer, "written"); !st)
+      return st;
+    encode_layer(*r, r->length, n, layer, keys.data(), values.data());
+    return {};
+  }
+
+  // Makes the first n reserved tokens live and ends the reservation (see reserve). n = 0
+  // with no reservation is a no-op; n beyond the reservation is refused, changing nothing.
+  status commit(seq_id s, std::int64_t n) {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (n < 0 || n > r->reserved)
+      return status::make(errc::invalid_argument, "commit: ", n, " tokens, but ", s, " has ",
+                          r->reserved, " reserved; nothing committed");
+    const std::int64_t len = r->length;
+    seal_filled(*r, len, n);
+    const std::size_t keep = pages_for(len + n);
+    while (r->blocks.size() > keep) {  // opened for tokens not committed: back to the pool
+      drop_block(r->blocks.back());
+      r->blocks.pop_back();
+    }
+    r->length = len + n;
+    r->reserved = 0;
+    return {};
+  }
+  status cancel(seq_id s) { return commit(s, 0); }
 
   // A new sequence sharing every sealed logical page of parent; the open tail page
   // (if the length is not a multiple of page_tokens) is copied, so both may append.
@@ -299,15 +325,16 @@ class paged_storage {
   result<seq_id> fork(seq_id parent, MakeRoom&& make_room = {}) {
     seq_record* p = find(parent);
     if (p == nullptr) return bad_seq(parent);
-    if (seq_free_->empty())
+    if (seqs_.full())
       return status::make(errc::capacity_exhausted, "fork: all ", opt_.max_sequences,
                           " sequence slots are in use");
+    // Committed pages only: a reservation of the parent stays the parent's.
+    const std::size_t pages = committed_pages(*p);
     const bool open_tail = (p->length % page_tokens) != 0;
     if (open_tail)
       if (auto st = can_allocate_block_entries(1); !st) return st;
-    const std::uint32_t slot = seq_free_->back();
-    seq_record& c = (*seqs_)[slot];
-    if (auto st = reserve(c.blocks, p->blocks.size()); !st) return st;
+    seq_record& c = seqs_.at(seqs_.next_free());
+    if (auto st = reserve_list(c.blocks, pages); !st) return st;
     if (open_tail) {
       status room = make_room(std::uint32_t(layers_));
       if (room) room = can_allocate_blocks(1);
@@ -320,7 +347,7 @@ class paged_storage {
     std::uint32_t tail_copy = no_block;
     if (open_tail) {
       tail_copy = new_block();
-      const std::uint32_t src = p->blocks.back();
+      const std::uint32_t src = p->blocks[pages - 1];
       status copied;
       for (int l = 0; l < layers_ && copied; ++l)
         (void)(copied = pool<0>().copy_page(page_of(tail_copy, l), page_of(src, l)));
@@ -331,19 +358,15 @@ class paged_storage {
       }
       (*block_meta_)[tail_copy].fill = (*block_meta_)[src].fill;
     }
-    seq_free_->pop_back();
-    for (std::size_t i = 0; i < p->blocks.size(); ++i) {
-      if (open_tail && i + 1 == p->blocks.size()) {
+    for (std::size_t i = 0; i < pages; ++i) {
+      if (open_tail && i + 1 == pages) {
         c.blocks.push_back(tail_copy);
       } else {
         ++(*block_meta_)[p->blocks[i]].refcount;
         c.blocks.push_back(p->blocks[i]);
       }
     }
-    c.live = true;
-    c.length = p->length;
-    ++live_seqs_;
-    return make_seq_id(slot, c.generation);
+    return seqs_.open(p->length);
   }
 
   // Drops the sequence's references; pages nobody else holds return to their pools.
@@ -351,12 +374,7 @@ class paged_storage {
     seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     for (std::uint32_t b : r->blocks) drop_block(b);
-    block_list(r->blocks.get_allocator()).swap(r->blocks);  // gives the list's memory back
-    r->live = false;
-    r->length = 0;
-    ++r->generation;
-    seq_free_->push_back(std::uint32_t(slot_of(s)));
-    --live_seqs_;
+    seqs_.close(s);  // gives the list's memory back
     return {};
   }
 
@@ -365,16 +383,16 @@ class paged_storage {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
-    if (logical < 0 || logical >= std::int64_t(r->blocks.size()))
-      return status::out_of_range("logical page", logical, r->blocks.size());
+    if (logical < 0 || logical >= std::int64_t(committed_pages(*r)))
+      return status::out_of_range("logical page", logical, committed_pages(*r));
     return page_of(r->blocks[std::size_t(logical)], layer);
   }
 
   result<block_ref> block_of(seq_id s, std::int64_t logical) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
-    if (logical < 0 || logical >= std::int64_t(r->blocks.size()))
-      return status::out_of_range("logical page", logical, r->blocks.size());
+    if (logical < 0 || logical >= std::int64_t(committed_pages(*r)))
+      return status::out_of_range("logical page", logical, committed_pages(*r));
     const std::uint32_t b = r->blocks[std::size_t(logical)];
     return block_ref{b, (*block_meta_)[b].generation};
   }
@@ -487,14 +505,8 @@ class paged_storage {
     const int t = int(token % page_tokens);
     const int g = opt_.head_base + head;  // the global head names the rotation
     detail::with_index<num_tiers>(p.format, [&](auto I) {
-      using L = layout<I>;
-      const std::uint8_t* base = std::get<I>(pools_).host_page(p);
-      decode_vector<typename L::key_codec>(
-          base + L::key_payload(head, t), base + L::key_meta(head, t), key,
-          make_codec_context(opt_.codec_seed, layer, g, kv_role::key));
-      decode_vector<typename L::value_codec>(
-          base + L::value_payload(head, t), base + L::value_meta(head, t), value,
-          make_codec_context(opt_.codec_seed, layer, g, kv_role::value));
+      decode_token<layout<I>>(std::get<I>(pools_).host_page(p), t, head, layer, g, opt_.codec_seed,
+                              key, value);
     });
     return {};
   }
@@ -541,29 +553,25 @@ class paged_storage {
     if (std::int64_t(blocks.size()) > max_sequence_tokens / page_tokens)
       return status::exceeds(errc::out_of_range, "prefix pages", blocks.size(),
                              max_sequence_tokens / page_tokens);
-    if (seq_free_->empty())
+    if (seqs_.full())
       return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
                           " sequence slots are in use");
-    const std::uint32_t slot = seq_free_->back();
-    seq_record& c = (*seqs_)[slot];
-    if (auto st = reserve(c.blocks, blocks.size()); !st) return st;
-    seq_free_->pop_back();
+    seq_record& c = seqs_.at(seqs_.next_free());
+    if (auto st = reserve_list(c.blocks, blocks.size()); !st) return st;
     for (const block_ref& b : blocks) {
       ++(*block_meta_)[b.index].refcount;
       c.blocks.push_back(b.index);
     }
-    c.live = true;
-    c.length = std::int64_t(blocks.size()) * page_tokens;
-    ++live_seqs_;
-    return make_seq_id(slot, c.generation);
+    return seqs_.open(std::int64_t(blocks.size()) * page_tokens);
   }
 
   // ---- iteration (index builder, accounting, tests) ----------------------------------------
-  // f(logical, page_id) for each logical page of s at one layer; s and layer must be valid.
+  // f(logical, page_id) for each committed logical page of s at one layer; s and layer must
+  // be valid.
   template <class F>
   void for_each_page(seq_id s, int layer, F&& f) const {
     const seq_record* r = find(s);
-    for (std::size_t i = 0; i < r->blocks.size(); ++i)
+    for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
   // f(block_ref, fill, refcount) for each live block.
@@ -577,8 +585,8 @@ class paged_storage {
   template <class F>
   void for_each_sequence(F&& f) const {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
-      const seq_record& r = (*seqs_)[i];
-      if (r.live) f(make_seq_id(i, r.generation), r.length);
+      const seq_record& r = seqs_.at(i);
+      if (r.live) f(seqs_.id_of(i, r.generation), r.length);
     }
   }
   page_state page_state_of(page_id p) const {
@@ -604,23 +612,30 @@ class paged_storage {
     std::vector<std::uint32_t> seq_refs(block_capacity_, 0);
     std::uint32_t seqs = 0;
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
-      const seq_record& r = (*seqs_)[i];
+      const seq_record& r = seqs_.at(i);
       if (!r.live) {
-        if (!r.blocks.empty())
-          return status::make(errc::corrupt_data, "free sequence slot ", i, " holds pages");
+        if (!r.blocks.empty() || r.reserved != 0)
+          return status::make(errc::corrupt_data, "free sequence slot ", i,
+                              " holds pages or a reservation");
         continue;
       }
       ++seqs;
-      if (r.blocks.size() != std::size_t((r.length + page_tokens - 1) / page_tokens))
+      if (r.reserved < 0 || r.reserved > max_sequence_tokens - r.length ||
+          r.blocks.size() != pages_for(r.length + r.reserved))
         return status::make(errc::corrupt_data, "sequence slot ", i, " has ", r.blocks.size(),
-                            " logical pages for ", r.length, " tokens");
+                            " logical pages for ", r.length, " tokens and ", r.reserved,
+                            " reserved");
+      const std::size_t committed = committed_pages(r);
       for (std::size_t j = 0; j < r.blocks.size(); ++j) {
         const std::uint32_t b = r.blocks[j];
         const block_meta& m = (*block_meta_)[b];
         if (m.state == page_state::free)
           return status::make(errc::corrupt_data, "sequence slot ", i, " names free block ", b);
-        const bool last = j + 1 == r.blocks.size();
-        const std::int64_t fill = last ? r.length - std::int64_t(j) * page_tokens : page_tokens;
+        // Pages past the committed ones belong to the reservation only: open and empty.
+        const bool last = j + 1 == committed;
+        const std::int64_t fill = j >= committed ? 0
+                                  : last         ? r.length - std::int64_t(j) * page_tokens
+                                                 : page_tokens;
         if (std::int64_t(m.fill) != fill)
           return status::make(errc::corrupt_data, "block ", b, " fill ", m.fill, " != ", fill);
         if ((m.state == page_state::open) != (fill < page_tokens))
@@ -629,8 +644,8 @@ class paged_storage {
         ++seq_refs[b];
       }
     }
-    if (seqs != live_seqs_)
-      return status::make(errc::corrupt_data, "live sequence count ", live_seqs_, " != ", seqs);
+    if (seqs != seqs_.live())
+      return status::make(errc::corrupt_data, "live sequence count ", seqs_.live(), " != ", seqs);
     std::array<std::uint64_t, num_tiers> named{};
     std::uint32_t blocks = 0;
     for (std::uint32_t b = 0; b < block_capacity_; ++b) {
@@ -690,13 +705,9 @@ class paged_storage {
       return pl.release(p);
     });
   }
-  using block_list = std::vector<std::uint32_t, counted_allocator<std::uint32_t, MetaAlloc>>;
-  struct seq_record {
-    block_list blocks;
-    std::int64_t length = 0;
-    std::uint32_t generation = 0;
-    bool live = false;
-  };
+  using seq_table = sequence_table<MetaAlloc>;
+  using block_list = typename seq_table::block_list;
+  using seq_record = typename seq_table::record;
   struct block_meta {
     std::uint32_t refcount = 0;
     std::uint32_t generation = 0;
@@ -707,11 +718,10 @@ class paged_storage {
   using counted_vector = std::vector<T, counted_allocator<T, MetaAlloc>>;
 
   paged_storage(const options& opt, PageAlloc&& pa, MetaAlloc&& ma)
-      : opt_(opt), layers_(opt.num_layers), page_alloc_(std::move(pa)), meta_alloc_(std::move(ma)) {
-    std::uint32_t bits = 1;
-    while ((std::uint64_t(1) << bits) < opt.max_sequences) ++bits;
-    seq_slot_bits_ = bits;
-  }
+      : opt_(opt),
+        layers_(opt.num_layers),
+        page_alloc_(std::move(pa)),
+        meta_alloc_(std::move(ma)) {}
 
   template <class T>
   counted_allocator<T, MetaAlloc> table_alloc() {
@@ -728,14 +738,9 @@ class paged_storage {
     if (!st) return st;
     // A live block holds num_layers distinct live pages, so this many blocks can exist.
     block_capacity_ = std::uint32_t(total_pages / std::uint64_t(layers_));
+    st = seqs_.init(meta_alloc_, lines_.page_tables, opt_.max_sequences);
+    if (!st) return st;
     try {
-      seqs_.emplace(table_alloc<seq_record>());
-      seqs_->reserve(opt_.max_sequences);
-      for (std::uint32_t i = 0; i < opt_.max_sequences; ++i)
-        seqs_->push_back(seq_record{block_list(table_alloc<std::uint32_t>()), 0, 0, false});
-      seq_free_.emplace(table_alloc<std::uint32_t>());
-      seq_free_->reserve(opt_.max_sequences);
-      for (std::uint32_t i = opt_.max_sequences; i-- > 0;) seq_free_->push_back(i);
       block_meta_.emplace(std::size_t(block_capacity_), block_meta{}, table_alloc<block_meta>());
       block_pages_.emplace(std::size_t(block_capacity_) * std::size_t(layers_), page_id{},
                            table_alloc<page_id>());
@@ -748,32 +753,12 @@ class paged_storage {
     return {};
   }
 
-  seq_id make_seq_id(std::uint32_t slot, std::uint32_t generation) const {
-    const std::uint32_t gen_mask = (seq_slot_bits_ >= 32) ? 0u : (~0u >> seq_slot_bits_);
-    std::uint32_t v = ((generation & gen_mask) << seq_slot_bits_) | slot;
-    if (v == seq_id::invalid_value) v = slot;  // all-ones is reserved for "invalid"
-    return seq_id(v);
-  }
-  std::uint32_t slot_of(seq_id s) const { return s.value & ((1u << seq_slot_bits_) - 1u); }
-  const seq_record* find(seq_id s) const {
-    if (!s.valid()) return nullptr;
-    const std::uint32_t slot = slot_of(s);
-    if (slot >= opt_.max_sequences) return nullptr;
-    const seq_record& r = (*seqs_)[slot];
-    if (!r.live || !(make_seq_id(slot, r.generation) == s)) return nullptr;
-    return &r;
-  }
-  seq_record* find(seq_id s) { return const_cast<seq_record*>(std::as_const(*this).find(s)); }
-  status bad_seq(seq_id s) const {
-    if (s.valid() && slot_of(s) < opt_.max_sequences)
-      return status::make(errc::stale_id, s,
-                          " is not a live sequence (released, or never created)");
-    return status::make(errc::out_of_range, s, " is not a sequence id of this storage (",
-                        opt_.max_sequences, " slots)");
-  }
+  const seq_record* find(seq_id s) const { return seqs_.find(s); }
+  seq_record* find(seq_id s) { return seqs_.find(s); }
+  status bad_seq(seq_id s) const { return seqs_.bad(s); }
 
   template <class V>
-  static status reserve(V& v, std::size_t n) {
+  static status reserve_list(V& v, std::size_t n) {
     try {
       v.reserve(n);
     } catch (const allocation_failure& e) {
@@ -852,63 +837,96 @@ class paged_storage {
     return st;
   }
 
-  status check_finite(std::span<const float> x, const char* what, std::int64_t n) const {
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      if (!std::isfinite(x[i])) {
-        const std::size_t per_token = std::size_t(kv_heads) * head_dim;
-        const std::size_t per_layer = std::size_t(n) * per_token;
-        return status::make(errc::non_finite_input, "append: ", what, "[", i, "] = ", x[i],
-                            " (layer ", i / per_layer, ", token ", (i % per_layer) / per_token,
-                            ", kv head ", (i % per_token) / head_dim,
-                            ") is not finite; nothing appended");
-      }
+  status check_finite(std::span<const float> x, const char* what, std::int64_t n, const char* op,
+                      int first_layer, const char* done) const {
+    return check_finite_tokens(x, what, n, kv_heads, head_dim, op, first_layer, done);
+  }
+
+  static std::size_t pages_for(std::int64_t tokens) {
+    return std::size_t((tokens + page_tokens - 1) / page_tokens);
+  }
+  static std::size_t committed_pages(const seq_record& r) { return pages_for(r.length); }
+
+  static status reservation_outstanding(seq_id s, const seq_record& r, const char* op) {
+    return status::make(errc::invalid_argument, op, ": ", s, " has a reservation of ", r.reserved,
+                        " tokens outstanding; commit or cancel it first");
+  }
+
+  status check_mapping(const slot_mapping& out, std::int64_t n) const {
+    const std::int64_t stride = out.layer_stride == 0 ? n : out.layer_stride;
+    if (!out.slot.empty()) {
+      if (stride < n)
+        return status::make(errc::invalid_argument,
+                            "slot_mapping: layer_stride = ", out.layer_stride, " is below the ", n,
+                            " reserved tokens");
+      const std::int64_t need = std::int64_t(layers_ - 1) * stride + n;
+      if (std::int64_t(out.slot.size()) < need)
+        return status::make(errc::invalid_argument, "slot_mapping: slot holds ", out.slot.size(),
+                            " entries, ", need, " needed (", layers_, " layers, layer_stride ",
+                            stride, ", ", n, " tokens)");
+      if (pool<0>().capacity() > std::uint32_t(std::numeric_limits<std::int32_t>::max()))
+        return status::exceeds(errc::invalid_argument, "slot_mapping: tier-0 pool slots",
+                               pool<0>().capacity(), std::numeric_limits<std::int32_t>::max());
     }
+    if (!out.offset.empty() && std::int64_t(out.offset.size()) < n)
+      return status::make(errc::invalid_argument, "slot_mapping: offset holds ", out.offset.size(),
+                          " entries, ", n, " needed");
+    return {};
+  }
+  // The reservation's slots and offsets; check_mapping passed.
+  void fill_mapping(const seq_record& r, const slot_mapping& out) const {
+    const std::int64_t n = r.reserved;
+    const std::size_t stride = std::size_t(out.layer_stride == 0 ? n : out.layer_stride);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t pos = r.length + i;
+      const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
+      if (!out.offset.empty()) out.offset[std::size_t(i)] = std::int32_t(pos % page_tokens);
+      if (!out.slot.empty())
+        for (int l = 0; l < layers_; ++l)
+          out.slot[std::size_t(l) * stride + std::size_t(i)] = std::int32_t(page_of(b, l).slot);
+    }
+  }
+
+  // The pages tokens [length, length + n) need, for append and reserve (no reservation is
+  // outstanding, n > 0 and the length limit were checked): block entries and the grown page
+  // list first (built aside, so a refusal gives its memory back exactly), then make_room,
+  // then the tier-0 pool; only then the new blocks. Nothing changes on refusal.
+  template <class MakeRoom>
+  status open_pages(seq_record& r, std::int64_t n, MakeRoom& make_room) {
+    const std::size_t have = r.blocks.size();
+    const std::size_t need = pages_for(r.length + n);
+    const std::size_t fresh = need - have;
+    if (auto st = can_allocate_block_entries(fresh); !st) return st;
+    const bool grow = need > r.blocks.capacity();
+    block_list grown(r.blocks.get_allocator());
+    if (grow) {
+      if (auto st = reserve_list(grown, need); !st) return st;
+      grown.assign(r.blocks.begin(), r.blocks.end());
+    }
+    if (fresh > 0)
+      if (auto st = make_room(std::uint32_t(fresh * std::size_t(layers_))); !st) return st;
+    if (auto st = can_allocate_blocks(fresh); !st) return st;
+    if (grow) r.blocks.swap(grown);
+    for (std::size_t i = 0; i < fresh; ++i) r.blocks.push_back(new_block());
     return {};
   }
 
-  template <class C>
-  void encode_vector(const float* x, std::uint8_t* payload, std::uint8_t* meta,
-                     const codec_context& ctx) {
-    typename C::meta_type m{};
-    (void)C::encode(x, payload, m, ctx, &stats_);  // finiteness was checked up front
-    if constexpr (C::meta_bytes > 0) std::memcpy(meta, &m, C::meta_bytes);
-  }
-  template <class C>
-  static void decode_vector(const std::uint8_t* payload, const std::uint8_t* meta, float* out,
-                            const codec_context& ctx) {
-    typename C::meta_type m{};
-    if constexpr (C::meta_bytes > 0) std::memcpy(&m, meta, C::meta_bytes);
-    C::decode(payload, m, out, ctx);
+  // Encodes layer l of tokens [start, start + n) (keys / values: [token][kv_head][dim]) into
+  // their open tier-0 pages; the pages exist (open_pages) and the input is finite.
+  void encode_layer(seq_record& r, std::int64_t start, std::int64_t n, int l, const float* kl,
+                    const float* vl) {
+    encode_token_layer<layout<0>>(
+        [&](std::int64_t pos) {
+          return pool<0>().host_page(page_of(r.blocks[std::size_t(pos / page_tokens)], l));
+        },
+        start, n, l, kl, vl, opt_.codec_seed, opt_.head_base, &stats_);
   }
 
-  void write_tokens(seq_record& r, std::int64_t start, std::int64_t n, const float* keys,
-                    const float* values) {
-    using L = layout<0>;
-    using KC = typename L::key_codec;
-    using VC = typename L::value_codec;
-    const std::size_t per_token = std::size_t(kv_heads) * head_dim;
-    for (int l = 0; l < layers_; ++l) {
-      const float* kl = keys + std::size_t(l) * std::size_t(n) * per_token;
-      const float* vl = values + std::size_t(l) * std::size_t(n) * per_token;
-      for (int h = 0; h < kv_heads; ++h) {
-        const int g = opt_.head_base + h;  // global KV head: ranks encode as the unsharded cache
-        const codec_context kctx = make_codec_context(opt_.codec_seed, l, g, kv_role::key);
-        const codec_context vctx = make_codec_context(opt_.codec_seed, l, g, kv_role::value);
-        for (std::int64_t i = 0; i < n; ++i) {
-          const std::int64_t pos = start + i;
-          const std::uint32_t b = r.blocks[std::size_t(pos / page_tokens)];
-          const int t = int(pos % page_tokens);
-          std::uint8_t* base = pool<0>().host_page(page_of(b, l));
-          const std::size_t off = std::size_t(i) * per_token + std::size_t(h) * head_dim;
-          encode_vector<KC>(kl + off, base + L::key_payload(h, t), base + L::key_meta(h, t), kctx);
-          encode_vector<VC>(vl + off, base + L::value_payload(h, t), base + L::value_meta(h, t),
-                            vctx);
-        }
-      }
-    }
-    // Fill counts and sealing: a page that is full is immutable from now on.
+  // Fill counts and sealing of the pages tokens [start, start + n) land in: a page that is
+  // full is immutable from now on (the controller and the prefix index see it sealed).
+  void seal_filled(seq_record& r, std::int64_t start, std::int64_t n) {
     const std::int64_t end = start + n;
-    for (std::size_t j = std::size_t(start / page_tokens); j < r.blocks.size(); ++j) {
+    for (std::size_t j = std::size_t(start / page_tokens), e = pages_for(end); j < e; ++j) {
       block_meta& m = (*block_meta_)[r.blocks[j]];
       const std::int64_t fill =
           std::min<std::int64_t>(end - std::int64_t(j) * page_tokens, page_tokens);
@@ -922,18 +940,15 @@ class paged_storage {
 
   options opt_;
   int layers_ = 1;
-  std::uint32_t seq_slot_bits_ = 1;
   PageAlloc page_alloc_;
   MetaAlloc meta_alloc_;
   storage_lines lines_;
   typename detail::pool_tuple<Geometry, Tiers, PageAlloc, MetaAlloc>::type pools_;
-  std::optional<counted_vector<seq_record>> seqs_;
-  std::optional<counted_vector<std::uint32_t>> seq_free_;
+  seq_table seqs_;
   std::optional<counted_vector<block_meta>> block_meta_;
   std::optional<counted_vector<page_id>> block_pages_;
   std::optional<counted_vector<std::uint32_t>> block_free_;
   std::uint32_t block_capacity_ = 0;
-  std::uint32_t live_seqs_ = 0;
   std::uint32_t live_blocks_ = 0;
   encode_stats stats_{};
 };

@@ -6,6 +6,9 @@
 // prefix-index chains, exact accounting, lengths, and content of the pages the
 // operation touched plus one random live logical page; every 1024 operations, the
 // content of every live token. Failed operations must leave the storage unchanged.
+// Appends also go layer by layer (reserve with fault injection, write_layer in a random layer
+// order, commit of all, some or none of the reserved tokens), and reservations stay
+// outstanding across other operations (fork, release, prefix insert, retier, other appends).
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -39,6 +42,8 @@ std::uint64_t seed_of(std::int32_t token, std::size_t pos) {
 struct ref_seq {
   std::vector<std::int32_t> tokens;
   std::uint64_t salt = 0;
+  std::vector<std::int32_t> pending;  // tokens written into the outstanding reservation
+  std::vector<std::int32_t> slot;     // its slot mapping, [layer][pending.size()]
 };
 
 struct harness {
@@ -47,7 +52,7 @@ struct harness {
   std::map<std::uint32_t, ref_seq> model;  // seq id value -> reference contents
   std::mt19937_64 rng;
   std::uint64_t ops = 0, failures_expected = 0, divergences = 0, content_checks = 0,
-                faults_injected = 0;
+                faults_injected = 0, reserved_ops = 0, committed_ops = 0;
   std::vector<std::vector<std::int32_t>> docs;
 
   explicit harness(std::uint64_t seed) : rng(seed) {
@@ -83,6 +88,17 @@ struct harness {
   bool append_ok(seq_id id, const std::vector<std::int32_t>& add) {
     ref_seq& m = model[id.value];
     const std::size_t len = m.tokens.size();
+    if (!m.pending.empty()) {  // append is refused while a reservation is outstanding
+      const snapshot before = take_snapshot(*s);
+      std::vector<float> k, v;
+      make_kv<storage_t>(layers, std::vector<std::uint64_t>(add.size(), 1), k, v);
+      const status st = s->append(id, std::int64_t(add.size()), k, v);
+      if (st.code() != errc::invalid_argument)
+        diverge("append with a reservation outstanding not refused", st);
+      if (!(take_snapshot(*s) == before)) diverge("refused append changed the storage", st);
+      ++failures_expected;
+      return false;
+    }
     std::vector<std::uint64_t> sd;
     for (std::size_t i = 0; i < add.size(); ++i) sd.push_back(seed_of(add[i], len + i));
     std::vector<float> k, v;
@@ -109,6 +125,84 @@ struct harness {
     m.tokens.insert(m.tokens.end(), add.begin(), add.end());
     check_tokens(id, len, m.tokens.size());
     return true;
+  }
+
+  // The layer-by-layer path: reserve (predicted like append, faults injected), write every
+  // layer in a random order; then commit now (all or some tokens), cancel, or leave the
+  // reservation outstanding for a later commit_pending.
+  void reserve_ok(seq_id id, const std::vector<std::int32_t>& add) {
+    ref_seq& m = model[id.value];
+    if (!m.pending.empty()) {
+      const snapshot before = take_snapshot(*s);
+      if (s->reserve(id, 1).code() != errc::invalid_argument)
+        diverge("second reserve not refused", {});
+      if (!(take_snapshot(*s) == before)) diverge("refused reserve changed the storage", {});
+      ++failures_expected;
+      return;
+    }
+    const std::size_t len = m.tokens.size(), n = add.size();
+    const std::size_t need = (len + n + P - 1) / P - (len + P - 1) / P;
+    const bool fits = need * layers <= s->free_pages(0);
+    const bool arm = rng() % 32 == 0;
+    const snapshot before = (fits && !arm) ? snapshot{} : take_snapshot(*s);
+    const std::uint64_t faults = s->meta_alloc().faults_injected();
+    std::vector<std::int32_t> slot(layers * n), offset(n);
+    if (arm) s->meta_alloc().fail_on(1);
+    const status st = s->reserve(id, std::int64_t(n), slot_mapping{slot, 0, offset});
+    s->meta_alloc().reset();
+    const bool injected = s->meta_alloc().faults_injected() != faults;
+    faults_injected += injected;
+    if (injected ? bool(st) : fits != bool(st))
+      diverge("reserve success differs from prediction", st);
+    if (!st) {
+      ++failures_expected;
+      if (st.code() != errc::capacity_exhausted) diverge("reserve failed with another code", st);
+      if (!(take_snapshot(*s) == before)) diverge("failed reserve changed the storage", st);
+      return;
+    }
+    ++reserved_ops;
+    for (std::size_t i = 0; i < n; ++i)
+      if (offset[i] != std::int32_t((len + i) % P)) diverge("reserve offset differs", {});
+    std::vector<std::uint64_t> sd;
+    for (std::size_t i = 0; i < n; ++i) sd.push_back(seed_of(add[i], len + i));
+    std::vector<float> k, v;
+    make_kv<storage_t>(layers, sd, k, v);
+    const std::size_t per_layer = n * storage_t::kv_heads * storage_t::head_dim;
+    const int first = int(pick(layers));
+    for (int j = 0; j < layers; ++j) {
+      const int l = (first + j) % layers;
+      const auto kl = std::span<const float>(k).subspan(std::size_t(l) * per_layer, per_layer);
+      const auto vl = std::span<const float>(v).subspan(std::size_t(l) * per_layer, per_layer);
+      if (auto w = s->write_layer(id, l, kl, vl); !w) diverge("write_layer failed", w);
+    }
+    m.pending = add;
+    m.slot = slot;
+    if (*s->length(id) != std::int64_t(len)) diverge("reserve changed the length", {});
+    const unsigned what = unsigned(rng() % 4);
+    if (what == 0) return;  // outstanding
+    commit_pending(id, what == 1 ? n : pick(n + 1));
+  }
+
+  // Commits the first `count` pending tokens of id (0: cancel); checks content and mapping.
+  void commit_pending(seq_id id, std::size_t count) {
+    ref_seq& m = model[id.value];
+    const std::size_t len = m.tokens.size(), n = m.pending.size();
+    const std::uint32_t free_before = s->free_pages(0);
+    const std::size_t opened = (len + n + P - 1) / P - (len + P - 1) / P;
+    const std::size_t kept = (len + count + P - 1) / P - (len + P - 1) / P;
+    if (auto st = s->commit(id, std::int64_t(count)); !st) diverge("commit failed", st);
+    ++committed_ops;
+    if (s->free_pages(0) != free_before + (opened - kept) * layers)
+      diverge("commit gave back another number of pages", {});
+    m.tokens.insert(m.tokens.end(), m.pending.begin(), m.pending.begin() + std::ptrdiff_t(count));
+    for (std::size_t i = 0; i < count; ++i)
+      for (int l = 0; l < layers; ++l)
+        if (std::uint32_t(m.slot[std::size_t(l) * n + i]) !=
+            s->page(id, l, std::int64_t((len + i) / P))->slot)
+          diverge("reserve slot differs from the committed page", {});
+    m.pending.clear();
+    m.slot.clear();
+    check_tokens(id, len, m.tokens.size());
   }
 
   // Checks tokens [from, to) at every layer, or at one random layer when sampled.
@@ -155,7 +249,19 @@ struct harness {
       const std::size_t n = (op < 16) ? P - len % P : 1 + pick(P + 4);
       std::vector<std::int32_t> add(n);
       for (auto& x : add) x = std::int32_t(rng() % 5);
-      (void)append_ok(id, add);
+      if (op % 2 == 0) {  // the same through reserve + write_layer + commit
+        reserve_ok(id, add);
+      } else {
+        (void)append_ok(id, add);
+      }
+      // Now and then an outstanding reservation (of any sequence) is committed.
+      if (rng() % 4 == 0) {
+        for (auto& [sid, m] : model)
+          if (!m.pending.empty()) {
+            commit_pending(seq_id(sid), pick(m.pending.size() + 1));
+            break;
+          }
+      }
     } else if (op < 50) {  // fork
       const seq_id id = random_seq();
       const bool tail = model[id.value].tokens.size() % P != 0;
@@ -171,6 +277,9 @@ struct harness {
         return;
       }
       model[c->value] = model[id.value];
+      model[c->value].pending.clear();  // the parent's reservation stays the parent's
+      model[c->value].slot.clear();
+      if (*s->reserved(*c) != 0) diverge("a fork inherited a reservation", {});
       const std::size_t len = model[id.value].tokens.size();
       check_tokens(*c, len - len % P, len);  // the copied tail
     } else if (op < 62) {                    // release
@@ -226,8 +335,11 @@ struct harness {
     if (auto st = px->check_invariants(); !st) diverge("prefix index invariants", st);
     if (!make_report(*s).reconciles()) diverge("accounting does not reconcile", {});
     if (s->live_sequences() != model.size()) diverge("live sequence count", {});
-    for (const auto& [id, m] : model)
+    for (const auto& [id, m] : model) {
       if (*s->length(seq_id(id)) != std::int64_t(m.tokens.size())) diverge("length differs", {});
+      if (*s->reserved(seq_id(id)) != std::int64_t(m.pending.size()))
+        diverge("reservation differs", {});
+    }
     if (full_sweep) {
       for (const auto& [id, m] : model) check_tokens(seq_id(id), 0, m.tokens.size());
     } else if (!model.empty()) {
@@ -248,7 +360,8 @@ TEST_CASE("model-based randomized paging operations", "[paging][model]") {
   std::uint64_t total = 1'000'000;
   if (const char* env = std::getenv("TIERKV_MODEL_OPS")) total = std::strtoull(env, nullptr, 10);
   const std::uint64_t runs = 8;
-  std::uint64_t ops = 0, divergences = 0, expected_failures = 0, checks = 0, faults = 0;
+  std::uint64_t ops = 0, divergences = 0, expected_failures = 0, checks = 0, faults = 0,
+                reserves = 0, commits = 0;
   for (std::uint64_t run = 0; run < runs; ++run) {
     harness h(0xC0FFEE + run);
     for (std::uint64_t i = 0; i < total / runs; ++i) {
@@ -266,15 +379,20 @@ TEST_CASE("model-based randomized paging operations", "[paging][model]") {
     expected_failures += h.failures_expected;
     checks += h.content_checks;
     faults += h.faults_injected;
+    reserves += h.reserved_ops;
+    commits += h.committed_ops;
   }
   std::printf(
       "paging model test: %llu operations, %llu token-vector content checks, %llu refused "
       "operations "
-      "(capacity or injected fault), %llu faults injected, %llu divergences\n",
+      "(capacity or injected fault), %llu faults injected, %llu reservations, %llu commits, %llu "
+      "divergences\n",
       (unsigned long long)ops, (unsigned long long)checks, (unsigned long long)expected_failures,
-      (unsigned long long)faults, (unsigned long long)divergences);
+      (unsigned long long)faults, (unsigned long long)reserves, (unsigned long long)commits,
+      (unsigned long long)divergences);
   CHECK(ops >= total - runs);
   CHECK(divergences == 0);
   CHECK(expected_failures > 0);  // the pools really ran full
   CHECK(faults > 0);             // and bookkeeping allocations really failed
+  CHECK(commits > 0);
 }

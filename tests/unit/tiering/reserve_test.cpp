@@ -1,0 +1,217 @@
+// SPDX-License-Identifier: Apache-2.0
+// tiered_cache's layer-by-layer writes (issue 22): reserve keeps append's contract (max_pages,
+// then make_room only once every other check passed; a refusal changes nothing), attention
+// sees only committed tokens, and the result equals append's.
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "tiering_test_support.hpp"
+#include "tierkv/cache.hpp"
+
+using namespace tiering_test;
+
+namespace {
+
+using cache_t =
+    tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
+constexpr int D = tiny::head_dim, QH = tiny::q_heads, KH = tiny::kv_heads;
+
+// Everything observable about a cache, as text (as contract_test.cpp's snapshot).
+std::string snapshot(cache_t& c) {
+  std::ostringstream o;
+  o << c.report() << '\n';
+  const auto& s = c.storage();
+  s.for_each_sequence([&](seq_id q, std::int64_t len) {
+    o << q << " length " << len << " reserved " << *s.reserved(q) << ':';
+    for (int l = 0; l < s.num_layers(); ++l)
+      s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
+    o << '\n';
+  });
+  s.for_each_block([&](block_ref b, int fill, std::uint32_t refs) {
+    o << "block " << b.index << '@' << b.generation << " fill " << fill << " refs " << refs << '\n';
+  });
+  for (int t = 0; t < cache_t::num_tiers; ++t)
+    o << "tier " << t << " free " << s.free_pages(t) << '\n';
+  const retier_stats& tot = c.controller().totals();
+  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed "
+    << tot.failed << " shadows " << c.controller().shadow_pages() << '\n';
+  return o.str();
+}
+
+status append_tokens(cache_t& c, seq_id s, std::uint64_t first, int n) {
+  std::vector<float> k, v;
+  make_kv<cache_t::storage_type>(c.storage().num_layers(), seeds_from(first, n), k, v);
+  return c.append(s, n, k, v);
+}
+
+// Writes every layer of s's reservation (n tokens) with the tokens first, first + 1, ...
+void write_tokens(cache_t& c, seq_id s, std::uint64_t first, int n) {
+  std::vector<float> k, v;
+  const int layers = c.storage().num_layers();
+  make_kv<cache_t::storage_type>(layers, seeds_from(first, n), k, v);
+  const std::size_t per_layer = std::size_t(n) * KH * D;
+  for (int l = 0; l < layers; ++l)
+    REQUIRE(c.write_layer(
+        s, l, std::span<const float>(k).subspan(std::size_t(l) * per_layer, per_layer),
+        std::span<const float>(v).subspan(std::size_t(l) * per_layer, per_layer)));
+}
+
+// As contract_test.cpp: 3 layers, two sequence slots, four logical pages of FP8.
+cache_t::options pressure_options() {
+  cache_t::options opt;
+  opt.storage.num_layers = 3;
+  opt.storage.max_sequences = 2;
+  opt.storage.pages_per_tier = {12, 64};
+  opt.policy = policy::recency_anchor({.recent_pages = 1,
+                                       .sink_pages = 0,
+                                       .ema_alpha = 0.5f,
+                                       .enter_mass = 3.0f,
+                                       .leave_mass = 1.5f,
+                                       .min_dwell_steps = 1,
+                                       .keep_first_layers = 0,
+                                       .keep_last_layers = 0});
+  opt.max_batch = 2;
+  opt.max_pages = 32;
+  return opt;
+}
+
+}  // namespace
+
+TEST_CASE("a refused reserve changes nothing, even where it would have had to make room first",
+          "[tiering][cache][contract][reserve]") {
+  auto c = cache_t::create(pressure_options()).value();
+  const seq_id a = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, a, 1, 64));  // four sealed pages: tier 0 is full
+  REQUIRE(c->storage().free_pages(0) == 0);
+  const std::string before = snapshot(*c);
+  std::vector<std::int32_t> slot(3), offset(1);
+
+  c->storage().meta_alloc().fail_on(1);  // the page list's growth
+  CHECK(c->reserve(a, 1, slot_mapping{slot, 0, offset}).code() == errc::capacity_exhausted);
+  CHECK(snapshot(*c) == before);
+  c->storage().meta_alloc().reset();
+  CHECK(c->reserve(a, 1, slot_mapping{std::span<std::int32_t>(slot).first(2), 0, offset}).code() ==
+        errc::invalid_argument);  // 3 layers need 3 slots
+  CHECK(c->reserve(seq_id(77), 1).code() == errc::stale_id);
+  CHECK(snapshot(*c) == before);
+
+  REQUIRE(c->reserve(a, 1, slot_mapping{slot, 0, offset}));  // makes room, then opens a page
+  CHECK(c->controller().totals().pressure_demoted > 0);
+  CHECK(*c->reserved(a) == 1);
+  CHECK(*c->length(a) == 64);
+  CHECK(offset[0] == 0);
+  write_tokens(*c, a, 65, 1);
+  REQUIRE(c->commit(a, 1));
+  CHECK(*c->length(a) == 65);
+  for (int l = 0; l < 3; ++l) {
+    CHECK(std::uint32_t(slot[std::size_t(l)]) == c->storage().page(a, l, 4)->slot);
+    const page_error e = page_error_of(c->storage(), a, l, 4, seeds_from(1, 65));
+    CHECK(e.max <= fp8_vector_bound);
+  }
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("max_pages is enforced at reserve", "[tiering][cache][contract][reserve]") {
+  cache_t::options opt = pressure_options();
+  opt.max_pages = 4;
+  auto c = cache_t::create(opt).value();
+  const seq_id s = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, s, 1, 60));
+  const std::string before = snapshot(*c);
+  const status st = c->reserve(s, 5);  // 65 tokens = 5 pages
+  CHECK(st.code() == errc::out_of_range);
+  CHECK(st.message().find("max_pages") != std::string::npos);
+  CHECK(st.message().find("nothing reserved") != std::string::npos);
+  CHECK(snapshot(*c) == before);
+  REQUIRE(c->reserve(s, 4));  // exactly max_pages pages
+  REQUIRE(c->cancel(s));
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("attention sees only committed tokens; committed ones attend as appended ones",
+          "[tiering][cache][reserve]") {
+  cache_t::options opt = pressure_options();
+  opt.storage.pages_per_tier = {60, 64};
+  auto layered = cache_t::create(opt).value();
+  auto appended = cache_t::create(opt).value();
+  const std::vector<seq_id> batch{layered->create_sequence().value(),
+                                  layered->create_sequence().value()};
+  const std::vector<seq_id> batch2{appended->create_sequence().value(),
+                                   appended->create_sequence().value()};
+  REQUIRE(batch == batch2);
+  for (cache_t* c : {layered.get(), appended.get()}) {
+    REQUIRE(append_tokens(*c, batch[0], 1, 20));
+    REQUIRE(append_tokens(*c, batch[1], 100, 7));
+  }
+  std::vector<float> q(batch.size() * QH * D);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = gauss(i, 0, 0, 2, 0);
+  const auto attend = [&](cache_t& c, int layer) {
+    std::vector<float> out(q.size()), mass(batch.size() * 32), lse(batch.size() * QH);
+    REQUIRE(c.attend(layer, batch, q, out, mass, lse));
+    out.insert(out.end(), mass.begin(), mass.end());
+    out.insert(out.end(), lse.begin(), lse.end());
+    return out;
+  };
+  const auto same_bits = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  std::vector<std::vector<float>> before;
+  for (int l = 0; l < 3; ++l) before.push_back(attend(*layered, l));
+
+  // 30 tokens reserved and written on sequence 0 (into its open tail page and two new ones),
+  // 5 on sequence 1: invisible to attention until committed.
+  REQUIRE(layered->reserve(batch[0], 30));
+  REQUIRE(layered->reserve(batch[1], 5));
+  write_tokens(*layered, batch[0], 21, 30);
+  write_tokens(*layered, batch[1], 107, 5);
+  for (int l = 0; l < 3; ++l) CHECK(same_bits(attend(*layered, l), before[std::size_t(l)]));
+  REQUIRE(layered->check_invariants());
+
+  REQUIRE(layered->commit(batch[0], 30));
+  REQUIRE(layered->commit(batch[1], 5));
+  REQUIRE(append_tokens(*appended, batch[0], 21, 30));
+  REQUIRE(append_tokens(*appended, batch[1], 107, 5));
+  for (int l = 0; l < 3; ++l) {
+    const auto got = attend(*layered, l);
+    CHECK_FALSE(same_bits(got, before[std::size_t(l)]));
+    CHECK(same_bits(got, attend(*appended, l)));
+  }
+  // A cancelled reservation leaves attention as it was.
+  const auto committed = attend(*layered, 1);
+  REQUIRE(layered->reserve(batch[1], 12));
+  write_tokens(*layered, batch[1], 5000, 12);
+  REQUIRE(layered->cancel(batch[1]));
+  CHECK(same_bits(attend(*layered, 1), committed));
+  REQUIRE(layered->check_invariants());
+}
+
+TEST_CASE("make_room for one reservation never moves another's pages",
+          "[tiering][cache][reserve]") {
+  auto c = cache_t::create(pressure_options()).value();
+  const seq_id a = c->create_sequence().value();
+  const seq_id b = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, a, 1, 40));  // two sealed pages and an open tail: 9 FP8 pages
+  std::vector<std::int32_t> slot_a(3 * 20), off_a(20);
+  REQUIRE(c->reserve(a, 20, slot_mapping{slot_a, 0, off_a}));  // its tail and one new page
+  REQUIRE(c->storage().free_pages(0) == 0);
+  REQUIRE(c->reserve(b, 5));  // needs 3 pages: demotes a's sealed pages, not its open ones
+  CHECK(c->controller().totals().pressure_demoted >= 3);
+  std::vector<std::int32_t> again(slot_a.size()), off_again(20);
+  REQUIRE(c->storage().slots(a, slot_mapping{again, 0, off_again}));
+  CHECK(again == slot_a);
+  CHECK(off_again == off_a);
+  write_tokens(*c, a, 41, 20);
+  write_tokens(*c, b, 200, 5);
+  REQUIRE(c->commit(a, 20));
+  REQUIRE(c->commit(b, 5));
+  const auto ta = seeds_from(1, 60);
+  for (int l = 0; l < 3; ++l) {
+    for (std::int64_t p = 2; p < 4; ++p)
+      CHECK(page_error_of(c->storage(), a, l, p, ta).max <= fp8_vector_bound);
+    CHECK(page_error_of(c->storage(), b, l, 0, seeds_from(200, 5)).max <= fp8_vector_bound);
+  }
+  REQUIRE(c->check_invariants());
+}
