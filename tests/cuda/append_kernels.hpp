@@ -22,6 +22,10 @@ using append_qwen = tierkv::geometry<tierkv::head_dim<256>, tierkv::kv_heads<4>,
 using append_smol = tierkv::geometry<tierkv::head_dim<64>, tierkv::kv_heads<3>,
                                      tierkv::group_size<3>, tierkv::page_tokens<64>>;
 
+// test_cuda_reserve_append's geometry (reserve_append_kernels.cu instantiates it).
+using reserve_geo = tierkv::geometry<tierkv::head_dim<64>, tierkv::kv_heads<2>,
+                                     tierkv::group_size<2>, tierkv::page_tokens<16>>;
+
 // cuda::append_inputs, field for field (bf16 for input_type::bf16), with its defaults.
 struct append_args {
   const void* k = nullptr;
@@ -41,7 +45,7 @@ struct append_args {
 };
 
 // cuda::append<G, Tier>; instantiated in append_kernels.cu for G in {append_qwen, append_smol}
-// and Tier in {append_recent, append_int8r}.
+// and in reserve_append_kernels.cu for reserve_geo, Tier in {append_recent, append_int8r}.
 template <class G, class Tier>
 tierkv::status append(const append_args& in, cudaStream_t stream);
 

@@ -12,24 +12,16 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
-#include "tierkv/cuda/append.cuh"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/paging/paged_storage.hpp"
+
+#include "append_kernels.hpp"
+#include "cuda_test.hpp"
 
 namespace {
 
 using namespace tierkv;
-using G = geometry<head_dim<64>, kv_heads<2>, group_size<2>, page_tokens<16>>;
-
-#define CUDA_OK(x) REQUIRE((x) == cudaSuccess)
-
-template <class T>
-T* to_device(const std::vector<T>& h) {
-  T* p = nullptr;
-  CUDA_OK(cudaMalloc(&p, h.size() * sizeof(T)));
-  CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
+using G = cuda_test::reserve_geo;
 
 template <class Recent>
 void check_reserve_append() {
@@ -83,36 +75,27 @@ void check_reserve_append() {
       REQUIRE(gs->reserve(gb, nb,
                           slot_mapping{std::span<std::int32_t>(slot).subspan(std::size_t(na)), n,
                                        std::span<std::int32_t>(offset).subspan(std::size_t(na))}));
-    float* dk = to_device(k);
-    float* dv = to_device(v);
-    std::int32_t* dslot = to_device(slot);
-    std::int32_t* doff = to_device(offset);
-    int* derr = to_device(std::vector<int>{0});
-    cuda::append_inputs in;
-    in.k = dk;
-    in.v = dv;
+    const cuda_test::device_buffer<float> dk(k), dv(v);
+    const cuda_test::device_buffer<std::int32_t> dslot(slot), doff(offset);
+    const cuda_test::device_buffer<int> derr(std::vector<int>{0});
+    cuda_test::append_args in;
+    in.k = dk.p;
+    in.v = dv.p;
     in.layer_stride = std::int64_t(n) * H * D;
-    in.slot = dslot;
+    in.slot = dslot.p;
     in.slot_layer_stride = n;
-    in.offset = doff;
+    in.offset = doff.p;
     in.tokens = n;
     in.layers = L;
     in.pool = gs->views()[0];
     in.cache_seed = gs->config().codec_seed;
     in.head_base = gs->config().head_base;
-    in.error = derr;
-    REQUIRE(cuda::append<G, Recent>(in, nullptr).is_ok());
+    in.error = derr.p;
+    REQUIRE(cuda_test::append<G, Recent>(in, nullptr).is_ok());
     CUDA_OK(cudaDeviceSynchronize());
-    int err = -1;
-    CUDA_OK(cudaMemcpy(&err, derr, sizeof(int), cudaMemcpyDeviceToHost));
-    CHECK(err == 0);
+    CHECK(derr.get()[0] == 0);
     if (na > 0) REQUIRE(gs->commit(ga, na));
     if (nb > 0) REQUIRE(gs->commit(gb, nb));
-    cudaFree(dk);
-    cudaFree(dv);
-    cudaFree(dslot);
-    cudaFree(doff);
-    cudaFree(derr);
   }
   for (const auto& [h, g] : {std::pair{ha, ga}, std::pair{hb, gb}}) {
     REQUIRE(*gs->length(g) == *hs->length(h));
