@@ -75,30 +75,9 @@ struct tq4_key_fragments {
 };
 
 template <class C>
-struct device_codec<C, storage_format::tq4> {
-  static constexpr bool rotated = true;
+struct device_codec<C, storage_format::tq4> : turboquant_warp_codec<C> {
   using slice_reader = tq4_slice_reader<C>;
   using fragments = tq4_key_fragments<C>;  // keys only (decode/tensor_core.cuh refuses TQ4 values)
-
-  template <int N, bool Signed, class Signs, class Exchange>
-  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload,
-                                                     typename C::meta_type meta, std::uint64_t seed,
-                                                     const Signs* signs, const Exchange& ex,
-                                                     int lane) {
-    (void)signs;
-    float x[N];
-    warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane, ex);
-    return make_lane_vector<Signed, Exchange::runs>(x);
-  }
-  template <int N, bool F, bool S, bool R, class Norm, class Exchange, class Signs>
-  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v,
-                                                     std::uint8_t* payload,
-                                                     typename C::meta_type* meta,
-                                                     std::uint64_t seed, int lane, Norm norm,
-                                                     const Exchange& ex, const Signs* signs) {
-    (void)signs;
-    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
-  }
 };
 
 }  // namespace tierkv::cuda::detail

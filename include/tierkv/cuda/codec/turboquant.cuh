@@ -431,4 +431,31 @@ __device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload,
   warp_inverse_rotation_of_levels<D, N, !Signed>(x, bf16_to_float(meta), unit, seed, lane, ex);
 }
 
+// The device_codec members TQ3 and TQ4 share: the rotated domain and the TurboQuant warp codec
+// (retier's decode / encode); each format's file adds its slice reader and fragments.
+template <class C>
+struct turboquant_warp_codec {
+  static constexpr bool rotated = true;
+
+  template <int N, bool Signed, class Signs, class Exchange>
+  __device__ __forceinline__ static auto warp_decode(const std::uint8_t* payload,
+                                                     typename C::meta_type meta, std::uint64_t seed,
+                                                     const Signs* signs, const Exchange& ex,
+                                                     int lane) {
+    (void)signs;
+    float x[N];
+    warp_decode_tq<C, N, Signed>(payload, meta, seed, x, lane, ex);
+    return make_lane_vector<Signed, Exchange::runs>(x);
+  }
+  template <int N, bool F, bool S, bool R, class Norm, class Exchange, class Signs>
+  __device__ __forceinline__ static bool warp_encode(const lane_vector<N, F, S, R>& v,
+                                                     std::uint8_t* payload,
+                                                     typename C::meta_type* meta,
+                                                     std::uint64_t seed, int lane, Norm norm,
+                                                     const Exchange& ex, const Signs* signs) {
+    (void)signs;
+    return warp_encode_tq<C, N>(v, payload, meta, seed, lane, norm, ex);
+  }
+};
+
 }  // namespace tierkv::cuda::detail
