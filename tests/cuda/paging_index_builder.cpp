@@ -2,8 +2,10 @@
 // The device index builder and the device page-table adapter against the host ones.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "catch.hpp"
@@ -217,6 +219,57 @@ TEST_CASE("storage over device and pinned memory", "[cuda][paging][allocator]") 
   CHECK(vv[15] == -0.5f);
   REQUIRE(cudaPointerGetAttributes(&attr, (*h)->views()[0].base) == cudaSuccess);
   CHECK(attr.type == cudaMemoryTypeHost);
+}
+
+// Stands in for an engine's kernel that is still writing a page when the host forks: the stream
+// holds here for a while, then the tail pages get their bytes.
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }
+
+TEST_CASE("fork on device pools copies the open tail page on the allocator's stream, in order",
+          "[cuda][paging][allocator]") {
+  using D = paged_storage<G, T, device_allocator>;
+  D::options o;
+  o.num_layers = 2;
+  o.pages_per_tier = {8, 4, 4};
+  o.max_sequences = 2;
+  auto d = D::create(o);
+  REQUIRE(d);
+  auto& s = **d;
+  const seq_id a = *s.create_sequence();
+  REQUIRE(s.reserve(a, 20));  // 2 logical pages, the second open (4 of 16 tokens)
+  REQUIRE(s.commit(a, 20));
+
+  cudaStream_t st = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));  // no order with legacy
+  s.page_alloc().set_stream(st);
+  constexpr std::size_t bytes = D::layout<0>::page_bytes;
+  std::uint8_t* pattern = nullptr;
+  CUDA_OK(cudaMallocHost(reinterpret_cast<void**>(&pattern), 2 * bytes));
+  for (std::size_t i = 0; i < 2 * bytes; ++i) pattern[i] = std::uint8_t(i * 7 + 3);
+  const auto views = s.views();
+  auto address = [&](page_id p) {
+    return static_cast<std::uint8_t*>(views[p.format].base) + std::size_t(p.slot) * bytes;
+  };
+  // The writes of the parent's tail pages are still queued on st when fork runs.
+  CUDA_OK(cudaLaunchHostFunc(st, hold_stream, nullptr));
+  for (int l = 0; l < 2; ++l)
+    CUDA_OK(cudaMemcpyAsync(address(*s.page(a, l, 1)), pattern + std::size_t(l) * bytes, bytes,
+                            cudaMemcpyHostToDevice, st));
+  auto c = s.fork(a);
+  REQUIRE(c);
+  CUDA_OK(cudaStreamSynchronize(st));
+  for (int l = 0; l < 2; ++l) {
+    CHECK(*s.page(*c, l, 0) == *s.page(a, l, 0));  // the sealed page is shared
+    const page_id tail = *s.page(*c, l, 1);
+    CHECK(!(tail == *s.page(a, l, 1)));  // the open tail is the child's own copy
+    std::vector<std::uint8_t> got(bytes);
+    CUDA_OK(cudaMemcpy(got.data(), address(tail), bytes, cudaMemcpyDeviceToHost));
+    CHECK(std::memcmp(got.data(), pattern + std::size_t(l) * bytes, bytes) == 0);
+  }
+  REQUIRE(s.check_invariants());
+  s.page_alloc().set_stream(nullptr);
+  CUDA_OK(cudaFreeHost(pattern));
+  CUDA_OK(cudaStreamDestroy(st));
 }
 
 }  // namespace paging_cuda_test

@@ -260,11 +260,18 @@ class pinned_host_allocator : public detail::allocation_counter {
 };
 
 // Device memory (cudaMalloc; never managed memory, so no page faults in kernels).
-// Copies and fills are synchronous device-to-device operations on the legacy stream.
+// Copies and fills (fork's open-tail copy, lossless tier moves, page poisoning) are enqueued
+// device-to-device on stream() and return without waiting: the host never touches these
+// bytes, so nothing needs to. The default stream is the legacy one, which orders with every
+// blocking stream; an engine whose kernels write pages on its own stream sets that stream
+// first (set_stream), so a fork's copy of a tail page comes after the append that wrote it.
 class device_allocator : public detail::allocation_counter {
  public:
   static constexpr memory_space space = memory_space::device;
   static constexpr bool host_accessible = false;
+
+  void set_stream(cudaStream_t s) noexcept { stream_ = s; }
+  cudaStream_t stream() const noexcept { return stream_; }
 
   result<void*> allocate(std::size_t n) {
     if (n == 0) return status(errc::invalid_argument, "allocate: bytes = 0");
@@ -279,11 +286,15 @@ class device_allocator : public detail::allocation_counter {
     remove(n);
   }
   status copy(void* dst, const void* src, std::size_t n) {
-    return detail::cuda_status(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice), "cudaMemcpy", n);
+    return detail::cuda_status(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, stream_),
+                               "cudaMemcpyAsync (device to device)", n);
   }
   status fill(void* p, std::uint8_t byte, std::size_t n) {
-    return detail::cuda_status(cudaMemset(p, byte, n), "cudaMemset", n);
+    return detail::cuda_status(cudaMemsetAsync(p, byte, n, stream_), "cudaMemsetAsync", n);
   }
+
+ private:
+  cudaStream_t stream_ = nullptr;
 };
 static_assert(check_allocator_policy<pinned_host_allocator>());
 static_assert(check_allocator_policy<device_allocator>());
