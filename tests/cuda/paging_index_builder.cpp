@@ -4,8 +4,10 @@
 
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -179,15 +181,22 @@ TEST_CASE("device page-table adapter equals the host adapter", "[cuda][paging][i
   }
 }
 
-TEST_CASE("storage over device and pinned memory", "[cuda][paging][allocator]") {
-  using D = paged_storage<G, T, device_allocator>;
-  D::options o;
+// A 2-layer storage of 8 + 4 + 4 pages and 2 sequences over allocator A.
+template <class A>
+std::unique_ptr<paged_storage<G, T, A>> small_storage() {
+  typename paged_storage<G, T, A>::options o;
   o.num_layers = 2;
   o.pages_per_tier = {8, 4, 4};
   o.max_sequences = 2;
-  auto d = D::create(o);
-  REQUIRE(d);
-  auto& s = **d;
+  auto made = paged_storage<G, T, A>::create(o);
+  REQUIRE(made);
+  return std::move(*made);
+}
+
+TEST_CASE("storage over device and pinned memory", "[cuda][paging][allocator]") {
+  using D = paged_storage<G, T, device_allocator>;
+  auto d = small_storage<device_allocator>();
+  auto& s = *d;
   CHECK(s.page_alloc().bytes_allocated() == 16 * D::layout<0>::page_bytes);
   const auto views = s.views();
   cudaPointerAttributes attr{};
@@ -201,23 +210,17 @@ TEST_CASE("storage over device and pinned memory", "[cuda][paging][allocator]") 
   REQUIRE(f);
   REQUIRE(s.check_invariants());
 
-  using H = paged_storage<G, T, pinned_host_allocator>;
-  H::options ho;
-  ho.num_layers = 2;
-  ho.pages_per_tier = {8, 4, 4};
-  ho.max_sequences = 2;
-  auto h = H::create(ho);
-  REQUIRE(h);
-  const seq_id b = *(*h)->create_sequence();
+  auto h = small_storage<pinned_host_allocator>();
+  const seq_id b = *h->create_sequence();
   std::vector<float> k(std::size_t(20) * 2 * 2 * 16, 1.25f), v(k.size(), -0.5f);
-  REQUIRE((*h)->append(b, 20, k, v));
-  auto c = (*h)->fork(b);
+  REQUIRE(h->append(b, 20, k, v));
+  auto c = h->fork(b);
   REQUIRE(c);
   float kk[16], vv[16];
-  REQUIRE((*h)->read_token(*c, 1, 19, 1, kk, vv));
+  REQUIRE(h->read_token(*c, 1, 19, 1, kk, vv));
   CHECK(kk[3] == 1.25f);
   CHECK(vv[15] == -0.5f);
-  REQUIRE(cudaPointerGetAttributes(&attr, (*h)->views()[0].base) == cudaSuccess);
+  REQUIRE(cudaPointerGetAttributes(&attr, h->views()[0].base) == cudaSuccess);
   CHECK(attr.type == cudaMemoryTypeHost);
 }
 
@@ -228,13 +231,8 @@ void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::mil
 TEST_CASE("fork on device pools copies the open tail page on the allocator's stream, in order",
           "[cuda][paging][allocator]") {
   using D = paged_storage<G, T, device_allocator>;
-  D::options o;
-  o.num_layers = 2;
-  o.pages_per_tier = {8, 4, 4};
-  o.max_sequences = 2;
-  auto d = D::create(o);
-  REQUIRE(d);
-  auto& s = **d;
+  auto d = small_storage<device_allocator>();
+  auto& s = *d;
   const seq_id a = *s.create_sequence();
   REQUIRE(s.reserve(a, 20));  // 2 logical pages, the second open (4 of 16 tokens)
   REQUIRE(s.commit(a, 20));
@@ -246,10 +244,7 @@ TEST_CASE("fork on device pools copies the open tail page on the allocator's str
   std::uint8_t* pattern = nullptr;
   CUDA_OK(cudaMallocHost(reinterpret_cast<void**>(&pattern), 2 * bytes));
   for (std::size_t i = 0; i < 2 * bytes; ++i) pattern[i] = std::uint8_t(i * 7 + 3);
-  const auto views = s.views();
-  auto address = [&](page_id p) {
-    return static_cast<std::uint8_t*>(views[p.format].base) + std::size_t(p.slot) * bytes;
-  };
+  auto address = [&](page_id p) { return s.pool<0>().device_page(p); };  // tails are tier 0
   // The writes of the parent's tail pages are still queued on st when fork runs.
   CUDA_OK(cudaLaunchHostFunc(st, hold_stream, nullptr));
   for (int l = 0; l < 2; ++l)
