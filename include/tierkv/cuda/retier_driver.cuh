@@ -82,8 +82,16 @@ class retier_driver {
   }
 
   bool batch_in_flight() const noexcept { return in_flight_ > 0; }
+  // Target pages reserved by the batch in flight (allocated, not yet published).
+  std::size_t pages_in_flight() const noexcept { return in_flight_; }
   // Pages replaced but not yet back in their pools (their decodes may still run).
   std::size_t pages_held() const noexcept { return old_.size(); }
+  // The conversions of the last batch try_publish committed (published or given back: read
+  // the block's page to tell), until the next enqueue. Mirrors of the page table (the GPU
+  // façade's) update these (block, layer) entries.
+  std::span<const staged_conversion> last_committed() const noexcept {
+    return {staged_.data(), committed_};
+  }
 
   // Reserves the target pages of `plan` (through ctl.stage), and enqueues their fill: the side
   // stream waits until this point of `main` (the sources are immutable from here on), then one
@@ -93,6 +101,7 @@ class retier_driver {
   result<std::size_t> enqueue(Controller& ctl, std::span<const conversion> plan, cudaStream_t main,
                               retier_stats& stats) {
     if (in_flight_ > 0 || !old_.empty() || plan.empty()) return std::size_t(0);
+    committed_ = 0;
     const std::size_t n = ctl.stage(plan, std::span<staged_conversion>(staged_), stats);
     if (n == 0) return std::size_t(0);
     // Group by (from, to) so each pair is one contiguous launch.
@@ -135,6 +144,7 @@ class retier_driver {
     if (!*done) return false;
     const std::size_t n = in_flight_;
     in_flight_ = 0;
+    committed_ = n;
     const bool ok = *h_error_ == 0;
     retained_.clear();
     for (std::size_t i = 0; i < n; ++i) {
@@ -245,6 +255,7 @@ class retier_driver {
   std::vector<page_id> retained_;
   std::vector<page_id> old_;  // replaced pages held until their decodes completed
   std::size_t in_flight_ = 0;
+  std::size_t committed_ = 0;  // conversions of the last committed batch (last_committed)
   bool marked_ = false;
 };
 

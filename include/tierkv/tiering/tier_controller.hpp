@@ -330,46 +330,11 @@ class tier_controller {
   status make_room(std::uint32_t pages,
                    Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
     if (storage_->free_pages(append_tier) >= pages) return {};
-    refresh();
-    const std::uint32_t free0 = storage_->free_pages(append_tier);
-    const std::uint32_t deficit = pages - free0;
-    constexpr int stale = Roles::stale;
-    if (stale == append_tier)
-      return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages, ", pages,
-                          " needed, and the Stale role maps to tier 0 too");
-    // Candidates: sealed tier-0 pages the policy lets go, lowest value first.
-    plan_->clear();
-    const int layers = storage_->num_layers();
-    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
-      block_rec& b = (*blocks_)[bi];
-      if (!b.live) continue;
-      const block_ref ref{bi, b.generation};
-      if (!storage_->block_sealed(ref)) continue;
-      for (int l = 0; l < layers; ++l) {
-        const page_id p = storage_->block_page(ref, l);
-        if (p.format != append_tier) continue;
-        const page_facts f = facts(bi, l, p);
-        const float v = policy_.keep_value(page(bi, l).state, f);
-        if (std::isinf(v)) continue;
-        plan_->push_back(conversion{ref, l, append_tier, stale, v});
-      }
-    }
-    const std::uint64_t demotable =
-        std::min<std::uint64_t>(plan_->size(), storage_->free_pages(stale));
-    if (std::uint64_t(shadows_) + demotable < deficit)
-      return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages and ", pages,
-                          " are needed; dropping ", shadows_, " shadow copies and demoting ",
-                          demotable, " pages (of ", plan_->size(), " demotable, ",
-                          storage_->free_pages(stale), " free in the Stale tier) cannot free ",
-                          deficit, "; nothing was changed");
+    auto todo = pressure_candidates(pages);
+    if (!todo) return todo.error_status();
     retier_stats st;
     while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
-    std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
-      if (a.value != b.value) return a.value < b.value;
-      if (a.block.index != b.block.index) return a.block.index < b.block.index;
-      return a.layer < b.layer;
-    });
-    for (const conversion& c : *plan_) {
+    for (const conversion& c : *todo) {
       if (storage_->free_pages(append_tier) >= pages) break;
       ++st.planned;
       convert(c, page(c.block.index, c.layer), st, faults, /*pressure=*/true);
@@ -379,6 +344,23 @@ class tier_controller {
     if (!st.first_error.is_ok()) return st.first_error;
     return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ",
                         storage_->free_pages(append_tier), " free pages of ", pages, " needed");
+  }
+
+  // make_room for a caller that converts elsewhere (the GPU: cuda::tiered_cache stages these
+  // through its retier driver): drops the shadows make_room would drop, then returns the
+  // demotions it would run, in its order, exactly as many as tier 0 is still short (each
+  // frees one tier-0 page once published and its old page is released). Refuses like
+  // make_room, before changing anything. The span lives until the next plan or pressure call.
+  result<std::span<const conversion>> pressure_plan(std::uint32_t pages) {
+    if (storage_->free_pages(append_tier) >= pages) return std::span<const conversion>{};
+    auto todo = pressure_candidates(pages);
+    if (!todo) return todo.error_status();
+    retier_stats st;
+    while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
+    totals_.add(st);
+    const std::uint32_t free0 = storage_->free_pages(append_tier);
+    const std::size_t need = free0 >= pages ? 0 : std::size_t(pages - free0);
+    return todo->first(std::min(need, todo->size()));
   }
 
   // Storage invariants with the controller's own pages (shadows) accounted for, and
@@ -501,6 +483,48 @@ class tier_controller {
         (*pages_)[std::size_t(bi) * std::size_t(f.num_layers) + std::size_t(layer)].last_move;
     f.steps_since_move = step_ - std::min(step_, last);
     return f;
+  }
+
+  // make_room's candidates (sealed tier-0 pages the policy lets go, lowest keep value first),
+  // or capacity_exhausted when shadows and every possible demotion cannot free `pages`.
+  result<std::span<const conversion>> pressure_candidates(std::uint32_t pages) {
+    refresh();
+    const std::uint32_t free0 = storage_->free_pages(append_tier);
+    const std::uint32_t deficit = pages - free0;
+    constexpr int stale = Roles::stale;
+    if (stale == append_tier)
+      return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages, ", pages,
+                          " needed, and the Stale role maps to tier 0 too");
+    plan_->clear();
+    const int layers = storage_->num_layers();
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      block_rec& b = (*blocks_)[bi];
+      if (!b.live) continue;
+      const block_ref ref{bi, b.generation};
+      if (!storage_->block_sealed(ref)) continue;
+      for (int l = 0; l < layers; ++l) {
+        const page_id p = storage_->block_page(ref, l);
+        if (p.format != append_tier) continue;
+        const page_facts f = facts(bi, l, p);
+        const float v = policy_.keep_value(page(bi, l).state, f);
+        if (std::isinf(v)) continue;
+        plan_->push_back(conversion{ref, l, append_tier, stale, v});
+      }
+    }
+    const std::uint64_t demotable =
+        std::min<std::uint64_t>(plan_->size(), storage_->free_pages(stale));
+    if (std::uint64_t(shadows_) + demotable < deficit)
+      return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages and ", pages,
+                          " are needed; dropping ", shadows_, " shadow copies and demoting ",
+                          demotable, " pages (of ", plan_->size(), " demotable, ",
+                          storage_->free_pages(stale), " free in the Stale tier) cannot free ",
+                          deficit, "; nothing was changed");
+    std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
+      if (a.value != b.value) return a.value < b.value;
+      if (a.block.index != b.block.index) return a.block.index < b.block.index;
+      return a.layer < b.layer;
+    });
+    return std::span<const conversion>(plan_->data(), plan_->size());
   }
 
   std::uint32_t percent_of_tier0(int percent) const {

@@ -2,6 +2,9 @@
 // The default policy and the tier controller: roles, hysteresis, dwell, planning order,
 // memory pressure, shadows, and bookkeeping allocation failures.
 #include <algorithm>
+#include <span>
+#include <tuple>
+#include <vector>
 
 #include "catch.hpp"
 #include "tiering_test_support.hpp"
@@ -261,6 +264,62 @@ TEST_CASE(
     for (std::int64_t i = 0; i < 5; ++i) after.push_back(s->page(q, l, i).value());
   CHECK(after == before);
   REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("controller: pressure_plan names make_room's demotions, and refuses as it does",
+          "[tiering][controller]") {
+  // Two identical storages and controllers: one frees tier 0 with make_room (host codecs), the
+  // other stages pressure_plan's demotions and fills them on the host, as the GPU façade does
+  // through its retier driver. Both end with the same tiers and free pages.
+  auto make = [] {
+    auto s = make_storage(12, 6);
+    auto knobs = plain_knobs();
+    knobs.recent_pages = 2;
+    auto c = controller2::create(*s, recency_anchor(knobs)).value();
+    const seq_id q = s->create_sequence().value();
+    REQUIRE(append_seeds(*s, q, seeds_from(1, 80)));
+    std::vector<float> mass{0.1f, 0.1f, 0.5f, 0.1f, 0.2f};
+    REQUIRE(c->observe_mass(q, 0, mass));
+    REQUIRE(c->observe_mass(q, 1, mass));
+    REQUIRE(c->pin(q, 1, 1));
+    (void)c->plan(0);
+    return std::tuple(std::move(s), std::move(c), q);
+  };
+  auto [s1, c1, q1] = make();
+  auto [s2, c2, q2] = make();
+  REQUIRE(c1->make_room(4));
+  auto todo = c2->pressure_plan(4);
+  REQUIRE(todo.has_value());
+  CHECK(todo->size() == 2);  // 2 free, 4 needed: exactly the deficit
+  std::vector<staged_conversion> staged(todo->size());
+  retier_stats st;
+  REQUIRE(c2->stage(*todo, std::span<staged_conversion>(staged), st) == 2);
+  bool filled[2];
+  for (int i = 0; i < 2; ++i) {
+    conversion_counters cc;
+    filled[i] = fill_conversion_on_host(*s2, staged[std::size_t(i)], cc).is_ok();
+  }
+  c2->commit(std::span<staged_conversion>(staged), std::span<const bool>(filled, 2), st);
+  CHECK(st.demoted == 2);
+  CHECK(s2->free_pages(0) == s1->free_pages(0));
+  CHECK(s2->free_pages(1) == s1->free_pages(1));
+  for (int l = 0; l < 2; ++l)
+    for (std::int64_t i = 0; i < 5; ++i) {
+      CHECK(s2->page(q2, l, i).value().format == s1->page(q1, l, i).value().format);
+      CHECK(bytes_of(*s2, s2->page(q2, l, i).value()) == bytes_of(*s1, s1->page(q1, l, i).value()));
+    }
+  // Enough free already: nothing to do. Too much: the same refusal, nothing changed.
+  auto none = c2->pressure_plan(s2->free_pages(0));
+  REQUIRE(none.has_value());
+  CHECK(none->empty());
+  const std::uint32_t free0 = s2->free_pages(0), free1 = s2->free_pages(1);
+  auto refused = c2->pressure_plan(12);
+  CHECK(refused.code() == errc::capacity_exhausted);
+  CHECK(refused.error_status().message().find("nothing was changed") != std::string::npos);
+  CHECK(c1->make_room(12).code() == errc::capacity_exhausted);
+  CHECK(s2->free_pages(0) == free0);
+  CHECK(s2->free_pages(1) == free1);
+  REQUIRE(c2->check_invariants());
 }
 
 TEST_CASE("controller: shadows make quick promotions lossless and give tier 0 back under pressure",

@@ -1,0 +1,653 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda::tiered_cache: the cache wholly on the GPU, the façade an engine drives. Pages live in
+// device memory; the host keeps only metadata (page tables, policy state) and never reads or
+// writes page bytes (device_allocator is not host accessible, so no host codec path compiles
+// here). It owns the storage, the tier controller, the retier driver (conversions on a side
+// stream), a device mirror of the page table (page_table_mirror.cuh) and the decode plan and
+// workspace.
+//
+//   auto c = cache::create(opt, stream).value();
+//   per scheduler step:
+//     c->begin_step(batch, new_tokens);     // reserve + commit the step's tokens, index arrays
+//     for (int l = 0; l < layers; ++l) {    // the forward pass, on `stream`
+//       c->append(l, k, v, input_type::bf16);            // [new tokens][kv_heads][head_dim]
+//       c->decode(l, q, query_type::bf16, out);          // attends to every committed token
+//     }
+//     c->end_step(step);                    // page mass -> policy, retier batch on the side stream
+//
+// The step's tokens are live from begin_step on: every reader of their pages runs after the
+// append kernels in stream order (decode on `stream`; the retier batch waits for `stream`; a
+// fork's tail copy runs on `stream`), so the host never waits for a write. Between begin_step
+// and end_step, append and decode are plain kernel launches: a whole forward pass over all
+// layers can be captured in one CUDA graph and replayed for the same batch shape.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/append.cuh"
+#include "tierkv/cuda/check.cuh"
+#include "tierkv/cuda/decode.cuh"
+#include "tierkv/cuda/decode_plan.cuh"
+#include "tierkv/cuda/page_table_mirror.cuh"
+#include "tierkv/cuda/retier_async.cuh"
+#include "tierkv/cuda/retier_driver.cuh"
+#include "tierkv/memory/allocators.hpp"
+#include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/report.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
+#include "tierkv/tiering/tier_controller.hpp"
+#include "tierkv/tiering/tier_policy.hpp"
+#include "tierkv/tiering/tier_roles.hpp"
+
+namespace tierkv::cuda {
+
+template <class Policy, int NumTiers>
+struct tiered_cache_options {
+  storage_options<NumTiers> storage{};  // layers, sequences, pages per tier, codec seed
+  Policy policy{};
+  tier_controller_options tiering{};
+  int max_batch = 64;            // sequences per step
+  int max_pages = 4096;          // logical pages per sequence
+  int max_step_tokens = 4096;    // new tokens of one step over its batch (prefill chunks)
+  int max_retier_pages = 1024;   // conversions per GPU batch
+  int max_chunks_per_seq = 64;   // decode split (decode_capacity)
+  int mass_layers_per_step = 0;  // layers whose page mass feeds the policy a step (0 = all)
+  float softmax_scale = 0.f;     // 0: 1 / sqrt(head_dim)
+};
+
+// Host<->device bytes the façade moved: all metadata. Page bytes never cross (see the top).
+struct transfer_counters {
+  std::uint64_t h2d_metadata_bytes = 0;  // mirror journals, batch rows, slot mappings, retier lists
+  std::uint64_t d2h_metadata_bytes = 0;  // page masses, error words
+  std::uint64_t page_bytes = 0;          // host<->device page bytes: no path moves any
+};
+
+template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
+          decode_path Path = decode_path::tensor_core, class Roles = tier_roles<Tiers>>
+class tiered_cache {
+ public:
+  using storage_type = paged_storage<Geometry, Tiers, device_allocator, host_allocator>;
+  using controller_type = tier_controller<storage_type, Policy, Roles>;
+  using driver_type = retier_driver<storage_type>;
+  static constexpr int num_tiers = Tiers::size;
+  using mirror_type = page_table_mirror<num_tiers>;
+  using options = tiered_cache_options<Policy, num_tiers>;
+  using append_tier = tier_at_t<Tiers, 0>;
+  static constexpr int layers_max = 65535;
+  // Observes the page mass the policy is fed: (sequence, layer, mass per logical page).
+  using mass_observer = std::function<void(seq_id, int, std::span<const float>)>;
+
+  tiered_cache(const tiered_cache&) = delete;
+  tiered_cache& operator=(const tiered_cache&) = delete;
+  ~tiered_cache() {
+    if (stream_) (void)cudaStreamSynchronize(stream_);
+    if (driver_) {  // publish or drop what is in flight, give held pages back
+      if (side_) (void)cudaStreamSynchronize(side_);
+      retier_stats st;
+      (void)driver_->try_publish(*controller_, st);
+      (void)driver_->mark_decodes_enqueued(stream_);
+      (void)cudaStreamSynchronize(stream_);
+      (void)driver_->reclaim();
+    }
+    driver_.reset();
+    controller_.reset();
+    mirror_.reset();
+    storage_.reset();
+    for (void* p : {workspace_, static_cast<void*>(mass_dev_), static_cast<void*>(lse_dev_),
+                    static_cast<void*>(slots_dev_)})
+      cudaFree(p);
+    for (void* p : {static_cast<void*>(mass_host_), static_cast<void*>(slots_host_)})
+      cudaFreeHost(p);
+    for (cudaEvent_t e : {mass_ready_, slots_uploaded_})
+      if (e) cudaEventDestroy(e);
+    if (side_) cudaStreamDestroy(side_);
+  }
+
+  // Every option is checked first (invalid_argument naming it); then the device buffers are
+  // allocated. `stream` is the engine's stream: appends, decodes, fork copies run on it.
+  static result<std::unique_ptr<tiered_cache>> create(const options& opt, cudaStream_t stream) {
+    if (auto st = validate(opt); !st) return st;
+    std::unique_ptr<tiered_cache> c(new tiered_cache(opt, stream));
+    if (auto st = c->init(); !st) return st;
+    return result<std::unique_ptr<tiered_cache>>(std::move(c));
+  }
+
+  static status validate(const options& opt) {
+    if (auto st = storage_type::validate(opt.storage); !st) return st;
+    if (auto st = controller_type::validate(opt.policy, opt.tiering); !st) return st;
+    if (opt.storage.num_layers > layers_max)
+      return status::exceeds(errc::invalid_argument, "num_layers", opt.storage.num_layers,
+                             layers_max);
+    for (int f = 0; f < num_tiers; ++f)
+      if (opt.storage.pages_per_tier[std::size_t(f)] > packed_page::max_slots)
+        return status::exceeds(errc::invalid_argument, "pages_per_tier",
+                               opt.storage.pages_per_tier[std::size_t(f)], packed_page::max_slots);
+    const int values[] = {opt.max_batch, opt.max_pages, opt.max_step_tokens, opt.max_retier_pages,
+                          opt.max_chunks_per_seq};
+    const char* names[] = {"max_batch", "max_pages", "max_step_tokens", "max_retier_pages",
+                           "max_chunks_per_seq"};
+    for (int i = 0; i < 5; ++i)
+      if (values[i] < 1)
+        return status::make(errc::invalid_argument, names[i], " = ", values[i], " must be >= 1");
+    if (opt.max_pages > 65535)
+      return status::exceeds(errc::invalid_argument, "max_pages", opt.max_pages, 65535);
+    if (opt.mass_layers_per_step < 0)
+      return status::make(errc::invalid_argument,
+                          "mass_layers_per_step = ", opt.mass_layers_per_step,
+                          " must be >= 0 (0 = every layer)");
+    if (!(opt.softmax_scale >= 0.f) || !std::isfinite(opt.softmax_scale))
+      return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale,
+                          " must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
+    return {};
+  }
+
+  // ---- sequences -----------------------------------------------------------------------------
+  result<seq_id> create_sequence() {
+    auto s = storage_->create_sequence();
+    if (!s) return s;
+    open_row(*s);
+    return s;
+  }
+  // Shares every sealed page; the open tail page is copied on the stream (device to device).
+  // Refusals come before any demotion, as on the host.
+  result<seq_id> fork(seq_id parent) {
+    if (stepping_)
+      return status(errc::invalid_argument, "fork: not between begin_step and end_step");
+    auto s = storage_->fork(parent, room());
+    if (!s) return s;
+    open_row(*s);
+    sync_rows(*s, 0);
+    return s;
+  }
+  status release(seq_id s) {
+    if (stepping_)
+      return status(errc::invalid_argument, "release: not between begin_step and end_step");
+    if (auto st = storage_->release(s); !st) return st;
+    close_row(s);
+    return {};
+  }
+  result<std::int64_t> length(seq_id s) const { return storage_->length(s); }
+  status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
+    return controller_->pin(s, first_page, pages, pinned);
+  }
+
+  // ---- a step ------------------------------------------------------------------------------
+  // Adds new_tokens[b] tokens to batch[b] (0 for a plain decode step; a prefill chunk; several
+  // sequences of any mix), uploads their slot mapping, and builds the index arrays of every
+  // layer and the decode plan for `batch`. Refusals (a bad sequence, max_pages, capacity that
+  // demotion cannot free) return before any token is added; demotions made for earlier
+  // sequences of the batch stay (they lose nothing). Under memory pressure it blocks while
+  // demotions run on the GPU (make_room); otherwise it only enqueues work.
+  status begin_step(std::span<const seq_id> batch, std::span<const std::int32_t> new_tokens) {
+    if (stepping_) return status(errc::invalid_argument, "begin_step: the last step has not ended");
+    if (batch.size() != new_tokens.size())
+      return status::make(errc::invalid_argument, "begin_step: ", batch.size(), " sequences and ",
+                          new_tokens.size(), " token counts");
+    if (batch.size() > std::size_t(opt_.max_batch))
+      return status::exceeds(errc::capacity_exhausted, "begin_step: batch", batch.size(),
+                             opt_.max_batch);
+    std::int64_t total = 0;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      if (new_tokens[b] < 0)
+        return status::make(errc::invalid_argument, "begin_step: new_tokens[", b,
+                            "] = ", new_tokens[b], " is negative");
+      auto len = storage_->length(batch[b]);
+      if (!len) return len.error_status();
+      constexpr std::int64_t T = storage_type::page_tokens;
+      if ((*len + new_tokens[b] + T - 1) / T > opt_.max_pages)
+        return status::make(errc::out_of_range, "begin_step: ", batch[b], " would have ",
+                            (*len + new_tokens[b] + T - 1) / T,
+                            " logical pages, max_pages = ", opt_.max_pages, "; nothing added");
+      for (std::size_t a = 0; a < b; ++a)
+        if (batch[a] == batch[b])
+          return status::make(errc::invalid_argument, "begin_step: ", batch[b], " appears twice");
+      total += new_tokens[b];
+    }
+    if (total > opt_.max_step_tokens)
+      return status::exceeds(errc::capacity_exhausted, "begin_step: new tokens", total,
+                             opt_.max_step_tokens);
+    // Publish a finished retier batch first: the index arrays below name its pages.
+    if (auto st = collect_retier(/*wait=*/false); !st) return st;
+    if (auto st = reserve_all(batch, new_tokens, total); !st) return st;
+
+    batch_.assign(batch.begin(), batch.end());
+    rows_.resize(batch.size());
+    pages_.resize(batch.size());
+    lens_.resize(batch.size());
+    std::vector<std::int32_t> per_format(batch.size() * std::size_t(num_tiers));
+    const auto share = tier_shares();
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::int64_t len = *storage_->length(batch[b]);
+      const std::int64_t pages = *storage_->logical_pages(batch[b]);
+      rows_[b] = row_of(batch[b]);
+      pages_[b] = std::int32_t(pages);
+      lens_[b] = std::int32_t(len);
+      for (int f = 0; f < num_tiers; ++f)
+        per_format[b * num_tiers + std::size_t(f)] = std::int32_t(std::lround(pages * share[f]));
+    }
+    if (auto st = mirror_->build(rows_, pages_, lens_, stream_); !st) return st;
+    counters_.h2d_metadata_bytes += mirror_->last_upload_bytes();
+    decode_capacity cap{opt_.max_batch, opt_.max_chunks_per_seq, opt_.max_pages, true};
+    auto plan = plan_decode<Geometry, Tiers>(cap, per_format.data(), int(batch.size()), sm_count_);
+    if (!plan) return plan.error_status();
+    plan_ = *plan;
+    choose_mass_layers();
+    stepping_ = true;
+    return {};
+  }
+
+  // Writes layer `layer` of the step's new tokens: k and v hold [tokens][kv_heads][head_dim]
+  // (tokens in begin_step's batch order), device memory, f32 or bf16. Enqueued on the stream.
+  status append(int layer, const void* k, const void* v, input_type type = input_type::f32) {
+    if (!stepping_) return status(errc::invalid_argument, "append: call begin_step first");
+    if (layer < 0 || layer >= layers())
+      return status::out_of_range("append: layer", layer, layers());
+    if (step_tokens_ == 0) return {};
+    append_inputs in;
+    in.k = k;
+    in.v = v;
+    in.type = type;
+    in.slot = slots_dev_ + std::size_t(layer) * std::size_t(opt_.max_step_tokens);
+    in.offset = slots_dev_ + std::size_t(layers()) * std::size_t(opt_.max_step_tokens);
+    in.tokens = int(step_tokens_);
+    in.layers = 1;
+    in.pool = storage_->views()[0];
+    in.cache_seed = storage_->config().codec_seed;
+    in.head_base = storage_->config().head_base;
+    in.layer_base = layer;
+    return cuda::append<Geometry, append_tier>(in, stream_);
+  }
+
+  // Decode attention of layer `layer` for the step's batch: queries [batch][q_heads][head_dim]
+  // (post-RoPE, device memory), out (same shape, f32), lse ([batch][q_heads], optional).
+  status decode(int layer, const void* queries, query_type qtype, float* out,
+                float* lse = nullptr) {
+    if (!stepping_) return status(errc::invalid_argument, "decode: call begin_step first");
+    if (layer < 0 || layer >= layers())
+      return status::out_of_range("decode: layer", layer, layers());
+    decode_inputs<num_tiers> in;
+    in.index = mirror_->view(layer);
+    const auto views = storage_->views();
+    for (int f = 0; f < num_tiers; ++f) in.pools[f] = views[std::size_t(f)];
+    in.queries = queries;
+    in.queries_type = qtype;
+    in.softmax_scale =
+        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(Geometry::head_dim));
+    in.cache_seed = storage_->config().codec_seed;
+    in.head_base = storage_->config().head_base;
+    in.layer = layer;
+    in.out = out;
+    in.lse = lse;
+    const int j = mass_slot_[std::size_t(layer)];
+    if (j >= 0) {
+      in.page_mass = mass_dev_ + mass_offset(j);
+      in.page_mass_stride = opt_.max_pages;
+      if (in.lse == nullptr)
+        in.lse = lse_dev_ + std::size_t(j) * std::size_t(opt_.max_batch) * Geometry::q_heads;
+    }
+    if (auto st = cuda::decode<Geometry, Tiers, Path>(plan_, in, workspace_, plan_.workspace_bytes,
+                                                      stream_);
+        !st)
+      return st;
+    if (j >= 0 && !batch_.empty()) {
+      const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
+      TIERKV_CUDA_TRY(cudaMemcpyAsync(mass_host_ + mass_offset(j), in.page_mass, bytes,
+                                      cudaMemcpyDeviceToHost, stream_));
+      counters_.d2h_metadata_bytes += bytes;
+      mass_decoded_[std::size_t(j)] = true;
+      TIERKV_CUDA_TRY(cudaEventRecord(mass_ready_, stream_));
+    }
+    return {};
+  }
+
+  // Ends the step: waits for the step's page masses (the engine waits for its logits anyway),
+  // feeds them to the policy, and enqueues the conversions the policy wants at `step` on the
+  // side stream (published by a later begin_step or end_step once complete). wait = true
+  // finishes the batch and gives the replaced pages back before returning (tests, shutdown).
+  result<retier_stats> end_step(std::uint64_t step, bool wait = false) {
+    if (!stepping_) return status(errc::invalid_argument, "end_step: call begin_step first");
+    stepping_ = false;
+    if (auto st = feed_masses(); !st) return st;
+    retier_stats st;
+    if (auto c = collect_retier(wait); !c) return c;
+    const auto todo = controller_->plan(step);
+    const std::size_t n = std::min(todo.size(), std::size_t(opt_.max_retier_pages));
+    auto queued = driver_->enqueue(*controller_, todo.first(n), stream_, st);
+    if (!queued) return queued.error_status();
+    if (*queued > 0) counters_.h2d_metadata_bytes += retier_list_bytes();
+    if (wait)
+      if (auto c = collect_retier(true); !c) return c;
+    st.add(last_batch_);
+    last_batch_ = retier_stats{};
+    totals_.add(st);
+    return st;
+  }
+
+  // ---- accounting ----------------------------------------------------------------------------
+  memory_report report() const { return make_report(*storage_); }
+  status check_invariants() const {
+    const std::size_t outstanding = driver_->pages_held() + driver_->pages_in_flight();
+    if (auto st = storage_->check_invariants(std::uint32_t(outstanding)); !st) return st;
+    return controller_->check_invariants();
+  }
+  // The device check of the last begin_step's index build and decodes (synchronizes).
+  status device_error() {
+    if (auto st = mirror_->error(stream_); !st) return st;
+    auto e = decode_device_error(plan_, workspace_, stream_);
+    if (!e) return e.error_status();
+    if (*e != errc::ok)
+      return status::make(*e, "decode: a page slot beyond its pool or a page beyond max_pages");
+    return {};
+  }
+  const transfer_counters& transfers() const noexcept { return counters_; }
+  const retier_stats& retier_totals() const noexcept { return totals_; }
+  void set_mass_observer(mass_observer f) { observer_ = std::move(f); }
+
+  storage_type& storage() noexcept { return *storage_; }
+  const storage_type& storage() const noexcept { return *storage_; }
+  controller_type& controller() noexcept { return *controller_; }
+  const mirror_type& mirror() const noexcept { return *mirror_; }
+  const decode_plan& plan() const noexcept { return plan_; }
+  cudaStream_t stream() const noexcept { return stream_; }
+  cudaStream_t side_stream() const noexcept { return side_; }
+  const options& config() const noexcept { return opt_; }
+  int layers() const noexcept { return opt_.storage.num_layers; }
+
+ private:
+  tiered_cache(const options& opt, cudaStream_t stream) : opt_(opt), stream_(stream) {}
+
+  status init() {
+    TIERKV_CUDA_TRY(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device()));
+    device_allocator pages;
+    pages.set_stream(stream_);
+    auto s = storage_type::create(opt_.storage, std::move(pages));
+    if (!s) return s.error_status();
+    storage_ = std::move(*s);
+    auto ctl = controller_type::create(*storage_, opt_.policy, opt_.tiering);
+    if (!ctl) return ctl.error_status();
+    controller_ = std::move(*ctl);
+    auto side = create_side_stream();
+    if (!side) return side.error_status();
+    side_ = *side;
+    auto d = driver_type::create(*storage_, opt_.max_retier_pages, side_);
+    if (!d) return d.error_status();
+    driver_ = std::move(*d);
+    auto m = mirror_type::create(int(storage_->max_sequences()), opt_.max_pages,
+                                 int(storage_->block_capacity()), layers(), opt_.max_batch);
+    if (!m) return m.error_status();
+    mirror_ = std::move(*m);
+    known_gen_.assign(storage_->block_capacity(), 0);
+    free_rows_.resize(storage_->max_sequences());
+    for (std::uint32_t r = 0; r < storage_->max_sequences(); ++r)
+      free_rows_[r] = std::int32_t(storage_->max_sequences() - 1 - r);
+    row_pages_.assign(storage_->max_sequences(), 0);
+
+    decode_capacity cap{opt_.max_batch, opt_.max_chunks_per_seq, opt_.max_pages, true};
+    auto plan = plan_decode<Geometry, Tiers>(cap, nullptr, 0, sm_count_);
+    if (!plan) return plan.error_status();
+    plan_ = *plan;
+    TIERKV_CUDA_TRY(cudaMalloc(&workspace_, plan_.workspace_bytes));
+    if (auto st = decode_workspace_init(plan_, workspace_, plan_.workspace_bytes, stream_); !st)
+      return st;
+    mass_layers_ =
+        opt_.mass_layers_per_step == 0 ? layers() : std::min(opt_.mass_layers_per_step, layers());
+    const std::size_t mass_bytes = mass_offset(mass_layers_) * sizeof(float);
+    TIERKV_CUDA_TRY(cudaMalloc(&mass_dev_, mass_bytes));
+    TIERKV_CUDA_TRY(cudaMallocHost(&mass_host_, mass_bytes));
+    TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, std::size_t(mass_layers_) * std::size_t(opt_.max_batch) *
+                                              Geometry::q_heads * sizeof(float)));
+    mass_slot_.assign(std::size_t(layers()), -1);
+    mass_layer_.assign(std::size_t(mass_layers_), -1);
+    mass_decoded_.assign(std::size_t(mass_layers_), false);
+    const std::size_t slot_ints = (std::size_t(layers()) + 1) * std::size_t(opt_.max_step_tokens);
+    TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
+    TIERKV_CUDA_TRY(cudaMallocHost(&slots_host_, slot_ints * sizeof(std::int32_t)));
+    TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&mass_ready_, cudaEventDisableTiming));
+    TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&slots_uploaded_, cudaEventDisableTiming));
+    TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // pools poisoned, workspace zeroed
+    return {};
+  }
+
+  static int device() {
+    int d = 0;
+    (void)cudaGetDevice(&d);
+    return d;
+  }
+
+  std::size_t mass_offset(int j) const {
+    return std::size_t(j) * std::size_t(opt_.max_batch) * std::size_t(opt_.max_pages);
+  }
+  std::size_t retier_list_bytes() const {
+    return 3 * std::size_t(opt_.max_retier_pages) * sizeof(std::int32_t) + sizeof(int);
+  }
+
+  // ---- the mirror's rows ---------------------------------------------------------------------
+  void open_row(seq_id s) {
+    const std::int32_t r = free_rows_.back();
+    free_rows_.pop_back();
+    row_of_[s.value] = r;
+    row_pages_[std::size_t(r)] = 0;
+  }
+  void close_row(seq_id s) {
+    auto it = row_of_.find(s.value);
+    free_rows_.push_back(it->second);
+    row_of_.erase(it);
+  }
+  std::int32_t row_of(seq_id s) const { return row_of_.at(s.value); }
+
+  // Mirrors s's committed logical pages from `from` on (their blocks and, for blocks the mirror
+  // has not seen at this generation, every layer's page).
+  void sync_rows(seq_id s, std::int64_t from) {
+    const std::int32_t row = row_of(s);
+    const std::int64_t pages = *storage_->logical_pages(s);
+    for (std::int64_t p = from; p < pages; ++p) {
+      const block_ref b = *storage_->block_of(s, p);
+      mirror_->set_row(row, int(p), std::int32_t(b.index));
+      if (known_gen_[b.index] == b.generation + 1) continue;
+      known_gen_[b.index] = b.generation + 1;
+      for (int l = 0; l < layers(); ++l) {
+        const page_id pg = storage_->block_page(b, l);
+        mirror_->set_page(b.index, l, pg.format, pg.slot);
+      }
+    }
+    row_pages_[std::size_t(row)] = std::int32_t(pages);
+  }
+
+  // ---- reservations --------------------------------------------------------------------------
+  status reserve_all(std::span<const seq_id> batch, std::span<const std::int32_t> n,
+                     std::int64_t total) {
+    const std::size_t T = std::size_t(opt_.max_step_tokens);
+    // The last step's mapping upload must be done before reserve rewrites the buffer.
+    TIERKV_CUDA_TRY(cudaEventSynchronize(slots_uploaded_));
+    std::int64_t at = 0;
+    std::size_t done = 0;
+    status st;
+    for (; done < batch.size(); ++done) {
+      const std::int64_t k = n[done];
+      if (k == 0) continue;
+      slot_mapping m;
+      m.slot = std::span<std::int32_t>(slots_host_ + at,
+                                       (std::size_t(layers()) - 1) * T + std::size_t(k));
+      m.layer_stride = std::int64_t(T);
+      m.offset = std::span<std::int32_t>(slots_host_ + std::size_t(layers()) * T + std::size_t(at),
+                                         std::size_t(k));
+      if (st = storage_->reserve(batch[done], k, m, room()); !st) break;
+      at += k;
+    }
+    if (!st) {
+      for (std::size_t b = 0; b < done; ++b) (void)storage_->cancel(batch[b]);
+      return st;
+    }
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      if (n[b] == 0) continue;
+      const std::int64_t before = *storage_->logical_pages(batch[b]);
+      (void)storage_->commit(batch[b], n[b]);
+      sync_rows(batch[b], before > 0 ? before - 1 : 0);
+    }
+    step_tokens_ = total;
+    if (total > 0) {
+      for (int l = 0; l < layers(); ++l)
+        TIERKV_CUDA_TRY(cudaMemcpyAsync(
+            slots_dev_ + std::size_t(l) * T, slots_host_ + std::size_t(l) * T,
+            std::size_t(total) * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+      TIERKV_CUDA_TRY(cudaMemcpyAsync(
+          slots_dev_ + std::size_t(layers()) * T, slots_host_ + std::size_t(layers()) * T,
+          std::size_t(total) * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
+      counters_.h2d_metadata_bytes += std::uint64_t(layers() + 1) * std::uint64_t(total) * 4;
+      TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));
+    }
+    return {};
+  }
+
+  // ---- memory pressure: demotions staged through the driver, blocking --------------------------
+  auto room() {
+    return [this](std::uint32_t pages) { return make_room(pages); };
+  }
+  status make_room(std::uint32_t pages) {
+    if (storage_->free_pages(0) >= pages) return {};
+    if (auto st = collect_retier(true); !st) return st;
+    while (storage_->free_pages(0) < pages) {
+      auto todo = controller_->pressure_plan(pages);
+      if (!todo) return todo.error_status();
+      if (todo->empty()) break;
+      const std::size_t n = std::min(todo->size(), std::size_t(opt_.max_retier_pages));
+      retier_stats st;
+      auto queued = driver_->enqueue(*controller_, todo->first(n), stream_, st);
+      if (!queued) return queued.error_status();
+      if (*queued == 0) break;
+      counters_.h2d_metadata_bytes += retier_list_bytes();
+      if (auto c = collect_retier(true); !c) return c;
+      st.add(last_batch_);
+      last_batch_ = retier_stats{};
+      st.pressure_demoted += st.demoted;
+      totals_.add(st);
+      if (!st.first_error.is_ok()) return st.first_error;
+    }
+    if (storage_->free_pages(0) >= pages) return {};
+    return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ",
+                        storage_->free_pages(0), " free pages of ", pages, " needed");
+  }
+
+  // Publishes a completed batch (wait: waits for it) and mirrors its pages; marks the decodes
+  // enqueued so far as the last readers of the replaced pages; gives those back once idle
+  // (wait: waits for the stream).
+  status collect_retier(bool wait) {
+    if (wait && driver_->batch_in_flight()) TIERKV_CUDA_TRY(cudaStreamSynchronize(side_));
+    auto published = driver_->try_publish(*controller_, last_batch_);
+    if (!published) return published.error_status();
+    if (*published) {
+      counters_.d2h_metadata_bytes += sizeof(int);
+      for (const staged_conversion& sc : driver_->last_committed()) {
+        if (!storage_->check_block(sc.block)) continue;
+        const page_id pg = storage_->block_page(sc.block, sc.layer);
+        mirror_->set_page(sc.block.index, sc.layer, pg.format, pg.slot);
+      }
+      if (auto st = driver_->mark_decodes_enqueued(stream_); !st) return st;
+    }
+    if (wait && driver_->pages_held() > 0) TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+    auto back = driver_->reclaim();
+    if (!back) return back.error_status();
+    return {};
+  }
+
+  // ---- page mass -----------------------------------------------------------------------------
+  void choose_mass_layers() {
+    std::fill(mass_slot_.begin(), mass_slot_.end(), -1);
+    for (int j = 0; j < mass_layers_; ++j) {
+      const int l = int((std::uint64_t(steps_) * std::uint64_t(mass_layers_) + std::uint64_t(j)) %
+                        std::uint64_t(layers()));
+      mass_slot_[std::size_t(l)] = j;
+      mass_layer_[std::size_t(j)] = l;
+      mass_decoded_[std::size_t(j)] = false;
+    }
+    ++steps_;
+  }
+  status feed_masses() {
+    bool any = false;
+    for (bool d : mass_decoded_) any = any || d;
+    if (!any) return {};
+    TIERKV_CUDA_TRY(cudaEventSynchronize(mass_ready_));
+    for (int j = 0; j < mass_layers_; ++j) {
+      if (!mass_decoded_[std::size_t(j)]) continue;
+      const int l = mass_layer_[std::size_t(j)];
+      for (std::size_t b = 0; b < batch_.size(); ++b) {
+        const std::span<const float> row(
+            mass_host_ + mass_offset(j) + b * std::size_t(opt_.max_pages), std::size_t(pages_[b]));
+        if (observer_) observer_(batch_[b], l, row);
+        if (auto st = controller_->observe_mass(batch_[b], l, row); !st) return st;
+      }
+    }
+    return {};
+  }
+
+  // Share of each tier among used pages: the plan's estimate of a sequence's pages per tier
+  // (it only balances chunks; the kernels read the real formats).
+  std::array<double, num_tiers> tier_shares() const {
+    std::array<double, num_tiers> used{};
+    double total = 0;
+    for (int f = 0; f < num_tiers; ++f) {
+      used[std::size_t(f)] =
+          double(opt_.storage.pages_per_tier[std::size_t(f)] - storage_->free_pages(f));
+      total += used[std::size_t(f)];
+    }
+    for (auto& u : used) u = total > 0 ? u / total : (&u == &used[0] ? 1.0 : 0.0);
+    return used;
+  }
+
+  options opt_;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t side_ = nullptr;
+  int sm_count_ = 0;
+  std::unique_ptr<storage_type> storage_;
+  std::unique_ptr<controller_type> controller_;
+  std::unique_ptr<driver_type> driver_;
+  std::unique_ptr<mirror_type> mirror_;
+  std::vector<std::uint32_t> known_gen_;  // per block: generation + 1 the mirror holds (0: none)
+  std::unordered_map<std::uint32_t, std::int32_t> row_of_;  // seq_id value -> mirror row
+  std::vector<std::int32_t> free_rows_;
+  std::vector<std::int32_t> row_pages_;
+  decode_plan plan_{};
+  void* workspace_ = nullptr;
+  // The step.
+  bool stepping_ = false;
+  std::uint64_t steps_ = 0;
+  std::int64_t step_tokens_ = 0;
+  std::vector<seq_id> batch_;
+  std::vector<std::int32_t> rows_, pages_, lens_;
+  // Page mass: mass_layers_ sampled layers a step, [slot][max_batch][max_pages].
+  int mass_layers_ = 0;
+  std::vector<int> mass_slot_;   // per layer: its mass slot this step, -1 if not sampled
+  std::vector<int> mass_layer_;  // per slot: its layer
+  std::vector<bool> mass_decoded_;
+  float* mass_dev_ = nullptr;
+  float* mass_host_ = nullptr;
+  float* lse_dev_ = nullptr;
+  cudaEvent_t mass_ready_ = nullptr;
+  // Slot mapping of the step's tokens: [layers][max_step_tokens] slots, then offsets.
+  std::int32_t* slots_dev_ = nullptr;
+  std::int32_t* slots_host_ = nullptr;
+  cudaEvent_t slots_uploaded_ = nullptr;
+  mass_observer observer_;
+  retier_stats last_batch_;  // what try_publish committed, folded into the next step's stats
+  retier_stats totals_;
+  transfer_counters counters_;
+};
+
+}  // namespace tierkv::cuda

@@ -1,0 +1,414 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda::tiered_cache, the cache wholly on the GPU, against a host twin (paged_storage and
+// tier_controller over host memory, host codecs, host_decode) driven by the same operations:
+// >= 1000 scheduler steps over up to 8 sequences with prefill chunks, single-token decode steps
+// and short multi-token (speculative-size) steps, forks, releases and memory pressure. The twin
+// is fed the page masses the GPU decode produced, so both policies see the same input. After
+// every step: every logical page of every layer has the same tier and the same token bytes in
+// both (0 divergences), the device mirror's index arrays equal build_batch_index over the GPU
+// storage's page tables, the GPU decode equals host_decode over the twin within the decode
+// tests' tolerance, both pass their invariants, and the façade moved no page bytes over PCIe.
+// TIERKV_E2E_STEPS overrides the step count (the sanitizer runs use fewer).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "catch.hpp"
+#include "tiered_cache_kernels.hpp"
+#include "tierkv/attention/host_decode.hpp"
+#include "tierkv/attention/host_workspace.hpp"
+#include "tierkv/paging/index_builder.hpp"
+#include "tierkv/tiering/conversion.hpp"
+
+namespace {
+
+using namespace tierkv;
+using G = cuda_test::e2e_geometry;
+using TL = cuda_test::e2e_tiers;
+using host_storage = paged_storage<G, TL, host_allocator>;
+using host_ctl = tier_controller<host_storage>;
+constexpr int D = G::head_dim, KVH = G::kv_heads, QH = G::q_heads, T = G::page_tokens;
+constexpr int layers = 3;
+constexpr std::uint32_t tier0_pages = 90;  // 30 blocks of 3 layers
+
+policy::recency_anchor knobs() {
+  policy::recency_anchor::options o;
+  o.recent_pages = 2;
+  o.sink_pages = 1;
+  o.ema_alpha = 1.0f;
+  o.enter_mass = 3.0f;
+  o.leave_mass = 1.5f;
+  o.min_dwell_steps = 2;
+  o.keep_first_layers = 0;
+  o.keep_last_layers = 0;
+  return policy::recency_anchor(o);
+}
+
+storage_options<2> storage_opts() {
+  storage_options<2> o;
+  o.num_layers = layers;
+  o.max_sequences = 12;
+  o.pages_per_tier = {tier0_pages,
+                      1500};  // tier 0 runs short under prefill bursts: make_room demotes
+  o.codec_seed = 91;
+  o.head_base = 0;
+  return o;
+}
+
+// Token bytes (payload and meta of every head's key and value) of the first `tokens` tokens.
+template <class Layout, class K, class V>
+bool same_tokens(const std::uint8_t* a, const std::uint8_t* b, int tokens) {
+  for (int h = 0; h < KVH; ++h)
+    for (int t = 0; t < tokens; ++t) {
+      if (std::memcmp(a + Layout::key_payload(h, t), b + Layout::key_payload(h, t),
+                      K::payload_bytes) != 0 ||
+          std::memcmp(a + Layout::value_payload(h, t), b + Layout::value_payload(h, t),
+                      V::payload_bytes) != 0 ||
+          std::memcmp(a + Layout::key_meta(h, t), b + Layout::key_meta(h, t), K::meta_bytes) != 0 ||
+          std::memcmp(a + Layout::value_meta(h, t), b + Layout::value_meta(h, t), V::meta_bytes) !=
+              0)
+        return false;
+    }
+  return true;
+}
+
+template <int F>
+bool same_page(const std::vector<std::uint8_t>& gpu_pool, page_id gp, host_storage& twin,
+               page_id tp, int tokens) {
+  using tier = tier_at_t<TL, F>;
+  using K = typename tier::template key_codec<D>;
+  using V = typename tier::template value_codec<D>;
+  using L = page_layout<G, K, V>;
+  const std::uint8_t* a = gpu_pool.data() + std::size_t(gp.slot) * L::page_bytes;
+  const std::uint8_t* b = twin.page_bytes(tp)->data();
+  return same_tokens<L, K, V>(a, b, tokens);
+}
+
+struct pair_seq {
+  seq_id gpu, twin;
+};
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// The twin's retier: the controller's two-phase path (stage every conversion, fill on the host,
+// commit in the driver's (from, to) order), which the GPU batch runs. Not apply(): there each
+// demotion frees its tier-0 page before the next promotion is checked against the tier-0
+// reserve, while a batch stages all its pages before any old page is released.
+void twin_retier(host_storage& twin, host_ctl& ctl, std::uint64_t step) {
+  const auto todo = ctl.plan(step);
+  std::vector<staged_conversion> staged(todo.size());
+  retier_stats st;
+  const std::size_t n = ctl.stage(todo, std::span<staged_conversion>(staged), st);
+  staged.resize(n);
+  std::stable_sort(staged.begin(), staged.end(), [](const auto& a, const auto& b) {
+    return std::pair(int(a.from.format), int(a.to.format)) <
+           std::pair(int(b.from.format), int(b.to.format));
+  });
+  std::unique_ptr<bool[]> filled(new bool[n + 1]);
+  for (std::size_t i = 0; i < n; ++i) {
+    conversion_counters c;
+    filled[i] = fill_conversion_on_host(twin, staged[i], c).is_ok();
+  }
+  ctl.commit(std::span<staged_conversion>(staged), std::span<const bool>(filled.get(), n), st);
+  REQUIRE(st.failed == 0);
+}
+
+int steps_to_run() {
+  if (const char* e = std::getenv("TIERKV_E2E_STEPS")) return std::max(1, std::atoi(e));
+  return 1000;
+}
+
+}  // namespace
+
+TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences from a host twin",
+          "[cuda][cache][e2e]") {
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  auto twin = std::move(host_storage::create(storage_opts()).value());
+  auto tctl = std::move(host_ctl::create(*twin, knobs()).value());
+  auto twin_room = [&](std::uint32_t pages) { return tctl->make_room(pages); };
+  host_attention_workspace ws(1);
+  const index_layout<2> layout{o.max_batch, o.max_pages};
+  std::vector<std::uint8_t> host_index(layout.bytes() + 16);
+  std::span<std::uint8_t> hbuf(
+      host_index.data() + (16 - reinterpret_cast<std::uintptr_t>(host_index.data()) % 16) % 16,
+      layout.bytes());
+  std::vector<float> mass(std::size_t(o.max_batch) * o.max_pages);
+
+  std::mt19937_64 rng(20261202);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<pair_seq> live;
+  std::map<std::uint32_t, seq_id> twin_of;  // gpu seq value -> twin seq
+  gpu->set_mass_observer([&](seq_id s, int layer, std::span<const float> m) {
+    REQUIRE(tctl->observe_mass(twin_of.at(s.value), layer, m).is_ok());
+  });
+
+  const int steps = steps_to_run();
+  std::uint64_t divergences = 0, pages_compared = 0, forks = 0, releases = 0, prefills = 0;
+  std::uint64_t decodes = 0, tokens_appended = 0;
+  double worst_decode = 0;
+  for (int step = 1; step <= steps; ++step) {
+    // ---- structural operations between steps, the same on both ----
+    std::vector<std::uint32_t> fresh;  // new sequences this step (prefilled), gpu ids
+    auto add_new = [&]() {
+      const seq_id g = gpu->create_sequence().value();
+      const seq_id t = twin->create_sequence().value();
+      twin_of[g.value] = t;
+      live.push_back({g, t});
+      fresh.push_back(g.value);
+    };
+    if (live.size() < 2 || (live.size() < 8 && rng() % 25 == 0)) add_new();
+    if (live.size() < 8 && live.size() >= 1 && rng() % 31 == 0) {
+      const pair_seq p = live[rng() % live.size()];
+      auto g = gpu->fork(p.gpu);
+      auto t = twin->fork(p.twin, twin_room);
+      REQUIRE(g.has_value() == t.has_value());
+      if (g.has_value()) {
+        twin_of[g->value] = *t;
+        live.push_back({*g, *t});
+        ++forks;
+      }
+    }
+    if (live.size() > 2 && rng() % 29 == 0) {
+      const std::size_t i = rng() % live.size();
+      REQUIRE(gpu->release(live[i].gpu).is_ok());
+      REQUIRE(twin->release(live[i].twin).is_ok());
+      live.erase(live.begin() + std::ptrdiff_t(i));
+      ++releases;
+    }
+    // Sequences near max_pages are released (and a new one opened next step).
+    for (std::size_t i = 0; i < live.size();) {
+      if (*twin->length(live[i].twin) > (o.max_pages - 4) * T) {
+        REQUIRE(gpu->release(live[i].gpu).is_ok());
+        REQUIRE(twin->release(live[i].twin).is_ok());
+        live.erase(live.begin() + std::ptrdiff_t(i));
+        ++releases;
+      } else {
+        ++i;
+      }
+    }
+
+    // ---- the step's tokens: a prefill chunk for new sequences, 1 token (sometimes 2-8) else ----
+    std::vector<seq_id> gb, tb;
+    std::vector<std::int32_t> counts;
+    for (std::size_t i = 0; i < live.size(); ++i) {
+      gb.push_back(live[i].gpu);
+      tb.push_back(live[i].twin);
+      std::int32_t n = rng() % 9 == 0 ? std::int32_t(2 + rng() % 7) : 1;
+      if (std::find(fresh.begin(), fresh.end(), live[i].gpu.value) != fresh.end()) {
+        n = std::int32_t(16 + rng() % 180);
+        ++prefills;
+      }
+      if (rng() % 13 == 0) n = 0;  // a sequence that only decodes this step
+      counts.push_back(n);
+    }
+    std::int32_t total = 0;
+    for (auto n : counts) total += n;
+    tokens_appended += std::uint64_t(total);
+    const std::size_t vec = std::size_t(KVH) * D;
+    std::vector<std::vector<float>> k(layers), v(layers);
+    for (int l = 0; l < layers; ++l) {
+      k[l].resize(std::size_t(total) * vec);
+      v[l].resize(std::size_t(total) * vec);
+      for (auto& x : k[l]) x = normal(rng);
+      for (auto& x : v[l]) x = normal(rng);
+    }
+
+    INFO("step " << step << ", " << live.size() << " sequences, " << total << " new tokens");
+    REQUIRE(gpu->begin_step(gb, counts).is_ok());
+    // Twin: reserve all, write all, commit all (the GPU's order, so make_room sees the same).
+    for (std::size_t b = 0; b < tb.size(); ++b)
+      if (counts[b] > 0) REQUIRE(twin->reserve(tb[b], counts[b], {}, twin_room).is_ok());
+    for (int l = 0; l < layers; ++l) {
+      std::size_t at = 0;
+      for (std::size_t b = 0; b < tb.size(); ++b) {
+        if (counts[b] == 0) continue;
+        const std::size_t n = std::size_t(counts[b]) * vec;
+        REQUIRE(twin->write_layer(tb[b], l, std::span<const float>(k[l].data() + at, n),
+                                  std::span<const float>(v[l].data() + at, n))
+                    .is_ok());
+        at += n;
+      }
+    }
+    for (std::size_t b = 0; b < tb.size(); ++b)
+      if (counts[b] > 0) REQUIRE(twin->commit(tb[b], counts[b]).is_ok());
+
+    // ---- the forward pass: append and decode per layer; the twin decodes on the host ----
+    for (int l = 0; l < layers; ++l) {
+      REQUIRE(gpu->append(l, k[l], v[l]).is_ok());
+      std::vector<float> q(gb.size() * std::size_t(QH) * D);
+      for (auto& x : q) x = normal(rng);
+      std::vector<float> out;
+      REQUIRE(gpu->decode(l, q, out).is_ok());
+      ++decodes;
+      // The device mirror's index arrays equal the host builder over the GPU storage.
+      const auto dev = gpu->index_bytes(l);
+      auto hv = build_batch_index(gpu->storage(), l, gb, layout, hbuf);
+      REQUIRE(hv.has_value());
+      for (std::size_t b = 0; b < gb.size(); ++b)
+        REQUIRE(reinterpret_cast<const std::int32_t*>(dev.data())[b] == hv->seq_len[b]);
+      for (int f = 0; f < 2; ++f) {
+        const auto* di =
+            reinterpret_cast<const std::int32_t*>(dev.data() + layout.indptr_offset(f));
+        const auto* ds = reinterpret_cast<const std::int32_t*>(dev.data() + layout.slot_offset(f));
+        const auto* dl =
+            reinterpret_cast<const std::int32_t*>(dev.data() + layout.logical_offset(f));
+        for (std::size_t b = 0; b <= gb.size(); ++b) REQUIRE(di[b] == hv->formats[f].indptr[b]);
+        for (std::int32_t e = 0; e < hv->formats[f].indptr[gb.size()]; ++e) {
+          REQUIRE(ds[e] == hv->formats[f].slot[e]);
+          REQUIRE(dl[e] == hv->formats[f].logical[e]);
+        }
+      }
+      // Host decode over the twin.
+      auto tv = build_batch_index(*twin, l, tb, layout, hbuf);
+      REQUIRE(tv.has_value());
+      const auto pools = twin->views();
+      host_decode_args<2> a;
+      a.queries = q.data();
+      a.index = *tv;
+      a.pools = pools.data();
+      a.source = layer_source{twin->config().codec_seed, l, twin->config().head_base};
+      a.logits = logit_params{1.f / std::sqrt(float(D)), 0.f};
+      std::vector<float> ref(q.size());
+      a.out = ref.data();
+      a.page_mass = mass.data();
+      a.mass_stride = o.max_pages;
+      REQUIRE(host_decode<G, TL>(ws, a).is_ok());
+      const double err = rel_l2(out, ref);
+      worst_decode = std::max(worst_decode, err);
+      INFO("layer " << l << " decode rel_l2 vs host " << err);
+      REQUIRE(err < 2e-3);
+    }
+    REQUIRE(gpu->device_error().is_ok());
+
+    // ---- end of step: masses -> policy, retier (blocking, so the twin's retier lines up) ----
+    auto st = gpu->end_step(std::uint64_t(step), /*wait=*/true);
+    REQUIRE(st.has_value());
+    REQUIRE(st->failed == 0);
+    twin_retier(*twin, *tctl, std::uint64_t(step));
+
+    // ---- compare every page of every layer ----
+    const auto pool0 = gpu->pool_bytes(0), pool1 = gpu->pool_bytes(1);
+    for (const pair_seq& p : live) {
+      const std::int64_t len = *twin->length(p.twin);
+      REQUIRE(*gpu->storage().length(p.gpu) == len);
+      const std::int64_t pages = *twin->logical_pages(p.twin);
+      for (int l = 0; l < layers; ++l)
+        for (std::int64_t i = 0; i < pages; ++i) {
+          const page_id gp = *gpu->storage().page(p.gpu, l, i);
+          const page_id tp = *twin->page(p.twin, l, i);
+          const int tokens = int(std::min<std::int64_t>(T, len - i * T));
+          ++pages_compared;
+          bool same = gp.format == tp.format;
+          if (same)
+            same = gp.format == 0 ? same_page<0>(pool0, gp, *twin, tp, tokens)
+                                  : same_page<1>(pool1, gp, *twin, tp, tokens);
+          if (!same) {
+            ++divergences;
+            UNSCOPED_INFO("divergence: step " << step << " layer " << l << " page " << i << " gpu "
+                                              << gp << " twin " << tp);
+          }
+        }
+    }
+    REQUIRE(divergences == 0);
+    REQUIRE(gpu->check_invariants().is_ok());
+    REQUIRE(tctl->check_invariants().is_ok());
+    REQUIRE(gpu->storage().free_pages(0) == twin->free_pages(0));
+    REQUIRE(gpu->storage().free_pages(1) == twin->free_pages(1));
+  }
+  const auto c = gpu->counters();
+  CHECK(c.page_bytes == 0);
+  if (steps >= 1000) {  // coverage of the full run (the sanitizer runs are shorter)
+    CHECK(c.converted > 0);
+    CHECK(c.pressure_demoted > 0);  // the pressure path ran
+    CHECK(forks > 0);
+  }
+  std::printf(
+      "e2e: steps %d, sequences <= 8, decodes %llu, tokens %llu, prefills %llu, forks %llu, "
+      "releases %llu, pages compared %llu, host_twin_divergences %llu, conversions %llu "
+      "(pressure %llu), worst decode rel_l2 vs host %.2e, metadata h2d %.1f B/step d2h %.1f "
+      "B/step, page bytes over PCIe %llu\n",
+      steps, (unsigned long long)decodes, (unsigned long long)tokens_appended,
+      (unsigned long long)prefills, (unsigned long long)forks, (unsigned long long)releases,
+      (unsigned long long)pages_compared, (unsigned long long)divergences,
+      (unsigned long long)c.converted, (unsigned long long)c.pressure_demoted, worst_decode,
+      double(c.h2d) / steps, double(c.d2h) / steps, (unsigned long long)c.page_bytes);
+  for (const pair_seq& p : live) {
+    REQUIRE(gpu->release(p.gpu).is_ok());
+    REQUIRE(twin->release(p.twin).is_ok());
+  }
+  REQUIRE(gpu->storage().free_pages(0) == tier0_pages);
+  REQUIRE(gpu->storage().free_pages(1) == 1500);
+}
+
+TEST_CASE("cuda::tiered_cache refuses bad steps without changing anything", "[cuda][cache]") {
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  o.max_step_tokens = 1024;
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  const seq_id a = gpu->create_sequence().value();
+  const seq_id b = gpu->create_sequence().value();
+  std::vector<seq_id> batch{a, b};
+  SECTION("mismatched counts, negative counts, a sequence twice, a stale id") {
+    std::vector<std::int32_t> one{1};
+    CHECK(gpu->begin_step(batch, one).code() == errc::invalid_argument);
+    std::vector<std::int32_t> neg{1, -1};
+    CHECK(gpu->begin_step(batch, neg).code() == errc::invalid_argument);
+    std::vector<seq_id> twice{a, a};
+    std::vector<std::int32_t> two{1, 1};
+    CHECK(gpu->begin_step(twice, two).code() == errc::invalid_argument);
+    REQUIRE(gpu->release(b).is_ok());
+    CHECK(gpu->begin_step(batch, two).code() == errc::stale_id);
+    CHECK(*gpu->storage().length(a) == 0);
+  }
+  SECTION("past max_pages, past max_step_tokens: nothing added") {
+    std::vector<std::int32_t> big{o.max_pages * T + 1, 1};
+    CHECK(gpu->begin_step(batch, big).code() == errc::out_of_range);
+    std::vector<std::int32_t> many{o.max_step_tokens, 1};
+    CHECK(gpu->begin_step(batch, many).code() == errc::capacity_exhausted);
+    CHECK(*gpu->storage().length(a) == 0);
+    CHECK(*gpu->storage().length(b) == 0);
+  }
+  SECTION("a step that tier 0 cannot hold even after demotion is refused whole") {
+    // 90 tier-0 pages = 30 blocks of 3 layers; nothing is sealed yet, so nothing can be demoted.
+    std::vector<std::int32_t> fill{15 * T, 16 * T};
+    CHECK(gpu->begin_step(batch, fill).code() == errc::capacity_exhausted);
+    CHECK(*gpu->storage().length(a) == 0);
+    CHECK(*gpu->storage().length(b) == 0);
+    CHECK(gpu->storage().free_pages(0) == tier0_pages);
+    REQUIRE(gpu->check_invariants().is_ok());
+  }
+  SECTION("calls out of order") {
+    std::vector<float> none;
+    CHECK(gpu->append(0, none, none).code() == errc::invalid_argument);
+    CHECK(gpu->end_step(1, false).error_status().code() == errc::invalid_argument);
+    std::vector<std::int32_t> two{1, 1};
+    REQUIRE(gpu->begin_step(batch, two).is_ok());
+    CHECK(gpu->release(a).code() == errc::invalid_argument);
+    CHECK(gpu->fork(a).error_status().code() == errc::invalid_argument);
+    CHECK(gpu->begin_step(batch, two).code() == errc::invalid_argument);
+    std::vector<float> kv(2 * std::size_t(KVH) * D, 0.5f);
+    for (int l = 0; l < layers; ++l) REQUIRE(gpu->append(l, kv, kv).is_ok());
+    CHECK(gpu->append(layers, kv, kv).code() == errc::out_of_range);
+    REQUIRE(gpu->end_step(1, true).has_value());
+    CHECK(*gpu->storage().length(a) == 1);
+  }
+}

@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: Apache-2.0
+// test_cuda_tiered_cache's device side: cuda::tiered_cache behind tiered_cache_kernels.hpp.
+#include "tiered_cache_kernels.hpp"
+
+#include <utility>
+
+#include "cuda_test.hpp"
+#include "tierkv/cuda/tiered_cache.cuh"
+
+namespace cuda_test {
+
+using cache_type = tierkv::cuda::tiered_cache<e2e_geometry, e2e_tiers>;
+static_assert(std::is_same_v<cache_type::storage_type, e2e_storage>);
+
+struct e2e_cache::impl {
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<cache_type> c;
+  std::unique_ptr<device_buffer<float>> k, v, q, out;
+  ~impl() {
+    c.reset();
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+e2e_cache::e2e_cache(std::unique_ptr<impl> p) : impl_(std::move(p)) {}
+e2e_cache::~e2e_cache() = default;
+
+tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& o) {
+  auto p = std::make_unique<impl>();
+  CUDA_OK(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
+  cache_type::options opt;
+  opt.storage = o.storage;
+  opt.policy = o.policy;
+  opt.max_batch = o.max_batch;
+  opt.max_pages = o.max_pages;
+  opt.max_step_tokens = o.max_step_tokens;
+  opt.max_retier_pages = o.max_retier_pages;
+  opt.mass_layers_per_step = o.mass_layers_per_step;
+  auto c = cache_type::create(opt, p->stream);
+  if (!c) return c.error_status();
+  p->c = std::move(*c);
+  constexpr std::size_t vec = std::size_t(e2e_geometry::kv_heads) * e2e_geometry::head_dim;
+  constexpr std::size_t qvec = std::size_t(e2e_geometry::q_heads) * e2e_geometry::head_dim;
+  p->k = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * vec);
+  p->v = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * vec);
+  p->q = std::make_unique<device_buffer<float>>(std::size_t(o.max_batch) * qvec);
+  p->out = std::make_unique<device_buffer<float>>(std::size_t(o.max_batch) * qvec);
+  return std::unique_ptr<e2e_cache>(new e2e_cache(std::move(p)));
+}
+
+tierkv::result<tierkv::seq_id> e2e_cache::create_sequence() { return impl_->c->create_sequence(); }
+tierkv::result<tierkv::seq_id> e2e_cache::fork(tierkv::seq_id parent) {
+  return impl_->c->fork(parent);
+}
+tierkv::status e2e_cache::release(tierkv::seq_id s) { return impl_->c->release(s); }
+tierkv::status e2e_cache::begin_step(std::span<const tierkv::seq_id> batch,
+                                     std::span<const std::int32_t> new_tokens) {
+  return impl_->c->begin_step(batch, new_tokens);
+}
+
+tierkv::status e2e_cache::append(int layer, const std::vector<float>& k,
+                                 const std::vector<float>& v) {
+  // The previous layer's append must have read the buffers before they are overwritten.
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  impl_->k->put(k);
+  impl_->v->put(v);
+  return impl_->c->append(layer, impl_->k->p, impl_->v->p, tierkv::cuda::input_type::f32);
+}
+
+tierkv::status e2e_cache::decode(int layer, const std::vector<float>& q, std::vector<float>& out) {
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  impl_->q->put(q);
+  auto st = impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out->p);
+  if (!st) return st;
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  out.resize(q.size());
+  if (!q.empty())
+    CUDA_OK(
+        cudaMemcpy(out.data(), impl_->out->p, q.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return st;
+}
+
+tierkv::result<tierkv::retier_stats> e2e_cache::end_step(std::uint64_t step, bool wait) {
+  return impl_->c->end_step(step, wait);
+}
+tierkv::status e2e_cache::check_invariants() const { return impl_->c->check_invariants(); }
+tierkv::status e2e_cache::device_error() { return impl_->c->device_error(); }
+void e2e_cache::set_mass_observer(
+    std::function<void(tierkv::seq_id, int, std::span<const float>)> f) {
+  impl_->c->set_mass_observer(std::move(f));
+}
+e2e_storage& e2e_cache::storage() { return impl_->c->storage(); }
+e2e_ctl& e2e_cache::controller() { return impl_->c->controller(); }
+
+e2e_counters e2e_cache::counters() const {
+  e2e_counters c;
+  const auto& t = impl_->c->transfers();
+  c.h2d = t.h2d_metadata_bytes;
+  c.d2h = t.d2h_metadata_bytes;
+  c.page_bytes = t.page_bytes;
+  const auto& r = impl_->c->retier_totals();
+  c.pressure_demoted = r.pressure_demoted;
+  c.converted = r.converted;
+  c.failed = r.failed;
+  return c;
+}
+
+std::vector<std::uint8_t> e2e_cache::pool_bytes(int tier) const {
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  CUDA_OK(cudaStreamSynchronize(impl_->c->side_stream()));
+  const auto v = impl_->c->storage().views()[std::size_t(tier)];
+  std::vector<std::uint8_t> h(v.page_bytes * v.capacity);
+  CUDA_OK(cudaMemcpy(h.data(), v.base, h.size(), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+std::vector<std::uint8_t> e2e_cache::index_bytes(int layer) const {
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  const auto& m = impl_->c->mirror();
+  std::vector<std::uint8_t> h(m.layer_bytes());
+  CUDA_OK(cudaMemcpy(h.data(), m.index_bytes(layer), h.size(), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+}  // namespace cuda_test

@@ -1,0 +1,84 @@
+// SPDX-License-Identifier: Apache-2.0
+// test_cuda_tiered_cache's device side: cuda::tiered_cache at the test's geometry behind a
+// host-compilable interface (tiered_cache_kernels.cu; no Catch2 in nvcc). The storage type is
+// host-compilable (paged_storage over device_allocator), so the test reads page tables directly.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq3.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/memory/allocators.hpp"
+#include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
+#include "tierkv/tiering/tier_controller.hpp"
+
+namespace cuda_test {
+
+using e2e_geometry = tierkv::geometry<tierkv::head_dim<64>, tierkv::kv_heads<2>,
+                                      tierkv::group_size<2>, tierkv::page_tokens<16>>;
+using e2e_tiers = tierkv::tiers<tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>,
+                                tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>>;
+using e2e_storage = tierkv::paged_storage<e2e_geometry, e2e_tiers, tierkv::device_allocator,
+                                          tierkv::host_allocator>;
+using e2e_ctl = tierkv::tier_controller<e2e_storage>;
+
+struct e2e_options {
+  tierkv::storage_options<2> storage{};
+  tierkv::policy::recency_anchor policy{};
+  int max_batch = 8;
+  int max_pages = 64;
+  int max_step_tokens = 512;
+  int max_retier_pages = 4096;
+  int mass_layers_per_step = 0;
+};
+
+struct e2e_counters {
+  std::uint64_t h2d = 0, d2h = 0, page_bytes = 0;
+  std::uint64_t pressure_demoted = 0, converted = 0, failed = 0;
+};
+
+// cuda::tiered_cache<e2e_geometry, e2e_tiers>; host vectors in and out (the wrapper copies
+// them to and from device buffers on the cache's stream).
+class e2e_cache {
+ public:
+  static tierkv::result<std::unique_ptr<e2e_cache>> create(const e2e_options& opt);
+  ~e2e_cache();
+  e2e_cache(const e2e_cache&) = delete;
+  e2e_cache& operator=(const e2e_cache&) = delete;
+
+  tierkv::result<tierkv::seq_id> create_sequence();
+  tierkv::result<tierkv::seq_id> fork(tierkv::seq_id parent);
+  tierkv::status release(tierkv::seq_id s);
+  tierkv::status begin_step(std::span<const tierkv::seq_id> batch,
+                            std::span<const std::int32_t> new_tokens);
+  // k, v: [tokens][kv_heads][head_dim] floats of one layer.
+  tierkv::status append(int layer, const std::vector<float>& k, const std::vector<float>& v);
+  // q: [batch][q_heads][head_dim] -> out, same shape.
+  tierkv::status decode(int layer, const std::vector<float>& q, std::vector<float>& out);
+  tierkv::result<tierkv::retier_stats> end_step(std::uint64_t step, bool wait);
+  tierkv::status check_invariants() const;
+  tierkv::status device_error();
+  void set_mass_observer(std::function<void(tierkv::seq_id, int, std::span<const float>)> f);
+
+  e2e_storage& storage();
+  e2e_ctl& controller();
+  e2e_counters counters() const;
+  // Test-only reads of device memory: a pool's bytes, layer l's index arrays (mirror build).
+  std::vector<std::uint8_t> pool_bytes(int tier) const;
+  std::vector<std::uint8_t> index_bytes(int layer) const;
+
+ private:
+  struct impl;
+  explicit e2e_cache(std::unique_ptr<impl> p);
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace cuda_test
