@@ -87,6 +87,13 @@ class recency_anchor {
 
   std::uint64_t min_dwell_steps() const { return opt_.min_dwell_steps; }
 
+  // Whether choose() gives the same role for two sets of block facts (the controller's
+  // incremental plan skips the pages whose facts moved only in ways choose() does not read).
+  bool same_choice(const page_facts& a, const page_facts& b) const {
+    return (a.age < opt_.recent_pages) == (b.age < opt_.recent_pages) &&
+           (a.position < opt_.sink_pages) == (b.position < opt_.sink_pages) && a.pinned == b.pinned;
+  }
+
   // Demotion order under pressure: plain pages by smoothed mass, then anchors by mass,
   // then sinks, then Recent pages (oldest first), then sensitive layers; pinned never.
   float keep_value(const page_state& s, const page_facts& f) const {

@@ -86,6 +86,12 @@ struct tier_controller_options {
   // first, whenever tier 0 keeps fewer than shadow_slack_percent of its pages free.
   bool keep_shadows = false;
   int shadow_slack_percent = 25;
+  // plan() re-evaluates only the pages whose inputs changed since the last plan (an observed
+  // mass, a block's position / age / holders / pin / seal, a tier change) plus the pages still
+  // waiting to move, instead of every (block, layer) page: the same plan (tested against the full
+  // scan), at O(changes) a step. A policy whose choose() reads steps_since_move declares
+  // `static constexpr bool choice_reads_time = true` and always gets the full scan.
+  bool incremental_plan = true;
 };
 
 template <class Storage, tier_policy Policy = policy::recency_anchor,
@@ -122,6 +128,11 @@ class tier_controller {
       c->plan_.emplace(c->template alloc<conversion>());
       c->plan_->reserve(pages);
       c->seen_.emplace(blocks, std::uint8_t(0), c->template alloc<std::uint8_t>());
+      c->old_.emplace(blocks, old_facts{}, c->template alloc<old_facts>());
+      c->dirty_.emplace(c->template alloc<std::uint32_t>());
+      c->dirty_->reserve(pages);
+      c->waiting_.emplace(c->template alloc<std::uint32_t>());
+      c->waiting_->reserve(pages);
     } catch (const allocation_failure& e) {
       return e.get_status();
     }
@@ -157,8 +168,11 @@ class tier_controller {
     if (first < 0 || count < 0 || first > *pages - count)
       return status::make(errc::out_of_range, "pin: logical pages [", first, ", ", first + count,
                           ") of ", s, " which has ", *pages, " pages");
-    for (std::int64_t i = first; i < first + count; ++i)
-      sync(*storage_->block_of(s, i)).pinned = pinned;
+    for (std::int64_t i = first; i < first + count; ++i) {
+      const block_ref b = *storage_->block_of(s, i);
+      sync(b).pinned = pinned;
+      mark_block_dirty(b.index);
+    }
     return {};
   }
 
@@ -182,6 +196,7 @@ class tier_controller {
       sync(b);
       page_rec& r = page(b.index, layer);
       r.pending = r.pending < 0.0f ? m : std::max(r.pending, m);
+      mark_dirty(b.index, layer);
     }
     return {};
   }
@@ -194,23 +209,10 @@ class tier_controller {
     step_ = std::max(step_, step);
     refresh();
     plan_->clear();
-    const int layers = storage_->num_layers();
-    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
-      block_rec& b = (*blocks_)[bi];
-      if (!b.live) continue;
-      const block_ref ref{bi, b.generation};
-      const bool sealed = storage_->block_sealed(ref);
-      for (int l = 0; l < layers; ++l) {
-        page_rec& r = page(bi, l);
-        if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
-        r.pending = -1.0f;
-        if (!sealed) continue;
-        const page_facts f = facts(bi, l, storage_->block_page(ref, l));
-        const int to = Roles::tier_of(policy_.choose(r.state, f));
-        if (to == f.tier || f.steps_since_move < policy_.min_dwell_steps()) continue;
-        plan_->push_back(conversion{ref, l, f.tier, to, policy_.keep_value(r.state, f)});
-      }
-    }
+    if (incremental())
+      plan_changed();
+    else
+      plan_all();
     std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
       const bool pa = a.to == append_tier, pb = b.to == append_tier;
       if (pa != pb) return pb;  // out of tier 0 (or between other tiers) first
@@ -220,6 +222,10 @@ class tier_controller {
     });
     return {plan_->data(), plan_->size()};
   }
+
+  // The next plan() visits every page once (after the engine changed page tables behind the
+  // controller's back: replace_page outside it, say). The incremental plan needs it then.
+  void rescan() noexcept { rescan_ = true; }
 
   // Applies conversions (from plan(), or the engine's own) through the protocol. A
   // failed conversion leaves its page published at its old id and tier; the rest go on.
@@ -306,6 +312,7 @@ class tier_controller {
       page_rec& r = page(sc.block.index, sc.layer);
       if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
       r.last_move = step_;
+      mark_dirty(sc.block.index, sc.layer);
       ++st.converted;
       if (to == append_tier) ++st.promoted;
       if (from == append_tier && to != append_tier) ++st.demoted;
@@ -395,6 +402,11 @@ class tier_controller {
     std::uint32_t holders = 0;
     std::int64_t position = page_facts::no_holder;
     std::int64_t age = page_facts::no_holder;
+    bool sealed = false;  // as of the last refresh
+  };
+  struct old_facts {  // a block's facts at the previous refresh
+    std::uint32_t holders = 0;
+    std::int64_t position = 0, age = 0;
   };
   struct page_rec {
     typename Policy::page_state state{};
@@ -403,6 +415,12 @@ class tier_controller {
     page_id shadow;         // tier-0 copy kept after a demotion
     page_id shadow_of;      // the page it was demoted into (the shadow is valid while published)
     std::uint64_t shadow_step = 0;
+    // The incremental plan: the tier the policy chose at the last evaluation (-1: none, the
+    // block is open), the tier the page had then, and list memberships.
+    std::int8_t want = -1;
+    std::int8_t want_from = -1;
+    bool dirty = false;    // in dirty_: inputs changed since the last plan
+    bool waiting = false;  // in waiting_: wants another tier
   };
   template <class T>
   using counted_vector = std::vector<T, counted_allocator<T, typename Storage::meta_allocator>>;
@@ -428,9 +446,13 @@ class tier_controller {
       r.live = true;
       for (int l = 0; l < storage_->num_layers(); ++l) {
         page_rec& p = page(b.index, l);
+        const bool dirty = p.dirty, waiting = p.waiting;  // list memberships stay true
         p = page_rec{};
         p.last_move = step_;
+        p.dirty = dirty;
+        p.waiting = waiting;
       }
+      mark_block_dirty(b.index);
     }
     return r;
   }
@@ -447,6 +469,7 @@ class tier_controller {
   void refresh() {
     for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
       block_rec& r = (*blocks_)[bi];
+      (*old_)[bi] = {r.holders, r.position, r.age};
       r.holders = 0;
       r.position = r.age = page_facts::no_holder;
     }
@@ -467,6 +490,136 @@ class tier_controller {
         r.age = std::min(r.age, n - 1 - i);
       }
     });
+    // The incremental plan re-evaluates the pages of every block whose facts changed.
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      block_rec& r = (*blocks_)[bi];
+      if (!r.live) continue;
+      const bool sealed = storage_->block_sealed(block_ref{bi, r.generation});
+      const old_facts& o = (*old_)[bi];
+      if (sealed != r.sealed || !same_choice_facts(o, r)) mark_block_dirty(bi);
+      r.sealed = sealed;
+    }
+  }
+
+  // Whether a block's facts moved in a way choose() can see. A policy may say which changes
+  // it reads (same_choice(a, b): recency_anchor reads only "is Recent" and "is a sink", so a
+  // sequence growing by a page re-evaluates the few pages that cross those lines rather than
+  // every page of the sequence); otherwise any change counts.
+  bool same_choice_facts(const old_facts& o, const block_rec& r) const {
+    if (o.holders == r.holders && o.position == r.position && o.age == r.age) return true;
+    if constexpr (requires(const page_facts& f) {
+                    { policy_.same_choice(f, f) } -> std::convertible_to<bool>;
+                  }) {
+      page_facts a, b;
+      a.holders = o.holders;
+      a.position = o.position;
+      a.age = o.age;
+      a.pinned = b.pinned = r.pinned;
+      b.holders = r.holders;
+      b.position = r.position;
+      b.age = r.age;
+      return policy_.same_choice(a, b);
+    } else {
+      return false;
+    }
+  }
+
+  static constexpr bool choice_reads_time() {
+    if constexpr (requires { Policy::choice_reads_time; })
+      return bool(Policy::choice_reads_time);
+    else
+      return false;
+  }
+  bool incremental() const { return opt_.incremental_plan && !choice_reads_time(); }
+
+  void mark_dirty(std::uint32_t bi, int layer) {
+    page_rec& r = page(bi, layer);
+    if (r.dirty) return;
+    r.dirty = true;
+    dirty_->push_back(bi * std::uint32_t(storage_->num_layers()) + std::uint32_t(layer));
+  }
+  void mark_block_dirty(std::uint32_t bi) {
+    for (int l = 0; l < storage_->num_layers(); ++l) mark_dirty(bi, l);
+  }
+
+  // plan() over every page: folds the observed masses, asks the policy for every sealed page.
+  void plan_all() {
+    const int layers = storage_->num_layers();
+    for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
+      block_rec& b = (*blocks_)[bi];
+      if (!b.live) continue;
+      const block_ref ref{bi, b.generation};
+      const bool sealed = storage_->block_sealed(ref);
+      for (int l = 0; l < layers; ++l) {
+        page_rec& r = page(bi, l);
+        if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
+        r.pending = -1.0f;
+        if (!sealed) continue;
+        const page_facts f = facts(bi, l, storage_->block_page(ref, l));
+        const int to = Roles::tier_of(policy_.choose(r.state, f));
+        if (to == f.tier || f.steps_since_move < policy_.min_dwell_steps()) continue;
+        plan_->push_back(conversion{ref, l, f.tier, to, policy_.keep_value(r.state, f)});
+      }
+    }
+    for (const std::uint32_t i : *dirty_) (*pages_)[i].dirty = false;
+    dirty_->clear();
+    for (const std::uint32_t i : *waiting_) (*pages_)[i].waiting = false;
+    waiting_->clear();
+    rescan_ = true;  // the incremental plan's lists were dropped: its next plan visits all
+  }
+
+  // plan() over what changed: the dirty pages are folded and re-evaluated; the waiting pages
+  // (wanting another tier: held by the dwell, deferred, or not yet run) are planned again. The
+  // same conversions as plan_all() for a policy whose choose() does not read steps_since_move.
+  void plan_changed() {
+    const int layers = storage_->num_layers();
+    if (rescan_) {
+      rescan_ = false;
+      for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi)
+        if ((*blocks_)[bi].live) mark_block_dirty(bi);
+    }
+    for (const std::uint32_t i : *dirty_) {
+      page_rec& r = (*pages_)[i];
+      r.dirty = false;
+      if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
+      r.pending = -1.0f;
+      const std::uint32_t bi = i / std::uint32_t(layers);
+      const int l = int(i % std::uint32_t(layers));
+      r.want = -1;
+      const block_rec& b = (*blocks_)[bi];
+      if (!b.live || !b.sealed) continue;
+      evaluate(r, bi, l, storage_->block_page(block_ref{bi, b.generation}, l));
+    }
+    dirty_->clear();
+    std::size_t kept = 0;
+    for (const std::uint32_t i : *waiting_) {
+      page_rec& r = (*pages_)[i];
+      const std::uint32_t bi = i / std::uint32_t(layers);
+      const int l = int(i % std::uint32_t(layers));
+      const block_rec& b = (*blocks_)[bi];
+      const block_ref ref{bi, b.generation};
+      const page_id p = b.live && b.sealed ? storage_->block_page(ref, l) : page_id{};
+      if (p.valid() && r.want >= 0 && int(p.format) != r.want_from) evaluate(r, bi, l, p);
+      if (!p.valid() || r.want < 0 || int(p.format) == r.want) {
+        r.waiting = false;
+        continue;
+      }
+      (*waiting_)[kept++] = i;
+      const page_facts f = facts(bi, l, p);
+      if (f.steps_since_move < policy_.min_dwell_steps()) continue;
+      plan_->push_back(conversion{ref, l, f.tier, r.want, policy_.keep_value(r.state, f)});
+    }
+    waiting_->resize(kept);
+  }
+
+  void evaluate(page_rec& r, std::uint32_t bi, int layer, page_id p) {
+    const page_facts f = facts(bi, layer, p);
+    r.want = std::int8_t(Roles::tier_of(policy_.choose(r.state, f)));
+    r.want_from = std::int8_t(f.tier);
+    if (r.want != f.tier && !r.waiting) {
+      r.waiting = true;
+      waiting_->push_back(bi * std::uint32_t(storage_->num_layers()) + std::uint32_t(layer));
+    }
   }
 
   page_facts facts(std::uint32_t bi, int layer, page_id p) const {
@@ -593,6 +746,7 @@ class tier_controller {
       ++st.shadows_made;
     }
     r.last_move = step_;
+    mark_dirty(c.block.index, c.layer);
     ++st.converted;
     if (c.to == append_tier) ++st.promoted;
     if (demotion) ++st.demoted;
@@ -608,6 +762,7 @@ class tier_controller {
     r.shadow_of = page_id{};
     --shadows_;
     r.last_move = step_;
+    mark_dirty(c.block.index, c.layer);
     ++st.converted;
     ++st.promoted;
     ++st.shadow_promotions;
@@ -659,6 +814,10 @@ class tier_controller {
   std::optional<counted_vector<page_rec>> pages_;
   std::optional<counted_vector<conversion>> plan_;
   std::optional<counted_vector<std::uint8_t>> seen_;
+  std::optional<counted_vector<old_facts>> old_;          // refresh's previous facts per block
+  std::optional<counted_vector<std::uint32_t>> dirty_;    // pages to re-evaluate (page index)
+  std::optional<counted_vector<std::uint32_t>> waiting_;  // pages wanting another tier
+  bool rescan_ = true;
   std::uint64_t step_ = 0;
   std::uint32_t shadows_ = 0;
   retier_stats totals_;

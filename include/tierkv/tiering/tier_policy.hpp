@@ -42,6 +42,12 @@ struct page_facts {
 //   p.keep_value(state, facts) -> float    under memory pressure, pages with the lowest
 //                                          value are demoted first; +inf = never demote
 //   p.validate() -> status                 its knobs are consistent
+// and may provide, for the controller's incremental plan (tier_controller_options):
+//   p.same_choice(facts_a, facts_b) -> bool  choose() cannot tell the two apart (position,
+//                                          age, holders, pinned); without it, any change
+//                                          of a block's facts re-evaluates its pages
+//   P::choice_reads_time = true            choose() reads steps_since_move: plan() then
+//                                          visits every page each step
 namespace detail {
 template <class P>
 concept has_page_state = requires {
