@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host cost of tier_controller::plan per scheduler step, incremental (the default) against the
 // full scan of every (block, layer) page, in steady state: `seqs` sequences of `pages` pages x
-// `layers` layers, already in the tiers the policy wants; each step appends one token to every sequence,
-// feeds one layer's page mass of every sequence (cuda::tiered_cache sampling one layer a step)
-// and plans. Arguments: {seqs, pages per sequence, layers}.
+// `layers` layers, already in the tiers the policy wants; each step appends one token to every
+// sequence, feeds one layer's page mass of every sequence (cuda::tiered_cache sampling one layer a
+// step) and plans. Arguments: {seqs, pages per sequence, layers}.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
