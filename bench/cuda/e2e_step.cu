@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
   cudaEventCreate(&e1);
   double begin_us = 0, launch_us = 0, end_us = 0, gpu_ms = 0;
   int measured = 0;
-  std::uint64_t converted = 0;
+  std::uint64_t converted = 0, converted_measured = 0;
   const auto bytes0 = c.transfers();
   for (int s = 0; s < steps; ++s) {
     const bool measure = s >= steps - std::max(1, steps / 3);  // the last third
@@ -137,6 +137,7 @@ int main(int argc, char** argv) {
       launch_us += l_us;
       end_us += e_us;
       gpu_ms += ms;
+      converted_measured += st.value().converted;
       ++measured;
     }
   }
@@ -149,12 +150,13 @@ int main(int argc, char** argv) {
       "\"host_us_launch_32_layers\": %.1f, \"host_us_end_step\": %.1f, \"host_us_per_step\": %.1f, "
       "\"gpu_forward_us\": %.1f, \"h2d_metadata_bytes_per_step\": %.0f, "
       "\"d2h_metadata_bytes_per_step\": %.0f, \"page_bytes_per_step\": %.0f, "
-      "\"conversions\": %llu, \"tier0_pages_used\": %llu, \"tier1_pages_used\": %llu}\n",
+      "\"conversions\": %llu, \"conversions_per_measured_step\": %.1f, \"tier0_pages_used\": %llu, \"tier1_pages_used\": %llu}\n",
       batch, layers, context, mass_layers, measured, begin_us / measured, launch_us / measured,
       end_us / measured, (begin_us + launch_us + end_us) / measured, 1000.0 * gpu_ms / measured,
       double(bytes1.h2d_metadata_bytes - bytes0.h2d_metadata_bytes) / steps,
       double(bytes1.d2h_metadata_bytes - bytes0.d2h_metadata_bytes) / steps,
       double(bytes1.page_bytes - bytes0.page_bytes) / steps, (unsigned long long)converted,
+      double(converted_measured) / measured,
       (unsigned long long)(opt.storage.pages_per_tier[0] - c.storage().free_pages(0)),
       (unsigned long long)(opt.storage.pages_per_tier[1] - c.storage().free_pages(1)));
   return 0;
