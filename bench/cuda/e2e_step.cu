@@ -150,7 +150,8 @@ int main(int argc, char** argv) {
       "\"host_us_launch_32_layers\": %.1f, \"host_us_end_step\": %.1f, \"host_us_per_step\": %.1f, "
       "\"gpu_forward_us\": %.1f, \"h2d_metadata_bytes_per_step\": %.0f, "
       "\"d2h_metadata_bytes_per_step\": %.0f, \"page_bytes_per_step\": %.0f, "
-      "\"conversions\": %llu, \"conversions_per_measured_step\": %.1f, \"tier0_pages_used\": %llu, \"tier1_pages_used\": %llu}\n",
+      "\"conversions\": %llu, \"conversions_per_measured_step\": %.1f, \"tier0_pages_used\": %llu, "
+      "\"tier1_pages_used\": %llu}\n",
       batch, layers, context, mass_layers, measured, begin_us / measured, launch_us / measured,
       end_us / measured, (begin_us + launch_us + end_us) / measured, 1000.0 * gpu_ms / measured,
       double(bytes1.h2d_metadata_bytes - bytes0.h2d_metadata_bytes) / steps,
