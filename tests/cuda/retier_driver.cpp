@@ -15,6 +15,7 @@
 
 #include "catch.hpp"
 #include "cuda_test.hpp"
+#include "policy_knobs.hpp"
 #include "retier_driver_kernels.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
@@ -44,16 +45,8 @@ std::unique_ptr<S> make_storage() {
 }
 
 policy::recency_anchor knobs(int dwell = 2) {
-  policy::recency_anchor::options o;
-  o.recent_pages = 2;
-  o.sink_pages = 1;
-  o.ema_alpha = 1.0f;
-  o.enter_mass = 3.0f;
-  o.leave_mass = 1.5f;
-  o.min_dwell_steps = std::uint64_t(dwell);
-  o.keep_first_layers = 0;
-  o.keep_last_layers = 0;
-  return policy::recency_anchor(o);
+  return policy::recency_anchor(
+      tierkv_test::recency_knobs(2, 1, 1.0f, 3.0f, 1.5f, std::uint64_t(dwell)));
 }
 
 // Same tiers and the same decoded floats for every token of every sequence.

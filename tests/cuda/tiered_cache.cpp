@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "policy_knobs.hpp"
 #include "tiered_cache_kernels.hpp"
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/attention/host_workspace.hpp"
@@ -40,16 +41,7 @@ constexpr int layers = 3;
 constexpr std::uint32_t tier0_pages = 90;  // 30 blocks of 3 layers
 
 policy::recency_anchor knobs() {
-  policy::recency_anchor::options o;
-  o.recent_pages = 2;
-  o.sink_pages = 1;
-  o.ema_alpha = 1.0f;
-  o.enter_mass = 3.0f;
-  o.leave_mass = 1.5f;
-  o.min_dwell_steps = 2;
-  o.keep_first_layers = 0;
-  o.keep_last_layers = 0;
-  return policy::recency_anchor(o);
+  return policy::recency_anchor(tierkv_test::recency_knobs(2, 1, 1.0f, 3.0f, 1.5f, 2));
 }
 
 storage_options<2> storage_opts() {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "policy_knobs.hpp"
 #include "tiering_test_support.hpp"
 
 using namespace tiering_test;
@@ -17,16 +18,7 @@ using controller2 = tier_controller<storage2>;
 namespace {
 
 recency_anchor::options plain_knobs() {
-  recency_anchor::options o;
-  o.recent_pages = 1;
-  o.sink_pages = 1;
-  o.ema_alpha = 1.0f;
-  o.enter_mass = 4.0f;
-  o.leave_mass = 2.0f;
-  o.min_dwell_steps = 0;
-  o.keep_first_layers = 0;
-  o.keep_last_layers = 0;
-  return o;
+  return tierkv_test::recency_knobs(1, 1, 1.0f, 4.0f, 2.0f, 0);
 }
 
 std::unique_ptr<storage2> make_storage(std::uint32_t t0, std::uint32_t t1, int layers = 2) {
@@ -519,12 +511,7 @@ TEST_CASE("controller: the incremental plan equals the full scan over a random r
   // Two identical storages, one controller planning incrementally (the default), one visiting
   // every page; the same appends, forks, releases, pins, masses, pressure and applied plans.
   // Every plan must be the same list in the same order, with dwell and a tight tier 0.
-  auto knobs = plain_knobs();
-  knobs.recent_pages = 2;
-  knobs.min_dwell_steps = 2;
-  knobs.ema_alpha = 0.5f;
-  knobs.enter_mass = 2.0f;
-  knobs.leave_mass = 1.0f;
+  const auto knobs = tierkv_test::recency_knobs(2, 1, 0.5f, 2.0f, 1.0f, 2);
   tier_controller_options full_opt;
   full_opt.incremental_plan = false;
   auto s1 = make_storage(60, 200, 3);
