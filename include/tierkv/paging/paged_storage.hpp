@@ -511,6 +511,41 @@ class paged_storage {
     return {};
   }
 
+  // Decodes tokens [first, first + n) of one layer into keys and values ([token][kv_head][dim],
+  // n * kv_heads * head_dim floats each) through each page's tier codecs. The outstanding
+  // reservation's tokens are readable too (first + n <= length + reserved): a chunked prefill
+  // attends to its own chunk's layer before commit, reading what write_layer (or the engine's
+  // kernel) wrote there. Every check comes first; a refusal writes nothing.
+  status read_layer(seq_id s, int layer, std::int64_t first, std::int64_t n, std::span<float> keys,
+                    std::span<float> values) const requires PageAlloc::host_accessible {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
+    const std::int64_t readable = r->length + r->reserved;
+    if (first < 0 || n < 0 || first > readable - n)
+      return status::make(errc::out_of_range, "read_layer: tokens [", first, ", ", first + n,
+                          ") of ", s, ", which has ", r->length, " tokens and ", r->reserved,
+                          " reserved");
+    const std::size_t expect = std::size_t(n) * kv_heads * head_dim;
+    if (keys.size() < expect || values.size() < expect)
+      return status::make(errc::invalid_argument, "read_layer: ", n, " tokens need ", expect,
+                          " floats for keys and for values, got ", keys.size(), " and ",
+                          values.size());
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t pos = first + i;
+      const page_id p = page_of(r->blocks[std::size_t(pos / page_tokens)], layer);
+      const int t = int(pos % page_tokens);
+      for (int h = 0; h < kv_heads; ++h) {
+        const std::size_t at = (std::size_t(i) * kv_heads + std::size_t(h)) * head_dim;
+        detail::with_index<num_tiers>(p.format, [&](auto I) {
+          decode_token<layout<I>>(std::get<I>(pools_).host_page(p), t, h, layer, opt_.head_base + h,
+                                  opt_.codec_seed, keys.data() + at, values.data() + at);
+        });
+      }
+    }
+    return {};
+  }
+
   // ---- blocks (for the prefix index) ------------------------------------------------------
   status check_block(block_ref b) const {
     if (!b.valid() || b.index >= block_capacity_)

@@ -2,6 +2,7 @@
 // tiered_cache's layer-by-layer writes (issue 22): reserve keeps append's contract (max_pages,
 // then make_room only once every other check passed; a refusal changes nothing), attention
 // sees only committed tokens, and the result equals append's.
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -214,4 +215,50 @@ TEST_CASE("make_room for one reservation never moves another's pages",
     CHECK(page_error_of(c->storage(), b, l, 0, seeds_from(200, 5)).max <= fp8_vector_bound);
   }
   REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("read_layer decodes committed and reserved tokens of one layer, across tiers",
+          "[tiering][cache][reserve]") {
+  cache_t::options opt = pressure_options();
+  opt.storage.pages_per_tier = {60, 64};
+  auto c = cache_t::create(opt).value();
+  const seq_id s = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, s, 1, 40));  // pages 0-2, page 2 open
+  (void)c->retier(1);                    // recent_pages 1: pages 0-1 become TQ3
+  (void)c->retier(2);
+  auto& st = c->storage();
+  REQUIRE(st.page(s, 1, 0).value().format == 1);
+  REQUIRE(c->reserve(s, 9));
+  write_tokens(*c, s, 41, 9);
+  // Committed tokens read as read_token reads them; reserved ones as their write encoded them.
+  const std::int64_t first = 10, n = 39;  // 30 committed (TQ3 and FP8 pages) + all 9 reserved
+  std::vector<float> k(std::size_t(n) * KH * D), v(k.size());
+  REQUIRE(st.read_layer(s, 1, first, n, k, v));
+  std::vector<float> rk(D), rv(D);
+  for (std::int64_t i = 0; i < 30; ++i)
+    for (int h = 0; h < KH; ++h) {
+      REQUIRE(st.read_token(s, 1, first + i, h, rk.data(), rv.data()));
+      const std::size_t at = (std::size_t(i) * KH + std::size_t(h)) * D;
+      CHECK(std::memcmp(rk.data(), k.data() + at, D * sizeof(float)) == 0);
+      CHECK(std::memcmp(rv.data(), v.data() + at, D * sizeof(float)) == 0);
+    }
+  REQUIRE(c->commit(s, 9));
+  for (std::int64_t i = 30; i < n; ++i)
+    for (int h = 0; h < KH; ++h) {
+      REQUIRE(st.read_token(s, 1, first + i, h, rk.data(), rv.data()));
+      const std::size_t at = (std::size_t(i) * KH + std::size_t(h)) * D;
+      CHECK(std::memcmp(rk.data(), k.data() + at, D * sizeof(float)) == 0);
+      CHECK(std::memcmp(rv.data(), v.data() + at, D * sizeof(float)) == 0);
+    }
+  // Out of range (past length + reserved, negative), short buffers, a bad layer: refused,
+  // nothing written.
+  std::vector<float> guard(k.size(), -7.f);
+  CHECK(st.read_layer(s, 1, 40, 10, guard, guard).code() == errc::out_of_range);
+  CHECK(st.read_layer(s, 1, -1, 2, guard, guard).code() == errc::out_of_range);
+  CHECK(st.read_layer(s, 1, 0, -1, guard, guard).code() == errc::out_of_range);
+  CHECK(st.read_layer(s, 3, 0, 1, guard, guard).code() == errc::out_of_range);
+  std::vector<float> tiny_buf(3);
+  CHECK(st.read_layer(s, 1, 0, 2, tiny_buf, tiny_buf).code() == errc::invalid_argument);
+  CHECK(std::all_of(guard.begin(), guard.end(), [](float x) { return x == -7.f; }));
+  CHECK(st.read_layer(s, 1, 49, 0, guard, guard).is_ok());
 }
