@@ -609,6 +609,14 @@ class paged_storage {
     for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
+  // f(logical, block_ref) for each committed logical page of s (valid): what block_of(s, i) gives
+  // for every i, in one pass.
+  template <class F>
+  void for_each_logical_block(seq_id s, F&& f) const {
+    const seq_record* r = find(s);
+    for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
+      f(std::int64_t(i), block_ref{r->blocks[i], (*block_meta_)[r->blocks[i]].generation});
+  }
   // f(block_ref, fill, refcount) for each live block.
   template <class F>
   void for_each_block(F&& f) const {

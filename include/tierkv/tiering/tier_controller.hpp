@@ -189,15 +189,14 @@ class tier_controller {
       return status::make(errc::invalid_argument, "observe_mass: ", mass.size(), " masses for ", s,
                           " with ", *pages, " logical pages");
     const float uniform = float(*pages);
-    for (std::int64_t i = 0; i < *pages; ++i) {
+    storage_->for_each_logical_block(s, [&](std::int64_t i, block_ref b) {
       const float m = mass[std::size_t(i)] * uniform;
-      if (!std::isfinite(m) || m < 0.0f) continue;  // never let a broken signal move pages
-      const block_ref b = *storage_->block_of(s, i);
+      if (!std::isfinite(m) || m < 0.0f) return;  // never let a broken signal move pages
       sync(b);
       page_rec& r = page(b.index, layer);
       r.pending = r.pending < 0.0f ? m : std::max(r.pending, m);
       mark_dirty(b.index, layer);
-    }
+    });
     return {};
   }
 
@@ -483,12 +482,12 @@ class tier_controller {
       if ((*blocks_)[bi].live && !seen[bi]) forget(bi);
     storage_->for_each_sequence([&](seq_id s, std::int64_t len) {
       const std::int64_t n = (len + Storage::page_tokens - 1) / Storage::page_tokens;
-      for (std::int64_t i = 0; i < n; ++i) {
-        block_rec& r = (*blocks_)[storage_->block_of(s, i)->index];
+      storage_->for_each_logical_block(s, [&](std::int64_t i, block_ref b) {
+        block_rec& r = (*blocks_)[b.index];
         ++r.holders;
         r.position = std::min(r.position, i);
         r.age = std::min(r.age, n - 1 - i);
-      }
+      });
     });
     // The incremental plan re-evaluates the pages of every block whose facts changed.
     for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
