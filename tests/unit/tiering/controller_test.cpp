@@ -2,9 +2,9 @@
 // The default policy and the tier controller: roles, hysteresis, dwell, planning order,
 // memory pressure, shadows, and bookkeeping allocation failures.
 #include <algorithm>
+#include <memory>
 #include <random>
 #include <span>
-#include <tuple>
 #include <vector>
 
 #include "catch.hpp"
@@ -264,6 +264,11 @@ TEST_CASE("controller: pressure_plan names make_room's demotions, and refuses as
   // Two identical storages and controllers: one frees tier 0 with make_room (host codecs), the
   // other stages pressure_plan's demotions and fills them on the host, as the GPU façade does
   // through its retier driver. Both end with the same tiers and free pages.
+  struct setup {
+    std::unique_ptr<storage2> s;
+    std::unique_ptr<controller2> c;
+    seq_id q;
+  };
   auto make = [] {
     auto s = make_storage(12, 6);
     auto knobs = plain_knobs();
@@ -276,8 +281,9 @@ TEST_CASE("controller: pressure_plan names make_room's demotions, and refuses as
     REQUIRE(c->observe_mass(q, 1, mass));
     REQUIRE(c->pin(q, 1, 1));
     (void)c->plan(0);
-    return std::tuple(std::move(s), std::move(c), q);
+    return setup{std::move(s), std::move(c), q};
   };
+  // Members go in reverse order: the controller before the storage it holds.
   auto [s1, c1, q1] = make();
   auto [s2, c2, q2] = make();
   REQUIRE(c1->make_room(4));
