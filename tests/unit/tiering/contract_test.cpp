@@ -20,34 +20,6 @@ using cache_t =
     tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
 constexpr int D = tiny::head_dim, QH = tiny::q_heads;
 
-// Everything observable about a cache, as text: equal before and after a refused operation.
-std::string snapshot(cache_t& c) {
-  std::ostringstream o;
-  o << c.report() << '\n';
-  const auto& s = c.storage();
-  s.for_each_sequence([&](seq_id q, std::int64_t len) {
-    o << q << " length " << len << ':';
-    for (int l = 0; l < s.num_layers(); ++l)
-      s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
-    o << '\n';
-  });
-  s.for_each_block([&](block_ref b, int fill, std::uint32_t refs) {
-    o << "block " << b.index << '@' << b.generation << " fill " << fill << " refs " << refs << '\n';
-  });
-  for (int t = 0; t < cache_t::num_tiers; ++t)
-    o << "tier " << t << " free " << s.free_pages(t) << '\n';
-  const retier_stats& tot = c.controller().totals();
-  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed "
-    << tot.failed << " shadows " << c.controller().shadow_pages() << '\n';
-  return o.str();
-}
-
-status append_tokens(cache_t& c, seq_id s, std::uint64_t first, int n) {
-  std::vector<float> k, v;
-  make_kv<cache_t::storage_type>(c.storage().num_layers(), seeds_from(first, n), k, v);
-  return c.append(s, n, k, v);
-}
-
 // 3 layers, two sequence slots, four logical pages of FP8: appends soon need make_room.
 cache_t::options pressure_options() {
   cache_t::options opt;
@@ -144,21 +116,21 @@ TEST_CASE("a refused fork changes nothing, even where it would have had to make 
 
   SECTION("no free sequence slot") {
     REQUIRE(c->create_sequence());  // the last slot
-    const std::string before = snapshot(*c);
+    const std::string before = cache_snapshot(*c);
     const auto f = c->fork(a);
     REQUIRE_FALSE(f);
     CHECK(f.code() == errc::capacity_exhausted);
     CHECK(f.error_status().message().find("sequence slots") != std::string::npos);
-    CHECK(snapshot(*c) ==
+    CHECK(cache_snapshot(*c) ==
           before);  // no page of a was demoted to TQ3 for a fork that never happened
   }
   SECTION("no bookkeeping memory for the child's page list") {
-    const std::string before = snapshot(*c);
+    const std::string before = cache_snapshot(*c);
     c->storage().meta_alloc().fail_on(1);
     const auto f = c->fork(a);
     REQUIRE_FALSE(f);
     CHECK(f.code() == errc::capacity_exhausted);
-    CHECK(snapshot(*c) == before);
+    CHECK(cache_snapshot(*c) == before);
     c->storage().meta_alloc().reset();
     REQUIRE(c->fork(a));  // the same fork, with memory: it makes room and succeeds
     CHECK(c->controller().totals().pressure_demoted > 0);
@@ -172,11 +144,11 @@ TEST_CASE("a refused append changes nothing, even where it would have had to mak
   const seq_id a = c->create_sequence().value();
   REQUIRE(append_tokens(*c, a, 1, 64));  // four sealed pages: tier 0 is full
   REQUIRE(c->storage().free_pages(0) == 0);
-  const std::string before = snapshot(*c);
+  const std::string before = cache_snapshot(*c);
   c->storage().meta_alloc().fail_on(1);  // the page list's growth
   const status st = append_tokens(*c, a, 65, 1);
   CHECK(st.code() == errc::capacity_exhausted);
-  CHECK(snapshot(*c) == before);
+  CHECK(cache_snapshot(*c) == before);
   c->storage().meta_alloc().reset();
   REQUIRE(append_tokens(*c, a, 65, 1));
   CHECK(c->controller().totals().pressure_demoted > 0);
@@ -190,12 +162,12 @@ TEST_CASE("max_pages is enforced at append: a sequence never grows past what att
   auto c = cache_t::create(opt).value();
   const seq_id s = c->create_sequence().value();
   REQUIRE(append_tokens(*c, s, 1, 60));
-  const std::string before = snapshot(*c);
+  const std::string before = cache_snapshot(*c);
   const status st = append_tokens(*c, s, 61, 5);  // 65 tokens = 5 pages
   CHECK(st.code() == errc::out_of_range);
   CHECK(st.message().find("max_pages") != std::string::npos);
   CHECK(st.message().find('5') != std::string::npos);
-  CHECK(snapshot(*c) == before);         // refused before make_room demoted anything
+  CHECK(cache_snapshot(*c) == before);   // refused before make_room demoted anything
   REQUIRE(append_tokens(*c, s, 61, 4));  // exactly max_pages pages
   std::vector<float> q(QH * D, 0.5f), out(q.size());
   CHECK(c->attend(0, std::vector<seq_id>{s}, q, out));

@@ -20,34 +20,6 @@ using cache_t =
     tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator, failing_allocator>;
 constexpr int D = tiny::head_dim, QH = tiny::q_heads, KH = tiny::kv_heads;
 
-// Everything observable about a cache, as text (as contract_test.cpp's snapshot).
-std::string snapshot(cache_t& c) {
-  std::ostringstream o;
-  o << c.report() << '\n';
-  const auto& s = c.storage();
-  s.for_each_sequence([&](seq_id q, std::int64_t len) {
-    o << q << " length " << len << " reserved " << *s.reserved(q) << ':';
-    for (int l = 0; l < s.num_layers(); ++l)
-      s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
-    o << '\n';
-  });
-  s.for_each_block([&](block_ref b, int fill, std::uint32_t refs) {
-    o << "block " << b.index << '@' << b.generation << " fill " << fill << " refs " << refs << '\n';
-  });
-  for (int t = 0; t < cache_t::num_tiers; ++t)
-    o << "tier " << t << " free " << s.free_pages(t) << '\n';
-  const retier_stats& tot = c.controller().totals();
-  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed "
-    << tot.failed << " shadows " << c.controller().shadow_pages() << '\n';
-  return o.str();
-}
-
-status append_tokens(cache_t& c, seq_id s, std::uint64_t first, int n) {
-  std::vector<float> k, v;
-  make_kv<cache_t::storage_type>(c.storage().num_layers(), seeds_from(first, n), k, v);
-  return c.append(s, n, k, v);
-}
-
 // Writes every layer of s's reservation (n tokens) with the tokens first, first + 1, ...
 void write_tokens(cache_t& c, seq_id s, std::uint64_t first, int n) {
   std::vector<float> k, v;
@@ -87,17 +59,17 @@ TEST_CASE("a refused reserve changes nothing, even where it would have had to ma
   const seq_id a = c->create_sequence().value();
   REQUIRE(append_tokens(*c, a, 1, 64));  // four sealed pages: tier 0 is full
   REQUIRE(c->storage().free_pages(0) == 0);
-  const std::string before = snapshot(*c);
+  const std::string before = cache_snapshot(*c);
   std::vector<std::int32_t> slot(3), offset(1);
 
   c->storage().meta_alloc().fail_on(1);  // the page list's growth
   CHECK(c->reserve(a, 1, slot_mapping{slot, 0, offset}).code() == errc::capacity_exhausted);
-  CHECK(snapshot(*c) == before);
+  CHECK(cache_snapshot(*c) == before);
   c->storage().meta_alloc().reset();
   CHECK(c->reserve(a, 1, slot_mapping{std::span<std::int32_t>(slot).first(2), 0, offset}).code() ==
         errc::invalid_argument);  // 3 layers need 3 slots
   CHECK(c->reserve(seq_id(77), 1).code() == errc::stale_id);
-  CHECK(snapshot(*c) == before);
+  CHECK(cache_snapshot(*c) == before);
 
   REQUIRE(c->reserve(a, 1, slot_mapping{slot, 0, offset}));  // makes room, then opens a page
   CHECK(c->controller().totals().pressure_demoted > 0);
@@ -121,12 +93,12 @@ TEST_CASE("max_pages is enforced at reserve", "[tiering][cache][contract][reserv
   auto c = cache_t::create(opt).value();
   const seq_id s = c->create_sequence().value();
   REQUIRE(append_tokens(*c, s, 1, 60));
-  const std::string before = snapshot(*c);
+  const std::string before = cache_snapshot(*c);
   const status st = c->reserve(s, 5);  // 65 tokens = 5 pages
   CHECK(st.code() == errc::out_of_range);
   CHECK(st.message().find("max_pages") != std::string::npos);
   CHECK(st.message().find("nothing reserved") != std::string::npos);
-  CHECK(snapshot(*c) == before);
+  CHECK(cache_snapshot(*c) == before);
   REQUIRE(c->reserve(s, 4));  // exactly max_pages pages
   REQUIRE(c->cancel(s));
   REQUIRE(c->check_invariants());

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "tierkv/codec/error_traits.hpp"
@@ -143,6 +145,38 @@ std::vector<std::uint8_t> bytes_of(Storage& s, page_id p) {
   auto b = s.page_bytes(p);
   if (!b) return {};
   return std::vector<std::uint8_t>(b->begin(), b->end());
+}
+
+// Everything observable about a tiered_cache, as text: equal before and after a refused
+// operation (the contract and reserve tests).
+template <class Cache>
+std::string cache_snapshot(Cache& c) {
+  std::ostringstream o;
+  o << c.report() << '\n';
+  const auto& s = c.storage();
+  s.for_each_sequence([&](seq_id q, std::int64_t len) {
+    o << q << " length " << len << " reserved " << *s.reserved(q) << ':';
+    for (int l = 0; l < s.num_layers(); ++l)
+      s.for_each_page(q, l, [&](std::int64_t, page_id p) { o << ' ' << p; });
+    o << '\n';
+  });
+  s.for_each_block([&](block_ref b, int fill, std::uint32_t refs) {
+    o << "block " << b.index << '@' << b.generation << " fill " << fill << " refs " << refs << '\n';
+  });
+  for (int t = 0; t < Cache::num_tiers; ++t)
+    o << "tier " << t << " free " << s.free_pages(t) << '\n';
+  const retier_stats& tot = c.controller().totals();
+  o << "converted " << tot.converted << " pressure_demoted " << tot.pressure_demoted << " failed "
+    << tot.failed << " shadows " << c.controller().shadow_pages() << '\n';
+  return o.str();
+}
+
+// Appends n tokens (seeds first, first + 1, ...) to every layer of s.
+template <class Cache>
+status append_tokens(Cache& c, seq_id s, std::uint64_t first, int n) {
+  std::vector<float> k, v;
+  make_kv<typename Cache::storage_type>(c.storage().num_layers(), seeds_from(first, n), k, v);
+  return c.append(s, n, k, v);
 }
 
 }  // namespace tiering_test
