@@ -34,17 +34,6 @@ double us_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
 }
 
-__global__ void fill_normalish(float* x, std::size_t n, unsigned seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    unsigned h = unsigned(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    x[i] = (float(h & 0xffffu) / 65535.f - 0.5f) * 3.f;
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,9 +72,9 @@ int main(int argc, char** argv) {
   const std::size_t qn = std::size_t(batch) * G::q_heads * G::head_dim;
   bench::die_if(cudaMalloc(&q, qn * sizeof(float)), "q");
   bench::die_if(cudaMalloc(&out, qn * sizeof(float)), "out");
-  fill_normalish<<<1024, 256, 0, stream>>>(k, 65536 * vec, 1);
-  fill_normalish<<<1024, 256, 0, stream>>>(v, 65536 * vec, 2);
-  fill_normalish<<<1024, 256, 0, stream>>>(q, qn, 3);
+  bench::fill_floats<<<1024, 256, 0, stream>>>(k, 65536 * vec, 1);
+  bench::fill_floats<<<1024, 256, 0, stream>>>(v, 65536 * vec, 2);
+  bench::fill_floats<<<1024, 256, 0, stream>>>(q, qn, 3);
 
   // Prefill every sequence to `context` tokens in chunks of <= 65536 tokens a step.
   std::uint64_t step = 0;

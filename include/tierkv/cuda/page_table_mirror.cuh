@@ -72,7 +72,6 @@ __global__ void apply_mirror_journal(const std::int32_t* journal, int n, std::in
   if (i < n) entries[journal[2 * i]] = journal[2 * i + 1];
 }
 
-template <int N>
 __device__ __forceinline__ std::int32_t mirror_entry(const mirror_args& a, int b, int l, int p,
                                                      int max_pages) {
   const std::int32_t block = a.rows[std::int64_t(a.row_of[b]) * max_pages + p];
@@ -88,7 +87,7 @@ __global__ void __launch_bounds__(256) mirror_count(mirror_args a, index_layout<
   if (threadIdx.x < N) count[threadIdx.x] = 0;
   __syncthreads();
   for (int p = int(threadIdx.x); p < a.pages[b]; p += int(blockDim.x)) {
-    const std::int32_t e = mirror_entry<N>(a, b, l, p, layout.max_pages);
+    const std::int32_t e = mirror_entry(a, b, l, p, layout.max_pages);
     const int f = e < 0 ? N : packed_page::format(e);
     if (f >= N) {
       atomicCAS(a.error, 0, int(errc::out_of_range));
@@ -134,7 +133,7 @@ __global__ void __launch_bounds__(256) mirror_scatter(mirror_args a, index_layou
   const int pages = a.pages[b];
   for (int tile = 0; tile < pages; tile += 256) {
     const int p = tile + int(threadIdx.x);
-    const std::int32_t e = p < pages ? mirror_entry<N>(a, b, l, p, layout.max_pages) : -1;
+    const std::int32_t e = p < pages ? mirror_entry(a, b, l, p, layout.max_pages) : -1;
     const int fmt = e < 0 ? N : packed_page::format(e);
 #pragma unroll
     for (int f = 0; f < N; ++f) {
@@ -204,14 +203,6 @@ class page_table_mirror {
 
   const index_layout<NumFormats>& layout() const noexcept { return layout_; }
   int layers() const noexcept { return layers_; }
-  // Bytes of device memory held (entries, index arrays of every layer, scratch).
-  std::size_t device_bytes() const noexcept {
-    return shadow_.size() * sizeof(std::int32_t) + layer_bytes_ * std::size_t(layers_) +
-           (3 * std::size_t(layout_.max_batch) +
-            std::size_t(layers_) * std::size_t(layout_.max_batch) * NumFormats + 4) *
-               sizeof(std::int32_t);
-  }
-
   void set_row(int row, int logical, std::int32_t block) {
     put(std::size_t(row) * std::size_t(max_pages_) + std::size_t(logical), block);
   }
@@ -219,11 +210,6 @@ class page_table_mirror {
     put(row_entries_ + std::size_t(block) * std::size_t(layers_) + std::size_t(layer),
         packed_page::pack(format, slot));
   }
-  std::int32_t row_entry(int row, int logical) const {
-    return shadow_[std::size_t(row) * std::size_t(max_pages_) + std::size_t(logical)];
-  }
-  std::size_t journal_size() const noexcept { return journal_.size(); }
-
   // Bytes of the last build()'s upload (journal and batch: metadata only).
   std::size_t last_upload_bytes() const noexcept { return last_upload_; }
 

@@ -397,7 +397,6 @@ class tiered_cache {
     free_rows_.resize(storage_->max_sequences());
     for (std::uint32_t r = 0; r < storage_->max_sequences(); ++r)
       free_rows_[r] = std::int32_t(storage_->max_sequences() - 1 - r);
-    row_pages_.assign(storage_->max_sequences(), 0);
 
     decode_capacity cap{opt_.max_batch, opt_.max_chunks_per_seq, opt_.max_pages, true};
     auto plan = plan_decode<Geometry, Tiers>(cap, nullptr, 0, sm_count_);
@@ -443,7 +442,6 @@ class tiered_cache {
     const std::int32_t r = free_rows_.back();
     free_rows_.pop_back();
     row_of_[s.value] = r;
-    row_pages_[std::size_t(r)] = 0;
   }
   void close_row(seq_id s) {
     auto it = row_of_.find(s.value);
@@ -467,7 +465,6 @@ class tiered_cache {
         mirror_->set_page(b.index, l, pg.format, pg.slot);
       }
     }
-    row_pages_[std::size_t(row)] = std::int32_t(pages);
   }
 
   // ---- reservations --------------------------------------------------------------------------
@@ -607,7 +604,8 @@ class tiered_cache {
           double(opt_.storage.pages_per_tier[std::size_t(f)] - storage_->free_pages(f));
       total += used[std::size_t(f)];
     }
-    for (auto& u : used) u = total > 0 ? u / total : (&u == &used[0] ? 1.0 : 0.0);
+    if (total == 0) return {1.0};  // an empty cache: every page would be new, in tier 0
+    for (auto& u : used) u /= total;
     return used;
   }
 
@@ -622,7 +620,6 @@ class tiered_cache {
   std::vector<std::uint32_t> known_gen_;  // per block: generation + 1 the mirror holds (0: none)
   std::unordered_map<std::uint32_t, std::int32_t> row_of_;  // seq_id value -> mirror row
   std::vector<std::int32_t> free_rows_;
-  std::vector<std::int32_t> row_pages_;
   decode_plan plan_{};
   void* workspace_ = nullptr;
   // The step.

@@ -532,6 +532,7 @@ class tier_controller {
   bool incremental() const { return opt_.incremental_plan && !choice_reads_time(); }
 
   void mark_dirty(std::uint32_t bi, int layer) {
+    if (!incremental()) return;  // the full scan visits every page anyway
     page_rec& r = page(bi, layer);
     if (r.dirty) return;
     r.dirty = true;
