@@ -1,0 +1,391 @@
+// SPDX-License-Identifier: Apache-2.0
+// runtime_cache over one compile-time tierkv::tiered_cache<geometry, tiers>. Sequences,
+// reservations, commits, tiering and accounting are the façade's own calls; attention runs
+// host_decode / host_prefill over index arrays this class builds, which hold the committed
+// pages and the pages of each sequence's outstanding reservation, so a layer-by-layer
+// forward pass attends to its own new tokens before they are committed (the storage reads
+// reserved tokens for exactly this: paged_storage::read_layer).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "formats.hpp"
+#include "runtime.hpp"
+#include "tierkv/attention/host_decode.hpp"
+#include "tierkv/attention/host_prefill.hpp"
+#include "tierkv/attention/host_workspace.hpp"
+#include "tierkv/cache.hpp"
+#include "tierkv/core/geometry.hpp"
+#include "tierkv/paging/index_builder.hpp"
+#include "tierkv/report.hpp"
+
+namespace tierkv_py {
+
+[[noreturn]] inline void fail(tierkv::status st) { throw tierkv::error(std::move(st)); }
+inline void check(const tierkv::status& st) {
+  if (!st) fail(st);
+}
+template <class T>
+T value(tierkv::result<T> r) {
+  if (!r) fail(r.error_status());
+  return std::move(*r);
+}
+
+inline tierkv::seq_id to_seq(std::int64_t s) {
+  if (s < 0 || s >= std::int64_t(tierkv::seq_id::invalid_value))
+    fail(tierkv::status::out_of_range("sequence id", s, tierkv::seq_id::invalid_value));
+  return tierkv::seq_id(std::uint32_t(s));
+}
+
+template <class Geometry, class TierSet>
+class cache_impl final : public runtime_cache {
+ public:
+  using tier_list = typename TierSet::type;
+  using cache_type = tierkv::tiered_cache<Geometry, tier_list>;
+  using storage_type = typename cache_type::storage_type;
+  static constexpr int N = tier_list::size;
+  static constexpr int D = Geometry::head_dim;
+  static constexpr int KVH = Geometry::kv_heads;
+  static constexpr int QH = Geometry::q_heads;
+  static constexpr int P = Geometry::page_tokens;
+
+  static std::unique_ptr<runtime_cache> make(const cache_config& cfg) {
+    return std::unique_ptr<runtime_cache>(new cache_impl(cfg));
+  }
+
+  const cache_config& config() const override { return cfg_; }
+  int num_tiers() const override { return N; }
+
+  std::int64_t create_sequence() override { return value(cache_->create_sequence()).value; }
+  std::int64_t fork(std::int64_t parent) override {
+    return value(cache_->fork(to_seq(parent))).value;
+  }
+  void release(std::int64_t s) override {
+    check(cache_->release(to_seq(s)));
+    mappings_.erase(std::uint32_t(s));
+  }
+  std::int64_t length(std::int64_t s) const override { return value(cache_->length(to_seq(s))); }
+  std::int64_t reserved(std::int64_t s) const override {
+    return value(cache_->reserved(to_seq(s)));
+  }
+
+  void reserve(std::span<const std::int64_t> seqs, std::span<const std::int64_t> counts) override {
+    if (seqs.size() != counts.size())
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "reserve: ", seqs.size(),
+                                " sequences but ", counts.size(), " token counts"));
+    check_distinct(seqs, "reserve");
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const tierkv::seq_id s = to_seq(seqs[b]);
+      mapping m;
+      m.n = counts[b];
+      tierkv::status st;
+      if (m.n < 0 || m.n > std::numeric_limits<std::int32_t>::max())
+        st = tierkv::status::make(tierkv::errc::invalid_argument, "reserve: token count ", m.n,
+                                  " for batch entry ", b, " is outside [0, 2^31)");
+      if (st && m.n > 0) {
+        m.slot.resize(std::size_t(cfg_.num_layers) * std::size_t(m.n));
+        m.offset.resize(std::size_t(m.n));
+        st = cache_->reserve(s, m.n, tierkv::slot_mapping{m.slot, 0, m.offset});
+      } else if (st) {
+        st = cache_->reserve(s, 0);
+      }
+      if (!st) {  // all or none: give back what this call reserved
+        for (std::size_t j = 0; j < b; ++j) {
+          (void)cache_->cancel(to_seq(seqs[j]));
+          mappings_.erase(std::uint32_t(seqs[j]));
+        }
+        fail(tierkv::status(st.code(), tierkv::status::format(st.message(), " (batch entry ", b,
+                                                              ", ", s, "); nothing reserved")));
+      }
+      if (m.n > 0) mappings_[s.value] = std::move(m);
+    }
+  }
+
+  void write_layer(std::span<const std::int64_t> seqs, int layer, const float* keys,
+                   const float* values, std::int64_t tokens) override {
+    check_layer(layer);
+    std::int64_t total = 0;
+    for (std::int64_t s : seqs) total += value(cache_->reserved(to_seq(s)));
+    if (total != tokens)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "write: the batch's ", seqs.size(),
+                                " sequences have ", total, " reserved tokens, keys/values hold ",
+                                tokens));
+    const std::size_t per_token = std::size_t(KVH) * D;
+    // Every row is checked before any is written, so a refusal writes nothing.
+    for (const float* x : {keys, values}) {
+      const std::size_t n = std::size_t(tokens) * per_token;
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i]))
+          fail(tierkv::status::make(tierkv::errc::non_finite_input,
+                                    "write: ", x == keys ? "keys" : "values", "[", i, "] = ", x[i],
+                                    " (token ", i / per_token, ", kv head ", i / D % KVH,
+                                    ") is not finite; nothing written"));
+    }
+    std::size_t at = 0;
+    for (std::int64_t s : seqs) {
+      const std::int64_t n = value(cache_->reserved(to_seq(s)));
+      if (n == 0) continue;
+      const std::size_t len = std::size_t(n) * per_token;
+      check(cache_->write_layer(to_seq(s), layer, {keys + at, len}, {values + at, len}));
+      at += len;
+    }
+  }
+
+  void commit(std::span<const std::int64_t> seqs) override {
+    check_distinct(seqs, "commit");
+    for (std::int64_t s : seqs) (void)to_seq(s), (void)value(cache_->reserved(to_seq(s)));
+    for (std::int64_t s : seqs) {
+      const std::int64_t n = value(cache_->reserved(to_seq(s)));
+      check(cache_->commit(to_seq(s), n));
+      mappings_.erase(std::uint32_t(s));
+    }
+  }
+  void cancel(std::span<const std::int64_t> seqs) override {
+    for (std::int64_t s : seqs) (void)value(cache_->reserved(to_seq(s)));
+    for (std::int64_t s : seqs) {
+      check(cache_->cancel(to_seq(s)));
+      mappings_.erase(std::uint32_t(s));
+    }
+  }
+
+  void append(std::int64_t s, std::int64_t n, const float* keys, const float* values) override {
+    if (n < 0)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "append: token count ", n,
+                                " is negative"));
+    const std::size_t len = std::size_t(cfg_.num_layers) * std::size_t(n) * KVH * D;
+    check(cache_->append(to_seq(s), n, {keys, len}, {values, len}));
+  }
+
+  void decode(int layer, std::span<const std::int64_t> seqs, const float* queries, float* out,
+              float* lse) override {
+    const auto view = build_index(layer, seqs);
+    tierkv::host_decode_args<N> a;
+    a.queries = queries;
+    a.index = view;
+    a.pools = pools_.data();
+    a.source = source(layer);
+    a.logits = logits();
+    a.out = out;
+    a.lse = lse;
+    a.page_mass = mass_.data();
+    a.mass_stride = cfg_.max_pages;
+    check(tierkv::host_decode<Geometry, tier_list>(workspace_, a));
+    // The committed pages' masses feed the policy (as tiered_cache::attend does); a
+    // reservation's pages are not pages of the sequence yet.
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const std::span<const float> row(mass_.data() + b * std::size_t(cfg_.max_pages),
+                                       std::size_t(cfg_.max_pages));
+      check(cache_->controller().observe_mass(to_seq(seqs[b]), layer, row));
+    }
+  }
+
+  void prefill(int layer, std::span<const std::int64_t> seqs,
+               std::span<const std::int32_t> q_indptr, const float* queries, float* out,
+               float* lse) override {
+    if (q_indptr.size() != seqs.size() + 1)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "prefill: q_indptr holds ",
+                                q_indptr.size(), " entries, ", seqs.size() + 1,
+                                " needed (batch + 1)"));
+    const auto view = build_index(layer, seqs);
+    tierkv::host_prefill_args<N> a;
+    a.queries = queries;
+    a.q_indptr = q_indptr.data();
+    a.index = view;
+    a.pools = pools_.data();
+    a.source = source(layer);
+    a.logits = logits();
+    a.out = out;
+    a.lse = lse;
+    check(tierkv::host_prefill<Geometry, tier_list>(workspace_, a));
+  }
+
+  tierkv::retier_stats retier(std::uint64_t step) override { return cache_->retier(step); }
+  tierkv::memory_report report() const override { return cache_->report(); }
+  void pin(std::int64_t s, std::int64_t first, std::int64_t pages, bool pinned) override {
+    check(cache_->pin(to_seq(s), first, pages, pinned));
+  }
+  void read_layer(std::int64_t s, int layer, std::int64_t first, std::int64_t n, float* keys,
+                  float* values) const override {
+    const std::size_t len = std::size_t(std::max<std::int64_t>(n, 0)) * KVH * D;
+    check(cache_->storage().read_layer(to_seq(s), layer, first, n, {keys, len}, {values, len}));
+  }
+  std::vector<std::int64_t> page_tiers(std::int64_t s, int layer) const override {
+    (void)value(cache_->length(to_seq(s)));
+    check_layer(layer);
+    std::vector<std::int64_t> t;
+    cache_->storage().for_each_page(
+        to_seq(s), layer, [&](std::int64_t, tierkv::page_id p) { t.push_back(p.format); });
+    return t;
+  }
+
+ private:
+  struct mapping {
+    std::int64_t n = 0;
+    std::vector<std::int32_t> slot, offset;  // slot_mapping of the reservation, layer_stride n
+  };
+
+  explicit cache_impl(const cache_config& cfg) : cfg_(cfg), workspace_(unsigned(cfg.threads)) {
+    typename cache_type::options o;
+    if (cfg.pages_per_tier.size() != std::size_t(N))
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier has ",
+                                cfg.pages_per_tier.size(), " entries; this tier set has ", N,
+                                " tier", N == 1 ? "" : "s"));
+    for (int t = 0; t < N; ++t) {
+      const std::int64_t p = cfg.pages_per_tier[std::size_t(t)];
+      if (p < 1 || p > std::numeric_limits<std::int32_t>::max())
+        fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier[", t, "] = ", p,
+                                  " must lie in [1, 2^31)"));
+      o.storage.pages_per_tier[std::size_t(t)] = std::uint32_t(p);
+    }
+    if (cfg.max_sequences < 1 || cfg.max_sequences > std::numeric_limits<std::int32_t>::max())
+      fail(tierkv::status::make(tierkv::errc::invalid_argument,
+                                "max_sequences = ", cfg.max_sequences, " must lie in [1, 2^31)"));
+    if (cfg.threads < 0 || cfg.threads > int(cache_type::max_threads))
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "threads = ", cfg.threads,
+                                " must lie in [0, ", cache_type::max_threads, "] (0 = all cores)"));
+    if (cfg.min_dwell_steps < 0)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument,
+                                "min_dwell_steps = ", cfg.min_dwell_steps, " is negative"));
+    o.storage.num_layers = cfg.num_layers;
+    o.storage.max_sequences = std::uint32_t(cfg.max_sequences);
+    o.storage.codec_seed = cfg.codec_seed;
+    tierkv::policy::recency_anchor_options po;
+    po.recent_pages = cfg.recent_pages;
+    po.sink_pages = cfg.sink_pages;
+    po.keep_first_layers = cfg.keep_first_layers;
+    po.keep_last_layers = cfg.keep_last_layers;
+    po.min_dwell_steps = std::uint64_t(cfg.min_dwell_steps);
+    o.policy = tierkv::policy::recency_anchor(po);
+    o.max_batch = cfg.max_batch;
+    o.max_pages = cfg.max_pages;
+    o.threads = 1;  // the façade's own attention workers are unused: attention runs here
+    o.softmax_scale = float(cfg.softmax_scale);
+    o.soft_cap = float(cfg.soft_cap);
+    cache_ = value(cache_type::create(o));  // checks every other option, naming it
+    index_.emplace(value(tierkv::index_arrays<storage_type>::create(cache_->storage(),
+                                                                    cfg.max_batch, cfg.max_pages)));
+    mass_.assign(std::size_t(cfg.max_batch) * std::size_t(cfg.max_pages), 0.f);
+    pools_ = cache_->storage().views();
+  }
+
+  void check_layer(int layer) const {
+    if (layer < 0 || layer >= cfg_.num_layers)
+      fail(tierkv::status::out_of_range("layer", layer, cfg_.num_layers));
+  }
+  static void check_distinct(std::span<const std::int64_t> seqs, const char* op) {
+    std::vector<std::int64_t> s(seqs.begin(), seqs.end());
+    std::sort(s.begin(), s.end());
+    if (auto it = std::adjacent_find(s.begin(), s.end()); it != s.end())
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, op, ": sequence ", *it,
+                                " appears twice in the batch"));
+  }
+  tierkv::layer_source source(int layer) const {
+    return tierkv::layer_source{cfg_.codec_seed, layer, 0};
+  }
+  tierkv::logit_params logits() const {
+    return tierkv::logit_params{
+        cfg_.softmax_scale > 0 ? float(cfg_.softmax_scale) : 1.f / std::sqrt(float(D)),
+        float(cfg_.soft_cap)};
+  }
+
+  // build_batch_index's arrays (same layout, same buffer class, so the report counts them)
+  // extended by each sequence's reserved pages: tier-0 pages at the highest logical indices,
+  // so every format's list stays in logical order.
+  tierkv::batch_index_view<N> build_index(int layer, std::span<const std::int64_t> seqs) {
+    check_layer(layer);
+    const auto& layout = index_->layout();
+    if (seqs.size() > std::size_t(cfg_.max_batch))
+      fail(tierkv::status::exceeds(tierkv::errc::capacity_exhausted, "batch size", seqs.size(),
+                                   cfg_.max_batch));
+    const storage_type& st = cache_->storage();
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const tierkv::seq_id s = to_seq(seqs[b]);
+      const std::int64_t len = value(st.length(s)) + value(st.reserved(s));
+      if (len > std::numeric_limits<std::int32_t>::max())
+        fail(tierkv::status::exceeds(tierkv::errc::out_of_range, "tokens of the sequence", len,
+                                     std::numeric_limits<std::int32_t>::max()));
+      if ((len + P - 1) / P > cfg_.max_pages)
+        fail(tierkv::status::make(tierkv::errc::capacity_exhausted, "sequence ", s,
+                                  " (batch entry ", b, ") has ", (len + P - 1) / P,
+                                  " logical pages, the limit is max_pages = ", cfg_.max_pages));
+    }
+    auto bytes = index_->bytes();
+    auto at = [&](std::size_t off) { return reinterpret_cast<std::int32_t*>(bytes.data() + off); };
+    std::int32_t* seq_len = at(layout.seq_len_offset());
+    std::int32_t *indptr[N], *slot[N], *logical[N];
+    std::int32_t cursor[N];
+    for (int f = 0; f < N; ++f) {
+      indptr[f] = at(layout.indptr_offset(f));
+      slot[f] = at(layout.slot_offset(f));
+      logical[f] = at(layout.logical_offset(f));
+      cursor[f] = 0;
+      indptr[f][0] = 0;
+    }
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const tierkv::seq_id s = to_seq(seqs[b]);
+      const std::int64_t len = *st.length(s), res = *st.reserved(s);
+      seq_len[b] = std::int32_t(len + res);
+      st.for_each_page(s, layer, [&](std::int64_t i, tierkv::page_id p) {
+        slot[p.format][cursor[p.format]] = std::int32_t(p.slot);
+        logical[p.format][cursor[p.format]] = std::int32_t(i);
+        ++cursor[p.format];
+      });
+      if (res > 0) {
+        const mapping& m = mappings_.at(s.value);
+        const std::int64_t committed_pages = (len + P - 1) / P;  // an open tail is listed
+        for (std::int64_t i = 0; i < res; ++i) {
+          const std::int64_t page = (len + i) / P;
+          if (page < committed_pages || (i > 0 && (len + i) % P != 0)) continue;
+          slot[0][cursor[0]] = m.slot[std::size_t(layer) * std::size_t(res) + std::size_t(i)];
+          logical[0][cursor[0]] = std::int32_t(page);
+          ++cursor[0];
+        }
+      }
+      for (int f = 0; f < N; ++f) indptr[f][b + 1] = cursor[f];
+    }
+    return layout.view_of(bytes.data(), int(seqs.size()));
+  }
+
+  cache_config cfg_;
+  std::unique_ptr<cache_type> cache_;
+  std::optional<tierkv::index_arrays<storage_type>> index_;
+  std::vector<float> mass_;
+  std::array<tierkv::pool_view, N> pools_{};
+  std::unordered_map<std::uint32_t, mapping> mappings_;
+  tierkv::host_attention_workspace workspace_;
+};
+
+// Registers cache_impl for every (kv_heads, group size) of the two lists at one tier set,
+// head_dim and page size (one instantiation unit each, so the set compiles in parallel).
+template <class TierSet, int HeadDim, int PageSize, int... KV, int... G>
+void register_product(std::integer_sequence<int, KV...>, std::integer_sequence<int, G...>) {
+  auto one_kv = [](auto kv) {
+    constexpr int K = decltype(kv)::value;
+    (register_combo(
+         combo{tier_set_index<TierSet>, HeadDim, K, G, PageSize},
+         &cache_impl<tierkv::geometry<tierkv::head_dim<HeadDim>, tierkv::kv_heads<K>,
+                                      tierkv::group_size<G>, tierkv::page_tokens<PageSize>>,
+                     TierSet>::make),
+     ...);
+  };
+  (one_kv(std::integral_constant<int, KV>{}), ...);
+}
+
+template <class TierSet, int HeadDim, int KV, int G, int PageSize>
+void register_one() {
+  register_combo(combo{tier_set_index<TierSet>, HeadDim, KV, G, PageSize},
+                 &cache_impl<tierkv::geometry<tierkv::head_dim<HeadDim>, tierkv::kv_heads<KV>,
+                                              tierkv::group_size<G>, tierkv::page_tokens<PageSize>>,
+                             TierSet>::make);
+}
+
+}  // namespace tierkv_py

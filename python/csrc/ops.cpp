@@ -1,0 +1,479 @@
+// SPDX-License-Identifier: Apache-2.0
+// torch custom ops (namespace tierkv) over the run-time caches of registry.cpp.
+//
+// A cache is named by a `state` tensor, int64 [2] on the CPU: {handle, mutation count}. Ops
+// that change the cache take it as `Tensor(a!)` and bump the count, so torch.compile /
+// functionalization orders them before the attention ops that read it (a data dependence,
+// not a hidden side effect), and the fake implementations (tierkv/_fake.py) need no C++
+// object: they only shape outputs. Every argument is checked here, naming the value and
+// the limit; the cache's own refusals (tierkv::error) become Python ValueError /
+// RuntimeError with the library's message.
+#include <ATen/ATen.h>
+#include <Python.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "formats.hpp"
+#include "runtime.hpp"
+
+namespace tierkv_py {
+namespace {
+
+std::mutex registry_mutex;
+std::unordered_map<std::int64_t, std::shared_ptr<runtime_cache>>& caches() {
+  static std::unordered_map<std::int64_t, std::shared_ptr<runtime_cache>> c;
+  return c;
+}
+std::atomic<std::int64_t> next_handle{1};
+
+// Rethrows a library error as the Python exception that fits its code.
+template <class F>
+auto guarded(const char* op, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const tierkv::error& e) {
+    const std::string msg = std::string("tierkv.") + op + ": " + e.what();
+    switch (e.code()) {
+      case tierkv::errc::invalid_argument:
+      case tierkv::errc::out_of_range:
+      case tierkv::errc::non_finite_input:
+      case tierkv::errc::geometry_mismatch:
+      case tierkv::errc::stale_id:
+        TORCH_CHECK_VALUE(false, msg);
+      default:
+        TORCH_CHECK(false, msg);
+    }
+  }
+}
+
+void check_state(const at::Tensor& state) {
+  TORCH_CHECK_VALUE(state.device().is_cpu() && state.scalar_type() == at::kLong &&
+                        state.dim() == 1 && state.numel() == 2,
+                    "tierkv: state must be the int64 CPU tensor of 2 elements that "
+                    "tierkv.ops.create returned, got ",
+                    state.scalar_type(), " ", state.sizes(), " on ", state.device());
+}
+
+std::shared_ptr<runtime_cache> find(const at::Tensor& state) {
+  check_state(state);
+  const std::int64_t h = state.data_ptr<std::int64_t>()[0];
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = caches().find(h);
+  TORCH_CHECK_VALUE(it != caches().end(), "tierkv: no cache with handle ", h,
+                    " (destroyed, or not made by tierkv.ops.create)");
+  return it->second;
+}
+
+void bump(at::Tensor& state) { state.data_ptr<std::int64_t>()[1] += 1; }
+
+// Sequence ids: a 1-D int64 CPU tensor (so a compiled graph is not specialised on them).
+std::vector<std::int64_t> seq_list(const at::Tensor& seqs, const char* name) {
+  TORCH_CHECK_VALUE(seqs.device().is_cpu(), "tierkv: ", name, " must be a CPU tensor, got ",
+                    seqs.device());
+  TORCH_CHECK_VALUE(seqs.scalar_type() == at::kLong, "tierkv: ", name, " must be int64, got ",
+                    seqs.scalar_type());
+  TORCH_CHECK_VALUE(seqs.dim() == 1, "tierkv: ", name, " must be 1-D, got shape ", seqs.sizes());
+  const at::Tensor c = seqs.contiguous();
+  const std::int64_t* p = c.data_ptr<std::int64_t>();
+  return std::vector<std::int64_t>(p, p + c.numel());
+}
+
+// A float tensor of an exact shape on the host path; returned as contiguous float32.
+at::Tensor host_floats(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "tierkv: ", name, " is on ", t.device(),
+                    "; this package's ops run the host path on CPU tensors (the CUDA path is "
+                    "not built into these ops)");
+  const auto s = t.scalar_type();
+  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tierkv: ", name,
+                    " must be float32, bfloat16 or float16, got ", s);
+  TORCH_CHECK_VALUE(t.sizes() == shape, "tierkv: ", name, " must have shape ", shape, ", got ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.is_contiguous(), "tierkv: ", name, " must be contiguous (shape ", t.sizes(),
+                    ", strides ", t.strides(), "); call .contiguous()");
+  return t.to(at::kFloat).contiguous();
+}
+
+int to_int(std::int64_t v, const char* name) {
+  TORCH_CHECK_VALUE(v >= INT32_MIN && v <= INT32_MAX, "tierkv: ", name, " = ", v,
+                    " does not fit int32");
+  return int(v);
+}
+
+// ---- lifetime -------------------------------------------------------------------------------
+
+at::Tensor create(std::string recent, std::string cache_type_k, std::string cache_type_v,
+                  std::int64_t head_dim, std::int64_t kv_heads, std::int64_t group_size,
+                  std::int64_t page_size, std::int64_t num_layers, at::IntArrayRef pages_per_tier,
+                  std::int64_t max_sequences, std::int64_t max_batch, std::int64_t max_pages,
+                  std::int64_t threads, double softmax_scale, double soft_cap,
+                  std::int64_t codec_seed, at::IntArrayRef policy) {
+  TORCH_CHECK_VALUE(policy.size() == 5,
+                    "tierkv.create: policy holds {recent_pages, sink_pages, keep_first_layers, "
+                    "keep_last_layers, min_dwell_steps}, got ",
+                    policy.size(), " values");
+  TORCH_CHECK_VALUE(codec_seed >= 0, "tierkv.create: codec_seed = ", codec_seed, " is negative");
+  cache_config cfg;
+  cfg.recent = std::move(recent);
+  cfg.cache_type_k = std::move(cache_type_k);
+  cfg.cache_type_v = std::move(cache_type_v);
+  cfg.head_dim = to_int(head_dim, "head_dim");
+  cfg.kv_heads = to_int(kv_heads, "kv_heads");
+  cfg.group_size = to_int(group_size, "group_size");
+  cfg.page_size = to_int(page_size, "page_size");
+  cfg.num_layers = to_int(num_layers, "num_layers");
+  cfg.pages_per_tier.assign(pages_per_tier.begin(), pages_per_tier.end());
+  cfg.max_sequences = max_sequences;
+  cfg.max_batch = to_int(max_batch, "max_batch");
+  cfg.max_pages = to_int(max_pages, "max_pages");
+  cfg.threads = to_int(threads, "threads");
+  cfg.softmax_scale = softmax_scale;
+  cfg.soft_cap = soft_cap;
+  cfg.codec_seed = std::uint64_t(codec_seed);
+  cfg.recent_pages = to_int(policy[0], "recent_pages");
+  cfg.sink_pages = to_int(policy[1], "sink_pages");
+  cfg.keep_first_layers = to_int(policy[2], "keep_first_layers");
+  cfg.keep_last_layers = to_int(policy[3], "keep_last_layers");
+  cfg.min_dwell_steps = policy[4];
+  std::shared_ptr<runtime_cache> c = guarded("create", [&] { return make_cache(cfg); });
+  const std::int64_t h = next_handle++;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    caches().emplace(h, std::move(c));
+  }
+  at::Tensor state = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  state.data_ptr<std::int64_t>()[0] = h;
+  state.data_ptr<std::int64_t>()[1] = 0;
+  return state;
+}
+
+void destroy(at::Tensor& state) {
+  check_state(state);
+  const std::int64_t h = state.data_ptr<std::int64_t>()[0];
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  TORCH_CHECK_VALUE(caches().erase(h) == 1, "tierkv.destroy: no cache with handle ", h);
+  bump(state);
+}
+
+// One row per prebuilt combination: {tier set, head_dim, kv_heads, group_size, page_size}.
+at::Tensor built() {
+  const auto v = built_combos();
+  at::Tensor t = at::empty({std::int64_t(v.size()), 5}, at::TensorOptions().dtype(at::kLong));
+  auto a = t.accessor<std::int64_t, 2>();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    a[i][0] = v[i].tier_set, a[i][1] = v[i].head_dim, a[i][2] = v[i].kv_heads;
+    a[i][3] = v[i].group_size, a[i][4] = v[i].page_size;
+  }
+  return t;
+}
+
+// "recent/cache_type_k/cache_type_v" of each tier set index.
+std::vector<std::string> tier_set_names_op() {
+  std::vector<std::string> v;
+  for (const auto& n : tier_set_names)
+    v.push_back(std::string(n.recent) + "/" + std::string(n.k) + "/" + std::string(n.v));
+  return v;
+}
+
+// ---- sequences ------------------------------------------------------------------------------
+
+std::int64_t create_sequence(at::Tensor& state) {
+  auto c = find(state);
+  bump(state);
+  return guarded("create_sequence", [&] { return c->create_sequence(); });
+}
+std::int64_t fork(at::Tensor& state, std::int64_t parent) {
+  auto c = find(state);
+  bump(state);
+  return guarded("fork", [&] { return c->fork(parent); });
+}
+void release(at::Tensor& state, std::int64_t seq) {
+  auto c = find(state);
+  bump(state);
+  guarded("release", [&] { c->release(seq); });
+}
+std::int64_t length(const at::Tensor& state, std::int64_t seq) {
+  auto c = find(state);
+  return guarded("length", [&] { return c->length(seq); });
+}
+std::int64_t reserved(const at::Tensor& state, std::int64_t seq) {
+  auto c = find(state);
+  return guarded("reserved", [&] { return c->reserved(seq); });
+}
+
+// ---- writes ---------------------------------------------------------------------------------
+
+void reserve(at::Tensor& state, const at::Tensor& seqs, const at::Tensor& counts) {
+  auto c = find(state);
+  const auto s = seq_list(seqs, "seqs");
+  const auto n = seq_list(counts, "counts");
+  TORCH_CHECK_VALUE(s.size() == n.size(), "tierkv.reserve: ", s.size(), " sequences but ", n.size(),
+                    " counts");
+  bump(state);
+  guarded("reserve", [&] { c->reserve(s, n); });
+}
+
+void write(at::Tensor& state, std::int64_t layer, const at::Tensor& seqs, const at::Tensor& k,
+           const at::Tensor& v) {
+  auto c = find(state);
+  const auto& cfg = c->config();
+  const auto s = seq_list(seqs, "seqs");
+  TORCH_CHECK_VALUE(k.dim() == 3, "tierkv.write: k must be [tokens, kv_heads, head_dim], got ",
+                    k.sizes());
+  const std::int64_t n = k.size(0);
+  const at::Tensor kf = host_floats(k, "k", {n, cfg.kv_heads, cfg.head_dim});
+  const at::Tensor vf = host_floats(v, "v", {n, cfg.kv_heads, cfg.head_dim});
+  bump(state);
+  guarded("write", [&] {
+    c->write_layer(s, to_int(layer, "layer"), kf.data_ptr<float>(), vf.data_ptr<float>(), n);
+  });
+}
+
+void commit(at::Tensor& state, const at::Tensor& seqs) {
+  auto c = find(state);
+  const auto s = seq_list(seqs, "seqs");
+  bump(state);
+  guarded("commit", [&] { c->commit(s); });
+}
+void cancel(at::Tensor& state, const at::Tensor& seqs) {
+  auto c = find(state);
+  const auto s = seq_list(seqs, "seqs");
+  bump(state);
+  guarded("cancel", [&] { c->cancel(s); });
+}
+
+void append(at::Tensor& state, std::int64_t seq, const at::Tensor& k, const at::Tensor& v) {
+  auto c = find(state);
+  const auto& cfg = c->config();
+  TORCH_CHECK_VALUE(k.dim() == 4,
+                    "tierkv.append: k must be [num_layers, tokens, kv_heads, head_dim], got ",
+                    k.sizes());
+  const std::int64_t n = k.size(1);
+  const at::Tensor kf = host_floats(k, "k", {cfg.num_layers, n, cfg.kv_heads, cfg.head_dim});
+  const at::Tensor vf = host_floats(v, "v", {cfg.num_layers, n, cfg.kv_heads, cfg.head_dim});
+  bump(state);
+  guarded("append", [&] { c->append(seq, n, kf.data_ptr<float>(), vf.data_ptr<float>()); });
+}
+
+// ---- attention ------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& state, std::int64_t layer,
+                                          const at::Tensor& seqs, const at::Tensor& q) {
+  auto c = find(state);
+  const auto& cfg = c->config();
+  const auto s = seq_list(seqs, "seqs");
+  const std::int64_t B = std::int64_t(s.size()), QH = cfg.kv_heads * cfg.group_size;
+  const at::Tensor qf = host_floats(q, "q", {B, QH, cfg.head_dim});
+  at::Tensor out = at::empty({B, QH, cfg.head_dim}, qf.options());
+  at::Tensor lse = at::empty({B, QH}, qf.options());
+  guarded("decode", [&] {
+    c->decode(to_int(layer, "layer"), s, qf.data_ptr<float>(), out.data_ptr<float>(),
+              lse.data_ptr<float>());
+  });
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> prefill(const at::Tensor& state, std::int64_t layer,
+                                           const at::Tensor& seqs, const at::Tensor& q,
+                                           const at::Tensor& q_indptr) {
+  auto c = find(state);
+  const auto& cfg = c->config();
+  const auto s = seq_list(seqs, "seqs");
+  TORCH_CHECK_VALUE(q_indptr.device().is_cpu() && q_indptr.dim() == 1 &&
+                        (q_indptr.scalar_type() == at::kInt || q_indptr.scalar_type() == at::kLong),
+                    "tierkv.prefill: q_indptr must be a 1-D int32 or int64 CPU tensor, got ",
+                    q_indptr.scalar_type(), " ", q_indptr.sizes(), " on ", q_indptr.device());
+  TORCH_CHECK_VALUE(q_indptr.numel() == std::int64_t(s.size()) + 1, "tierkv.prefill: q_indptr has ",
+                    q_indptr.numel(), " entries, batch + 1 = ", s.size() + 1, " needed");
+  const at::Tensor ip64 = q_indptr.to(at::kLong).contiguous();
+  const std::int64_t* ip = ip64.data_ptr<std::int64_t>();
+  TORCH_CHECK_VALUE(ip[0] == 0, "tierkv.prefill: q_indptr[0] = ", ip[0], " must be 0");
+  std::vector<std::int32_t> indptr(s.size() + 1);
+  for (std::size_t b = 0; b <= s.size(); ++b) {
+    if (b > 0)
+      TORCH_CHECK_VALUE(ip[b] >= ip[b - 1], "tierkv.prefill: q_indptr decreases at ", b, ": ",
+                        ip[b - 1], " > ", ip[b]);
+    indptr[b] = to_int(ip[b], "q_indptr entry");
+  }
+  const std::int64_t total = ip[s.size()], QH = cfg.kv_heads * cfg.group_size;
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == total,
+                    "tierkv.prefill: q must be [q_indptr[-1] = ", total,
+                    ", q_heads, head_dim], got ", q.sizes());
+  const at::Tensor qf = host_floats(q, "q", {total, QH, cfg.head_dim});
+  at::Tensor out = at::empty({total, QH, cfg.head_dim}, qf.options());
+  at::Tensor lse = at::empty({total, QH}, qf.options());
+  guarded("prefill", [&] {
+    c->prefill(to_int(layer, "layer"), s, indptr, qf.data_ptr<float>(), out.data_ptr<float>(),
+               lse.data_ptr<float>());
+  });
+  return {out.to(q.scalar_type()), lse};
+}
+
+// ---- tiering and accounting -----------------------------------------------------------------
+
+// {planned, converted, promoted, demoted, pressure_demoted, deferred, deferred_full, failed}
+at::Tensor retier(at::Tensor& state, std::int64_t step) {
+  auto c = find(state);
+  TORCH_CHECK_VALUE(step >= 0, "tierkv.retier: step = ", step, " is negative");
+  bump(state);
+  const auto r = guarded("retier", [&] { return c->retier(std::uint64_t(step)); });
+  TORCH_CHECK(r.first_error.is_ok(), "tierkv.retier: ", r.first_error.message());
+  at::Tensor t = at::empty({8}, at::TensorOptions().dtype(at::kLong));
+  std::int64_t* p = t.data_ptr<std::int64_t>();
+  const std::uint64_t v[8] = {r.planned,          r.converted, r.promoted,      r.demoted,
+                              r.pressure_demoted, r.deferred,  r.deferred_full, r.failed};
+  for (int i = 0; i < 8; ++i) p[i] = std::int64_t(v[i]);
+  return t;
+}
+
+// Global lines then, per tier, {page_bytes, capacity_pages, live_pages, live_bytes,
+// free_page_bytes, token_layers, bits_per_scalar}; float64 (byte counts are exact to 2^53).
+at::Tensor report(const at::Tensor& state) {
+  auto c = find(state);
+  const tierkv::memory_report r = c->report();
+  std::vector<double> v = {
+      double(r.allocator_total),  double(r.lines_total()),   double(r.live_page_bytes()),
+      double(r.pool_bookkeeping), double(r.page_tables),     double(r.index_arrays),
+      double(r.live_tokens),      double(r.sequence_tokens), r.kib_per_token,
+      r.kib_per_token_allocated,  r.bits_per_scalar,         double(r.tiers.size())};
+  for (const auto& t : r.tiers) {
+    v.insert(v.end(), {double(t.page_bytes), double(t.capacity_pages), double(t.live_pages),
+                       double(t.live_bytes()), double(t.free_page_bytes), double(t.token_layers),
+                       t.bits_per_scalar});
+  }
+  return at::tensor(v, at::TensorOptions().dtype(at::kDouble));
+}
+
+std::string report_text(const at::Tensor& state) {
+  auto c = find(state);
+  std::ostringstream out;
+  out << c->report();
+  return out.str();
+}
+
+void pin(at::Tensor& state, std::int64_t seq, std::int64_t first_page, std::int64_t pages,
+         bool pinned) {
+  auto c = find(state);
+  bump(state);
+  guarded("pin", [&] { c->pin(seq, first_page, pages, pinned); });
+}
+
+std::tuple<at::Tensor, at::Tensor> read_layer(const at::Tensor& state, std::int64_t seq,
+                                              std::int64_t layer, std::int64_t first,
+                                              std::int64_t n) {
+  auto c = find(state);
+  const auto& cfg = c->config();
+  TORCH_CHECK_VALUE(n >= 0, "tierkv.read_layer: n = ", n, " is negative");
+  at::Tensor k = at::empty({n, cfg.kv_heads, cfg.head_dim}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor v = at::empty_like(k);
+  guarded("read_layer", [&] {
+    c->read_layer(seq, to_int(layer, "layer"), first, n, k.data_ptr<float>(), v.data_ptr<float>());
+  });
+  return {k, v};
+}
+
+at::Tensor page_tiers(const at::Tensor& state, std::int64_t seq, std::int64_t layer) {
+  auto c = find(state);
+  const auto t = guarded("page_tiers", [&] { return c->page_tiers(seq, to_int(layer, "layer")); });
+  return at::tensor(t, at::TensorOptions().dtype(at::kLong));
+}
+
+// Geometry and formats of a cache: {head_dim, kv_heads, group_size, page_size, num_layers,
+// num_tiers, max_batch, max_pages}.
+at::Tensor info(const at::Tensor& state) {
+  auto c = find(state);
+  const auto& g = c->config();
+  return at::tensor(
+      std::vector<std::int64_t>{g.head_dim, g.kv_heads, g.group_size, g.page_size, g.num_layers,
+                                c->num_tiers(), g.max_batch, g.max_pages},
+      at::TensorOptions().dtype(at::kLong));
+}
+
+}  // namespace
+}  // namespace tierkv_py
+
+TORCH_LIBRARY(tierkv, m) {
+  m.def(
+      "create(str recent, str cache_type_k, str cache_type_v, int head_dim, int kv_heads, "
+      "int group_size, int page_size, int num_layers, int[] pages_per_tier, int max_sequences, "
+      "int max_batch, int max_pages, int threads, float softmax_scale, float soft_cap, "
+      "int codec_seed, int[] policy) -> Tensor");
+  m.def("destroy(Tensor(a!) state) -> ()");
+  m.def("built() -> Tensor");
+  m.def("tier_set_names() -> str[]");
+  m.def("create_sequence(Tensor(a!) state) -> int");
+  m.def("fork(Tensor(a!) state, int parent) -> int");
+  m.def("release(Tensor(a!) state, int seq) -> ()");
+  m.def("length(Tensor state, int seq) -> int");
+  m.def("reserved(Tensor state, int seq) -> int");
+  m.def("reserve(Tensor(a!) state, Tensor seqs, Tensor counts) -> ()");
+  m.def("write(Tensor(a!) state, int layer, Tensor seqs, Tensor k, Tensor v) -> ()");
+  m.def("commit(Tensor(a!) state, Tensor seqs) -> ()");
+  m.def("cancel(Tensor(a!) state, Tensor seqs) -> ()");
+  m.def("append(Tensor(a!) state, int seq, Tensor k, Tensor v) -> ()");
+  m.def("decode(Tensor state, int layer, Tensor seqs, Tensor q) -> (Tensor, Tensor)");
+  m.def(
+      "prefill(Tensor state, int layer, Tensor seqs, Tensor q, Tensor q_indptr) -> (Tensor, "
+      "Tensor)");
+  m.def("retier(Tensor(a!) state, int step) -> Tensor");
+  m.def("report(Tensor state) -> Tensor");
+  m.def("report_text(Tensor state) -> str");
+  m.def("pin(Tensor(a!) state, int seq, int first_page, int pages, bool pinned) -> ()");
+  m.def("read_layer(Tensor state, int seq, int layer, int first, int n) -> (Tensor, Tensor)");
+  m.def("page_tiers(Tensor state, int seq, int layer) -> Tensor");
+  m.def("info(Tensor state) -> Tensor");
+}
+
+// Ops without tensor arguments dispatch to their CompositeExplicitAutograd kernel.
+TORCH_LIBRARY_IMPL(tierkv, CompositeExplicitAutograd, m) {
+  m.impl("create", &tierkv_py::create);
+  m.impl("built", &tierkv_py::built);
+  m.impl("tier_set_names", &tierkv_py::tier_set_names_op);
+}
+
+TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
+  m.impl("destroy", &tierkv_py::destroy);
+  m.impl("create_sequence", &tierkv_py::create_sequence);
+  m.impl("fork", &tierkv_py::fork);
+  m.impl("release", &tierkv_py::release);
+  m.impl("length", &tierkv_py::length);
+  m.impl("reserved", &tierkv_py::reserved);
+  m.impl("reserve", &tierkv_py::reserve);
+  m.impl("write", &tierkv_py::write);
+  m.impl("commit", &tierkv_py::commit);
+  m.impl("cancel", &tierkv_py::cancel);
+  m.impl("append", &tierkv_py::append);
+  m.impl("decode", &tierkv_py::decode);
+  m.impl("prefill", &tierkv_py::prefill);
+  m.impl("retier", &tierkv_py::retier);
+  m.impl("report", &tierkv_py::report);
+  m.impl("report_text", &tierkv_py::report_text);
+  m.impl("pin", &tierkv_py::pin);
+  m.impl("read_layer", &tierkv_py::read_layer);
+  m.impl("page_tiers", &tierkv_py::page_tiers);
+  m.impl("info", &tierkv_py::info);
+}
+
+#ifndef TIERKV_PY_CUDA
+// Without the CUDA build a CUDA tensor reaches the host kernels, whose device check names the
+// tensor, instead of the dispatcher's generic "no kernel for the CUDA backend".
+TORCH_LIBRARY_IMPL(tierkv, CUDA, m) {
+  m.impl("write", &tierkv_py::write);
+  m.impl("append", &tierkv_py::append);
+  m.impl("decode", &tierkv_py::decode);
+  m.impl("prefill", &tierkv_py::prefill);
+}
+#endif
+
+// Importing tierkv._C loads this library, which registers the ops above.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

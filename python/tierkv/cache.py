@@ -1,0 +1,234 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tierkv.Cache: a host tiered cache made from run-time format names, over the tierkv ops."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Sequence
+
+import torch
+
+ops = torch.ops.tierkv
+
+RETIER_FIELDS = (
+    "planned",
+    "converted",
+    "promoted",
+    "demoted",
+    "pressure_demoted",
+    "deferred",
+    "deferred_full",
+    "failed",
+)
+_REPORT_FIELDS = (
+    "allocator_total",
+    "lines_total",
+    "live_page_bytes",
+    "pool_bookkeeping",
+    "page_tables",
+    "index_arrays",
+    "live_tokens",
+    "sequence_tokens",
+    "kib_per_token",
+    "kib_per_token_allocated",
+    "bits_per_scalar",
+)
+_TIER_FIELDS = (
+    "page_bytes",
+    "capacity_pages",
+    "live_pages",
+    "live_bytes",
+    "free_page_bytes",
+    "token_layers",
+    "bits_per_scalar",
+)
+_INT_FIELDS = set(_REPORT_FIELDS[:8]) | set(_TIER_FIELDS[:6])
+
+
+def built() -> list[dict]:
+    """The prebuilt combinations this package was compiled with."""
+    names = ops.tier_set_names()
+    rows = []
+    for s, d, kv, g, p in ops.built().tolist():
+        recent, k, v = names[s].split("/")
+        rows.append(
+            dict(recent=recent, cache_type_k=k, cache_type_v=v, head_dim=d, kv_heads=kv, group_size=g, page_size=p)
+        )
+    return rows
+
+
+def seq_tensor(seqs) -> torch.Tensor:
+    """Sequence ids as the 1-D int64 CPU tensor the ops take."""
+    if isinstance(seqs, torch.Tensor):
+        return seqs
+    if isinstance(seqs, int):
+        seqs = [seqs]
+    return torch.tensor(list(seqs), dtype=torch.int64)
+
+
+class Cache:
+    """A host tiered KV cache (tierkv::tiered_cache) chosen by run-time names.
+
+    recent: the Recent/Anchor tier's format ("fp8" or "int8_rotated"); cache_type_k /
+    cache_type_v: the Stale tier's key / value formats ("tq3", "tq4" keys). Naming the recent
+    format three times gives an 8-bit-only cache. The combination must be prebuilt
+    (tierkv.built()); otherwise construction fails with a message naming what was built.
+
+    Capacity: pages_per_tier (physical pages, one layer each, per tier), or max_tokens, which
+    sizes every tier to hold max_tokens tokens of every layer (plus one open page per sequence).
+    """
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        kv_heads: int,
+        group_size: int,
+        num_layers: int,
+        page_size: int = 16,
+        recent: str = "int8_rotated",
+        cache_type_k: str = "tq4",
+        cache_type_v: str = "tq3",
+        pages_per_tier: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        max_sequences: int = 64,
+        max_batch: int = 64,
+        max_pages: int = 4096,
+        threads: int = 0,
+        softmax_scale: float = 0.0,
+        soft_cap: float = 0.0,
+        codec_seed: int = 0,
+        recent_pages: int = 4,
+        sink_pages: int = 1,
+        keep_first_layers: int = 1,
+        keep_last_layers: int = 1,
+        min_dwell_steps: int = 8,
+    ):
+        tiers = 1 if recent == cache_type_k == cache_type_v else 2
+        if pages_per_tier is None:
+            if max_tokens is None:
+                raise ValueError("tierkv.Cache: give pages_per_tier or max_tokens")
+            if max_tokens < 1:
+                raise ValueError(f"tierkv.Cache: max_tokens = {max_tokens} must be >= 1")
+            pages = (math.ceil(max_tokens / page_size) + max_sequences) * num_layers
+            pages_per_tier = [pages] * tiers
+        if threads == 0:
+            threads = torch.get_num_threads()
+        self.state = ops.create(
+            recent,
+            cache_type_k,
+            cache_type_v,
+            head_dim,
+            kv_heads,
+            group_size,
+            page_size,
+            num_layers,
+            list(pages_per_tier),
+            max_sequences,
+            max_batch,
+            max_pages,
+            threads,
+            float(softmax_scale),
+            float(soft_cap),
+            codec_seed,
+            [recent_pages, sink_pages, keep_first_layers, keep_last_layers, min_dwell_steps],
+        )
+        self.head_dim, self.kv_heads, self.group_size = head_dim, kv_heads, group_size
+        self.q_heads = kv_heads * group_size
+        self.page_size, self.num_layers = page_size, num_layers
+        self.formats = (recent, cache_type_k, cache_type_v)
+        self.num_tiers = int(ops.info(self.state)[5])
+        self._finalizer = weakref.finalize(self, ops.destroy, self.state)
+
+    def close(self) -> None:
+        """Frees the cache now (otherwise when the object is collected)."""
+        self._finalizer()
+
+    # sequences
+    def create_sequence(self) -> int:
+        return ops.create_sequence(self.state)
+
+    def fork(self, parent: int) -> int:
+        return ops.fork(self.state, parent)
+
+    def release(self, seq: int) -> None:
+        ops.release(self.state, seq)
+
+    def length(self, seq: int) -> int:
+        """Committed tokens."""
+        return ops.length(self.state, seq)
+
+    def reserved(self, seq: int) -> int:
+        return ops.reserved(self.state, seq)
+
+    # writes: reserve -> write each layer -> commit, or append (all layers at once)
+    def reserve(self, seqs, counts) -> None:
+        counts = counts if isinstance(counts, torch.Tensor) else torch.tensor(list(counts), dtype=torch.int64)
+        ops.reserve(self.state, seq_tensor(seqs), counts)
+
+    def write(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [reserved tokens of the batch, kv_heads, head_dim], batch order."""
+        ops.write(self.state, layer, seq_tensor(seqs), k, v)
+
+    def commit(self, seqs) -> None:
+        ops.commit(self.state, seq_tensor(seqs))
+
+    def cancel(self, seqs) -> None:
+        ops.cancel(self.state, seq_tensor(seqs))
+
+    def append(self, seq: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_layers, tokens, kv_heads, head_dim]."""
+        ops.append(self.state, seq, k, v)
+
+    # attention
+    def decode(self, layer: int, seqs, q: torch.Tensor):
+        """q [batch, q_heads, head_dim] -> (out like q, lse float32 [batch, q_heads])."""
+        return ops.decode(self.state, layer, seq_tensor(seqs), q)
+
+    def prefill(self, layer: int, seqs, q: torch.Tensor, q_indptr):
+        """q [total, q_heads, head_dim]; sequence b's chunk is its last q_indptr[b+1]-q_indptr[b]
+        tokens (committed or reserved), causal. -> (out like q, lse [total, q_heads])."""
+        if not isinstance(q_indptr, torch.Tensor):
+            q_indptr = torch.tensor(list(q_indptr), dtype=torch.int32)
+        return ops.prefill(self.state, layer, seq_tensor(seqs), q, q_indptr)
+
+    # tiering and accounting
+    def retier(self, step: int) -> dict:
+        return dict(zip(RETIER_FIELDS, ops.retier(self.state, step).tolist()))
+
+    def report(self) -> dict:
+        v = ops.report(self.state).tolist()
+        n = len(_REPORT_FIELDS)
+        r = {k: (int(x) if k in _INT_FIELDS else x) for k, x in zip(_REPORT_FIELDS, v[:n])}
+        r["reconciles"] = r["lines_total"] == r["allocator_total"]
+        tiers, m = int(v[n]), len(_TIER_FIELDS)
+        r["tiers"] = [
+            {k: (int(x) if k in _INT_FIELDS else x) for k, x in zip(_TIER_FIELDS, v[n + 1 + t * m : n + 1 + (t + 1) * m])}
+            for t in range(tiers)
+        ]
+        return r
+
+    def report_text(self) -> str:
+        return ops.report_text(self.state)
+
+    def pin(self, seq: int, first_page: int, pages: int, pinned: bool = True) -> None:
+        ops.pin(self.state, seq, first_page, pages, pinned)
+
+    def read_layer(self, seq: int, layer: int, first: int = 0, n: int | None = None):
+        """Decoded keys and values [n, kv_heads, head_dim] (float32) of tokens [first, first+n)."""
+        if n is None:
+            n = self.length(seq) + self.reserved(seq) - first
+        return ops.read_layer(self.state, seq, layer, first, n)
+
+    def page_tiers(self, seq: int, layer: int) -> list[int]:
+        return ops.page_tiers(self.state, seq, layer).tolist()
+
+    def __repr__(self) -> str:
+        r, k, v = self.formats
+        return (
+            f"tierkv.Cache(recent={r!r}, cache_type_k={k!r}, cache_type_v={v!r}, head_dim={self.head_dim}, "
+            f"kv_heads={self.kv_heads}, group_size={self.group_size}, page_size={self.page_size}, "
+            f"num_layers={self.num_layers})"
+        )
+
