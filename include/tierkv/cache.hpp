@@ -38,6 +38,7 @@
 #include "tierkv/paging/index_builder.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/report.hpp"
+#include "tierkv/tiering/conversion.hpp"
 #include "tierkv/tiering/recency_anchor.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 #include "tierkv/tiering/tier_policy.hpp"
@@ -59,7 +60,8 @@ struct tiered_cache_options {
 
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
           allocator_policy PageAlloc = host_allocator,
-          host_allocator_policy MetaAlloc = host_allocator, class Roles = tier_roles<Tiers>>
+          host_allocator_policy MetaAlloc = host_allocator, class Roles = tier_roles<Tiers>,
+          conversion_fault_hook Faults = no_faults>
 class tiered_cache {
   static_assert(
       PageAlloc::host_accessible,
@@ -220,7 +222,7 @@ class tiered_cache {
   }
 
   // ---- tiering and accounting -----------------------------------------------------------------
-  retier_stats retier(std::uint64_t step) { return controller_->retier(step); }
+  retier_stats retier(std::uint64_t step) { return controller_->retier(step, faults_); }
   memory_report report() const { return make_report(*storage_); }
   status check_invariants() const { return controller_->check_invariants(); }
 
@@ -228,6 +230,9 @@ class tiered_cache {
   const storage_type& storage() const noexcept { return *storage_; }
   controller_type& controller() noexcept { return *controller_; }
   const options& config() const noexcept { return opt_; }
+  // The conversion fault hook every conversion of retier and make_room goes through
+  // (tiering/conversion.hpp; no_faults by default, tests and chaos runs inject through it).
+  Faults& faults() noexcept { return faults_; }
 
  private:
   tiered_cache(const options& opt, std::unique_ptr<storage_type> s)
@@ -248,7 +253,7 @@ class tiered_cache {
 
   // The storage calls it once its own checks passed: tier-0 pages freed by demotion.
   auto room() {
-    return [this](std::uint32_t pages) { return controller_->make_room(pages); };
+    return [this](std::uint32_t pages) { return controller_->make_room(pages, faults_); };
   }
 
   options opt_;
@@ -257,6 +262,7 @@ class tiered_cache {
   std::optional<index_arrays<storage_type>> index_;
   std::optional<std::vector<float, counted_allocator<float, MetaAlloc>>> mass_;
   host_attention_workspace workspace_;
+  [[no_unique_address]] Faults faults_{};
 };
 
 }  // namespace tierkv

@@ -468,14 +468,28 @@ class paged_storage {
     return replace_page(*b, layer, expected_old, new_page);
   }
   status replace_page(block_ref b, int layer, page_id expected_old, page_id new_page) {
+    if (auto st = can_replace_page(b, layer, expected_old, new_page); !st) return st;
+    (void)on_pool(new_page, [&](auto& pl) {
+      (void)pl.seal(new_page);
+      return pl.set_owner_flags(new_page, published_flag);
+    });
+    page_id& slot =
+        (*block_pages_)[std::size_t(b.index) * std::size_t(layers_) + std::size_t(layer)];
+    const page_id old = slot;
+    slot = new_page;
+    return unpublish(old);
+  }
+  // replace_page's checks alone, changing nothing: once they pass, replace_page with the same
+  // arguments cannot fail (a caller publishing several conversions at once checks them all
+  // first, tier_controller::make_room).
+  status can_replace_page(block_ref b, int layer, page_id expected_old, page_id new_page) const {
     if (auto st = check_block(b); !st) return st;
     if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
     const block_meta& m = (*block_meta_)[b.index];
     if (m.state != page_state::sealed)
       return status::make(errc::not_writable, "replace_page: logical page (block ", b.index,
                           ") is open; only sealed pages are converted");
-    page_id& slot =
-        (*block_pages_)[std::size_t(b.index) * std::size_t(layers_) + std::size_t(layer)];
+    const page_id slot = page_of(b.index, layer);
     if (!(slot == expected_old))
       return status::make(errc::stale_id, "replace_page: expected ", expected_old, " at layer ",
                           layer, " but ", slot, " is published");
@@ -484,13 +498,7 @@ class paged_storage {
         page_refcount(new_page) != 1)
       return status::make(errc::invalid_argument, "replace_page: ", new_page,
                           " is not a fresh caller-owned page from allocate_page");
-    (void)on_pool(new_page, [&](auto& pl) {
-      (void)pl.seal(new_page);
-      return pl.set_owner_flags(new_page, published_flag);
-    });
-    const page_id old = slot;
-    slot = new_page;
-    return unpublish(old);
+    return {};
   }
 
   // Decodes (layer, token, kv head) of a sequence through its page's tier codecs.

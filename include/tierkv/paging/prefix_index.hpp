@@ -80,15 +80,20 @@ class prefix_index {
     std::uint32_t parent = none;
     std::uint64_t h = hash_.root(salt);
     std::size_t i = 0;
+    std::vector<std::uint32_t> cached;  // touched only once the insert cannot be refused
     for (; i < full; ++i) {
       const auto page = tokens.subspan(i * page_tokens, page_tokens);
       h = hash_(h, page);
       const std::uint32_t e = find(h, parent, salt, page);
       if (e == none) break;
+      cached.push_back(e);
       parent = e;
     }
     const std::size_t fresh = full - i;
-    if (fresh == 0) return std::size_t(0);
+    if (fresh == 0) {
+      touch(cached);
+      return std::size_t(0);
+    }
     std::vector<block_ref> blocks;  // checked before anything changes
     for (std::size_t j = i; j < full; ++j) {
       auto b = storage_->block_of(seq, std::int64_t(j));
@@ -99,6 +104,7 @@ class prefix_index {
       blocks.push_back(*b);
     }
     if (auto st = reserve(live_ + fresh); !st) return st;
+    touch(cached);
     std::uint64_t hh = h;
     // h is the hash of page i already (the loop broke after computing it).
     for (std::size_t j = i; j < full; ++j) {

@@ -177,14 +177,28 @@ status fill_conversion_on_host(
   return out;
 }
 
+// Step 3 split for a caller that publishes several conversions all or none
+// (tier_controller::make_room): check_publish runs the fault hook and every check of
+// publish_conversion, changing nothing; publish_checked then cannot fail, provided nothing
+// touched the storage in between.
+template <class Storage, conversion_fault_hook Faults = no_faults>
+status check_publish(const Storage& storage, const staged_conversion& c, Faults&& faults = {}) {
+  if (const errc e = faults(conversion_step::publish, c.block, c.layer); e != errc::ok)
+    return detail::injected(conversion_step::publish, c.block, c.layer, e);
+  return storage.can_replace_page(c.block, c.layer, c.from, c.to);
+}
+template <class Storage>
+void publish_checked(Storage& storage, staged_conversion& c) {
+  (void)storage.replace_page(c.block, c.layer, c.from, c.to);
+  c.to = page_id{};  // the block owns it now
+}
+
 // Step 3: publishes c.to in place of c.from. On failure (including a page table that
 // no longer names c.from) nothing changed and c.to is still the caller's.
 template <class Storage, conversion_fault_hook Faults = no_faults>
 status publish_conversion(Storage& storage, staged_conversion& c, Faults&& faults = {}) {
-  if (const errc e = faults(conversion_step::publish, c.block, c.layer); e != errc::ok)
-    return detail::injected(conversion_step::publish, c.block, c.layer, e);
-  if (auto st = storage.replace_page(c.block, c.layer, c.from, c.to); !st) return st;
-  c.to = page_id{};  // the block owns it now
+  if (auto st = check_publish(storage, c, faults); !st) return st;
+  publish_checked(storage, c);
   return {};
 }
 

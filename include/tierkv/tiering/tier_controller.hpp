@@ -133,6 +133,8 @@ class tier_controller {
       c->dirty_->reserve(pages);
       c->waiting_.emplace(c->template alloc<std::uint32_t>());
       c->waiting_->reserve(pages);
+      c->staged_.emplace(c->template alloc<staged_conversion>());
+      c->staged_->reserve(storage.template pool<append_tier>().capacity());
     } catch (const allocation_failure& e) {
       return e.get_status();
     }
@@ -252,7 +254,7 @@ class tier_controller {
         continue;
       }
       if (held_back(c, reserve, st)) continue;
-      convert(c, r, st, faults, /*pressure=*/false);
+      convert(c, r, st, faults);
     }
     totals_.add(st);
     return st;
@@ -328,26 +330,68 @@ class tier_controller {
   }
 
   // Makes `pages` tier-0 pages free (before an append): drops shadows, then demotes the
-  // sealed tier-0 pages of lowest keep value to the Stale tier. When even that cannot
-  // free enough, refuses with capacity_exhausted before changing anything. A conversion
-  // failing midway (an injected fault) returns its status; the demotions already done
-  // stay published and valid.
+  // sealed tier-0 pages of lowest keep value to the Stale tier. All or nothing, so a refused
+  // append or fork changes nothing: every demotion it needs is reserved, filled and checked
+  // for publishing first (a candidate failing there, say by an injected fault, is given back
+  // and the next one tried); only when all of them are staged are shadows dropped and the
+  // demotions published. Otherwise every staged page is given back and it refuses
+  // (capacity_exhausted, or the first failure) with nothing changed, the totals included.
   template <conversion_fault_hook Faults = no_faults>
   status make_room(std::uint32_t pages,
                    Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
     if (storage_->free_pages(append_tier) >= pages) return {};
     auto todo = pressure_candidates(pages);
     if (!todo) return todo.error_status();
+    const std::uint32_t deficit = pages - storage_->free_pages(append_tier);
+    const std::size_t need = deficit - std::min(shadows_, deficit);
     retier_stats st;
-    while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
+    std::uint64_t saturated = 0;
+    staged_->clear();  // capacity: every tier-0 page, reserved at create
     for (const conversion& c : *todo) {
-      if (storage_->free_pages(append_tier) >= pages) break;
+      if (staged_->size() == need) break;
+      // A page someone else still holds (retain_page) would not be freed by its demotion.
+      if (storage_->page_refcount(storage_->block_page(c.block, c.layer)) != 1) continue;
       ++st.planned;
-      convert(c, page(c.block.index, c.layer), st, faults, /*pressure=*/true);
+      auto r = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
+      if (!r) {
+        note_failure(st, r.error_status());
+        continue;
+      }
+      staged_conversion sc = *r;
+      conversion_counters counters;
+      status ok = fill_conversion_on_host(*storage_, sc, counters, faults);
+      if (ok) ok = check_publish(*storage_, sc, faults);
+      if (!ok) {
+        abort_conversion(*storage_, sc);
+        note_failure(st, std::move(ok));
+        continue;
+      }
+      saturated += counters.saturated;
+      staged_->push_back(sc);
     }
+    if (const std::size_t got = staged_->size(); got < need) {
+      for (staged_conversion& sc : *staged_) abort_conversion(*storage_, sc);
+      staged_->clear();
+      if (!st.first_error.is_ok()) return st.first_error;
+      return status::make(errc::capacity_exhausted, "make_room: ", need, " demotions needed, only ",
+                          got,
+                          " tier-0 pages can be demoted (others are held); nothing was changed");
+    }
+    while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
+    for (staged_conversion& sc : *staged_) {
+      publish_checked(*storage_, sc);
+      page_rec& r = page(sc.block.index, sc.layer);
+      if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
+      r.last_move = step_;
+      mark_dirty(sc.block.index, sc.layer);
+      ++st.converted;
+      ++st.demoted;
+      ++st.pressure_demoted;
+    }
+    staged_->clear();
+    st.saturated += saturated;
     totals_.add(st);
     if (storage_->free_pages(append_tier) >= pages) return {};
-    if (!st.first_error.is_ok()) return st.first_error;
     return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ",
                         storage_->free_pages(append_tier), " free pages of ", pages, " needed");
   }
@@ -707,7 +751,7 @@ class tier_controller {
   }
 
   template <class Faults>
-  void convert(const conversion& c, page_rec& r, retier_stats& st, Faults& faults, bool pressure) {
+  void convert(const conversion& c, page_rec& r, retier_stats& st, Faults& faults) {
     auto staged = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
     if (!staged) return note_failure(st, staged.error_status());
     staged_conversion sc = *staged;
@@ -720,7 +764,7 @@ class tier_controller {
     // A shadow: a byte copy of the tier-0 page being demoted, made only with slack.
     page_id shadow;
     const bool demotion = c.from == append_tier && c.to != append_tier;
-    if (demotion && opt_.keep_shadows && !pressure &&
+    if (demotion && opt_.keep_shadows &&
         storage_->free_pages(append_tier) > percent_of_tier0(opt_.shadow_slack_percent)) {
       if (auto p = storage_->allocate_page(append_tier)) {
         auto dst = storage_->page_bytes(*p);
@@ -750,7 +794,6 @@ class tier_controller {
     ++st.converted;
     if (c.to == append_tier) ++st.promoted;
     if (demotion) ++st.demoted;
-    if (demotion && pressure) ++st.pressure_demoted;
   }
 
   template <class Faults>
@@ -814,9 +857,10 @@ class tier_controller {
   std::optional<counted_vector<page_rec>> pages_;
   std::optional<counted_vector<conversion>> plan_;
   std::optional<counted_vector<std::uint8_t>> seen_;
-  std::optional<counted_vector<old_facts>> old_;          // refresh's previous facts per block
-  std::optional<counted_vector<std::uint32_t>> dirty_;    // pages to re-evaluate (page index)
-  std::optional<counted_vector<std::uint32_t>> waiting_;  // pages wanting another tier
+  std::optional<counted_vector<old_facts>> old_;             // refresh's previous facts per block
+  std::optional<counted_vector<std::uint32_t>> dirty_;       // pages to re-evaluate (page index)
+  std::optional<counted_vector<std::uint32_t>> waiting_;     // pages wanting another tier
+  std::optional<counted_vector<staged_conversion>> staged_;  // make_room's demotions
   bool rescan_ = true;
   std::uint64_t step_ = 0;
   std::uint32_t shadows_ = 0;

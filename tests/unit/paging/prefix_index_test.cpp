@@ -172,3 +172,25 @@ TEST_CASE("prefix insert failures change nothing", "[paging][prefix][fault]") {
   CHECK(s->lines().prefix_index == 0);
   REQUIRE(s->check_invariants());
 }
+
+TEST_CASE("inserting an already cached prefix marks it recently used", "[paging][prefix]") {
+  // insert documented "pages already cached are kept (and touched)" but did not touch them:
+  // a prefix re-inserted by every request that used it was evicted as if nobody had.
+  auto s = make_storage();
+  prefix_index<storage_t> px(*s);
+  const auto d0 = doc(0, 16), d1 = doc(100, 16);
+  for (const auto* d : {&d0, &d1}) {  // d0 first: the least recently used entry
+    auto q = *s->create_sequence();
+    append_tokens(*s, q, *d, 0);
+    REQUIRE(px.insert(q, 1, *d).value() == 1);
+    REQUIRE(s->release(q));
+  }
+  auto again = *s->create_sequence();
+  append_tokens(*s, again, d0, 0);
+  REQUIRE(px.insert(again, 1, d0).value() == 0);  // cached already: touched, nothing new
+  REQUIRE(s->release(again));
+  REQUIRE(px.evict(1) == 1);
+  CHECK(px.lookup(1, d0).tokens == 16);  // d1 is now the least recently used: evicted
+  CHECK(px.lookup(1, d1).tokens == 0);
+  REQUIRE(px.check_invariants());
+}

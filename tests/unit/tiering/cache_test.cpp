@@ -19,44 +19,6 @@ using cache_t =
 using k4_tiers = tiers<tier<int8_rotated, int8_rotated>, tier<tq4_key, tq3_value>>;
 constexpr int D = tiny::head_dim, QH = tiny::q_heads, G = tiny::group_size;
 
-// float64 decode of one query row set against token vectors given by fetch(t, h, k, v).
-template <class Fetch>
-void reference_attend(const float* q, std::int64_t len, Fetch fetch, std::vector<double>& out,
-                      std::vector<double>& page_mass) {
-  const double scale = 1.0 / std::sqrt(double(D));
-  out.assign(std::size_t(QH) * D, 0.0);
-  page_mass.assign(std::size_t((len + 15) / 16), 0.0);
-  std::vector<float> k(D), v(D);
-  for (int h = 0; h < QH; ++h) {
-    std::vector<double> logit(static_cast<std::size_t>(len));
-    double mx = -1e300;
-    for (std::int64_t t = 0; t < len; ++t) {
-      fetch(t, h / G, k.data(), v.data());
-      double s = 0;
-      for (int d = 0; d < D; ++d) s += double(q[h * D + d]) * k[std::size_t(d)];
-      logit[std::size_t(t)] = s * scale;
-      mx = std::max(mx, logit[std::size_t(t)]);
-    }
-    double sum = 0;
-    for (auto& l : logit) sum += (l = std::exp(l - mx));
-    for (std::int64_t t = 0; t < len; ++t) {
-      fetch(t, h / G, k.data(), v.data());
-      const double p = logit[std::size_t(t)] / sum;
-      page_mass[std::size_t(t / 16)] += p / QH;
-      for (int d = 0; d < D; ++d) out[std::size_t(h * D + d)] += p * v[std::size_t(d)];
-    }
-  }
-}
-
-double rel_l2(const float* got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    num += (got[i] - ref[i]) * (got[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
-
 }  // namespace
 
 TEMPLATE_TEST_CASE("tiered_cache: an engine's decode loop with retiering, checked against float64",

@@ -275,3 +275,48 @@ TEST_CASE("a refused prefix start_sequence leaves the LRU order as it was",
   REQUIRE(idx.check_invariants());
   REQUIRE(st->check_invariants());
 }
+
+TEST_CASE("a conversion fault inside make_room refuses the append with nothing changed",
+          "[tiering][cache][contract][faults]") {
+  // make_room stages all its demotions before publishing any: a fault at any step of any of
+  // them used to leave the earlier demotions published under a refused append.
+  using faulty_t = tiered_cache<tiny, two_tiers, policy::recency_anchor, host_allocator,
+                                failing_allocator, tier_roles<two_tiers>, fault_injector>;
+  // pinned = 3: page 0's three layers are the only candidates, exactly the three demotions
+  // the append needs, so every fault refuses it; pinned = 0: nine candidates, and make_room
+  // tries the next one after a faulted one.
+  const std::int64_t pinned = GENERATE(3, 0);
+  INFO("pinned pages " << pinned);
+  std::uint64_t refused = 0, absorbed = 0;
+  for (std::uint64_t k = 1;; ++k) {
+    faulty_t::options opt = pressure_options();
+    opt.storage.max_sequences = 1;
+    auto c = faulty_t::create(opt).value();
+    const seq_id a = c->create_sequence().value();
+    REQUIRE(append_tokens(*c, a, 1, 64));  // four sealed pages x 3 layers: tier 0 is full
+    REQUIRE(c->pin(a, 1, pinned));
+    const std::string before = cache_snapshot(*c);
+    c->faults() = fault_injector{0, k, 0};
+    const status st = append_tokens(*c, a, 65, 1);  // 3 demotions x 3 steps
+    const bool injected = c->faults().injected != 0;
+    c->faults() = fault_injector{};
+    REQUIRE(c->check_invariants());
+    if (!injected) {
+      REQUIRE(st);
+      CHECK(k == 3 * 3 + 1);
+      break;
+    }
+    INFO("fault at conversion step " << k << ": " << st);
+    if (st) {
+      ++absorbed;
+      CHECK(c->controller().totals().pressure_demoted == 3);
+      CHECK(c->controller().totals().injected_faults == 1);
+    } else {
+      ++refused;
+      CHECK(st.code() == errc::injected_fault);
+      CHECK(cache_snapshot(*c) == before);
+    }
+  }
+  CHECK(refused == (pinned == 3 ? 9u : 0u));
+  CHECK(absorbed == (pinned == 3 ? 0u : 9u));
+}
