@@ -3,6 +3,10 @@
 
 option(TIERKV_WERROR "Treat warnings as errors in tierkv's own translation units" ON)
 option(TIERKV_SANITIZE "Build tierkv's own translation units with ASan + UBSan" OFF)
+option(TIERKV_TSAN "Build tierkv's own translation units with ThreadSanitizer" OFF)
+if(TIERKV_SANITIZE AND TIERKV_TSAN)
+  message(FATAL_ERROR "TIERKV_SANITIZE (ASan) and TIERKV_TSAN cannot be combined")
+endif()
 
 add_library(tierkv_internal INTERFACE)
 target_link_libraries(tierkv_internal INTERFACE tierkv::tierkv)
@@ -27,6 +31,12 @@ if(TIERKV_SANITIZE)
   target_compile_options(tierkv_internal INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_tierkv_san}
                          $<$<CXX_COMPILER_ID:GNU>:-Wno-maybe-uninitialized>>)
   target_link_options(tierkv_internal INTERFACE ${_tierkv_san})
+endif()
+
+if(TIERKV_TSAN)
+  set(_tierkv_tsan -fsanitize=thread -fno-omit-frame-pointer)
+  target_compile_options(tierkv_internal INTERFACE $<$<COMPILE_LANGUAGE:CXX>:${_tierkv_tsan}>)
+  target_link_options(tierkv_internal INTERFACE ${_tierkv_tsan})
 endif()
 
 find_package(Threads REQUIRED)

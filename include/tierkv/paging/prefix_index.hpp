@@ -281,34 +281,49 @@ class prefix_index {
     for (std::uint32_t e : entries) (*entries_)[e].last_used = ++tick_;
   }
 
-  // Makes room for `live` entries without changing any entry (strong guarantee).
+  // Makes room for `live` entries without changing any entry (strong guarantee). The grown
+  // arrays are built aside and swapped in only once every one of them is allocated, so a
+  // failed allocation gives back what the others took: a refusal changes no byte count either.
   status reserve(std::size_t live) {
+    if (live > std::size_t(none) - 1)
+      return status::exceeds(errc::capacity_exhausted, "prefix entries", live, none - 1);
+    const std::size_t fresh = live > live_ ? live - live_ : 0;
+    const std::size_t grow = fresh > free_->size() ? fresh - free_->size() : 0;
+    const std::size_t want = entries_->size() + grow;
+    std::size_t nb = buckets_->empty() ? 16 : buckets_->size();
+    while (nb < 2 * live) nb *= 2;
+    std::optional<counted_vector<entry>> entries;
+    std::optional<counted_vector<std::int32_t>> tokens;
+    std::optional<counted_vector<std::uint32_t>> free, heads;
     try {
-      if (live > std::size_t(none) - 1)
-        return status::exceeds(errc::capacity_exhausted, "prefix entries", live, none - 1);
-      const std::size_t fresh = live > live_ ? live - live_ : 0;
-      const std::size_t grow = fresh > free_->size() ? fresh - free_->size() : 0;
-      const std::size_t want = entries_->size() + grow;
-      entries_->reserve(want);
-      tokens_->reserve(want * page_tokens);
-      free_->reserve(want);
-      std::size_t nb = buckets_->empty() ? 16 : buckets_->size();
-      while (nb < 2 * live) nb *= 2;
-      if (nb != buckets_->size()) {
-        counted_vector<std::uint32_t> heads(nb, none, alloc<std::uint32_t>());
-        for (std::uint32_t e = 0; e < entries_->size(); ++e) {
-          entry& en = (*entries_)[e];
-          if (!en.live) continue;
-          en.next = heads[en.hash & (nb - 1)];
-          heads[en.hash & (nb - 1)] = e;
-        }
-        buckets_->swap(heads);
-      }
+      if (want > entries_->capacity()) grown(entries, *entries_, want);
+      if (want * page_tokens > tokens_->capacity()) grown(tokens, *tokens_, want * page_tokens);
+      if (want > free_->capacity()) grown(free, *free_, want);
+      if (nb != buckets_->size()) heads.emplace(nb, none, alloc<std::uint32_t>());
     } catch (const allocation_failure& e) {
       return status::make(errc::capacity_exhausted, "prefix index growth to ", live,
                           " entries failed; nothing changed (", e.get_status(), ")");
     }
+    if (entries) entries_->swap(*entries);
+    if (tokens) tokens_->swap(*tokens);
+    if (free) free_->swap(*free);
+    if (heads) {
+      for (std::uint32_t e = 0; e < entries_->size(); ++e) {
+        entry& en = (*entries_)[e];
+        if (!en.live) continue;
+        en.next = (*heads)[en.hash & (nb - 1)];
+        (*heads)[en.hash & (nb - 1)] = e;
+      }
+      buckets_->swap(*heads);
+    }
     return {};
+  }
+  // A copy of v with capacity n, from the same allocator line (throws allocation_failure).
+  template <class T>
+  void grown(std::optional<counted_vector<T>>& out, const counted_vector<T>& v, std::size_t n) {
+    out.emplace(alloc<T>());
+    out->reserve(n);
+    out->assign(v.begin(), v.end());
   }
 
   // Caller reserved room: nothing here allocates.

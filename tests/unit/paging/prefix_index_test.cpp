@@ -157,12 +157,20 @@ TEST_CASE("prefix insert failures change nothing", "[paging][prefix][fault]") {
   append_tokens(*s, a, t, 0);
   REQUIRE(*px.insert(a, 0, std::span<const std::int32_t>(t).first(16)) == 1);
   const snapshot before = take_snapshot(*s);
-  s->meta_alloc().fail_on(1);
-  auto r = px.insert(a, 0, t);
-  CHECK(r.code() == errc::capacity_exhausted);
-  s->meta_alloc().reset();
-  CHECK(take_snapshot(*s) == before);
-  CHECK(px.size() == 1);
+  // Every allocation of the growth: a later one failing used to keep the arrays grown by the
+  // earlier ones (the prefix_index report line changed under a refused insert).
+  const std::size_t line = s->lines().prefix_index, held = s->meta_alloc().bytes_allocated();
+  for (std::uint64_t k = 1; k <= 3; ++k) {  // entries, token ids, free list
+    INFO("allocation " << k);
+    s->meta_alloc().fail_on(k);
+    auto r = px.insert(a, 0, t);
+    CHECK(r.code() == errc::capacity_exhausted);
+    s->meta_alloc().reset();
+    CHECK(take_snapshot(*s) == before);
+    CHECK(s->lines().prefix_index == line);
+    CHECK(s->meta_alloc().bytes_allocated() == held);
+    CHECK(px.size() == 1);
+  }
   CHECK(px.insert(a, 0, doc(1, 64)).code() == errc::invalid_argument);  // more ids than tokens
   REQUIRE(px.check_invariants());
   CHECK(*px.insert(a, 0, t) == 2);
