@@ -13,8 +13,9 @@
 // power of two k that puts max|x| in [1, 2); payload = head_dim int8 codes c_i =
 // round(z_i / s) in [-127, 127] (two's complement bytes); meta = alpha = s 2^-k as bf16 bits,
 // rounded UP so no code exceeds 127. The decoded vector is D H_un (alpha c) / d. A zero vector
-// stores alpha 0 and zero codes. Inputs beyond +-2^120 are clipped there (and counted as
-// saturated): it keeps alpha finite for every head_dim up to 512.
+// stores alpha 0 and zero codes. Inputs beyond +-2^112 are clipped there (and counted as
+// saturated): decode's unnormalized inverse rotation sums head_dim terms before dividing by
+// head_dim, up to 2^12 x the input limit at head_dim 512, so every decoded value stays finite.
 #pragma once
 
 #include <cstddef>
@@ -41,7 +42,7 @@ struct int8_rotated_codec {
   static constexpr std::size_t meta_bytes = sizeof(meta_type);
   static constexpr const char* name = "int8_rotated";
   static constexpr int max_code = 127;
-  static constexpr float input_limit = 1.32922800e36f;  // 2^120
+  static constexpr float input_limit = 5.19229686e33f;  // 2^112
   // Written on non-finite input: codes 0 and a NaN alpha (a slot read by mistake is loud).
   static constexpr meta_type poison_meta = bf16_quiet_nan;
 

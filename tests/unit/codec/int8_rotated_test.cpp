@@ -136,11 +136,11 @@ TEST_CASE("int8_rotated: zero vectors, NaN/Inf, huge and subnormal inputs",
       CHECK(std::isnan(y[0]));
     }
   }
-  SECTION("huge magnitudes: clipped at 2^120 and counted; alpha and decode stay finite") {
+  SECTION("huge magnitudes: clipped at 2^112 and counted; alpha and decode stay finite") {
     std::vector<float> x(N, 1.f);
     x[3] = 3e38f;
     x[9] = -3e38f;
-    x[10] = 1e36f;  // below the limit: not counted
+    x[10] = 1e33f;  // below the limit: not counted
     REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, &stats) == errc::ok);
     CHECK(stats.saturated == 2);
     CHECK(std::isfinite(bf16_to_float(meta)));
@@ -191,4 +191,27 @@ TEST_CASE("int8_rotated: sizes and bits per scalar", "[int8_rotated][codec]") {
   CHECK(bits_per_scalar<int8_rotated_codec<64>> == 8.25);
   CHECK(bits_per_scalar<int8_rotated_codec<128>> == 8.125);
   CHECK(std::string(int8_rotated_codec<128>::name) == "int8_rotated");
+}
+
+TEMPLATE_TEST_CASE_SIG("int8_rotated: clipped inputs decode finite at every head_dim up to 512",
+                       "[int8_rotated][codec]", ((int N), N), 64, 128, 256, 512) {
+  // Found by tests/fuzz/codec_fuzz.cpp: at the old 2^120 limit, head_dim 256 with two
+  // coordinates at -FLT_MAX decoded to -Inf (the inverse rotation's sum overflowed before /d).
+  using C = int8_rotated_codec<N>;
+  const codec_context ctx{0x5eed};
+  for (const float big : {std::numeric_limits<float>::max(), 3e38f, 1e34f}) {
+    for (int spread = 1; spread <= N; spread *= 4) {  // 1, 4, 16, ... coordinates at -big
+      std::vector<float> x(N, 1e-30f);
+      for (int i = 0; i < spread; ++i) x[std::size_t(i * (N / spread))] = i % 2 ? big : -big;
+      std::vector<std::uint8_t> payload(C::payload_bytes);
+      bf16_bits meta = 0;
+      encode_stats stats;
+      REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, &stats) == errc::ok);
+      std::vector<float> y(N);
+      C::decode(payload.data(), meta, y.data(), ctx);
+      INFO("big " << big << ", " << spread << " coordinates");
+      CHECK(codec_test::all_finite(y));
+      CHECK(std::fabs(y[0]) == Approx(double(C::input_limit)).epsilon(0.25));
+    }
+  }
 }
