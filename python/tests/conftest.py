@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared helpers: cache makers and a float64 attention reference."""
+
+import math
+
+import pytest
+import torch
+
+import tierkv
+
+# Geometries the default prebuilt set holds (and the tests use).
+GEOMETRIES = [  # (head_dim, kv_heads, group_size, page_size)
+    (64, 1, 1, 16),
+    (64, 4, 2, 16),
+    (128, 1, 6, 64),
+    (128, 4, 4, 16),
+    (256, 1, 8, 16),
+]
+TIER_SETS = {  # name: (recent, cache_type_k, cache_type_v)
+    "fp8+tq3": ("fp8", "tq3", "tq3"),
+    "int8r+tq4k/tq3v": ("int8_rotated", "tq4", "tq3"),
+    "int8r only": ("int8_rotated", "int8_rotated", "int8_rotated"),
+}
+
+
+def make_cache(geo=(64, 4, 2, 16), tier_set="int8r+tq4k/tq3v", num_layers=2, **kw):
+    d, kv, g, p = geo
+    recent, k, v = TIER_SETS[tier_set]
+    opts = dict(
+        max_tokens=4096,
+        max_sequences=16,
+        max_batch=16,
+        max_pages=512,
+        threads=2,
+        keep_first_layers=0,
+        keep_last_layers=0,
+        min_dwell_steps=0,
+    )
+    opts.update(kw)
+    return tierkv.Cache(
+        head_dim=d,
+        kv_heads=kv,
+        group_size=g,
+        page_size=p,
+        num_layers=num_layers,
+        recent=recent,
+        cache_type_k=k,
+        cache_type_v=v,
+        **opts,
+    )
+
+
+def reference(q, K, V, limit, group, scale=None):
+    """float64 attention of query rows q [QH, D] over the first `limit` tokens of
+    K, V [n, KVH, D]; query head h reads KV head h // group. -> (out [QH, D], lse [QH])."""
+    q, K, V = q.double(), K[:limit].double(), V[:limit].double()
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    Kh = K.repeat_interleave(group, dim=1)  # [n, QH, D]
+    Vh = V.repeat_interleave(group, dim=1)
+    s = torch.einsum("hd,nhd->hn", q, Kh) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[:, None])
+    return torch.einsum("hn,nhd->hd", p, Vh), lse
+
+
+def rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)

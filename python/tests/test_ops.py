@@ -1,0 +1,381 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tierkv ops against a float64 reference, edge shapes, refusals, fakes and torch.compile."""
+
+import pytest
+import torch
+from conftest import GEOMETRIES, TIER_SETS, make_cache, reference, rel_l2
+
+import tierkv
+
+ops = torch.ops.tierkv
+
+# Mean relative L2 error of attention outputs against float64 attention over the ORIGINAL
+# vectors: the codec bands of tests/unit/attention/codec_attention_test.cpp (FP8 pages
+# < 0.06, TQ3 < 0.32, int8_rotated a third of FP8's or less).
+BAND = {"int8r only": 0.02, "fp8+tq3": 0.32, "int8r+tq4k/tq3v": 0.32}
+# Against float64 attention over the DECODED vectors (read_layer): float32 rounding only.
+EXACT = 5e-5
+
+
+def fill(c, lens, rng, retier_steps=3):
+    """Sequences of the given lengths with random K/V in every layer; retiered so older
+    pages move to the Stale tier. -> (seq ids, [(K, V)] originals [layers, n, kvh, d])."""
+    seqs, kv = [], []
+    for n in lens:
+        s = c.create_sequence()
+        K = torch.randn(c.num_layers, n, c.kv_heads, c.head_dim, generator=rng)
+        V = torch.randn(c.num_layers, n, c.kv_heads, c.head_dim, generator=rng)
+        c.append(s, K, V)
+        seqs.append(s)
+        kv.append((K, V))
+    for step in range(retier_steps):
+        c.retier(step)
+    return seqs, kv
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=lambda g: "d{}kv{}g{}p{}".format(*g))
+@pytest.mark.parametrize("tier_set", list(TIER_SETS))
+def test_decode_matches_float64(geo, tier_set, rng):
+    c = make_cache(geo, tier_set)
+    # one token, a partial last page, pages in both tiers (past the recent window at any page size)
+    lens = [1, 37, max(300, 10 * geo[3] + 11)]
+    seqs, kv = fill(c, lens, rng)
+    if c.num_tiers == 2:
+        assert 1 in c.page_tiers(seqs[2], 1), "retier moved no page to the Stale tier"
+    q = torch.randn(len(lens), c.q_heads, c.head_dim, generator=rng)
+    for layer in range(c.num_layers):
+        out, lse = c.decode(layer, seqs, q)
+        assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (len(lens), c.q_heads)
+        errs = []
+        for b, (s, n) in enumerate(zip(seqs, lens)):
+            Kd, Vd = c.read_layer(s, layer)
+            ref, ref_lse = reference(q[b], Kd, Vd, n, c.group_size)
+            for h in range(c.q_heads):
+                assert rel_l2(out[b, h], ref[h]) < EXACT
+            assert float((lse[b].double() - ref_lse).abs().max()) < 1e-4
+            K, V = kv[b]
+            orig, _ = reference(q[b], K[layer], V[layer], n, c.group_size)
+            errs += [rel_l2(out[b, h], orig[h]) for h in range(c.q_heads)]
+        mean = sum(errs) / len(errs)
+        assert 1e-4 < mean < BAND[tier_set], f"mean rel. error {mean:.4f} vs the original vectors"
+
+
+def test_int8_rotated_beats_fp8(rng):
+    """Same data in 8-bit pages: int8_rotated's error is under a third of FP8 E4M3's."""
+    errs = {}
+    for ts in ("fp8+tq3", "int8r only"):
+        c = make_cache((128, 4, 4, 16), ts, recent_pages=1000)  # every page stays Recent
+        g = torch.Generator().manual_seed(5)
+        seqs, kv = fill(c, [200, 200], g)
+        q = torch.randn(2, c.q_heads, c.head_dim, generator=g)
+        out, _ = c.decode(0, seqs, q)
+        e = [
+            rel_l2(out[b, h], reference(q[b], kv[b][0][0], kv[b][1][0], 200, c.group_size)[0][h])
+            for b in range(2)
+            for h in range(c.q_heads)
+        ]
+        errs[ts] = sum(e) / len(e)
+    assert errs["int8r only"] * 3 < errs["fp8+tq3"] < 0.06
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype, rng):
+    c = make_cache()
+    s = c.create_sequence()
+    K = torch.randn(2, 50, 4, 64, generator=rng)
+    V = torch.randn(2, 50, 4, 64, generator=rng)
+    c.append(s, K.to(dtype), V.to(dtype))
+    q = torch.randn(1, 8, 64, generator=rng)
+    out, lse = c.decode(1, [s], q.to(dtype))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    Kd, Vd = c.read_layer(s, 1)
+    ref, _ = reference(q.to(dtype).float()[0], Kd, Vd, 50, 2)
+    assert rel_l2(out[0].float(), ref) < 1e-2  # the output's own rounding to 8 mantissa bits
+
+
+def prefill_check(c, seqs, chunks, q, out, lse, layer):
+    """out/lse of a prefill against causal float64 attention on the decoded vectors."""
+    row = 0
+    for s, n in zip(seqs, chunks):
+        total = c.length(s) + c.reserved(s)
+        Kd, Vd = c.read_layer(s, layer)
+        for j in range(n):
+            pos = total - n + j
+            ref, ref_lse = reference(q[row], Kd, Vd, pos + 1, c.group_size)
+            for h in range(c.q_heads):
+                assert rel_l2(out[row, h], ref[h]) < EXACT
+            assert float((lse[row].double() - ref_lse).abs().max()) < 1e-4
+            row += 1
+
+
+@pytest.mark.parametrize("geo", [GEOMETRIES[1], GEOMETRIES[2]], ids=["d64g2p16", "d128g6p64"])
+def test_prefill_over_reserved_chunk(geo, rng):
+    """A layer-by-layer step: reserve, write a layer, prefill that layer before commit (the
+    chunk is read from its reserved pages), commit; the same prefill after commit is equal."""
+    c = make_cache(geo, "fp8+tq3")
+    seqs, _ = fill(c, [100, 37, 16, 5], rng)
+    chunks = [29, 37, 0, 1]  # across pages, a page-aligned start, an empty chunk, one token
+    total = sum(chunks)
+    c.reserve(seqs, chunks)
+    k = torch.randn(c.num_layers, total, c.kv_heads, c.head_dim, generator=rng)
+    v = torch.randn(c.num_layers, total, c.kv_heads, c.head_dim, generator=rng)
+    indptr = torch.tensor([0] + list(torch.tensor(chunks).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(total, c.q_heads, c.head_dim, generator=rng)
+    before = []
+    for layer in range(c.num_layers):
+        c.write(layer, seqs, k[layer], v[layer])
+        out, lse = c.prefill(layer, seqs, q, indptr)
+        prefill_check(c, seqs, chunks, q, out, lse, layer)
+        before.append(out)
+    c.commit(seqs)
+    assert [c.length(s) for s in seqs] == [129, 74, 16, 6]
+    for layer in range(c.num_layers):
+        out, _ = c.prefill(layer, seqs, q, indptr)
+        assert torch.equal(out, before[layer])
+
+
+def test_decode_sees_reserved_token_and_prefill_of_one_equals_decode(rng):
+    c = make_cache((128, 4, 4, 16))
+    seqs, _ = fill(c, [63, 64, 65], rng)
+    c.reserve(seqs, [1, 1, 1])
+    k = torch.randn(3, 4, 128, generator=rng)
+    for layer in range(2):
+        c.write(layer, seqs, k, k)
+    q = torch.randn(3, 16, 128, generator=rng)
+    out, lse = c.decode(0, seqs, q)
+    pout, plse = c.prefill(0, seqs, q, [0, 1, 2, 3])
+    assert torch.equal(out, pout) and torch.equal(lse, plse)
+    for b, s in enumerate(seqs):  # the reserved token is attended to
+        Kd, Vd = c.read_layer(s, 0)
+        ref, _ = reference(q[b], Kd, Vd, Kd.shape[0], 4)
+        assert Kd.shape[0] == [64, 65, 66][b]
+        assert rel_l2(out[b], ref) < EXACT
+
+
+def test_fork_release_and_sharing(rng):
+    c = make_cache()
+    (s,), _ = fill(c, [40], rng)
+    f = c.fork(s)
+    q = torch.randn(2, 8, 64, generator=rng)
+    out, _ = c.decode(0, [s, f], q[[0, 0]])
+    assert torch.equal(out[0], out[1])
+    c.append(f, torch.randn(2, 3, 4, 64, generator=rng), torch.randn(2, 3, 4, 64, generator=rng))
+    assert (c.length(s), c.length(f)) == (40, 43)
+    out2, _ = c.decode(0, [s], q[:1])
+    assert torch.equal(out2[0], out[0])  # the parent did not see the fork's tokens
+    shared = c.report()["live_tokens"]
+    assert shared == 40 + 3 + 8  # 2 sealed pages shared; the open tail page (8 tokens) copied
+    c.release(f)
+    with pytest.raises(ValueError, match="seq#"):
+        c.decode(0, [f], q[:1])
+    assert c.report()["live_tokens"] == 40
+
+
+def test_report_reconciles_and_counts_bits(rng):
+    c = make_cache((128, 4, 4, 16), "int8r+tq4k/tq3v")
+    fill(c, [400], rng)
+    r = c.report()
+    assert r["reconciles"] and r["live_tokens"] == 400
+    t0, t1 = r["tiers"]
+    assert t0["live_pages"] > 0 and t1["live_pages"] > 0
+    assert 8.0 < t0["bits_per_scalar"] < 8.6  # int8 codes + a bf16 scale per vector
+    assert 3.0 < t1["bits_per_scalar"] < 4.0  # TQ4 keys + TQ3 values + norms
+    assert r["bits_per_scalar"] < t0["bits_per_scalar"]
+    assert "reconciled" in c.report_text()
+
+
+def test_retier_stats_and_pin(rng):
+    c = make_cache((64, 4, 2, 16), "fp8+tq3", recent_pages=2, sink_pages=0)
+    s = c.create_sequence()
+    c.pin(s, 0, 0)  # a no-op range is accepted
+    c.append(s, torch.randn(2, 160, 4, 64, generator=rng), torch.randn(2, 160, 4, 64, generator=rng))
+    c.pin(s, 0, 2)
+    st = c.retier(1)
+    assert set(st) == set(tierkv.RETIER_FIELDS) and st["demoted"] == 2 * (10 - 2 - 2)
+    tiers = c.page_tiers(s, 0)
+    assert tiers[:2] == [0, 0] and tiers[-2:] == [0, 0] and set(tiers[2:-2]) == {1}
+
+
+def test_mutating_ops_bump_the_state(rng):
+    c = make_cache()
+    before = int(c.state[1])
+    s = c.create_sequence()
+    c.reserve([s], [3])
+    c.write(0, [s], torch.zeros(3, 4, 64), torch.zeros(3, 4, 64))
+    assert int(c.state[1]) == before + 3
+    c.decode(0, [s], torch.zeros(1, 8, 64))
+    assert int(c.state[1]) == before + 3  # attention reads the cache
+
+
+def test_wrappers_equal_the_ops(rng):
+    c = make_cache((64, 4, 2, 16))
+    seqs, _ = fill(c, [20, 50], rng)
+    q = torch.randn(2, 8, 64, generator=rng)
+    w = tierkv.BatchDecodeWrapper(c)
+    w.plan(seqs)
+    out, lse = w.run(q, 1, return_lse=True)
+    ref_out, ref_lse = c.decode(1, seqs, q)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    p = tierkv.BatchPrefillWrapper(c)
+    p.plan(seqs, [0, 4, 9])
+    qp = torch.randn(9, 8, 64, generator=rng)
+    assert torch.equal(p.run(qp, 0), c.prefill(0, seqs, qp, [0, 4, 9])[0])
+    with pytest.raises(ValueError, match="must lie in"):
+        p.plan(seqs, [0, 21, 22])
+    with pytest.raises(ValueError, match="batch \\+ 1"):
+        p.plan(seqs, [0, 1])
+    with pytest.raises(RuntimeError, match="plan"):
+        tierkv.BatchDecodeWrapper(c).run(q, 0)
+    empty = c.create_sequence()
+    with pytest.raises(ValueError, match="no tokens"):
+        w.plan([empty])
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+def test_unknown_format_and_combination_not_built():
+    with pytest.raises(ValueError, match='unknown cache format name "q8_0".*known names: fp8, int8_rotated, tq3, tq4'):
+        tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=16, recent="q8_0")
+    with pytest.raises(ValueError, match="no prebuilt tierkv cache.*kv_heads=3.*Built: .*kv_heads \\{"):
+        tierkv.Cache(head_dim=64, kv_heads=3, group_size=2, num_layers=1, max_tokens=16)
+    with pytest.raises(ValueError, match="recent=fp8, cache_type_k=tq4"):  # names known, set not built
+        tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=16, recent="fp8")
+    with pytest.raises(ValueError, match="pages_per_tier has 1 entries; this tier set has 2 tiers"):
+        tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, pages_per_tier=[8])
+    with pytest.raises(ValueError, match="max_pages = 0"):
+        make_cache(max_pages=0)
+    built = tierkv.built()
+    assert {"recent": "int8_rotated", "cache_type_k": "tq4", "cache_type_v": "tq3", "head_dim": 256,
+            "kv_heads": 4, "group_size": 6, "page_size": 16} in built
+
+
+def test_bad_tensors(rng):
+    c = make_cache()
+    seqs, _ = fill(c, [10], rng)
+    q = torch.randn(1, 8, 64)
+    with pytest.raises(ValueError, match="q must be float32, bfloat16 or float16, got Double"):
+        c.decode(0, seqs, q.double())
+    with pytest.raises(ValueError, match=r"q must have shape \[1, 8, 64\], got \[1, 8, 32\]"):
+        c.decode(0, seqs, q[..., :32].contiguous())
+    with pytest.raises(ValueError, match="q must be contiguous"):
+        c.decode(0, seqs, torch.randn(1, 64, 8).transpose(1, 2))
+    with pytest.raises(ValueError, match="seqs must be int64, got Float"):
+        ops.decode(c.state, 0, torch.tensor([0.0]), q)
+    with pytest.raises(ValueError, match="layer = 2 is out of range \\[0, 2\\)"):
+        c.decode(2, seqs, q)
+    with pytest.raises(ValueError, match="seq#"):
+        c.decode(0, [7], q)
+    with pytest.raises(ValueError, match="state must be the int64 CPU tensor"):
+        ops.decode(torch.zeros(3, dtype=torch.int64), 0, seqs_t := torch.tensor(seqs), q)
+    with pytest.raises(ValueError, match="appears twice"):
+        c.reserve([seqs[0], seqs[0]], [1, 1])
+    # prefill arguments
+    with pytest.raises(ValueError, match="q_indptr has 3 entries, batch \\+ 1 = 2"):
+        c.prefill(0, seqs, q, [0, 1, 1])
+    with pytest.raises(ValueError, match="q_indptr\\[0\\] = 1 must be 0"):
+        c.prefill(0, seqs_t, q, [1, 1])
+    with pytest.raises(ValueError, match="chunk length of sequence 0 = 11 exceeds"):
+        c.prefill(0, seqs, torch.randn(11, 8, 64), [0, 11])
+    # write sizes
+    c.reserve(seqs, [2])
+    with pytest.raises(ValueError, match="have 2 reserved tokens, keys/values hold 3"):
+        c.write(0, seqs, torch.zeros(3, 4, 64), torch.zeros(3, 4, 64))
+    with pytest.raises(ValueError, match=r"v must have shape \[2, 4, 64\]"):
+        c.write(0, seqs, torch.zeros(2, 4, 64), torch.zeros(2, 4, 32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the device check needs one")
+def test_cuda_tensor_refused_by_the_host_ops(rng):
+    c = make_cache()
+    seqs, _ = fill(c, [10], rng)
+    with pytest.raises(ValueError, match="q is on cuda"):
+        c.decode(0, seqs, torch.randn(1, 8, 64, device="cuda"))
+
+
+def test_non_finite_inputs_refused(rng):
+    c = make_cache()
+    seqs, _ = fill(c, [10], rng)
+    q = torch.randn(1, 8, 64)
+    q[0, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="query head 3, dim 5\\) is not finite"):
+        c.decode(0, seqs, q)
+    q[0, 3, 5] = float("inf")
+    with pytest.raises(ValueError, match="not finite"):
+        c.prefill(0, seqs, q, [0, 1])
+    c.reserve(seqs, [2])
+    k = torch.zeros(2, 4, 64)
+    k[1, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match="keys\\[.*token 1, kv head 2\\) is not finite; nothing written"):
+        c.write(0, seqs, k, torch.zeros(2, 4, 64))
+    c.write(0, seqs, torch.zeros(2, 4, 64), torch.zeros(2, 4, 64))  # the reservation is intact
+    c.cancel(seqs)
+    assert c.length(seqs[0]) == 10 and c.reserved(seqs[0]) == 0
+
+
+def test_reserve_is_all_or_none():
+    c = make_cache(pages_per_tier=[4, 4], num_layers=1, max_tokens=None)
+    a, b = c.create_sequence(), c.create_sequence()
+    with pytest.raises(RuntimeError, match="capacity_exhausted.*batch entry 1.*nothing reserved"):
+        c.reserve([a, b], [48, 48])  # 3 pages each, 4 in tier 0
+    assert c.reserved(a) == 0 and c.reserved(b) == 0
+    c.reserve([a, b], [32, 32])
+
+
+def test_destroyed_cache_refused():
+    c = make_cache()
+    state = c.state
+    c.close()
+    with pytest.raises(ValueError, match="no cache with handle"):
+        ops.create_sequence(state)
+
+
+# ---- fakes and torch.compile -------------------------------------------------------------------
+
+
+def test_opcheck_attention_and_write(rng):
+    c = make_cache()
+    seqs, _ = fill(c, [30, 5], rng)
+    st = torch.tensor(seqs)
+    q = torch.randn(2, 8, 64, generator=rng)
+    torch.library.opcheck(ops.decode.default, (c.state, 0, st, q))
+    torch.library.opcheck(ops.prefill.default, (c.state, 1, st, torch.randn(6, 8, 64), torch.tensor([0, 4, 6], dtype=torch.int32)))
+    c.reserve(seqs, [1, 2])
+    torch.library.opcheck(ops.write.default, (c.state, 0, st, torch.randn(3, 4, 64), torch.randn(3, 4, 64)))
+
+
+def test_compile_decode_fullgraph(rng):
+    c = make_cache()
+    seqs, _ = fill(c, [30, 70], rng)
+    st = torch.tensor(seqs)
+    q = torch.randn(2, 8, 64, generator=rng)
+
+    def step(q):
+        out, lse = c.decode(0, st, q)
+        return out * 2.0, lse
+
+    compiled = torch.compile(step, fullgraph=True)
+    out, lse = compiled(q)
+    ref_out, ref_lse = step(q)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_compile_write_then_decode_keeps_order(rng):
+    """write mutates `state`; the decode after it in the same graph must see the new token."""
+    c = make_cache(num_layers=1)
+    seqs, _ = fill(c, [17], rng)
+    st = torch.tensor(seqs)
+
+    def step(k, q):
+        ops.write(c.state, 0, st, k, k)
+        return ops.decode(c.state, 0, st, q)[0]
+
+    compiled = torch.compile(step, fullgraph=True)
+    k = torch.randn(1, 4, 64, generator=rng) * 4
+    q = torch.randn(1, 8, 64, generator=rng)
+    c.reserve(seqs, [1])
+    out = compiled(k, q)
+    Kd, Vd = c.read_layer(seqs[0], 0)
+    assert Kd.shape[0] == 18
+    ref, _ = reference(q[0], Kd, Vd, 18, 2)
+    assert rel_l2(out[0], ref) < EXACT
