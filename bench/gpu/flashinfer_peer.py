@@ -20,14 +20,7 @@ import math
 import os
 import time
 
-# FlashInfer reads these when it is imported. Its JIT cache defaults to ~/.cache/flashinfer, and the
-# home may be read-only; compile for sm_90a only; let ninja use every core.
-_JIT = os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/tierkv-flashinfer")
-os.environ.setdefault("TVM_FFI_CACHE_DIR", _JIT + "/tvm-ffi")
-os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0")
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 16))
-os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+from flashinfer_env import JIT_DIR as _JIT  # noqa: E402,F401  (before torch)
 
 import torch  # noqa: E402
 

@@ -8,34 +8,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "tierkv/codec/fp8.hpp"
-#include "tierkv/codec/int8_rotated.hpp"
+#include "test_shapes.hpp"
 #include "tierkv/codec/page_layout.hpp"
-#include "tierkv/codec/tier.hpp"
-#include "tierkv/codec/tq3.hpp"
-#include "tierkv/codec/tq4.hpp"
-#include "tierkv/core/geometry.hpp"
 #include "tierkv/core/index_view.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/decode_plan.cuh"
 
 namespace cuda_test {
-
-using decode_recent = tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>;
-using decode_int8r = tierkv::tier<tierkv::int8_rotated, tierkv::int8_rotated>;
-using decode_stale = tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>;
-using decode_stale_k4 = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
-using decode_qwen = tierkv::geometry<tierkv::head_dim<256>, tierkv::kv_heads<4>,
-                                     tierkv::group_size<6>, tierkv::page_tokens<64>>;
-using decode_llama = tierkv::geometry<tierkv::head_dim<128>, tierkv::kv_heads<8>,
-                                      tierkv::group_size<4>, tierkv::page_tokens<64>>;
-using decode_smol = tierkv::geometry<tierkv::head_dim<64>, tierkv::kv_heads<3>,
-                                     tierkv::group_size<3>, tierkv::page_tokens<64>>;
-using decode_small_pages = tierkv::geometry<tierkv::head_dim<64>, tierkv::kv_heads<2>,
-                                            tierkv::group_size<1>, tierkv::page_tokens<16>>;
-// TQ3 / TQ4 tiers step 32 tokens at a time (tensor-core kernel): one step a page here
-using decode_pages32 = tierkv::geometry<tierkv::head_dim<128>, tierkv::kv_heads<2>,
-                                        tierkv::group_size<4>, tierkv::page_tokens<32>>;
 
 // cuda::decode_path.
 enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };

@@ -25,6 +25,7 @@
 #include "policy_knobs.hpp"
 #include "tiered_cache_kernels.hpp"
 #include "tierkv/attention/host_decode.hpp"
+#include "tierkv/attention/host_prefill.hpp"
 #include "tierkv/attention/host_workspace.hpp"
 #include "tierkv/paging/index_builder.hpp"
 #include "tierkv/tiering/conversion.hpp"
@@ -155,7 +156,8 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
   const int steps = steps_to_run();
   std::uint64_t divergences = 0, pages_compared = 0, forks = 0, releases = 0, prefills = 0;
   std::uint64_t decodes = 0, tokens_appended = 0;
-  double worst_decode = 0;
+  double worst_decode = 0, worst_prefill = 0;
+  std::uint64_t prefill_calls = 0;
   for (int step = 1; step <= steps; ++step) {
     // ---- structural operations between steps, the same on both ----
     std::vector<std::uint32_t> fresh;  // new sequences this step (prefilled), gpu ids
@@ -287,6 +289,30 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
       worst_decode = std::max(worst_decode, err);
       INFO("layer " << l << " decode rel_l2 vs host " << err);
       REQUIRE(err < 2e-3);
+
+      // Chunked prefill of the step's new tokens on the GPU vs host_prefill over the twin.
+      if (total > 0) {
+        std::vector<float> pq(std::size_t(total) * QH * D), pout;
+        for (auto& x : pq) x = normal(rng);
+        REQUIRE(gpu->prefill(l, pq, pout).is_ok());
+        ++prefill_calls;
+        std::vector<std::int32_t> qo(1, 0);
+        for (auto n : counts) qo.push_back(qo.back() + n);
+        host_prefill_args<2> pa;
+        pa.queries = pq.data();
+        pa.q_indptr = qo.data();
+        pa.index = *tv;
+        pa.pools = pools.data();
+        pa.source = a.source;
+        pa.logits = a.logits;
+        std::vector<float> pref(pq.size());
+        pa.out = pref.data();
+        REQUIRE(host_prefill<G, TL>(ws, pa).is_ok());
+        const double perr = rel_l2(pout, pref);
+        worst_prefill = std::max(worst_prefill, perr);
+        INFO("layer " << l << " prefill rel_l2 vs host " << perr);
+        REQUIRE(perr < 4e-3);
+      }
     }
     REQUIRE(gpu->device_error().is_ok());
 
@@ -335,13 +361,14 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
   std::printf(
       "e2e: steps %d, sequences <= 8, decodes %llu, tokens %llu, prefills %llu, forks %llu, "
       "releases %llu, pages compared %llu, host_twin_divergences %llu, conversions %llu "
-      "(pressure %llu), worst decode rel_l2 vs host %.2e, metadata h2d %.1f B/step d2h %.1f "
-      "B/step, page bytes over PCIe %llu\n",
+      "(pressure %llu), worst decode rel_l2 vs host %.2e, prefill calls %llu, worst prefill "
+      "rel_l2 vs host %.2e, metadata h2d %.1f B/step d2h %.1f B/step, page bytes over PCIe %llu\n",
       steps, (unsigned long long)decodes, (unsigned long long)tokens_appended,
       (unsigned long long)prefills, (unsigned long long)forks, (unsigned long long)releases,
       (unsigned long long)pages_compared, (unsigned long long)divergences,
       (unsigned long long)c.converted, (unsigned long long)c.pressure_demoted, worst_decode,
-      double(c.h2d) / steps, double(c.d2h) / steps, (unsigned long long)c.page_bytes);
+      (unsigned long long)prefill_calls, worst_prefill, double(c.h2d) / steps,
+      double(c.d2h) / steps, (unsigned long long)c.page_bytes);
   for (const pair_seq& p : live) {
     REQUIRE(gpu->release(p.gpu).is_ok());
     REQUIRE(twin->release(p.twin).is_ok());

@@ -15,7 +15,7 @@ static_assert(std::is_same_v<cache_type::storage_type, e2e_storage>);
 struct e2e_cache::impl {
   cudaStream_t stream = nullptr;
   std::unique_ptr<cache_type> c;
-  std::unique_ptr<device_buffer<float>> k, v, q, out;
+  std::unique_ptr<device_buffer<float>> k, v, q, out, pq, pout;
   ~impl() {
     c.reset();
     if (stream) cudaStreamDestroy(stream);
@@ -45,6 +45,8 @@ tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& 
   p->v = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * vec);
   p->q = std::make_unique<device_buffer<float>>(std::size_t(o.max_batch) * qvec);
   p->out = std::make_unique<device_buffer<float>>(std::size_t(o.max_batch) * qvec);
+  p->pq = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * qvec);
+  p->pout = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * qvec);
   return std::unique_ptr<e2e_cache>(new e2e_cache(std::move(p)));
 }
 
@@ -65,6 +67,19 @@ tierkv::status e2e_cache::append(int layer, const std::vector<float>& k,
   impl_->k->put(k);
   impl_->v->put(v);
   return impl_->c->append(layer, impl_->k->p, impl_->v->p, tierkv::cuda::input_type::f32);
+}
+
+tierkv::status e2e_cache::prefill(int layer, const std::vector<float>& q, std::vector<float>& out) {
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  impl_->pq->put(q);
+  auto st = impl_->c->prefill(layer, impl_->pq->p, tierkv::cuda::query_type::f32, impl_->pout->p);
+  if (!st) return st;
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  out.resize(q.size());
+  if (!q.empty())
+    CUDA_OK(
+        cudaMemcpy(out.data(), impl_->pout->p, q.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return st;
 }
 
 tierkv::status e2e_cache::decode(int layer, const std::vector<float>& q, std::vector<float>& out) {

@@ -63,6 +63,8 @@ class e2e_cache {
   tierkv::status append(int layer, const std::vector<float>& k, const std::vector<float>& v);
   // q: [batch][q_heads][head_dim] -> out, same shape.
   tierkv::status decode(int layer, const std::vector<float>& q, std::vector<float>& out);
+  // q: [step tokens][q_heads][head_dim] (each sequence's new tokens) -> out, same shape.
+  tierkv::status prefill(int layer, const std::vector<float>& q, std::vector<float>& out);
   tierkv::result<tierkv::retier_stats> end_step(std::uint64_t step, bool wait);
   tierkv::status check_invariants() const;
   tierkv::status device_error();

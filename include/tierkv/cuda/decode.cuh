@@ -27,30 +27,6 @@
 
 namespace tierkv::cuda {
 
-namespace detail {
-
-// Every pool must be set and hold pages of exactly its tier's layout.
-template <class Geometry, class... Tiers>
-status check_pools(const decode_inputs<int(sizeof...(Tiers))>& in, tiers<Tiers...>*) {
-  constexpr std::size_t expect[] = {
-      page_layout<Geometry, typename Tiers::template key_codec<Geometry::head_dim>,
-                  typename Tiers::template value_codec<Geometry::head_dim>>::page_bytes...};
-  for (int f = 0; f < int(sizeof...(Tiers)); ++f) {
-    const pool_view& p = in.pools[f];
-    if (p.capacity > 0 && p.base == nullptr)
-      return status::make(errc::invalid_argument, "decode: pools[", f, "].base is null");
-    if (p.page_bytes != expect[f])
-      return status::make(errc::geometry_mismatch, "decode: pools[", f,
-                          "].page_bytes = ", p.page_bytes, " but the tier's page_layout needs ",
-                          expect[f]);
-    if (in.index.batch > 0 && in.index.formats[f].indptr == nullptr)
-      return status::make(errc::invalid_argument, "decode: index.formats[", f, "].indptr is null");
-  }
-  return status::ok();
-}
-
-}  // namespace detail
-
 // Which split kernel runs a decode step (same result up to rounding, same plan/workspace).
 // tensor_core: scores and values on mma.sync (f16 operands, FP8 queries split hi + lo; int8
 // operands for TQ3, TQ4 and int8_rotated keys, queries as int8 digits; f16 probabilities;
@@ -96,7 +72,8 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
                         "decode: page_mass needs a plan with page_mass, an lse output and "
                         "page_mass_stride (",
                         in.page_mass_stride, ") >= plan.max_pages (", plan.max_pages, ")");
-  status bad = detail::check_pools<Geometry>(in, static_cast<TierList*>(nullptr));
+  status bad =
+      detail::check_pools<Geometry>("decode", in.index, in.pools, static_cast<TierList*>(nullptr));
   if (!bad) return bad;
   if (in.index.batch == 0) return status::ok();
 

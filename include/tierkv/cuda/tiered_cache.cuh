@@ -12,6 +12,7 @@
 //     for (int l = 0; l < layers; ++l) {    // the forward pass, on `stream`
 //       c->append(l, k, v, input_type::bf16);            // [new tokens][kv_heads][head_dim]
 //       c->decode(l, q, query_type::bf16, out);          // attends to every committed token
+//       // or, for steps with chunks: c->prefill(l, q, ...)  // each sequence's new tokens, causal
 //     }
 //     c->end_step(step);                    // page mass -> policy, retier batch on the side stream
 //
@@ -46,6 +47,8 @@
 #include "tierkv/cuda/decode.cuh"
 #include "tierkv/cuda/decode_plan.cuh"
 #include "tierkv/cuda/page_table_mirror.cuh"
+#include "tierkv/cuda/prefill.cuh"
+#include "tierkv/cuda/prefill_plan.cuh"
 #include "tierkv/cuda/retier_async.cuh"
 #include "tierkv/cuda/retier_driver.cuh"
 #include "tierkv/memory/allocators.hpp"
@@ -110,8 +113,8 @@ class tiered_cache {
     controller_.reset();
     mirror_.reset();
     storage_.reset();
-    for (void* p : {workspace_, static_cast<void*>(mass_dev_), static_cast<void*>(lse_dev_),
-                    static_cast<void*>(slots_dev_)})
+    for (void* p : {workspace_, prefill_workspace_, static_cast<void*>(mass_dev_),
+                    static_cast<void*>(lse_dev_), static_cast<void*>(slots_dev_)})
       cudaFree(p);
     for (void* p : {static_cast<void*>(mass_host_), static_cast<void*>(slots_host_)})
       cudaFreeHost(p);
@@ -226,6 +229,15 @@ class tiered_cache {
     // Publish a finished retier batch first: the index arrays below name its pages.
     if (auto st = collect_retier(/*wait=*/false); !st) return st;
     if (auto st = reserve_all(batch, new_tokens, total); !st) return st;
+    // the step's query offsets (prefill's q_indptr): sequence b's chunk is its new tokens
+    std::int32_t* qo = slots_host_ + qo_offset();
+    qo[0] = 0;
+    for (std::size_t b = 0; b < batch.size(); ++b) qo[b + 1] = qo[b] + new_tokens[b];
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(slots_dev_ + qo_offset(), qo,
+                                    (batch.size() + 1) * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream_));
+    counters_.h2d_metadata_bytes += (batch.size() + 1) * sizeof(std::int32_t);
+    TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));
 
     batch_.assign(batch.begin(), batch.end());
     rows_.resize(batch.size());
@@ -317,6 +329,39 @@ class tiered_cache {
     return {};
   }
 
+  // Chunked prefill attention of layer `layer` for the step's batch: sequence b's queries are its
+  // begin_step new_tokens[b] tokens ([step tokens][q_heads][head_dim] in batch order, post-RoPE,
+  // device memory), each attending its whole sequence causally, pages of every tier where they
+  // lie (cuda/prefill.cuh); out has the queries' shape (f32 or bf16), lse [step tokens][q_heads]
+  // (optional). A sequence with new_tokens 1 gets a decode step's answer; with 0, nothing. No
+  // page mass is sampled here (decode's job).
+  status prefill(int layer, const void* queries, query_type qtype, void* out,
+                 output_type otype = output_type::f32, float* lse = nullptr, float soft_cap = 0.f,
+                 int window = 0) {
+    if (!stepping_) return status(errc::invalid_argument, "prefill: call begin_step first");
+    if (layer < 0 || layer >= layers())
+      return status::out_of_range("prefill: layer", layer, layers());
+    prefill_inputs<num_tiers> in;
+    in.index = mirror_->view(layer);
+    const auto views = storage_->views();
+    for (int f = 0; f < num_tiers; ++f) in.pools[f] = views[std::size_t(f)];
+    in.queries = queries;
+    in.queries_type = qtype;
+    in.q_indptr = slots_dev_ + qo_offset();
+    in.softmax_scale =
+        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(Geometry::head_dim));
+    in.soft_cap = soft_cap;
+    in.window = window;
+    in.cache_seed = storage_->config().codec_seed;
+    in.head_base = storage_->config().head_base;
+    in.layer = layer;
+    in.out = out;
+    in.out_type = otype;
+    in.lse = lse;
+    return cuda::prefill<Geometry, Tiers>(prefill_plan_, in, prefill_workspace_,
+                                          prefill_plan_.workspace_bytes, stream_);
+  }
+
   // Ends the step: waits for the step's page masses (the engine waits for its logits anyway),
   // feeds them to the policy, and enqueues the conversions the policy wants at `step` on the
   // side stream (published by a later begin_step or end_step once complete). wait = true
@@ -354,6 +399,10 @@ class tiered_cache {
     if (!e) return e.error_status();
     if (*e != errc::ok)
       return status::make(*e, "decode: a page slot beyond its pool or a page beyond max_pages");
+    auto pe = prefill_device_error(prefill_plan_, prefill_workspace_, stream_);
+    if (!pe) return pe.error_status();
+    if (*pe != errc::ok)
+      return status::make(*pe, "prefill: a page slot beyond its pool or a chunk beyond its limits");
     return {};
   }
   const transfer_counters& transfers() const noexcept { return counters_; }
@@ -405,6 +454,16 @@ class tiered_cache {
     TIERKV_CUDA_TRY(cudaMalloc(&workspace_, plan_.workspace_bytes));
     if (auto st = decode_workspace_init(plan_, workspace_, plan_.workspace_bytes, stream_); !st)
       return st;
+    // a chunk is at most a step's tokens, and so are all chunks together
+    auto pplan = plan_prefill<Geometry>(opt_.max_batch, opt_.max_step_tokens, opt_.max_step_tokens,
+                                        sm_count_);
+    if (!pplan) return pplan.error_status();
+    prefill_plan_ = *pplan;
+    TIERKV_CUDA_TRY(cudaMalloc(&prefill_workspace_, prefill_plan_.workspace_bytes));
+    if (auto st = prefill_workspace_init(prefill_plan_, prefill_workspace_,
+                                         prefill_plan_.workspace_bytes, stream_);
+        !st)
+      return st;
     mass_layers_ =
         opt_.mass_layers_per_step == 0 ? layers() : std::min(opt_.mass_layers_per_step, layers());
     const std::size_t mass_bytes = mass_offset(mass_layers_) * sizeof(float);
@@ -415,7 +474,7 @@ class tiered_cache {
     mass_slot_.assign(std::size_t(layers()), -1);
     mass_layer_.assign(std::size_t(mass_layers_), -1);
     mass_decoded_.assign(std::size_t(mass_layers_), false);
-    const std::size_t slot_ints = (std::size_t(layers()) + 1) * std::size_t(opt_.max_step_tokens);
+    const std::size_t slot_ints = qo_offset() + std::size_t(opt_.max_batch) + 1;
     TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaMallocHost(&slots_host_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&mass_ready_, cudaEventDisableTiming));
@@ -432,6 +491,11 @@ class tiered_cache {
 
   std::size_t mass_offset(int j) const {
     return std::size_t(j) * std::size_t(opt_.max_batch) * std::size_t(opt_.max_pages);
+  }
+  // The slot buffer: [layers][max_step_tokens] slots, [max_step_tokens] offsets, then the step's
+  // query offsets [max_batch + 1].
+  std::size_t qo_offset() const {
+    return (std::size_t(layers()) + 1) * std::size_t(opt_.max_step_tokens);
   }
   std::size_t retier_list_bytes() const {
     return 3 * std::size_t(opt_.max_retier_pages) * sizeof(std::int32_t) + sizeof(int);
@@ -622,6 +686,8 @@ class tiered_cache {
   std::vector<std::int32_t> free_rows_;
   decode_plan plan_{};
   void* workspace_ = nullptr;
+  prefill_plan prefill_plan_{};
+  void* prefill_workspace_ = nullptr;
   // The step.
   bool stepping_ = false;
   std::uint64_t steps_ = 0;

@@ -25,6 +25,13 @@ __device__ __forceinline__ void cp_async_16_at(unsigned smem, const void* gmem) 
                "n"(SOff), "n"(GOff)
                : "memory");
 }
+// cp.async of 4 bytes global -> shared (both 4-byte aligned), through L1.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   cp_async_16_at<0, 0>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem);
 }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tensor-core matrix instructions (mma.sync, movmatrix) as thin PTX wrappers: the
-// fragments' register layouts are PTX's (m16n8k16 f16, m16n8k32 s8/u8).
+// fragments' register layouts are PTX's (m16n8k16 f16 / bf16, m16n8k32 s8/u8).
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -12,6 +12,16 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a
                                           std::uint32_t b0, std::uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// bf16 x bf16 -> f32 (the prefill's P V: probabilities times per-token value scales keep f32's
+// range, where f16 would overflow on large value scales).
+__device__ __forceinline__ void mma_16816_bf16(float (&c)[4], const std::uint32_t (&a)[4],
+                                               std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -5,8 +5,11 @@
 // codec (codec/) and one include line. A specialization provides:
 //   rotated        the format stores vectors in the seeded rotation's domain: decode prepares
 //                  queries and finalizes outputs there, retier flips or skips the signs
-//   slice_reader   the CUDA-core inner loop: raw, load(payload, slice), unpack(raw, slice,
-//                  x[16]) (16 scalars of the codec's own domain), code_scale
+//   slice_reader   the CUDA-core inner loop: raw, load<Shared = false>(payload, slice) (global
+//                  memory through the read-only path, or shared), unpack(raw, slice, x[16]) (16
+//                  scalars of the codec's own domain: coordinates 16 slice ..), code_scale;
+//                  optionally unpack_h2(raw, slice, h[8]): the same as exact f16 pairs (the
+//                  prefill's keys)
 //   fragments      the tensor-core operand builders (decode/tensor_core.cuh's interface:
 //                  key_words, load_key, key_frag / key_frag_s8, value_words, load_value,
 //                  value_pairs, ...)

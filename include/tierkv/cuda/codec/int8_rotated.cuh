@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/cuda/arch/convert.cuh"
 #include "tierkv/cuda/codec/byte_fragments.cuh"
 #include "tierkv/cuda/codec/device_codec.cuh"
 #include "tierkv/cuda/warp/lane_group.cuh"
@@ -92,8 +93,10 @@ struct int8_rotated_slice_reader {
   using raw = uint4;
   static constexpr float code_scale = 1.f;  // dot = alpha * sum q''_i c_i (codec/int8_rotated.hpp)
 
+  template <bool Shared = false>
   __device__ __forceinline__ static raw load(const std::uint8_t* payload, int slice) {
-    return __ldg(reinterpret_cast<const uint4*>(payload) + slice);
+    const uint4* p = reinterpret_cast<const uint4*>(payload) + slice;
+    return Shared ? *p : __ldg(p);
   }
   __device__ __forceinline__ static void unpack4(std::uint32_t w, float* x) {
 #pragma unroll
@@ -104,6 +107,15 @@ struct int8_rotated_slice_reader {
     unpack4(r.y, x + 4);
     unpack4(r.z, x + 8);
     unpack4(r.w, x + 12);
+  }
+  // The same 16 codes as f16 pairs (x[2c], x[2c + 1]) in h[c], exact.
+  __device__ __forceinline__ static void unpack_h2(const raw& r, int, std::uint32_t (&h)[8]) {
+    const std::uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      h[2 * j] = s8x2_to_h2<0x4140>(w[j]);
+      h[2 * j + 1] = s8x2_to_h2<0x4342>(w[j]);
+    }
   }
 };
 

@@ -94,8 +94,10 @@ struct tq3_slice_reader {
   // the query prepared as H D q / d (codec/tq3.hpp), so no extra factor here.
   static constexpr float code_scale = 1.f;
 
+  template <bool Shared = false>
   __device__ __forceinline__ static raw load(const std::uint8_t* payload, int slice) {
     const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(payload) + (slice >> 1) * 3;
+    if constexpr (Shared) return make_uint3(w[0], w[1], w[2]);
     return make_uint3(__ldg(w), __ldg(w + 1), __ldg(w + 2));
   }
   // fp16 of the levels (exact), code 0 = -127/64 ... code 7 = +127/64 (codec/tq3.hpp):
@@ -121,6 +123,15 @@ struct tq3_slice_reader {
     x[2] = b.x;
     x[3] = b.y;
   }
+  // The same 4 levels as two f16 pairs (codes 0, 1 and 2, 3 of the selector).
+  __device__ __forceinline__ static void lookup4_h2(std::uint32_t sel, std::uint32_t* h) {
+    const std::uint32_t lo =
+        __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
+    const std::uint32_t hi =
+        __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
+    h[0] = __byte_perm(lo, hi, 0x5140);
+    h[1] = __byte_perm(lo, hi, 0x7362);
+  }
   __device__ __forceinline__ static void lookup8(std::uint32_t nibbles, float* x) {
     lookup4(nibbles & 0x7777u, x);
     lookup4((nibbles >> 16) & 0x7777u, x + 4);
@@ -135,6 +146,18 @@ struct tq3_slice_reader {
       lookup8(r.x, x);
       lookup8(r.y, x + 8);
     }
+  }
+  // The same 16 levels as f16 pairs (x[2c], x[2c + 1]) in h[c], exact (no float round trip).
+  __device__ __forceinline__ static void unpack_h2(const raw& r, int slice, std::uint32_t (&h)[8]) {
+    std::uint32_t a = r.x, b = r.y;
+    if (slice & 1) {
+      a = r.z;
+      b = ((r.x >> 3) & 0x11111111u) | ((r.y >> 2) & 0x22222222u) | ((r.z >> 1) & 0x44444444u);
+    }
+    lookup4_h2(a & 0x7777u, h);
+    lookup4_h2((a >> 16) & 0x7777u, h + 2);
+    lookup4_h2(b & 0x7777u, h + 4);
+    lookup4_h2((b >> 16) & 0x7777u, h + 6);
   }
 };
 

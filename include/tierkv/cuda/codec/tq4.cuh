@@ -22,8 +22,10 @@ struct tq4_slice_reader {
   using raw = uint2;
   static constexpr float code_scale = 1.f;
 
+  template <bool Shared = false>
   __device__ __forceinline__ static raw load(const std::uint8_t* payload, int slice) {
-    return __ldg(reinterpret_cast<const uint2*>(payload) + slice);
+    const uint2* p = reinterpret_cast<const uint2*>(payload) + slice;
+    return Shared ? *p : __ldg(p);
   }
   __device__ __forceinline__ static void unpack8(std::uint32_t w, float* x) {
 #pragma unroll

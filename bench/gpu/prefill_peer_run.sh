@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: the prefill tests, bench/cuda/prefill.cu, then FlashInfer's BF16 paged prefill
+# (bench/gpu/flashinfer_prefill.py, wheels in .whl/: bench/gpu/FLASHINFER.md) and tierkv's
+# 512 / 2048 chunks again in the same run. Writes under $OUT.
+set -uo pipefail
+cmake --preset cuda > /dev/null 2>&1
+cmake --build build/cuda --target gpubench_prefill test_cuda_prefill -j16 2>&1 | grep -E "error" | head
+./build/cuda/tests/test_cuda_prefill > "$OUT/prefill_test.txt" 2>&1; tail -2 "$OUT/prefill_test.txt"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+./build/cuda/bench/gpubench_prefill --out "$OUT/prefill.json" --commit "$commit" > "$OUT/prefill_bench.txt" 2>&1
+grep -E "chunk +(512|2048|8):" "$OUT/prefill_bench.txt" | grep p16
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
+  PYTHONPATH=/tmp/site:bench/gpu PYTHONUNBUFFERED=1 timeout "${FI_TIMEOUT:-420}" \
+    python3 bench/gpu/flashinfer_prefill.py --out "$OUT/flashinfer_prefill.json" 2>&1 | grep -v Warning | tail -8
+  ./build/cuda/bench/gpubench_prefill --mix fp8 --out "$OUT/prefill_after_fi.json" --commit "$commit" | grep -E "chunk +(512|2048):"
+fi

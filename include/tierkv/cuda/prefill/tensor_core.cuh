@@ -1,0 +1,821 @@
+// SPDX-License-Identifier: Apache-2.0
+// The chunked-prefill kernels over mixed pages on the tensor cores (design: docs/gpu-prefill.md).
+// A block is 128 (query, head) rows of one sequence and KV head (row r: query r / group, head
+// r % group, so a GQA group shares every K/V tile) and one of the plan's KV splits. Per tier
+// (value-rotated tiers first) the block walks its share of the tier's 64-token tiles, trimmed to
+// the rows' causal (and sliding-window) range: the next tile's raw bytes and index entries are
+// fetched by cp.async while the current one computes; all threads decode a landed tile once
+// through the format's slice reader into shared memory (keys f16, values bf16: every format's
+// codes are exact in both); then each warp runs its 16 rows FA2-style: S = Q K^T on mma.sync f16
+// (queries in the key codec's domain, each row scaled by a power of two to |q| < 1), masked by
+// position, online softmax in log2 units, O += (P x value scale) V on mma.sync bf16. Value-rotated
+// tiers' O is un-rotated once, through shared memory. One split writes the output; several write
+// partial states that prefill_merge_kernel combines by log-sum-exp.
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/page_layout.hpp"
+#include "tierkv/codec/tier.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/arch/convert.cuh"
+#include "tierkv/cuda/arch/cp_async.cuh"
+#include "tierkv/cuda/arch/ldmatrix.cuh"
+#include "tierkv/cuda/arch/mma.cuh"
+#include "tierkv/cuda/codec/formats.cuh"
+#include "tierkv/cuda/decode/common.cuh"
+#include "tierkv/cuda/prefill/inputs.cuh"
+#include "tierkv/cuda/prefill_plan.cuh"
+#include "tierkv/cuda/warp/rotation.cuh"
+namespace tierkv::cuda::detail {
+
+inline constexpr int prefill_warps = 8;
+inline constexpr int prefill_threads = 32 * prefill_warps;
+inline constexpr int prefill_rows = prefill_block_rows;  // (query, head) rows of a block
+static_assert(prefill_rows == 16 * prefill_warps, "prefill: 16 rows a warp");
+inline constexpr int prefill_tile = 64;        // tokens of a K/V tile
+inline constexpr int prefill_max_entries = 4;  // index entries of a tile (pages of 16 tokens)
+
+// Shared memory of a block (bytes). Q / K / V rows are padded by 16 bytes so the 8 row addresses
+// of an ldmatrix hit 8 different 16-byte bank groups; the output scratch (f32, one 16-row slab
+// per warp, padded by 8 floats: the fragment stores take 2 wavefronts) lies over Q, K and V. The
+// staging area holds the next tile's raw payloads and metas as cp.async lands them.
+template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload>
+struct prefill_smem {
+  static constexpr int D = Geometry::head_dim;
+  static constexpr int pitch = D + 8;    // halves per Q / K / V row
+  static constexpr int o_pitch = D + 8;  // floats per output scratch row
+  static constexpr std::size_t q_off = 0;
+  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * pitch * 2;
+  static constexpr std::size_t v_off = k_off + std::size_t(prefill_tile) * pitch * 2;
+  static constexpr std::size_t stage_k_off = v_off + std::size_t(prefill_tile) * pitch * 2;
+  static constexpr std::size_t stage_v_off = stage_k_off + prefill_tile * KeyPayload;
+  static constexpr std::size_t stage_kmeta_off = stage_v_off + prefill_tile * ValuePayload;
+  static constexpr std::size_t stage_vmeta_off = stage_kmeta_off + prefill_tile * 2;
+  static constexpr std::size_t ent_off =
+      stage_vmeta_off + prefill_tile * 2;  // [2][slot, logical][4]
+  static constexpr std::size_t kscale_off = ent_off + 2 * 2 * prefill_max_entries * 4;
+  static constexpr std::size_t vscale_off = kscale_off + prefill_tile * 4;
+  static constexpr std::size_t kpos_off = vscale_off + prefill_tile * 4;
+  static constexpr std::size_t rscale_off = kpos_off + prefill_tile * 4;
+  static constexpr std::size_t rbad_off = rscale_off + prefill_rows * 4;
+  static constexpr std::size_t bytes = rbad_off + prefill_rows * 4;
+  static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= stage_k_off,
+                "prefill: the output scratch must fit over Q, K and V");
+  static_assert(prefill_tile * KeyPayload % 16 == 0 && prefill_tile * ValuePayload % 16 == 0,
+                "prefill: staged tiles are whole 16-byte units");
+};
+
+// Pass order over a tier list: the tiers whose values are rotated first, so O is un-rotated at
+// most once (tier order otherwise kept).
+template <int N>
+struct prefill_pass_order {
+  int at[N];
+};
+template <int D, class... Tiers>
+constexpr prefill_pass_order<int(sizeof...(Tiers))> make_prefill_pass_order() {
+  constexpr int N = int(sizeof...(Tiers));
+  constexpr bool rot[N] = {rotated_format<typename Tiers::template value_codec<D>>...};
+  prefill_pass_order<N> o{};
+  int k = 0;
+  for (int f = 0; f < N; ++f)
+    if (rot[f]) o.at[k++] = f;
+  for (int f = 0; f < N; ++f)
+    if (!rot[f]) o.at[k++] = f;
+  return o;
+}
+
+// The largest key and value payloads of a tier list (the staging area's rows).
+template <int D, class... Tiers>
+inline constexpr std::size_t max_key_payload =
+    std::max({Tiers::template key_codec<D>::payload_bytes...});
+template <int D, class... Tiers>
+inline constexpr std::size_t max_value_payload =
+    std::max({Tiers::template value_codec<D>::payload_bytes...});
+
+template <class Geometry, class TierList>
+struct prefill_kernel;
+
+template <class Geometry, class... Tiers>
+struct prefill_kernel<Geometry, tiers<Tiers...>> {
+  static constexpr int N = int(sizeof...(Tiers));
+  static constexpr int D = Geometry::head_dim, G = Geometry::group_size;
+  static constexpr int T = Geometry::page_tokens, QH = Geometry::q_heads;
+  static constexpr int P = D / 32;                                // coordinates per lane of a row
+  static constexpr int NT = D / 8;                                // 8-column n-tiles of a row of O
+  static constexpr int ST = prefill_tile / 8;                     // 8-token n-tiles of a score row
+  static constexpr int TE = T < prefill_tile ? T : prefill_tile;  // tokens of an entry in a tile
+  static constexpr int EPT = prefill_tile / TE;                   // entries of a tile
+  using SM = prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>>;
+  static_assert(D == 64 || D == 128 || D == 256, "prefill: head_dim 64, 128 or 256");
+  static_assert(G >= 1 && G <= 8, "prefill: group_size 1..8");
+  static_assert(prefill_tile % T == 0 || T % prefill_tile == 0,
+                "prefill: page_tokens must divide 64 or be a multiple of it");
+  static_assert(EPT <= prefill_max_entries, "prefill: pages of at least 16 tokens");
+
+  template <int F>
+  using tier_t = tier_at_t<tiers<Tiers...>, F>;
+  template <int F>
+  static constexpr bool value_rotated = rotated_format<typename tier_t<F>::template value_codec<D>>;
+  template <int F>
+  static constexpr bool key_rotated = rotated_format<typename tier_t<F>::template key_codec<D>>;
+  static constexpr prefill_pass_order<N> order = make_prefill_pass_order<D, Tiers...>();
+
+  struct block {
+    int b, kvh, row0, rows_total, n, len, q0;
+    int pos_min, pos_max;  // positions of the block's first and last real rows
+    int split;
+    int* err;
+  };
+  struct smem {
+    std::uint8_t* base;
+    __half* q;
+    __half* k;
+    __nv_bfloat16* v;
+    std::uint8_t* stage_k;
+    std::uint8_t* stage_v;
+    std::uint16_t* stage_kmeta;
+    std::uint16_t* stage_vmeta;
+    std::int32_t* ent;  // [buffer][slot, logical][prefill_max_entries]
+    float* kscale;
+    float* vscale;
+    int* kpos;
+    float* rscale;
+    int* rbad;
+    float* scratch;  // over q, k and v
+    __device__ std::int32_t* slots(int buf) const { return ent + buf * 2 * prefill_max_entries; }
+    __device__ std::int32_t* logicals(int buf) const {
+      return ent + (buf * 2 + 1) * prefill_max_entries;
+    }
+  };
+  // One warp's running state of its 16 rows: lane l holds rows l / 4 and l / 4 + 8 (index 0, 1),
+  // O columns 8 nt + 2 (l % 4) + {0, 1}; l is this lane's partial sum (its quad adds them last).
+  struct warp_state {
+    float o[NT][4];
+    float m[2], l[2];
+    float rq[2];  // row scale: the query's power-of-two factor x softmax_scale
+    int rpos[2];
+  };
+
+  // The warp's 16 query rows in the key domain (rotated: H_un D q / d, the codecs'
+  // prepare_query), each scaled by 2^-e to |x| < 1 and stored as f16; rscale <- 2^e (0 for a row
+  // with a NaN or an infinity, whose output is NaN: rbad).
+  template <bool Rotated>
+  static __device__ void prepare_queries(const prefill_inputs<N>& in, const block& bk,
+                                         std::uint64_t key_seed, const smem& sm, int warp,
+                                         int lane) {
+    constexpr int RB = 4;  // rows with loads in flight
+    const bool bf16 = in.queries_type == query_type::bf16;
+    for (int r0 = 0; r0 < 16; r0 += RB) {
+      float x[RB][P];
+#pragma unroll
+      for (int u = 0; u < RB; ++u) {
+        const int r = bk.row0 + warp * 16 + r0 + u;
+        if (r < bk.rows_total) {
+          const std::size_t at =
+              (std::size_t(bk.q0 + r / G) * QH + std::size_t(bk.kvh * G + r % G)) * D +
+              std::size_t(lane * P);
+#pragma unroll
+          for (int i = 0; i < P; ++i)
+            x[u][i] = bf16 ? __bfloat162float(
+                                 static_cast<const __nv_bfloat16*>(in.queries)[at + std::size_t(i)])
+                           : __ldg(static_cast<const float*>(in.queries) + at + std::size_t(i));
+        } else {
+#pragma unroll
+          for (int i = 0; i < P; ++i) x[u][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < RB; ++u) {
+        const int rl = warp * 16 + r0 + u;
+        bool bad = false;
+#pragma unroll
+        for (int i = 0; i < P; ++i) bad |= !isfinite(x[u][i]);
+        bad = __any_sync(0xffffffffu, bad);
+        if (bad)
+#pragma unroll
+          for (int i = 0; i < P; ++i) x[u][i] = 0.f;
+        if constexpr (Rotated) {
+          warp_signs<P>(x[u], key_seed, lane);
+          warp_wht<P>(x[u], lane);
+          const float inv_d = tierkv::detail::exp2i(-tierkv::detail::log2_of<D>);
+#pragma unroll
+          for (int i = 0; i < P; ++i) x[u][i] *= inv_d;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < P; ++i) amax = fmaxf(amax, fabsf(x[u][i]));
+#pragma unroll
+        for (int o = 16; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        int e = 0;
+        if (amax > 0.f) (void)frexpf(amax, &e);  // amax = f 2^e, f in [0.5, 1)
+        __half h[P];
+#pragma unroll
+        for (int i = 0; i < P; ++i) h[i] = __float2half_rn(ldexpf(x[u][i], -e));
+        __half* dst = sm.q + rl * SM::pitch + lane * P;
+        if constexpr (P == 8) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
+        } else if constexpr (P == 4) {
+          *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(h);
+        } else {
+          *reinterpret_cast<std::uint32_t*>(dst) = *reinterpret_cast<const std::uint32_t*>(h);
+        }
+        if (lane == 0) {
+          sm.rscale[rl] = bad ? 0.f : ldexpf(1.f, e);
+          sm.rbad[rl] = bad ? 1 : 0;
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // Position of token v of tier F's entries (from entry e_begin), through the index.
+  static __device__ int entry_position(const format_pages_view& fv, int e_begin, int v) {
+    return __ldg(fv.logical + e_begin + v / T) * T + v % T;
+  }
+  // Smallest t in [0, n) with pred(t) (n when none), for pred false ... true along t, by all
+  // threads: rounds of one probe per thread (2 rounds up to 65536 tiles).
+  template <class Pred>
+  static __device__ int tile_search(int n, Pred pred) {
+    int lo = 0, hi = n;
+    while (hi > lo) {
+      const int step = (hi - lo + prefill_threads - 1) / prefill_threads;
+      const int t = lo + int(threadIdx.x) * step;
+      const int below = __syncthreads_count(t < hi && !pred(t));  // probes lo, lo + step, ..
+      if (below == 0) break;                                      // pred(lo)
+      lo += (below - 1) * step + 1;
+      hi = min(hi, lo - 1 + step);
+    }
+    return lo;
+  }
+  // Tiles [lo, hi) of tier F's entries that some row of the block sees: the causal end (the
+  // first tile starting past the last row) and, with a window, the first tile ending inside the
+  // first row's window. Positions grow along the entries (sorted by logical page).
+  static __device__ void tile_range(const prefill_inputs<N>& in, const block& bk,
+                                    const format_pages_view& fv, int e_begin, int e_end, int& lo,
+                                    int& hi) {
+    const int tokens = (e_end - e_begin) * T;
+    const int tiles = (tokens + prefill_tile - 1) / prefill_tile;
+    hi = tile_search(
+        tiles, [&](int t) { return entry_position(fv, e_begin, t * prefill_tile) > bk.pos_max; });
+    lo = 0;
+    if (in.window > 0)
+      lo = tile_search(hi, [&](int t) {
+        const int last = min(t * prefill_tile + prefill_tile, tokens) - 1;
+        return entry_position(fv, e_begin, last) > bk.pos_min - in.window;
+      });
+  }
+
+  // cp.async of tile `tile`'s index entries (slot, logical) into buffer `buf` (-1: past the
+  // tier's entries).
+  static __device__ void fetch_entries(const format_pages_view& fv, int e_begin, int e_end,
+                                       int tile, int buf, const smem& sm) {
+    const int i = int(threadIdx.x);
+    if (i < EPT) {
+      const int e = e_begin + (tile * prefill_tile) / T + i;
+      if (e < e_end) {
+        cp_async_4(sm.slots(buf) + i, fv.slot + e);
+        cp_async_4(sm.logicals(buf) + i, fv.logical + e);
+      } else {
+        sm.slots(buf)[i] = -1;
+        sm.logicals(buf)[i] = -1;
+      }
+    }
+  }
+  // cp.async of tile `tile`'s key / value payloads and metas of the block's KV head (entries in
+  // buffer `buf`) into the staging area; a bad or absent entry's bytes are not fetched.
+  template <int F>
+  static __device__ void fetch_tile(const prefill_inputs<N>& in, const block& bk, int tile, int buf,
+                                    const smem& sm) {
+    using K = typename tier_t<F>::template key_codec<D>;
+    using V = typename tier_t<F>::template value_codec<D>;
+    using layout = page_layout<Geometry, K, V>;
+    const pool_view pool = in.pools[F];
+    const int t0 = T > prefill_tile ? (tile * prefill_tile) % T : 0;  // first token in its page
+    auto copy = [&](std::uint8_t* dst, std::size_t row_bytes, auto region) {
+      constexpr int entry_bytes_unit = 16;
+      const int units = int(prefill_tile * row_bytes / entry_bytes_unit);
+      for (int u = int(threadIdx.x); u < units; u += prefill_threads) {
+        const int byte = u * entry_bytes_unit;
+        const int j = byte / int(TE * row_bytes);
+        const std::int32_t slot = sm.slots(buf)[j];
+        if (slot < 0 || std::uint32_t(slot) >= pool.capacity) continue;
+        const std::uint8_t* src =
+            pool.page(std::uint32_t(slot)) + region(t0) + (byte - j * int(TE * row_bytes));
+        cp_async_16(dst + byte, src);
+      }
+    };
+    copy(sm.stage_k, K::payload_bytes, [&](int t) { return layout::key_payload(bk.kvh, t); });
+    copy(sm.stage_v, V::payload_bytes, [&](int t) { return layout::value_payload(bk.kvh, t); });
+    copy(reinterpret_cast<std::uint8_t*>(sm.stage_kmeta), 2,
+         [&](int t) { return layout::key_meta(bk.kvh, t); });
+    copy(reinterpret_cast<std::uint8_t*>(sm.stage_vmeta), 2,
+         [&](int t) { return layout::value_meta(bk.kvh, t); });
+  }
+
+  // The landed tile (staging, entries in `buf`) -> K (f16) / V (bf16) tiles, scales and
+  // positions, by all threads. A token past the sequence, past the entries or of a bad entry gets
+  // position INT_MAX (masked for every row) and zero K / V (0 x poison stays out of P V).
+  template <int F>
+  static __device__ void unpack_tile(const block& bk, int tile, int present, int buf,
+                                     const pool_view& pool, const smem& sm) {
+    using K = typename tier_t<F>::template key_codec<D>;
+    using V = typename tier_t<F>::template value_codec<D>;
+    using KR = slice_reader<K>;
+    using VR = slice_reader<V>;
+    static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
+                  "prefill: per-token meta must be bf16 bits (docs/formats.md)");
+    constexpr int S = D / 16;  // 16-coordinate slices of a token
+    const int t0 = T > prefill_tile ? (tile * prefill_tile) % T : 0;
+    for (int idx = int(threadIdx.x); idx < prefill_tile * S; idx += prefill_threads) {
+      const int i = idx / S, s = idx % S;
+      const int j = i / TE;
+      const std::int32_t slot = sm.slots(buf)[j], logical = sm.logicals(buf)[j];
+      int pos = INT_MAX;
+      if (j < present) {  // an entry of the tier
+        if (slot < 0 || std::uint32_t(slot) >= pool.capacity || logical < 0) {
+          if (s == 0 && i % TE == 0) report_error(bk.err, errc::out_of_range);
+        } else {
+          const std::int64_t p = std::int64_t(logical) * T + t0 + i % TE;
+          if (p < bk.len) pos = int(p);
+        }
+      }
+      uint4* kd = reinterpret_cast<uint4*>(sm.k + i * SM::pitch + s * 16);
+      uint4* vd = reinterpret_cast<uint4*>(sm.v + i * SM::pitch + s * 16);
+      if (pos != INT_MAX) {
+        const typename KR::raw kr =
+            KR::template load<true>(sm.stage_k + std::size_t(i) * K::payload_bytes, s);
+        const typename VR::raw vr =
+            VR::template load<true>(sm.stage_v + std::size_t(i) * V::payload_bytes, s);
+        float x[16];
+        std::uint32_t w[8];
+        if constexpr (requires { KR::unpack_h2(kr, s, w); }) {
+          KR::unpack_h2(kr, s, w);
+        } else {
+          KR::unpack(kr, s, x);
+#pragma unroll
+          for (int c = 0; c < 8; ++c) w[c] = pack_half2(x[2 * c], x[2 * c + 1]);
+        }
+        kd[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        kd[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        VR::unpack(vr, s, x);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * c], x[2 * c + 1]);
+          w[c] = *reinterpret_cast<const std::uint32_t*>(&h);
+        }
+        vd[0] = make_uint4(w[0], w[1], w[2], w[3]);
+        vd[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        if (s == 0) {
+          sm.kscale[i] = bf16_bits_to_float(sm.stage_kmeta[i]) * KR::code_scale;
+          sm.vscale[i] = bf16_bits_to_float(sm.stage_vmeta[i]) * VR::code_scale;
+        }
+      } else {
+        kd[0] = kd[1] = vd[0] = vd[1] = make_uint4(0u, 0u, 0u, 0u);
+        if (s == 0) sm.kscale[i] = sm.vscale[i] = 0.f;
+      }
+      if (s == 0) sm.kpos[i] = pos;
+    }
+  }
+
+  // The warp's 16 rows over the tile in shared memory. Masked = false: every token of the tile
+  // is valid and visible to every row of the warp (no position compare per logit).
+  template <bool Masked>
+  static __device__ void compute_tile(const prefill_inputs<N>& in, const smem& sm, warp_state& st,
+                                      int warp, int lane) {
+    float s[ST][4];
+#pragma unroll
+    for (int j = 0; j < ST; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const __half* qrow = sm.q + (warp * 16 + lane % 16) * SM::pitch + (lane / 16) * 8;
+    const __half* krow = sm.k + ((lane / 16) * 8 + lane % 8) * SM::pitch + ((lane / 8) % 2) * 8;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      std::uint32_t a[4];
+      ldmatrix_x4(a, qrow + ks * 16);
+#pragma unroll
+      for (int np = 0; np < ST / 2; ++np) {
+        std::uint32_t bb[4];
+        ldmatrix_x4(bb, krow + np * 16 * SM::pitch + ks * 16);
+        mma_16816(s[2 * np], a, bb[0], bb[1]);
+        mma_16816(s[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    // logits in log2 units (masked by position)
+    const int cb = 2 * (lane % 4);
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+      const float2 ksc = *reinterpret_cast<const float2*>(sm.kscale + 8 * j + cb);
+      int2 kp = make_int2(0, 0);
+      if constexpr (Masked) kp = *reinterpret_cast<const int2*>(sm.kpos + 8 * j + cb);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float z = s[j][2 * r + c] * (c ? ksc.y : ksc.x) * st.rq[r];  // rq: x log2 e
+          if (in.soft_cap > 0.f) z = in.soft_cap * log2e * tanhf(z / (in.soft_cap * log2e));
+          if constexpr (Masked) {
+            const int p = c ? kp.y : kp.x;
+            const bool masked = p > st.rpos[r] || (in.window > 0 && p <= st.rpos[r] - in.window);
+            z = masked ? -INFINITY : z;
+          }
+          s[j][2 * r + c] = z;
+          tmax[r] = fmaxf(tmax[r], z);
+        }
+    }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+      tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+      const float m_new = fmaxf(st.m[r], tmax[r]);
+      mu[r] = m_new == -INFINITY ? 0.f : m_new;  // every logit so far masked: p = alpha = 0
+      alpha[r] = exp2f(st.m[r] - mu[r]);
+      st.m[r] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+    std::uint32_t pa[ST][2];  // bf16 pairs of p x value scale: rows g (0) and g + 8 (1)
+#pragma unroll
+    for (int j = 0; j < ST; ++j) {
+      const float2 vsc = *reinterpret_cast<const float2*>(sm.vscale + 8 * j + cb);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float p0 = exp2f(s[j][2 * r] - mu[r]), p1 = exp2f(s[j][2 * r + 1] - mu[r]);
+        sum[r] += p0 + p1;
+        const __nv_bfloat162 h = __floats2bfloat162_rn(p0 * vsc.x, p1 * vsc.y);
+        pa[j][r] = *reinterpret_cast<const std::uint32_t*>(&h);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) st.l[r] = st.l[r] * alpha[r] + sum[r];
+    // once the rows' maxima settle, alpha is 1 for the whole warp: skip D / 2 multiplies
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        st.o[nt][0] *= alpha[0];
+        st.o[nt][1] *= alpha[0];
+        st.o[nt][2] *= alpha[1];
+        st.o[nt][3] *= alpha[1];
+      }
+    }
+    const __nv_bfloat16* vrow =
+        sm.v + (lane % 8 + ((lane / 8) % 2) * 8) * SM::pitch + (lane / 16) * 8;
+#pragma unroll
+    for (int kt = 0; kt < prefill_tile / 16; ++kt) {
+      const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
+                                  pa[2 * kt + 1][1]};
+#pragma unroll
+      for (int dp = 0; dp < NT / 2; ++dp) {
+        std::uint32_t bb[4];
+        ldmatrix_x4_trans(bb, vrow + kt * 16 * SM::pitch + dp * 16);
+        mma_16816_bf16(st.o[2 * dp], a, bb[0], bb[1]);
+        mma_16816_bf16(st.o[2 * dp + 1], a, bb[2], bb[3]);
+      }
+    }
+  }
+
+  // O fragments <-> the warp's 16-row f32 slab of the scratch.
+  static __device__ void o_store(const warp_state& st, float* slab, int lane) {
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      *reinterpret_cast<float2*>(slab + g * SM::o_pitch + 8 * nt + c) =
+          make_float2(st.o[nt][0], st.o[nt][1]);
+      *reinterpret_cast<float2*>(slab + (g + 8) * SM::o_pitch + 8 * nt + c) =
+          make_float2(st.o[nt][2], st.o[nt][3]);
+    }
+  }
+  static __device__ void o_load(warp_state& st, const float* slab, int lane) {
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float2 a = *reinterpret_cast<const float2*>(slab + g * SM::o_pitch + 8 * nt + c);
+      const float2 b = *reinterpret_cast<const float2*>(slab + (g + 8) * SM::o_pitch + 8 * nt + c);
+      st.o[nt][0] = a.x;
+      st.o[nt][1] = a.y;
+      st.o[nt][2] = b.x;
+      st.o[nt][3] = b.y;
+    }
+  }
+  // The slab's 16 rows <- D H_un row / D (the rotated value codecs' finalize, warp/rotation.cuh).
+  static __device__ void unrotate_slab(float* slab, std::uint64_t value_seed, int lane) {
+    __syncwarp();
+    for (int r = 0; r < 16; ++r) {
+      float x[P];
+      load_lane_floats<P>(slab + r * SM::o_pitch + lane * P, x);
+      warp_inverse_rotation<D, P>(x, value_seed, lane);
+      store_lane_floats<P>(slab + r * SM::o_pitch + lane * P, x);
+    }
+    __syncwarp();
+  }
+
+  // Tier F's tiles [a, b) of this block: the fetch of tile t + 1 overlaps tile t's compute.
+  template <int F>
+  static __device__ void tier_tiles(const prefill_inputs<N>& in, const block& bk, int e_begin,
+                                    int e_end, int a, int b, const smem& sm, warp_state& st,
+                                    int warp, int lane) {
+    const format_pages_view fv = in.index.formats[F];
+    const pool_view pool = in.pools[F];
+    // the warp's row positions: a tile past the largest needs no compute from the warp; one
+    // wholly at or before the smallest (and inside every row's window) needs no mask
+    int wmax = max(st.rpos[0], st.rpos[1]), wmin = min(st.rpos[0], st.rpos[1]);
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) {
+      wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+      wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
+    }
+    __syncthreads();  // the staging area and the entry buffers are free
+    fetch_entries(fv, e_begin, e_end, a, 0, sm);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    fetch_tile<F>(in, bk, a, 0, sm);
+    if (a + 1 < b) fetch_entries(fv, e_begin, e_end, a + 1, 1, sm);
+    cp_async_commit();
+    for (int t = a; t < b; ++t) {
+      const int buf = (t - a) & 1;
+      cp_async_wait<0>();
+      __syncthreads();  // tile t and the entries of t + 1 have landed; tile t - 1 is computed
+      unpack_tile<F>(bk, t, min(EPT, e_end - (e_begin + (t * prefill_tile) / T)), buf, pool, sm);
+      __syncthreads();
+      if (t + 1 < b) {
+        fetch_tile<F>(in, bk, t + 1, buf ^ 1, sm);
+        if (t + 2 < b) fetch_entries(fv, e_begin, e_end, t + 2, buf, sm);
+        cp_async_commit();
+      }
+      const int first = sm.kpos[0], last = sm.kpos[prefill_tile - 1];  // positions grow in a tile
+      if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
+        compute_tile<false>(in, sm, st, warp, lane);
+      else if (first <= wmax)
+        compute_tile<true>(in, sm, st, warp, lane);
+    }
+  }
+
+  // Pass I (tier order.at[I]) over this split's share [lo, hi) of the tiers' concatenated tile
+  // line (skip: tiles of the passes before it).
+  template <int I>
+  static __device__ void passes(const prefill_inputs<N>& in, const block& bk, const smem& sm,
+                                warp_state& st, const int (&lo)[N], const int (&hi)[N],
+                                int split_lo, int split_hi, int skip, int& q_domain,
+                                bool& o_rotated, int warp, int lane) {
+    if constexpr (I < N) {
+      constexpr int F = order.at[I];
+      const int a = max(lo[F], lo[F] + split_lo - skip), b = min(hi[F], lo[F] + split_hi - skip);
+      if (a < b) {  // uniform over the block
+        const codec_context kctx =
+            make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::key);
+        const codec_context vctx =
+            make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::value);
+        if (o_rotated && !value_rotated<F>) {  // O back to the raw domain before raw values
+          __syncthreads();                     // the scratch lies over Q, K and V
+          float* slab = sm.scratch + warp * 16 * SM::o_pitch;
+          o_store(st, slab, lane);
+          unrotate_slab(slab, vctx.seed, lane);
+          o_load(st, slab, lane);
+          o_rotated = false;
+          q_domain = -1;  // Q was overwritten
+          __syncthreads();
+        }
+        if (q_domain != int(key_rotated<F>)) {
+          prepare_queries<key_rotated<F>>(in, bk, kctx.seed, sm, warp, lane);
+          q_domain = int(key_rotated<F>);
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            st.rq[r] = sm.rscale[warp * 16 + lane / 4 + 8 * r] * in.softmax_scale * log2e;
+        }
+        tier_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
+                      in.index.formats[F].indptr[bk.b + 1], a, b, sm, st, warp, lane);
+        if (value_rotated<F>) o_rotated = true;
+      }
+      passes<I + 1>(in, bk, sm, st, lo, hi, split_lo, split_hi, skip + (hi[F] - lo[F]), q_domain,
+                    o_rotated, warp, lane);
+    }
+  }
+
+  static __device__ void run(const prefill_inputs<N>& in, const prefill_plan& plan,
+                             std::uint8_t* workspace) {
+    extern __shared__ __align__(16) std::uint8_t prefill_shared[];
+    const int b = int(blockIdx.z), kvh = int(blockIdx.y);
+    const int splits = plan.kv_splits;
+    const int rb = plan.row_blocks - 1 - int(blockIdx.x) / splits;  // the longest rows first
+    if (b >= in.index.batch) return;
+    block bk;
+    bk.b = b;
+    bk.kvh = kvh;
+    bk.split = int(blockIdx.x) % splits;
+    bk.err = reinterpret_cast<int*>(workspace + plan.error_offset);
+    bk.q0 = in.q_indptr[b];
+    bk.n = in.q_indptr[b + 1] - bk.q0;
+    bk.len = in.index.seq_len[b];
+    if (bk.q0 < 0 || bk.n < 0 || bk.n > bk.len || bk.n > plan.max_chunk_tokens ||
+        bk.q0 + bk.n > plan.max_total_q) {
+      if (rb == 0 && bk.split == 0 && kvh == 0 && threadIdx.x == 0)
+        report_error(bk.err, errc::out_of_range);
+      return;
+    }
+    bk.rows_total = bk.n * G;
+    bk.row0 = rb * prefill_rows;
+    if (bk.row0 >= bk.rows_total) return;
+    const int last_row = min(bk.rows_total, bk.row0 + prefill_rows) - 1;
+    bk.pos_min = bk.len - bk.n + bk.row0 / G;
+    bk.pos_max = bk.len - bk.n + last_row / G;
+
+    smem sm;
+    std::uint8_t* base = prefill_shared;
+    sm.base = base;
+    sm.q = reinterpret_cast<__half*>(base + SM::q_off);
+    sm.k = reinterpret_cast<__half*>(base + SM::k_off);
+    sm.v = reinterpret_cast<__nv_bfloat16*>(base + SM::v_off);
+    sm.stage_k = base + SM::stage_k_off;
+    sm.stage_v = base + SM::stage_v_off;
+    sm.stage_kmeta = reinterpret_cast<std::uint16_t*>(base + SM::stage_kmeta_off);
+    sm.stage_vmeta = reinterpret_cast<std::uint16_t*>(base + SM::stage_vmeta_off);
+    sm.ent = reinterpret_cast<std::int32_t*>(base + SM::ent_off);
+    sm.kscale = reinterpret_cast<float*>(base + SM::kscale_off);
+    sm.vscale = reinterpret_cast<float*>(base + SM::vscale_off);
+    sm.kpos = reinterpret_cast<int*>(base + SM::kpos_off);
+    sm.rscale = reinterpret_cast<float*>(base + SM::rscale_off);
+    sm.rbad = reinterpret_cast<int*>(base + SM::rbad_off);
+    sm.scratch = reinterpret_cast<float*>(base + SM::q_off);
+
+    // every tier's tiles that the block's rows see, and this split's share of them
+    int lo[N], hi[N], total = 0;
+#pragma unroll
+    for (int f = 0; f < N; ++f) {
+      const format_pages_view fv = in.index.formats[f];
+      const int e_begin = fv.indptr[b], e_end = fv.indptr[b + 1];
+      lo[f] = hi[f] = 0;
+      if (e_end > e_begin) tile_range(in, bk, fv, e_begin, e_end, lo[f], hi[f]);
+      total += hi[f] - lo[f];
+    }
+    const int split_lo = int(std::int64_t(total) * bk.split / splits);
+    const int split_hi = int(std::int64_t(total) * (bk.split + 1) / splits);
+
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    warp_state st;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = bk.row0 + warp * 16 + lane / 4 + 8 * r;
+      st.m[r] = -INFINITY;
+      st.l[r] = 0.f;
+      st.rq[r] = 0.f;
+      st.rpos[r] = row < bk.rows_total ? bk.len - bk.n + row / G : -1;  // padding: all masked
+    }
+    int q_domain = -1;
+    bool o_rotated = false;
+    passes<0>(in, bk, sm, st, lo, hi, split_lo, split_hi, 0, q_domain, o_rotated, warp, lane);
+    // A split that computed nothing still checks its queries (a NaN row is NaN in every split).
+    if (q_domain < 0) {
+      __syncthreads();
+      prepare_queries<false>(in, bk, 0, sm, warp, lane);
+    }
+    epilogue(in, plan, workspace, bk, sm, st, o_rotated, warp, lane);
+  }
+
+  // O / l through the scratch (un-rotated if its last values were rotated) to the output, or to
+  // the split's partial state (O / l and lse in log2 units) for prefill_merge_kernel.
+  static __device__ void epilogue(const prefill_inputs<N>& in, const prefill_plan& plan,
+                                  std::uint8_t* workspace, const block& bk, const smem& sm,
+                                  warp_state& st, bool o_rotated, int warp, int lane) {
+    float inv[2], lse2[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
+      st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
+      inv[r] = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
+      lse2[r] = st.l[r] > 0.f ? st.m[r] + log2f(st.l[r]) : -INFINITY;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      st.o[nt][0] *= inv[0];
+      st.o[nt][1] *= inv[0];
+      st.o[nt][2] *= inv[1];
+      st.o[nt][3] *= inv[1];
+    }
+    __syncthreads();  // Q, K and V are no longer read
+    float* slab = sm.scratch + warp * 16 * SM::o_pitch;
+    o_store(st, slab, lane);
+    if (o_rotated)
+      unrotate_slab(
+          slab,
+          make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::value).seed,
+          lane);
+    __syncwarp();
+    const bool partial = plan.kv_splits > 1;
+    const std::size_t max_rows = std::size_t(plan.max_total_q) * QH;
+    float* part_o = reinterpret_cast<float*>(workspace + plan.partial_offset) +
+                    std::size_t(bk.split) * max_rows * D;
+    float* part_lse = reinterpret_cast<float*>(workspace + plan.partial_lse_offset) +
+                      std::size_t(bk.split) * max_rows;
+    for (int r = 0; r < 16; ++r) {
+      const int row = bk.row0 + warp * 16 + r;
+      if (row >= bk.rows_total) break;
+      const bool bad = sm.rbad[warp * 16 + r] != 0;
+      const std::size_t grow =
+          std::size_t(bk.q0 + row / G) * QH + std::size_t(bk.kvh * G + row % G);
+      float x[P];
+      load_lane_floats<P>(slab + r * SM::o_pitch + lane * P, x);
+      if (partial) {
+        store_lane_floats<P>(part_o + grow * D + std::size_t(lane * P), x);
+      } else if (in.out_type == output_type::bf16) {
+        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(in.out) + grow * D + std::size_t(lane * P);
+#pragma unroll
+        for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(bad ? NAN : x[i]);
+      } else {
+        float* o = static_cast<float*>(in.out) + grow * D + std::size_t(lane * P);
+#pragma unroll
+        for (int i = 0; i < P; ++i) o[i] = bad ? NAN : x[i];
+      }
+    }
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int rl = warp * 16 + lane / 4 + 8 * r, row = bk.row0 + rl;
+        if (row >= bk.rows_total) continue;
+        const bool bad = sm.rbad[rl] != 0;
+        const std::size_t grow =
+            std::size_t(bk.q0 + row / G) * QH + std::size_t(bk.kvh * G + row % G);
+        if (partial)
+          part_lse[grow] = bad ? NAN : lse2[r];
+        else if (in.lse != nullptr)
+          in.lse[grow] = bad ? NAN : lse2[r] / log2e;
+      }
+    }
+  }
+
+  // grid (ceil(max_total_q x q_heads / warps)): one warp a (query, head) row; the splits' states
+  // merged by log-sum-exp in a fixed order (deterministic). A NaN state (a non-finite query) gives
+  // NaN.
+  static __device__ void merge(const prefill_inputs<N>& in, const prefill_plan& plan,
+                               const std::uint8_t* workspace) {
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    const std::size_t row = std::size_t(blockIdx.x) * prefill_warps + std::size_t(warp);
+    const std::int32_t total_q = in.q_indptr[in.index.batch];
+    if (total_q < 0 || total_q > plan.max_total_q || row >= std::size_t(total_q) * QH) return;
+    const std::size_t max_rows = std::size_t(plan.max_total_q) * QH;
+    const float* part_o = reinterpret_cast<const float*>(workspace + plan.partial_offset);
+    const float* part_lse = reinterpret_cast<const float*>(workspace + plan.partial_lse_offset);
+    const int S = plan.kv_splits;
+    float mx = -INFINITY;
+    bool nan = false;
+    for (int s = lane; s < S; s += 32) {
+      const float l = part_lse[std::size_t(s) * max_rows + row];
+      nan |= isnan(l);
+      mx = fmaxf(mx, l);
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    nan = __any_sync(0xffffffffu, nan);
+    float acc[P] = {}, wsum = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float l = part_lse[std::size_t(s) * max_rows + row];
+      if (!(l > -INFINITY)) continue;  // an empty split (or NaN, handled above)
+      const float w = exp2f(l - mx);
+      float x[P];
+      load_lane_floats<P>(part_o + (std::size_t(s) * max_rows + row) * D + std::size_t(lane * P),
+                          x);
+#pragma unroll
+      for (int i = 0; i < P; ++i) acc[i] = fmaf(w, x[i], acc[i]);
+      wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    if (in.out_type == output_type::bf16) {
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(in.out) + row * D + std::size_t(lane * P);
+#pragma unroll
+      for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(nan ? NAN : acc[i] * inv);
+    } else {
+      float* o = static_cast<float*>(in.out) + row * D + std::size_t(lane * P);
+#pragma unroll
+      for (int i = 0; i < P; ++i) o[i] = nan ? NAN : acc[i] * inv;
+    }
+    if (lane == 0 && in.lse != nullptr)
+      in.lse[row] = nan ? NAN : wsum > 0.f ? (mx + log2f(wsum)) / log2e : -INFINITY;
+  }
+};
+
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(prefill_threads, 1)
+    prefill_kernel_entry(prefill_inputs<TierList::size> in, prefill_plan plan,
+                         std::uint8_t* workspace) {
+  prefill_kernel<Geometry, TierList>::run(in, plan, workspace);
+}
+template <class Geometry, class TierList>
+__global__ void __launch_bounds__(prefill_threads)
+    prefill_merge_kernel(prefill_inputs<TierList::size> in, prefill_plan plan,
+                         const std::uint8_t* workspace) {
+  prefill_kernel<Geometry, TierList>::merge(in, plan, workspace);
+}
+
+}  // namespace tierkv::cuda::detail
