@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One device call: the prefill tests, bench/cuda/prefill.cu, then FlashInfer's BF16 paged prefill
+# One device call: the prefill tests (and the façade's 1000-step run, which calls prefill), bench/cuda/prefill.cu, then FlashInfer's BF16 paged prefill
 # (bench/gpu/flashinfer_prefill.py, wheels in .whl/: bench/gpu/FLASHINFER.md) and tierkv's
 # 512 / 2048 chunks again in the same run. Writes under $OUT.
 set -uo pipefail
 cmake --preset cuda > /dev/null 2>&1
-cmake --build build/cuda --target gpubench_prefill test_cuda_prefill -j16 2>&1 | grep -E "error" | head
+cmake --build build/cuda --target gpubench_prefill test_cuda_prefill test_cuda_tiered_cache -j16 2>&1 |
+  grep -E "error" | head
 ./build/cuda/tests/test_cuda_prefill > "$OUT/prefill_test.txt" 2>&1; tail -2 "$OUT/prefill_test.txt"
+./build/cuda/tests/test_cuda_tiered_cache > "$OUT/tiered_cache_test.txt" 2>&1
+grep -E "^e2e:|passed|failed" "$OUT/tiered_cache_test.txt"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 ./build/cuda/bench/gpubench_prefill --out "$OUT/prefill.json" --commit "$commit" > "$OUT/prefill_bench.txt" 2>&1
 grep -E "chunk +(512|2048|8):" "$OUT/prefill_bench.txt" | grep p16
