@@ -47,21 +47,26 @@
 namespace tierkv {
 
 template <class Policy, int NumTiers>
+/// The options of a tiered_cache (tiered_cache::options); tiered_cache::validate checks them all.
 struct tiered_cache_options {
-  storage_options<NumTiers> storage{};  // layers, sequences, pages per tier, codec seed
-  Policy policy{};
-  tier_controller_options tiering{};
-  int max_batch = 64;    // sequences per attend() call
-  int max_pages = 4096;  // logical pages per sequence: attend() reads, append() grows up to this
-  unsigned threads = 1;  // host attention workers (the caller included; 0 = all cores), <= 1024
-  float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
-  float soft_cap = 0.f;       // logit soft cap (0 = off)
+  storage_options<NumTiers> storage{};  ///< layers, sequences, pages per tier, codec seed
+  Policy policy{};                      ///< the tier policy's knobs (a copy is kept)
+  tier_controller_options
+      tiering{};         ///< the controller's knobs (memory pressure, incremental plan)
+  int max_batch = 64;    ///< sequences per attend() call
+  int max_pages = 4096;  ///< logical pages per sequence: attend() reads, append() grows up to this
+  unsigned threads = 1;  ///< host attention workers (the caller included; 0 = all cores), <= 1024
+  float softmax_scale = 0.f;  ///< 0: 1 / sqrt(head_dim)
+  float soft_cap = 0.f;       ///< logit soft cap (0 = off)
 };
 
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
           allocator_policy PageAlloc = host_allocator,
           host_allocator_policy MetaAlloc = host_allocator, class Roles = tier_roles<Tiers>,
           conversion_fault_hook Faults = no_faults>
+/// The host façade: paged storage (a pool per tier, page tables, fork), the tier controller
+/// (policy state, conversions, memory pressure) and host decode attention over the mixed pages.
+/// One instance per model; not thread-safe (docs/threading.md).
 class tiered_cache {
   static_assert(
       PageAlloc::host_accessible,
@@ -69,12 +74,14 @@ class tiered_cache {
       "accessible (host_allocator or pinned_host_allocator); device caches compose cuda/ kernels");
 
  public:
-  using storage_type = paged_storage<Geometry, Tiers, PageAlloc, MetaAlloc>;
-  using controller_type = tier_controller<storage_type, Policy, Roles>;
-  using options = tiered_cache_options<Policy, Tiers::size>;
-  static constexpr int num_tiers = Tiers::size;
-  static constexpr int head_dim = Geometry::head_dim;
-  static constexpr int q_heads = Geometry::q_heads;
+  using storage_type =
+      paged_storage<Geometry, Tiers, PageAlloc, MetaAlloc>;  ///< the paged storage it owns
+  using controller_type =
+      tier_controller<storage_type, Policy, Roles>;           ///< the tier controller it owns
+  using options = tiered_cache_options<Policy, Tiers::size>;  ///< what create() takes
+  static constexpr int num_tiers = Tiers::size;               ///< tiers in the tier list
+  static constexpr int head_dim = Geometry::head_dim;         ///< scalars per head vector
+  static constexpr int q_heads = Geometry::q_heads;  ///< query heads (kv_heads x group_size)
 
   tiered_cache(const tiered_cache&) = delete;
   tiered_cache& operator=(const tiered_cache&) = delete;
@@ -85,10 +92,10 @@ class tiered_cache {
     controller_.reset();
   }
 
-  static constexpr unsigned max_threads = 1024;
+  static constexpr unsigned max_threads = 1024;  ///< largest options::threads
 
-  // Every option is checked (invalid_argument naming it, its value and the limit) before
-  // anything is allocated; allocation failures after that are returned, nothing leaks.
+  /// Every option is checked (invalid_argument naming it, its value and the limit) before
+  /// anything is allocated; allocation failures after that are returned, nothing leaks.
   static result<std::unique_ptr<tiered_cache>> create(const options& opt, PageAlloc page_alloc = {},
                                                       MetaAlloc meta_alloc = {}) {
     if (auto st = validate(opt); !st) return st;
@@ -111,6 +118,7 @@ class tiered_cache {
     return c;
   }
 
+  /// Checks every option without allocating; the status create() would refuse with.
   static status validate(const options& opt) {
     if (auto st = storage_type::validate(opt.storage); !st) return st;
     if (auto st = controller_type::validate(opt.policy, opt.tiering); !st) return st;
@@ -136,52 +144,60 @@ class tiered_cache {
   }
 
   // ---- sequences ---------------------------------------------------------------------------
-  // Every refusal of fork and append (capacity_exhausted: slots, blocks, bookkeeping memory,
-  // what make_room cannot free; out_of_range: max_pages; bad input) comes before make_room
-  // demotes anything, so a refused call changes nothing.
+  /// Every refusal of fork and append (capacity_exhausted: slots, blocks, bookkeeping memory,
+  /// what make_room cannot free; out_of_range: max_pages; bad input) comes before make_room
+  /// demotes anything, so a refused call changes nothing.
+  /// A new empty sequence (capacity_exhausted when max_sequences are live).
   result<seq_id> create_sequence() { return storage_->create_sequence(); }
+  /// A new sequence sharing every page of parent (copy on write of the open page).
   result<seq_id> fork(seq_id parent) { return storage_->fork(parent, room()); }
+  /// Ends s; its pages return to their pools once no sequence or prefix entry holds them.
   status release(seq_id s) { return storage_->release(s); }
+  /// Committed tokens of s.
   result<std::int64_t> length(seq_id s) const { return storage_->length(s); }
 
-  // Appends n tokens ([layer][token][kv_head][dim] floats) to every layer. When tier 0
-  // is short, first demotes the pages the policy values least (tiering/tier_controller).
-  // A sequence never grows past max_pages logical pages (out_of_range).
+  /// Appends n tokens ([layer][token][kv_head][dim] floats) to every layer. When tier 0
+  /// is short, first demotes the pages the policy values least (tiering/tier_controller).
+  /// A sequence never grows past max_pages logical pages (out_of_range).
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values) {
     if (auto st = check_max_pages(s, n, "append", "appended"); !st) return st;
     return storage_->append(s, n, keys, values, room());
   }
 
-  // Layer by layer (paged_storage::reserve): reserve room for the next n tokens (the slot
-  // mapping cuda::append_inputs takes goes to `out`), write every layer (write_layer on the
-  // host, or cuda::append / the engine's kernel into the mapped slots), then commit(s, m) the
-  // first m <= n of them (the rest are given back) or cancel(s). Until commit, attend sees
-  // only committed tokens. reserve refuses like append (max_pages, then make_room under
-  // pressure only once every other check passed), changing nothing.
+  /// Layer by layer (paged_storage::reserve): reserve room for the next n tokens (the slot
+  /// mapping cuda::append_inputs takes goes to `out`), write every layer (write_layer on the
+  /// host, or cuda::append / the engine's kernel into the mapped slots), then commit(s, m) the
+  /// first m <= n of them (the rest are given back) or cancel(s). Until commit, attend sees
+  /// only committed tokens. reserve refuses like append (max_pages, then make_room under
+  /// pressure only once every other check passed), changing nothing.
   status reserve(seq_id s, std::int64_t n, slot_mapping out = {}) {
     if (auto st = check_max_pages(s, n, "reserve", "reserved"); !st) return st;
     return storage_->reserve(s, n, out, room());
   }
+  /// Writes one layer's keys and values ([token][kv_head][dim]) of the reserved tokens.
   status write_layer(seq_id s, int layer, std::span<const float> keys,
                      std::span<const float> values) {
     return storage_->write_layer(s, layer, keys, values);
   }
+  /// Makes the first n reserved tokens live and gives back the rest.
   status commit(seq_id s, std::int64_t n) { return storage_->commit(s, n); }
+  /// Gives back every reserved token of s.
   status cancel(seq_id s) { return storage_->cancel(s); }
+  /// Tokens of s reserved and not yet committed.
   result<std::int64_t> reserved(seq_id s) const { return storage_->reserved(s); }
 
-  // Structural metadata: pinned pages stay Anchor and are never demoted under pressure.
+  /// Structural metadata: pinned pages stay Anchor and are never demoted under pressure.
   status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
     return controller_->pin(s, first_page, pages, pinned);
   }
 
   // ---- attention -----------------------------------------------------------------------------
-  // Decode of one layer: queries [batch][q_heads][head_dim] (post-RoPE) -> out (same
-  // shape). Feeds each sequence's per-page attention mass to the controller; copies it
-  // to page_mass ([batch][max_pages]) and the LSE to lse ([batch][q_heads]) if given.
-  // A NaN or Inf query is refused (non_finite_input, naming the batch row and query head)
-  // before anything is written or observed: it never turns into a finite output.
+  /// Decode of one layer: queries [batch][q_heads][head_dim] (post-RoPE) -> out (same
+  /// shape). Feeds each sequence's per-page attention mass to the controller; copies it
+  /// to page_mass ([batch][max_pages]) and the LSE to lse ([batch][q_heads]) if given.
+  /// A NaN or Inf query is refused (non_finite_input, naming the batch row and query head)
+  /// before anything is written or observed: it never turns into a finite output.
   status attend(int layer, std::span<const seq_id> batch, std::span<const float> queries,
                 std::span<float> out, std::span<float> page_mass = {}, std::span<float> lse = {}) {
     const std::size_t rows = batch.size() * std::size_t(q_heads) * head_dim;
@@ -222,23 +238,31 @@ class tiered_cache {
   }
 
   // ---- tiering and accounting -----------------------------------------------------------------
+  /// Once per scheduler step: asks the policy for each page's role and converts the pages
+  /// whose tier changes (step: the caller's monotonically increasing step number).
   retier_stats retier(std::uint64_t step) { return controller_->retier(step, faults_); }
+  /// Every allocated byte on one line, reconciled with the allocators (report.hpp).
   memory_report report() const { return make_report(*storage_); }
+  /// Verifies the storage's and the controller's bookkeeping (for tests and debugging).
   status check_invariants() const { return controller_->check_invariants(); }
 
+  /// The paged storage (e.g. for a prefix_index or page transfer).
   storage_type& storage() noexcept { return *storage_; }
+  /// The paged storage.
   const storage_type& storage() const noexcept { return *storage_; }
+  /// The tier controller.
   controller_type& controller() noexcept { return *controller_; }
+  /// The options it was created with.
   const options& config() const noexcept { return opt_; }
-  // The conversion fault hook every conversion of retier and make_room goes through
-  // (tiering/conversion.hpp; no_faults by default, tests and chaos runs inject through it).
+  /// The conversion fault hook every conversion of retier and make_room goes through
+  /// (tiering/conversion.hpp; no_faults by default, tests and chaos runs inject through it).
   Faults& faults() noexcept { return faults_; }
 
  private:
   tiered_cache(const options& opt, std::unique_ptr<storage_type> s)
       : opt_(opt), storage_(std::move(s)), workspace_(opt.threads) {}
 
-  // n more tokens of s must fit in max_pages logical pages (checked before make_room).
+  /// n more tokens of s must fit in max_pages logical pages (checked before make_room).
   status check_max_pages(seq_id s, std::int64_t n, const char* op, const char* done) const {
     auto len = storage_->length(s);
     if (!len) return len.error_status();
@@ -251,7 +275,7 @@ class tiered_cache {
     return {};
   }
 
-  // The storage calls it once its own checks passed: tier-0 pages freed by demotion.
+  /// The storage calls it once its own checks passed: tier-0 pages freed by demotion.
   auto room() {
     return [this](std::uint32_t pages) { return controller_->make_room(pages, faults_); };
   }

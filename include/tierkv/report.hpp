@@ -16,60 +16,69 @@
 
 namespace tierkv {
 
+/// The bytes of one tier's pool (a line of memory_report).
 struct tier_report {
-  std::string name;            // "key codec / value codec"
-  std::size_t page_bytes = 0;  // one physical page (one layer, all KV heads)
-  std::size_t capacity_pages = 0;
-  std::size_t live_pages = 0;  // published or held by a caller
-  // Bytes of live pages by role; they sum to live_pages * page_bytes.
-  std::size_t key_payload = 0;
-  std::size_t value_payload = 0;
-  std::size_t key_meta = 0;  // FP8 scales, TQ3 norms
-  std::size_t value_meta = 0;
-  std::size_t padding = 0;          // 16-byte alignment of the page regions
-  std::size_t free_page_bytes = 0;  // capacity not in use
-  std::uint64_t token_layers = 0;   // tokens stored in live pages, summed over layers
-  double kib_per_token = 0;         // if every layer were in this tier
-  double bits_per_scalar = 0;       // stored bits per key or value scalar
+  std::string name;                ///< "key codec / value codec"
+  std::size_t page_bytes = 0;      ///< one physical page (one layer, all KV heads)
+  std::size_t capacity_pages = 0;  ///< pages the pool holds
+  std::size_t live_pages = 0;      ///< published or held by a caller
+  // Bytes of live pages by part; they sum to live_pages * page_bytes.
+  std::size_t key_payload = 0;      ///< key codes
+  std::size_t value_payload = 0;    ///< value codes
+  std::size_t key_meta = 0;         ///< FP8 scales, TQ3 norms
+  std::size_t value_meta = 0;       ///< value scales / norms
+  std::size_t padding = 0;          ///< 16-byte alignment of the page regions
+  std::size_t free_page_bytes = 0;  ///< capacity not in use
+  std::uint64_t token_layers = 0;   ///< tokens stored in live pages, summed over layers
+  double kib_per_token = 0;         ///< if every layer were in this tier
+  double bits_per_scalar = 0;       ///< stored bits per key or value scalar
 
+  /// Bytes of live pages.
   std::size_t live_bytes() const {
     return key_payload + value_payload + key_meta + value_meta + padding;
   }
+  /// The pool's whole slab: live and free pages.
   std::size_t slab_bytes() const { return live_bytes() + free_page_bytes; }
 };
 
+/// Exact accounting of a storage: every allocated byte on one line (tiered_cache::report()).
+/// reconciles() checks the lines against what the allocators handed out.
 struct memory_report {
-  int num_layers = 0;
-  int kv_heads = 0;
-  int head_dim = 0;
-  int page_tokens = 0;
-  std::vector<tier_report> tiers;
-  std::size_t pool_bookkeeping = 0;    // per-page generation, refcount, state, free list
-  std::size_t page_tables = 0;         // sequences, logical page lists, blocks
-  std::size_t index_arrays = 0;        // index_arrays made from this storage
-  std::size_t prefix_index = 0;        // entries, token ids, hash buckets
-  std::size_t scratch = 0;             // storage-owned scratch (none on the host append path)
-  std::size_t allocator_total = 0;     // page allocator + bookkeeping allocator, as they report
-  std::uint64_t live_tokens = 0;       // distinct stored tokens (shared pages count once)
-  std::uint64_t sequence_tokens = 0;   // sum of sequence lengths
-  double kib_per_token = 0;            // live page bytes per live token, all layers
-  double kib_per_token_allocated = 0;  // every allocated byte per live token
-  double bits_per_scalar = 0;          // live page bits per stored key/value scalar
+  int num_layers = 0;                  ///< model layers
+  int kv_heads = 0;                    ///< KV heads
+  int head_dim = 0;                    ///< scalars per head vector
+  int page_tokens = 0;                 ///< tokens per page
+  std::vector<tier_report> tiers;      ///< one line per tier
+  std::size_t pool_bookkeeping = 0;    ///< per-page generation, refcount, state, free list
+  std::size_t page_tables = 0;         ///< sequences, logical page lists, blocks
+  std::size_t index_arrays = 0;        ///< index_arrays made from this storage
+  std::size_t prefix_index = 0;        ///< entries, token ids, hash buckets
+  std::size_t scratch = 0;             ///< storage-owned scratch (none on the host append path)
+  std::size_t allocator_total = 0;     ///< page allocator + bookkeeping allocator, as they report
+  std::uint64_t live_tokens = 0;       ///< distinct stored tokens (shared pages count once)
+  std::uint64_t sequence_tokens = 0;   ///< sum of sequence lengths
+  double kib_per_token = 0;            ///< live page bytes per live token, all layers
+  double kib_per_token_allocated = 0;  ///< every allocated byte per live token
+  double bits_per_scalar = 0;          ///< live page bits per stored key/value scalar
 
+  /// Bytes of live pages, all tiers.
   std::size_t live_page_bytes() const {
     std::size_t n = 0;
     for (const auto& t : tiers) n += t.live_bytes();
     return n;
   }
+  /// The sum of every line: slabs and bookkeeping.
   std::size_t lines_total() const {
     std::size_t n = pool_bookkeeping + page_tables + index_arrays + prefix_index + scratch;
     for (const auto& t : tiers) n += t.slab_bytes();
     return n;
   }
+  /// True when the lines sum to exactly what the allocators report.
   bool reconciles() const { return lines_total() == allocator_total; }
 };
 
 template <class Storage>
+/// The report of a paged_storage.
 memory_report make_report(const Storage& s) {
   memory_report r;
   r.num_layers = s.num_layers();
@@ -124,6 +133,7 @@ memory_report make_report(const Storage& s) {
   return r;
 }
 
+/// Writes the report, one line per tier and one per bookkeeping line.
 inline std::ostream& operator<<(std::ostream& out, const memory_report& r) {
   const auto flags = out.flags();
   const auto prec = out.precision();

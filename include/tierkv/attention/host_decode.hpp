@@ -19,27 +19,27 @@
 
 namespace tierkv {
 
-// One decode step of one layer: query token b of the batch attends every live token
-// of sequence b (index.seq_len[b] tokens). Query head h reads KV head h / group_size
-// (consecutive query heads share a KV head). Queries arrive post-RoPE: positional
-// encoding is the engine's business, applied before keys were appended.
+/// One decode step of one layer: query token b of the batch attends every live token
+/// of sequence b (index.seq_len[b] tokens). Query head h reads KV head h / group_size
+/// (consecutive query heads share a KV head). Queries arrive post-RoPE: positional
+/// encoding is the engine's business, applied before keys were appended.
 template <int NumTiers>
 struct host_decode_args {
-  const float* queries = nullptr;  // [batch][q_heads][head_dim]; NaN / Inf: non_finite_input
+  const float* queries = nullptr;  ///< [batch][q_heads][head_dim]; NaN / Inf: non_finite_input
   batch_index_view<NumTiers> index{};
-  const pool_view* pools = nullptr;  // [NumTiers], in tier order
+  const pool_view* pools = nullptr;  ///< [NumTiers], in tier order
   layer_source source{};
   logit_params logits{};
-  float* out = nullptr;  // [batch][q_heads][head_dim]; zeros for an empty sequence
-  // Optional: natural-log log-sum-exp of each (sequence, query head)'s logits;
-  // -inf for an empty sequence.
-  float* lse = nullptr;  // [batch][q_heads]
-  // Optional per-page attention mass: page_mass[b * mass_stride + i] for logical page i
-  // of sequence b is (1 / q_heads) * sum_h l_page,h * exp(m_page,h - lse_h), i.e. the
-  // softmax probability on that page averaged over the layer's query heads (the pages of
-  // a non-empty sequence sum to 1). Entries i >= the sequence's page count are set to 0.
-  float* page_mass = nullptr;  // [batch][mass_stride]
-  int mass_stride = 0;         // >= the largest page count of the batch
+  float* out = nullptr;  ///< [batch][q_heads][head_dim]; zeros for an empty sequence
+  /// Optional: natural-log log-sum-exp of each (sequence, query head)'s logits;
+  /// -inf for an empty sequence.
+  float* lse = nullptr;  ///< [batch][q_heads]
+  /// Optional per-page attention mass: page_mass[b * mass_stride + i] for logical page i
+  /// of sequence b is (1 / q_heads) * sum_h l_page,h * exp(m_page,h - lse_h), i.e. the
+  /// softmax probability on that page averaged over the layer's query heads (the pages of
+  /// a non-empty sequence sum to 1). Entries i >= the sequence's page count are set to 0.
+  float* page_mass = nullptr;  ///< [batch][mass_stride]
+  int mass_stride = 0;         ///< >= the largest page count of the batch
 };
 
 template <class Geometry, class TierList>

@@ -19,30 +19,30 @@
 
 namespace tierkv {
 
-// Design: the engine APPENDS the chunk's keys and values to the cache first (as for
-// decode), then calls prefill. Sequence b's chunk is its last n_b = q_indptr[b+1] -
-// q_indptr[b] tokens: query j sits at position p = seq_len[b] - n_b + j and attends all
-// tokens at positions <= p (causal within the chunk, everything cached before it). The
-// chunk is thus read in its stored format (FP8 in the append tier), exactly as the
-// following decode steps will read it, so prefill and decode see the same keys; one
-// code path serves both, there is no second float copy of the chunk, and a chunk of
-// n_b = 1 is exactly a decode step.
+/// Design: the engine APPENDS the chunk's keys and values to the cache first (as for
+/// decode), then calls prefill. Sequence b's chunk is its last n_b = q_indptr[b+1] -
+/// q_indptr[b] tokens: query j sits at position p = seq_len[b] - n_b + j and attends all
+/// tokens at positions <= p (causal within the chunk, everything cached before it). The
+/// chunk is thus read in its stored format (FP8 in the append tier), exactly as the
+/// following decode steps will read it, so prefill and decode see the same keys; one
+/// code path serves both, there is no second float copy of the chunk, and a chunk of
+/// n_b = 1 is exactly a decode step.
 template <int NumTiers>
 struct host_prefill_args {
-  const float* queries = nullptr;  // [total_q][q_heads][head_dim], post-RoPE, packed by sequence;
-                                   // NaN / Inf: non_finite_input
+  const float* queries = nullptr;  ///< [total_q][q_heads][head_dim], post-RoPE, packed by sequence;
+                                   ///< NaN / Inf: non_finite_input
   const std::int32_t* q_indptr =
-      nullptr;  // [batch + 1]; sequence b owns query rows [q_indptr[b], q_indptr[b+1])
-  batch_index_view<NumTiers> index{};  // seq_len counts the chunk (already appended)
-  const pool_view* pools = nullptr;    // [NumTiers]
+      nullptr;  ///< [batch + 1]; sequence b owns query rows [q_indptr[b], q_indptr[b+1])
+  batch_index_view<NumTiers> index{};  ///< seq_len counts the chunk (already appended)
+  const pool_view* pools = nullptr;    ///< [NumTiers]
   layer_source source{};
   logit_params logits{};
-  float* out = nullptr;  // [total_q][q_heads][head_dim]
-  float* lse = nullptr;  // optional [total_q][q_heads], natural log
+  float* out = nullptr;  ///< [total_q][q_heads][head_dim]
+  float* lse = nullptr;  ///< optional [total_q][q_heads], natural log
 };
 
-// Query tokens per task: rows = query_block * group_size share each unpacked key/value
-// of a page, bounded so a task's scores stay in L1/L2.
+/// Query tokens per task: rows = query_block * group_size share each unpacked key/value
+/// of a page, bounded so a task's scores stay in L1/L2.
 inline constexpr int host_prefill_query_block = 8;
 
 template <class Geometry, class TierList>

@@ -13,11 +13,11 @@
 
 namespace tierkv {
 
-// One host_decode / host_prefill call at a time per workspace (the call itself runs in
-// parallel on the pool); give each concurrent caller its own workspace.
+/// One host_decode / host_prefill call at a time per workspace (the call itself runs in
+/// parallel on the pool); give each concurrent caller its own workspace.
 class host_attention_workspace {
  public:
-  // `threads` workers, the caller included; 0 = hardware concurrency.
+  /// `threads` workers, the caller included; 0 = hardware concurrency.
   explicit host_attention_workspace(unsigned threads = 0) : pool_(threads) {
     scratch_.resize(pool_.size());
   }
@@ -25,8 +25,8 @@ class host_attention_workspace {
   thread_pool& pool() { return pool_; }
   unsigned threads() const { return pool_.size(); }
 
-  // Makes every worker's scratch at least `bytes` (64-byte aligned); call before a
-  // parallel_for, never inside one.
+  /// Makes every worker's scratch at least `bytes` (64-byte aligned); call before a
+  /// parallel_for, never inside one.
   void reserve_per_worker(std::size_t bytes) {
     const std::size_t lines = (bytes + 63) / 64;
     for (auto& s : scratch_)
@@ -36,12 +36,12 @@ class host_attention_workspace {
     return reinterpret_cast<std::byte*>(scratch_[worker].data());
   }
 
-  // Shared buffers of the calling pass (validation bitmaps, per-head page masses).
+  /// Shared buffers of the calling pass (validation bitmaps, per-head page masses).
   std::vector<std::uint8_t>& bitmap() { return bitmap_; }
   std::vector<float>& shared_floats() { return shared_; }
   std::vector<int>& shared_ints() { return ints_; }
 
-  // Bytes held by the workspace (for accounting reports).
+  /// Bytes held by the workspace (for accounting reports).
   std::size_t bytes() const {
     std::size_t n =
         bitmap_.capacity() + shared_.capacity() * sizeof(float) + ints_.capacity() * sizeof(int);

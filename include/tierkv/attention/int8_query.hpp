@@ -14,7 +14,7 @@ namespace tierkv {
 template <int P>
 inline constexpr int int8_query_bits = 7 * P - 1;
 
-// The digits of q (|q| < 2^int8_query_bits<P>), lowest first.
+/// The digits of q (|q| < 2^int8_query_bits<P>), lowest first.
 template <int P>
 TIERKV_HD_INLINE void int8_query_digits(int q, int (&d)[P]) {
   static_assert(P >= 1 && P <= 4,

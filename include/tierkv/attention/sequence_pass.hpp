@@ -24,10 +24,10 @@
 
 namespace tierkv {
 
-// Which layer of which cache a host attention call reads: codec contexts (rotation
-// seeds) come from make_codec_context(cache_seed, layer, head_base + kv_head, role).
-// head_base is the storage's (storage_options::head_base): the global index of its
-// first KV head, non-zero on tensor-parallel ranks r > 0.
+/// Which layer of which cache a host attention call reads: codec contexts (rotation
+/// seeds) come from make_codec_context(cache_seed, layer, head_base + kv_head, role).
+/// head_base is the storage's (storage_options::head_base): the global index of its
+/// first KV head, non-zero on tensor-parallel ranks r > 0.
 struct layer_source {
   std::uint64_t cache_seed = 0;
   int layer = 0;
@@ -36,8 +36,8 @@ struct layer_source {
 
 namespace detail {
 
-// Index of the first NaN or Inf of x[0, n), or n. Host attention refuses such a query up
-// front: in the softmax it would leave its row's state empty, i.e. a silent zero output.
+/// Index of the first NaN or Inf of x[0, n), or n. Host attention refuses such a query up
+/// front: in the softmax it would leave its row's state empty, i.e. a silent zero output.
 inline std::size_t first_non_finite(const float* x, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i])) return i;
@@ -53,8 +53,8 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
   static constexpr int head_dim = Geometry::head_dim;
   static constexpr int num_tiers = int(sizeof...(Tiers));
   static constexpr int page_tokens = Geometry::page_tokens;
-  // Tokens per tile call: bounds the score scratch to rows * tile_tokens floats while
-  // keeping the per-tile rescale of the accumulators rare (once per 64 tokens).
+  /// Tokens per tile call: bounds the score scratch to rows * tile_tokens floats while
+  /// keeping the per-tile rescale of the accumulators rare (once per 64 tokens).
   static constexpr int tile_tokens = page_tokens < 64 ? page_tokens : 64;
   using state = partial_state<head_dim>;
   using tier_list = tiers<Tiers...>;
@@ -63,17 +63,17 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
       page_layout<Geometry, typename tier_at_t<tier_list, I>::template key_codec<head_dim>,
                   typename tier_at_t<tier_list, I>::template value_codec<head_dim>>;
 
-  // Per-worker scratch for `rows` rows, carved from one block.
+  /// Per-worker scratch for `rows` rows, carved from one block.
   struct scratch {
-    state* tier_states;  // [num_tiers][rows]
-    state* merged;       // [rows]
-    float* prepared;     // [rows][head_dim]
-    float* scores;       // [rows][tile_tokens]
-    tile_stats* tstats;  // [rows]
-    int* row_ntok;       // [rows]
+    state* tier_states;  ///< [num_tiers][rows]
+    state* merged;       ///< [rows]
+    float* prepared;     ///< [rows][head_dim]
+    float* scores;       ///< [rows][tile_tokens]
+    tile_stats* tstats;  ///< [rows]
+    int* row_ntok;       ///< [rows]
   };
   static constexpr std::size_t round64(std::size_t n) { return (n + 63) / 64 * 64; }
-  // Begins the lifetime of n trivially constructible objects in raw scratch bytes.
+  /// Begins the lifetime of n trivially constructible objects in raw scratch bytes.
   template <class T>
   static T* start_array(std::byte* base, std::size_t n) {
     T* p = reinterpret_cast<T*>(base);
@@ -106,13 +106,13 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     int seq = 0;
     int kv_head = 0;
     int rows = 0;
-    const float* const* queries = nullptr;  // [rows] raw (post-RoPE) queries
-    const int* row_limit = nullptr;         // [rows]: row r sees token positions < row_limit[r]
-    tile_stats* page_stats = nullptr;       // optional [rows][stats_stride], by logical page
+    const float* const* queries = nullptr;  ///< [rows] raw (post-RoPE) queries
+    const int* row_limit = nullptr;         ///< [rows]: row r sees token positions < row_limit[r]
+    tile_stats* page_stats = nullptr;       ///< optional [rows][stats_stride], by logical page
     int stats_stride = 0;
   };
 
-  // On return s.merged[r] holds row r's finalized state over all its visible tokens.
+  /// On return s.merged[r] holds row r's finalized state over all its visible tokens.
   static void run(const batch_index_view<num_tiers>& index, const pool_view* pools,
                   const layer_source& src, const logit_params& lp, const job& j, scratch& s) {
     for (int r = 0; r < j.rows; ++r) s.merged[r].clear();
@@ -124,8 +124,8 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     run_tiers(index, pools, src, lp, j, s, std::make_index_sequence<num_tiers>{});
   }
 
-  // Checks everything the pass would otherwise trust: pool geometry, slots, and that
-  // the formats' entries cover each sequence's logical pages exactly once.
+  /// Checks everything the pass would otherwise trust: pool geometry, slots, and that
+  /// the formats' entries cover each sequence's logical pages exactly once.
   static status validate(const batch_index_view<num_tiers>& index, const pool_view* pools,
                          std::vector<std::uint8_t>& seen, int* max_pages_out) {
     if (index.batch < 0)

@@ -19,7 +19,7 @@ namespace tierkv {
 
 class thread_pool {
  public:
-  // `threads` workers in total, the calling thread included; 0 = hardware concurrency.
+  /// `threads` workers in total, the calling thread included; 0 = hardware concurrency.
   explicit thread_pool(unsigned threads = 0) {
     if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
     workers_.reserve(threads - 1);
@@ -36,12 +36,12 @@ class thread_pool {
     for (auto& t : workers_) t.join();
   }
 
-  // Number of workers, the caller included; worker ids passed to tasks are < size().
+  /// Number of workers, the caller included; worker ids passed to tasks are < size().
   unsigned size() const { return unsigned(workers_.size()) + 1; }
 
-  // Runs fn(task, worker) for task in [0, tasks), tasks handed out dynamically, and
-  // returns when all have finished. fn must not throw. Not reentrant: one call at a
-  // time per pool.
+  /// Runs fn(task, worker) for task in [0, tasks), tasks handed out dynamically, and
+  /// returns when all have finished. fn must not throw. Not reentrant: one call at a
+  /// time per pool.
   template <class Fn>
   void parallel_for(int tasks, Fn&& fn) {
     if (tasks <= 0) return;

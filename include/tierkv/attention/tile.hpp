@@ -17,8 +17,8 @@
 
 namespace tierkv {
 
-// How a raw dot product becomes a logit: s = softmax_scale * (q . k), then, when
-// soft_cap > 0, s = soft_cap * tanh(s / soft_cap) (Gemma-2-style logit capping).
+/// How a raw dot product becomes a logit: s = softmax_scale * (q . k), then, when
+/// soft_cap > 0, s = soft_cap * tanh(s / soft_cap) (Gemma-2-style logit capping).
 struct logit_params {
   float softmax_scale = 1.f;
   float soft_cap = 0.f;
@@ -29,13 +29,13 @@ struct logit_params {
   }
 };
 
-// {m, l} of one row over the tokens of one tile alone (before merging into the row's
-// state): the per-page statistics behind the attention mass l_page * exp(m_page - lse).
+/// {m, l} of one row over the tokens of one tile alone (before merging into the row's
+/// state): the per-page statistics behind the attention mass l_page * exp(m_page - lse).
 struct tile_stats {
   float m = -std::numeric_limits<float>::infinity();
   float l = 0.f;
 
-  // Merge of two disjoint token sets' statistics (same rule as partial_state).
+  /// Merge of two disjoint token sets' statistics (same rule as partial_state).
   TIERKV_HD void merge(float om, float ol) {
     if (!(ol > 0.f)) return;
     if (!(l > 0.f)) {
@@ -49,18 +49,18 @@ struct tile_stats {
   }
 };
 
-// One KV head's tokens inside one page, in the page's stored formats (see
-// codec/page_layout.hpp): payloads are contiguous per token, metas are packed arrays.
+/// One KV head's tokens inside one page, in the page's stored formats (see
+/// codec/page_layout.hpp): payloads are contiguous per token, metas are packed arrays.
 template <vector_codec KeyCodec, vector_codec ValueCodec>
 struct kv_span {
   using key_codec_t = KeyCodec;
   using value_codec_t = ValueCodec;
-  const std::uint8_t* key_payload = nullptr;    // token t at + t * KeyCodec::payload_bytes
-  const std::uint8_t* key_meta = nullptr;       // token t at + t * KeyCodec::meta_bytes
-  const std::uint8_t* value_payload = nullptr;  // token t at + t * ValueCodec::payload_bytes
-  const std::uint8_t* value_meta = nullptr;     // token t at + t * ValueCodec::meta_bytes
+  const std::uint8_t* key_payload = nullptr;    ///< token t at + t * KeyCodec::payload_bytes
+  const std::uint8_t* key_meta = nullptr;       ///< token t at + t * KeyCodec::meta_bytes
+  const std::uint8_t* value_payload = nullptr;  ///< token t at + t * ValueCodec::payload_bytes
+  const std::uint8_t* value_meta = nullptr;     ///< token t at + t * ValueCodec::meta_bytes
 
-  // The span of kv head `head` in a page laid out by Layout, starting at token `first`.
+  /// The span of kv head `head` in a page laid out by Layout, starting at token `first`.
   template <class Layout>
   TIERKV_HD static kv_span in_page(const std::uint8_t* page, int head, int first = 0) {
     static_assert(std::is_same_v<typename Layout::key_codec, KeyCodec> &&
@@ -73,8 +73,8 @@ struct kv_span {
 
 namespace detail {
 
-// Meta is read with memcpy: page bytes are raw storage, and a codec without metadata
-// (meta_bytes == 0) has no bytes to read at all.
+/// Meta is read with memcpy: page bytes are raw storage, and a codec without metadata
+/// (meta_bytes == 0) has no bytes to read at all.
 template <vector_codec C>
 TIERKV_HD_INLINE typename C::meta_type load_meta(const std::uint8_t* metas, int t) {
   typename C::meta_type meta{};
@@ -89,12 +89,12 @@ TIERKV_HD_INLINE typename C::meta_type load_meta(const std::uint8_t* metas, int 
   return meta;
 }
 
-// The per-token scalar a codec keeps in its meta (docs/formats.md: FP8's scale and TQ3's
-// corrected norm, both bf16 bits) or 1 for codecs without meta. When it is known, a
-// stored vector is linear in it: dot = scalar * (q . u) and accumulate adds
-// p * scalar * u, where u = accumulate(1, payload, unit meta) is the vector unpacked in
-// the codec's domain. That lets a tile unpack each key and value ONCE and reuse it for
-// every row, and puts the scalar on the score and on p, never on the elements.
+/// The per-token scalar a codec keeps in its meta (docs/formats.md: FP8's scale and TQ3's
+/// corrected norm, both bf16 bits) or 1 for codecs without meta. When it is known, a
+/// stored vector is linear in it: dot = scalar * (q . u) and accumulate adds
+/// p * scalar * u, where u = accumulate(1, payload, unit meta) is the vector unpacked in
+/// the codec's domain. That lets a tile unpack each key and value ONCE and reuse it for
+/// every row, and puts the scalar on the score and on p, never on the elements.
 template <vector_codec C>
 struct token_scalar {
   static constexpr bool known = false;
@@ -115,8 +115,8 @@ requires((C::format == storage_format::fp8_e4m3 || C::format == storage_format::
   TIERKV_HD_INLINE static typename C::meta_type unit() { return bf16_bits(0x3F80); }  // 1.0
 };
 
-// Dot product with 8 independent partial sums: the compiler vectorizes it without
-// reassociating a single reduction (no -ffast-math needed).
+/// Dot product with 8 independent partial sums: the compiler vectorizes it without
+/// reassociating a single reduction (no -ffast-math needed).
 template <int N>
 TIERKV_HD_INLINE float dot8(const float* TIERKV_RESTRICT a, const float* TIERKV_RESTRICT b) {
   static_assert(N % 8 == 0, "dot8: length must be a multiple of 8");
@@ -128,23 +128,23 @@ TIERKV_HD_INLINE float dot8(const float* TIERKV_RESTRICT a, const float* TIERKV_
 
 }  // namespace detail
 
-// The tile function of one (key codec, value codec) pair, i.e. of one tier; chosen at
-// compile time, so there is no per-page format switch in the inner loop.
-//
-// Rows are query heads (decode: the group_size heads of one GQA group; prefill: those
-// heads for several query tokens). Every row's query must be PREPARED with the key
-// codec of this tier (KeyCodec::prepare_query with the (layer, kv head, key) context:
-// identity for FP8, the rotation for TQ3), and each row's state accumulates values in
-// the VALUE codec's domain (rotated for TQ3), so a state must only ever see tiles of
-// one value codec and context; finalize it with ValueCodec::finalize (inverse rotation)
-// before merging it with states of other tiers. Per-token scalars (FP8 scale, TQ3 norm)
-// are inside codec.dot / codec.accumulate, i.e. they multiply the score after the dot
-// product and the probability before the value product.
-//
-// UnpackOnce (default: whenever both codecs' per-token scalar is known) unpacks each
-// stored key and value once per token into a head_dim float buffer and runs every row
-// on it; otherwise each row calls codec.dot / codec.accumulate itself (the generic
-// path, kept for codecs outside docs/formats.md, and tested against the fast one).
+/// The tile function of one (key codec, value codec) pair, i.e. of one tier; chosen at
+/// compile time, so there is no per-page format switch in the inner loop.
+///
+/// Rows are query heads (decode: the group_size heads of one GQA group; prefill: those
+/// heads for several query tokens). Every row's query must be PREPARED with the key
+/// codec of this tier (KeyCodec::prepare_query with the (layer, kv head, key) context:
+/// identity for FP8, the rotation for TQ3), and each row's state accumulates values in
+/// the VALUE codec's domain (rotated for TQ3), so a state must only ever see tiles of
+/// one value codec and context; finalize it with ValueCodec::finalize (inverse rotation)
+/// before merging it with states of other tiers. Per-token scalars (FP8 scale, TQ3 norm)
+/// are inside codec.dot / codec.accumulate, i.e. they multiply the score after the dot
+/// product and the probability before the value product.
+///
+/// UnpackOnce (default: whenever both codecs' per-token scalar is known) unpacks each
+/// stored key and value once per token into a head_dim float buffer and runs every row
+/// on it; otherwise each row calls codec.dot / codec.accumulate itself (the generic
+/// path, kept for codecs outside docs/formats.md, and tested against the fast one).
 template <vector_codec KeyCodec, vector_codec ValueCodec,
           bool UnpackOnce =
               detail::token_scalar<KeyCodec>::known&& detail::token_scalar<ValueCodec>::known>
@@ -161,13 +161,13 @@ struct attention_tile {
   using state = partial_state<head_dim>;
   using span = kv_span<KeyCodec, ValueCodec>;
 
-  // Folds tokens [0, ntok) of `kv` into `states[r]` for rows r in [0, rows). Row r sees
-  // only its first row_ntok[r] tokens (clamped to [0, ntok]; a causal limit); pass
-  // row_ntok = nullptr when every row sees all ntok tokens.
-  //   queries: [rows][head_dim] prepared queries;
-  //   scores:  scratch of rows * ntok floats (the caller bounds ntok to keep it small);
-  //   stats:   optional [rows]; stats[r] is merged with this tile's own {m, l} of row r
-  //            (so a caller can total a page over several tiles).
+  /// Folds tokens [0, ntok) of `kv` into `states[r]` for rows r in [0, rows). Row r sees
+  /// only its first row_ntok[r] tokens (clamped to [0, ntok]; a causal limit); pass
+  /// row_ntok = nullptr when every row sees all ntok tokens.
+  ///   queries: [rows][head_dim] prepared queries;
+  ///   scores:  scratch of rows * ntok floats (the caller bounds ntok to keep it small);
+  ///   stats:   optional [rows]; stats[r] is merged with this tile's own {m, l} of row r
+  ///            (so a caller can total a page over several tiles).
   TIERKV_HD static void run(const float* TIERKV_RESTRICT queries, int rows, const int* row_ntok,
                             const span& kv, int ntok, const logit_params& lp,
                             state* TIERKV_RESTRICT states, tile_stats* stats,
@@ -257,7 +257,7 @@ struct attention_tile {
   }
 };
 
-// The tile of tier T at head_dim D.
+/// The tile of tier T at head_dim D.
 template <class Tier, int HeadDim>
 using tier_tile = attention_tile<typename Tier::template key_codec<HeadDim>,
                                  typename Tier::template value_codec<HeadDim>>;

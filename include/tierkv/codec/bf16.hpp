@@ -13,22 +13,22 @@ namespace tierkv {
 
 using bf16_bits = std::uint16_t;
 
-inline constexpr bf16_bits bf16_max_finite = 0x7F7F;  // 3.3895e38
+inline constexpr bf16_bits bf16_max_finite = 0x7F7F;  ///< 3.3895e38
 inline constexpr bf16_bits bf16_quiet_nan = 0x7FC0;
 
 TIERKV_HD_INLINE float bf16_to_float(bf16_bits b) {
   return detail::bits_float(std::uint32_t(b) << 16);
 }
 
-// Round to nearest, ties to even (NaN stays a quiet NaN; overflow gives +-Inf).
+/// Round to nearest, ties to even (NaN stays a quiet NaN; overflow gives +-Inf).
 TIERKV_HD_INLINE bf16_bits float_to_bf16(float x) {
   const std::uint32_t u = detail::float_bits(x);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16_bits((u >> 16) | 0x0040u);
   return bf16_bits((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Round to nearest even, but a finite input never becomes Inf: it saturates to the
-// largest finite bf16 (and *saturated is set). Input must not be NaN.
+/// Round to nearest even, but a finite input never becomes Inf: it saturates to the
+/// largest finite bf16 (and *saturated is set). Input must not be NaN.
 TIERKV_HD_INLINE bf16_bits float_to_bf16_satfinite(float x, bool* saturated) {
   bf16_bits b = float_to_bf16(x);
   if ((b & 0x7FFFu) == 0x7F80u && detail::is_finite_bits(x)) {
@@ -38,8 +38,8 @@ TIERKV_HD_INLINE bf16_bits float_to_bf16_satfinite(float x, bool* saturated) {
   return b;
 }
 
-// Smallest bf16 >= x, for finite x >= 0 (FP8 scales are rounded up so that
-// max|x| / scale never exceeds the format's maximum).
+/// Smallest bf16 >= x, for finite x >= 0 (FP8 scales are rounded up so that
+/// max|x| / scale never exceeds the format's maximum).
 TIERKV_HD_INLINE bf16_bits float_to_bf16_up(float x) {
   const std::uint32_t u = detail::float_bits(x);
   const std::uint32_t hi = u >> 16;

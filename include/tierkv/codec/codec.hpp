@@ -13,7 +13,7 @@
 
 namespace tierkv {
 
-// Tag of a storage format; pools, index arrays and exported buffers carry it.
+/// Tag of a storage format; pools, index arrays and exported buffers carry it.
 enum class storage_format : std::uint8_t {
   dense_f32 = 0,
   dense_bf16 = 1,
@@ -24,16 +24,17 @@ enum class storage_format : std::uint8_t {
   tq4 = 6,
 };
 
+/// Whether a vector is a key or a value (codec contexts and error measures differ per role).
 enum class kv_role : std::uint8_t { key = 0, value = 1 };
 
-// Per-vector parameters a codec may need that are not in the data: the seed of
-// the randomized rotation, fixed per (layer, KV head, role) so that a key and
-// the query that reads it use the same rotation.
+/// Per-vector parameters a codec may need that are not in the data: the seed of
+/// the randomized rotation, fixed per (layer, KV head, role) so that a key and
+/// the query that reads it use the same rotation.
 struct codec_context {
-  std::uint64_t seed = 0;
+  std::uint64_t seed = 0;  ///< rotation seed (make_codec_context)
 };
 
-// splitmix64 finalizer: a well-mixed 64-bit hash, cheap on host and device.
+/// splitmix64 finalizer: a well-mixed 64-bit hash, cheap on host and device.
 TIERKV_HD constexpr std::uint64_t mix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -41,7 +42,7 @@ TIERKV_HD constexpr std::uint64_t mix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// The context of one (layer, kv head, role) under a cache-wide seed.
+/// The context of one (layer, kv head, role) under a cache-wide seed.
 TIERKV_HD constexpr codec_context make_codec_context(std::uint64_t cache_seed, int layer,
                                                      int kv_head, kv_role role) {
   const std::uint64_t key = (std::uint64_t(std::uint32_t(layer)) << 32) ^
@@ -50,26 +51,26 @@ TIERKV_HD constexpr codec_context make_codec_context(std::uint64_t cache_seed, i
   return {mix64(cache_seed ^ mix64(key))};
 }
 
-// Counters an encoder fills in: values clipped to the format's range.
+/// Counters an encoder fills in: values clipped to the format's range.
 struct encode_stats {
-  std::uint64_t saturated = 0;
+  std::uint64_t saturated = 0;  ///< scalars clipped to the format's range
 };
 
-// Placeholder meta for codecs that keep none (meta_bytes == 0).
+/// Placeholder meta for codecs that keep none (meta_bytes == 0).
 struct no_meta {};
 
-// A bound codec: the format of a token vector of exactly C::head_dim scalars.
-//
-// Storage is split in two parts so a page can lay them out as structure-of-arrays
-// (coalesced 16-byte loads of payloads across tokens):
-//   payload: C::payload_bytes bytes (codes), alignment 8 at least;
-//   meta:    one C::meta_type (scale, norm, ...), C::meta_bytes bytes (0 when none).
-//
-// Attention works in the codec's own domain: a query is prepared once
-// (identity for FP8, the rotation for TQ3), scores are dot(prepared query,
-// encoded key), values accumulate p * v_hat into a float accumulator in the
-// codec's domain, and finalize() maps the accumulator back (identity, or the
-// inverse rotation) once per partial state.
+/// A bound codec: the format of a token vector of exactly C::head_dim scalars.
+///
+/// Storage is split in two parts so a page can lay them out as structure-of-arrays
+/// (coalesced 16-byte loads of payloads across tokens):
+///   payload: C::payload_bytes bytes (codes), alignment 8 at least;
+///   meta:    one C::meta_type (scale, norm, ...), C::meta_bytes bytes (0 when none).
+///
+/// Attention works in the codec's own domain: a query is prepared once
+/// (identity for FP8, the rotation for TQ3), scores are dot(prepared query,
+/// encoded key), values accumulate p * v_hat into a float accumulator in the
+/// codec's domain, and finalize() maps the accumulator back (identity, or the
+/// inverse rotation) once per partial state.
 template <class C>
 concept vector_codec = requires(const float* x, float* y, std::uint8_t* payload,
                                 const std::uint8_t* cpayload, typename C::meta_type& meta,
@@ -90,8 +91,8 @@ concept vector_codec = requires(const float* x, float* y, std::uint8_t* payload,
   { C::finalize(y, ctx) } -> std::same_as<void>;
 };
 
-// A codec family (e.g. tierkv::fp8_e4m3) is a tag that binds to a head_dim:
-//   typename Family::template bind<128> is a vector_codec.
+/// A codec family (e.g. tierkv::fp8_e4m3) is a tag that binds to a head_dim:
+///   typename Family::template bind<128> is a vector_codec.
 template <class F>
 concept codec_family = requires {
   typename F::template bind<128>;
@@ -99,9 +100,10 @@ concept codec_family = requires {
 &&vector_codec<typename F::template bind<128>>;
 
 template <class Family, int HeadDim>
+/// The vector_codec of Family bound to HeadDim.
 using codec_for = typename Family::template bind<HeadDim>;
 
-// Exact storage cost of one scalar: payload plus per-vector metadata.
+/// Exact storage cost of one scalar: payload plus per-vector metadata.
 template <vector_codec C>
 inline constexpr double bits_per_scalar = double(8 * (C::payload_bytes + C::meta_bytes)) /
                                           double(C::head_dim);

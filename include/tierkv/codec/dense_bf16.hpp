@@ -28,9 +28,9 @@ struct dense_bf16_codec {
   }
   TIERKV_HD static float value(const std::uint8_t* p, int i) { return bf16_to_float(load(p, i)); }
 
-  // Finite values beyond the bf16 range (|x| > 3.3895e38 after rounding) saturate to
-  // +-max finite and are counted. Non-finite input: every element is written as a bf16
-  // NaN, so a slot read by mistake is loud.
+  /// Finite values beyond the bf16 range (|x| > 3.3895e38 after rounding) saturate to
+  /// +-max finite and are counted. Non-finite input: every element is written as a bf16
+  /// NaN, so a slot read by mistake is loud.
   TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type&,
                                const codec_context&, encode_stats* stats) {
     for (int i = 0; i < HeadDim; ++i)

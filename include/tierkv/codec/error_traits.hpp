@@ -26,27 +26,27 @@ namespace tierkv {
 
 enum class error_measure : std::uint8_t { inner_product, relative_mse };
 
-// The role decides the measure (tier.hpp: keys move routing, values move content).
+/// The role decides the measure (tier.hpp: keys move routing, values move content).
 constexpr error_measure measure_for(kv_role role) {
   return role == kv_role::key ? error_measure::inner_product : error_measure::relative_mse;
 }
 
 struct inner_product_error {
-  double bias = 0;     // mean of e
-  double rms = 0;      // sqrt(mean e^2)
-  double max_abs = 0;  // max |e|
-  double gain = 0;     // sum (q·k_hat)(q·k) / sum (q·k)^2; 1 = no shrinkage
+  double bias = 0;     ///< mean of e
+  double rms = 0;      ///< sqrt(mean e^2)
+  double max_abs = 0;  ///< max |e|
+  double gain = 0;     ///< sum (q·k_hat)(q·k) / sum (q·k)^2; 1 = no shrinkage
   std::uint64_t samples = 0;
 };
 struct mse_error {
-  double rel_mse = 0;      // sum |x − x_hat|^2 / sum |x|^2
-  double max_rel_mse = 0;  // worst single vector
+  double rel_mse = 0;      ///< sum |x − x_hat|^2 / sum |x|^2
+  double max_rel_mse = 0;  ///< worst single vector
   std::uint64_t samples = 0;
 };
 
 namespace detail {
-// Deterministic N(0,1) source independent of the standard library's distributions, so a
-// seed gives the same vectors with every compiler (splitmix64 + Box–Muller in double).
+/// Deterministic N(0,1) source independent of the standard library's distributions, so a
+/// seed gives the same vectors with every compiler (splitmix64 + Box–Muller in double).
 class gaussian_source {
  public:
   explicit gaussian_source(std::uint64_t seed) : state_(seed) {}
@@ -73,8 +73,8 @@ class gaussian_source {
 };
 }  // namespace detail
 
-// Measures the key-role error of codec C over `vectors` Gaussian keys through the
-// attention path (prepare_query + dot), against a float64 reference.
+/// Measures the key-role error of codec C over `vectors` Gaussian keys through the
+/// attention path (prepare_query + dot), against a float64 reference.
 template <vector_codec C>
 inner_product_error measure_inner_product_error(int vectors, std::uint64_t seed) {
   constexpr int d = C::head_dim;
@@ -114,7 +114,7 @@ inner_product_error measure_inner_product_error(int vectors, std::uint64_t seed)
   return r;
 }
 
-// Measures the value-role error (relative MSE of decode) of codec C.
+/// Measures the value-role error (relative MSE of decode) of codec C.
 template <vector_codec C>
 mse_error measure_relative_mse(int vectors, std::uint64_t seed) {
   constexpr int d = C::head_dim;
@@ -144,11 +144,11 @@ mse_error measure_relative_mse(int vectors, std::uint64_t seed) {
   return r;
 }
 
-// Expected figures per codec family on N(0,1) vectors (docs/codecs.md has the runs):
-//   rel_mse            expected relative MSE (value role), head_dim independent here;
-//   ip_rms_sqrt_d      expected inner-product rms times sqrt(head_dim) (key role):
-//                      the rms shrinks as 1/sqrt(d) for these codecs;
-//   ip_bias            expected mean inner-product error (key role).
+/// Expected figures per codec family on N(0,1) vectors (docs/codecs.md has the runs):
+///   rel_mse            expected relative MSE (value role), head_dim independent here;
+///   ip_rms_sqrt_d      expected inner-product rms times sqrt(head_dim) (key role):
+///                      the rms shrinks as 1/sqrt(d) for these codecs;
+///   ip_bias            expected mean inner-product error (key role).
 template <class Family>
 struct codec_error_traits {
   static_assert(detail::dependent_false<Family>,
@@ -158,7 +158,7 @@ template <>
 struct codec_error_traits<dense_f32> {
   static constexpr double rel_mse = 0.0, ip_rms_sqrt_d = 0.0, ip_bias = 0.0;
 };
-// Measured at head_dim 128, 20000 vectors (docs/codecs.md, scripts/measure codec).
+/// Measured at head_dim 128, 20000 vectors (docs/codecs.md, scripts/measure codec).
 template <>
 struct codec_error_traits<dense_bf16> {
   static constexpr double rel_mse = 2.9e-6, ip_rms_sqrt_d = 0.00234, ip_bias = 0.0;
@@ -171,25 +171,25 @@ template <>
 struct codec_error_traits<fp8_e5m2> {
   static constexpr double rel_mse = 0.00263, ip_rms_sqrt_d = 0.0705, ip_bias = -0.0014;
 };
-// Uniform 8-bit codes of the rotated vector: 16x lower MSE than E4M3, 5x lower inner-product
-// rms, unbiased (gain 1.0000).
+/// Uniform 8-bit codes of the rotated vector: 16x lower MSE than E4M3, 5x lower inner-product
+/// rms, unbiased (gain 1.0000).
 template <>
 struct codec_error_traits<int8_rotated> {
   static constexpr double rel_mse = 4.24e-5, ip_rms_sqrt_d = 0.00653, ip_bias = 0.0;
 };
-// Keys: alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain 1.000) and halves the rms
-// against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340 at d = 128).
+/// Keys: alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain 1.000) and halves the rms
+/// against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340 at d = 128).
 template <>
 struct codec_error_traits<tq3_key> {
   static constexpr double rel_mse = 0.0348, ip_rms_sqrt_d = 0.1336, ip_bias = 0.0;
 };
-// Values: least-squares alpha gives the lowest MSE; inner products shrink by 0.966.
+/// Values: least-squares alpha gives the lowest MSE; inner products shrink by 0.966.
 template <>
 struct codec_error_traits<tq3_value> {
   static constexpr double rel_mse = 0.0336, ip_rms_sqrt_d = 0.302, ip_bias = -0.0237;
 };
-// TQ4 (16 uniform levels of the rotated vector): 1.75x lower key inner-product rms than TQ3
-// (3.1x lower variance), MSE 0.011 (d = 128, 20000 vectors; docs/codecs.md).
+/// TQ4 (16 uniform levels of the rotated vector): 1.75x lower key inner-product rms than TQ3
+/// (3.1x lower variance), MSE 0.011 (d = 128, 20000 vectors; docs/codecs.md).
 template <>
 struct codec_error_traits<tq4_key> {
   static constexpr double rel_mse = 0.01124, ip_rms_sqrt_d = 0.0760, ip_bias = 0.0;
@@ -203,11 +203,11 @@ struct codec_error_traits<tq3_plain> {
   static constexpr double rel_mse = 0.0340, ip_rms_sqrt_d = 0.353, ip_bias = -0.0234;
 };
 
-// Exact storage cost of a family at a head_dim: payload + per-vector metadata.
+/// Exact storage cost of a family at a head_dim: payload + per-vector metadata.
 template <class Family, int HeadDim>
 inline constexpr double family_bits_per_scalar = bits_per_scalar<codec_for<Family, HeadDim>>;
 
-// What tier<K, V> offers at a head_dim: each role judged by its own measure.
+/// What tier<K, V> offers at a head_dim: each role judged by its own measure.
 template <class Tier, int HeadDim>
 struct tier_error_traits {
   static_assert(is_tier<Tier>::value, "tier_error_traits: Tier must be a tierkv::tier<K, V>");

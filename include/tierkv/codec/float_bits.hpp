@@ -18,15 +18,15 @@ TIERKV_HD_INLINE constexpr float bits_float(std::uint32_t u) {
   return __builtin_bit_cast(float, u);
 }
 
-// Not NaN and not +-Inf, by the exponent field (immune to -ffast-math folding).
+/// Not NaN and not +-Inf, by the exponent field (immune to -ffast-math folding).
 TIERKV_HD_INLINE bool is_finite_bits(float x) {
   return (float_bits(x) & 0x7F800000u) != 0x7F800000u;
 }
 
 TIERKV_HD_INLINE float abs_bits(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); }
 
-// The largest |x_i| of x[0, n) with each |x_i| clipped at `limit` (clipped counts the
-// elements beyond it); false, with amax unspecified, when x holds NaN or Inf.
+/// The largest |x_i| of x[0, n) with each |x_i| clipped at `limit` (clipped counts the
+/// elements beyond it); false, with amax unspecified, when x holds NaN or Inf.
 TIERKV_HD_INLINE bool clipped_amax(const float* x, int n, float limit, float& amax,
                                    std::uint64_t& clipped) {
   amax = 0.0f;
@@ -43,12 +43,12 @@ TIERKV_HD_INLINE bool clipped_amax(const float* x, int n, float limit, float& am
   return true;
 }
 
-// 2^k as a float for k in [-126, 127] (normal range), built from its bits.
+/// 2^k as a float for k in [-126, 127] (normal range), built from its bits.
 TIERKV_HD_INLINE constexpr float exp2i(int k) { return bits_float(std::uint32_t(k + 127) << 23); }
 
-// x * 2^k for k in [-252, 254], in at most two exact-power multiplies; each step is
-// exact unless the result leaves the normal range (then IEEE rounding, same on host
-// and device as long as denormals are not flushed).
+/// x * 2^k for k in [-252, 254], in at most two exact-power multiplies; each step is
+/// exact unless the result leaves the normal range (then IEEE rounding, same on host
+/// and device as long as denormals are not flushed).
 TIERKV_HD_INLINE float scale_pow2(float x, int k) {
   const int k1 = k > 127 ? 127 : (k < -126 ? -126 : k);
   const int k2 = k - k1;
@@ -57,7 +57,7 @@ TIERKV_HD_INLINE float scale_pow2(float x, int k) {
   return y;
 }
 
-// The k with a * 2^k in [1, 2), for finite a > 0 (subnormals included): k in [-127, 149].
+/// The k with a * 2^k in [1, 2), for finite a > 0 (subnormals included): k in [-127, 149].
 TIERKV_HD_INLINE int unit_exponent(float a) {
   const std::uint32_t u = float_bits(a) & 0x7FFFFFFFu;
   const int biased = int(u >> 23);

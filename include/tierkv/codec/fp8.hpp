@@ -22,7 +22,7 @@ template <int HeadDim, fp8_kind Kind>
 struct fp8_codec {
   static_assert(HeadDim >= 1 && HeadDim <= 4096, "fp8_codec: head_dim must lie in [1, 4096]");
   using format_t = fp8_format<Kind>;
-  using meta_type = bf16_bits;  // the scale
+  using meta_type = bf16_bits;  ///< the scale
 
   static constexpr storage_format format =
       Kind == fp8_kind::e4m3 ? storage_format::fp8_e4m3 : storage_format::fp8_e5m2;
@@ -31,14 +31,14 @@ struct fp8_codec {
   static constexpr std::size_t meta_bytes = sizeof(meta_type);
   static constexpr const char* name = Kind == fp8_kind::e4m3 ? "fp8_e4m3" : "fp8_e5m2";
 
-  // Inputs beyond +-2^127 are clipped there (and counted as saturated): it keeps
-  // fmt_max * scale, and so every decoded value, finite.
-  static constexpr float input_limit = 1.70141183e38f;  // 2^127
-  // Written on non-finite input: codes 0 and a NaN scale, so a slot that is read by
-  // mistake yields NaN (loud) rather than a plausible vector.
+  /// Inputs beyond +-2^127 are clipped there (and counted as saturated): it keeps
+  /// fmt_max * scale, and so every decoded value, finite.
+  static constexpr float input_limit = 1.70141183e38f;  ///< 2^127
+  /// Written on non-finite input: codes 0 and a NaN scale, so a slot that is read by
+  /// mistake yields NaN (loud) rather than a plausible vector.
   static constexpr meta_type poison_meta = bf16_quiet_nan;
 
-  // The scale encode() stores for a vector whose largest clipped magnitude is amax.
+  /// The scale encode() stores for a vector whose largest clipped magnitude is amax.
   TIERKV_HD static meta_type scale_for(float amax) {
     if (!(amax > 0.0f)) return 0;
     bf16_bits s = float_to_bf16_up(amax / format_t::max_value);
@@ -66,9 +66,9 @@ struct fp8_codec {
     return errc::ok;
   }
 
-  // Codes of x / scale with a caller-chosen scale (e.g. a shared or unit scale):
-  // values beyond the format's range saturate to +-max and are counted. x must be
-  // finite (encode() checks; here non-finite values saturate / become NaN codes).
+  /// Codes of x / scale with a caller-chosen scale (e.g. a shared or unit scale):
+  /// values beyond the format's range saturate to +-max and are counted. x must be
+  /// finite (encode() checks; here non-finite values saturate / become NaN codes).
   TIERKV_HD static void encode_with_scale(const float* x, meta_type scale, std::uint8_t* payload,
                                           encode_stats* stats) {
     const float s = bf16_to_float(scale);

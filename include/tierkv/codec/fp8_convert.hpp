@@ -18,37 +18,38 @@ namespace tierkv {
 
 enum class fp8_kind : std::uint8_t { e4m3, e5m2 };
 
-// Parameters of the two OCP FP8 formats as NVIDIA implements them.
+/// Parameters of the two OCP FP8 formats as NVIDIA implements them.
 template <fp8_kind K>
 struct fp8_format;
 template <>
 struct fp8_format<fp8_kind::e4m3> {
   static constexpr int mantissa_bits = 3;
   static constexpr int exponent_bias = 7;
-  static constexpr std::uint8_t max_code = 0x7E;  // 448; 0x7F is NaN, no Inf
+  static constexpr std::uint8_t max_code = 0x7E;  ///< 448; 0x7F is NaN, no Inf
   static constexpr float max_value = 448.0f;
-  static constexpr std::uint32_t overflow_bits = 0x44000000u;    // 512: exponent beyond range
-  static constexpr std::uint32_t min_normal_bits = 0x3C800000u;  // 2^-6
-  static constexpr std::uint32_t underflow_bits = 0x3A800000u;   // 2^-10 = half the least subnormal
-  static constexpr int subnormal_exponent = -9;                  // subnormal = m * 2^-9
+  static constexpr std::uint32_t overflow_bits = 0x44000000u;    ///< 512: exponent beyond range
+  static constexpr std::uint32_t min_normal_bits = 0x3C800000u;  ///< 2^-6
+  static constexpr std::uint32_t underflow_bits =
+      0x3A800000u;                               ///< 2^-10 = half the least subnormal
+  static constexpr int subnormal_exponent = -9;  ///< subnormal = m * 2^-9
   static constexpr const char* name = "e4m3";
 };
 template <>
 struct fp8_format<fp8_kind::e5m2> {
   static constexpr int mantissa_bits = 2;
   static constexpr int exponent_bias = 15;
-  static constexpr std::uint8_t max_code = 0x7B;  // 57344; 0x7C Inf, above NaN
+  static constexpr std::uint8_t max_code = 0x7B;  ///< 57344; 0x7C Inf, above NaN
   static constexpr float max_value = 57344.0f;
-  static constexpr std::uint32_t overflow_bits = 0x47800000u;    // 65536
-  static constexpr std::uint32_t min_normal_bits = 0x38800000u;  // 2^-14
-  static constexpr std::uint32_t underflow_bits = 0x37000000u;   // 2^-17
+  static constexpr std::uint32_t overflow_bits = 0x47800000u;    ///< 65536
+  static constexpr std::uint32_t min_normal_bits = 0x38800000u;  ///< 2^-14
+  static constexpr std::uint32_t underflow_bits = 0x37000000u;   ///< 2^-17
   static constexpr int subnormal_exponent = -16;
   static constexpr const char* name = "e5m2";
 };
 
 namespace detail {
 
-// The portable conversion: float bits -> code, integer arithmetic only.
+/// The portable conversion: float bits -> code, integer arithmetic only.
 template <fp8_kind K>
 TIERKV_HD constexpr std::uint8_t float_to_fp8_portable(float x) {
   using F = fp8_format<K>;
@@ -81,8 +82,8 @@ TIERKV_HD constexpr std::uint8_t float_to_fp8_portable(float x) {
 
 }  // namespace detail
 
-// float -> FP8 code. On sm_89+ devices the hardware conversion is used (the CUDA test
-// proves it equals the portable one over all 2^32 inputs).
+/// float -> FP8 code. On sm_89+ devices the hardware conversion is used (the CUDA test
+/// proves it equals the portable one over all 2^32 inputs).
 template <fp8_kind K>
 TIERKV_HD_INLINE std::uint8_t float_to_fp8(float x) {
 #if TIERKV_DEVICE_PASS && (__CUDA_ARCH__ >= 890)
@@ -92,7 +93,7 @@ TIERKV_HD_INLINE std::uint8_t float_to_fp8(float x) {
 #endif
 }
 
-// FP8 code -> float, exact. E4M3 0x7F/0xFF and E5M2 NaN codes give NaN; E5M2 Inf codes +-Inf.
+/// FP8 code -> float, exact. E4M3 0x7F/0xFF and E5M2 NaN codes give NaN; E5M2 Inf codes +-Inf.
 template <fp8_kind K>
 TIERKV_HD constexpr float fp8_to_float(std::uint8_t c) {
   using F = fp8_format<K>;
@@ -121,7 +122,7 @@ struct fp8_decode_table {
     for (int c = 0; c < 256; ++c) value[c] = fp8_to_float<K>(std::uint8_t(c));
   }
 };
-// Host-side lookup table (256 floats) for the CPU dot product and accumulate loops.
+/// Host-side lookup table (256 floats) for the CPU dot product and accumulate loops.
 template <fp8_kind K>
 inline constexpr fp8_decode_table<K> fp8_table{};
 

@@ -34,7 +34,7 @@ struct int8_rotated_codec {
   static_assert(is_power_of_two<HeadDim> && HeadDim >= 8 && HeadDim <= 512,
                 "int8_rotated: head_dim must be a power of two in [8, 512] (the Walsh-Hadamard "
                 "rotation needs it); keep other head_dims in FP8");
-  using meta_type = bf16_bits;  // alpha
+  using meta_type = bf16_bits;  ///< alpha
 
   static constexpr storage_format format = storage_format::int8_rotated;
   static constexpr int head_dim = HeadDim;
@@ -42,8 +42,8 @@ struct int8_rotated_codec {
   static constexpr std::size_t meta_bytes = sizeof(meta_type);
   static constexpr const char* name = "int8_rotated";
   static constexpr int max_code = 127;
-  static constexpr float input_limit = 5.19229686e33f;  // 2^112
-  // Written on non-finite input: codes 0 and a NaN alpha (a slot read by mistake is loud).
+  static constexpr float input_limit = 5.19229686e33f;  ///< 2^112
+  /// Written on non-finite input: codes 0 and a NaN alpha (a slot read by mistake is loud).
   static constexpr meta_type poison_meta = bf16_quiet_nan;
 
   TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type& meta,
@@ -87,8 +87,8 @@ struct int8_rotated_codec {
     return errc::ok;
   }
 
-  // alpha = zmax / 127 * 2^-k rounded up to bf16 (bumped until zmax / (alpha 2^k) <= 127),
-  // and at least the least positive bf16: no code exceeds 127.
+  /// alpha = zmax / 127 * 2^-k rounded up to bf16 (bumped until zmax / (alpha 2^k) <= 127),
+  /// and at least the least positive bf16: no code exceeds 127.
   TIERKV_HD static meta_type alpha_for(float zmax, int k) {
     if (!(zmax > 0.0f)) return 0;
     bf16_bits s = float_to_bf16_up(detail::scale_pow2(zmax / float(max_code), -k));
@@ -106,7 +106,7 @@ struct int8_rotated_codec {
     finalize(out, ctx);
   }
 
-  // q'' = H_un D q / d, so that dot(q'', codes) * alpha = q . x_hat.
+  /// q'' = H_un D q / d, so that dot(q'', codes) * alpha = q . x_hat.
   TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context& ctx) {
     rotated_domain<HeadDim>::prepare_query(q, out, ctx.seed);
   }
@@ -118,14 +118,14 @@ struct int8_rotated_codec {
     return ((s[0] + s[1]) + (s[2] + s[3])) * bf16_to_float(meta);
   }
 
-  // acc (rotated domain, unscaled) += p alpha c; finalize maps it back.
+  /// acc (rotated domain, unscaled) += p alpha c; finalize maps it back.
   TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type& meta,
                                    float* acc) {
     const float w = p * bf16_to_float(meta);
     for (int i = 0; i < HeadDim; ++i) acc[i] += w * code_value(payload[i]);
   }
 
-  // acc <- D H_un acc / d: the inverse rotation.
+  /// acc <- D H_un acc / d: the inverse rotation.
   TIERKV_HD static void finalize(float* acc, const codec_context& ctx) {
     rotated_domain<HeadDim>::finalize(acc, ctx.seed);
   }

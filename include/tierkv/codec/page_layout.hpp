@@ -12,19 +12,19 @@
 
 namespace tierkv {
 
-// Pages are per layer (so a policy can keep chosen layers in FP8) and hold every KV
-// head (one allocation per logical page and layer). Inside, structure of arrays,
-// each region 16-byte aligned, so a warp reading one head's keys issues coalesced
-// 16-byte loads over contiguous payloads:
-//
-//   [key payloads   : kv_heads x page_tokens x KeyCodec::payload_bytes  ]
-//   [value payloads : kv_heads x page_tokens x ValueCodec::payload_bytes]
-//   [key meta       : kv_heads x page_tokens x KeyCodec::meta_bytes     ]
-//   [value meta     : kv_heads x page_tokens x ValueCodec::meta_bytes   ]
-//
-// Example, head_dim 128, 8 KV heads, 64 tokens, FP8 keys and values with a 4-byte
-// scale: 8*64*128 = 65536 B of key codes at offset 0, values at 65536, key scales
-// at 131072 (2048 B), value scales at 133120; page_bytes = 135168.
+/// Pages are per layer (so a policy can keep chosen layers in FP8) and hold every KV
+/// head (one allocation per logical page and layer). Inside, structure of arrays,
+/// each region 16-byte aligned, so a warp reading one head's keys issues coalesced
+/// 16-byte loads over contiguous payloads:
+///
+///   [key payloads   : kv_heads x page_tokens x KeyCodec::payload_bytes  ]
+///   [value payloads : kv_heads x page_tokens x ValueCodec::payload_bytes]
+///   [key meta       : kv_heads x page_tokens x KeyCodec::meta_bytes     ]
+///   [value meta     : kv_heads x page_tokens x ValueCodec::meta_bytes   ]
+///
+/// Example, head_dim 128, 8 KV heads, 64 tokens, FP8 keys and values with a 4-byte
+/// scale: 8*64*128 = 65536 B of key codes at offset 0, values at 65536, key scales
+/// at 131072 (2048 B), value scales at 133120; page_bytes = 135168.
 template <class Geometry, vector_codec KeyCodec, vector_codec ValueCodec>
 struct page_layout {
   static_assert(is_geometry_v<Geometry>, "page_layout: Geometry must be a tierkv::geometry<...>");
@@ -56,7 +56,7 @@ struct page_layout {
   static constexpr std::size_t page_bytes =
       align16(value_meta_offset + std::size_t(heads) * tokens * ValueCodec::meta_bytes);
 
-  // Byte offsets inside a page of (kv head h, token slot t).
+  /// Byte offsets inside a page of (kv head h, token slot t).
   TIERKV_HD static constexpr std::size_t key_payload(int h, int t) {
     return key_payload_offset + std::size_t(h) * key_head_stride +
            std::size_t(t) * KeyCodec::payload_bytes;
@@ -73,11 +73,11 @@ struct page_layout {
   }
 };
 
-// What device code needs to address one pool's pages: no host call, no virtual.
+/// What device code needs to address one pool's pages: no host call, no virtual.
 struct pool_view {
-  std::uint8_t* base = nullptr;  // page p starts at base + p * page_bytes
+  std::uint8_t* base = nullptr;  ///< page p starts at base + p * page_bytes
   std::size_t page_bytes = 0;
-  std::uint32_t capacity = 0;  // number of pages
+  std::uint32_t capacity = 0;  ///< number of pages
 
   TIERKV_HD std::uint8_t* page(std::uint32_t p) const { return base + std::size_t(p) * page_bytes; }
 };

@@ -20,7 +20,7 @@ template <int N>
 inline constexpr int log2_of = N <= 1 ? 0 : 1 + log2_of<N / 2>;
 }  // namespace detail
 
-// Signs of coordinates [64*block, 64*block + 64): bit i%64 set means D_ii = -1.
+/// Signs of coordinates [64*block, 64*block + 64): bit i%64 set means D_ii = -1.
 TIERKV_HD_INLINE constexpr std::uint64_t rotation_sign_word(std::uint64_t seed, int block) {
   return mix64(seed ^ (0xd1b54a32d192ed03ull * std::uint64_t(block + 1)));
 }
@@ -28,7 +28,7 @@ TIERKV_HD_INLINE constexpr bool rotation_sign_negative(std::uint64_t seed, int i
   return ((rotation_sign_word(seed, i >> 6) >> (i & 63)) & 1u) != 0;
 }
 
-// x <- D x: flips sign bits, exact.
+/// x <- D x: flips sign bits, exact.
 template <int N>
 TIERKV_HD_INLINE void apply_rotation_signs(float* x, std::uint64_t seed) {
   for (int b = 0; b < (N + 63) / 64; ++b) {
@@ -40,10 +40,10 @@ TIERKV_HD_INLINE void apply_rotation_signs(float* x, std::uint64_t seed) {
   }
 }
 
-// x <- H_N x with the unnormalized +-1 Hadamard matrix (H_N^2 = N·I). Stages run with
-// stride 1, 2, 4, ..., N/2; in each butterfly the lower index gets a + b and the upper
-// a - b. Only additions, so no FMA contraction can change the result, and any device
-// mapping that keeps the stage order (in-register strides, then shuffles) is bit-exact.
+/// x <- H_N x with the unnormalized +-1 Hadamard matrix (H_N^2 = N·I). Stages run with
+/// stride 1, 2, 4, ..., N/2; in each butterfly the lower index gets a + b and the upper
+/// a - b. Only additions, so no FMA contraction can change the result, and any device
+/// mapping that keeps the stage order (in-register strides, then shuffles) is bit-exact.
 template <int N>
 TIERKV_HD_INLINE void walsh_hadamard_unnormalized(float* x) {
   static_assert(is_power_of_two<N>, "walsh_hadamard: the size must be a power of two");
@@ -57,8 +57,8 @@ TIERKV_HD_INLINE void walsh_hadamard_unnormalized(float* x) {
       }
 }
 
-// The orthonormal rotation of the codecs, for callers that want it plain:
-// forward: x <- H D x / sqrt(N);   inverse: x <- D H x / sqrt(N)  (= R^T x).
+/// The orthonormal rotation of the codecs, for callers that want it plain:
+/// forward: x <- H D x / sqrt(N);   inverse: x <- D H x / sqrt(N)  (= R^T x).
 template <int N>
 struct randomized_hadamard {
   static_assert(is_power_of_two<N>, "randomized_hadamard: N must be a power of two");
@@ -86,11 +86,11 @@ struct randomized_hadamard {
   }
 };
 
-// The attention domain of the rotated codecs (TQ3, int8_rotated), which store codes of
-// z = H_un D x (up to a per-vector scale): a query prepared as q'' = H_un D q / N gives
-// q . x_hat = scale * sum q''_i c_i, and an accumulator of p * scale * c maps back with
-// D H_un / N once per partial state (linear, so it commutes with merges of states of the same
-// codec and seed). 1/N is a power of two: exact.
+/// The attention domain of the rotated codecs (TQ3, int8_rotated), which store codes of
+/// z = H_un D x (up to a per-vector scale): a query prepared as q'' = H_un D q / N gives
+/// q . x_hat = scale * sum q''_i c_i, and an accumulator of p * scale * c maps back with
+/// D H_un / N once per partial state (linear, so it commutes with merges of states of the same
+/// codec and seed). 1/N is a power of two: exact.
 template <int N>
 struct rotated_domain {
   static_assert(is_power_of_two<N>, "rotated_domain: N must be a power of two");

@@ -11,31 +11,34 @@
 
 namespace tierkv {
 
-// Keys and values have separate codecs because their errors act differently:
-// key error moves attention routing (judged by inner-product error), value error
-// moves the content read (judged by MSE).
+/// Keys and values have separate codecs because their errors act differently:
+/// key error moves attention routing (judged by inner-product error), value error
+/// moves the content read (judged by MSE).
 template <codec_family KeyFamily, codec_family ValueFamily>
 struct tier {
-  using key_family = KeyFamily;
-  using value_family = ValueFamily;
+  using key_family = KeyFamily;      ///< codec family of the keys
+  using value_family = ValueFamily;  ///< codec family of the values
   template <int HeadDim>
+  /// The key codec bound to HeadDim.
   using key_codec = codec_for<KeyFamily, HeadDim>;
   template <int HeadDim>
+  /// The value codec bound to HeadDim.
   using value_codec = codec_for<ValueFamily, HeadDim>;
 };
 
 template <class T>
+/// True for tierkv::tier<K, V>.
 struct is_tier : std::false_type {};
 template <class K, class V>
 struct is_tier<tier<K, V>> : std::true_type {};
 
-// An ordered list of tiers; index 0 is the tier new tokens are appended in.
+/// An ordered list of tiers; index 0 is the tier new tokens are appended in.
 template <class... Tiers>
 struct tiers {
   static_assert(sizeof...(Tiers) >= 1, "tiers<...>: a cache needs at least one tier");
   static_assert((is_tier<Tiers>::value && ...),
                 "tiers<...>: every entry must be a tierkv::tier<K, V>");
-  static constexpr int size = int(sizeof...(Tiers));
+  static constexpr int size = int(sizeof...(Tiers));  ///< number of tiers
 };
 
 namespace detail {
@@ -50,13 +53,16 @@ struct nth<I, T, Ts...> : nth<I - 1, Ts...> {};
 }  // namespace detail
 
 template <class TierList, int I>
+/// The I-th tier of a tier list (tier_at<L, I>::type).
 struct tier_at;
 template <int I, class... Tiers>
+/// The I-th tier of tiers<...>.
 struct tier_at<tiers<Tiers...>, I> {
   static_assert(I >= 0 && I < int(sizeof...(Tiers)), "tier_at: index beyond the tier list");
-  using type = typename detail::nth<I, Tiers...>::type;
+  using type = typename detail::nth<I, Tiers...>::type;  ///< the tier
 };
 template <class TierList, int I>
+/// tier_at<TierList, I>::type
 using tier_at_t = typename tier_at<TierList, I>::type;
 
 }  // namespace tierkv

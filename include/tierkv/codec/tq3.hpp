@@ -20,20 +20,20 @@ namespace tierkv {
 
 namespace detail {
 
-// The level of a code, code 0 = most negative: the int8 level L (codes 0..3: -127, -79,
-// -44, -14; 4..7 their mirror) over 64, exact in f32, f16 and bf16 (tq3_level_int / 64).
-// Selects rather than an indexed array, which device code would place in local memory.
+/// The level of a code, code 0 = most negative: the int8 level L (codes 0..3: -127, -79,
+/// -44, -14; 4..7 their mirror) over 64, exact in f32, f16 and bf16 (tq3_level_int / 64).
+/// Selects rather than an indexed array, which device code would place in local memory.
 TIERKV_HD_INLINE constexpr int tq3_level_int(int code) {
   const bool pos = (code & 4) != 0;
   const int m = pos ? (code & 3) : 3 - (code & 3);  // magnitude rank 0..3
   const int mag = m == 0 ? 14 : m == 1 ? 44 : m == 2 ? 79 : 127;
   return pos ? mag : -mag;
 }
-inline constexpr float tq3_level_scale = 1.0f / 64.0f;  // level = L / 64 (exact)
+inline constexpr float tq3_level_scale = 1.0f / 64.0f;  ///< level = L / 64 (exact)
 TIERKV_HD_INLINE float tq3_centroid(int code) {
   return float(tq3_level_int(code)) * tq3_level_scale;
 }
-// All 8 levels, for the host loops that index them by code.
+/// All 8 levels, for the host loops that index them by code.
 struct tq3_level_table {
   float v[8];
 };
@@ -43,9 +43,9 @@ TIERKV_HD_INLINE tq3_level_table tq3_levels() {
   return t;
 }
 
-// Byte tables of the GPU lookups (one byte-permute maps the 4 code nibbles of a selector to 4
-// table bytes): word 0 holds codes 0-3, word 1 codes 4-7. f16 levels: bits of L/64 (1 <= |L|
-// <= 127, normal and exact), split into low and high bytes; s8: the int8 levels themselves.
+/// Byte tables of the GPU lookups (one byte-permute maps the 4 code nibbles of a selector to 4
+/// table bytes): word 0 holds codes 0-3, word 1 codes 4-7. f16 levels: bits of L/64 (1 <= |L|
+/// <= 127, normal and exact), split into low and high bytes; s8: the int8 levels themselves.
 constexpr std::uint32_t tq3_f16_bits(int code) {
   const int l = tq3_level_int(code), m = l < 0 ? -l : l;
   int e = 0;
@@ -71,38 +71,38 @@ inline constexpr std::uint32_t tq3_s8_0 =
     tq3_table_word(0, [](int c) { return std::uint32_t(tq3_level_int(c)); });
 inline constexpr std::uint32_t tq3_s8_1 =
     tq3_table_word(4, [](int c) { return std::uint32_t(tq3_level_int(c)); });
-// u8: the biased levels L + 128 (1..255), which the GPU value path widens to f16
-// (cuda/codec/tq3.cuh).
+/// u8: the biased levels L + 128 (1..255), which the GPU value path widens to f16
+/// (cuda/codec/tq3.cuh).
 inline constexpr std::uint32_t tq3_u8_0 = tq3_s8_0 ^ 0x80808080u;
 inline constexpr std::uint32_t tq3_u8_1 = tq3_s8_1 ^ 0x80808080u;
 static_assert(tq3_f16_bits(0) == 0xBFF0u && tq3_f16_bits(4) == 0x3300u &&
                   tq3_f16_bits(6) == 0x3CF0u,
               "tq3: f16 level bits");
 static_assert(tq3_s8_0 == 0xF2D4B181u && tq3_s8_1 == 0x7F4F2C0Eu, "tq3: int8 level table");
-// Nearest-level thresholds for N(0, 1): the midpoints of adjacent int8 levels (29, 61.5, 103)
-// times a = 0.0169736, the unit scale of the levels that minimizes the Gaussian MSE.
+/// Nearest-level thresholds for N(0, 1): the midpoints of adjacent int8 levels (29, 61.5, 103)
+/// times a = 0.0169736, the unit scale of the levels that minimizes the Gaussian MSE.
 inline constexpr float tq3_threshold1 = 0.49223481f;
 inline constexpr float tq3_threshold2 = 1.04387727f;
 inline constexpr float tq3_threshold3 = 1.74828226f;
 
-// Decision bounds for z = sqrt(d)·y·|x'| (the unnormalized WHT output), i.e. the unit
-// thresholds times n = |x'|: comparing z to t·n avoids dividing every coordinate.
+/// Decision bounds for z = sqrt(d)·y·|x'| (the unnormalized WHT output), i.e. the unit
+/// thresholds times n = |x'|: comparing z to t·n avoids dividing every coordinate.
 struct tq3_bounds {
   float b1, b2, b3;
 };
 TIERKV_HD_INLINE tq3_bounds tq3_make_bounds(float n) {
   return {tq3_threshold1 * n, tq3_threshold2 * n, tq3_threshold3 * n};
 }
-// Nearest centroid by sign and magnitude (z = -0 counts as negative: code 3).
+/// Nearest centroid by sign and magnitude (z = -0 counts as negative: code 3).
 TIERKV_HD_INLINE int tq3_quantize(float z, const tq3_bounds& b) {
   const float a = abs_bits(z);
   const int m = int(a > b.b1) + int(a > b.b2) + int(a > b.b3);
   return (float_bits(z) >> 31) != 0u ? 3 - m : 4 + m;
 }
 
-// Packing of one group of 32 codes into 3 words (docs/formats.md):
-// j < 24: nibble j%8 of word j/8 (bits 4n..4n+2); j >= 24: bit 4(j-24)+3 of words 0,1,2
-// hold bits 0,1,2 of the code.
+/// Packing of one group of 32 codes into 3 words (docs/formats.md):
+/// j < 24: nibble j%8 of word j/8 (bits 4n..4n+2); j >= 24: bit 4(j-24)+3 of words 0,1,2
+/// hold bits 0,1,2 of the code.
 TIERKV_HD_INLINE void tq3_pack_group(const std::uint8_t* codes, std::uint32_t* w) {
   w[0] = w[1] = w[2] = 0u;
   for (int j = 0; j < 24; ++j) w[j >> 3] |= std::uint32_t(codes[j] & 7u) << (4 * (j & 7));
@@ -121,12 +121,12 @@ TIERKV_HD_INLINE int tq3_unpack(const std::uint32_t* w, int j) {
 
 }  // namespace detail
 
-// The 8-level grid (tq_codec's Grid): Lloyd–Max centroids on an int8 grid.
+/// The 8-level grid (tq_codec's Grid): Lloyd–Max centroids on an int8 grid.
 struct tq3_grid {
   static constexpr storage_format format = storage_format::tq3;
   static constexpr int bits = 3;
-  static constexpr int zero_code = 4;  // codes stored for an all-zero vector (alpha 0)
-  static constexpr float plain_scale = 1.08631131f;  // 64 x 0.0169736: L / 64 -> unit variance
+  static constexpr int zero_code = 4;  ///< codes stored for an all-zero vector (alpha 0)
+  static constexpr float plain_scale = 1.08631131f;  ///< 64 x 0.0169736: L / 64 -> unit variance
   static constexpr const char* key_name = "tq3_key";
   static constexpr const char* value_name = "tq3_value";
   static constexpr const char* plain_name = "tq3_plain";
@@ -155,7 +155,7 @@ struct tq3_grid {
     }
   }
 
-  // Visits (coordinate i, code) of a payload group by group, 4 independent streams.
+  /// Visits (coordinate i, code) of a payload group by group, 4 independent streams.
   template <int D, class F>
   TIERKV_HD_INLINE static void for_each_code(const std::uint8_t* payload, F&& f) {
     for (int g = 0; g < D / 32; ++g) {
@@ -199,7 +199,7 @@ struct tq3_value {
   template <int HeadDim>
   using bind = tq3_codec<HeadDim, tq_norm::least_squares>;
 };
-// Not a tier codec: |x| uncorrected, kept to measure the corrections against.
+/// Not a tier codec: |x| uncorrected, kept to measure the corrections against.
 struct tq3_plain {
   template <int HeadDim>
   using bind = tq3_codec<HeadDim, tq_norm::plain>;

@@ -28,16 +28,16 @@ namespace tierkv {
 struct tq4_grid {
   static constexpr storage_format format = storage_format::tq4;
   static constexpr int bits = 4;
-  static constexpr int zero_code = 8;         // codes stored for an all-zero vector (alpha 0)
-  static constexpr float plain_scale = 1.0f;  // tq4_plain keeps |x| as it was measured
+  static constexpr int zero_code = 8;         ///< codes stored for an all-zero vector (alpha 0)
+  static constexpr float plain_scale = 1.0f;  ///< tq4_plain keeps |x| as it was measured
   static constexpr const char* key_name = "tq4_key";
   static constexpr const char* value_name = "tq4_value";
   static constexpr const char* plain_name = "tq4_plain";
-  static constexpr float step = 0.3352f;  // Δ in standard deviations
-  static constexpr float offset = 7.5f;   // level of code c is c - offset (times alpha)
+  static constexpr float step = 0.3352f;  ///< Δ in standard deviations
+  static constexpr float offset = 7.5f;   ///< level of code c is c - offset (times alpha)
   static constexpr int max_code = 15;
   struct bounds {
-    float step;  // Δ·n in z's units
+    float step;  ///< Δ·n in z's units
   };
 
   TIERKV_HD_INLINE static bounds make_bounds(float n) { return {step * n}; }

@@ -34,28 +34,28 @@
 
 namespace tierkv {
 
-// How the stored norm alpha is corrected (see the header comment).
+/// How the stored norm alpha is corrected (see the header comment).
 enum class tq_norm : std::uint8_t {
-  unbiased_inner_product,  // *_key
-  least_squares,           // *_value
-  plain,                   // |x| itself: only for measuring the other two against
+  unbiased_inner_product,  ///< *_key
+  least_squares,           ///< *_value
+  plain,                   ///< |x| itself: only for measuring the other two against
 };
 
 namespace detail {
 
-inline constexpr int tq_lanes = 32;  // the canonical warp
+inline constexpr int tq_lanes = 32;  ///< the canonical warp
 
-// Largest stored alpha (2^112, exact in bf16): decoding multiplies alpha by levels up to
-// 7.5 (TQ4; 2.15 for TQ3) and the WHT sums up to 512 terms, so every intermediate stays
-// below FLT_MAX. Vectors with a larger norm are clipped there and counted as saturated.
-inline constexpr float tq_alpha_limit = 5.19229686e33f;  // 2^112
+/// Largest stored alpha (2^112, exact in bf16): decoding multiplies alpha by levels up to
+/// 7.5 (TQ4; 2.15 for TQ3) and the WHT sums up to 512 terms, so every intermediate stays
+/// below FLT_MAX. Vectors with a larger norm are clipped there and counted as saturated.
+inline constexpr float tq_alpha_limit = 5.19229686e33f;  ///< 2^112
 
-// The stored alpha from the canonical sums over the scaled vector x' = x·2^k:
-// sumsq = |x'|^2, s_zc = sum z_i c_i, s_cc = sum c_i^2 (z = H_un D x', c = grid levels).
-// With u_hat = D H c / d:  <u, u_hat> = s_zc / (|x'| d),  |u_hat|^2 = s_cc / d.
-// Invariant to a common scale of the levels: alpha absorbs it, except plain's |x|, which
-// assumes unit-variance levels and is multiplied by the grid's plain_scale (the factor from
-// its levels to unit-variance ones).
+/// The stored alpha from the canonical sums over the scaled vector x' = x·2^k:
+/// sumsq = |x'|^2, s_zc = sum z_i c_i, s_cc = sum c_i^2 (z = H_un D x', c = grid levels).
+/// With u_hat = D H c / d:  <u, u_hat> = s_zc / (|x'| d),  |u_hat|^2 = s_cc / d.
+/// Invariant to a common scale of the levels: alpha absorbs it, except plain's |x|, which
+/// assumes unit-variance levels and is multiplied by the grid's plain_scale (the factor from
+/// its levels to unit-variance ones).
 TIERKV_HD_INLINE bf16_bits tq_alpha(tq_norm mode, int d, float sumsq, float s_zc, float s_cc, int k,
                                     float plain_scale, bool* saturated) {
   float a;
@@ -86,7 +86,7 @@ TIERKV_HD_INLINE void store_le32(std::uint8_t* p, std::uint32_t w) {
   p[3] = std::uint8_t(w >> 24);
 }
 
-// sum_i a_i b_i in the canonical warp order (see the header comment).
+/// sum_i a_i b_i in the canonical warp order (see the header comment).
 template <int N>
 TIERKV_HD float canonical_dot(const float* a, const float* b) {
   constexpr int per = N / tq_lanes;
@@ -106,21 +106,21 @@ TIERKV_HD float canonical_dot(const float* a, const float* b) {
 
 }  // namespace detail
 
-// A grid G provides (all TIERKV_HD, static):
-//   format, bits, zero_code (codes of an all-zero vector), names of its three families;
-//   bounds make_bounds(float n)        per-vector decision data for z ~ N(0, n^2);
-//   int quantize(float z, bounds)       the code of one rotated coordinate;
-//   float level(int code)               its grid level c (any common scale: alpha absorbs it);
-//   plain_scale                         level x plain_scale is unit-variance (plain's |x| alpha);
-//   pack<D> / unpack<D>                 codes <-> payload bytes (docs/formats.md);
-//   dot<D>(q, payload)                  sum q_i c_i;  accumulate<D>(w, payload, acc): acc += w c.
+/// A grid G provides (all TIERKV_HD, static):
+///   format, bits, zero_code (codes of an all-zero vector), names of its three families;
+///   bounds make_bounds(float n)        per-vector decision data for z ~ N(0, n^2);
+///   int quantize(float z, bounds)       the code of one rotated coordinate;
+///   float level(int code)               its grid level c (any common scale: alpha absorbs it);
+///   plain_scale                         level x plain_scale is unit-variance (plain's |x| alpha);
+///   pack<D> / unpack<D>                 codes <-> payload bytes (docs/formats.md);
+///   dot<D>(q, payload)                  sum q_i c_i;  accumulate<D>(w, payload, acc): acc += w c.
 template <int HeadDim, tq_norm Norm, class Grid>
 struct tq_codec {
   static_assert(is_power_of_two<HeadDim> && HeadDim >= 32 && HeadDim <= 512,
                 "tq3 / tq4: head_dim must be a power of two in [32, 512] (the Walsh–Hadamard "
                 "rotation and the canonical 32-lane sums need it); head_dim 80, 96, 112 and 192 "
                 "are not supported - keep such layers in FP8");
-  using meta_type = bf16_bits;  // alpha, the corrected norm
+  using meta_type = bf16_bits;  ///< alpha, the corrected norm
   using grid = Grid;
 
   static constexpr storage_format format = Grid::format;
@@ -131,8 +131,8 @@ struct tq_codec {
   static constexpr const char* name = Norm == tq_norm::unbiased_inner_product ? Grid::key_name
                                       : Norm == tq_norm::least_squares        ? Grid::value_name
                                                                               : Grid::plain_name;
-  // Written on non-finite input: codes 0 and a NaN alpha, so a slot read by mistake
-  // yields NaN (loud) rather than a plausible vector.
+  /// Written on non-finite input: codes 0 and a NaN alpha, so a slot read by mistake
+  /// yields NaN (loud) rather than a plausible vector.
   static constexpr meta_type poison_meta = bf16_quiet_nan;
   static constexpr int zero_code = Grid::zero_code;
 
@@ -192,7 +192,7 @@ struct tq_codec {
     finalize(out, ctx);
   }
 
-  // q'' = H_un D q / d, so that dot(q'', k) = alpha · sum q''_i c_i = q · k_hat.
+  /// q'' = H_un D q / d, so that dot(q'', k) = alpha · sum q''_i c_i = q · k_hat.
   TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context& ctx) {
     rotated_domain<HeadDim>::prepare_query(q, out, ctx.seed);
   }
@@ -201,14 +201,14 @@ struct tq_codec {
     return Grid::template dot<HeadDim>(q, payload) * bf16_to_float(meta);
   }
 
-  // acc (rotated domain, unscaled) += p · alpha · c; finalize maps it back.
+  /// acc (rotated domain, unscaled) += p · alpha · c; finalize maps it back.
   TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type& meta,
                                    float* acc) {
     Grid::template accumulate<HeadDim>(p * bf16_to_float(meta), payload, acc);
   }
 
-  // acc <- D H_un acc / d: the inverse rotation (linear, so it commutes with merges of
-  // partial states of this codec and seed).
+  /// acc <- D H_un acc / d: the inverse rotation (linear, so it commutes with merges of
+  /// partial states of this codec and seed).
   TIERKV_HD static void finalize(float* acc, const codec_context& ctx) {
     rotated_domain<HeadDim>::finalize(acc, ctx.seed);
   }

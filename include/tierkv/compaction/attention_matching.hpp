@@ -32,43 +32,43 @@
 
 namespace tierkv::compaction {
 
-// One (layer, KV head) of a completed prefix. Row-major float arrays.
+/// One (layer, KV head) of a completed prefix. Row-major float arrays.
 struct head_data {
-  std::span<const float> keys;     // [n][head_dim], post-RoPE
-  std::span<const float> values;   // [n][head_dim]
-  std::span<const float> queries;  // [n_q][head_dim], reference queries, post-RoPE
+  std::span<const float> keys;     ///< [n][head_dim], post-RoPE
+  std::span<const float> values;   ///< [n][head_dim]
+  std::span<const float> queries;  ///< [n_q][head_dim], reference queries, post-RoPE
   int head_dim = 0;
 };
 
 struct am_options {
-  double budget = 0.1;        // fraction of the n tokens kept, in (0, 1]: t = ceil(budget n)
-  std::int64_t keep = 0;      // > 0: keep exactly this many tokens (1 <= keep <= n) instead
-  float softmax_scale = 0.f;  // the cache's logit scale; 0 = 1 / sqrt(head_dim)
-  double beta_max = 3.0;      // |beta| <= beta_max, in (0, 80]; 3 is the paper's AM setting
-  bool fit_bias = true;       // false: beta = 0 (the "drop" and "keep" arms)
-  bool refit_values = true;   // false: the kept tokens' original values ("keep")
-  double value_ridge = 1e-6;  // lambda / mean diag(P^T P), >= 0
-  int query_block = 256;      // reference queries per BLAS block (memory: block x n doubles)
+  double budget = 0.1;        ///< fraction of the n tokens kept, in (0, 1]: t = ceil(budget n)
+  std::int64_t keep = 0;      ///< > 0: keep exactly this many tokens (1 <= keep <= n) instead
+  float softmax_scale = 0.f;  ///< the cache's logit scale; 0 = 1 / sqrt(head_dim)
+  double beta_max = 3.0;      ///< |beta| <= beta_max, in (0, 80]; 3 is the paper's AM setting
+  bool fit_bias = true;       ///< false: beta = 0 (the "drop" and "keep" arms)
+  bool refit_values = true;   ///< false: the kept tokens' original values ("keep")
+  double value_ridge = 1e-6;  ///< lambda / mean diag(P^T P), >= 0
+  int query_block = 256;      ///< reference queries per BLAS block (memory: block x n doubles)
 };
 
 struct head_compaction {
   int head_dim = 0;
-  std::int64_t n = 0;              // tokens before
-  std::int64_t n_q = 0;            // reference queries
-  float softmax_scale = 0.f;       // the scale the fit used (resolved, never 0)
-  std::vector<std::int64_t> kept;  // t indices into the prefix, ascending
-  std::vector<float> keys;         // [t][d] the kept tokens' original keys
-  std::vector<float> values;       // [t][d] refit (or original) values
-  std::vector<float> beta;         // [t] logit bias, |beta| <= beta_max (0 without fit_bias)
-  // Diagnostics on the reference queries (the fitted objectives):
-  double mass_error = 0;             // ||A B - Z|| / ||Z|| with the beta above
-  double mass_error_no_bias = 0;     // the same with B = 1
-  double output_error = 0;           // ||P X - Y||_F / ||Y||_F with the values above
-  double output_error_original = 0;  // the same with the kept tokens' original values
+  std::int64_t n = 0;              ///< tokens before
+  std::int64_t n_q = 0;            ///< reference queries
+  float softmax_scale = 0.f;       ///< the scale the fit used (resolved, never 0)
+  std::vector<std::int64_t> kept;  ///< t indices into the prefix, ascending
+  std::vector<float> keys;         ///< [t][d] the kept tokens' original keys
+  std::vector<float> values;       ///< [t][d] refit (or original) values
+  std::vector<float> beta;         ///< [t] logit bias, |beta| <= beta_max (0 without fit_bias)
+  /// Diagnostics on the reference queries (the fitted objectives):
+  double mass_error = 0;             ///< ||A B - Z|| / ||Z|| with the beta above
+  double mass_error_no_bias = 0;     ///< the same with B = 1
+  double output_error = 0;           ///< ||P X - Y||_F / ||Y||_F with the values above
+  double output_error_original = 0;  ///< the same with the kept tokens' original values
   int nnls_iterations = 0;
   double nnls_kkt_violation = 0;
-  std::int64_t clipped_high = 0;    // B clipped to e^beta_max
-  std::int64_t at_lower_bound = 0;  // B at e^-beta_max (the NNLS put them at the bound)
+  std::int64_t clipped_high = 0;    ///< B clipped to e^beta_max
+  std::int64_t at_lower_bound = 0;  ///< B at e^-beta_max (the NNLS put them at the bound)
 
   std::int64_t size() const noexcept { return std::int64_t(kept.size()); }
 };
@@ -86,7 +86,7 @@ inline status check_finite_rows(std::span<const float> x, int d, const char* wha
 
 }  // namespace detail
 
-// Checks shapes and options; returns the number of tokens kept.
+/// Checks shapes and options; returns the number of tokens kept.
 inline result<std::int64_t> am_budget(const head_data& h, const am_options& o) {
   if (h.head_dim < 1)
     return status::make(errc::invalid_argument, "attention_match: head_dim = ", h.head_dim,
@@ -134,10 +134,10 @@ inline result<std::int64_t> am_budget(const head_data& h, const am_options& o) {
   return std::clamp<std::int64_t>(std::int64_t(std::ceil(o.budget * double(n) - 1e-9)), 1, n);
 }
 
-// Compacts one head (see the header comment). Errors name the value and its limit:
-// invalid_argument / out_of_range for shapes and options, non_finite_input for a NaN or Inf in
-// keys, values or queries (named by row and dim). Zero-norm queries are valid (they attend
-// uniformly).
+/// Compacts one head (see the header comment). Errors name the value and its limit:
+/// invalid_argument / out_of_range for shapes and options, non_finite_input for a NaN or Inf in
+/// keys, values or queries (named by row and dim). Zero-norm queries are valid (they attend
+/// uniformly).
 inline result<head_compaction> attention_match(const head_data& h, const am_options& o = {}) {
   auto tb = am_budget(h, o);
   if (!tb) return tb.error_status();

@@ -33,27 +33,27 @@ enum class fold_direction { ridge, mean };
 
 struct fold_options {
   fold_direction direction = fold_direction::ridge;
-  double ridge = 1e-3;  // lambda / (trace(Q^T Q) / d), > 0 (ridge direction only)
+  double ridge = 1e-3;  ///< lambda / (trace(Q^T Q) / d), > 0 (ridge direction only)
 };
 
 struct folded_head {
   int head_dim = 0;
-  std::int64_t n = 0;               // tokens of the prefix before compaction
-  float softmax_scale = 0.f;        // the scale the keys were folded for
-  std::vector<float> u;             // [d]
-  std::vector<float> keys;          // [t][d] k + (beta / scale) u
-  std::vector<float> values;        // [t][d] the compaction's values
-  std::vector<double> logit_bound;  // [n_q] max_a |beta_a| |q_i . u - 1| per reference query
+  std::int64_t n = 0;               ///< tokens of the prefix before compaction
+  float softmax_scale = 0.f;        ///< the scale the keys were folded for
+  std::vector<float> u;             ///< [d]
+  std::vector<float> keys;          ///< [t][d] k + (beta / scale) u
+  std::vector<float> values;        ///< [t][d] the compaction's values
+  std::vector<double> logit_bound;  ///< [n_q] max_a |beta_a| |q_i . u - 1| per reference query
   double max_logit_bound = 0;
   double mean_logit_bound = 0;
-  double mean_abs_qu_minus_1 = 0;  // mean_i |q_i . u - 1|
+  double mean_abs_qu_minus_1 = 0;  ///< mean_i |q_i . u - 1|
 
   std::int64_t size() const noexcept { return std::int64_t(keys.size() / std::size_t(head_dim)); }
 };
 
-// u from reference queries [n_q][d] (see the header comment). Errors: a shape that is not
-// whole rows, NaN / Inf (non_finite_input naming row and dim), ridge <= 0, and reference
-// queries that are all zero (no u can give q . u = 1; for the mean direction: a zero mean).
+/// u from reference queries [n_q][d] (see the header comment). Errors: a shape that is not
+/// whole rows, NaN / Inf (non_finite_input naming row and dim), ridge <= 0, and reference
+/// queries that are all zero (no u can give q . u = 1; for the mean direction: a zero mean).
 inline result<std::vector<double>> fit_fold_direction(std::span<const float> queries, int head_dim,
                                                       const fold_options& o = {}) {
   if (head_dim < 1)
@@ -96,8 +96,8 @@ inline result<std::vector<double>> fit_fold_direction(std::span<const float> que
   return sum;
 }
 
-// Folds a compaction's bias into its keys for the reference queries it was fitted on (or any
-// query set the caller wants the bound for). The compaction's softmax_scale is the one folded.
+/// Folds a compaction's bias into its keys for the reference queries it was fitted on (or any
+/// query set the caller wants the bound for). The compaction's softmax_scale is the one folded.
 inline result<folded_head> fold(const head_compaction& c, std::span<const float> queries,
                                 const fold_options& o = {}) {
   auto u = fit_fold_direction(queries, c.head_dim, o);

@@ -35,7 +35,7 @@ void dsyrk_(const char* uplo, const char* trans, const int* n, const int* k, con
 
 namespace tierkv::compaction::lapack {
 
-// Dimensions reach LAPACK as 32-bit ints.
+/// Dimensions reach LAPACK as 32-bit ints.
 inline status check_dim(const char* what, std::int64_t v) {
   if (v < 0 || v > std::numeric_limits<int>::max())
     return status::make(errc::out_of_range, what, " = ", v, " exceeds the limit ",
@@ -43,14 +43,14 @@ inline status check_dim(const char* what, std::int64_t v) {
   return {};
 }
 
-// C[m x n] = alpha op(A) op(B) + beta C, column-major; ta / tb 'N' or 'T'.
+/// C[m x n] = alpha op(A) op(B) + beta C, column-major; ta / tb 'N' or 'T'.
 inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda,
                  const double* b, int ldb, double beta, double* c, int ldc) {
   if (m == 0 || n == 0) return;
   dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc, 1, 1);
 }
 
-// G[n x n] = A^T A for A[k x n] (column-major, lda >= k); both triangles are filled.
+/// G[n x n] = A^T A for A[k x n] (column-major, lda >= k); both triangles are filled.
 inline void gram(int n, int k, const double* a, int lda, double* g) {
   if (n == 0) return;
   const double one = 1.0, zero = 0.0;
@@ -60,10 +60,10 @@ inline void gram(int n, int k, const double* a, int lda, double* g) {
     for (int i = j + 1; i < n; ++i) g[std::size_t(j) * n + i] = g[std::size_t(i) * n + j];
 }
 
-// Solves (G + ridge I) X = B in place (G symmetric positive semi-definite n x n, B n x nrhs),
-// by Cholesky. G is copied, not changed. When the factorization fails (G singular to working
-// precision) the ridge grows by 100x from max(ridge, 1e-14 max diag) up to 1e-4 max diag;
-// `used_ridge` gets the value that worked. Errors: invalid_argument when nothing works.
+/// Solves (G + ridge I) X = B in place (G symmetric positive semi-definite n x n, B n x nrhs),
+/// by Cholesky. G is copied, not changed. When the factorization fails (G singular to working
+/// precision) the ridge grows by 100x from max(ridge, 1e-14 max diag) up to 1e-4 max diag;
+/// `used_ridge` gets the value that worked. Errors: invalid_argument when nothing works.
 inline status solve_spd(int n, int nrhs, const double* g, double* b, double ridge = 0.0,
                         double* used_ridge = nullptr) {
   if (n == 0) return {};
@@ -94,9 +94,9 @@ inline status solve_spd(int n, int nrhs, const double* g, double* b, double ridg
                       dmax);
 }
 
-// Minimum-norm least squares min ||A x - b|| by SVD (dgelsd): A[m x n] column-major is
-// overwritten; b has max(m, n) rows x nrhs and returns x in its first n rows. Singular values
-// below rcond * s_max count as zero (rcond < 0: machine precision). Returns the rank.
+/// Minimum-norm least squares min ||A x - b|| by SVD (dgelsd): A[m x n] column-major is
+/// overwritten; b has max(m, n) rows x nrhs and returns x in its first n rows. Singular values
+/// below rcond * s_max count as zero (rcond < 0: machine precision). Returns the rank.
 inline result<int> least_squares(int m, int n, int nrhs, double* a, double* b, double rcond = -1) {
   const int ldb = std::max(1, std::max(m, n));
   std::vector<double> s(std::size_t(std::max(1, std::min(m, n))));

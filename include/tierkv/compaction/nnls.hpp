@@ -20,13 +20,13 @@
 namespace tierkv::compaction {
 
 struct nnls_result {
-  std::vector<double> x;     // the solution, >= 0
-  int iterations = 0;        // outer + inner steps
-  bool converged = false;    // KKT met before the iteration limit
-  double kkt_violation = 0;  // see the header comment, in units of c
+  std::vector<double> x;     ///< the solution, >= 0
+  int iterations = 0;        ///< outer + inner steps
+  bool converged = false;    ///< KKT met before the iteration limit
+  double kkt_violation = 0;  ///< see the header comment, in units of c
 };
 
-// g: n x n column-major (symmetric), c: n. max_iterations 0 means 10 n + 50.
+/// g: n x n column-major (symmetric), c: n. max_iterations 0 means 10 n + 50.
 inline result<nnls_result> nnls_gram(std::span<const double> g, std::span<const double> c,
                                      int max_iterations = 0) {
   const std::size_t n = c.size();

@@ -32,15 +32,15 @@ struct compacted_prefix {
   int layers = 0;
   int kv_heads = 0;
   int head_dim = 0;
-  std::int64_t tokens = 0;           // t, kept per head
-  std::int64_t original_tokens = 0;  // n: the next token's RoPE position
-  float softmax_scale = 0.f;         // what the keys were folded for
-  std::vector<float> keys;           // [layer][token][kv_head][dim]
+  std::int64_t tokens = 0;           ///< t, kept per head
+  std::int64_t original_tokens = 0;  ///< n: the next token's RoPE position
+  float softmax_scale = 0.f;         ///< what the keys were folded for
+  std::vector<float> keys;           ///< [layer][token][kv_head][dim]
   std::vector<float> values;
 };
 
-// heads[l * kv_heads + h] is (layer l, KV head h). All must have the same head_dim, token
-// count, original length and softmax scale.
+/// heads[l * kv_heads + h] is (layer l, KV head h). All must have the same head_dim, token
+/// count, original length and softmax scale.
 inline result<compacted_prefix> assemble_prefix(std::span<const folded_head> heads, int layers,
                                                 int kv_heads) {
   if (layers < 1 || kv_heads < 1 || heads.size() != std::size_t(layers) * std::size_t(kv_heads))
@@ -80,10 +80,10 @@ inline result<compacted_prefix> assemble_prefix(std::span<const folded_head> hea
   return p;
 }
 
-// Appends the prefix to the empty sequence s of cache (a tierkv::tiered_cache). Refuses,
-// changing nothing, on a shape that differs from the cache's (geometry_mismatch), a non-empty
-// sequence, a soft cap, or a softmax scale other than the fold's (invalid_argument, naming
-// both values); append's own refusals (capacity, max_pages) are passed on.
+/// Appends the prefix to the empty sequence s of cache (a tierkv::tiered_cache). Refuses,
+/// changing nothing, on a shape that differs from the cache's (geometry_mismatch), a non-empty
+/// sequence, a soft cap, or a softmax scale other than the fold's (invalid_argument, naming
+/// both values); append's own refusals (capacity, max_pages) are passed on.
 template <class Cache>
 status write_prefix(Cache& cache, seq_id s, const compacted_prefix& p) {
   using storage = typename Cache::storage_type;

@@ -34,10 +34,10 @@
 #define TIERKV_VERSION_PATCH 0
 
 namespace tierkv {
-// Internal helpers live in tierkv::detail; nothing there is API.
+/// Internal helpers live in tierkv::detail; nothing there is API.
 namespace detail {
-// For static_assert(dependent_false<T>, "...") in primary templates that must
-// never be instantiated.
+/// For static_assert(dependent_false<T>, "...") in primary templates that must
+/// never be instantiated.
 template <class...>
 inline constexpr bool dependent_false = false;
 }  // namespace detail

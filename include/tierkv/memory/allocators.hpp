@@ -36,13 +36,13 @@ namespace tierkv {
 
 enum class memory_space : std::uint8_t { host = 0, pinned_host = 1, device = 2 };
 
-// What a pool needs from an allocator policy:
-//   A::space                      memory_space of the bytes it returns
-//   A::host_accessible            whether host code may read/write them
-//   a.allocate(n)                 result<void*>, 256-byte aligned, never managed memory
-//   a.deallocate(p, n)            returns exactly what allocate(n) gave
-//   a.bytes_allocated()           bytes currently held (sum of live allocate(n) sizes)
-//   a.copy(dst, src, n), a.fill(p, byte, n)   status; in the policy's memory space
+/// What a pool needs from an allocator policy:
+///   A::space                      memory_space of the bytes it returns
+///   A::host_accessible            whether host code may read/write them
+///   a.allocate(n)                 result<void*>, 256-byte aligned, never managed memory
+///   a.deallocate(p, n)            returns exactly what allocate(n) gave
+///   a.bytes_allocated()           bytes currently held (sum of live allocate(n) sizes)
+///   a.copy(dst, src, n), a.fill(p, byte, n)   status; in the policy's memory space
 namespace detail {
 template <class A>
 concept has_space = requires {
@@ -76,7 +76,7 @@ concept allocator_policy =
     detail::has_space<A> && detail::has_host_accessible<A> && detail::has_allocate<A> &&
     detail::has_deallocate<A> && detail::has_bytes_allocated<A> && detail::has_copy_fill<A>;
 
-// static_assert(check_allocator_policy<A>()) names the first missing member.
+/// static_assert(check_allocator_policy<A>()) names the first missing member.
 template <class A>
 constexpr bool check_allocator_policy() {
   static_assert(detail::has_space<A>,
@@ -95,14 +95,14 @@ constexpr bool check_allocator_policy() {
   return allocator_policy<A>;
 }
 
-// Host-accessible policies: pools hand out host pointers to page bytes.
+/// Host-accessible policies: pools hand out host pointers to page bytes.
 template <class A>
 concept host_allocator_policy = allocator_policy<A> && A::host_accessible;
 
 inline constexpr std::size_t allocation_alignment = 256;
 
 namespace detail {
-// Bookkeeping shared by every policy: bytes and allocations currently held.
+/// Bookkeeping shared by every policy: bytes and allocations currently held.
 class allocation_counter {
  public:
   allocation_counter() = default;
@@ -144,7 +144,7 @@ inline void host_aligned_delete(void* p) noexcept {
 }
 }  // namespace detail
 
-// Ordinary host memory, 256-byte aligned.
+/// Ordinary host memory, 256-byte aligned.
 class host_allocator : public detail::allocation_counter {
  public:
   static constexpr memory_space space = memory_space::host;
@@ -170,9 +170,9 @@ class host_allocator : public detail::allocation_counter {
   }
 };
 
-// Host memory that fails on a chosen request (fault injection) and counts requests.
-// fail_on(k): the k-th allocate() from now (1 = the next one) returns
-// errc::injected_fault; fail_every(): every request fails until reset().
+/// Host memory that fails on a chosen request (fault injection) and counts requests.
+/// fail_on(k): the k-th allocate() from now (1 = the next one) returns
+/// errc::injected_fault; fail_every(): every request fails until reset().
 class failing_allocator : public detail::allocation_counter {
  public:
   static constexpr memory_space space = memory_space::host;
@@ -231,7 +231,7 @@ inline status cuda_status(cudaError_t e, const char* what, std::size_t n) {
 }
 }  // namespace detail
 
-// Page-locked host memory (cudaMallocHost): host-visible and fast to copy to the device.
+/// Page-locked host memory (cudaMallocHost): host-visible and fast to copy to the device.
 class pinned_host_allocator : public detail::allocation_counter {
  public:
   static constexpr memory_space space = memory_space::pinned_host;
@@ -259,12 +259,12 @@ class pinned_host_allocator : public detail::allocation_counter {
   }
 };
 
-// Device memory (cudaMalloc; never managed memory, so no page faults in kernels).
-// Copies and fills (fork's open-tail copy, lossless tier moves, page poisoning) are enqueued
-// device-to-device on stream() and return without waiting: the host never touches these
-// bytes, so nothing needs to. The default stream is the legacy one, which orders with every
-// blocking stream; an engine whose kernels write pages on its own stream sets that stream
-// first (set_stream), so a fork's copy of a tail page comes after the append that wrote it.
+/// Device memory (cudaMalloc; never managed memory, so no page faults in kernels).
+/// Copies and fills (fork's open-tail copy, lossless tier moves, page poisoning) are enqueued
+/// device-to-device on stream() and return without waiting: the host never touches these
+/// bytes, so nothing needs to. The default stream is the legacy one, which orders with every
+/// blocking stream; an engine whose kernels write pages on its own stream sets that stream
+/// first (set_stream), so a fork's copy of a tail page comes after the append that wrote it.
 class device_allocator : public detail::allocation_counter {
  public:
   static constexpr memory_space space = memory_space::device;

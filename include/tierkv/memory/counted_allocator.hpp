@@ -15,8 +15,8 @@
 
 namespace tierkv {
 
-// Thrown by counted_allocator when the policy refuses; callers that promise the
-// strong guarantee catch it before they change anything and return its status.
+/// Thrown by counted_allocator when the policy refuses; callers that promise the
+/// strong guarantee catch it before they change anything and return its status.
 class allocation_failure : public std::bad_alloc {
  public:
   explicit allocation_failure(status s) : status_(std::move(s)) {}

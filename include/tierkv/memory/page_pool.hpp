@@ -35,18 +35,18 @@ inline constexpr std::uint8_t page_poison_byte = 0x7F;
 
 enum class page_state : std::uint8_t { free = 0, open = 1, sealed = 2 };
 
-// Host bookkeeping of one slot, kept apart from the (possibly device) page bytes.
+/// Host bookkeeping of one slot, kept apart from the (possibly device) page bytes.
 struct page_slot_meta {
-  std::uint32_t next_free = 0;   // free-list link while free
-  std::uint32_t generation = 0;  // bumped when the slot is freed
+  std::uint32_t next_free = 0;   ///< free-list link while free
+  std::uint32_t generation = 0;  ///< bumped when the slot is freed
   std::uint32_t refcount = 0;
   page_state state = page_state::free;
   std::uint8_t owner_flags =
-      0;  // for the pool's owner (e.g. "named by a page table"); 0 when freed
+      0;  ///< for the pool's owner (e.g. "named by a page table"); 0 when freed
 };
 
-// PageAlloc provides the slab, MetaAlloc (host) the slot bookkeeping. Not movable:
-// the owner (a paged storage) keeps pools in place.
+/// PageAlloc provides the slab, MetaAlloc (host) the slot bookkeeping. Not movable:
+/// the owner (a paged storage) keeps pools in place.
 template <class Layout, allocator_policy PageAlloc, host_allocator_policy MetaAlloc>
 class page_pool {
   static_assert(check_allocator_policy<PageAlloc>());
@@ -61,7 +61,7 @@ class page_pool {
   page_pool& operator=(const page_pool&) = delete;
   ~page_pool() { reset(); }
 
-  // Allocates the slab and the bookkeeping; on failure nothing stays allocated.
+  /// Allocates the slab and the bookkeeping; on failure nothing stays allocated.
   status init(PageAlloc& pages, MetaAlloc& meta, std::size_t& bookkeeping_line,
               std::uint32_t capacity, format_index format) {
     if (slab_ != nullptr)
@@ -105,10 +105,10 @@ class page_pool {
   std::size_t slab_bytes() const noexcept { return std::size_t(capacity_) * page_bytes; }
   std::size_t bookkeeping_bytes() const noexcept { return sizeof(page_slot_meta) * capacity_; }
 
-  // What kernels index: no host call, no ownership.
+  /// What kernels index: no host call, no ownership.
   pool_view view() const noexcept { return {slab_, page_bytes, capacity_}; }
 
-  // A fresh open page with refcount 1 (poisoned in debug builds).
+  /// A fresh open page with refcount 1 (poisoned in debug builds).
   result<page_id> allocate() {
     if (free_count_ == 0)
       return status::make(errc::capacity_exhausted, "page pool of format ", unsigned(format_),
@@ -129,7 +129,7 @@ class page_pool {
     return page_id{slot, m.generation, format_};
   }
 
-  // Ok when id names a live page of this pool; otherwise why not (the pool is unchanged).
+  /// Ok when id names a live page of this pool; otherwise why not (the pool is unchanged).
   status check(page_id id) const {
     if (id.format != format_)
       return status::make(errc::invalid_argument, "page ", id, " has format ", unsigned(id.format),
@@ -160,7 +160,7 @@ class page_pool {
     return {};
   }
 
-  // Drops one reference; the last one frees the slot (its generation moves on).
+  /// Drops one reference; the last one frees the slot (its generation moves on).
   status release(page_id id) {
     if (auto s = check(id); !s) return s;
     page_slot_meta& m = slots_[id.slot];
@@ -175,14 +175,14 @@ class page_pool {
     return {};
   }
 
-  // Open -> sealed (immutable from now on). Sealing a sealed page is a no-op.
+  /// Open -> sealed (immutable from now on). Sealing a sealed page is a no-op.
   status seal(page_id id) {
     if (auto s = check(id); !s) return s;
     slots_[id.slot].state = page_state::sealed;
     return {};
   }
 
-  // Owner-defined bits kept with the slot (the storage marks pages its tables name).
+  /// Owner-defined bits kept with the slot (the storage marks pages its tables name).
   status set_owner_flags(page_id id, std::uint8_t flags) {
     if (auto s = check(id); !s) return s;
     slots_[id.slot].owner_flags = flags;
@@ -196,7 +196,7 @@ class page_pool {
   }
   const page_slot_meta& slot_meta(std::uint32_t slot) const { return slots_[slot]; }
 
-  // Host access to page bytes, only for host-visible memory.
+  /// Host access to page bytes, only for host-visible memory.
   std::uint8_t* host_page(page_id id) const requires PageAlloc::host_accessible {
     return slab_ + std::size_t(id.slot) * page_bytes;
   }
@@ -204,15 +204,15 @@ class page_pool {
     return slab_ + std::size_t(id.slot) * page_bytes;
   }
 
-  // Copies all bytes of page src into page dst (same pool), in the slab's memory space.
+  /// Copies all bytes of page src into page dst (same pool), in the slab's memory space.
   status copy_page(page_id dst, page_id src) {
     if (auto s = check(dst); !s) return s;
     if (auto s = check(src); !s) return s;
     return page_alloc_->copy(device_page(dst), device_page(src), page_bytes);
   }
 
-  // Free-list integrity and page-count conservation: every free slot is on the list
-  // exactly once, no live slot is, live slots hold refcount >= 1, and counts add up.
+  /// Free-list integrity and page-count conservation: every free slot is on the list
+  /// exactly once, no live slot is, live slots hold refcount >= 1, and counts add up.
   status check_integrity() const {
     std::uint32_t listed = 0;
     std::uint32_t free_slots = 0;

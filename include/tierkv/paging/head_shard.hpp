@@ -29,7 +29,7 @@
 
 namespace tierkv {
 
-// The geometry of one of T ranks: same head_dim, group size and page size, kv_heads / T heads.
+/// The geometry of one of T ranks: same head_dim, group size and page size, kv_heads / T heads.
 template <class Geometry, int Ranks>
 struct shard_geometry {
   static_assert(is_geometry_v<Geometry>,
@@ -46,10 +46,10 @@ struct shard_geometry {
 template <class Geometry, int Ranks>
 using shard_geometry_t = typename shard_geometry<Geometry, Ranks>::type;
 
-// Which heads rank r of T holds.
+/// Which heads rank r of T holds.
 struct rank_heads {
-  int kv_begin = 0, kv_count = 0;  // KV heads
-  int q_begin = 0, q_count = 0;    // query heads (their GQA groups)
+  int kv_begin = 0, kv_count = 0;  ///< KV heads
+  int q_begin = 0, q_count = 0;    ///< query heads (their GQA groups)
 };
 inline result<rank_heads> heads_of_rank(int kv_heads, int group_size, int ranks, int rank) {
   if (ranks < 1 || kv_heads % ranks != 0)
@@ -60,8 +60,8 @@ inline result<rank_heads> heads_of_rank(int kv_heads, int group_size, int ranks,
   return rank_heads{rank * n, n, rank * n * group_size, n * group_size};
 }
 
-// Rank r's storage options: the unsharded cache's `opt` with head_base advanced by the
-// rank's first KV head (r * kv_heads / T when the unsharded cache starts at head 0).
+/// Rank r's storage options: the unsharded cache's `opt` with head_base advanced by the
+/// rank's first KV head (r * kv_heads / T when the unsharded cache starts at head 0).
 template <int NumTiers>
 result<storage_options<NumTiers>> rank_options(storage_options<NumTiers> opt, int kv_heads,
                                                int ranks, int rank) {
@@ -71,8 +71,8 @@ result<storage_options<NumTiers>> rank_options(storage_options<NumTiers> opt, in
   return opt;
 }
 
-// Rank r's slice of a token-major tensor [rows][heads][dim] (K/V of an append, or
-// queries / outputs): heads [begin, begin + count) of every row, in order.
+/// Rank r's slice of a token-major tensor [rows][heads][dim] (K/V of an append, or
+/// queries / outputs): heads [begin, begin + count) of every row, in order.
 inline status slice_heads(std::span<const float> all, int heads, int dim, int begin, int count,
                           std::span<float> out) {
   const std::size_t per_row = std::size_t(heads) * std::size_t(dim);
@@ -92,7 +92,7 @@ inline status slice_heads(std::span<const float> all, int heads, int dim, int be
                 out.data() + r * chunk);
   return {};
 }
-// The inverse: writes a rank's [rows][count][dim] slice into heads [begin, begin + count) of out.
+/// The inverse: writes a rank's [rows][count][dim] slice into heads [begin, begin + count) of out.
 inline status join_heads(std::span<const float> part, int heads, int dim, int begin, int count,
                          std::span<float> out) {
   const std::size_t per_row = std::size_t(heads) * std::size_t(dim);
@@ -111,8 +111,8 @@ inline status join_heads(std::span<const float> part, int heads, int dim, int be
   return {};
 }
 
-// Exports rank r's head slice (of T) of logical pages [first, first + count) of seq,
-// for import_pages into that rank's cache (made with rank_options, so TQ3 pages fit).
+/// Exports rank r's head slice (of T) of logical pages [first, first + count) of seq,
+/// for import_pages into that rank's cache (made with rank_options, so TQ3 pages fit).
 template <class Storage>
 result<std::vector<std::uint8_t>> export_rank_pages(
     const Storage& s, seq_id seq, int ranks, int rank, std::int64_t first = 0,
@@ -122,9 +122,9 @@ result<std::vector<std::uint8_t>> export_rank_pages(
   return export_pages(s, seq, first, count, head_slice{h->kv_begin, h->kv_count});
 }
 
-// Whether the page tables of two storages (ranks) agree for a sequence on each: same
-// length, and the same tier and page id for every (logical page, layer). Names the
-// first difference.
+/// Whether the page tables of two storages (ranks) agree for a sequence on each: same
+/// length, and the same tier and page id for every (logical page, layer). Names the
+/// first difference.
 template <class StorageA, class StorageB>
 status compare_page_tables(const StorageA& a, seq_id sa, const StorageB& b, seq_id sb) {
   auto la = a.length(sa);

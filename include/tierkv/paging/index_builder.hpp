@@ -23,21 +23,21 @@
 
 namespace tierkv {
 
-// Where each array lives in an index buffer (byte offsets, each 16-byte aligned):
-//   seq_len[max_batch]
-//   per format f: indptr[max_batch + 1], slot[max_batch * max_pages], logical[same]
-// Every format gets room for the whole batch, so any mix of formats fits and the
-// pointers never move between steps.
+/// Where each array lives in an index buffer (byte offsets, each 16-byte aligned):
+///   seq_len[max_batch]
+///   per format f: indptr[max_batch + 1], slot[max_batch * max_pages], logical[same]
+/// Every format gets room for the whole batch, so any mix of formats fits and the
+/// pointers never move between steps.
 template <int NumFormats>
 struct index_layout {
   static_assert(NumFormats >= 1, "index_layout: at least one format");
   int max_batch = 0;
-  int max_pages = 0;  // logical pages per sequence
+  int max_pages = 0;  ///< logical pages per sequence
 
   static constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
   static constexpr std::size_t ints(std::size_t n) { return align16(n * sizeof(std::int32_t)); }
 
-  // Ok when the shape fits int32 indices.
+  /// Ok when the shape fits int32 indices.
   constexpr status validate() const {
     if (max_batch < 1)
       return status::make(errc::invalid_argument, "index_layout: max_batch = ", max_batch, " < 1");
@@ -65,12 +65,12 @@ struct index_layout {
     return ints(std::size_t(max_batch)) + NumFormats * format_bytes();
   }
 
-  // Bytes an index buffer needs for max_batch sequences of up to max_pages logical pages.
+  /// Bytes an index buffer needs for max_batch sequences of up to max_pages logical pages.
   static constexpr std::size_t capacity_for(int max_batch, int max_pages) {
     return index_layout{max_batch, max_pages}.bytes();
   }
 
-  // The view over a buffer laid out this way (host or device memory; batch filled in).
+  /// The view over a buffer laid out this way (host or device memory; batch filled in).
   batch_index_view<NumFormats> view_of(void* buffer, int batch) const {
     auto* base = static_cast<std::uint8_t*>(buffer);
     batch_index_view<NumFormats> v;
@@ -100,7 +100,7 @@ T* at(std::span<std::uint8_t> buffer, std::size_t offset) {
 }
 }  // namespace detail
 
-// Host builder. Checks everything first; on error the buffer is untouched.
+/// Host builder. Checks everything first; on error the buffer is untouched.
 template <class Storage>
 result<batch_index_view<Storage::num_tiers>> build_batch_index(
     const Storage& storage, int layer, std::span<const seq_id> batch,
@@ -145,8 +145,8 @@ result<batch_index_view<Storage::num_tiers>> build_batch_index(
   return layout.view_of(buffer.data(), int(batch.size()));
 }
 
-// One layer's page tables as flat arrays (the device builder's input), CSR over the batch:
-//   indptr[batch + 1], slot[total], format[total] (tier index), seq_len[batch].
+/// One layer's page tables as flat arrays (the device builder's input), CSR over the batch:
+///   indptr[batch + 1], slot[total], format[total] (tier index), seq_len[batch].
 struct page_table_arrays {
   int batch = 0;
   const std::int32_t* indptr = nullptr;
@@ -155,7 +155,7 @@ struct page_table_arrays {
   const std::int32_t* seq_len = nullptr;
 };
 
-// Same shape limits as index_layout; byte layout: indptr, slot, format, seq_len.
+/// Same shape limits as index_layout; byte layout: indptr, slot, format, seq_len.
 struct page_table_layout {
   int max_batch = 0;
   int max_pages = 0;
@@ -180,7 +180,7 @@ struct page_table_layout {
   }
 };
 
-// Writes one layer's page tables for a batch into a host buffer (to be copied to the device).
+/// Writes one layer's page tables for a batch into a host buffer (to be copied to the device).
 template <class Storage>
 result<page_table_arrays> export_page_tables(const Storage& storage, int layer,
                                              std::span<const seq_id> batch,
@@ -217,18 +217,18 @@ result<page_table_arrays> export_page_tables(const Storage& storage, int layer,
   return layout.view_of(buffer.data(), int(batch.size()));
 }
 
-// A FlashInfer/vLLM-style page table of a cache whose pages all have one format:
-// sequence b owns pages indices[indptr[b] .. indptr[b+1]) in logical order, and its
-// last page holds last_page_len[b] tokens (1..page_tokens; 0 only when it has no pages).
+/// A FlashInfer/vLLM-style page table of a cache whose pages all have one format:
+/// sequence b owns pages indices[indptr[b] .. indptr[b+1]) in logical order, and its
+/// last page holds last_page_len[b] tokens (1..page_tokens; 0 only when it has no pages).
 struct paged_kv_table {
   int batch = 0;
   int page_tokens = 0;
-  const std::int32_t* indptr = nullptr;         // [batch + 1]
-  const std::int32_t* indices = nullptr;        // [indptr[batch]]
-  const std::int32_t* last_page_len = nullptr;  // [batch]
+  const std::int32_t* indptr = nullptr;         ///< [batch + 1]
+  const std::int32_t* indices = nullptr;        ///< [indptr[batch]]
+  const std::int32_t* last_page_len = nullptr;  ///< [batch]
 };
 
-// Checks a paged_kv_table (host memory) against a layout and a pool capacity.
+/// Checks a paged_kv_table (host memory) against a layout and a pool capacity.
 inline status validate_paged_kv_table(const paged_kv_table& t, int max_batch, int max_pages,
                                       std::uint32_t pool_capacity) {
   if (t.batch < 0 || t.batch > max_batch)
@@ -260,7 +260,7 @@ inline status validate_paged_kv_table(const paged_kv_table& t, int max_batch, in
   return {};
 }
 
-// Adapter: the table's pages all belong to format `format`; other formats are empty.
+/// Adapter: the table's pages all belong to format `format`; other formats are empty.
 template <int NumFormats>
 result<batch_index_view<NumFormats>> index_from_paged_kv_table(
     const paged_kv_table& t, int format, std::uint32_t pool_capacity,
@@ -292,8 +292,8 @@ result<batch_index_view<NumFormats>> index_from_paged_kv_table(
   return layout.view_of(buffer.data(), t.batch);
 }
 
-// An index buffer owned by a storage's bookkeeping allocator and charged to its
-// index_arrays accounting line (host memory; kernels on the device use their own).
+/// An index buffer owned by a storage's bookkeeping allocator and charged to its
+/// index_arrays accounting line (host memory; kernels on the device use their own).
 template <class Storage>
 class index_arrays {
  public:

@@ -33,59 +33,59 @@ static_assert(std::endian::native == std::endian::little,
               "page_transfer: the buffer format is little-endian and is written with memcpy");
 
 inline constexpr std::array<char, 8> page_transfer_magic = {'T', 'K', 'V', 'P', 'A', 'G', 'E', 'S'};
-// 2: TQ3 levels moved onto the int8 grid (codec/tq3.hpp), so a version-1 buffer's TQ3 codes
-// and alpha would decode to other values: refused rather than read.
+/// 2: TQ3 levels moved onto the int8 grid (codec/tq3.hpp), so a version-1 buffer's TQ3 codes
+/// and alpha would decode to other values: refused rather than read.
 inline constexpr std::uint32_t page_transfer_version = 2;
 inline constexpr std::size_t page_transfer_header_bytes = 80;
 inline constexpr std::size_t page_transfer_tier_entry_bytes = 8;
 inline constexpr std::size_t page_transfer_record_bytes = 16;
 inline constexpr std::size_t page_transfer_checksum_bytes = 8;
 
-// Formats whose decoding depends on the codec context (the rotation seed derived from
-// cache seed, layer, global KV head index and role). Pages in these formats decode
-// correctly only in a storage that gives them the same global head index, i.e. whose
-// head_base is the slice's first global head (see verify_import).
+/// Formats whose decoding depends on the codec context (the rotation seed derived from
+/// cache seed, layer, global KV head index and role). Pages in these formats decode
+/// correctly only in a storage that gives them the same global head index, i.e. whose
+/// head_base is the slice's first global head (see verify_import).
 constexpr bool format_uses_codec_context(storage_format f) noexcept {
   return f == storage_format::tq3 || f == storage_format::tq4 || f == storage_format::int8_rotated;
 }
 
-// A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
+/// A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
 struct head_slice {
   int begin = 0;
   int count = -1;
 };
 
-// What a buffer says about itself (parsed by inspect_transfer; everything verified).
+/// What a buffer says about itself (parsed by inspect_transfer; everything verified).
 struct transfer_tier_info {
   storage_format key_format{};
   storage_format value_format{};
-  std::uint32_t page_bytes = 0;  // bytes of one page (of the buffer's head slice)
+  std::uint32_t page_bytes = 0;  ///< bytes of one page (of the buffer's head slice)
 };
 struct transfer_info {
   std::uint32_t version = 0;
   std::uint64_t total_bytes = 0;
-  geometry_desc geometry{};  // kv_heads = heads in the buffer (the slice)
+  geometry_desc geometry{};  ///< kv_heads = heads in the buffer (the slice)
   std::uint32_t head_begin =
-      0;  // global index of the slice's first KV head (source head_base + slice begin)
+      0;  ///< global index of the slice's first KV head (source head_base + slice begin)
   std::uint32_t source_kv_heads = 0;
   std::uint32_t num_layers = 0;
   std::uint32_t num_tiers = 0;
   std::uint64_t codec_seed = 0;
-  std::uint32_t first_logical = 0;  // the run's first logical page in the source sequence
+  std::uint32_t first_logical = 0;  ///< the run's first logical page in the source sequence
   std::uint32_t logical_pages = 0;
-  std::uint64_t tokens = 0;  // tokens the run holds (sum of the logical pages' fills)
+  std::uint64_t tokens = 0;  ///< tokens the run holds (sum of the logical pages' fills)
   std::vector<transfer_tier_info> tiers;
-  std::vector<std::uint64_t> pages_per_tier;  // records (logical page x layer) per tier
-  std::uint32_t last_fill = 0;                // fill of the run's last logical page
+  std::vector<std::uint64_t> pages_per_tier;  ///< records (logical page x layer) per tier
+  std::uint32_t last_fill = 0;                ///< fill of the run's last logical page
   std::uint64_t checksum = 0;
 };
 
 namespace detail {
 
-// FNV-1a-64 over little-endian 8-byte words (then the remaining bytes one by one),
-// finished with the splitmix64 finalizer. Word-wise so checking a GiB-sized transfer
-// costs one multiply per 8 bytes; each step is a bijection of the state, so any
-// single changed word changes the sum. Integrity against corruption, not an adversary.
+/// FNV-1a-64 over little-endian 8-byte words (then the remaining bytes one by one),
+/// finished with the splitmix64 finalizer. Word-wise so checking a GiB-sized transfer
+/// costs one multiply per 8 bytes; each step is a bijection of the state, so any
+/// single changed word changes the sum. Integrity against corruption, not an adversary.
 inline std::uint64_t transfer_checksum(std::span<const std::uint8_t> bytes) noexcept {
   constexpr std::uint64_t prime = 0x100000001b3ull;
   std::uint64_t h = 0xcbf29ce484222325ull;
@@ -110,8 +110,8 @@ T get(const std::uint8_t* base, std::size_t off) noexcept {
   return v;
 }
 
-// Byte offsets of the four regions of a page of a head slice, in the source layout
-// and in the slice's own layout (a page_layout with kv_heads = slice count).
+/// Byte offsets of the four regions of a page of a head slice, in the source layout
+/// and in the slice's own layout (a page_layout with kv_heads = slice count).
 template <class Layout>
 struct slice_regions {
   std::size_t src[4];
@@ -173,10 +173,10 @@ inline status truncated(std::size_t have, std::size_t need, const char* what) {
 
 }  // namespace detail
 
-// Parses and verifies a buffer on its own (no storage): magic, version, sizes, the
-// checksum, and the record sequence (logical pages 0.. in order, every layer once,
-// tiers inside the tier table, fills in [1, page_tokens], only the last logical page
-// partial). Any failure is errc::corrupt_data with the offending and expected values.
+/// Parses and verifies a buffer on its own (no storage): magic, version, sizes, the
+/// checksum, and the record sequence (logical pages 0.. in order, every layer once,
+/// tiers inside the tier table, fills in [1, page_tokens], only the last logical page
+/// partial). Any failure is errc::corrupt_data with the offending and expected values.
 inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf) {
   using detail::get;
   const std::uint8_t* b = buf.data();
@@ -284,7 +284,7 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
   return t;
 }
 
-// Bytes an export of `pages` logical pages (all layers) whose tiers are `tier_of(j, l)`.
+/// Bytes an export of `pages` logical pages (all layers) whose tiers are `tier_of(j, l)`.
 template <class Storage>
 result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first = 0,
                                 std::int64_t count = -1, head_slice heads = {}) {
@@ -311,9 +311,9 @@ result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first
   return total;
 }
 
-// Writes logical pages [first, first + count) of seq (all layers; KV heads of `heads`)
-// into out, which must hold exactly export_size(...) bytes (a pinned or registered
-// buffer, say). The storage is not changed.
+/// Writes logical pages [first, first + count) of seq (all layers; KV heads of `heads`)
+/// into out, which must hold exactly export_size(...) bytes (a pinned or registered
+/// buffer, say). The storage is not changed.
 template <class Storage>
 status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> out,
                          std::int64_t first = 0, std::int64_t count = -1,
@@ -411,11 +411,11 @@ result<std::vector<std::uint8_t>> export_pages(
   return out;
 }
 
-// Everything import_pages checks before it changes anything: the buffer on its own
-// (inspect_transfer), then that it fits this storage: geometry, layer count, tier list
-// and formats, page sizes, codec seed, and that no rotation-dependent page would be
-// decoded with another head's rotation (the slice's first global head must be this
-// storage's head_base; context-free formats import at any head_base).
+/// Everything import_pages checks before it changes anything: the buffer on its own
+/// (inspect_transfer), then that it fits this storage: geometry, layer count, tier list
+/// and formats, page sizes, codec seed, and that no rotation-dependent page would be
+/// decoded with another head's rotation (the slice's first global head must be this
+/// storage's head_base; context-free formats import at any head_base).
 template <class Storage>
 result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8_t> buf) {
   auto info = inspect_transfer(buf);
@@ -473,16 +473,16 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
   return info;
 }
 
-// Imports a verified buffer as a NEW sequence of s holding the run's pages (its logical
-// page 0 is the run's first page), byte-identical to the source's (a partial last page:
-// its filled token slots; the slots past the fill are zero). All or nothing: the
-// buffer and the capacities (sequence slot, blocks, every tier's pool at its peak use)
-// are checked first; a failure after that (bookkeeping memory) releases the partial
-// sequence, so every pool, block and sequence count is as before.
-//
-// Mechanism, through the storage's public hooks only: per logical page, append its fill
-// of zero tokens (a tier-0 block), then overwrite each layer's tier-0 page with the
-// buffer's bytes, or publish a page of the buffer's tier with replace_page.
+/// Imports a verified buffer as a NEW sequence of s holding the run's pages (its logical
+/// page 0 is the run's first page), byte-identical to the source's (a partial last page:
+/// its filled token slots; the slots past the fill are zero). All or nothing: the
+/// buffer and the capacities (sequence slot, blocks, every tier's pool at its peak use)
+/// are checked first; a failure after that (bookkeeping memory) releases the partial
+/// sequence, so every pool, block and sequence count is as before.
+///
+/// Mechanism, through the storage's public hooks only: per logical page, append its fill
+/// of zero tokens (a tier-0 block), then overwrite each layer's tier-0 page with the
+/// buffer's bytes, or publish a page of the buffer's tier with replace_page.
 template <class Storage>
 result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf) requires
     Storage::page_allocator::host_accessible {

@@ -84,7 +84,7 @@ class paged_storage {
     block_free_.reset();
   }
 
-  // Builds a storage; every allocation failure is returned, nothing leaks.
+  /// Builds a storage; every allocation failure is returned, nothing leaks.
   static result<std::unique_ptr<paged_storage>> create(const options& opt,
                                                        PageAlloc page_alloc = {},
                                                        MetaAlloc meta_alloc = {}) {
@@ -97,7 +97,7 @@ class paged_storage {
     return result<std::unique_ptr<paged_storage>>(std::move(s));
   }
 
-  // Every option against its limit, allocating nothing (create calls it first).
+  /// Every option against its limit, allocating nothing (create calls it first).
   static status validate(const options& opt) {
     if (opt.num_layers < 1 || opt.num_layers > 4096)
       return status::make(errc::invalid_argument, "num_layers = ", opt.num_layers,
@@ -170,26 +170,26 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     return r->length;
   }
-  // Committed logical pages (a reservation's new pages are not counted until commit).
+  /// Committed logical pages (a reservation's new pages are not counted until commit).
   result<std::int64_t> logical_pages(seq_id s) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     return std::int64_t(committed_pages(*r));
   }
-  // Tokens of the sequence's outstanding reservation (0: none).
+  /// Tokens of the sequence's outstanding reservation (0: none).
   result<std::int64_t> reserved(seq_id s) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
     return r->reserved;
   }
 
-  // Appends n tokens to every layer. keys and values hold n * num_layers * kv_heads *
-  // head_dim floats, laid out [layer][token][kv_head][dim]. Either all tokens are
-  // appended or nothing changes (strong guarantee): sizes, finiteness, the block table
-  // and bookkeeping memory are checked and reserved first, then make_room is called
-  // (room_hook), then the tier-0 pool's free pages are checked, then the first write.
-  // The same pages and bytes as reserve + write_layer for every layer + commit (tested);
-  // refused while the sequence has a reservation outstanding.
+  /// Appends n tokens to every layer. keys and values hold n * num_layers * kv_heads *
+  /// head_dim floats, laid out [layer][token][kv_head][dim]. Either all tokens are
+  /// appended or nothing changes (strong guarantee): sizes, finiteness, the block table
+  /// and bookkeeping memory are checked and reserved first, then make_room is called
+  /// (room_hook), then the tier-0 pool's free pages are checked, then the first write.
+  /// The same pages and bytes as reserve + write_layer for every layer + commit (tested);
+  /// refused while the sequence has a reservation outstanding.
   template <room_hook MakeRoom = no_room>
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values,
@@ -222,25 +222,25 @@ class paged_storage {
   }
 
   // ---- layer-by-layer writes: reserve, write every layer, commit ----------------------------
-  // reserve makes room for the sequence's next n tokens in the append tier (tier 0), opening
-  // ceil((length + n) / page_tokens) - logical pages new logical pages (one tier-0 page per
-  // layer each), and fills `out` (slot_mapping: the slot of every (layer, token) and the
-  // offset of every token), which cuda::append_inputs takes as is. Metadata only: nothing is
-  // encoded and no bookkeeping is allocated once the page list has grown to its length. The
-  // checks come in append's order (the sequence, n, the mapping's sizes, the length limit,
-  // the block table and page-list memory, then make_room (room_hook), then the tier-0 pool),
-  // and a refused reserve changes nothing. One reservation per sequence at a time.
-  //
-  // Until commit the reserved tokens are not part of the sequence: length, logical_pages,
-  // page, block_of, read_token, the index builders and so attention see only committed
-  // tokens; a reservation's pages are open and private, so no conversion, fork or prefix
-  // index touches them and its slots stay valid. commit(s, m), m <= reserved, makes the
-  // first m tokens live (length grows by m; pages they fill are sealed, as append seals them)
-  // and ends the reservation: the pages opened only for the other reserved tokens go back to
-  // their pool (speculative tokens that were not accepted). cancel(s) is commit(s, 0);
-  // release(s) drops a reservation with the sequence. Every layer of a committed token must
-  // have been written (write_layer, cuda::append or the engine's own kernel) before commit:
-  // the storage cannot tell, and an unwritten slot holds whatever bytes the page held.
+  /// reserve makes room for the sequence's next n tokens in the append tier (tier 0), opening
+  /// ceil((length + n) / page_tokens) - logical pages new logical pages (one tier-0 page per
+  /// layer each), and fills `out` (slot_mapping: the slot of every (layer, token) and the
+  /// offset of every token), which cuda::append_inputs takes as is. Metadata only: nothing is
+  /// encoded and no bookkeeping is allocated once the page list has grown to its length. The
+  /// checks come in append's order (the sequence, n, the mapping's sizes, the length limit,
+  /// the block table and page-list memory, then make_room (room_hook), then the tier-0 pool),
+  /// and a refused reserve changes nothing. One reservation per sequence at a time.
+  ///
+  /// Until commit the reserved tokens are not part of the sequence: length, logical_pages,
+  /// page, block_of, read_token, the index builders and so attention see only committed
+  /// tokens; a reservation's pages are open and private, so no conversion, fork or prefix
+  /// index touches them and its slots stay valid. commit(s, m), m <= reserved, makes the
+  /// first m tokens live (length grows by m; pages they fill are sealed, as append seals them)
+  /// and ends the reservation: the pages opened only for the other reserved tokens go back to
+  /// their pool (speculative tokens that were not accepted). cancel(s) is commit(s, 0);
+  /// release(s) drops a reservation with the sequence. Every layer of a committed token must
+  /// have been written (write_layer, cuda::append or the engine's own kernel) before commit:
+  /// the storage cannot tell, and an unwritten slot holds whatever bytes the page held.
   template <room_hook MakeRoom = no_room>
   status reserve(seq_id s, std::int64_t n, slot_mapping out = {}, MakeRoom&& make_room = {}) {
     seq_record* r = find(s);
@@ -259,8 +259,8 @@ class paged_storage {
     return {};
   }
 
-  // The slot mapping of the sequence's outstanding reservation again (same layout as
-  // reserve's); invalid_argument when there is none.
+  /// The slot mapping of the sequence's outstanding reservation again (same layout as
+  /// reserve's); invalid_argument when there is none.
   status slots(seq_id s, slot_mapping out) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
@@ -271,10 +271,10 @@ class paged_storage {
     return {};
   }
 
-  // Encodes one layer of every reserved token on the host with tier 0's codecs, exactly as
-  // append encodes that layer (byte for byte). keys and values hold reserved * kv_heads *
-  // head_dim floats, [token][kv_head][dim]. Sizes and finiteness are checked first; a refusal
-  // writes nothing. Writing a layer again overwrites it (the tokens are not live yet).
+  /// Encodes one layer of every reserved token on the host with tier 0's codecs, exactly as
+  /// append encodes that layer (byte for byte). keys and values hold reserved * kv_heads *
+  /// head_dim floats, [token][kv_head][dim]. Sizes and finiteness are checked first; a refusal
+  /// writes nothing. Writing a layer again overwrites it (the tokens are not live yet).
   status write_layer(seq_id s, int layer, std::span<const float> keys,
                      std::span<const float> values) requires PageAlloc::host_accessible {
     seq_record* r = find(s);
@@ -296,8 +296,8 @@ class paged_storage {
     return {};
   }
 
-  // Makes the first n reserved tokens live and ends the reservation (see reserve). n = 0
-  // with no reservation is a no-op; n beyond the reservation is refused, changing nothing.
+  /// Makes the first n reserved tokens live and ends the reservation (see reserve). n = 0
+  /// with no reservation is a no-op; n beyond the reservation is refused, changing nothing.
   status commit(seq_id s, std::int64_t n) {
     seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
@@ -317,10 +317,10 @@ class paged_storage {
   }
   status cancel(seq_id s) { return commit(s, 0); }
 
-  // A new sequence sharing every sealed logical page of parent; the open tail page
-  // (if the length is not a multiple of page_tokens) is copied, so both may append.
-  // Every refusal (slot, block table, bookkeeping memory) comes before make_room
-  // (room_hook) is asked for the tail copy's tier-0 pages; nothing changes on refusal.
+  /// A new sequence sharing every sealed logical page of parent; the open tail page
+  /// (if the length is not a multiple of page_tokens) is copied, so both may append.
+  /// Every refusal (slot, block table, bookkeeping memory) comes before make_room
+  /// (room_hook) is asked for the tail copy's tier-0 pages; nothing changes on refusal.
   template <room_hook MakeRoom = no_room>
   result<seq_id> fork(seq_id parent, MakeRoom&& make_room = {}) {
     seq_record* p = find(parent);
@@ -369,7 +369,7 @@ class paged_storage {
     return seqs_.open(p->length);
   }
 
-  // Drops the sequence's references; pages nobody else holds return to their pools.
+  /// Drops the sequence's references; pages nobody else holds return to their pools.
   status release(seq_id s) {
     seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
@@ -397,8 +397,8 @@ class paged_storage {
     return block_ref{b, (*block_meta_)[b].generation};
   }
 
-  // A page of `tier` owned by the caller (refcount 1, open) until it is published by
-  // replace_page or dropped by release_page. The conversion path fills it first.
+  /// A page of `tier` owned by the caller (refcount 1, open) until it is published by
+  /// replace_page or dropped by release_page. The conversion path fills it first.
   result<page_id> allocate_page(int tier) {
     if (tier < 0 || tier >= num_tiers) return status::out_of_range("tier", tier, num_tiers);
     result<page_id> out = status(errc::invalid_argument, "unreachable");
@@ -406,8 +406,8 @@ class paged_storage {
                                   [&](auto I) { (void)(out = std::get<I>(pools_).allocate()); });
     return out;
   }
-  // Drops a caller-owned reference: a page from allocate_page that was not published, or
-  // one taken by retain_page. The page table's own reference is never dropped here.
+  /// Drops a caller-owned reference: a page from allocate_page that was not published, or
+  /// one taken by retain_page. The page table's own reference is never dropped here.
   status release_page(page_id p) {
     return on_pool(p, [&](auto& pl) {
       if (auto c = pl.check(p); !c) return c;
@@ -417,9 +417,9 @@ class paged_storage {
       return pl.release(p);
     });
   }
-  // One more reference to a live page, owned by the caller until release_page. A device
-  // driver takes one on a page it is about to replace, so the slot is not handed out again
-  // while decodes in flight may still read it (cuda/retier_driver.cuh).
+  /// One more reference to a live page, owned by the caller until release_page. A device
+  /// driver takes one on a page it is about to replace, so the slot is not handed out again
+  /// while decodes in flight may still read it (cuda/retier_driver.cuh).
   status retain_page(page_id p) {
     return on_pool(p, [&](auto& pl) { return pl.retain(p); });
   }
@@ -443,7 +443,7 @@ class paged_storage {
     return n;
   }
 
-  // Host pointer to a page's bytes (host-visible pools only).
+  /// Host pointer to a page's bytes (host-visible pools only).
   result<std::span<std::uint8_t>> page_bytes(page_id p) requires PageAlloc::host_accessible {
     std::span<std::uint8_t> out;
     auto st = on_pool(p, [&](auto& pl) {
@@ -455,12 +455,12 @@ class paged_storage {
     return out;
   }
 
-  // The conversion hook: layer `layer` of the logical page (seq, logical) becomes
-  // new_page, for every holder of that logical page (sequences and prefix index).
-  // expected_old must be the page published now (the one the conversion read);
-  // new_page must come from allocate_page (open, refcount 1). Publish, then release:
-  // the block takes over the caller's reference to new_page and drops its old page.
-  // Any failed check changes nothing and leaves the caller owning new_page.
+  /// The conversion hook: layer `layer` of the logical page (seq, logical) becomes
+  /// new_page, for every holder of that logical page (sequences and prefix index).
+  /// expected_old must be the page published now (the one the conversion read);
+  /// new_page must come from allocate_page (open, refcount 1). Publish, then release:
+  /// the block takes over the caller's reference to new_page and drops its old page.
+  /// Any failed check changes nothing and leaves the caller owning new_page.
   status replace_page(seq_id s, int layer, std::int64_t logical, page_id expected_old,
                       page_id new_page) {
     auto b = block_of(s, logical);
@@ -479,9 +479,9 @@ class paged_storage {
     slot = new_page;
     return unpublish(old);
   }
-  // replace_page's checks alone, changing nothing: once they pass, replace_page with the same
-  // arguments cannot fail (a caller publishing several conversions at once checks them all
-  // first, tier_controller::make_room).
+  /// replace_page's checks alone, changing nothing: once they pass, replace_page with the same
+  /// arguments cannot fail (a caller publishing several conversions at once checks them all
+  /// first, tier_controller::make_room).
   status can_replace_page(block_ref b, int layer, page_id expected_old, page_id new_page) const {
     if (auto st = check_block(b); !st) return st;
     if (layer < 0 || layer >= layers_) return status::out_of_range("layer", layer, layers_);
@@ -501,7 +501,7 @@ class paged_storage {
     return {};
   }
 
-  // Decodes (layer, token, kv head) of a sequence through its page's tier codecs.
+  /// Decodes (layer, token, kv head) of a sequence through its page's tier codecs.
   status read_token(seq_id s, int layer, std::int64_t token, int head, float* key,
                     float* value) const requires PageAlloc::host_accessible {
     const seq_record* r = find(s);
@@ -519,11 +519,11 @@ class paged_storage {
     return {};
   }
 
-  // Decodes tokens [first, first + n) of one layer into keys and values ([token][kv_head][dim],
-  // n * kv_heads * head_dim floats each) through each page's tier codecs. The outstanding
-  // reservation's tokens are readable too (first + n <= length + reserved): a chunked prefill
-  // attends to its own chunk's layer before commit, reading what write_layer (or the engine's
-  // kernel) wrote there. Every check comes first; a refusal writes nothing.
+  /// Decodes tokens [first, first + n) of one layer into keys and values ([token][kv_head][dim],
+  /// n * kv_heads * head_dim floats each) through each page's tier codecs. The outstanding
+  /// reservation's tokens are readable too (first + n <= length + reserved): a chunked prefill
+  /// attends to its own chunk's layer before commit, reading what write_layer (or the engine's
+  /// kernel) wrote there. Every check comes first; a refusal writes nothing.
   status read_layer(seq_id s, int layer, std::int64_t first, std::int64_t n, std::span<float> keys,
                     std::span<float> values) const requires PageAlloc::host_accessible {
     const seq_record* r = find(s);
@@ -585,7 +585,7 @@ class paged_storage {
     return {};
   }
 
-  // A new sequence made of the given sealed logical pages (a cached prefix).
+  /// A new sequence made of the given sealed logical pages (a cached prefix).
   result<seq_id> create_sequence_from_blocks(std::span<const block_ref> blocks) {
     for (const block_ref& b : blocks) {
       if (auto st = check_block(b); !st) return st;
@@ -609,23 +609,23 @@ class paged_storage {
   }
 
   // ---- iteration (index builder, accounting, tests) ----------------------------------------
-  // f(logical, page_id) for each committed logical page of s at one layer; s and layer must
-  // be valid.
+  /// f(logical, page_id) for each committed logical page of s at one layer; s and layer must
+  /// be valid.
   template <class F>
   void for_each_page(seq_id s, int layer, F&& f) const {
     const seq_record* r = find(s);
     for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
-  // f(logical, block_ref) for each committed logical page of s (valid): what block_of(s, i) gives
-  // for every i, in one pass.
+  /// f(logical, block_ref) for each committed logical page of s (valid): what block_of(s, i) gives
+  /// for every i, in one pass.
   template <class F>
   void for_each_logical_block(seq_id s, F&& f) const {
     const seq_record* r = find(s);
     for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
       f(std::int64_t(i), block_ref{r->blocks[i], (*block_meta_)[r->blocks[i]].generation});
   }
-  // f(block_ref, fill, refcount) for each live block.
+  /// f(block_ref, fill, refcount) for each live block.
   template <class F>
   void for_each_block(F&& f) const {
     for (std::uint32_t b = 0; b < block_capacity_; ++b) {
@@ -649,9 +649,9 @@ class paged_storage {
     return st;
   }
 
-  // Every structural invariant: each pool's free list and counts, block and sequence
-  // bookkeeping, and that page refcounts equal the number of blocks naming them (plus
-  // pages the caller holds, which the caller passes as `outstanding`).
+  /// Every structural invariant: each pool's free list and counts, block and sequence
+  /// bookkeeping, and that page refcounts equal the number of blocks naming them (plus
+  /// pages the caller holds, which the caller passes as `outstanding`).
   status check_invariants(std::uint32_t outstanding_pages = 0) const {
     status st;
     detail::for_each_index<num_tiers>([&](auto I) {
@@ -747,8 +747,8 @@ class paged_storage {
   static constexpr std::uint32_t no_block = std::numeric_limits<std::uint32_t>::max();
   static constexpr std::uint8_t published_flag = 1;
 
-  // Drops a block's reference to one of its pages. A page is named by one block slot, so
-  // it is no longer published even when the caller still holds a reference (retain_page).
+  /// Drops a block's reference to one of its pages. A page is named by one block slot, so
+  /// it is no longer published even when the caller still holds a reference (retain_page).
   status unpublish(page_id p) {
     return on_pool(p, [&](auto& pl) {
       if (auto c = pl.check(p); !c) return c;
@@ -835,7 +835,7 @@ class paged_storage {
     return can_allocate_block_entries(n);
   }
 
-  // Caller checked can_allocate_blocks: the tier-0 allocations below cannot fail.
+  /// Caller checked can_allocate_blocks: the tier-0 allocations below cannot fail.
   std::uint32_t new_block() {
     const std::uint32_t b = block_free_->back();
     block_free_->pop_back();
@@ -924,7 +924,7 @@ class paged_storage {
                           " entries, ", n, " needed");
     return {};
   }
-  // The reservation's slots and offsets; check_mapping passed.
+  /// The reservation's slots and offsets; check_mapping passed.
   void fill_mapping(const seq_record& r, const slot_mapping& out) const {
     const std::int64_t n = r.reserved;
     const std::size_t stride = std::size_t(out.layer_stride == 0 ? n : out.layer_stride);
@@ -938,10 +938,10 @@ class paged_storage {
     }
   }
 
-  // The pages tokens [length, length + n) need, for append and reserve (no reservation is
-  // outstanding, n > 0 and the length limit were checked): block entries and the grown page
-  // list first (built aside, so a refusal gives its memory back exactly), then make_room,
-  // then the tier-0 pool; only then the new blocks. Nothing changes on refusal.
+  /// The pages tokens [length, length + n) need, for append and reserve (no reservation is
+  /// outstanding, n > 0 and the length limit were checked): block entries and the grown page
+  /// list first (built aside, so a refusal gives its memory back exactly), then make_room,
+  /// then the tier-0 pool; only then the new blocks. Nothing changes on refusal.
   template <class MakeRoom>
   status open_pages(seq_record& r, std::int64_t n, MakeRoom& make_room) {
     const std::size_t have = r.blocks.size();
@@ -962,8 +962,8 @@ class paged_storage {
     return {};
   }
 
-  // Encodes layer l of tokens [start, start + n) (keys / values: [token][kv_head][dim]) into
-  // their open tier-0 pages; the pages exist (open_pages) and the input is finite.
+  /// Encodes layer l of tokens [start, start + n) (keys / values: [token][kv_head][dim]) into
+  /// their open tier-0 pages; the pages exist (open_pages) and the input is finite.
   void encode_layer(seq_record& r, std::int64_t start, std::int64_t n, int l, const float* kl,
                     const float* vl) {
     encode_token_layer<layout<0>>(
@@ -973,8 +973,8 @@ class paged_storage {
         start, n, l, kl, vl, opt_.codec_seed, opt_.head_base, &stats_);
   }
 
-  // Fill counts and sealing of the pages tokens [start, start + n) land in: a page that is
-  // full is immutable from now on (the controller and the prefix index see it sealed).
+  /// Fill counts and sealing of the pages tokens [start, start + n) land in: a page that is
+  /// full is immutable from now on (the controller and the prefix index see it sealed).
   void seal_filled(seq_record& r, std::int64_t start, std::int64_t n) {
     const std::int64_t end = start + n;
     for (std::size_t j = std::size_t(start / page_tokens), e = pages_for(end); j < e; ++j) {

@@ -23,11 +23,13 @@
 
 namespace tierkv {
 
-// Chained page hash: h_i = H(h_{i-1}, tokens of page i), h_{-1} = root(salt).
+/// Chained page hash: h_i = H(h_{i-1}, tokens of page i), h_{-1} = root(salt).
 struct prefix_hash {
+  /// The hash before the first page, per salt (e.g. model or LoRA adapter).
   std::uint64_t root(std::uint64_t salt) const noexcept {
     return mix64(salt ^ 0x7072656669785f31ull);
   }
+  /// The hash of a page of tokens following a prefix whose hash is parent.
   std::uint64_t operator()(std::uint64_t parent,
                            std::span<const std::int32_t> tokens) const noexcept {
     std::uint64_t h = mix64(parent ^ std::uint64_t(tokens.size()));
@@ -36,15 +38,18 @@ struct prefix_hash {
   }
 };
 
-// The longest cached prefix: whole pages, each with its pages for every layer and their
-// current tiers (page_id::format), pages[i * num_layers + layer].
+/// The longest cached prefix: whole pages, each with its pages for every layer and their
+/// current tiers (page_id::format), pages[i * num_layers + layer].
 struct prefix_match {
-  std::int64_t tokens = 0;
-  std::vector<block_ref> blocks;
-  std::vector<page_id> pages;
+  std::int64_t tokens = 0;        ///< matched tokens (a multiple of page_tokens)
+  std::vector<block_ref> blocks;  ///< the matched logical pages, in order
+  std::vector<page_id> pages;     ///< their physical pages, [block][layer]
 };
 
 template <class Storage, class Hash = prefix_hash>
+/// Caches sealed pages of token-id prefixes over a paged_storage so a new request can
+/// start from a cached prefix instead of recomputing it (start_sequence). Each entry holds
+/// a reference to its page; evict() drops entries no sequence uses.
 class prefix_index {
   using meta_allocator = typename Storage::meta_allocator;
   template <class T>
@@ -53,8 +58,8 @@ class prefix_index {
   static constexpr int page_tokens = Storage::page_tokens;
 
  public:
-  // The storage must outlive the index; its bookkeeping allocator pays for the
-  // entries, charged to storage.lines().prefix_index.
+  /// The storage must outlive the index; its bookkeeping allocator pays for the
+  /// entries, charged to storage.lines().prefix_index.
   explicit prefix_index(Storage& storage, Hash hash = {})
       : storage_(&storage),
         hash_(hash),
@@ -66,10 +71,11 @@ class prefix_index {
   prefix_index& operator=(const prefix_index&) = delete;
   ~prefix_index() { clear(); }
 
+  /// Cached pages (entries).
   std::size_t size() const noexcept { return live_; }
 
-  // Caches the full pages of seq covered by tokens (its first tokens.size() token ids).
-  // Returns the number of new entries; pages already cached are kept (and touched).
+  /// Caches the full pages of seq covered by tokens (its first tokens.size() token ids).
+  /// Returns the number of new entries; pages already cached are kept (and touched).
   result<std::size_t> insert(seq_id seq, std::uint64_t salt, std::span<const std::int32_t> tokens) {
     auto len = storage_->length(seq);
     if (!len) return len.error_status();
@@ -116,7 +122,7 @@ class prefix_index {
     return fresh;
   }
 
-  // The longest cached prefix of tokens under salt; marks its entries recently used.
+  /// The longest cached prefix of tokens under salt; marks its entries recently used.
   prefix_match lookup(std::uint64_t salt, std::span<const std::int32_t> tokens) {
     std::vector<std::uint32_t> entries;
     prefix_match m = match(salt, tokens, entries);
@@ -124,14 +130,14 @@ class prefix_index {
     return m;
   }
 
-  // A new sequence starting from the longest cached prefix of tokens; the caller
-  // appends the remaining tokens' keys and values. Returns the sequence and the
-  // number of tokens it already holds.
+  /// A new sequence starting from the longest cached prefix of tokens; the caller
+  /// appends the remaining tokens' keys and values. Returns the sequence and the
+  /// number of tokens it already holds.
   struct started {
-    seq_id seq;
-    std::int64_t cached_tokens = 0;
+    seq_id seq;                      ///< the new sequence
+    std::int64_t cached_tokens = 0;  ///< tokens it already holds
   };
-  // A refusal (no sequence slot) leaves the LRU order as it was.
+  /// A refusal (no sequence slot) leaves the LRU order as it was.
   result<started> start_sequence(std::uint64_t salt, std::span<const std::int32_t> tokens) {
     std::vector<std::uint32_t> entries;
     prefix_match m = match(salt, tokens, entries);
@@ -141,8 +147,8 @@ class prefix_index {
     return started{*s, m.tokens};
   }
 
-  // Evicts up to max_entries least recently used entries that no sequence uses (the
-  // index holds the only reference) and that no longer entry extends. Returns how many.
+  /// Evicts up to max_entries least recently used entries that no sequence uses (the
+  /// index holds the only reference) and that no longer entry extends. Returns how many.
   std::size_t evict(std::size_t max_entries) {
     std::size_t done = 0;
     while (done < max_entries) {
@@ -158,18 +164,20 @@ class prefix_index {
     }
     return done;
   }
-  // Evicts until the tier's pool has `pages` free pages or nothing evictable is left.
+  /// Evicts until the tier's pool has `pages` free pages or nothing evictable is left.
   std::size_t evict_until_free(int tier, std::uint32_t pages) {
     std::size_t n = 0;
     while (storage_->free_pages(tier) < pages && evict(1) == 1) ++n;
     return n;
   }
+  /// Entries evict() could drop now (unused by any sequence, extended by no entry).
   std::size_t evictable() const {
     std::size_t n = 0;
     for (const entry& en : *entries_)
       if (en.live && en.children == 0 && storage_->block_refcount(en.block) == 1) ++n;
     return n;
   }
+  /// Drops every entry and its page references.
   void clear() {
     for (std::uint32_t e = 0; e < entries_->size(); ++e)
       if ((*entries_)[e].live) (void)storage_->release_block((*entries_)[e].block);
@@ -184,7 +192,7 @@ class prefix_index {
     buckets_.emplace(alloc<std::uint32_t>());
   }
 
-  // Chains, children counts, references: ok or what is broken.
+  /// Chains, children counts, references: ok or what is broken.
   status check_invariants() const {
     std::vector<std::uint32_t> children(entries_->size(), 0);
     std::size_t live = 0;
@@ -229,7 +237,7 @@ class prefix_index {
     std::uint64_t last_used = 0;
     block_ref block;
     std::uint32_t parent = none;
-    std::uint32_t next = none;  // bucket chain
+    std::uint32_t next = none;  ///< bucket chain
     std::uint32_t children = 0;
     bool live = false;
   };
@@ -255,7 +263,7 @@ class prefix_index {
     return none;
   }
 
-  // The longest cached prefix and its entries, changing nothing.
+  /// The longest cached prefix and its entries, changing nothing.
   prefix_match match(std::uint64_t salt, std::span<const std::int32_t> tokens,
                      std::vector<std::uint32_t>& entries) const {
     prefix_match m;
@@ -276,14 +284,14 @@ class prefix_index {
     }
     return m;
   }
-  // Marks entries recently used, in chain order.
+  /// Marks entries recently used, in chain order.
   void touch(std::span<const std::uint32_t> entries) {
     for (std::uint32_t e : entries) (*entries_)[e].last_used = ++tick_;
   }
 
-  // Makes room for `live` entries without changing any entry (strong guarantee). The grown
-  // arrays are built aside and swapped in only once every one of them is allocated, so a
-  // failed allocation gives back what the others took: a refusal changes no byte count either.
+  /// Makes room for `live` entries without changing any entry (strong guarantee). The grown
+  /// arrays are built aside and swapped in only once every one of them is allocated, so a
+  /// failed allocation gives back what the others took: a refusal changes no byte count either.
   status reserve(std::size_t live) {
     if (live > std::size_t(none) - 1)
       return status::exceeds(errc::capacity_exhausted, "prefix entries", live, none - 1);
@@ -318,7 +326,7 @@ class prefix_index {
     }
     return {};
   }
-  // A copy of v with capacity n, from the same allocator line (throws allocation_failure).
+  /// A copy of v with capacity n, from the same allocator line (throws allocation_failure).
   template <class T>
   void grown(std::optional<counted_vector<T>>& out, const counted_vector<T>& v, std::size_t n) {
     out.emplace(alloc<T>());
@@ -326,7 +334,7 @@ class prefix_index {
     out->assign(v.begin(), v.end());
   }
 
-  // Caller reserved room: nothing here allocates.
+  /// Caller reserved room: nothing here allocates.
   std::uint32_t add(std::uint64_t h, std::uint32_t parent, std::uint64_t salt,
                     std::span<const std::int32_t> page, block_ref block) {
     std::uint32_t e;
@@ -365,9 +373,9 @@ class prefix_index {
   Storage* storage_;
   Hash hash_;
   std::optional<counted_vector<entry>> entries_;
-  std::optional<counted_vector<std::int32_t>> tokens_;  // page_tokens ids per entry
+  std::optional<counted_vector<std::int32_t>> tokens_;  ///< page_tokens ids per entry
   std::optional<counted_vector<std::uint32_t>> free_;
-  std::optional<counted_vector<std::uint32_t>> buckets_;  // power of two, heads of chains
+  std::optional<counted_vector<std::uint32_t>> buckets_;  ///< power of two, heads of chains
   std::size_t live_ = 0;
   std::uint64_t tick_ = 0;
 };

@@ -25,15 +25,15 @@ class sequence_table {
  public:
   using block_list = std::vector<std::uint32_t, counted_allocator<std::uint32_t, MetaAlloc>>;
   struct record {
-    block_list blocks;  // committed pages, then the pages opened only for the reservation
+    block_list blocks;  ///< committed pages, then the pages opened only for the reservation
     std::int64_t length = 0;
-    std::int64_t reserved = 0;  // tokens of the outstanding reservation, after length
+    std::int64_t reserved = 0;  ///< tokens of the outstanding reservation, after length
     std::uint32_t generation = 0;
     bool live = false;
   };
 
-  // Allocates every slot's record and the free list from `alloc`, charged to `line`; the
-  // allocator and the line must outlive the table. Allocation failures are returned.
+  /// Allocates every slot's record and the free list from `alloc`, charged to `line`; the
+  /// allocator and the line must outlive the table. Allocation failures are returned.
   status init(MetaAlloc& alloc, std::size_t& line, std::uint32_t capacity) {
     capacity_ = capacity;
     std::uint32_t bits = 1;
@@ -53,7 +53,7 @@ class sequence_table {
     }
     return {};
   }
-  // Gives every record's memory back (before the allocator it was charged to goes).
+  /// Gives every record's memory back (before the allocator it was charged to goes).
   void reset() {
     records_.reset();
     free_.reset();
@@ -62,13 +62,13 @@ class sequence_table {
   std::uint32_t capacity() const noexcept { return capacity_; }
   std::uint32_t live() const noexcept { return live_; }
   bool full() const noexcept { return free_->empty(); }
-  // The slot the next open() takes (not full()); its record may be prepared first (a page
-  // list reserved), so a refusal before open() changes nothing.
+  /// The slot the next open() takes (not full()); its record may be prepared first (a page
+  /// list reserved), so a refusal before open() changes nothing.
   std::uint32_t next_free() const { return free_->back(); }
   record& at(std::uint32_t slot) { return (*records_)[slot]; }
   const record& at(std::uint32_t slot) const { return (*records_)[slot]; }
 
-  // Makes next_free() a live sequence of `length` committed tokens (its list already filled).
+  /// Makes next_free() a live sequence of `length` committed tokens (its list already filled).
   seq_id open(std::int64_t length) {
     const std::uint32_t slot = free_->back();
     free_->pop_back();
@@ -79,8 +79,8 @@ class sequence_table {
     ++live_;
     return id_of(slot, r.generation);
   }
-  // Ends a live sequence (the caller dropped its references): its list's memory goes back and
-  // the slot's generation moves on, so the id is stale from now on.
+  /// Ends a live sequence (the caller dropped its references): its list's memory goes back and
+  /// the slot's generation moves on, so the id is stale from now on.
   void close(seq_id s) {
     const std::uint32_t slot = slot_of(s);
     record& r = (*records_)[slot];
@@ -102,7 +102,7 @@ class sequence_table {
     return &r;
   }
   record* find(seq_id s) { return const_cast<record*>(std::as_const(*this).find(s)); }
-  // Why find(s) failed: stale_id for a slot of this table, out_of_range otherwise.
+  /// Why find(s) failed: stale_id for a slot of this table, out_of_range otherwise.
   status bad(seq_id s) const {
     if (s.valid() && slot_of(s) < capacity_)
       return status::make(errc::stale_id, s,

@@ -18,9 +18,9 @@
 
 namespace tierkv {
 
-// x holds whole layers of n tokens ([layer][token][kv_head][dim]) starting at first_layer: the
-// first NaN or Inf refuses with non_finite_input naming its layer, token and head. The message
-// starts with op and ends "nothing <done>".
+/// x holds whole layers of n tokens ([layer][token][kv_head][dim]) starting at first_layer: the
+/// first NaN or Inf refuses with non_finite_input naming its layer, token and head. The message
+/// starts with op and ends "nothing <done>".
 inline status check_finite_tokens(std::span<const float> x, const char* what, std::int64_t n,
                                   int kv_heads, int head_dim, const char* op, int first_layer,
                                   const char* done) {
@@ -54,9 +54,9 @@ void decode_vector(const std::uint8_t* payload, const std::uint8_t* meta, float*
 }
 }  // namespace detail
 
-// Encodes layer `layer` of tokens [start, start + n) with Layout's codecs: keys / values are
-// [token][kv_head][dim] (finite), page_at(pos) is the host page that holds position pos (row
-// pos % page_tokens). Codec contexts: make_codec_context(seed, layer, head_base + head, role).
+/// Encodes layer `layer` of tokens [start, start + n) with Layout's codecs: keys / values are
+/// [token][kv_head][dim] (finite), page_at(pos) is the host page that holds position pos (row
+/// pos % page_tokens). Codec contexts: make_codec_context(seed, layer, head_base + head, role).
 template <class Layout, class PageAt>
 void encode_token_layer(PageAt&& page_at, std::int64_t start, std::int64_t n, int layer,
                         const float* keys, const float* values, std::uint64_t seed, int head_base,
@@ -83,7 +83,7 @@ void encode_token_layer(PageAt&& page_at, std::int64_t start, std::int64_t n, in
   }
 }
 
-// Decodes row t, KV head `head` (global head g) of one Layout page into key and value.
+/// Decodes row t, KV head `head` (global head g) of one Layout page into key and value.
 template <class Layout>
 void decode_token(const std::uint8_t* base, int t, int head, int layer, int g, std::uint64_t seed,
                   float* key, float* value) {

@@ -30,7 +30,7 @@
 
 namespace tierkv {
 
-// Points of the protocol where a fault hook may inject a failure (tests, chaos runs).
+/// Points of the protocol where a fault hook may inject a failure (tests, chaos runs).
 enum class conversion_step : std::uint8_t { reserve = 0, fill = 1, publish = 2 };
 inline constexpr int conversion_steps = 3;
 
@@ -40,8 +40,8 @@ constexpr const char* to_string(conversion_step s) noexcept {
                                        : "publish";
 }
 
-// A fault hook is called as hook(step, block, layer) before each step and returns
-// errc::ok to proceed or any other code to fail the conversion there.
+/// A fault hook is called as hook(step, block, layer) before each step and returns
+/// errc::ok to proceed or any other code to fail the conversion there.
 template <class H>
 concept conversion_fault_hook = requires(H& h, conversion_step s, block_ref b, int layer) {
   { h(s, b, layer) } -> std::convertible_to<errc>;
@@ -51,17 +51,18 @@ struct no_faults {
   constexpr errc operator()(conversion_step, block_ref, int) const noexcept { return errc::ok; }
 };
 
-// A conversion between steps 1 and 3: `to` is owned by the caller until published.
+/// A conversion between steps 1 and 3: `to` is owned by the caller until published.
 struct staged_conversion {
   block_ref block;
   int layer = 0;
-  page_id from;  // published now; what `to` was filled from
-  page_id to;    // reserved page of the target tier
+  page_id from;  ///< published now; what `to` was filled from
+  page_id to;    ///< reserved page of the target tier
 };
 
-// Counters of what conversions did (summed by the controller).
+/// Counters of what conversions did (summed by the controller).
 struct conversion_counters {
-  std::uint64_t saturated = 0;  // encoder saturations while filling (FP8 clipping, TQ3 norm limit)
+  std::uint64_t saturated =
+      0;  ///< encoder saturations while filling (FP8 clipping, TQ3 norm limit)
 };
 
 namespace detail {
@@ -71,8 +72,8 @@ inline status injected(conversion_step s, block_ref b, int layer, errc code) {
                       ": fault injected before step '", to_string(s), "'");
 }
 
-// Decodes one vector with codec S and encodes it with codec T (same context: the
-// rotation seed depends on layer, head and role only, never on the tier).
+/// Decodes one vector with codec S and encodes it with codec T (same context: the
+/// rotation seed depends on layer, head and role only, never on the tier).
 template <class S, class T>
 errc transcode_vector(const std::uint8_t* sp, const std::uint8_t* sm, std::uint8_t* tp,
                       std::uint8_t* tm, const codec_context& ctx, encode_stats& stats) {
@@ -88,8 +89,8 @@ errc transcode_vector(const std::uint8_t* sp, const std::uint8_t* sm, std::uint8
 }
 }  // namespace detail
 
-// Step 1: a fresh page of `to_tier` for (block, layer). Fails (changing nothing) when
-// the block is stale or open, the page is already in that tier, or the pool is full.
+/// Step 1: a fresh page of `to_tier` for (block, layer). Fails (changing nothing) when
+/// the block is stale or open, the page is already in that tier, or the pool is full.
 template <class Storage, conversion_fault_hook Faults = no_faults>
 result<staged_conversion> reserve_conversion(Storage& storage, block_ref block, int layer,
                                              int to_tier, Faults&& faults = {}) {
@@ -113,15 +114,15 @@ result<staged_conversion> reserve_conversion(Storage& storage, block_ref block, 
   return staged_conversion{block, layer, from, *to};
 }
 
-// Gives a reserved page back (a conversion that will not be published).
+/// Gives a reserved page back (a conversion that will not be published).
 template <class Storage>
 void abort_conversion(Storage& storage, staged_conversion& c) {
   if (c.to.valid()) (void)storage.release_page(c.to);
   c.to = page_id{};
 }
 
-// Step 2 on the host: fills c.to from c.from. On failure c.to stays reserved (the
-// caller aborts); the published page is never written.
+/// Step 2 on the host: fills c.to from c.from. On failure c.to stays reserved (the
+/// caller aborts); the published page is never written.
 template <class Storage, conversion_fault_hook Faults = no_faults>
 status fill_conversion_on_host(
     Storage& storage, const staged_conversion& c, conversion_counters& counters,
@@ -177,10 +178,10 @@ status fill_conversion_on_host(
   return out;
 }
 
-// Step 3 split for a caller that publishes several conversions all or none
-// (tier_controller::make_room): check_publish runs the fault hook and every check of
-// publish_conversion, changing nothing; publish_checked then cannot fail, provided nothing
-// touched the storage in between.
+/// Step 3 split for a caller that publishes several conversions all or none
+/// (tier_controller::make_room): check_publish runs the fault hook and every check of
+/// publish_conversion, changing nothing; publish_checked then cannot fail, provided nothing
+/// touched the storage in between.
 template <class Storage, conversion_fault_hook Faults = no_faults>
 status check_publish(const Storage& storage, const staged_conversion& c, Faults&& faults = {}) {
   if (const errc e = faults(conversion_step::publish, c.block, c.layer); e != errc::ok)
@@ -193,8 +194,8 @@ void publish_checked(Storage& storage, staged_conversion& c) {
   c.to = page_id{};  // the block owns it now
 }
 
-// Step 3: publishes c.to in place of c.from. On failure (including a page table that
-// no longer names c.from) nothing changed and c.to is still the caller's.
+/// Step 3: publishes c.to in place of c.from. On failure (including a page table that
+/// no longer names c.from) nothing changed and c.to is still the caller's.
 template <class Storage, conversion_fault_hook Faults = no_faults>
 status publish_conversion(Storage& storage, staged_conversion& c, Faults&& faults = {}) {
   if (auto st = check_publish(storage, c, faults); !st) return st;
@@ -202,8 +203,8 @@ status publish_conversion(Storage& storage, staged_conversion& c, Faults&& fault
   return {};
 }
 
-// All three steps on the host; on any failure the reserved page is released and the
-// old page stays published. Returns the newly published page.
+/// All three steps on the host; on any failure the reserved page is released and the
+/// old page stays published. Returns the newly published page.
 template <class Storage, conversion_fault_hook Faults = no_faults>
 result<page_id> convert_page(
     Storage& storage, block_ref block, int layer, int to_tier, conversion_counters& counters,

@@ -15,36 +15,43 @@
 
 namespace tierkv::policy {
 
+/// The knobs of policy::recency_anchor.
 struct recency_anchor_options {
-  int recent_pages = 4;  // R: the newest R logical pages of a sequence are Recent
-  int sink_pages = 1;    // A: the first A logical pages (attention sinks) are Anchor
-  // Attention mass is taken relative to a uniform share (mass x pages of the sequence),
-  // smoothed by an EMA with weight ema_alpha for the newest step. A page becomes an
-  // anchor when the EMA rises above enter_mass and stops being one when it falls below
-  // leave_mass (hysteresis: a page hovering between the two keeps its role).
+  int recent_pages = 4;  ///< R: the newest R logical pages of a sequence are Recent
+  int sink_pages = 1;    ///< A: the first A logical pages (attention sinks) are Anchor
+  /// Attention mass is taken relative to a uniform share (mass x pages of the sequence),
+  /// smoothed by an EMA with weight ema_alpha for the newest step. A page becomes an
+  /// anchor when the EMA rises above enter_mass and stops being one when it falls below
+  /// leave_mass (hysteresis: a page hovering between the two keeps its role).
   float ema_alpha = 0.25f;
-  float enter_mass = 4.0f;
-  float leave_mass = 2.0f;
-  std::uint64_t min_dwell_steps = 8;  // steps between two tier moves of one page
-  // Layer sensitivity: the first and last layers of a model carry more error through
-  // the network (public TurboQuant deployments kept them in FP8): their pages are Anchor.
+  float enter_mass = 4.0f;            ///< EMA above which a page becomes an anchor
+  float leave_mass = 2.0f;            ///< EMA below which an anchor stops being one
+  std::uint64_t min_dwell_steps = 8;  ///< steps between two tier moves of one page
+  /// Layer sensitivity: the first and last layers of a model carry more error through
+  /// the network (public TurboQuant deployments kept them in FP8): their pages are Anchor.
   int keep_first_layers = 1;
-  int keep_last_layers = 1;
+  int keep_last_layers = 1;  ///< the last layers whose pages are Anchor
 };
 
+/// The default tier policy: Recent = the newest pages of a sequence, Anchor = sinks, pinned
+/// pages, sensitive layers and pages of persistently high attention mass, Stale = the rest.
 class recency_anchor {
  public:
-  using options = recency_anchor_options;
+  using options = recency_anchor_options;  ///< its knobs
+  /// What it remembers per page.
   struct page_state {
-    float ema = 0.0f;       // smoothed relative attention mass
-    bool anchored = false;  // above enter_mass, not yet below leave_mass
-    bool observed = false;  // at least one mass observation
+    float ema = 0.0f;       ///< smoothed relative attention mass
+    bool anchored = false;  ///< above enter_mass, not yet below leave_mass
+    bool observed = false;  ///< at least one mass observation
   };
 
   recency_anchor() = default;
+  /// A policy with knobs o (validate() checks them).
   explicit recency_anchor(const options& o) : opt_(o) {}
+  /// Its knobs.
   const options& knobs() const noexcept { return opt_; }
 
+  /// invalid_argument naming the first inconsistent knob.
   status validate() const {
     if (opt_.recent_pages < 0)
       return status::make(errc::invalid_argument, "recent_pages = ", opt_.recent_pages, " < 0");
@@ -64,6 +71,8 @@ class recency_anchor {
     return {};
   }
 
+  /// Folds one step's relative attention mass into the EMA (non-finite or negative mass is
+  /// ignored).
   void observe(page_state& s, float mass) const {
     if (!std::isfinite(mass) || mass < 0.0f) return;  // a broken signal never moves a page
     s.ema = s.observed ? s.ema + opt_.ema_alpha * (mass - s.ema) : mass;
@@ -74,10 +83,13 @@ class recency_anchor {
       s.anchored = false;
   }
 
+  /// Whether layer is one of the first keep_first_layers or last keep_last_layers.
   bool sensitive_layer(int layer, int num_layers) const {
     return layer < opt_.keep_first_layers || layer >= num_layers - opt_.keep_last_layers;
   }
 
+  /// Recent if among the newest recent_pages; else Anchor if pinned, in a sensitive layer,
+  /// a sink or anchored by mass; else Stale.
   tier_role choose(const page_state& s, const page_facts& f) const {
     if (f.age < opt_.recent_pages) return tier_role::recent;
     if (f.pinned || sensitive_layer(f.layer, f.num_layers)) return tier_role::anchor;
@@ -85,17 +97,18 @@ class recency_anchor {
     return s.anchored ? tier_role::anchor : tier_role::stale;
   }
 
+  /// options::min_dwell_steps
   std::uint64_t min_dwell_steps() const { return opt_.min_dwell_steps; }
 
-  // Whether choose() gives the same role for two sets of block facts (the controller's
-  // incremental plan skips the pages whose facts moved only in ways choose() does not read).
+  /// Whether choose() gives the same role for two sets of block facts (the controller's
+  /// incremental plan skips the pages whose facts moved only in ways choose() does not read).
   bool same_choice(const page_facts& a, const page_facts& b) const {
     return (a.age < opt_.recent_pages) == (b.age < opt_.recent_pages) &&
            (a.position < opt_.sink_pages) == (b.position < opt_.sink_pages) && a.pinned == b.pinned;
   }
 
-  // Demotion order under pressure: plain pages by smoothed mass, then anchors by mass,
-  // then sinks, then Recent pages (oldest first), then sensitive layers; pinned never.
+  /// Demotion order under pressure: plain pages by smoothed mass, then anchors by mass,
+  /// then sinks, then Recent pages (oldest first), then sensitive layers; pinned never.
   float keep_value(const page_state& s, const page_facts& f) const {
     if (f.pinned) return std::numeric_limits<float>::infinity();
     const float mass = s.ema < 1.0e3f ? s.ema : 1.0e3f;

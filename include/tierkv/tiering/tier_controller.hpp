@@ -32,32 +32,32 @@
 
 namespace tierkv {
 
-// One planned tier move of one physical page (a logical page's layer), for every holder.
+/// One planned tier move of one physical page (a logical page's layer), for every holder.
 struct conversion {
   block_ref block;
   int layer = 0;
-  int from = 0;       // tier index now
-  int to = 0;         // tier index wanted
-  float value = 0.f;  // the policy's keep value (orders the plan)
+  int from = 0;       ///< tier index now
+  int to = 0;         ///< tier index wanted
+  float value = 0.f;  ///< the policy's keep value (orders the plan)
   friend bool operator==(const conversion&, const conversion&) = default;
 };
 
 struct retier_stats {
   std::uint64_t planned = 0;
-  std::uint64_t converted = 0;          // published conversions (promotions + demotions + others)
-  std::uint64_t promoted = 0;           // into tier 0
-  std::uint64_t demoted = 0;            // out of tier 0
-  std::uint64_t pressure_demoted = 0;   // demotions made by make_room
-  std::uint64_t shadow_promotions = 0;  // promotions served losslessly from a kept tier-0 copy
-  // Held back for capacity, not faults (the old page stays published; a later step retries):
-  std::uint64_t deferred = 0;       // promotions held back by the tier-0 reserve
-  std::uint64_t deferred_full = 0;  // conversions whose target tier's pool had no free page
-  std::uint64_t failed = 0;         // conversions that failed (old page kept)
+  std::uint64_t converted = 0;          ///< published conversions (promotions + demotions + others)
+  std::uint64_t promoted = 0;           ///< into tier 0
+  std::uint64_t demoted = 0;            ///< out of tier 0
+  std::uint64_t pressure_demoted = 0;   ///< demotions made by make_room
+  std::uint64_t shadow_promotions = 0;  ///< promotions served losslessly from a kept tier-0 copy
+  /// Held back for capacity, not faults (the old page stays published; a later step retries):
+  std::uint64_t deferred = 0;       ///< promotions held back by the tier-0 reserve
+  std::uint64_t deferred_full = 0;  ///< conversions whose target tier's pool had no free page
+  std::uint64_t failed = 0;         ///< conversions that failed (old page kept)
   std::uint64_t injected_faults = 0;
   std::uint64_t shadows_made = 0;
   std::uint64_t shadows_dropped = 0;
-  std::uint64_t saturated = 0;  // encoder saturations while converting
-  status first_error;           // the first failure, ok when none
+  std::uint64_t saturated = 0;  ///< encoder saturations while converting
+  status first_error;           ///< the first failure, ok when none
 
   void add(const retier_stats& o) {
     planned += o.planned;
@@ -78,19 +78,19 @@ struct retier_stats {
 };
 
 struct tier_controller_options {
-  // Promotions into tier 0 leave at least this share of its pages free, so a promotion
-  // never forces the next append to demote (which would flap).
+  /// Promotions into tier 0 leave at least this share of its pages free, so a promotion
+  /// never forces the next append to demote (which would flap).
   int promotion_reserve_percent = 10;
-  // Keep a demoted page's tier-0 copy (a "shadow") while tier 0 has slack, so a quick
-  // promotion back is lossless and costs no encode. Shadows are dropped first, oldest
-  // first, whenever tier 0 keeps fewer than shadow_slack_percent of its pages free.
+  /// Keep a demoted page's tier-0 copy (a "shadow") while tier 0 has slack, so a quick
+  /// promotion back is lossless and costs no encode. Shadows are dropped first, oldest
+  /// first, whenever tier 0 keeps fewer than shadow_slack_percent of its pages free.
   bool keep_shadows = false;
   int shadow_slack_percent = 25;
-  // plan() re-evaluates only the pages whose inputs changed since the last plan (an observed
-  // mass, a block's position / age / holders / pin / seal, a tier change) plus the pages still
-  // waiting to move, instead of every (block, layer) page: the same plan (tested against the full
-  // scan), at O(changes) a step. A policy whose choose() reads steps_since_move declares
-  // `static constexpr bool choice_reads_time = true` and always gets the full scan.
+  /// plan() re-evaluates only the pages whose inputs changed since the last plan (an observed
+  /// mass, a block's position / age / holders / pin / seal, a tier change) plus the pages still
+  /// waiting to move, instead of every (block, layer) page: the same plan (tested against the full
+  /// scan), at O(changes) a step. A policy whose choose() reads steps_since_move declares
+  /// `static constexpr bool choice_reads_time = true` and always gets the full scan.
   bool incremental_plan = true;
 };
 
@@ -113,9 +113,9 @@ class tier_controller {
   tier_controller& operator=(const tier_controller&) = delete;
   ~tier_controller() { drop_all_shadows(); }
 
-  // The storage must outlive the controller. Bookkeeping (per-page policy state, the
-  // plan buffer) is allocated once here from the storage's bookkeeping allocator and
-  // charged to its page_tables line; on failure nothing leaks.
+  /// The storage must outlive the controller. Bookkeeping (per-page policy state, the
+  /// plan buffer) is allocated once here from the storage's bookkeeping allocator and
+  /// charged to its page_tables line; on failure nothing leaks.
   static result<std::unique_ptr<tier_controller>> create(Storage& storage, Policy policy = {},
                                                          options opt = {}) {
     if (auto st = validate(policy, opt); !st) return st;
@@ -142,7 +142,7 @@ class tier_controller {
         std::move(c));  // explicit: nvcc does not move implicitly here
   }
 
-  // The policy's knobs and the options against their limits, allocating nothing.
+  /// The policy's knobs and the options against their limits, allocating nothing.
   static status validate(const Policy& policy, const options& opt) {
     if (auto st = policy.validate(); !st) return st;
     if (opt.promotion_reserve_percent < 0 || opt.promotion_reserve_percent > 100)
@@ -162,8 +162,8 @@ class tier_controller {
   std::uint32_t shadow_pages() const noexcept { return shadows_; }
   const retier_stats& totals() const noexcept { return totals_; }
 
-  // Structural metadata from the engine: pinned logical pages are Anchor and never
-  // demoted under pressure (e.g. a system prompt). Unpinning returns them to the policy.
+  /// Structural metadata from the engine: pinned logical pages are Anchor and never
+  /// demoted under pressure (e.g. a system prompt). Unpinning returns them to the policy.
   status pin(seq_id s, std::int64_t first, std::int64_t count, bool pinned = true) {
     auto pages = storage_->logical_pages(s);
     if (!pages) return pages.error_status();
@@ -178,10 +178,10 @@ class tier_controller {
     return {};
   }
 
-  // The decode path's per-page attention mass of sequence s at one layer (host_decode's
-  // page_mass row: one entry per logical page, summing to 1). Taken relative to a
-  // uniform share and kept until the next plan(), which smooths it into the policy's
-  // state; a page shared by several sequences keeps the largest of their values.
+  /// The decode path's per-page attention mass of sequence s at one layer (host_decode's
+  /// page_mass row: one entry per logical page, summing to 1). Taken relative to a
+  /// uniform share and kept until the next plan(), which smooths it into the policy's
+  /// state; a page shared by several sequences keeps the largest of their values.
   status observe_mass(seq_id s, int layer, std::span<const float> mass) {
     auto pages = storage_->logical_pages(s);
     if (!pages) return pages.error_status();
@@ -202,10 +202,10 @@ class tier_controller {
     return {};
   }
 
-  // Folds the observed masses into the policy's state and returns the conversions the
-  // policy wants at `step` (a monotone scheduler step): deterministic, ordered with
-  // moves out of tier 0 first (lowest value first), then moves into tier 0 (highest
-  // value first), ties by block and layer. The span lives until the next plan().
+  /// Folds the observed masses into the policy's state and returns the conversions the
+  /// policy wants at `step` (a monotone scheduler step): deterministic, ordered with
+  /// moves out of tier 0 first (lowest value first), then moves into tier 0 (highest
+  /// value first), ties by block and layer. The span lives until the next plan().
   std::span<const conversion> plan(std::uint64_t step) {
     step_ = std::max(step_, step);
     refresh();
@@ -224,13 +224,13 @@ class tier_controller {
     return {plan_->data(), plan_->size()};
   }
 
-  // The next plan() visits every page once (after the engine changed page tables behind the
-  // controller's back: replace_page outside it, say). The incremental plan needs it then.
+  /// The next plan() visits every page once (after the engine changed page tables behind the
+  /// controller's back: replace_page outside it, say). The incremental plan needs it then.
   void rescan() noexcept { rescan_ = true; }
 
-  // Applies conversions (from plan(), or the engine's own) through the protocol. A
-  // failed conversion leaves its page published at its old id and tier; the rest go on.
-  // One held back for capacity (held_back) is counted as deferred, not as failed.
+  /// Applies conversions (from plan(), or the engine's own) through the protocol. A
+  /// failed conversion leaves its page published at its old id and tier; the rest go on.
+  /// One held back for capacity (held_back) is counted as deferred, not as failed.
   template <conversion_fault_hook Faults = no_faults>
   retier_stats apply(std::span<const conversion> todo,
                      Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
@@ -260,12 +260,12 @@ class tier_controller {
     return st;
   }
 
-  // Two-phase apply for a fill the caller runs elsewhere (a GPU batch, cuda/retier_driver.cuh).
-  // stage() reserves the target page of each conversion of `todo` that apply() would run
-  // (live, unmoved, not held back for capacity) into `out` and returns how many;
-  // nothing is published and the old pages stay readable. commit() then publishes staged[i]
-  // where filled[i] is true and releases the other reserved pages, with apply()'s
-  // bookkeeping (dwell, counters). Shadows are neither made nor used on this path.
+  /// Two-phase apply for a fill the caller runs elsewhere (a GPU batch, cuda/retier_driver.cuh).
+  /// stage() reserves the target page of each conversion of `todo` that apply() would run
+  /// (live, unmoved, not held back for capacity) into `out` and returns how many;
+  /// nothing is published and the old pages stay readable. commit() then publishes staged[i]
+  /// where filled[i] is true and releases the other reserved pages, with apply()'s
+  /// bookkeeping (dwell, counters). Shadows are neither made nor used on this path.
   template <conversion_fault_hook Faults = no_faults>
   std::size_t stage(std::span<const conversion> todo, std::span<staged_conversion> out,
                     retier_stats& st, Faults&& faults = {}) {
@@ -321,7 +321,7 @@ class tier_controller {
     totals_.add(st);
   }
 
-  // plan(step) + apply(): one retier step.
+  /// plan(step) + apply(): one retier step.
   template <conversion_fault_hook Faults = no_faults>
   retier_stats retier(std::uint64_t step,
                       Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
@@ -329,13 +329,13 @@ class tier_controller {
     return apply(todo, faults);
   }
 
-  // Makes `pages` tier-0 pages free (before an append): drops shadows, then demotes the
-  // sealed tier-0 pages of lowest keep value to the Stale tier. All or nothing, so a refused
-  // append or fork changes nothing: every demotion it needs is reserved, filled and checked
-  // for publishing first (a candidate failing there, say by an injected fault, is given back
-  // and the next one tried); only when all of them are staged are shadows dropped and the
-  // demotions published. Otherwise every staged page is given back and it refuses
-  // (capacity_exhausted, or the first failure) with nothing changed, the totals included.
+  /// Makes `pages` tier-0 pages free (before an append): drops shadows, then demotes the
+  /// sealed tier-0 pages of lowest keep value to the Stale tier. All or nothing, so a refused
+  /// append or fork changes nothing: every demotion it needs is reserved, filled and checked
+  /// for publishing first (a candidate failing there, say by an injected fault, is given back
+  /// and the next one tried); only when all of them are staged are shadows dropped and the
+  /// demotions published. Otherwise every staged page is given back and it refuses
+  /// (capacity_exhausted, or the first failure) with nothing changed, the totals included.
   template <conversion_fault_hook Faults = no_faults>
   status make_room(std::uint32_t pages,
                    Faults&& faults = {}) requires Storage::page_allocator::host_accessible {
@@ -396,11 +396,11 @@ class tier_controller {
                         storage_->free_pages(append_tier), " free pages of ", pages, " needed");
   }
 
-  // make_room for a caller that converts elsewhere (the GPU: cuda::tiered_cache stages these
-  // through its retier driver): drops the shadows make_room would drop, then returns the
-  // demotions it would run, in its order, exactly as many as tier 0 is still short (each
-  // frees one tier-0 page once published and its old page is released). Refuses like
-  // make_room, before changing anything. The span lives until the next plan or pressure call.
+  /// make_room for a caller that converts elsewhere (the GPU: cuda::tiered_cache stages these
+  /// through its retier driver): drops the shadows make_room would drop, then returns the
+  /// demotions it would run, in its order, exactly as many as tier 0 is still short (each
+  /// frees one tier-0 page once published and its old page is released). Refuses like
+  /// make_room, before changing anything. The span lives until the next plan or pressure call.
   result<std::span<const conversion>> pressure_plan(std::uint32_t pages) {
     if (storage_->free_pages(append_tier) >= pages) return std::span<const conversion>{};
     auto todo = pressure_candidates(pages);
@@ -413,8 +413,8 @@ class tier_controller {
     return todo->first(std::min(need, todo->size()));
   }
 
-  // Storage invariants with the controller's own pages (shadows) accounted for, and
-  // the shadows' own consistency.
+  /// Storage invariants with the controller's own pages (shadows) accounted for, and
+  /// the shadows' own consistency.
   status check_invariants() const {
     std::uint32_t n = 0;
     for (const page_rec& r : *pages_) {
@@ -430,7 +430,7 @@ class tier_controller {
     return storage_->check_invariants(shadows_);
   }
 
-  // The policy state of (block, layer) (tests, reports).
+  /// The policy state of (block, layer) (tests, reports).
   const typename Policy::page_state& page_state_of(block_ref b, int layer) const {
     return (*pages_)[std::size_t(b.index) * std::size_t(storage_->num_layers()) +
                      std::size_t(layer)]
@@ -445,7 +445,7 @@ class tier_controller {
     std::uint32_t holders = 0;
     std::int64_t position = page_facts::no_holder;
     std::int64_t age = page_facts::no_holder;
-    bool sealed = false;  // as of the last refresh
+    bool sealed = false;  ///< as of the last refresh
   };
   struct old_facts {  // a block's facts at the previous refresh
     std::uint32_t holders = 0;
@@ -454,16 +454,16 @@ class tier_controller {
   struct page_rec {
     typename Policy::page_state state{};
     std::uint64_t last_move = 0;
-    float pending = -1.0f;  // this step's relative mass; < 0: none observed
-    page_id shadow;         // tier-0 copy kept after a demotion
-    page_id shadow_of;      // the page it was demoted into (the shadow is valid while published)
+    float pending = -1.0f;  ///< this step's relative mass; < 0: none observed
+    page_id shadow;         ///< tier-0 copy kept after a demotion
+    page_id shadow_of;      ///< the page it was demoted into (the shadow is valid while published)
     std::uint64_t shadow_step = 0;
-    // The incremental plan: the tier the policy chose at the last evaluation (-1: none, the
-    // block is open), the tier the page had then, and list memberships.
+    /// The incremental plan: the tier the policy chose at the last evaluation (-1: none, the
+    /// block is open), the tier the page had then, and list memberships.
     std::int8_t want = -1;
     std::int8_t want_from = -1;
-    bool dirty = false;    // in dirty_: inputs changed since the last plan
-    bool waiting = false;  // in waiting_: wants another tier
+    bool dirty = false;    ///< in dirty_: inputs changed since the last plan
+    bool waiting = false;  ///< in waiting_: wants another tier
   };
   template <class T>
   using counted_vector = std::vector<T, counted_allocator<T, typename Storage::meta_allocator>>;
@@ -479,7 +479,7 @@ class tier_controller {
     return (*pages_)[std::size_t(block) * std::size_t(storage_->num_layers()) + std::size_t(layer)];
   }
 
-  // The record of a live block, reset when the block slot holds a new logical page.
+  /// The record of a live block, reset when the block slot holds a new logical page.
   block_rec& sync(block_ref b) {
     block_rec& r = (*blocks_)[b.index];
     if (!r.live || r.generation != b.generation) {
@@ -499,7 +499,7 @@ class tier_controller {
     }
     return r;
   }
-  // Gives back what the controller holds for a block slot whose page is gone.
+  /// Gives back what the controller holds for a block slot whose page is gone.
   void forget(std::uint32_t bi) {
     for (int l = 0; l < storage_->num_layers(); ++l) {
       page_rec& p = page(bi, l);
@@ -508,7 +508,7 @@ class tier_controller {
     (*blocks_)[bi].live = false;
   }
 
-  // Recomputes holders, youngest age and smallest position of every live block.
+  /// Recomputes holders, youngest age and smallest position of every live block.
   void refresh() {
     for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
       block_rec& r = (*blocks_)[bi];
@@ -544,10 +544,10 @@ class tier_controller {
     }
   }
 
-  // Whether a block's facts moved in a way choose() can see. A policy may say which changes
-  // it reads (same_choice(a, b): recency_anchor reads only "is Recent" and "is a sink", so a
-  // sequence growing by a page re-evaluates the few pages that cross those lines rather than
-  // every page of the sequence); otherwise any change counts.
+  /// Whether a block's facts moved in a way choose() can see. A policy may say which changes
+  /// it reads (same_choice(a, b): recency_anchor reads only "is Recent" and "is a sink", so a
+  /// sequence growing by a page re-evaluates the few pages that cross those lines rather than
+  /// every page of the sequence); otherwise any change counts.
   bool same_choice_facts(const old_facts& o, const block_rec& r) const {
     if (o.holders == r.holders && o.position == r.position && o.age == r.age) return true;
     if constexpr (requires(const page_facts& f) {
@@ -586,7 +586,7 @@ class tier_controller {
     for (int l = 0; l < storage_->num_layers(); ++l) mark_dirty(bi, l);
   }
 
-  // plan() over every page: folds the observed masses, asks the policy for every sealed page.
+  /// plan() over every page: folds the observed masses, asks the policy for every sealed page.
   void plan_all() {
     const int layers = storage_->num_layers();
     for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
@@ -612,9 +612,9 @@ class tier_controller {
     rescan_ = true;  // the incremental plan's lists were dropped: its next plan visits all
   }
 
-  // plan() over what changed: the dirty pages are folded and re-evaluated; the waiting pages
-  // (wanting another tier: held by the dwell, deferred, or not yet run) are planned again. The
-  // same conversions as plan_all() for a policy whose choose() does not read steps_since_move.
+  /// plan() over what changed: the dirty pages are folded and re-evaluated; the waiting pages
+  /// (wanting another tier: held by the dwell, deferred, or not yet run) are planned again. The
+  /// same conversions as plan_all() for a policy whose choose() does not read steps_since_move.
   void plan_changed() {
     const int layers = storage_->num_layers();
     if (rescan_) {
@@ -682,8 +682,8 @@ class tier_controller {
     return f;
   }
 
-  // make_room's candidates (sealed tier-0 pages the policy lets go, lowest keep value first),
-  // or capacity_exhausted when shadows and every possible demotion cannot free `pages`.
+  /// make_room's candidates (sealed tier-0 pages the policy lets go, lowest keep value first),
+  /// or capacity_exhausted when shadows and every possible demotion cannot free `pages`.
   result<std::span<const conversion>> pressure_candidates(std::uint32_t pages) {
     refresh();
     const std::uint32_t free0 = storage_->free_pages(append_tier);
@@ -729,8 +729,8 @@ class tier_controller {
                          std::uint64_t(percent) / 100);
   }
 
-  // Capacity, not a fault: a promotion that would eat into the tier-0 reserve, or any
-  // conversion whose target pool is full (the Stale pool, typically). Counted, not tried.
+  /// Capacity, not a fault: a promotion that would eat into the tier-0 reserve, or any
+  /// conversion whose target pool is full (the Stale pool, typically). Counted, not tried.
   bool held_back(const conversion& c, std::uint32_t reserve, retier_stats& st) const {
     if (c.to < 0 || c.to >= num_tiers) return false;  // reserve_conversion reports it
     if (c.to == append_tier && storage_->free_pages(append_tier) <= reserve) {
@@ -826,7 +826,7 @@ class tier_controller {
     release_shadow(*oldest);
     ++st.shadows_dropped;
   }
-  // Drops shadows that are stale (their page moved on) or that eat into tier 0's slack.
+  /// Drops shadows that are stale (their page moved on) or that eat into tier 0's slack.
   void trim_shadows(retier_stats& st) {
     if (shadows_ == 0) return;
     const int layers = storage_->num_layers();
@@ -857,10 +857,10 @@ class tier_controller {
   std::optional<counted_vector<page_rec>> pages_;
   std::optional<counted_vector<conversion>> plan_;
   std::optional<counted_vector<std::uint8_t>> seen_;
-  std::optional<counted_vector<old_facts>> old_;             // refresh's previous facts per block
-  std::optional<counted_vector<std::uint32_t>> dirty_;       // pages to re-evaluate (page index)
-  std::optional<counted_vector<std::uint32_t>> waiting_;     // pages wanting another tier
-  std::optional<counted_vector<staged_conversion>> staged_;  // make_room's demotions
+  std::optional<counted_vector<old_facts>> old_;             ///< refresh's previous facts per block
+  std::optional<counted_vector<std::uint32_t>> dirty_;       ///< pages to re-evaluate (page index)
+  std::optional<counted_vector<std::uint32_t>> waiting_;     ///< pages wanting another tier
+  std::optional<counted_vector<staged_conversion>> staged_;  ///< make_room's demotions
   bool rescan_ = true;
   std::uint64_t step_ = 0;
   std::uint32_t shadows_ = 0;

@@ -15,39 +15,40 @@
 
 namespace tierkv {
 
-// What the controller knows about one physical page at a retier step. A logical page
-// shared by several sequences (fork, prefix reuse) is one page: its facts combine the
-// holders (youngest age, smallest position).
+/// What the controller knows about one physical page at a retier step. A logical page
+/// shared by several sequences (fork, prefix reuse) is one page: its facts combine the
+/// holders (youngest age, smallest position).
 struct page_facts {
-  static constexpr std::int64_t no_holder = std::numeric_limits<std::int64_t>::max();
+  static constexpr std::int64_t no_holder =
+      std::numeric_limits<std::int64_t>::max();  ///< position and age of a page no sequence holds
 
-  int layer = 0;
-  int num_layers = 1;
-  int tier = 0;                        // tier index it is stored in now
-  std::int64_t position = no_holder;   // smallest logical page index among its sequences
-  std::int64_t age = no_holder;        // pages after it in its youngest holder (0 = newest page)
-  std::uint32_t holders = 0;           // sequences holding it (0: only the prefix index)
-  bool pinned = false;                 // structural metadata from the engine (e.g. system prompt)
-  std::uint64_t steps_since_move = 0;  // retier steps since it last changed tier (or was created)
+  int layer = 0;                       ///< the page's layer
+  int num_layers = 1;                  ///< layers of the cache
+  int tier = 0;                        ///< tier index it is stored in now
+  std::int64_t position = no_holder;   ///< smallest logical page index among its sequences
+  std::int64_t age = no_holder;        ///< pages after it in its youngest holder (0 = newest page)
+  std::uint32_t holders = 0;           ///< sequences holding it (0: only the prefix index)
+  bool pinned = false;                 ///< structural metadata from the engine (e.g. system prompt)
+  std::uint64_t steps_since_move = 0;  ///< retier steps since it last changed tier (or was created)
 };
 
-// A tier policy P provides:
-//   typename P::page_state                 per-page state the controller stores for P
-//                                          (trivially copyable, default = a new page)
-//   p.observe(state, mass)                 one step's attention mass of the page, relative
-//                                          to a uniform share (1 = average page)
-//   p.choose(state, facts) -> tier_role    the role the page should have now
-//   p.min_dwell_steps() -> uint64          steps a page stays in a tier before it may move
-//                                          again (pressure demotions excepted)
-//   p.keep_value(state, facts) -> float    under memory pressure, pages with the lowest
-//                                          value are demoted first; +inf = never demote
-//   p.validate() -> status                 its knobs are consistent
-// and may provide, for the controller's incremental plan (tier_controller_options):
-//   p.same_choice(facts_a, facts_b) -> bool  choose() cannot tell the two apart (position,
-//                                          age, holders, pinned); without it, any change
-//                                          of a block's facts re-evaluates its pages
-//   P::choice_reads_time = true            choose() reads steps_since_move: plan() then
-//                                          visits every page each step
+/// A tier policy P provides:
+///   typename P::page_state                 per-page state the controller stores for P
+///                                          (trivially copyable, default = a new page)
+///   p.observe(state, mass)                 one step's attention mass of the page, relative
+///                                          to a uniform share (1 = average page)
+///   p.choose(state, facts) -> tier_role    the role the page should have now
+///   p.min_dwell_steps() -> uint64          steps a page stays in a tier before it may move
+///                                          again (pressure demotions excepted)
+///   p.keep_value(state, facts) -> float    under memory pressure, pages with the lowest
+///                                          value are demoted first; +inf = never demote
+///   p.validate() -> status                 its knobs are consistent
+/// and may provide, for the controller's incremental plan (tier_controller_options):
+///   p.same_choice(facts_a, facts_b) -> bool  choose() cannot tell the two apart (position,
+///                                          age, holders, pinned); without it, any change
+///                                          of a block's facts re-evaluates its pages
+///   P::choice_reads_time = true            choose() reads steps_since_move: plan() then
+///                                          visits every page each step
 namespace detail {
 template <class P>
 concept has_page_state = requires {
@@ -85,7 +86,7 @@ concept tier_policy = std::copy_constructible<P> && detail::has_page_state<P> &&
     detail::has_observe<P> && detail::has_choose<P> && detail::has_min_dwell<P> &&
     detail::has_keep_value<P> && detail::has_validate<P>;
 
-// static_assert(check_tier_policy<P>()) names the first missing member.
+/// static_assert(check_tier_policy<P>()) names the first missing member.
 template <class P>
 constexpr bool check_tier_policy() {
   static_assert(std::copy_constructible<P>,

@@ -13,12 +13,14 @@
 
 namespace tierkv {
 
+/// The role a page plays; a policy chooses it, tier_roles maps it to a tier.
 enum class tier_role : std::uint8_t {
-  recent = 0,  // the newest pages of a sequence: read by every step, written last
-  anchor = 1,  // attention sinks, pinned pages, pages whose attention mass stays high
-  stale = 2,   // everything else: compressed
+  recent = 0,  ///< the newest pages of a sequence: read by every step, written last
+  anchor = 1,  ///< attention sinks, pinned pages, pages whose attention mass stays high
+  stale = 2,   ///< everything else: compressed
 };
 
+/// The role's name ("recent", "anchor", "stale").
 constexpr std::string_view to_string(tier_role r) noexcept {
   switch (r) {
     case tier_role::recent:
@@ -30,12 +32,13 @@ constexpr std::string_view to_string(tier_role r) noexcept {
   }
   return "unknown";
 }
+/// Writes the role's name.
 inline std::ostream& operator<<(std::ostream& out, tier_role r) { return out << to_string(r); }
 
-// Which tier index of TierList each role lives in. The default puts Recent and Anchor
-// in tier 0 (the tier pages are appended in, FP8 in the usual list) and Stale in the
-// last tier (TQ3). Roles may share a tier; the cost is one pool and one attention
-// inner loop per distinct tier, not per role.
+/// Which tier index of TierList each role lives in. The default puts Recent and Anchor
+/// in tier 0 (the tier pages are appended in, FP8 in the usual list) and Stale in the
+/// last tier (TQ3). Roles may share a tier; the cost is one pool and one attention
+/// inner loop per distinct tier, not per role.
 template <class TierList, int Recent = 0, int Anchor = 0, int Stale = TierList::size - 1>
 struct tier_roles {
   static_assert(Recent >= 0 && Recent < TierList::size,
@@ -47,11 +50,12 @@ struct tier_roles {
   static_assert(Recent == 0,
                 "tier_roles: Recent must be tier 0, the tier new tokens are appended in (pages are "
                 "written while open, and only sealed pages are converted)");
-  using tier_list = TierList;
-  static constexpr int recent = Recent;
-  static constexpr int anchor = Anchor;
-  static constexpr int stale = Stale;
+  using tier_list = TierList;            ///< the cache's tier list
+  static constexpr int recent = Recent;  ///< tier of Recent pages (0)
+  static constexpr int anchor = Anchor;  ///< tier of Anchor pages
+  static constexpr int stale = Stale;    ///< tier of Stale pages
 
+  /// The tier index role r lives in.
   static constexpr int tier_of(tier_role r) noexcept {
     return r == tier_role::recent ? Recent : r == tier_role::anchor ? Anchor : Stale;
   }
