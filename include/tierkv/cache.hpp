@@ -149,7 +149,7 @@ class tiered_cache {
   /// demotes anything, so a refused call changes nothing.
   /// A new empty sequence (capacity_exhausted when max_sequences are live).
   result<seq_id> create_sequence() { return storage_->create_sequence(); }
-  /// A new sequence sharing every page of parent (copy on write of the open page).
+  /// A new sequence sharing every sealed page of parent (refcounted); the open last page is copied.
   result<seq_id> fork(seq_id parent) { return storage_->fork(parent, room()); }
   /// Ends s; its pages return to their pools once no sequence or prefix entry holds them.
   status release(seq_id s) { return storage_->release(s); }
