@@ -25,12 +25,12 @@ namespace tierkv {
 /// encoding is the engine's business, applied before keys were appended.
 template <int NumTiers>
 struct host_decode_args {
-  const float* queries = nullptr;  ///< [batch][q_heads][head_dim]; NaN / Inf: non_finite_input
-  batch_index_view<NumTiers> index{};
-  const pool_view* pools = nullptr;  ///< [NumTiers], in tier order
-  layer_source source{};
-  logit_params logits{};
-  float* out = nullptr;  ///< [batch][q_heads][head_dim]; zeros for an empty sequence
+  const float* queries = nullptr;      ///< [batch][q_heads][head_dim]; NaN / Inf: non_finite_input
+  batch_index_view<NumTiers> index{};  ///< the batch's pages of this layer, per tier
+  const pool_view* pools = nullptr;    ///< [NumTiers], in tier order
+  layer_source source{};               ///< cache seed, layer and head base (codec contexts)
+  logit_params logits{};               ///< softmax scale and soft cap
+  float* out = nullptr;                ///< [batch][q_heads][head_dim]; zeros for an empty sequence
   /// Optional: natural-log log-sum-exp of each (sequence, query head)'s logits;
   /// -inf for an empty sequence.
   float* lse = nullptr;  ///< [batch][q_heads]
@@ -43,6 +43,9 @@ struct host_decode_args {
 };
 
 template <class Geometry, class TierList>
+/// Decode attention of one layer over mixed-format pages on ws's thread pool (see
+/// host_decode_args); invalid_argument / out_of_range / non_finite_input before anything is
+/// written.
 status host_decode(host_attention_workspace& ws, const host_decode_args<TierList::size>& a) {
   using pass = detail::sequence_pass<Geometry, TierList>;
   constexpr int D = Geometry::head_dim;

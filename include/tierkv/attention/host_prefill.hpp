@@ -35,10 +35,10 @@ struct host_prefill_args {
       nullptr;  ///< [batch + 1]; sequence b owns query rows [q_indptr[b], q_indptr[b+1])
   batch_index_view<NumTiers> index{};  ///< seq_len counts the chunk (already appended)
   const pool_view* pools = nullptr;    ///< [NumTiers]
-  layer_source source{};
-  logit_params logits{};
-  float* out = nullptr;  ///< [total_q][q_heads][head_dim]
-  float* lse = nullptr;  ///< optional [total_q][q_heads], natural log
+  layer_source source{};               ///< cache seed, layer and head base (codec contexts)
+  logit_params logits{};               ///< softmax scale and soft cap
+  float* out = nullptr;                ///< [total_q][q_heads][head_dim]
+  float* lse = nullptr;                ///< optional [total_q][q_heads], natural log
 };
 
 /// Query tokens per task: rows = query_block * group_size share each unpacked key/value
@@ -46,6 +46,8 @@ struct host_prefill_args {
 inline constexpr int host_prefill_query_block = 8;
 
 template <class Geometry, class TierList>
+/// Chunked causal prefill attention of one layer over mixed-format pages on ws's thread pool
+/// (see host_prefill_args; the chunk's K/V are appended first).
 status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierList::size>& a) {
   using pass = detail::sequence_pass<Geometry, TierList>;
   constexpr int D = Geometry::head_dim;

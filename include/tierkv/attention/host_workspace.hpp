@@ -22,7 +22,9 @@ class host_attention_workspace {
     scratch_.resize(pool_.size());
   }
 
+  /// The workers.
   thread_pool& pool() { return pool_; }
+  /// Workers, the caller included.
   unsigned threads() const { return pool_.size(); }
 
   /// Makes every worker's scratch at least `bytes` (64-byte aligned); call before a
@@ -32,13 +34,16 @@ class host_attention_workspace {
     for (auto& s : scratch_)
       if (s.size() < lines) s.resize(lines);
   }
+  /// Worker `worker`'s scratch (reserve_per_worker bytes, 64-byte aligned).
   std::byte* worker_scratch(unsigned worker) {
     return reinterpret_cast<std::byte*>(scratch_[worker].data());
   }
 
   /// Shared buffers of the calling pass (validation bitmaps, per-head page masses).
   std::vector<std::uint8_t>& bitmap() { return bitmap_; }
+  /// Shared float buffer of the calling pass.
   std::vector<float>& shared_floats() { return shared_; }
+  /// Shared int buffer of the calling pass.
   std::vector<int>& shared_ints() { return ints_; }
 
   /// Bytes held by the workspace (for accounting reports).

@@ -28,18 +28,20 @@ namespace tierkv {
 /// memory or registers: call clear() (or use partial_state::empty_state()) before use.
 template <int HeadDim>
 struct partial_state {
-  static constexpr int head_dim = HeadDim;
+  static constexpr int head_dim = HeadDim;  ///< length of acc
 
-  float m;
-  float l;
-  float acc[HeadDim];
+  float m;             ///< running maximum logit (-inf when empty)
+  float l;             ///< sum of exp(logit - m)
+  float acc[HeadDim];  ///< sum of exp(logit - m) x value, in the value codec's domain
 
+  /// An empty state (the identity of the merge).
   TIERKV_HD static partial_state empty_state() {
     partial_state s;
     s.clear();
     return s;
   }
 
+  /// Makes the state empty.
   TIERKV_HD void clear() {
     m = -std::numeric_limits<float>::infinity();
     l = 0.f;

@@ -29,9 +29,9 @@ namespace tierkv {
 /// head_base is the storage's (storage_options::head_base): the global index of its
 /// first KV head, non-zero on tensor-parallel ranks r > 0.
 struct layer_source {
-  std::uint64_t cache_seed = 0;
-  int layer = 0;
-  int head_base = 0;
+  std::uint64_t cache_seed = 0;  ///< storage_options::codec_seed
+  int layer = 0;                 ///< the layer read
+  int head_base = 0;             ///< storage_options::head_base
 };
 
 namespace detail {

@@ -17,6 +17,7 @@
 
 namespace tierkv {
 
+/// A fork-join pool for the host attention passes; the calling thread is one of the workers.
 class thread_pool {
  public:
   /// `threads` workers in total, the calling thread included; 0 = hardware concurrency.

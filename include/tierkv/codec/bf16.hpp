@@ -11,11 +11,13 @@
 
 namespace tierkv {
 
+/// The bits of a bfloat16 value (the metadata scalars of FP8, TQ3, TQ4, int8_rotated).
 using bf16_bits = std::uint16_t;
 
 inline constexpr bf16_bits bf16_max_finite = 0x7F7F;  ///< 3.3895e38
-inline constexpr bf16_bits bf16_quiet_nan = 0x7FC0;
+inline constexpr bf16_bits bf16_quiet_nan = 0x7FC0;   ///< a quiet NaN (poisoned metadata)
 
+/// The float value of bf16 bits (exact).
 TIERKV_HD_INLINE float bf16_to_float(bf16_bits b) {
   return detail::bits_float(std::uint32_t(b) << 16);
 }

@@ -14,18 +14,22 @@
 namespace tierkv {
 
 template <int HeadDim>
+/// bf16 per scalar (round to nearest even), no metadata: the BF16 control (vector_codec).
 struct dense_bf16_codec {
   static_assert(HeadDim >= 1 && HeadDim <= 4096, "dense_bf16: head_dim must lie in [1, 4096]");
-  using meta_type = no_meta;
-  static constexpr storage_format format = storage_format::dense_bf16;
-  static constexpr int head_dim = HeadDim;
-  static constexpr std::size_t payload_bytes = sizeof(bf16_bits) * std::size_t(HeadDim);
-  static constexpr std::size_t meta_bytes = 0;
-  static constexpr const char* name = "dense_bf16";
+  using meta_type = no_meta;                                            ///< none
+  static constexpr storage_format format = storage_format::dense_bf16;  ///< the storage format tag
+  static constexpr int head_dim = HeadDim;                              ///< scalars per vector
+  static constexpr std::size_t payload_bytes =
+      sizeof(bf16_bits) * std::size_t(HeadDim);      ///< the bf16 values
+  static constexpr std::size_t meta_bytes = 0;       ///< no metadata
+  static constexpr const char* name = "dense_bf16";  ///< the format's name
 
+  /// The bf16 bits of scalar i of a payload.
   TIERKV_HD static bf16_bits load(const std::uint8_t* p, int i) {
     return bf16_bits(p[2 * i] | (p[2 * i + 1] << 8));
   }
+  /// Scalar i of a payload as a float.
   TIERKV_HD static float value(const std::uint8_t* p, int i) { return bf16_to_float(load(p, i)); }
 
   /// Finite values beyond the bf16 range (|x| > 3.3895e38 after rounding) saturate to
@@ -52,13 +56,16 @@ struct dense_bf16_codec {
     if (stats) stats->saturated += sat;
     return errc::ok;
   }
+  /// The values as floats.
   TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type&, float* out,
                                const codec_context&) {
     for (int i = 0; i < HeadDim; ++i) out[i] = value(payload, i);
   }
+  /// The identity.
   TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context&) {
     for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
   }
+  /// q . x_hat.
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type&) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int i = 0;
@@ -68,16 +75,19 @@ struct dense_bf16_codec {
       for (; i < HeadDim; ++i) s[0] += q[i] * value(payload, i);
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
+  /// acc += p x_hat.
   TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type&,
                                    float* acc) {
     for (int i = 0; i < HeadDim; ++i) acc[i] += p * value(payload, i);
   }
+  /// Nothing to undo.
   TIERKV_HD static void finalize(float*, const codec_context&) {}
 };
 
+/// Codec family: dense bf16 (the BF16 control).
 struct dense_bf16 {
   template <int HeadDim>
-  using bind = dense_bf16_codec<HeadDim>;
+  using bind = dense_bf16_codec<HeadDim>;  ///< the codec at HeadDim
 };
 
 static_assert(vector_codec<dense_bf16_codec<128>>);

@@ -19,16 +19,19 @@
 namespace tierkv {
 
 template <int HeadDim, fp8_kind Kind>
+/// FP8 (E4M3 or E5M2) codes of x / scale with one bf16 scale per vector (vector_codec).
 struct fp8_codec {
   static_assert(HeadDim >= 1 && HeadDim <= 4096, "fp8_codec: head_dim must lie in [1, 4096]");
-  using format_t = fp8_format<Kind>;
-  using meta_type = bf16_bits;  ///< the scale
+  using format_t = fp8_format<Kind>;  ///< the FP8 format's constants
+  using meta_type = bf16_bits;        ///< the scale
 
+  /// the storage format tag
   static constexpr storage_format format =
       Kind == fp8_kind::e4m3 ? storage_format::fp8_e4m3 : storage_format::fp8_e5m2;
-  static constexpr int head_dim = HeadDim;
-  static constexpr std::size_t payload_bytes = std::size_t(HeadDim);
-  static constexpr std::size_t meta_bytes = sizeof(meta_type);
+  static constexpr int head_dim = HeadDim;                            ///< scalars per vector
+  static constexpr std::size_t payload_bytes = std::size_t(HeadDim);  ///< one code per scalar
+  static constexpr std::size_t meta_bytes = sizeof(meta_type);        ///< the bf16 scale
+  /// the format's name
   static constexpr const char* name = Kind == fp8_kind::e4m3 ? "fp8_e4m3" : "fp8_e5m2";
 
   /// Inputs beyond +-2^127 are clipped there (and counted as saturated): it keeps
@@ -47,6 +50,7 @@ struct fp8_codec {
     return s;
   }
 
+  /// Codes of x with the scale scale_for(max |x|); non_finite_input (poisoned slot) on NaN / Inf.
   TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type& meta,
                                const codec_context&, encode_stats* stats) {
     float amax = 0.0f;
@@ -84,6 +88,7 @@ struct fp8_codec {
     if (stats) stats->saturated += sat;
   }
 
+  /// The value of one FP8 code (unscaled).
   TIERKV_HD static float code_value(std::uint8_t c) {
 #if TIERKV_DEVICE_PASS
     return fp8_to_float<Kind>(c);
@@ -92,14 +97,17 @@ struct fp8_codec {
 #endif
   }
 
+  /// out = codes x scale.
   TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type& meta, float* out,
                                const codec_context&) {
     const float s = bf16_to_float(meta);
     for (int i = 0; i < HeadDim; ++i) out[i] = code_value(payload[i]) * s;
   }
+  /// The identity: FP8 keys are read in the input domain.
   TIERKV_HD static void prepare_query(const float* q, float* out, const codec_context&) {
     for (int i = 0; i < HeadDim; ++i) out[i] = q[i];
   }
+  /// q . decode(payload).
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int i = 0;
@@ -109,21 +117,25 @@ struct fp8_codec {
       for (; i < HeadDim; ++i) s[0] += q[i] * code_value(payload[i]);
     return ((s[0] + s[1]) + (s[2] + s[3])) * bf16_to_float(meta);
   }
+  /// acc += p x decode(payload).
   TIERKV_HD static void accumulate(float p, const std::uint8_t* payload, const meta_type& meta,
                                    float* acc) {
     const float w = p * bf16_to_float(meta);
     for (int i = 0; i < HeadDim; ++i) acc[i] += w * code_value(payload[i]);
   }
+  /// Nothing to undo.
   TIERKV_HD static void finalize(float*, const codec_context&) {}
 };
 
+/// Codec family: FP8 E4M3 with a bf16 scale per vector (the default 8-bit tier).
 struct fp8_e4m3 {
   template <int HeadDim>
-  using bind = fp8_codec<HeadDim, fp8_kind::e4m3>;
+  using bind = fp8_codec<HeadDim, fp8_kind::e4m3>;  ///< the codec at HeadDim
 };
+/// Codec family: FP8 E5M2 with a bf16 scale per vector.
 struct fp8_e5m2 {
   template <int HeadDim>
-  using bind = fp8_codec<HeadDim, fp8_kind::e5m2>;
+  using bind = fp8_codec<HeadDim, fp8_kind::e5m2>;  ///< the codec at HeadDim
 };
 
 static_assert(vector_codec<fp8_codec<128, fp8_kind::e4m3>>);

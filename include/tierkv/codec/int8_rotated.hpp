@@ -30,22 +30,25 @@
 namespace tierkv {
 
 template <int HeadDim>
+/// int8 codes of the rotated vector with one bf16 scale alpha (vector_codec; see the file comment).
 struct int8_rotated_codec {
   static_assert(is_power_of_two<HeadDim> && HeadDim >= 8 && HeadDim <= 512,
                 "int8_rotated: head_dim must be a power of two in [8, 512] (the Walsh-Hadamard "
                 "rotation needs it); keep other head_dims in FP8");
   using meta_type = bf16_bits;  ///< alpha
 
-  static constexpr storage_format format = storage_format::int8_rotated;
-  static constexpr int head_dim = HeadDim;
-  static constexpr std::size_t payload_bytes = std::size_t(HeadDim);
-  static constexpr std::size_t meta_bytes = sizeof(meta_type);
-  static constexpr const char* name = "int8_rotated";
-  static constexpr int max_code = 127;
-  static constexpr float input_limit = 5.19229686e33f;  ///< 2^112
+  static constexpr storage_format format =
+      storage_format::int8_rotated;                                   ///< the storage format tag
+  static constexpr int head_dim = HeadDim;                            ///< scalars per vector
+  static constexpr std::size_t payload_bytes = std::size_t(HeadDim);  ///< one int8 code per scalar
+  static constexpr std::size_t meta_bytes = sizeof(meta_type);        ///< alpha
+  static constexpr const char* name = "int8_rotated";                 ///< the format's name
+  static constexpr int max_code = 127;                                ///< codes lie in [-127, 127]
+  static constexpr float input_limit = 5.19229686e33f;                ///< 2^112
   /// Written on non-finite input: codes 0 and a NaN alpha (a slot read by mistake is loud).
   static constexpr meta_type poison_meta = bf16_quiet_nan;
 
+  /// Rotates x (seeded by ctx) and stores its int8 codes and alpha; non_finite_input on NaN / Inf.
   TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type& meta,
                                const codec_context& ctx, encode_stats* stats) {
     float amax = 0.0f;
@@ -97,8 +100,10 @@ struct int8_rotated_codec {
     return s;
   }
 
+  /// The value of one code (unscaled).
   TIERKV_HD static float code_value(std::uint8_t c) { return float(std::int8_t(c)); }
 
+  /// The vector in the input domain (inverse rotation applied).
   TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type& meta, float* out,
                                const codec_context& ctx) {
     for (int i = 0; i < HeadDim; ++i) out[i] = 0.0f;
@@ -111,6 +116,7 @@ struct int8_rotated_codec {
     rotated_domain<HeadDim>::prepare_query(q, out, ctx.seed);
   }
 
+  /// dot(prepared q, codes) x alpha = q . x_hat.
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int i = 0; i < HeadDim; i += 4)
@@ -131,9 +137,10 @@ struct int8_rotated_codec {
   }
 };
 
+/// Codec family: int8 codes of the rotated vector (the 8-bit tier where quality matters).
 struct int8_rotated {
   template <int HeadDim>
-  using bind = int8_rotated_codec<HeadDim>;
+  using bind = int8_rotated_codec<HeadDim>;  ///< the codec at HeadDim
 };
 
 static_assert(vector_codec<int8_rotated_codec<128>>);

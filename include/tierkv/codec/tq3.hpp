@@ -123,22 +123,26 @@ TIERKV_HD_INLINE int tq3_unpack(const std::uint32_t* w, int j) {
 
 /// The 8-level grid (tq_codec's Grid): Lloyd–Max centroids on an int8 grid.
 struct tq3_grid {
-  static constexpr storage_format format = storage_format::tq3;
-  static constexpr int bits = 3;
+  static constexpr storage_format format = storage_format::tq3;  ///< the storage format tag
+  static constexpr int bits = 3;                                 ///< bits per code
   static constexpr int zero_code = 4;  ///< codes stored for an all-zero vector (alpha 0)
-  static constexpr float plain_scale = 1.08631131f;  ///< 64 x 0.0169736: L / 64 -> unit variance
-  static constexpr const char* key_name = "tq3_key";
-  static constexpr const char* value_name = "tq3_value";
-  static constexpr const char* plain_name = "tq3_plain";
-  using bounds = detail::tq3_bounds;
+  static constexpr float plain_scale = 1.08631131f;   ///< 64 x 0.0169736: L / 64 -> unit variance
+  static constexpr const char* key_name = "tq3_key";  ///< name of tq3_key
+  static constexpr const char* value_name = "tq3_value";  ///< name of tq3_value
+  static constexpr const char* plain_name = "tq3_plain";  ///< name of tq3_plain
+  using bounds = detail::tq3_bounds;                      ///< decision thresholds for one vector
 
+  /// The thresholds for coordinates ~ N(0, n^2).
   TIERKV_HD_INLINE static bounds make_bounds(float n) { return detail::tq3_make_bounds(n); }
+  /// The code of one rotated coordinate.
   TIERKV_HD_INLINE static int quantize(float z, const bounds& b) {
     return detail::tq3_quantize(z, b);
   }
+  /// The grid level of a code.
   TIERKV_HD_INLINE static float level(int code) { return detail::tq3_centroid(code); }
 
   template <int D>
+  /// Codes -> payload: 3 words per group of 32 (docs/formats.md).
   TIERKV_HD static void pack(const std::uint8_t* codes, std::uint8_t* payload) {
     for (int g = 0; g < D / 32; ++g) {
       std::uint32_t w[3];
@@ -147,6 +151,7 @@ struct tq3_grid {
     }
   }
   template <int D>
+  /// Payload -> codes.
   TIERKV_HD static void unpack(const std::uint8_t* payload, std::uint8_t* codes) {
     for (int g = 0; g < D / 32; ++g) {
       std::uint32_t w[3];
@@ -174,6 +179,7 @@ struct tq3_grid {
     }
   }
   template <int D>
+  /// sum q_i level(code_i).
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const detail::tq3_level_table t = detail::tq3_levels();
@@ -182,6 +188,7 @@ struct tq3_grid {
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <int D>
+  /// acc_i += w level(code_i).
   TIERKV_HD static void accumulate(float w, const std::uint8_t* payload, float* acc) {
     const detail::tq3_level_table t = detail::tq3_levels();
     for_each_code<D>(payload, [&](int, int i, std::uint32_t code) { acc[i] += w * t.v[code]; });
@@ -189,20 +196,23 @@ struct tq3_grid {
 };
 
 template <int HeadDim, tq_norm Norm>
+/// TQ3 at HeadDim with norm correction Norm.
 using tq3_codec = tq_codec<HeadDim, Norm, tq3_grid>;
 
+/// Codec family: TQ3 keys (alpha unbiases inner products).
 struct tq3_key {
   template <int HeadDim>
-  using bind = tq3_codec<HeadDim, tq_norm::unbiased_inner_product>;
+  using bind = tq3_codec<HeadDim, tq_norm::unbiased_inner_product>;  ///< the codec at HeadDim
 };
+/// Codec family: TQ3 values (alpha minimizes the squared error).
 struct tq3_value {
   template <int HeadDim>
-  using bind = tq3_codec<HeadDim, tq_norm::least_squares>;
+  using bind = tq3_codec<HeadDim, tq_norm::least_squares>;  ///< the codec at HeadDim
 };
 /// Not a tier codec: |x| uncorrected, kept to measure the corrections against.
 struct tq3_plain {
   template <int HeadDim>
-  using bind = tq3_codec<HeadDim, tq_norm::plain>;
+  using bind = tq3_codec<HeadDim, tq_norm::plain>;  ///< the codec at HeadDim
 };
 
 static_assert(vector_codec<tq3_codec<128, tq_norm::unbiased_inner_product>>);

@@ -25,34 +25,41 @@
 
 namespace tierkv {
 
+/// The 16-level grid (tq_codec's Grid): uniform levels in units of the vector's norm.
 struct tq4_grid {
-  static constexpr storage_format format = storage_format::tq4;
-  static constexpr int bits = 4;
+  static constexpr storage_format format = storage_format::tq4;  ///< the storage format tag
+  static constexpr int bits = 4;                                 ///< bits per code
   static constexpr int zero_code = 8;         ///< codes stored for an all-zero vector (alpha 0)
   static constexpr float plain_scale = 1.0f;  ///< tq4_plain keeps |x| as it was measured
-  static constexpr const char* key_name = "tq4_key";
-  static constexpr const char* value_name = "tq4_value";
-  static constexpr const char* plain_name = "tq4_plain";
-  static constexpr float step = 0.3352f;  ///< Δ in standard deviations
-  static constexpr float offset = 7.5f;   ///< level of code c is c - offset (times alpha)
-  static constexpr int max_code = 15;
+  static constexpr const char* key_name = "tq4_key";      ///< name of tq4_key
+  static constexpr const char* value_name = "tq4_value";  ///< name of tq4_value
+  static constexpr const char* plain_name = "tq4_plain";  ///< name of the uncorrected variant
+  static constexpr float step = 0.3352f;                  ///< Δ in standard deviations
+  static constexpr float offset = 7.5f;  ///< level of code c is c - offset (times alpha)
+  static constexpr int max_code = 15;    ///< codes lie in [0, 15]
+  /// Decision data for one vector.
   struct bounds {
     float step;  ///< Δ·n in z's units
   };
 
+  /// The step for coordinates ~ N(0, n^2).
   TIERKV_HD_INLINE static bounds make_bounds(float n) { return {step * n}; }
+  /// The code of one rotated coordinate (clamped to [0, 15]).
   TIERKV_HD_INLINE static int quantize(float z, const bounds& b) {
     const int c = int(floorf(z / b.step)) + 8;  // |z / step| < 2d / 0.3352: no int overflow
     return c < 0 ? 0 : (c > max_code ? max_code : c);
   }
+  /// The grid level of a code: code - offset.
   TIERKV_HD_INLINE static float level(int code) { return float(code) - offset; }  // exact
 
   template <int D>
+  /// Codes -> payload: two codes per byte, low nibble first.
   TIERKV_HD static void pack(const std::uint8_t* codes, std::uint8_t* payload) {
     for (int b = 0; b < D / 2; ++b)
       payload[b] = std::uint8_t((codes[2 * b] & 15u) | ((codes[2 * b + 1] & 15u) << 4));
   }
   template <int D>
+  /// Payload -> codes.
   TIERKV_HD static void unpack(const std::uint8_t* payload, std::uint8_t* codes) {
     for (int b = 0; b < D / 2; ++b) {
       codes[2 * b] = std::uint8_t(payload[b] & 15u);
@@ -60,6 +67,7 @@ struct tq4_grid {
     }
   }
   template <int D>
+  /// sum q_i level(code_i).
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int b = 0; b < D / 2; b += 2)
@@ -71,6 +79,7 @@ struct tq4_grid {
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <int D>
+  /// acc_i += w level(code_i).
   TIERKV_HD static void accumulate(float w, const std::uint8_t* payload, float* acc) {
     for (int b = 0; b < D / 2; ++b) {
       acc[2 * b] += w * level(payload[b] & 15);
@@ -80,15 +89,18 @@ struct tq4_grid {
 };
 
 template <int HeadDim, tq_norm Norm>
+/// TQ4 at HeadDim with norm correction Norm.
 using tq4_codec = tq_codec<HeadDim, Norm, tq4_grid>;
 
+/// Codec family: TQ4 keys (alpha unbiases inner products; Stale keys where routing matters).
 struct tq4_key {
   template <int HeadDim>
-  using bind = tq4_codec<HeadDim, tq_norm::unbiased_inner_product>;
+  using bind = tq4_codec<HeadDim, tq_norm::unbiased_inner_product>;  ///< the codec at HeadDim
 };
+/// Codec family: TQ4 values (alpha minimizes the squared error).
 struct tq4_value {
   template <int HeadDim>
-  using bind = tq4_codec<HeadDim, tq_norm::least_squares>;
+  using bind = tq4_codec<HeadDim, tq_norm::least_squares>;  ///< the codec at HeadDim
 };
 
 static_assert(vector_codec<tq4_codec<128, tq_norm::unbiased_inner_product>>);

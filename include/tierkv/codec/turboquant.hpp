@@ -121,21 +121,25 @@ struct tq_codec {
                 "rotation and the canonical 32-lane sums need it); head_dim 80, 96, 112 and 192 "
                 "are not supported - keep such layers in FP8");
   using meta_type = bf16_bits;  ///< alpha, the corrected norm
-  using grid = Grid;
+  using grid = Grid;            ///< the level grid (tq3_grid or tq4_grid)
 
-  static constexpr storage_format format = Grid::format;
-  static constexpr tq_norm norm = Norm;
-  static constexpr int head_dim = HeadDim;
-  static constexpr std::size_t payload_bytes = std::size_t(HeadDim) * Grid::bits / 8;
-  static constexpr std::size_t meta_bytes = sizeof(meta_type);
+  static constexpr storage_format format = Grid::format;  ///< the storage format tag
+  static constexpr tq_norm norm = Norm;                   ///< which norm correction alpha carries
+  static constexpr int head_dim = HeadDim;                ///< scalars per vector
+  static constexpr std::size_t payload_bytes =
+      std::size_t(HeadDim) * Grid::bits / 8;                    ///< packed codes
+  static constexpr std::size_t meta_bytes = sizeof(meta_type);  ///< alpha
+  /// the family's name (e.g. "tq3_key")
   static constexpr const char* name = Norm == tq_norm::unbiased_inner_product ? Grid::key_name
                                       : Norm == tq_norm::least_squares        ? Grid::value_name
                                                                               : Grid::plain_name;
   /// Written on non-finite input: codes 0 and a NaN alpha, so a slot read by mistake
   /// yields NaN (loud) rather than a plausible vector.
   static constexpr meta_type poison_meta = bf16_quiet_nan;
-  static constexpr int zero_code = Grid::zero_code;
+  static constexpr int zero_code = Grid::zero_code;  ///< codes stored for an all-zero vector
 
+  /// Rotates x (seeded by ctx), quantizes every coordinate on the grid and stores alpha;
+  /// non_finite_input (poisoned slot) on NaN / Inf.
   TIERKV_HD static errc encode(const float* x, std::uint8_t* payload, meta_type& meta,
                                const codec_context& ctx, encode_stats* stats) {
     float amax = 0.0f;
@@ -178,13 +182,16 @@ struct tq_codec {
     return errc::ok;
   }
 
+  /// One code per coordinate -> payload bytes.
   TIERKV_HD static void pack(const std::uint8_t* codes, std::uint8_t* payload) {
     Grid::template pack<HeadDim>(codes, payload);
   }
+  /// Payload bytes -> one code per coordinate.
   TIERKV_HD static void unpack(const std::uint8_t* payload, std::uint8_t* codes) {
     Grid::template unpack<HeadDim>(payload, codes);
   }
 
+  /// The vector in the input domain (alpha x levels, inverse rotation).
   TIERKV_HD static void decode(const std::uint8_t* payload, const meta_type& meta, float* out,
                                const codec_context& ctx) {
     for (int i = 0; i < HeadDim; ++i) out[i] = 0.0f;
@@ -197,6 +204,7 @@ struct tq_codec {
     rotated_domain<HeadDim>::prepare_query(q, out, ctx.seed);
   }
 
+  /// alpha x sum q_i c_i over the prepared query.
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload, const meta_type& meta) {
     return Grid::template dot<HeadDim>(q, payload) * bf16_to_float(meta);
   }

@@ -37,9 +37,10 @@ struct head_data {
   std::span<const float> keys;     ///< [n][head_dim], post-RoPE
   std::span<const float> values;   ///< [n][head_dim]
   std::span<const float> queries;  ///< [n_q][head_dim], reference queries, post-RoPE
-  int head_dim = 0;
+  int head_dim = 0;                ///< scalars per vector
 };
 
+/// The knobs of Attention Matching.
 struct am_options {
   double budget = 0.1;        ///< fraction of the n tokens kept, in (0, 1]: t = ceil(budget n)
   std::int64_t keep = 0;      ///< > 0: keep exactly this many tokens (1 <= keep <= n) instead
@@ -51,8 +52,9 @@ struct am_options {
   int query_block = 256;      ///< reference queries per BLAS block (memory: block x n doubles)
 };
 
+/// The compaction of one (layer, KV head): kept tokens, their bias and values, diagnostics.
 struct head_compaction {
-  int head_dim = 0;
+  int head_dim = 0;                ///< scalars per vector
   std::int64_t n = 0;              ///< tokens before
   std::int64_t n_q = 0;            ///< reference queries
   float softmax_scale = 0.f;       ///< the scale the fit used (resolved, never 0)
@@ -65,11 +67,12 @@ struct head_compaction {
   double mass_error_no_bias = 0;     ///< the same with B = 1
   double output_error = 0;           ///< ||P X - Y||_F / ||Y||_F with the values above
   double output_error_original = 0;  ///< the same with the kept tokens' original values
-  int nnls_iterations = 0;
-  double nnls_kkt_violation = 0;
-  std::int64_t clipped_high = 0;    ///< B clipped to e^beta_max
-  std::int64_t at_lower_bound = 0;  ///< B at e^-beta_max (the NNLS put them at the bound)
+  int nnls_iterations = 0;           ///< steps of the bias fit
+  double nnls_kkt_violation = 0;     ///< the fit's remaining KKT violation
+  std::int64_t clipped_high = 0;     ///< B clipped to e^beta_max
+  std::int64_t at_lower_bound = 0;   ///< B at e^-beta_max (the NNLS put them at the bound)
 
+  /// Tokens kept.
   std::int64_t size() const noexcept { return std::int64_t(kept.size()); }
 };
 

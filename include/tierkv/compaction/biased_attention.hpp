@@ -16,6 +16,8 @@
 
 namespace tierkv::compaction {
 
+/// Float64 attention with a per-key logit bias beta (see the file comment); out [n_q][d],
+/// optional lse [n_q].
 inline status biased_attention(std::span<const float> queries, std::span<const float> keys,
                                std::span<const float> values, std::span<const float> beta,
                                int head_dim, double softmax_scale, std::span<double> out,

@@ -29,25 +29,30 @@
 
 namespace tierkv::compaction {
 
+/// The direction u the bias is folded along: a ridge fit of q . u = 1 over the reference
+/// queries, or mu / ||mu||^2 of their mean mu (see the file comment).
 enum class fold_direction { ridge, mean };
 
+/// The knobs of the fold.
 struct fold_options {
-  fold_direction direction = fold_direction::ridge;
+  fold_direction direction = fold_direction::ridge;  ///< how u is chosen
   double ridge = 1e-3;  ///< lambda / (trace(Q^T Q) / d), > 0 (ridge direction only)
 };
 
+/// A head_compaction with its bias folded into the keys (k + (beta / scale) u).
 struct folded_head {
-  int head_dim = 0;
+  int head_dim = 0;                 ///< scalars per vector
   std::int64_t n = 0;               ///< tokens of the prefix before compaction
   float softmax_scale = 0.f;        ///< the scale the keys were folded for
   std::vector<float> u;             ///< [d]
   std::vector<float> keys;          ///< [t][d] k + (beta / scale) u
   std::vector<float> values;        ///< [t][d] the compaction's values
   std::vector<double> logit_bound;  ///< [n_q] max_a |beta_a| |q_i . u - 1| per reference query
-  double max_logit_bound = 0;
-  double mean_logit_bound = 0;
-  double mean_abs_qu_minus_1 = 0;  ///< mean_i |q_i . u - 1|
+  double max_logit_bound = 0;       ///< max of logit_bound
+  double mean_logit_bound = 0;      ///< mean of logit_bound
+  double mean_abs_qu_minus_1 = 0;   ///< mean_i |q_i . u - 1|
 
+  /// Tokens kept.
   std::int64_t size() const noexcept { return std::int64_t(keys.size() / std::size_t(head_dim)); }
 };
 

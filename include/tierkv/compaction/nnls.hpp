@@ -19,6 +19,7 @@
 
 namespace tierkv::compaction {
 
+/// The outcome of a non-negative least-squares solve.
 struct nnls_result {
   std::vector<double> x;     ///< the solution, >= 0
   int iterations = 0;        ///< outer + inner steps

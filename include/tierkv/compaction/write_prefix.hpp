@@ -28,15 +28,16 @@
 
 namespace tierkv::compaction {
 
+/// A compacted prefix of every (layer, KV head), laid out for tiered_cache::append.
 struct compacted_prefix {
-  int layers = 0;
-  int kv_heads = 0;
-  int head_dim = 0;
+  int layers = 0;                    ///< model layers
+  int kv_heads = 0;                  ///< KV heads
+  int head_dim = 0;                  ///< scalars per vector
   std::int64_t tokens = 0;           ///< t, kept per head
   std::int64_t original_tokens = 0;  ///< n: the next token's RoPE position
   float softmax_scale = 0.f;         ///< what the keys were folded for
   std::vector<float> keys;           ///< [layer][token][kv_head][dim]
-  std::vector<float> values;
+  std::vector<float> values;         ///< [layer][token][kv_head][dim]
 };
 
 /// heads[l * kv_heads + h] is (layer l, KV head h). All must have the same head_dim, token

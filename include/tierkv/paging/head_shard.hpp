@@ -38,19 +38,24 @@ struct shard_geometry {
   static_assert(Geometry::kv_heads % Ranks == 0,
                 "shard_geometry: kv_heads must be divisible by the number of ranks (whole KV heads "
                 "per rank)");
+  /// the geometry of one rank: kv_heads / Ranks KV heads
   using type =
       geometry<tierkv::head_dim<Geometry::head_dim>, tierkv::kv_heads<Geometry::kv_heads / Ranks>,
                tierkv::group_size<Geometry::group_size>,
                tierkv::page_tokens<Geometry::page_tokens>>;
 };
 template <class Geometry, int Ranks>
+/// shard_geometry<Geometry, Ranks>::type
 using shard_geometry_t = typename shard_geometry<Geometry, Ranks>::type;
 
 /// Which heads rank r of T holds.
 struct rank_heads {
-  int kv_begin = 0, kv_count = 0;  ///< KV heads
-  int q_begin = 0, q_count = 0;    ///< query heads (their GQA groups)
+  int kv_begin = 0;  ///< first KV head
+  int kv_count = 0;  ///< KV heads
+  int q_begin = 0;   ///< first query head
+  int q_count = 0;   ///< query heads (their GQA groups)
 };
+/// The heads of rank `rank` of `ranks` (invalid_argument unless kv_heads divides evenly).
 inline result<rank_heads> heads_of_rank(int kv_heads, int group_size, int ranks, int rank) {
   if (ranks < 1 || kv_heads % ranks != 0)
     return status::make(errc::invalid_argument, "tensor parallel: ", kv_heads,

@@ -49,30 +49,38 @@ namespace tierkv {
 
 template <class Geometry, class Tiers, allocator_policy PageAlloc = host_allocator,
           host_allocator_policy MetaAlloc = host_allocator>
+/// Sequences, per-layer page tables and one page pool per tier, with refcounted sharing of
+/// sealed pages (fork, prefix reuse) and page replacement for conversions (see the file
+/// comment and docs/paging.md). One thread at a time (docs/threading.md).
 class paged_storage {
   static_assert(is_geometry_v<Geometry>, "paged_storage: Geometry must be a tierkv::geometry<...>");
   static_assert(check_allocator_policy<PageAlloc>());
   static_assert(check_allocator_policy<MetaAlloc>());
 
  public:
-  using geometry = Geometry;
-  using tier_list = Tiers;
-  using page_allocator = PageAlloc;
-  using meta_allocator = MetaAlloc;
-  static constexpr int num_tiers = Tiers::size;
-  static constexpr int page_tokens = Geometry::page_tokens;
-  static constexpr int kv_heads = Geometry::kv_heads;
-  static constexpr int head_dim = Geometry::head_dim;
-  static constexpr std::int64_t max_sequence_tokens = std::numeric_limits<std::int32_t>::max();
+  using geometry = Geometry;                                 ///< the cache's shape
+  using tier_list = Tiers;                                   ///< the tiers, tier 0 first
+  using page_allocator = PageAlloc;                          ///< allocator of the page slabs
+  using meta_allocator = MetaAlloc;                          ///< allocator of the host bookkeeping
+  static constexpr int num_tiers = Tiers::size;              ///< tiers (one pool each)
+  static constexpr int page_tokens = Geometry::page_tokens;  ///< tokens per page
+  static constexpr int kv_heads = Geometry::kv_heads;        ///< KV heads
+  static constexpr int head_dim = Geometry::head_dim;        ///< scalars per head vector
+  static constexpr std::int64_t max_sequence_tokens =
+      std::numeric_limits<std::int32_t>::max();  ///< longest sequence (int32 lengths)
   template <int I>
+  /// The page layout of tier I.
   using layout = detail::tier_layout<Geometry, tier_at_t<Tiers, I>>;
   template <int I>
+  /// The key codec of tier I.
   using key_codec = typename layout<I>::key_codec;
   template <int I>
+  /// The value codec of tier I.
   using value_codec = typename layout<I>::value_codec;
   template <int I>
+  /// The pool of tier I.
   using pool_type = page_pool<layout<I>, PageAlloc, MetaAlloc>;
-  using options = storage_options<num_tiers>;
+  using options = storage_options<num_tiers>;  ///< what create() takes
 
   paged_storage(const paged_storage&) = delete;
   paged_storage& operator=(const paged_storage&) = delete;
@@ -122,33 +130,50 @@ class paged_storage {
   }
 
   // ---- sizes and accessors ---------------------------------------------------------------
+  /// Model layers.
   int num_layers() const noexcept { return layers_; }
+  /// Sequence slots.
   std::uint32_t max_sequences() const noexcept { return opt_.max_sequences; }
+  /// Logical pages (blocks) that can be live at once.
   std::uint32_t block_capacity() const noexcept { return block_capacity_; }
+  /// Sequences live now.
   std::uint32_t live_sequences() const noexcept { return seqs_.live(); }
+  /// Blocks live now.
   std::uint32_t live_blocks() const noexcept { return live_blocks_; }
+  /// Scalars clipped by encoders so far (encode_stats).
   std::uint64_t saturations() const noexcept { return stats_.saturated; }
+  /// The options it was created with.
   const options& config() const noexcept { return opt_; }
+  /// The page allocator.
   PageAlloc& page_alloc() noexcept { return page_alloc_; }
+  /// The page allocator.
   const PageAlloc& page_alloc() const noexcept { return page_alloc_; }
+  /// The bookkeeping allocator.
   MetaAlloc& meta_alloc() noexcept { return meta_alloc_; }
+  /// The bookkeeping allocator.
   const MetaAlloc& meta_alloc() const noexcept { return meta_alloc_; }
+  /// The bookkeeping byte lines (report.hpp).
   storage_lines& lines() noexcept { return lines_; }
+  /// The bookkeeping byte lines (report.hpp).
   const storage_lines& lines() const noexcept { return lines_; }
 
   template <int I>
+  /// The pool of tier I.
   pool_type<I>& pool() noexcept {
     return std::get<I>(pools_);
   }
   template <int I>
+  /// The pool of tier I.
   const pool_type<I>& pool() const noexcept {
     return std::get<I>(pools_);
   }
+  /// Plain views of every pool, in tier order (what attention and kernels read).
   std::array<pool_view, num_tiers> views() const {
     std::array<pool_view, num_tiers> v{};
     detail::for_each_index<num_tiers>([&](auto I) { v[I] = std::get<I>(pools_).view(); });
     return v;
   }
+  /// Free pages of a tier's pool.
   std::uint32_t free_pages(int tier) const {
     std::uint32_t n = 0;
     detail::with_index<num_tiers>(tier, [&](auto I) { n = std::get<I>(pools_).free_count(); });
@@ -156,6 +181,7 @@ class paged_storage {
   }
 
   // ---- sequences ---------------------------------------------------------------------------
+  /// A new empty sequence (capacity_exhausted when every slot is in use).
   result<seq_id> create_sequence() {
     if (seqs_.full())
       return status::make(errc::capacity_exhausted, "all ", opt_.max_sequences,
@@ -163,8 +189,10 @@ class paged_storage {
     return seqs_.open(0);
   }
 
+  /// Whether s is a live sequence of this storage.
   bool contains(seq_id s) const noexcept { return find(s) != nullptr; }
 
+  /// Committed tokens of s.
   result<std::int64_t> length(seq_id s) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
@@ -315,6 +343,7 @@ class paged_storage {
     r->reserved = 0;
     return {};
   }
+  /// commit(s, 0): gives back the whole reservation.
   status cancel(seq_id s) { return commit(s, 0); }
 
   /// A new sequence sharing every sealed logical page of parent; the open tail page
@@ -379,6 +408,7 @@ class paged_storage {
   }
 
   // ---- pages -----------------------------------------------------------------------------
+  /// The physical page (tier in page_id::format) of layer `layer` of logical page `logical` of s.
   result<page_id> page(seq_id s, int layer, std::int64_t logical) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
@@ -388,6 +418,7 @@ class paged_storage {
     return page_of(r->blocks[std::size_t(logical)], layer);
   }
 
+  /// The block (logical page, all layers) behind logical page `logical` of s.
   result<block_ref> block_of(seq_id s, std::int64_t logical) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
@@ -423,6 +454,7 @@ class paged_storage {
   status retain_page(page_id p) {
     return on_pool(p, [&](auto& pl) { return pl.retain(p); });
   }
+  /// Whether p is the page a block names now (not a caller-owned or retired page).
   bool page_published(page_id p) const {
     bool out = false;
     (void)on_pool(p, [&](const auto& pl) {
@@ -431,9 +463,11 @@ class paged_storage {
     });
     return out;
   }
+  /// stale_id / out_of_range unless p names a live page.
   status check_page(page_id p) const {
     return on_pool(p, [&](const auto& pl) { return pl.check(p); });
   }
+  /// References held on p.
   std::uint32_t page_refcount(page_id p) const {
     std::uint32_t n = 0;
     (void)on_pool(p, [&](const auto& pl) {
@@ -467,6 +501,7 @@ class paged_storage {
     if (!b) return b.error_status();
     return replace_page(*b, layer, expected_old, new_page);
   }
+  /// replace_page(seq, ...) for a block.
   status replace_page(block_ref b, int layer, page_id expected_old, page_id new_page) {
     if (auto st = can_replace_page(b, layer, expected_old, new_page); !st) return st;
     (void)on_pool(new_page, [&](auto& pl) {
@@ -579,6 +614,7 @@ class paged_storage {
     ++(*block_meta_)[b.index].refcount;
     return {};
   }
+  /// Drops one reference to a block (taken by retain_block); its pages are freed with the last.
   status release_block(block_ref b) {
     if (auto st = check_block(b); !st) return st;
     drop_block(b.index);
@@ -634,12 +670,14 @@ class paged_storage {
     }
   }
   template <class F>
+  /// Calls f(seq_id, length) for every live sequence.
   void for_each_sequence(F&& f) const {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
       const seq_record& r = seqs_.at(i);
       if (r.live) f(seqs_.id_of(i, r.generation), r.length);
     }
   }
+  /// Whether p is free, open or sealed.
   page_state page_state_of(page_id p) const {
     page_state st = page_state::free;
     (void)on_pool(p, [&](const auto& pl) {

@@ -32,8 +32,9 @@ namespace tierkv {
 
 /// Points of the protocol where a fault hook may inject a failure (tests, chaos runs).
 enum class conversion_step : std::uint8_t { reserve = 0, fill = 1, publish = 2 };
-inline constexpr int conversion_steps = 3;
+inline constexpr int conversion_steps = 3;  ///< steps of the protocol
 
+/// The step's name.
 constexpr const char* to_string(conversion_step s) noexcept {
   return s == conversion_step::reserve ? "reserve"
          : s == conversion_step::fill  ? "fill"
@@ -47,16 +48,18 @@ concept conversion_fault_hook = requires(H& h, conversion_step s, block_ref b, i
   { h(s, b, layer) } -> std::convertible_to<errc>;
 };
 
+/// The fault hook that never fails (the default).
 struct no_faults {
+  /// Always errc::ok.
   constexpr errc operator()(conversion_step, block_ref, int) const noexcept { return errc::ok; }
 };
 
 /// A conversion between steps 1 and 3: `to` is owned by the caller until published.
 struct staged_conversion {
-  block_ref block;
-  int layer = 0;
-  page_id from;  ///< published now; what `to` was filled from
-  page_id to;    ///< reserved page of the target tier
+  block_ref block;  ///< the logical page
+  int layer = 0;    ///< its layer
+  page_id from;     ///< published now; what `to` was filled from
+  page_id to;       ///< reserved page of the target tier
 };
 
 /// Counters of what conversions did (summed by the controller).
@@ -189,6 +192,7 @@ status check_publish(const Storage& storage, const staged_conversion& c, Faults&
   return storage.can_replace_page(c.block, c.layer, c.from, c.to);
 }
 template <class Storage>
+/// Publishes a conversion check_publish accepted; the block owns `to` afterwards.
 void publish_checked(Storage& storage, staged_conversion& c) {
   (void)storage.replace_page(c.block, c.layer, c.from, c.to);
   c.to = page_id{};  // the block owns it now

@@ -34,31 +34,34 @@ namespace tierkv {
 
 /// One planned tier move of one physical page (a logical page's layer), for every holder.
 struct conversion {
-  block_ref block;
-  int layer = 0;
+  block_ref block;    ///< the logical page
+  int layer = 0;      ///< its layer
   int from = 0;       ///< tier index now
   int to = 0;         ///< tier index wanted
   float value = 0.f;  ///< the policy's keep value (orders the plan)
+  /// Same move.
   friend bool operator==(const conversion&, const conversion&) = default;
 };
 
+/// What one retier step (or make_room) did; totals() sums them.
 struct retier_stats {
-  std::uint64_t planned = 0;
+  std::uint64_t planned = 0;            ///< conversions the plan asked for
   std::uint64_t converted = 0;          ///< published conversions (promotions + demotions + others)
   std::uint64_t promoted = 0;           ///< into tier 0
   std::uint64_t demoted = 0;            ///< out of tier 0
   std::uint64_t pressure_demoted = 0;   ///< demotions made by make_room
   std::uint64_t shadow_promotions = 0;  ///< promotions served losslessly from a kept tier-0 copy
   /// Held back for capacity, not faults (the old page stays published; a later step retries):
-  std::uint64_t deferred = 0;       ///< promotions held back by the tier-0 reserve
-  std::uint64_t deferred_full = 0;  ///< conversions whose target tier's pool had no free page
-  std::uint64_t failed = 0;         ///< conversions that failed (old page kept)
-  std::uint64_t injected_faults = 0;
-  std::uint64_t shadows_made = 0;
-  std::uint64_t shadows_dropped = 0;
-  std::uint64_t saturated = 0;  ///< encoder saturations while converting
-  status first_error;           ///< the first failure, ok when none
+  std::uint64_t deferred = 0;         ///< promotions held back by the tier-0 reserve
+  std::uint64_t deferred_full = 0;    ///< conversions whose target tier's pool had no free page
+  std::uint64_t failed = 0;           ///< conversions that failed (old page kept)
+  std::uint64_t injected_faults = 0;  ///< failures injected by the fault hook
+  std::uint64_t shadows_made = 0;     ///< tier-0 copies kept at demotion (keep_shadows)
+  std::uint64_t shadows_dropped = 0;  ///< tier-0 copies given back
+  std::uint64_t saturated = 0;        ///< encoder saturations while converting
+  status first_error;                 ///< the first failure, ok when none
 
+  /// Adds o's counters (keeps the first error).
   void add(const retier_stats& o) {
     planned += o.planned;
     converted += o.converted;
@@ -77,6 +80,7 @@ struct retier_stats {
   }
 };
 
+/// The knobs of a tier_controller (tiered_cache_options::tiering).
 struct tier_controller_options {
   /// Promotions into tier 0 leave at least this share of its pages free, so a promotion
   /// never forces the next append to demote (which would flap).
@@ -85,7 +89,7 @@ struct tier_controller_options {
   /// promotion back is lossless and costs no encode. Shadows are dropped first, oldest
   /// first, whenever tier 0 keeps fewer than shadow_slack_percent of its pages free.
   bool keep_shadows = false;
-  int shadow_slack_percent = 25;
+  int shadow_slack_percent = 25;  ///< tier-0 free share below which shadows are dropped
   /// plan() re-evaluates only the pages whose inputs changed since the last plan (an observed
   /// mass, a block's position / age / holders / pin / seal, a tier change) plus the pages still
   /// waiting to move, instead of every (block, layer) page: the same plan (tested against the full
@@ -96,18 +100,21 @@ struct tier_controller_options {
 
 template <class Storage, tier_policy Policy = policy::recency_anchor,
           class Roles = tier_roles<typename Storage::tier_list>>
+/// Keeps the policy's per-page state, plans conversions from its choices, applies them
+/// through the conversion protocol and makes room in tier 0 under memory pressure
+/// (docs/tiering.md).
 class tier_controller {
   static_assert(check_tier_policy<Policy>());
   static_assert(std::is_same_v<typename Roles::tier_list, typename Storage::tier_list>,
                 "tier_controller: Roles must map roles onto the storage's tier list");
 
  public:
-  using storage_type = Storage;
-  using policy_type = Policy;
-  using roles = Roles;
-  using options = tier_controller_options;
-  static constexpr int num_tiers = Storage::num_tiers;
-  static constexpr int append_tier = 0;
+  using storage_type = Storage;                         ///< the paged storage it drives
+  using policy_type = Policy;                           ///< the tier policy
+  using roles = Roles;                                  ///< role -> tier mapping
+  using options = tier_controller_options;              ///< its knobs
+  static constexpr int num_tiers = Storage::num_tiers;  ///< tiers of the storage
+  static constexpr int append_tier = 0;                 ///< the tier new tokens are written in
 
   tier_controller(const tier_controller&) = delete;
   tier_controller& operator=(const tier_controller&) = delete;
@@ -156,10 +163,15 @@ class tier_controller {
     return {};
   }
 
+  /// The storage it drives.
   Storage& storage() noexcept { return *storage_; }
+  /// The policy.
   const Policy& policy() const noexcept { return policy_; }
+  /// Its options.
   const options& config() const noexcept { return opt_; }
+  /// Tier-0 shadow copies held now.
   std::uint32_t shadow_pages() const noexcept { return shadows_; }
+  /// Every step's counters summed.
   const retier_stats& totals() const noexcept { return totals_; }
 
   /// Structural metadata from the engine: pinned logical pages are Anchor and never
@@ -293,6 +305,7 @@ class tier_controller {
     return n;
   }
   template <conversion_fault_hook Faults = no_faults>
+  /// The second phase of stage() (see there).
   void commit(std::span<staged_conversion> staged, std::span<const bool> filled, retier_stats& st,
               Faults&& faults = {}) {
     for (std::size_t i = 0; i < staged.size(); ++i) {
