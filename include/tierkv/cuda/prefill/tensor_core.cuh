@@ -8,7 +8,7 @@
 // through the format's slice reader into shared memory (keys f16, values bf16: every format's
 // codes are exact in both); then each warp runs its 16 rows FA2-style: S = Q K^T on mma.sync f16
 // (queries in the key codec's domain, each row scaled by a power of two to |q| < 1), masked by
-// position, online softmax in log2 units, O += (P x value scale) V on mma.sync bf16. Value-rotated
+// position, online softmax in log2 units (ex2.approx), O += (P x value scale) V on mma.sync bf16. Value-rotated
 // tiers' O is un-rotated once, through shared memory. One split writes the output; several write
 // partial states that prefill_merge_kernel combines by log-sum-exp.
 #pragma once
@@ -31,6 +31,7 @@
 #include "tierkv/cuda/arch/convert.cuh"
 #include "tierkv/cuda/arch/cp_async.cuh"
 #include "tierkv/cuda/arch/ldmatrix.cuh"
+#include "tierkv/cuda/arch/math.cuh"
 #include "tierkv/cuda/arch/mma.cuh"
 #include "tierkv/cuda/codec/formats.cuh"
 #include "tierkv/cuda/decode/common.cuh"
@@ -440,7 +441,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
       const float m_new = fmaxf(st.m[r], tmax[r]);
       mu[r] = m_new == -INFINITY ? 0.f : m_new;  // every logit so far masked: p = alpha = 0
-      alpha[r] = exp2f(st.m[r] - mu[r]);
+      alpha[r] = fast_exp2(st.m[r] - mu[r]);  // m = -inf: +0
       st.m[r] = m_new;
     }
     float sum[2] = {0.f, 0.f};
@@ -450,7 +451,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       const float2 vsc = *reinterpret_cast<const float2*>(sm.vscale + 8 * j + cb);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float p0 = exp2f(s[j][2 * r] - mu[r]), p1 = exp2f(s[j][2 * r + 1] - mu[r]);
+        const float p0 = fast_exp2(s[j][2 * r] - mu[r]), p1 = fast_exp2(s[j][2 * r + 1] - mu[r]);
         sum[r] += p0 + p1;
         const __nv_bfloat162 h = __floats2bfloat162_rn(p0 * vsc.x, p1 * vsc.y);
         pa[j][r] = *reinterpret_cast<const std::uint32_t*>(&h);
