@@ -46,8 +46,8 @@
 
 namespace tierkv {
 
-template <class Policy, int NumTiers>
 /// The options of a tiered_cache (tiered_cache::options); tiered_cache::validate checks them all.
+template <class Policy, int NumTiers>
 struct tiered_cache_options {
   storage_options<NumTiers> storage{};  ///< layers, sequences, pages per tier, codec seed
   Policy policy{};                      ///< the tier policy's knobs (a copy is kept)
@@ -60,13 +60,13 @@ struct tiered_cache_options {
   float soft_cap = 0.f;       ///< logit soft cap (0 = off)
 };
 
+/// The host façade: paged storage (a pool per tier, page tables, fork), the tier controller
+/// (policy state, conversions, memory pressure) and host decode attention over the mixed pages.
+/// Driven by one thread at a time (docs/threading.md).
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
           allocator_policy PageAlloc = host_allocator,
           host_allocator_policy MetaAlloc = host_allocator, class Roles = tier_roles<Tiers>,
           conversion_fault_hook Faults = no_faults>
-/// The host façade: paged storage (a pool per tier, page tables, fork), the tier controller
-/// (policy state, conversions, memory pressure) and host decode attention over the mixed pages.
-/// One instance per model; not thread-safe (docs/threading.md).
 class tiered_cache {
   static_assert(
       PageAlloc::host_accessible,

@@ -77,8 +77,8 @@ struct memory_report {
   bool reconciles() const { return lines_total() == allocator_total; }
 };
 
-template <class Storage>
 /// The report of a paged_storage.
+template <class Storage>
 memory_report make_report(const Storage& s) {
   memory_report r;
   r.num_layers = s.num_layers();

@@ -42,10 +42,10 @@ struct host_decode_args {
   int mass_stride = 0;         ///< >= the largest page count of the batch
 };
 
-template <class Geometry, class TierList>
 /// Decode attention of one layer over mixed-format pages on ws's thread pool (see
 /// host_decode_args); invalid_argument / out_of_range / non_finite_input before anything is
 /// written.
+template <class Geometry, class TierList>
 status host_decode(host_attention_workspace& ws, const host_decode_args<TierList::size>& a) {
   using pass = detail::sequence_pass<Geometry, TierList>;
   constexpr int D = Geometry::head_dim;

@@ -45,9 +45,9 @@ struct host_prefill_args {
 /// of a page, bounded so a task's scores stay in L1/L2.
 inline constexpr int host_prefill_query_block = 8;
 
-template <class Geometry, class TierList>
 /// Chunked causal prefill attention of one layer over mixed-format pages on ws's thread pool
 /// (see host_prefill_args; the chunk's K/V are appended first).
+template <class Geometry, class TierList>
 status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierList::size>& a) {
   using pass = detail::sequence_pass<Geometry, TierList>;
   constexpr int D = Geometry::head_dim;

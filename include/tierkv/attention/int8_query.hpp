@@ -11,8 +11,8 @@
 
 namespace tierkv {
 
-template <int P>
 /// Bits of the integer query written as P int8 digits (7P - 1).
+template <int P>
 inline constexpr int int8_query_bits = 7 * P - 1;
 
 /// The digits of q (|q| < 2^int8_query_bits<P>), lowest first.

@@ -20,9 +20,10 @@ namespace tierkv {
 /// How a raw dot product becomes a logit: s = softmax_scale * (q . k), then, when
 /// soft_cap > 0, s = soft_cap * tanh(s / soft_cap) (Gemma-2-style logit capping).
 struct logit_params {
-  float softmax_scale = 1.f;
-  float soft_cap = 0.f;
+  float softmax_scale = 1.f;  ///< multiplies q . k
+  float soft_cap = 0.f;       ///< logit soft cap (0 = off)
 
+  /// The logit of a raw dot product.
   TIERKV_HD float apply(float dot) const {
     const float s = softmax_scale * dot;
     return soft_cap > 0.f ? soft_cap * std::tanh(s / soft_cap) : s;
@@ -32,8 +33,8 @@ struct logit_params {
 /// {m, l} of one row over the tokens of one tile alone (before merging into the row's
 /// state): the per-page statistics behind the attention mass l_page * exp(m_page - lse).
 struct tile_stats {
-  float m = -std::numeric_limits<float>::infinity();
-  float l = 0.f;
+  float m = -std::numeric_limits<float>::infinity();  ///< maximum logit
+  float l = 0.f;                                      ///< sum of exp(logit - m)
 
   /// Merge of two disjoint token sets' statistics (same rule as partial_state).
   TIERKV_HD void merge(float om, float ol) {
@@ -53,8 +54,8 @@ struct tile_stats {
 /// codec/page_layout.hpp): payloads are contiguous per token, metas are packed arrays.
 template <vector_codec KeyCodec, vector_codec ValueCodec>
 struct kv_span {
-  using key_codec_t = KeyCodec;
-  using value_codec_t = ValueCodec;
+  using key_codec_t = KeyCodec;                 ///< the key codec
+  using value_codec_t = ValueCodec;             ///< the value codec
   const std::uint8_t* key_payload = nullptr;    ///< token t at + t * KeyCodec::payload_bytes
   const std::uint8_t* key_meta = nullptr;       ///< token t at + t * KeyCodec::meta_bytes
   const std::uint8_t* value_payload = nullptr;  ///< token t at + t * ValueCodec::payload_bytes
@@ -157,9 +158,9 @@ struct attention_tile {
                 "(detail::token_scalar)");
   static_assert(!UnpackOnce || KeyCodec::head_dim % 8 == 0,
                 "attention_tile: UnpackOnce needs head_dim % 8 == 0");
-  static constexpr int head_dim = KeyCodec::head_dim;
-  using state = partial_state<head_dim>;
-  using span = kv_span<KeyCodec, ValueCodec>;
+  static constexpr int head_dim = KeyCodec::head_dim;  ///< scalars per vector
+  using state = partial_state<head_dim>;               ///< a row's running state
+  using span = kv_span<KeyCodec, ValueCodec>;          ///< the tokens a run() reads
 
   /// Folds tokens [0, ntok) of `kv` into `states[r]` for rows r in [0, rows). Row r sees
   /// only its first row_ntok[r] tokens (clamped to [0, ntok]; a causal limit); pass

@@ -99,8 +99,8 @@ concept codec_family = requires {
 }
 &&vector_codec<typename F::template bind<128>>;
 
-template <class Family, int HeadDim>
 /// The vector_codec of Family bound to HeadDim.
+template <class Family, int HeadDim>
 using codec_for = typename Family::template bind<HeadDim>;
 
 /// Exact storage cost of one scalar: payload plus per-vector metadata.

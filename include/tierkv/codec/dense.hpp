@@ -10,8 +10,8 @@
 
 namespace tierkv {
 
-template <int HeadDim>
 /// float32 per scalar, no metadata: the lossless control (vector_codec).
+template <int HeadDim>
 struct dense_f32_codec {
   using meta_type = no_meta;                                             ///< none
   static constexpr storage_format format = storage_format::dense_f32;    ///< the storage format tag

@@ -13,8 +13,8 @@
 
 namespace tierkv {
 
-template <int HeadDim>
 /// bf16 per scalar (round to nearest even), no metadata: the BF16 control (vector_codec).
+template <int HeadDim>
 struct dense_bf16_codec {
   static_assert(HeadDim >= 1 && HeadDim <= 4096, "dense_bf16: head_dim must lie in [1, 4096]");
   using meta_type = no_meta;                                            ///< none

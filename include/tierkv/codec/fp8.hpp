@@ -18,8 +18,8 @@
 
 namespace tierkv {
 
-template <int HeadDim, fp8_kind Kind>
 /// FP8 (E4M3 or E5M2) codes of x / scale with one bf16 scale per vector (vector_codec).
+template <int HeadDim, fp8_kind Kind>
 struct fp8_codec {
   static_assert(HeadDim >= 1 && HeadDim <= 4096, "fp8_codec: head_dim must lie in [1, 4096]");
   using format_t = fp8_format<Kind>;  ///< the FP8 format's constants

@@ -16,35 +16,38 @@
 
 namespace tierkv {
 
+/// The two OCP FP8 formats.
 enum class fp8_kind : std::uint8_t { e4m3, e5m2 };
 
 /// Parameters of the two OCP FP8 formats as NVIDIA implements them.
 template <fp8_kind K>
 struct fp8_format;
+/// E4M3: 4 exponent bits, 3 mantissa bits, max 448, no Inf.
 template <>
 struct fp8_format<fp8_kind::e4m3> {
-  static constexpr int mantissa_bits = 3;
-  static constexpr int exponent_bias = 7;
-  static constexpr std::uint8_t max_code = 0x7E;  ///< 448; 0x7F is NaN, no Inf
-  static constexpr float max_value = 448.0f;
+  static constexpr int mantissa_bits = 3;                        ///< mantissa bits
+  static constexpr int exponent_bias = 7;                        ///< exponent bias
+  static constexpr std::uint8_t max_code = 0x7E;                 ///< 448; 0x7F is NaN, no Inf
+  static constexpr float max_value = 448.0f;                     ///< largest finite value
   static constexpr std::uint32_t overflow_bits = 0x44000000u;    ///< 512: exponent beyond range
   static constexpr std::uint32_t min_normal_bits = 0x3C800000u;  ///< 2^-6
   static constexpr std::uint32_t underflow_bits =
       0x3A800000u;                               ///< 2^-10 = half the least subnormal
   static constexpr int subnormal_exponent = -9;  ///< subnormal = m * 2^-9
-  static constexpr const char* name = "e4m3";
+  static constexpr const char* name = "e4m3";    ///< the format's name
 };
+/// E5M2: 5 exponent bits, 2 mantissa bits, max 57344, with Inf.
 template <>
 struct fp8_format<fp8_kind::e5m2> {
-  static constexpr int mantissa_bits = 2;
-  static constexpr int exponent_bias = 15;
-  static constexpr std::uint8_t max_code = 0x7B;  ///< 57344; 0x7C Inf, above NaN
-  static constexpr float max_value = 57344.0f;
+  static constexpr int mantissa_bits = 2;                        ///< mantissa bits
+  static constexpr int exponent_bias = 15;                       ///< exponent bias
+  static constexpr std::uint8_t max_code = 0x7B;                 ///< 57344; 0x7C Inf, above NaN
+  static constexpr float max_value = 57344.0f;                   ///< largest finite value
   static constexpr std::uint32_t overflow_bits = 0x47800000u;    ///< 65536
   static constexpr std::uint32_t min_normal_bits = 0x38800000u;  ///< 2^-14
   static constexpr std::uint32_t underflow_bits = 0x37000000u;   ///< 2^-17
-  static constexpr int subnormal_exponent = -16;
-  static constexpr const char* name = "e5m2";
+  static constexpr int subnormal_exponent = -16;                 ///< subnormal = m * 2^-16
+  static constexpr const char* name = "e5m2";                    ///< the format's name
 };
 
 namespace detail {
@@ -115,9 +118,10 @@ TIERKV_HD constexpr float fp8_to_float(std::uint8_t c) {
                             (m << (23 - mb)));
 }
 
+/// The float value of every FP8 code of format K (host decode table).
 template <fp8_kind K>
 struct fp8_decode_table {
-  float value[256];
+  float value[256];  ///< value[c] = fp8_to_float<K>(c)
   constexpr fp8_decode_table() : value{} {
     for (int c = 0; c < 256; ++c) value[c] = fp8_to_float<K>(std::uint8_t(c));
   }

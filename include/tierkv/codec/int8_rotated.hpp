@@ -29,8 +29,8 @@
 
 namespace tierkv {
 
-template <int HeadDim>
 /// int8 codes of the rotated vector with one bf16 scale alpha (vector_codec; see the file comment).
+template <int HeadDim>
 struct int8_rotated_codec {
   static_assert(is_power_of_two<HeadDim> && HeadDim >= 8 && HeadDim <= 512,
                 "int8_rotated: head_dim must be a power of two in [8, 512] (the Walsh-Hadamard "

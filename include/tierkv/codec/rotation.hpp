@@ -12,6 +12,7 @@
 
 namespace tierkv {
 
+/// Whether N is a power of two (the rotation's sizes).
 template <int N>
 inline constexpr bool is_power_of_two = N > 0 && (N & (N - 1)) == 0;
 
@@ -24,6 +25,7 @@ inline constexpr int log2_of = N <= 1 ? 0 : 1 + log2_of<N / 2>;
 TIERKV_HD_INLINE constexpr std::uint64_t rotation_sign_word(std::uint64_t seed, int block) {
   return mix64(seed ^ (0xd1b54a32d192ed03ull * std::uint64_t(block + 1)));
 }
+/// Whether D_ii = -1 for seed.
 TIERKV_HD_INLINE constexpr bool rotation_sign_negative(std::uint64_t seed, int i) {
   return ((rotation_sign_word(seed, i >> 6) >> (i & 63)) & 1u) != 0;
 }
@@ -62,13 +64,15 @@ TIERKV_HD_INLINE void walsh_hadamard_unnormalized(float* x) {
 template <int N>
 struct randomized_hadamard {
   static_assert(is_power_of_two<N>, "randomized_hadamard: N must be a power of two");
-  static constexpr int size = N;
+  static constexpr int size = N;  ///< vector length
 
+  /// x <- H D x / sqrt(N).
   TIERKV_HD static void forward(float* x, std::uint64_t seed) {
     apply_rotation_signs<N>(x, seed);
     walsh_hadamard_unnormalized<N>(x);
     scale(x);
   }
+  /// x <- D H x / sqrt(N).
   TIERKV_HD static void inverse(float* x, std::uint64_t seed) {
     walsh_hadamard_unnormalized<N>(x);
     scale(x);
@@ -94,6 +98,7 @@ struct randomized_hadamard {
 template <int N>
 struct rotated_domain {
   static_assert(is_power_of_two<N>, "rotated_domain: N must be a power of two");
+  /// out <- H_un D q / N (out may be q).
   TIERKV_HD static void prepare_query(const float* q, float* out, std::uint64_t seed) {
     if (out != q)
       for (int i = 0; i < N; ++i) out[i] = q[i];
@@ -101,6 +106,7 @@ struct rotated_domain {
     walsh_hadamard_unnormalized<N>(out);
     scale_by_inverse_dim(out);
   }
+  /// acc <- D H_un acc / N.
   TIERKV_HD static void finalize(float* acc, std::uint64_t seed) {
     walsh_hadamard_unnormalized<N>(acc);
     scale_by_inverse_dim(acc);

@@ -18,16 +18,16 @@ template <codec_family KeyFamily, codec_family ValueFamily>
 struct tier {
   using key_family = KeyFamily;      ///< codec family of the keys
   using value_family = ValueFamily;  ///< codec family of the values
-  template <int HeadDim>
   /// The key codec bound to HeadDim.
-  using key_codec = codec_for<KeyFamily, HeadDim>;
   template <int HeadDim>
+  using key_codec = codec_for<KeyFamily, HeadDim>;
   /// The value codec bound to HeadDim.
+  template <int HeadDim>
   using value_codec = codec_for<ValueFamily, HeadDim>;
 };
 
-template <class T>
 /// True for tierkv::tier<K, V>.
+template <class T>
 struct is_tier : std::false_type {};
 template <class K, class V>
 struct is_tier<tier<K, V>> : std::true_type {};
@@ -52,17 +52,17 @@ template <int I, class T, class... Ts>
 struct nth<I, T, Ts...> : nth<I - 1, Ts...> {};
 }  // namespace detail
 
-template <class TierList, int I>
 /// The I-th tier of a tier list (tier_at<L, I>::type).
+template <class TierList, int I>
 struct tier_at;
-template <int I, class... Tiers>
 /// The I-th tier of tiers<...>.
+template <int I, class... Tiers>
 struct tier_at<tiers<Tiers...>, I> {
   static_assert(I >= 0 && I < int(sizeof...(Tiers)), "tier_at: index beyond the tier list");
   using type = typename detail::nth<I, Tiers...>::type;  ///< the tier
 };
-template <class TierList, int I>
 /// tier_at<TierList, I>::type
+template <class TierList, int I>
 using tier_at_t = typename tier_at<TierList, I>::type;
 
 }  // namespace tierkv

@@ -141,8 +141,8 @@ struct tq3_grid {
   /// The grid level of a code.
   TIERKV_HD_INLINE static float level(int code) { return detail::tq3_centroid(code); }
 
-  template <int D>
   /// Codes -> payload: 3 words per group of 32 (docs/formats.md).
+  template <int D>
   TIERKV_HD static void pack(const std::uint8_t* codes, std::uint8_t* payload) {
     for (int g = 0; g < D / 32; ++g) {
       std::uint32_t w[3];
@@ -150,8 +150,8 @@ struct tq3_grid {
       for (int t = 0; t < 3; ++t) detail::store_le32(payload + 12 * g + 4 * t, w[t]);
     }
   }
-  template <int D>
   /// Payload -> codes.
+  template <int D>
   TIERKV_HD static void unpack(const std::uint8_t* payload, std::uint8_t* codes) {
     for (int g = 0; g < D / 32; ++g) {
       std::uint32_t w[3];
@@ -178,8 +178,8 @@ struct tq3_grid {
       }
     }
   }
-  template <int D>
   /// sum q_i level(code_i).
+  template <int D>
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const detail::tq3_level_table t = detail::tq3_levels();
@@ -187,16 +187,16 @@ struct tq3_grid {
                      [&](int stream, int i, std::uint32_t code) { s[stream] += q[i] * t.v[code]; });
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
-  template <int D>
   /// acc_i += w level(code_i).
+  template <int D>
   TIERKV_HD static void accumulate(float w, const std::uint8_t* payload, float* acc) {
     const detail::tq3_level_table t = detail::tq3_levels();
     for_each_code<D>(payload, [&](int, int i, std::uint32_t code) { acc[i] += w * t.v[code]; });
   }
 };
 
-template <int HeadDim, tq_norm Norm>
 /// TQ3 at HeadDim with norm correction Norm.
+template <int HeadDim, tq_norm Norm>
 using tq3_codec = tq_codec<HeadDim, Norm, tq3_grid>;
 
 /// Codec family: TQ3 keys (alpha unbiases inner products).

@@ -52,22 +52,22 @@ struct tq4_grid {
   /// The grid level of a code: code - offset.
   TIERKV_HD_INLINE static float level(int code) { return float(code) - offset; }  // exact
 
-  template <int D>
   /// Codes -> payload: two codes per byte, low nibble first.
+  template <int D>
   TIERKV_HD static void pack(const std::uint8_t* codes, std::uint8_t* payload) {
     for (int b = 0; b < D / 2; ++b)
       payload[b] = std::uint8_t((codes[2 * b] & 15u) | ((codes[2 * b + 1] & 15u) << 4));
   }
-  template <int D>
   /// Payload -> codes.
+  template <int D>
   TIERKV_HD static void unpack(const std::uint8_t* payload, std::uint8_t* codes) {
     for (int b = 0; b < D / 2; ++b) {
       codes[2 * b] = std::uint8_t(payload[b] & 15u);
       codes[2 * b + 1] = std::uint8_t(payload[b] >> 4);
     }
   }
-  template <int D>
   /// sum q_i level(code_i).
+  template <int D>
   TIERKV_HD static float dot(const float* q, const std::uint8_t* payload) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int b = 0; b < D / 2; b += 2)
@@ -78,8 +78,8 @@ struct tq4_grid {
       }
     return (s[0] + s[1]) + (s[2] + s[3]);
   }
-  template <int D>
   /// acc_i += w level(code_i).
+  template <int D>
   TIERKV_HD static void accumulate(float w, const std::uint8_t* payload, float* acc) {
     for (int b = 0; b < D / 2; ++b) {
       acc[2 * b] += w * level(payload[b] & 15);
@@ -88,8 +88,8 @@ struct tq4_grid {
   }
 };
 
-template <int HeadDim, tq_norm Norm>
 /// TQ4 at HeadDim with norm correction Norm.
+template <int HeadDim, tq_norm Norm>
 using tq4_codec = tq_codec<HeadDim, Norm, tq4_grid>;
 
 /// Codec family: TQ4 keys (alpha unbiases inner products; Stale keys where routing matters).

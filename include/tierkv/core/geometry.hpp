@@ -15,18 +15,18 @@ template <int N>
 struct head_dim {
   static constexpr int value = N;  ///< scalars per head vector
 };
-template <int N>
 /// Number of KV heads (of this cache or tensor-parallel shard).
+template <int N>
 struct kv_heads {
   static constexpr int value = N;  ///< KV heads
 };
-template <int N>
 /// Query heads per KV head (grouped-query attention; 1 = multi-head attention).
+template <int N>
 struct group_size {
   static constexpr int value = N;  ///< query heads per KV head
 };
-template <int N>
 /// Tokens per page (the unit of allocation, sharing and retiering).
+template <int N>
 struct page_tokens {
   static constexpr int value = N;  ///< tokens per page
 };
@@ -44,9 +44,9 @@ inline constexpr int max_head_dim = 512;      ///< largest head_dim
 inline constexpr int max_group_size = 16;     ///< query rows of one m16 tensor-core tile
 inline constexpr int max_page_tokens = 4096;  ///< largest page_tokens
 
-template <class HeadDim, class KvHeads, class GroupSize, class PageTokens>
 /// The compile-time shape of a cache: head_dim, kv_heads, group_size, page_tokens; each
 /// parameter checked by a static_assert that names its rule.
+template <class HeadDim, class KvHeads, class GroupSize, class PageTokens>
 struct geometry {
   static_assert(detail::is_tag<tierkv::head_dim, HeadDim>::value,
                 "geometry: first parameter must be tierkv::head_dim<N>");
@@ -76,13 +76,13 @@ struct geometry {
                 "geometry: page_tokens must be a multiple of 16 (tensor-core tile of tokens)");
 };
 
-template <class T>
 /// True for tierkv::geometry<...> instantiations.
+template <class T>
 struct is_geometry : std::false_type {};
 template <class A, class B, class C, class D>
 struct is_geometry<geometry<A, B, C, D>> : std::true_type {};
-template <class T>
 /// is_geometry<T>::value
+template <class T>
 inline constexpr bool is_geometry_v = is_geometry<T>::value;
 
 /// Runtime mirror of a geometry, for plain-data views handed to kernels and for
@@ -93,8 +93,8 @@ struct geometry_desc {
   int group_size = 0;   ///< geometry::group_size
   int page_tokens = 0;  ///< geometry::page_tokens
 
-  template <class G>
   /// The descriptor of geometry G.
+  template <class G>
   static constexpr geometry_desc of() noexcept {
     static_assert(is_geometry_v<G>, "geometry_desc::of<G>: G must be a tierkv::geometry<...>");
     return {G::head_dim, G::kv_heads, G::group_size, G::page_tokens};

@@ -101,8 +101,8 @@ class TIERKV_NODISCARD_TYPE status {
   static status exceeds(errc code, std::string_view what, const V& value, const L& limit) {
     return {code, format(what, " = ", value, " exceeds the limit ", limit)};
   }
-  template <class... Parts>
   /// A status whose message streams parts together (as with operator<<).
+  template <class... Parts>
   static status make(errc code, const Parts&... parts) {
     return {code, format(parts...)};
   }
@@ -110,8 +110,8 @@ class TIERKV_NODISCARD_TYPE status {
   /// Throws tierkv::error unless ok; for callers that prefer exceptions.
   void throw_if_error() const;
 
-  template <class... Parts>
   /// The parts streamed into one string.
+  template <class... Parts>
   static std::string format(const Parts&... parts) {
     std::ostringstream out;
     (out << ... << parts);

@@ -34,6 +34,7 @@
 
 namespace tierkv {
 
+/// Where an allocator policy's bytes live.
 enum class memory_space : std::uint8_t { host = 0, pinned_host = 1, device = 2 };
 
 /// What a pool needs from an allocator policy:
@@ -99,7 +100,7 @@ constexpr bool check_allocator_policy() {
 template <class A>
 concept host_allocator_policy = allocator_policy<A> && A::host_accessible;
 
-inline constexpr std::size_t allocation_alignment = 256;
+inline constexpr std::size_t allocation_alignment = 256;  ///< alignment of every host allocation
 
 namespace detail {
 /// Bookkeeping shared by every policy: bytes and allocations currently held.
@@ -147,23 +148,27 @@ inline void host_aligned_delete(void* p) noexcept {
 /// Ordinary host memory, 256-byte aligned.
 class host_allocator : public detail::allocation_counter {
  public:
-  static constexpr memory_space space = memory_space::host;
-  static constexpr bool host_accessible = true;
+  static constexpr memory_space space = memory_space::host;  ///< host memory
+  static constexpr bool host_accessible = true;              ///< pools may hand out host pointers
 
+  /// n bytes, allocation_alignment-aligned, counted in bytes_allocated().
   result<void*> allocate(std::size_t n) {
     auto r = detail::host_aligned_new(n);
     if (r) add(n);
     return r;
   }
+  /// Frees what allocate(n) returned (nullptr is ignored).
   void deallocate(void* p, std::size_t n) noexcept {
     if (p == nullptr) return;
     detail::host_aligned_delete(p);
     remove(n);
   }
+  /// memcpy.
   status copy(void* dst, const void* src, std::size_t n) {
     std::memcpy(dst, src, n);
     return {};
   }
+  /// memset.
   status fill(void* p, std::uint8_t byte, std::size_t n) {
     std::memset(p, byte, n);
     return {};
@@ -175,21 +180,27 @@ class host_allocator : public detail::allocation_counter {
 /// errc::injected_fault; fail_every(): every request fails until reset().
 class failing_allocator : public detail::allocation_counter {
  public:
-  static constexpr memory_space space = memory_space::host;
-  static constexpr bool host_accessible = true;
+  static constexpr memory_space space = memory_space::host;  ///< host memory
+  static constexpr bool host_accessible = true;              ///< pools may hand out host pointers
 
+  /// The k-th allocate() from now fails (1 = the next one).
   void fail_on(std::uint64_t k) noexcept {
     fail_at_ = requests_ + k;
     always_ = false;
   }
+  /// Every allocate() fails until reset().
   void fail_every() noexcept { always_ = true; }
+  /// No more injected failures.
   void reset() noexcept {
     fail_at_ = 0;
     always_ = false;
   }
+  /// allocate() calls so far.
   std::uint64_t requests() const noexcept { return requests_; }
+  /// Failures injected so far.
   std::uint64_t faults_injected() const noexcept { return faults_; }
 
+  /// n bytes, allocation_alignment-aligned, counted in bytes_allocated().
   result<void*> allocate(std::size_t n) {
     ++requests_;
     if (always_ || requests_ == fail_at_) {
@@ -201,15 +212,18 @@ class failing_allocator : public detail::allocation_counter {
     if (r) add(n);
     return r;
   }
+  /// Frees what allocate(n) returned (nullptr is ignored).
   void deallocate(void* p, std::size_t n) noexcept {
     if (p == nullptr) return;
     detail::host_aligned_delete(p);
     remove(n);
   }
+  /// memcpy.
   status copy(void* dst, const void* src, std::size_t n) {
     std::memcpy(dst, src, n);
     return {};
   }
+  /// memset.
   status fill(void* p, std::uint8_t byte, std::size_t n) {
     std::memset(p, byte, n);
     return {};

@@ -31,16 +31,18 @@
 
 namespace tierkv {
 
-inline constexpr std::uint8_t page_poison_byte = 0x7F;
+inline constexpr std::uint8_t page_poison_byte =
+    0x7F;  ///< the byte new pages are filled with under TIERKV_POISON_PAGES
 
+/// A slot's state: free, open (being written, private) or sealed (immutable, shareable).
 enum class page_state : std::uint8_t { free = 0, open = 1, sealed = 2 };
 
 /// Host bookkeeping of one slot, kept apart from the (possibly device) page bytes.
 struct page_slot_meta {
-  std::uint32_t next_free = 0;   ///< free-list link while free
-  std::uint32_t generation = 0;  ///< bumped when the slot is freed
-  std::uint32_t refcount = 0;
-  page_state state = page_state::free;
+  std::uint32_t next_free = 0;          ///< free-list link while free
+  std::uint32_t generation = 0;         ///< bumped when the slot is freed
+  std::uint32_t refcount = 0;           ///< references held
+  page_state state = page_state::free;  ///< free, open or sealed
   std::uint8_t owner_flags =
       0;  ///< for the pool's owner (e.g. "named by a page table"); 0 when freed
 };
@@ -52,9 +54,10 @@ class page_pool {
   static_assert(check_allocator_policy<PageAlloc>());
 
  public:
-  using layout = Layout;
-  static constexpr std::size_t page_bytes = Layout::page_bytes;
-  static constexpr std::uint32_t end_of_list = std::numeric_limits<std::uint32_t>::max();
+  using layout = Layout;                                         ///< the page layout
+  static constexpr std::size_t page_bytes = Layout::page_bytes;  ///< bytes per page
+  static constexpr std::uint32_t end_of_list =
+      std::numeric_limits<std::uint32_t>::max();  ///< free-list terminator
 
   page_pool() = default;
   page_pool(const page_pool&) = delete;
@@ -97,12 +100,19 @@ class page_pool {
     return {};
   }
 
+  /// Whether init() gave it a slab.
   bool initialized() const noexcept { return slab_ != nullptr; }
+  /// Pages in the slab.
   std::uint32_t capacity() const noexcept { return capacity_; }
+  /// Free pages.
   std::uint32_t free_count() const noexcept { return free_count_; }
+  /// Pages in use.
   std::uint32_t live_count() const noexcept { return capacity_ - free_count_; }
+  /// The tier index its page ids carry.
   format_index format() const noexcept { return format_; }
+  /// Bytes of the slab.
   std::size_t slab_bytes() const noexcept { return std::size_t(capacity_) * page_bytes; }
+  /// Bytes of the slot bookkeeping.
   std::size_t bookkeeping_bytes() const noexcept { return sizeof(page_slot_meta) * capacity_; }
 
   /// What kernels index: no host call, no ownership.
@@ -150,6 +160,7 @@ class page_pool {
     return {};
   }
 
+  /// One more reference to a live page.
   status retain(page_id id) {
     if (auto s = check(id); !s) return s;
     page_slot_meta& m = slots_[id.slot];
@@ -188,12 +199,16 @@ class page_pool {
     slots_[id.slot].owner_flags = flags;
     return {};
   }
+  /// The owner's bits of a live page (0 for a stale id).
   std::uint8_t owner_flags(page_id id) const { return check(id) ? slots_[id.slot].owner_flags : 0; }
 
+  /// References to a live page (0 for a stale id).
   std::uint32_t refcount(page_id id) const { return check(id) ? slots_[id.slot].refcount : 0; }
+  /// The state of a live page (free for a stale id).
   page_state state(page_id id) const {
     return check(id) ? slots_[id.slot].state : page_state::free;
   }
+  /// The bookkeeping of a slot.
   const page_slot_meta& slot_meta(std::uint32_t slot) const { return slots_[slot]; }
 
   /// Host access to page bytes, only for host-visible memory.

@@ -44,8 +44,8 @@ struct shard_geometry {
                tierkv::group_size<Geometry::group_size>,
                tierkv::page_tokens<Geometry::page_tokens>>;
 };
-template <class Geometry, int Ranks>
 /// shard_geometry<Geometry, Ranks>::type
+template <class Geometry, int Ranks>
 using shard_geometry_t = typename shard_geometry<Geometry, Ranks>::type;
 
 /// Which heads rank r of T holds.

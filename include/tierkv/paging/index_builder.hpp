@@ -31,10 +31,12 @@ namespace tierkv {
 template <int NumFormats>
 struct index_layout {
   static_assert(NumFormats >= 1, "index_layout: at least one format");
-  int max_batch = 0;
+  int max_batch = 0;  ///< sequences per batch
   int max_pages = 0;  ///< logical pages per sequence
 
+  /// n rounded up to 16.
   static constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
+  /// Bytes of n int32s, 16-aligned.
   static constexpr std::size_t ints(std::size_t n) { return align16(n * sizeof(std::int32_t)); }
 
   /// Ok when the shape fits int32 indices.
@@ -49,18 +51,25 @@ struct index_layout {
                              std::numeric_limits<std::int32_t>::max());
     return {};
   }
+  /// max_batch x max_pages.
   constexpr std::size_t entries() const { return std::size_t(max_batch) * std::size_t(max_pages); }
+  /// Offset of seq_len.
   constexpr std::size_t seq_len_offset() const { return 0; }
+  /// Bytes of one format's arrays.
   constexpr std::size_t format_bytes() const {
     return ints(std::size_t(max_batch) + 1) + 2 * ints(entries());
   }
+  /// Offset of format f's indptr.
   constexpr std::size_t indptr_offset(int f) const {
     return ints(std::size_t(max_batch)) + std::size_t(f) * format_bytes();
   }
+  /// Offset of format f's slot array.
   constexpr std::size_t slot_offset(int f) const {
     return indptr_offset(f) + ints(std::size_t(max_batch) + 1);
   }
+  /// Offset of format f's logical array.
   constexpr std::size_t logical_offset(int f) const { return slot_offset(f) + ints(entries()); }
+  /// Bytes of the whole buffer.
   constexpr std::size_t bytes() const {
     return ints(std::size_t(max_batch)) + NumFormats * format_bytes();
   }
@@ -148,29 +157,38 @@ result<batch_index_view<Storage::num_tiers>> build_batch_index(
 /// One layer's page tables as flat arrays (the device builder's input), CSR over the batch:
 ///   indptr[batch + 1], slot[total], format[total] (tier index), seq_len[batch].
 struct page_table_arrays {
-  int batch = 0;
-  const std::int32_t* indptr = nullptr;
-  const std::int32_t* slot = nullptr;
-  const std::int32_t* format = nullptr;
-  const std::int32_t* seq_len = nullptr;
+  int batch = 0;                          ///< sequences
+  const std::int32_t* indptr = nullptr;   ///< [batch + 1]
+  const std::int32_t* slot = nullptr;     ///< [indptr[batch]] pool slot of each logical page
+  const std::int32_t* format = nullptr;   ///< [indptr[batch]] its tier
+  const std::int32_t* seq_len = nullptr;  ///< [batch] tokens per sequence
 };
 
 /// Same shape limits as index_layout; byte layout: indptr, slot, format, seq_len.
 struct page_table_layout {
-  int max_batch = 0;
-  int max_pages = 0;
+  int max_batch = 0;  ///< sequences per batch
+  int max_pages = 0;  ///< logical pages per sequence
+  /// Bytes of n int32s, 16-aligned.
   static constexpr std::size_t ints(std::size_t n) {
     return (n * sizeof(std::int32_t) + 15) / 16 * 16;
   }
+  /// max_batch x max_pages.
   constexpr std::size_t entries() const { return std::size_t(max_batch) * std::size_t(max_pages); }
+  /// Offset of indptr.
   constexpr std::size_t indptr_offset() const { return 0; }
+  /// Offset of slot.
   constexpr std::size_t slot_offset() const { return ints(std::size_t(max_batch) + 1); }
+  /// Offset of format.
   constexpr std::size_t format_offset() const { return slot_offset() + ints(entries()); }
+  /// Offset of seq_len.
   constexpr std::size_t seq_len_offset() const { return format_offset() + ints(entries()); }
+  /// Bytes of the whole buffer.
   constexpr std::size_t bytes() const { return seq_len_offset() + ints(std::size_t(max_batch)); }
+  /// Bytes a buffer for this shape needs.
   static constexpr std::size_t capacity_for(int max_batch, int max_pages) {
     return page_table_layout{max_batch, max_pages}.bytes();
   }
+  /// The arrays of a buffer laid out like this, for `batch` sequences.
   page_table_arrays view_of(const void* buffer, int batch) const {
     const auto* base = static_cast<const std::uint8_t*>(buffer);
     return {batch, reinterpret_cast<const std::int32_t*>(base + indptr_offset()),
@@ -221,8 +239,8 @@ result<page_table_arrays> export_page_tables(const Storage& storage, int layer,
 /// sequence b owns pages indices[indptr[b] .. indptr[b+1]) in logical order, and its
 /// last page holds last_page_len[b] tokens (1..page_tokens; 0 only when it has no pages).
 struct paged_kv_table {
-  int batch = 0;
-  int page_tokens = 0;
+  int batch = 0;                                ///< sequences
+  int page_tokens = 0;                          ///< tokens per page
   const std::int32_t* indptr = nullptr;         ///< [batch + 1]
   const std::int32_t* indices = nullptr;        ///< [indptr[batch]]
   const std::int32_t* last_page_len = nullptr;  ///< [batch]
@@ -297,9 +315,11 @@ result<batch_index_view<NumFormats>> index_from_paged_kv_table(
 template <class Storage>
 class index_arrays {
  public:
-  static constexpr int num_formats = Storage::num_tiers;
-  using meta_allocator = typename Storage::meta_allocator;
+  static constexpr int num_formats = Storage::num_tiers;    ///< tiers of the storage
+  using meta_allocator = typename Storage::meta_allocator;  ///< the storage's bookkeeping allocator
 
+  /// A buffer for max_batch sequences of up to max_pages logical pages (the storage must
+  /// outlive it).
   static result<index_arrays> create(Storage& storage, int max_batch, int max_pages) {
     const index_layout<num_formats> layout{max_batch, max_pages};
     if (auto st = layout.validate(); !st) return st;
@@ -308,6 +328,7 @@ class index_arrays {
     storage.lines().index_arrays += layout.bytes();
     return index_arrays(storage, layout, static_cast<std::uint8_t*>(*p));
   }
+  /// Takes over o's buffer.
   index_arrays(index_arrays&& o) noexcept
       : storage_(o.storage_), layout_(o.layout_), data_(std::exchange(o.data_, nullptr)) {}
   index_arrays& operator=(index_arrays&&) = delete;
@@ -317,9 +338,12 @@ class index_arrays {
     storage_->lines().index_arrays -= layout_.bytes();
   }
 
+  /// Where each array lives.
   const index_layout<num_formats>& layout() const noexcept { return layout_; }
+  /// The buffer.
   std::span<std::uint8_t> bytes() noexcept { return {data_, layout_.bytes()}; }
 
+  /// The index view of `batch` at `layer` (build_batch_index into this buffer).
   result<batch_index_view<num_formats>> build(int layer, std::span<const seq_id> batch) {
     return build_batch_index(*storage_, layer, batch, layout_, bytes());
   }

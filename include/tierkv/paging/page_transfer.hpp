@@ -32,14 +32,15 @@ namespace tierkv {
 static_assert(std::endian::native == std::endian::little,
               "page_transfer: the buffer format is little-endian and is written with memcpy");
 
+/// The first 8 bytes of every page-transfer buffer.
 inline constexpr std::array<char, 8> page_transfer_magic = {'T', 'K', 'V', 'P', 'A', 'G', 'E', 'S'};
 /// 2: TQ3 levels moved onto the int8 grid (codec/tq3.hpp), so a version-1 buffer's TQ3 codes
 /// and alpha would decode to other values: refused rather than read.
 inline constexpr std::uint32_t page_transfer_version = 2;
-inline constexpr std::size_t page_transfer_header_bytes = 80;
-inline constexpr std::size_t page_transfer_tier_entry_bytes = 8;
-inline constexpr std::size_t page_transfer_record_bytes = 16;
-inline constexpr std::size_t page_transfer_checksum_bytes = 8;
+inline constexpr std::size_t page_transfer_header_bytes = 80;     ///< bytes of the fixed header
+inline constexpr std::size_t page_transfer_tier_entry_bytes = 8;  ///< bytes per tier entry
+inline constexpr std::size_t page_transfer_record_bytes = 16;     ///< bytes per page record
+inline constexpr std::size_t page_transfer_checksum_bytes = 8;  ///< bytes of the trailing checksum
 
 /// Formats whose decoding depends on the codec context (the rotation seed derived from
 /// cache seed, layer, global KV head index and role). Pages in these formats decode
@@ -51,33 +52,34 @@ constexpr bool format_uses_codec_context(storage_format f) noexcept {
 
 /// A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
 struct head_slice {
-  int begin = 0;
-  int count = -1;
+  int begin = 0;   ///< first KV head
+  int count = -1;  ///< KV heads (< 0: to the end)
 };
 
 /// What a buffer says about itself (parsed by inspect_transfer; everything verified).
 struct transfer_tier_info {
-  storage_format key_format{};
-  storage_format value_format{};
-  std::uint32_t page_bytes = 0;  ///< bytes of one page (of the buffer's head slice)
+  storage_format key_format{};    ///< the tier's key format tag
+  storage_format value_format{};  ///< the tier's value format tag
+  std::uint32_t page_bytes = 0;   ///< bytes of one page (of the buffer's head slice)
 };
+/// What a page-transfer buffer holds (inspect_transfer).
 struct transfer_info {
-  std::uint32_t version = 0;
-  std::uint64_t total_bytes = 0;
-  geometry_desc geometry{};  ///< kv_heads = heads in the buffer (the slice)
+  std::uint32_t version = 0;      ///< page_transfer_version it was written with
+  std::uint64_t total_bytes = 0;  ///< bytes of the whole buffer
+  geometry_desc geometry{};       ///< kv_heads = heads in the buffer (the slice)
   std::uint32_t head_begin =
       0;  ///< global index of the slice's first KV head (source head_base + slice begin)
-  std::uint32_t source_kv_heads = 0;
-  std::uint32_t num_layers = 0;
-  std::uint32_t num_tiers = 0;
-  std::uint64_t codec_seed = 0;
-  std::uint32_t first_logical = 0;  ///< the run's first logical page in the source sequence
-  std::uint32_t logical_pages = 0;
-  std::uint64_t tokens = 0;  ///< tokens the run holds (sum of the logical pages' fills)
-  std::vector<transfer_tier_info> tiers;
+  std::uint32_t source_kv_heads = 0;  ///< KV heads of the source storage
+  std::uint32_t num_layers = 0;       ///< layers
+  std::uint32_t num_tiers = 0;        ///< tiers of the source
+  std::uint64_t codec_seed = 0;       ///< the source's codec seed
+  std::uint32_t first_logical = 0;    ///< the run's first logical page in the source sequence
+  std::uint32_t logical_pages = 0;    ///< logical pages in the run
+  std::uint64_t tokens = 0;           ///< tokens the run holds (sum of the logical pages' fills)
+  std::vector<transfer_tier_info> tiers;      ///< one entry per tier
   std::vector<std::uint64_t> pages_per_tier;  ///< records (logical page x layer) per tier
   std::uint32_t last_fill = 0;                ///< fill of the run's last logical page
-  std::uint64_t checksum = 0;
+  std::uint64_t checksum = 0;                 ///< the checksum the buffer carries (verified)
 };
 
 namespace detail {

@@ -47,11 +47,11 @@
 
 namespace tierkv {
 
-template <class Geometry, class Tiers, allocator_policy PageAlloc = host_allocator,
-          host_allocator_policy MetaAlloc = host_allocator>
 /// Sequences, per-layer page tables and one page pool per tier, with refcounted sharing of
 /// sealed pages (fork, prefix reuse) and page replacement for conversions (see the file
 /// comment and docs/paging.md). One thread at a time (docs/threading.md).
+template <class Geometry, class Tiers, allocator_policy PageAlloc = host_allocator,
+          host_allocator_policy MetaAlloc = host_allocator>
 class paged_storage {
   static_assert(is_geometry_v<Geometry>, "paged_storage: Geometry must be a tierkv::geometry<...>");
   static_assert(check_allocator_policy<PageAlloc>());
@@ -68,17 +68,17 @@ class paged_storage {
   static constexpr int head_dim = Geometry::head_dim;        ///< scalars per head vector
   static constexpr std::int64_t max_sequence_tokens =
       std::numeric_limits<std::int32_t>::max();  ///< longest sequence (int32 lengths)
-  template <int I>
   /// The page layout of tier I.
+  template <int I>
   using layout = detail::tier_layout<Geometry, tier_at_t<Tiers, I>>;
-  template <int I>
   /// The key codec of tier I.
+  template <int I>
   using key_codec = typename layout<I>::key_codec;
-  template <int I>
   /// The value codec of tier I.
-  using value_codec = typename layout<I>::value_codec;
   template <int I>
+  using value_codec = typename layout<I>::value_codec;
   /// The pool of tier I.
+  template <int I>
   using pool_type = page_pool<layout<I>, PageAlloc, MetaAlloc>;
   using options = storage_options<num_tiers>;  ///< what create() takes
 
@@ -157,13 +157,13 @@ class paged_storage {
   /// The bookkeeping byte lines (report.hpp).
   const storage_lines& lines() const noexcept { return lines_; }
 
-  template <int I>
   /// The pool of tier I.
+  template <int I>
   pool_type<I>& pool() noexcept {
     return std::get<I>(pools_);
   }
-  template <int I>
   /// The pool of tier I.
+  template <int I>
   const pool_type<I>& pool() const noexcept {
     return std::get<I>(pools_);
   }
@@ -669,8 +669,8 @@ class paged_storage {
       if (m.state != page_state::free) f(block_ref{b, m.generation}, int(m.fill), m.refcount);
     }
   }
-  template <class F>
   /// Calls f(seq_id, length) for every live sequence.
+  template <class F>
   void for_each_sequence(F&& f) const {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
       const seq_record& r = seqs_.at(i);

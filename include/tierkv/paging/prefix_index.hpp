@@ -46,10 +46,10 @@ struct prefix_match {
   std::vector<page_id> pages;     ///< their physical pages, [block][layer]
 };
 
-template <class Storage, class Hash = prefix_hash>
 /// Caches sealed pages of token-id prefixes over a paged_storage so a new request can
 /// start from a cached prefix instead of recomputing it (start_sequence). Each entry holds
 /// a reference to its page; evict() drops entries no sequence uses.
+template <class Storage, class Hash = prefix_hash>
 class prefix_index {
   using meta_allocator = typename Storage::meta_allocator;
   template <class T>

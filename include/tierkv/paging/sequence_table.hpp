@@ -20,16 +20,22 @@
 
 namespace tierkv {
 
+/// The fixed sequence slots of a paged_storage: each slot's page list, length and reservation,
+/// a free-slot list, and ids with generations so a released id is detected.
 template <host_allocator_policy MetaAlloc>
 class sequence_table {
  public:
-  using block_list = std::vector<std::uint32_t, counted_allocator<std::uint32_t, MetaAlloc>>;
+  using block_list =
+      std::vector<std::uint32_t,
+                  counted_allocator<std::uint32_t, MetaAlloc>>;  ///< a sequence's block indices, in
+                                                                 ///< logical order
+  /// One slot.
   struct record {
-    block_list blocks;  ///< committed pages, then the pages opened only for the reservation
-    std::int64_t length = 0;
+    block_list blocks;          ///< committed pages, then the pages opened only for the reservation
+    std::int64_t length = 0;    ///< committed tokens
     std::int64_t reserved = 0;  ///< tokens of the outstanding reservation, after length
-    std::uint32_t generation = 0;
-    bool live = false;
+    std::uint32_t generation = 0;  ///< bumped on release
+    bool live = false;             ///< whether a sequence holds the slot
   };
 
   /// Allocates every slot's record and the free list from `alloc`, charged to `line`; the
@@ -59,13 +65,18 @@ class sequence_table {
     free_.reset();
   }
 
+  /// Slots.
   std::uint32_t capacity() const noexcept { return capacity_; }
+  /// Live sequences.
   std::uint32_t live() const noexcept { return live_; }
+  /// Whether every slot is in use.
   bool full() const noexcept { return free_->empty(); }
   /// The slot the next open() takes (not full()); its record may be prepared first (a page
   /// list reserved), so a refusal before open() changes nothing.
   std::uint32_t next_free() const { return free_->back(); }
+  /// The record of a slot.
   record& at(std::uint32_t slot) { return (*records_)[slot]; }
+  /// The record of a slot.
   const record& at(std::uint32_t slot) const { return (*records_)[slot]; }
 
   /// Makes next_free() a live sequence of `length` committed tokens (its list already filled).
@@ -93,6 +104,7 @@ class sequence_table {
     --live_;
   }
 
+  /// The record of live sequence s, or nullptr (bad(s) says why).
   const record* find(seq_id s) const {
     if (!s.valid()) return nullptr;
     const std::uint32_t slot = slot_of(s);
@@ -101,6 +113,7 @@ class sequence_table {
     if (!r.live || !(id_of(slot, r.generation) == s)) return nullptr;
     return &r;
   }
+  /// The record of live sequence s, or nullptr.
   record* find(seq_id s) { return const_cast<record*>(std::as_const(*this).find(s)); }
   /// Why find(s) failed: stale_id for a slot of this table, out_of_range otherwise.
   status bad(seq_id s) const {
@@ -111,12 +124,14 @@ class sequence_table {
                         " slots)");
   }
 
+  /// The id of a slot at a generation.
   seq_id id_of(std::uint32_t slot, std::uint32_t generation) const {
     const std::uint32_t gen_mask = (slot_bits_ >= 32) ? 0u : (~0u >> slot_bits_);
     std::uint32_t v = ((generation & gen_mask) << slot_bits_) | slot;
     if (v == seq_id::invalid_value) v = slot;  // all-ones is reserved for "invalid"
     return seq_id(v);
   }
+  /// The slot an id names.
   std::uint32_t slot_of(seq_id s) const { return s.value & ((1u << slot_bits_) - 1u); }
 
  private:

@@ -32,8 +32,8 @@ struct block_ref {
   friend constexpr bool operator==(const block_ref&, const block_ref&) = default;
 };
 
-template <int NumTiers>
 /// The options of a paged_storage (and tiered_cache_options::storage).
+template <int NumTiers>
 struct storage_options {
   int num_layers = 1;                  ///< model layers (a page exists per logical page and layer)
   std::uint32_t max_sequences = 1024;  ///< live sequences at most

@@ -191,8 +191,8 @@ status check_publish(const Storage& storage, const staged_conversion& c, Faults&
     return detail::injected(conversion_step::publish, c.block, c.layer, e);
   return storage.can_replace_page(c.block, c.layer, c.from, c.to);
 }
-template <class Storage>
 /// Publishes a conversion check_publish accepted; the block owns `to` afterwards.
+template <class Storage>
 void publish_checked(Storage& storage, staged_conversion& c) {
   (void)storage.replace_page(c.block, c.layer, c.from, c.to);
   c.to = page_id{};  // the block owns it now

@@ -98,11 +98,11 @@ struct tier_controller_options {
   bool incremental_plan = true;
 };
 
-template <class Storage, tier_policy Policy = policy::recency_anchor,
-          class Roles = tier_roles<typename Storage::tier_list>>
 /// Keeps the policy's per-page state, plans conversions from its choices, applies them
 /// through the conversion protocol and makes room in tier 0 under memory pressure
 /// (docs/tiering.md).
+template <class Storage, tier_policy Policy = policy::recency_anchor,
+          class Roles = tier_roles<typename Storage::tier_list>>
 class tier_controller {
   static_assert(check_tier_policy<Policy>());
   static_assert(std::is_same_v<typename Roles::tier_list, typename Storage::tier_list>,
@@ -304,8 +304,8 @@ class tier_controller {
     }
     return n;
   }
-  template <conversion_fault_hook Faults = no_faults>
   /// The second phase of stage() (see there).
+  template <conversion_fault_hook Faults = no_faults>
   void commit(std::span<staged_conversion> staged, std::span<const bool> filled, retier_stats& st,
               Faults&& faults = {}) {
     for (std::size_t i = 0; i < staged.size(); ++i) {
