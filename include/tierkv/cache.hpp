@@ -144,9 +144,9 @@ class tiered_cache {
   }
 
   // ---- sequences ---------------------------------------------------------------------------
-  /// Every refusal of fork and append (capacity_exhausted: slots, blocks, bookkeeping memory,
-  /// what make_room cannot free; out_of_range: max_pages; bad input) comes before make_room
-  /// demotes anything, so a refused call changes nothing.
+  // Every refusal of fork and append (capacity_exhausted: slots, blocks, bookkeeping memory,
+  // what make_room cannot free; out_of_range: max_pages; bad input) comes before make_room
+  // demotes anything, so a refused call changes nothing.
   /// A new empty sequence (capacity_exhausted when max_sequences are live).
   result<seq_id> create_sequence() { return storage_->create_sequence(); }
   /// A new sequence sharing every sealed page of parent (refcounted); the open last page is copied.
