@@ -8,9 +8,9 @@
 // through the format's slice reader into shared memory (keys f16, values bf16: every format's
 // codes are exact in both); then each warp runs its 16 rows FA2-style: S = Q K^T on mma.sync f16
 // (queries in the key codec's domain, each row scaled by a power of two to |q| < 1), masked by
-// position, online softmax in log2 units (ex2.approx), O += (P x value scale) V on mma.sync bf16. Value-rotated
-// tiers' O is un-rotated once, through shared memory. One split writes the output; several write
-// partial states that prefill_merge_kernel combines by log-sum-exp.
+// position, online softmax in log2 units (ex2.approx), O += (P x value scale) V on mma.sync bf16.
+// Value-rotated tiers' O is un-rotated once, through shared memory. One split writes the output;
+// several write partial states that prefill_merge_kernel combines by log-sum-exp.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -441,7 +441,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
       const float m_new = fmaxf(st.m[r], tmax[r]);
       mu[r] = m_new == -INFINITY ? 0.f : m_new;  // every logit so far masked: p = alpha = 0
-      alpha[r] = fast_exp2(st.m[r] - mu[r]);  // m = -inf: +0
+      alpha[r] = fast_exp2(st.m[r] - mu[r]);     // m = -inf: +0
       st.m[r] = m_new;
     }
     float sum[2] = {0.f, 0.f};
