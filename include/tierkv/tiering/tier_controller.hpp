@@ -412,12 +412,25 @@ class tier_controller {
   /// make_room for a caller that converts elsewhere (the GPU: cuda::tiered_cache stages these
   /// through its retier driver): drops the shadows make_room would drop, then returns the
   /// demotions it would run, in its order, exactly as many as tier 0 is still short (each
-  /// frees one tier-0 page once published and its old page is released). Refuses like
-  /// make_room, before changing anything. The span lives until the next plan or pressure call.
+  /// frees one tier-0 page once published and its old page is released). Like make_room, it
+  /// skips a page someone else still holds (retain_page: its demotion would free nothing), and
+  /// refuses before changing anything. The span lives until the next plan or pressure call.
   result<std::span<const conversion>> pressure_plan(std::uint32_t pages) {
     if (storage_->free_pages(append_tier) >= pages) return std::span<const conversion>{};
     auto todo = pressure_candidates(pages);
     if (!todo) return todo.error_status();
+    std::size_t n = 0;  // in place: todo views plan_
+    for (const conversion& c : *todo)
+      if (storage_->page_refcount(storage_->block_page(c.block, c.layer)) == 1) (*plan_)[n++] = c;
+    plan_->resize(n);
+    const std::uint32_t short0 = pages - storage_->free_pages(append_tier);
+    const std::uint64_t demotable = std::min<std::uint64_t>(n, storage_->free_pages(Roles::stale));
+    if (std::uint64_t(shadows_) + demotable < short0)
+      return status::make(errc::capacity_exhausted, "pressure_plan: tier 0 is ", short0,
+                          " pages short; ", shadows_, " shadow copies and ", demotable,
+                          " demotable pages (others are held) cannot free them; nothing was "
+                          "changed");
+    todo = std::span<const conversion>(plan_->data(), n);
     retier_stats st;
     while (shadows_ > 0 && storage_->free_pages(append_tier) < pages) drop_oldest_shadow(st);
     totals_.add(st);

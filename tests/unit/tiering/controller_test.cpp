@@ -321,6 +321,62 @@ TEST_CASE("controller: pressure_plan names make_room's demotions, and refuses as
   REQUIRE(c2->check_invariants());
 }
 
+TEST_CASE("controller: pressure_plan skips pages someone else holds, and refuses when they are all",
+          "[tiering][controller]") {
+  auto s = make_storage(12, 6);
+  auto knobs = plain_knobs();
+  knobs.recent_pages = 2;
+  auto c = controller2::create(*s, recency_anchor(knobs)).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 80)));  // 5 pages x 2 layers: 10 of 12 tier-0 pages
+  (void)c->plan(0);
+  auto all = c->pressure_plan(4);
+  REQUIRE(all.has_value());
+  REQUIRE(all->size() == 2);
+  // A retained page (as the retier driver holds one for decodes in flight) frees nothing when
+  // demoted: the plan names others in its place.
+  const conversion first = (*all)[0];
+  const page_id held = s->block_page(first.block, first.layer);
+  REQUIRE(s->retain_page(held));
+  auto other = c->pressure_plan(4);
+  REQUIRE(other.has_value());
+  REQUIRE(other->size() == 2);
+  for (const conversion& x : *other) CHECK(s->block_page(x.block, x.layer) != held);
+  // Every demotable page held: refused, nothing changed.
+  std::vector<page_id> retained{held};
+  for (const conversion& x : *other) {
+    const page_id p = s->block_page(x.block, x.layer);
+    REQUIRE(s->retain_page(p));
+    retained.push_back(p);
+  }
+  bool refused = false;
+  for (int round = 0; round < 12 && !refused; ++round) {  // 10 tier-0 pages: at most 5 rounds
+    auto more = c->pressure_plan(4);
+    if (!more.has_value()) {
+      refused = true;
+      CHECK(more.code() == errc::capacity_exhausted);
+      CHECK(more.error_status().message().find("nothing was changed") != std::string::npos);
+      break;
+    }
+    REQUIRE(!more->empty());
+    for (const conversion& x : *more)  // never a page already held
+      CHECK(std::find(retained.begin(), retained.end(), s->block_page(x.block, x.layer)) ==
+            retained.end());
+    for (const conversion& x : *more) {
+      const page_id p = s->block_page(x.block, x.layer);
+      REQUIRE(s->retain_page(p));
+      retained.push_back(p);
+    }
+  }
+  REQUIRE(refused);
+  const std::uint32_t free0 = s->free_pages(0), free1 = s->free_pages(1);
+  CHECK(c->pressure_plan(4).code() == errc::capacity_exhausted);
+  CHECK(s->free_pages(0) == free0);
+  CHECK(s->free_pages(1) == free1);
+  for (const page_id p : retained) REQUIRE(s->release_page(p));
+  REQUIRE(c->check_invariants());
+}
+
 TEST_CASE("controller: shadows make quick promotions lossless and give tier 0 back under pressure",
           "[tiering][controller]") {
   auto s = make_storage(24, 16, 1);
