@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -17,6 +16,7 @@
 #include "paged_batch.hpp"
 #include "prefill_kernels.hpp"
 #include "tierkv/attention/host_prefill.hpp"
+#include "tierkv/codec/bf16.hpp"
 #include "tierkv/cuda/prefill_plan.cuh"
 
 namespace {
@@ -36,26 +36,7 @@ struct options {
   float key_offset = 0.f;
 };
 
-float bf16_round(float x) {  // round to nearest even, as __float2bfloat16_rn
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-std::uint16_t bf16_bits(float x) {
-  x = bf16_round(x);
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return std::uint16_t(u >> 16);
-}
-float from_bf16(std::uint16_t b) {
-  const std::uint32_t u = std::uint32_t(b) << 16;
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
+float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
 
 // A prefill batch: the pages (host_batch), each sequence's chunk length and the chunk queries.
 template <class G, class Recent, class Stale>
@@ -141,7 +122,7 @@ struct device_prefill {
     q_indptr.put(p.q_indptr);
     q.put(p.q);
     std::vector<std::uint16_t> h(p.q.size());
-    for (std::size_t i = 0; i < h.size(); ++i) h[i] = bf16_bits(p.q[i]);
+    for (std::size_t i = 0; i < h.size(); ++i) h[i] = float_to_bf16(p.q[i]);
     q16.put(h);
     CUDA_OK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));  // NaN: every output is written
     CUDA_OK(cudaMemset(out16.p, 0xFF, out16.n * sizeof(std::uint16_t)));
@@ -169,7 +150,7 @@ struct device_prefill {
     std::vector<float> r(n);
     if (o.bf16_io) {
       const auto h = out16.get();
-      for (std::size_t i = 0; i < n; ++i) r[i] = from_bf16(h[i]);
+      for (std::size_t i = 0; i < n; ++i) r[i] = bf16_to_float(h[i]);
     } else {
       const auto h = out.get();
       std::copy(h.begin(), h.begin() + std::ptrdiff_t(n), r.begin());

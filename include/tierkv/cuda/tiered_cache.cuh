@@ -237,7 +237,7 @@ class tiered_cache {
                                     (batch.size() + 1) * sizeof(std::int32_t),
                                     cudaMemcpyHostToDevice, stream_));
     counters_.h2d_metadata_bytes += (batch.size() + 1) * sizeof(std::int32_t);
-    TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));
+    TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));  // the whole slot buffer's copies
 
     batch_.assign(batch.begin(), batch.end());
     rows_.resize(batch.size());
@@ -295,16 +295,7 @@ class tiered_cache {
     if (layer < 0 || layer >= layers())
       return status::out_of_range("decode: layer", layer, layers());
     decode_inputs<num_tiers> in;
-    in.index = mirror_->view(layer);
-    const auto views = storage_->views();
-    for (int f = 0; f < num_tiers; ++f) in.pools[f] = views[std::size_t(f)];
-    in.queries = queries;
-    in.queries_type = qtype;
-    in.softmax_scale =
-        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(Geometry::head_dim));
-    in.cache_seed = storage_->config().codec_seed;
-    in.head_base = storage_->config().head_base;
-    in.layer = layer;
+    set_layer_inputs(in, layer, queries, qtype);
     in.out = out;
     in.lse = lse;
     const int j = mass_slot_[std::size_t(layer)];
@@ -342,19 +333,10 @@ class tiered_cache {
     if (layer < 0 || layer >= layers())
       return status::out_of_range("prefill: layer", layer, layers());
     prefill_inputs<num_tiers> in;
-    in.index = mirror_->view(layer);
-    const auto views = storage_->views();
-    for (int f = 0; f < num_tiers; ++f) in.pools[f] = views[std::size_t(f)];
-    in.queries = queries;
-    in.queries_type = qtype;
+    set_layer_inputs(in, layer, queries, qtype);
     in.q_indptr = slots_dev_ + qo_offset();
-    in.softmax_scale =
-        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(Geometry::head_dim));
     in.soft_cap = soft_cap;
     in.window = window;
-    in.cache_seed = storage_->config().codec_seed;
-    in.head_base = storage_->config().head_base;
-    in.layer = layer;
     in.out = out;
     in.out_type = otype;
     in.lse = lse;
@@ -492,6 +474,22 @@ class tiered_cache {
   std::size_t mass_offset(int j) const {
     return std::size_t(j) * std::size_t(opt_.max_batch) * std::size_t(opt_.max_pages);
   }
+  // What decode and prefill read alike: layer `layer`'s index arrays, the pools, the queries, the
+  // softmax scale and the codec contexts' seed, head base and layer.
+  template <class Inputs>
+  void set_layer_inputs(Inputs& in, int layer, const void* queries, query_type qtype) const {
+    in.index = mirror_->view(layer);
+    const auto views = storage_->views();
+    for (int f = 0; f < num_tiers; ++f) in.pools[f] = views[std::size_t(f)];
+    in.queries = queries;
+    in.queries_type = qtype;
+    in.softmax_scale =
+        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(Geometry::head_dim));
+    in.cache_seed = storage_->config().codec_seed;
+    in.head_base = storage_->config().head_base;
+    in.layer = layer;
+  }
+
   // The slot buffer: [layers][max_step_tokens] slots, [max_step_tokens] offsets, then the step's
   // query offsets [max_batch + 1].
   std::size_t qo_offset() const {
@@ -572,8 +570,7 @@ class tiered_cache {
           slots_dev_ + std::size_t(layers()) * T, slots_host_ + std::size_t(layers()) * T,
           std::size_t(total) * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream_));
       counters_.h2d_metadata_bytes += std::uint64_t(layers() + 1) * std::uint64_t(total) * 4;
-      TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));
-    }
+    }  // slots_uploaded_ is recorded by begin_step, after the query offsets' copy
     return {};
   }
 

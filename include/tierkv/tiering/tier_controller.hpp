@@ -362,8 +362,7 @@ class tier_controller {
     staged_->clear();  // capacity: every tier-0 page, reserved at create
     for (const conversion& c : *todo) {
       if (staged_->size() == need) break;
-      // A page someone else still holds (retain_page) would not be freed by its demotion.
-      if (storage_->page_refcount(storage_->block_page(c.block, c.layer)) != 1) continue;
+      if (held_elsewhere(c)) continue;
       ++st.planned;
       auto r = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
       if (!r) {
@@ -421,7 +420,7 @@ class tier_controller {
     if (!todo) return todo.error_status();
     std::size_t n = 0;  // in place: todo views plan_
     for (const conversion& c : *todo)
-      if (storage_->page_refcount(storage_->block_page(c.block, c.layer)) == 1) (*plan_)[n++] = c;
+      if (!held_elsewhere(c)) (*plan_)[n++] = c;
     plan_->resize(n);
     const std::uint32_t short0 = pages - storage_->free_pages(append_tier);
     const std::uint64_t demotable = std::min<std::uint64_t>(n, storage_->free_pages(Roles::stale));
@@ -753,6 +752,11 @@ class tier_controller {
   std::uint32_t percent_of_tier0(int percent) const {
     return std::uint32_t(std::uint64_t(storage_->template pool<append_tier>().capacity()) *
                          std::uint64_t(percent) / 100);
+  }
+
+  /// A page someone else still holds (retain_page): demoting it would free no tier-0 page.
+  bool held_elsewhere(const conversion& c) const {
+    return storage_->page_refcount(storage_->block_page(c.block, c.layer)) != 1;
   }
 
   /// Capacity, not a fault: a promotion that would eat into the tier-0 reserve, or any

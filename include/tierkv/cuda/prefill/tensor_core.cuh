@@ -685,6 +685,20 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     epilogue(in, plan, workspace, bk, sm, st, o_rotated, warp, lane);
   }
 
+  // A lane's P output elements at `at` (f32 or bf16, NaN for a row with a non-finite query).
+  static __device__ void store_output(const prefill_inputs<N>& in, std::size_t at,
+                                      const float (&x)[P], bool bad) {
+    if (in.out_type == output_type::bf16) {
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(in.out) + at;
+#pragma unroll
+      for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(bad ? NAN : x[i]);
+    } else {
+      float* o = static_cast<float*>(in.out) + at;
+#pragma unroll
+      for (int i = 0; i < P; ++i) o[i] = bad ? NAN : x[i];
+    }
+  }
+
   // O / l through the scratch (un-rotated if its last values were rotated) to the output, or to
   // the split's partial state (O / l and lse in log2 units) for prefill_merge_kernel.
   static __device__ void epilogue(const prefill_inputs<N>& in, const prefill_plan& plan,
@@ -728,17 +742,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           std::size_t(bk.q0 + row / G) * QH + std::size_t(bk.kvh * G + row % G);
       float x[P];
       load_lane_floats<P>(slab + r * SM::o_pitch + lane * P, x);
-      if (partial) {
+      if (partial)
         store_lane_floats<P>(part_o + grow * D + std::size_t(lane * P), x);
-      } else if (in.out_type == output_type::bf16) {
-        __nv_bfloat16* o = static_cast<__nv_bfloat16*>(in.out) + grow * D + std::size_t(lane * P);
-#pragma unroll
-        for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(bad ? NAN : x[i]);
-      } else {
-        float* o = static_cast<float*>(in.out) + grow * D + std::size_t(lane * P);
-#pragma unroll
-        for (int i = 0; i < P; ++i) o[i] = bad ? NAN : x[i];
-      }
+      else
+        store_output(in, grow * D + std::size_t(lane * P), x, bad);
     }
     if (lane % 4 == 0) {
 #pragma unroll
@@ -792,15 +799,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       wsum += w;
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-    if (in.out_type == output_type::bf16) {
-      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(in.out) + row * D + std::size_t(lane * P);
 #pragma unroll
-      for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(nan ? NAN : acc[i] * inv);
-    } else {
-      float* o = static_cast<float*>(in.out) + row * D + std::size_t(lane * P);
-#pragma unroll
-      for (int i = 0; i < P; ++i) o[i] = nan ? NAN : acc[i] * inv;
-    }
+    for (int i = 0; i < P; ++i) acc[i] *= inv;
+    store_output(in, row * D + std::size_t(lane * P), acc, nan);
     if (lane == 0 && in.lse != nullptr)
       in.lse[row] = nan ? NAN : wsum > 0.f ? (mx + log2f(wsum)) / log2e : -INFINITY;
   }
