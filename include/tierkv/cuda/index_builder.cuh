@@ -48,6 +48,7 @@ __device__ inline int owner_of(const std::int32_t* indptr, int batch, std::int32
   return lo;
 }
 
+template <int = 0>  // a template, so a header included by many translation units links once
 __global__ void flag_format(page_table_arrays in, int f, int num_formats, int capacity,
                             std::int32_t* flags, int* error) {
   const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
@@ -63,6 +64,7 @@ __global__ void flag_format(page_table_arrays in, int f, int num_formats, int ca
   flags[e] = flag;
 }
 
+template <int = 0>  // a template, so a header included by many translation units links once
 __global__ void scatter_format(page_table_arrays in, int f, const std::int32_t* rank,
                                std::int32_t* slot_out, std::int32_t* logical_out, int capacity) {
   const int e = int(blockIdx.x * blockDim.x + threadIdx.x);
@@ -73,6 +75,7 @@ __global__ void scatter_format(page_table_arrays in, int f, const std::int32_t* 
   logical_out[rank[e]] = e - in.indptr[b];
 }
 
+template <int = 0>  // a template, so a header included by many translation units links once
 __global__ void indptr_and_lengths(page_table_arrays in, const std::int32_t* rank,
                                    std::int32_t* indptr_out, std::int32_t* seq_len_out,
                                    int max_pages, bool write_len, int* error) {
@@ -87,6 +90,7 @@ __global__ void indptr_and_lengths(page_table_arrays in, const std::int32_t* ran
 }
 
 // indptr of format f lives at out + indptr0 + f * format_stride (index_layout).
+template <int = 0>  // a template, so a header included by many translation units links once
 __global__ void from_paged_kv(paged_kv_table t, int format, int num_formats, std::int32_t* seq_len,
                               std::uint8_t* out, std::size_t indptr0, std::size_t format_stride,
                               std::int32_t* slot, std::int32_t* logical, int capacity) {
@@ -163,17 +167,17 @@ class device_index_builder {
         !st)
       return st;
     for (int f = 0; f < NumFormats; ++f) {
-      detail::flag_format<<<blocks(n), threads, 0, stream>>>(in, f, NumFormats, n - 1, flags,
-                                                             error);
+      detail::flag_format<>
+          <<<blocks(n), threads, 0, stream>>>(in, f, NumFormats, n - 1, flags, error);
       if (auto st = detail::cuda_check(
               cub::DeviceScan::ExclusiveSum(cub_temp, cub_bytes, flags, rank, n, stream),
               "cub::DeviceScan::ExclusiveSum");
           !st)
         return st;
-      detail::scatter_format<<<blocks(n), threads, 0, stream>>>(
+      detail::scatter_format<><<<blocks(n), threads, 0, stream>>>(
           in, f, rank, reinterpret_cast<std::int32_t*>(o + layout_.slot_offset(f)),
           reinterpret_cast<std::int32_t*>(o + layout_.logical_offset(f)), n - 1);
-      detail::indptr_and_lengths<<<blocks(in.batch + 1), threads, 0, stream>>>(
+      detail::indptr_and_lengths<><<<blocks(in.batch + 1), threads, 0, stream>>>(
           in, rank, reinterpret_cast<std::int32_t*>(o + layout_.indptr_offset(f)),
           reinterpret_cast<std::int32_t*>(o + layout_.seq_len_offset()), layout_.max_pages, f == 0,
           error);
@@ -225,7 +229,7 @@ result<batch_index_view<NumFormats>> index_from_paged_kv_table_device(
     return status::exceeds(errc::capacity_exhausted, "batch", t.batch, layout.max_batch);
   auto* o = static_cast<std::uint8_t*>(out);
   const int n = int(layout.entries()) + 1;
-  detail::from_paged_kv<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+  detail::from_paged_kv<><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
       t, format, NumFormats, reinterpret_cast<std::int32_t*>(o + layout.seq_len_offset()), o,
       layout.indptr_offset(0), layout.format_bytes(),
       reinterpret_cast<std::int32_t*>(o + layout.slot_offset(format)),

@@ -67,6 +67,7 @@ struct mirror_args {
   int* error = nullptr;
 };
 
+template <int = 0>  // a template, so a header included by many translation units links once
 __global__ void apply_mirror_journal(const std::int32_t* journal, int n, std::int32_t* entries) {
   const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
   if (i < n) entries[journal[2 * i]] = journal[2 * i + 1];
@@ -248,8 +249,8 @@ class page_table_mirror {
     TIERKV_CUDA_TRY(cudaEventRecord(uploaded_, stream));
     journal_.clear();
     if (j > 0) {
-      detail::apply_mirror_journal<<<unsigned((j + 255) / 256), 256, 0, stream>>>(d_staging_,
-                                                                                  int(j), entries_);
+      detail::apply_mirror_journal<>
+          <<<unsigned((j + 255) / 256), 256, 0, stream>>>(d_staging_, int(j), entries_);
       TIERKV_CUDA_TRY(cudaGetLastError());
     }
     batch_ = batch;
