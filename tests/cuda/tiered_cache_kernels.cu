@@ -13,12 +13,20 @@ using cache_type = tierkv::cuda::tiered_cache<e2e_geometry, e2e_tiers>;
 static_assert(std::is_same_v<cache_type::storage_type, e2e_storage>);
 
 struct e2e_cache::impl {
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr;  // the cache's
+  std::vector<cudaStream_t> owned;
   std::unique_ptr<cache_type> c;
   std::unique_ptr<device_buffer<float>> k, v, q, out, pq, pout;
+  std::unique_ptr<device_buffer<std::uint16_t>> out16;
+  // CUDA graph of a step: per-layer inputs and outputs, [layer][max_batch x ...]
+  std::unique_ptr<device_buffer<float>> gk, gv, gq, gout;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
   ~impl() {
     c.reset();
-    if (stream) cudaStreamDestroy(stream);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    for (cudaStream_t s : owned) cudaStreamDestroy(s);
   }
 };
 
@@ -28,6 +36,7 @@ e2e_cache::~e2e_cache() = default;
 tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& o) {
   auto p = std::make_unique<impl>();
   CUDA_OK(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking));
+  p->owned.push_back(p->stream);
   cache_type::options opt;
   opt.storage = o.storage;
   opt.policy = o.policy;
@@ -47,6 +56,12 @@ tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& 
   p->out = std::make_unique<device_buffer<float>>(std::size_t(o.max_batch) * qvec);
   p->pq = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * qvec);
   p->pout = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * qvec);
+  p->out16 = std::make_unique<device_buffer<std::uint16_t>>(std::size_t(o.max_batch) * qvec);
+  const std::size_t L = std::size_t(o.storage.num_layers);
+  p->gk = std::make_unique<device_buffer<float>>(L * std::size_t(o.max_batch) * vec);
+  p->gv = std::make_unique<device_buffer<float>>(L * std::size_t(o.max_batch) * vec);
+  p->gq = std::make_unique<device_buffer<float>>(L * std::size_t(o.max_batch) * qvec);
+  p->gout = std::make_unique<device_buffer<float>>(L * std::size_t(o.max_batch) * qvec);
   return std::unique_ptr<e2e_cache>(new e2e_cache(std::move(p)));
 }
 
@@ -97,6 +112,103 @@ tierkv::status e2e_cache::decode(int layer, const std::vector<float>& q, std::ve
 
 tierkv::result<tierkv::retier_stats> e2e_cache::end_step(std::uint64_t step, bool wait) {
   return impl_->c->end_step(step, wait);
+}
+
+tierkv::status e2e_cache::decode_bf16(int layer, const std::vector<float>& q,
+                                      std::vector<std::uint16_t>& out) {
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  impl_->q->put(q);
+  auto st = impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out16->p,
+                             tierkv::cuda::output_type::bf16);
+  if (!st) return st;
+  CUDA_OK(cudaStreamSynchronize(impl_->stream));
+  out.resize(q.size());
+  if (!q.empty())
+    CUDA_OK(cudaMemcpy(out.data(), impl_->out16->p, q.size() * sizeof(std::uint16_t),
+                       cudaMemcpyDeviceToHost));
+  return st;
+}
+
+namespace {
+constexpr std::size_t kv_vec = std::size_t(e2e_geometry::kv_heads) * e2e_geometry::head_dim;
+constexpr std::size_t q_vec = std::size_t(e2e_geometry::q_heads) * e2e_geometry::head_dim;
+}  // namespace
+
+tierkv::status e2e_cache::capture_step() {
+  impl& m = *impl_;
+  const int layers = m.c->layers();
+  const std::size_t B = std::size_t(m.c->config().max_batch);
+  cudaStream_t cap = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
+  m.owned.push_back(cap);
+  CUDA_OK(cudaStreamSynchronize(m.stream));
+  CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
+  tierkv::status st;
+  for (int l = 0; l < layers && st; ++l) {
+    st = m.c->append(l, m.gk->p + std::size_t(l) * B * kv_vec,
+                     m.gv->p + std::size_t(l) * B * kv_vec, tierkv::cuda::input_type::f32, cap);
+    if (st)
+      st = m.c->decode(l, m.gq->p + std::size_t(l) * B * q_vec, tierkv::cuda::query_type::f32,
+                       m.gout->p + std::size_t(l) * B * q_vec, tierkv::cuda::output_type::f32,
+                       nullptr, cap);
+  }
+  cudaGraph_t g = nullptr;
+  CUDA_OK(cudaStreamEndCapture(cap, &g));
+  if (!st) {
+    cudaGraphDestroy(g);
+    return st;
+  }
+  if (m.exec) cudaGraphExecDestroy(m.exec);
+  if (m.graph) cudaGraphDestroy(m.graph);
+  m.graph = g;
+  CUDA_OK(cudaGraphInstantiate(&m.exec, g, 0));
+  return st;
+}
+
+tierkv::status e2e_cache::replay_step(const std::vector<std::vector<float>>& k,
+                                      const std::vector<std::vector<float>>& v,
+                                      const std::vector<std::vector<float>>& q,
+                                      std::vector<std::vector<float>>& out) {
+  impl& m = *impl_;
+  if (m.exec == nullptr) return tierkv::status(tierkv::errc::invalid_argument, "no graph captured");
+  const std::size_t B = std::size_t(m.c->config().max_batch);
+  const int layers = m.c->layers();
+  auto put = [&](float* base, std::size_t per, const std::vector<std::vector<float>>& x) {
+    for (int l = 0; l < layers; ++l)
+      CUDA_OK(cudaMemcpyAsync(base + std::size_t(l) * B * per, x[std::size_t(l)].data(),
+                              x[std::size_t(l)].size() * sizeof(float), cudaMemcpyHostToDevice,
+                              m.stream));
+  };
+  put(m.gk->p, kv_vec, k);
+  put(m.gv->p, kv_vec, v);
+  put(m.gq->p, q_vec, q);
+  CUDA_OK(cudaGraphLaunch(m.exec, m.stream));
+  out.resize(std::size_t(layers));
+  for (int l = 0; l < layers; ++l) {
+    out[std::size_t(l)].resize(q[std::size_t(l)].size());
+    CUDA_OK(cudaMemcpyAsync(out[std::size_t(l)].data(), m.gout->p + std::size_t(l) * B * q_vec,
+                            out[std::size_t(l)].size() * sizeof(float), cudaMemcpyDeviceToHost,
+                            m.stream));
+  }
+  CUDA_OK(cudaStreamSynchronize(m.stream));
+  return {};
+}
+
+tierkv::status e2e_cache::decode_on_other_stream(int layer) {
+  cudaStream_t other = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  impl_->owned.push_back(other);
+  return impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out->p,
+                          tierkv::cuda::output_type::f32, nullptr, other);
+}
+
+tierkv::status e2e_cache::move_to_new_stream() {
+  cudaStream_t s = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  impl_->owned.push_back(s);
+  auto st = impl_->c->set_stream(s);
+  if (st) impl_->stream = s;
+  return st;
 }
 tierkv::status e2e_cache::check_invariants() const { return impl_->c->check_invariants(); }
 tierkv::status e2e_cache::device_error() { return impl_->c->device_error(); }

@@ -66,6 +66,23 @@ class e2e_cache {
   // q: [step tokens][q_heads][head_dim] (each sequence's new tokens) -> out, same shape.
   tierkv::status prefill(int layer, const std::vector<float>& q, std::vector<float>& out);
   tierkv::result<tierkv::retier_stats> end_step(std::uint64_t step, bool wait);
+  // decode with bf16 output: the raw bf16 bits, [batch][q_heads][head_dim].
+  tierkv::status decode_bf16(int layer, const std::vector<float>& q,
+                             std::vector<std::uint16_t>& out);
+
+  // CUDA graphs. capture_step records every layer's append (one token per sequence, from the
+  // wrapper's per-layer k/v buffers) then decode (per-layer q -> out, f32) on a capturing
+  // stream; the capture runs nothing. replay_step copies a step's inputs ([layer][batch x ...])
+  // into those buffers, launches the graph on the cache's stream and copies the outputs back.
+  tierkv::status capture_step();
+  tierkv::status replay_step(const std::vector<std::vector<float>>& k,
+                             const std::vector<std::vector<float>>& v,
+                             const std::vector<std::vector<float>>& q,
+                             std::vector<std::vector<float>>& out);
+  // decode launched on a stream that is neither the cache's nor capturing (must be refused).
+  tierkv::status decode_on_other_stream(int layer);
+  // set_stream to a stream of the wrapper's own (the old one stays alive for the hand-off).
+  tierkv::status move_to_new_stream();
   tierkv::status check_invariants() const;
   tierkv::status device_error();
   void set_mass_observer(std::function<void(tierkv::seq_id, int, std::span<const float>)> f);

@@ -19,8 +19,11 @@
 // The step's tokens are live from begin_step on: every reader of their pages runs after the
 // append kernels in stream order (decode on `stream`; the retier batch waits for `stream`; a
 // fork's tail copy runs on `stream`), so the host never waits for a write. Between begin_step
-// and end_step, append and decode are plain kernel launches: a whole forward pass over all
-// layers can be captured in one CUDA graph and replayed for the same batch shape.
+// and end_step, append, decode and prefill are plain kernel launches that read their lengths,
+// slots and index arrays from device buffers begin_step fills: a whole forward pass over all
+// layers can be captured in one CUDA graph (launches on the capturing stream: the `on`
+// argument) and replayed at every later step with the same batch (docs/gpu-cache.md, "CUDA
+// graphs").
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -34,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <utility>
@@ -71,7 +75,8 @@ struct tiered_cache_options {
   int max_step_tokens = 4096;    // new tokens of one step over its batch (prefill chunks)
   int max_retier_pages = 1024;   // conversions per GPU batch
   int max_chunks_per_seq = 64;   // decode split (decode_capacity)
-  int mass_layers_per_step = 0;  // layers whose page mass feeds the policy a step (0 = all)
+  int mass_layers_per_step = 0;  // layers whose page mass feeds the policy a step (0 = all);
+                                 // every decode computes its layer's mass on the device
   float softmax_scale = 0.f;     // 0: 1 / sqrt(head_dim)
 };
 
@@ -118,7 +123,7 @@ class tiered_cache {
       cudaFree(p);
     for (void* p : {static_cast<void*>(mass_host_), static_cast<void*>(slots_host_)})
       cudaFreeHost(p);
-    for (cudaEvent_t e : {mass_ready_, slots_uploaded_})
+    for (cudaEvent_t e : {mass_ready_, slots_uploaded_, handoff_})
       if (e) cudaEventDestroy(e);
     if (side_) cudaStreamDestroy(side_);
   }
@@ -261,16 +266,34 @@ class tiered_cache {
     if (!plan) return plan.error_status();
     plan_ = *plan;
     choose_mass_layers();
+    if (auto st = clear_sampled_masses(); !st) return st;
     stepping_ = true;
     return {};
   }
 
+  // Makes `s` the cache's stream (between steps): later steps, forks and conversions order on
+  // it, after everything already enqueued on the old one (an event hand-off, no host wait).
+  status set_stream(cudaStream_t s) {
+    if (stepping_)
+      return status(errc::invalid_argument, "set_stream: not between begin_step and end_step");
+    if (s == stream_) return {};
+    TIERKV_CUDA_TRY(cudaEventRecord(handoff_, stream_));
+    TIERKV_CUDA_TRY(cudaStreamWaitEvent(s, handoff_, 0));
+    stream_ = s;
+    storage_->page_alloc().set_stream(s);
+    return {};
+  }
+
   // Writes layer `layer` of the step's new tokens: k and v hold [tokens][kv_heads][head_dim]
-  // (tokens in begin_step's batch order), device memory, f32 or bf16. Enqueued on the stream.
-  status append(int layer, const void* k, const void* v, input_type type = input_type::f32) {
+  // (tokens in begin_step's batch order), device memory, f32 or bf16. Enqueued on the stream,
+  // or on `on`, a stream capturing a graph (see launch_stream).
+  status append(int layer, const void* k, const void* v, input_type type = input_type::f32,
+                std::optional<cudaStream_t> on = std::nullopt) {
     if (!stepping_) return status(errc::invalid_argument, "append: call begin_step first");
     if (layer < 0 || layer >= layers())
       return status::out_of_range("append: layer", layer, layers());
+    auto stream = launch_stream("append", on);
+    if (!stream) return stream.error_status();
     if (step_tokens_ == 0) return {};
     append_inputs in;
     in.k = k;
@@ -284,40 +307,30 @@ class tiered_cache {
     in.cache_seed = storage_->config().codec_seed;
     in.head_base = storage_->config().head_base;
     in.layer_base = layer;
-    return cuda::append<Geometry, append_tier>(in, stream_);
+    return cuda::append<Geometry, append_tier>(in, *stream);
   }
 
   // Decode attention of layer `layer` for the step's batch: queries [batch][q_heads][head_dim]
-  // (post-RoPE, device memory), out (same shape, f32), lse ([batch][q_heads], optional).
-  status decode(int layer, const void* queries, query_type qtype, float* out,
-                float* lse = nullptr) {
+  // (post-RoPE, device memory), out (same shape, f32 or bf16), lse ([batch][q_heads],
+  // optional). It also computes the layer's page mass on the device (end_step feeds the
+  // sampled layers' to the policy), so the launches are the same at every step.
+  status decode(int layer, const void* queries, query_type qtype, void* out,
+                output_type otype = output_type::f32, float* lse = nullptr,
+                std::optional<cudaStream_t> on = std::nullopt) {
     if (!stepping_) return status(errc::invalid_argument, "decode: call begin_step first");
     if (layer < 0 || layer >= layers())
       return status::out_of_range("decode: layer", layer, layers());
+    auto stream = launch_stream("decode", on);
+    if (!stream) return stream.error_status();
     decode_inputs<num_tiers> in;
     set_layer_inputs(in, layer, queries, qtype);
     in.out = out;
-    in.lse = lse;
-    const int j = mass_slot_[std::size_t(layer)];
-    if (j >= 0) {
-      in.page_mass = mass_dev_ + mass_offset(j);
-      in.page_mass_stride = opt_.max_pages;
-      if (in.lse == nullptr)
-        in.lse = lse_dev_ + std::size_t(j) * std::size_t(opt_.max_batch) * Geometry::q_heads;
-    }
-    if (auto st = cuda::decode<Geometry, Tiers, Path>(plan_, in, workspace_, plan_.workspace_bytes,
-                                                      stream_);
-        !st)
-      return st;
-    if (j >= 0 && !batch_.empty()) {
-      const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
-      TIERKV_CUDA_TRY(cudaMemcpyAsync(mass_host_ + mass_offset(j), in.page_mass, bytes,
-                                      cudaMemcpyDeviceToHost, stream_));
-      counters_.d2h_metadata_bytes += bytes;
-      mass_decoded_[std::size_t(j)] = true;
-      TIERKV_CUDA_TRY(cudaEventRecord(mass_ready_, stream_));
-    }
-    return {};
+    in.out_type = otype;
+    in.lse = lse != nullptr ? lse : lse_dev_ + lse_offset(layer);
+    in.page_mass = mass_dev_ + mass_offset(layer);
+    in.page_mass_stride = opt_.max_pages;
+    return cuda::decode<Geometry, Tiers, Path>(plan_, in, workspace_, plan_.workspace_bytes,
+                                               *stream);
   }
 
   // Chunked prefill attention of layer `layer` for the step's batch: sequence b's queries are its
@@ -328,10 +341,12 @@ class tiered_cache {
   // page mass is sampled here (decode's job).
   status prefill(int layer, const void* queries, query_type qtype, void* out,
                  output_type otype = output_type::f32, float* lse = nullptr, float soft_cap = 0.f,
-                 int window = 0) {
+                 int window = 0, std::optional<cudaStream_t> on = std::nullopt) {
     if (!stepping_) return status(errc::invalid_argument, "prefill: call begin_step first");
     if (layer < 0 || layer >= layers())
       return status::out_of_range("prefill: layer", layer, layers());
+    auto stream = launch_stream("prefill", on);
+    if (!stream) return stream.error_status();
     prefill_inputs<num_tiers> in;
     set_layer_inputs(in, layer, queries, qtype);
     in.q_indptr = slots_dev_ + qo_offset();
@@ -341,11 +356,12 @@ class tiered_cache {
     in.out_type = otype;
     in.lse = lse;
     return cuda::prefill<Geometry, Tiers>(prefill_plan_, in, prefill_workspace_,
-                                          prefill_plan_.workspace_bytes, stream_);
+                                          prefill_plan_.workspace_bytes, *stream);
   }
 
-  // Ends the step: waits for the step's page masses (the engine waits for its logits anyway),
-  // feeds them to the policy, and enqueues the conversions the policy wants at `step` on the
+  // Ends the step: waits for the step's work on the stream (the engine waits for its logits
+  // anyway), feeds the sampled layers' page masses of the sequences decoded this step to the
+  // policy, and enqueues the conversions the policy wants at `step` on the
   // side stream (published by a later begin_step or end_step once complete). wait = true
   // finishes the batch and gives the replaced pages back before returning (tests, shutdown).
   result<retier_stats> end_step(std::uint64_t step, bool wait = false) {
@@ -448,18 +464,15 @@ class tiered_cache {
       return st;
     mass_layers_ =
         opt_.mass_layers_per_step == 0 ? layers() : std::min(opt_.mass_layers_per_step, layers());
-    const std::size_t mass_bytes = mass_offset(mass_layers_) * sizeof(float);
-    TIERKV_CUDA_TRY(cudaMalloc(&mass_dev_, mass_bytes));
-    TIERKV_CUDA_TRY(cudaMallocHost(&mass_host_, mass_bytes));
-    TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, std::size_t(mass_layers_) * std::size_t(opt_.max_batch) *
-                                              Geometry::q_heads * sizeof(float)));
-    mass_slot_.assign(std::size_t(layers()), -1);
+    TIERKV_CUDA_TRY(cudaMalloc(&mass_dev_, mass_offset(layers()) * sizeof(float)));
+    TIERKV_CUDA_TRY(cudaMallocHost(&mass_host_, mass_offset(mass_layers_) * sizeof(float)));
+    TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
     mass_layer_.assign(std::size_t(mass_layers_), -1);
-    mass_decoded_.assign(std::size_t(mass_layers_), false);
     const std::size_t slot_ints = qo_offset() + std::size_t(opt_.max_batch) + 1;
     TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaMallocHost(&slots_host_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&mass_ready_, cudaEventDisableTiming));
+    TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&slots_uploaded_, cudaEventDisableTiming));
     TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // pools poisoned, workspace zeroed
     return {};
@@ -471,8 +484,25 @@ class tiered_cache {
     return d;
   }
 
+  // Page masses [layer or host slot][max_batch][max_pages]; decode's own lse [layer][max_batch]
+  // [q_heads] when the caller passes none.
   std::size_t mass_offset(int j) const {
     return std::size_t(j) * std::size_t(opt_.max_batch) * std::size_t(opt_.max_pages);
+  }
+  std::size_t lse_offset(int layer) const {
+    return std::size_t(layer) * std::size_t(opt_.max_batch) * Geometry::q_heads;
+  }
+  // The stream a step's launch goes to: the cache's, or `on` when that stream is capturing a
+  // CUDA graph (to be replayed in the cache's stream order: a capture runs nothing itself).
+  result<cudaStream_t> launch_stream(const char* what, std::optional<cudaStream_t> on) const {
+    if (!on || *on == stream_) return stream_;
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    TIERKV_CUDA_TRY(cudaStreamIsCapturing(*on, &capturing));
+    if (capturing != cudaStreamCaptureStatusActive)
+      return status::make(errc::invalid_argument, what, ": stream ", static_cast<void*>(*on),
+                          " is neither the cache's stream (", static_cast<void*>(stream_),
+                          ") nor capturing a graph; set_stream moves the cache between steps");
+    return *on;
   }
   // What decode and prefill read alike: layer `layer`'s index arrays, the pools, the queries, the
   // softmax scale and the codec contexts' seed, head base and layer.
@@ -626,28 +656,41 @@ class tiered_cache {
   }
 
   // ---- page mass -----------------------------------------------------------------------------
+  // The layers whose masses end_step feeds this step: mass_layers_ of them, in turn.
   void choose_mass_layers() {
-    std::fill(mass_slot_.begin(), mass_slot_.end(), -1);
-    for (int j = 0; j < mass_layers_; ++j) {
-      const int l = int((std::uint64_t(steps_) * std::uint64_t(mass_layers_) + std::uint64_t(j)) %
-                        std::uint64_t(layers()));
-      mass_slot_[std::size_t(l)] = j;
-      mass_layer_[std::size_t(j)] = l;
-      mass_decoded_[std::size_t(j)] = false;
-    }
+    for (int j = 0; j < mass_layers_; ++j)
+      mass_layer_[std::size_t(j)] =
+          int((std::uint64_t(steps_) * std::uint64_t(mass_layers_) + std::uint64_t(j)) %
+              std::uint64_t(layers()));
     ++steps_;
   }
+  // The sampled layers' masses start as NaN (all-ones bytes): a row that is still NaN at
+  // end_step was not decoded this step (a prefill-only step, a graph not replayed) or came from
+  // a non-finite query, and is not fed. The device says what ran, so a replayed graph that the
+  // host never saw call decode feeds the policy too.
+  status clear_sampled_masses() {
+    if (batch_.empty()) return {};
+    const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
+    for (int l : mass_layer_)
+      TIERKV_CUDA_TRY(cudaMemsetAsync(mass_dev_ + mass_offset(l), 0xff, bytes, stream_));
+    return {};
+  }
   status feed_masses() {
-    bool any = false;
-    for (bool d : mass_decoded_) any = any || d;
-    if (!any) return {};
+    if (batch_.empty()) return {};
+    const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
+    for (int j = 0; j < mass_layers_; ++j)
+      TIERKV_CUDA_TRY(cudaMemcpyAsync(mass_host_ + mass_offset(j),
+                                      mass_dev_ + mass_offset(mass_layer_[std::size_t(j)]), bytes,
+                                      cudaMemcpyDeviceToHost, stream_));
+    counters_.d2h_metadata_bytes += std::uint64_t(mass_layers_) * bytes;
+    TIERKV_CUDA_TRY(cudaEventRecord(mass_ready_, stream_));
     TIERKV_CUDA_TRY(cudaEventSynchronize(mass_ready_));
     for (int j = 0; j < mass_layers_; ++j) {
-      if (!mass_decoded_[std::size_t(j)]) continue;
       const int l = mass_layer_[std::size_t(j)];
       for (std::size_t b = 0; b < batch_.size(); ++b) {
         const std::span<const float> row(
             mass_host_ + mass_offset(j) + b * std::size_t(opt_.max_pages), std::size_t(pages_[b]));
+        if (row.empty() || std::isnan(row[0])) continue;
         if (observer_) observer_(batch_[b], l, row);
         if (auto st = controller_->observe_mass(batch_[b], l, row); !st) return st;
       }
@@ -691,15 +734,15 @@ class tiered_cache {
   std::int64_t step_tokens_ = 0;
   std::vector<seq_id> batch_;
   std::vector<std::int32_t> rows_, pages_, lens_;
-  // Page mass: mass_layers_ sampled layers a step, [slot][max_batch][max_pages].
+  // Page mass: every layer's on the device, [layer][max_batch][max_pages]; the mass_layers_
+  // layers sampled this step are copied to the host, [slot][max_batch][max_pages].
   int mass_layers_ = 0;
-  std::vector<int> mass_slot_;   // per layer: its mass slot this step, -1 if not sampled
-  std::vector<int> mass_layer_;  // per slot: its layer
-  std::vector<bool> mass_decoded_;
+  std::vector<int> mass_layer_;  // per host slot: the layer sampled this step
   float* mass_dev_ = nullptr;
   float* mass_host_ = nullptr;
   float* lse_dev_ = nullptr;
   cudaEvent_t mass_ready_ = nullptr;
+  cudaEvent_t handoff_ = nullptr;  // set_stream's ordering of the new stream after the old
   // Slot mapping of the step's tokens: [layers][max_step_tokens] slots, then offsets.
   std::int32_t* slots_dev_ = nullptr;
   std::int32_t* slots_host_ = nullptr;

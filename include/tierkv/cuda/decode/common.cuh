@@ -349,6 +349,14 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
   // and the first batch of accumulator loads is issued before the max is known: with up to
   // 64 chunks a block waits for about two round trips. The 4 warp sums are added in a fixed
   // order (deterministic).
+  // One output element in the caller's type (bf16: rounded once from the f32 result).
+  static __device__ __forceinline__ void store_out(const decode_inputs<N>& in, std::size_t at,
+                                                   float x) {
+    if (in.out_type == output_type::bf16)
+      static_cast<__nv_bfloat16*>(in.out)[at] = __float2bfloat16_rn(x);
+    else
+      static_cast<float*>(in.out)[at] = x;
+  }
   static constexpr int merge_slice = 64;  // dims per block: lanes hold 2 each
   static constexpr int merge_batch = 16;  // chunks per warp with loads in flight
   static __device__ void merge(const decode_inputs<N>& in, const decode_plan& plan,
@@ -384,7 +392,7 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
                         // read slot 0)
       const bool poisoned = __syncthreads_or(bad_query) != 0;
       if (tid < merge_slice && slice * merge_slice + tid < D)
-        in.out[row * D + std::size_t(slice * merge_slice + tid)] = poisoned ? NAN : 0.f;
+        store_out(in, row * D + std::size_t(slice * merge_slice + tid), poisoned ? NAN : 0.f);
       if (tid == 0 && slice == 0 && in.lse != nullptr) in.lse[row] = poisoned ? NAN : -INFINITY;
       return;
     }
@@ -439,7 +447,7 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
       float x = part[0][tid];
 #pragma unroll
       for (int w = 1; w < decode_warps; ++w) x += part[w][tid];
-      in.out[row * D + std::size_t(slice * merge_slice + tid)] = poisoned ? NAN : x * inv;
+      store_out(in, row * D + std::size_t(slice * merge_slice + tid), poisoned ? NAN : x * inv);
     }
     if (tid == 0 && slice == 0 && in.lse != nullptr)
       in.lse[row] = poisoned ? NAN : lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;

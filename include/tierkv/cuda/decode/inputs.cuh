@@ -14,6 +14,8 @@
 namespace tierkv::cuda {
 
 enum class query_type : std::uint8_t { f32 = 0, bf16 = 1 };
+// Attention outputs: f32, or bf16 as models consume them (rounded once, from the f32 result).
+enum class output_type : std::uint8_t { f32 = 0, bf16 = 1 };
 
 // One layer's decode step. Device pointers; `index` and `pools` in the cache's tier order.
 template <int NumFormats>
@@ -27,7 +29,8 @@ struct decode_inputs {
       0;              // codec contexts: make_codec_context(seed, layer, head_base + head, role)
   int head_base = 0;  // global index of KV head 0 (a tensor-parallel rank's first head)
   int layer = 0;
-  float* out = nullptr;  // [batch][q_heads][head_dim]
+  void* out = nullptr;  // [batch][q_heads][head_dim], out_type
+  output_type out_type = output_type::f32;
   float* lse = nullptr;  // optional [batch][q_heads], natural log; -inf when empty
   // Optional, needs plan.page_mass: [batch][page_mass_stride]; entry (b, i) = softmax mass of
   // logical page i averaged over the layer's q_heads (sums to 1 per non-empty sequence).

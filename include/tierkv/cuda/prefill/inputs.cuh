@@ -12,8 +12,6 @@
 #include "tierkv/cuda/decode/inputs.cuh"
 namespace tierkv::cuda {
 
-enum class output_type : std::uint8_t { f32 = 0, bf16 = 1 };
-
 // One layer's chunked prefill, host_prefill's semantics (attention/host_prefill.hpp): the engine
 // appends the chunk's K/V first; sequence b's chunk is its last n_b = q_indptr[b+1] - q_indptr[b]
 // tokens, and query j (position p = seq_len[b] - n_b + j) attends every token at a position
