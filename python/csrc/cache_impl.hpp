@@ -15,9 +15,11 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "cache_options.hpp"
 #include "formats.hpp"
 #include "runtime.hpp"
 #include "tierkv/attention/host_decode.hpp"
@@ -29,22 +31,6 @@
 #include "tierkv/report.hpp"
 
 namespace tierkv_py {
-
-[[noreturn]] inline void fail(tierkv::status st) { throw tierkv::error(std::move(st)); }
-inline void check(const tierkv::status& st) {
-  if (!st) fail(st);
-}
-template <class T>
-T value(tierkv::result<T> r) {
-  if (!r) fail(r.error_status());
-  return std::move(*r);
-}
-
-inline tierkv::seq_id to_seq(std::int64_t s) {
-  if (s < 0 || s >= std::int64_t(tierkv::seq_id::invalid_value))
-    fail(tierkv::status::out_of_range("sequence id", s, tierkv::seq_id::invalid_value));
-  return tierkv::seq_id(std::uint32_t(s));
-}
 
 template <class Geometry, class TierSet>
 class cache_impl final : public runtime_cache {
@@ -235,36 +221,10 @@ class cache_impl final : public runtime_cache {
 
   explicit cache_impl(const cache_config& cfg) : cfg_(cfg), workspace_(unsigned(cfg.threads)) {
     typename cache_type::options o;
-    if (cfg.pages_per_tier.size() != std::size_t(N))
-      fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier has ",
-                                cfg.pages_per_tier.size(), " entries; this tier set has ", N,
-                                " tier", N == 1 ? "" : "s"));
-    for (int t = 0; t < N; ++t) {
-      const std::int64_t p = cfg.pages_per_tier[std::size_t(t)];
-      if (p < 1 || p > std::numeric_limits<std::int32_t>::max())
-        fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier[", t, "] = ", p,
-                                  " must lie in [1, 2^31)"));
-      o.storage.pages_per_tier[std::size_t(t)] = std::uint32_t(p);
-    }
-    if (cfg.max_sequences < 1 || cfg.max_sequences > std::numeric_limits<std::int32_t>::max())
-      fail(tierkv::status::make(tierkv::errc::invalid_argument,
-                                "max_sequences = ", cfg.max_sequences, " must lie in [1, 2^31)"));
     if (cfg.threads < 0 || cfg.threads > int(cache_type::max_threads))
       fail(tierkv::status::make(tierkv::errc::invalid_argument, "threads = ", cfg.threads,
                                 " must lie in [0, ", cache_type::max_threads, "] (0 = all cores)"));
-    if (cfg.min_dwell_steps < 0)
-      fail(tierkv::status::make(tierkv::errc::invalid_argument,
-                                "min_dwell_steps = ", cfg.min_dwell_steps, " is negative"));
-    o.storage.num_layers = cfg.num_layers;
-    o.storage.max_sequences = std::uint32_t(cfg.max_sequences);
-    o.storage.codec_seed = cfg.codec_seed;
-    tierkv::policy::recency_anchor_options po;
-    po.recent_pages = cfg.recent_pages;
-    po.sink_pages = cfg.sink_pages;
-    po.keep_first_layers = cfg.keep_first_layers;
-    po.keep_last_layers = cfg.keep_last_layers;
-    po.min_dwell_steps = std::uint64_t(cfg.min_dwell_steps);
-    o.policy = tierkv::policy::recency_anchor(po);
+    std::tie(o.storage, o.policy) = common_options<N>(cfg);
     o.max_batch = cfg.max_batch;
     o.max_pages = cfg.max_pages;
     o.threads = 1;  // the façade's own attention workers are unused: attention runs here

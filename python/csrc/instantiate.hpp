@@ -21,3 +21,10 @@ using kv_list = kv_heads_default;
                                                                    tierkv_py::group_list{}), \
        true);                                                                                \
   }
+
+// One combination (setup.py's TIERKV_PYTHON_EXTRA units).
+#define TIERKV_PY_INSTANTIATE_ONE(SET, HEAD_DIM, KV_HEADS, GROUP, PAGE)                   \
+  namespace {                                                                             \
+  [[maybe_unused]] const bool registered =                                                \
+      (tierkv_py::register_one<tierkv_py::SET, HEAD_DIM, KV_HEADS, GROUP, PAGE>(), true); \
+  }

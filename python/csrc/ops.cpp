@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache_options.hpp"
 #include "formats.hpp"
 #include "runtime.hpp"
 
@@ -337,18 +338,7 @@ at::Tensor retier(at::Tensor& state, std::int64_t step) {
 // free_page_bytes, token_layers, bits_per_scalar}; float64 (byte counts are exact to 2^53).
 at::Tensor report(const at::Tensor& state) {
   auto c = find(state);
-  const tierkv::memory_report r = c->report();
-  std::vector<double> v = {
-      double(r.allocator_total),  double(r.lines_total()),   double(r.live_page_bytes()),
-      double(r.pool_bookkeeping), double(r.page_tables),     double(r.index_arrays),
-      double(r.live_tokens),      double(r.sequence_tokens), r.kib_per_token,
-      r.kib_per_token_allocated,  r.bits_per_scalar,         double(r.tiers.size())};
-  for (const auto& t : r.tiers) {
-    v.insert(v.end(), {double(t.page_bytes), double(t.capacity_pages), double(t.live_pages),
-                       double(t.live_bytes()), double(t.free_page_bytes), double(t.token_layers),
-                       t.bits_per_scalar});
-  }
-  return at::tensor(v, at::TensorOptions().dtype(at::kDouble));
+  return at::tensor(report_values(c->report()), at::TensorOptions().dtype(at::kDouble));
 }
 
 std::string report_text(const at::Tensor& state) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "combo_registry.hpp"
 #include "tierkv/report.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 
@@ -40,13 +41,6 @@ struct cache_config {
   int keep_first_layers = 1;
   int keep_last_layers = 1;
   std::int64_t min_dwell_steps = 8;
-};
-
-// A prebuilt combination: tier set and geometry.
-struct combo {
-  int tier_set = 0;  // index into formats.hpp's tier_sets
-  int head_dim = 0, kv_heads = 0, group_size = 0, page_size = 0;
-  friend auto operator<=>(const combo&, const combo&) = default;
 };
 
 class runtime_cache {

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tierkv: torch custom ops over tierkv's tiered, paged KV cache (host path).
+"""tierkv: torch custom ops over tierkv's tiered, paged KV cache.
 
-Importing it loads the compiled ops (torch.ops.tierkv.*) and their fake implementations.
-tierkv.transformers (imported on its own) holds the transformers Cache.
+Importing it loads the host ops (torch.ops.tierkv.*, tierkv.Cache) and their fake
+implementations, and registers the GPU ops (tierkv.CudaCache, torch.ops.tierkv.cuda_*), whose
+library loads when the first CudaCache is made. tierkv.transformers (imported on its own) holds
+the transformers Cache.
 """
 
 import torch
@@ -10,8 +12,9 @@ import torch
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.tierkv)
 from . import _fake  # noqa: F401
 from .cache import RETIER_FIELDS, Cache, built, seq_tensor
+from .cuda import CudaCache
 from .wrappers import BatchDecodeWrapper, BatchPrefillWrapper
 
 ops = torch.ops.tierkv
 
-__all__ = ["Cache", "BatchDecodeWrapper", "BatchPrefillWrapper", "built", "ops", "seq_tensor", "RETIER_FIELDS"]
+__all__ = ["Cache", "CudaCache", "BatchDecodeWrapper", "BatchPrefillWrapper", "built", "ops", "seq_tensor", "RETIER_FIELDS"]

@@ -58,6 +58,27 @@ def built() -> list[dict]:
     return rows
 
 
+def parse_report(v: list) -> dict:
+    """The memory report from its numbers (the order of csrc/cache_options.hpp's report_values)."""
+    n = len(_REPORT_FIELDS)
+    r = {k: (int(x) if k in _INT_FIELDS else x) for k, x in zip(_REPORT_FIELDS, v[:n])}
+    r["reconciles"] = r["lines_total"] == r["allocator_total"]
+    tiers, m = int(v[n]), len(_TIER_FIELDS)
+    r["tiers"] = [
+        {k: (int(x) if k in _INT_FIELDS else x) for k, x in zip(_TIER_FIELDS, v[n + 1 + t * m : n + 1 + (t + 1) * m])}
+        for t in range(tiers)
+    ]
+    return r
+
+
+def pool_pages(max_tokens: int, page_size: int, max_sequences: int, num_layers: int, tiers: int) -> list[int]:
+    """pages_per_tier that let every tier hold max_tokens tokens of every layer, plus one open
+    page per sequence."""
+    if max_tokens < 1:
+        raise ValueError(f"tierkv: max_tokens = {max_tokens} must be >= 1")
+    return [(math.ceil(max_tokens / page_size) + max_sequences) * num_layers] * tiers
+
+
 def seq_tensor(seqs) -> torch.Tensor:
     """Sequence ids as the 1-D int64 CPU tensor the ops take."""
     if isinstance(seqs, torch.Tensor):
@@ -109,10 +130,7 @@ class Cache:
         if pages_per_tier is None:
             if max_tokens is None:
                 raise ValueError("tierkv.Cache: give pages_per_tier or max_tokens")
-            if max_tokens < 1:
-                raise ValueError(f"tierkv.Cache: max_tokens = {max_tokens} must be >= 1")
-            pages = (math.ceil(max_tokens / page_size) + max_sequences) * num_layers
-            pages_per_tier = [pages] * tiers
+            pages_per_tier = pool_pages(max_tokens, page_size, max_sequences, num_layers, tiers)
         if threads == 0:
             threads = torch.get_num_threads()
         self.state = ops.create(
@@ -198,16 +216,7 @@ class Cache:
         return dict(zip(RETIER_FIELDS, ops.retier(self.state, step).tolist()))
 
     def report(self) -> dict:
-        v = ops.report(self.state).tolist()
-        n = len(_REPORT_FIELDS)
-        r = {k: (int(x) if k in _INT_FIELDS else x) for k, x in zip(_REPORT_FIELDS, v[:n])}
-        r["reconciles"] = r["lines_total"] == r["allocator_total"]
-        tiers, m = int(v[n]), len(_TIER_FIELDS)
-        r["tiers"] = [
-            {k: (int(x) if k in _INT_FIELDS else x) for k, x in zip(_TIER_FIELDS, v[n + 1 + t * m : n + 1 + (t + 1) * m])}
-            for t in range(tiers)
-        ]
-        return r
+        return parse_report(ops.report(self.state).tolist())
 
     def report_text(self) -> str:
         return ops.report_text(self.state)

@@ -1,31 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
-"""tierkv.transformers: TieredCache, a transformers (5.x) Cache over a tierkv.Cache.
+"""tierkv.transformers: TieredCache, a transformers (5.x) Cache over a tierkv cache.
 
     from tierkv.transformers import TieredCache
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tierkv")
-    cache = TieredCache(model.config, max_tokens=4096)            # int8_rotated + TQ4k/TQ3v
+    cache = TieredCache(model.config, max_tokens=4096)               # host: int8_rotated + TQ4k/TQ3v
+    cache = TieredCache(model.config, max_tokens=4096, device="cuda") # the same, wholly on the GPU
     out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
 
 Every layer's new keys and values (post-RoPE) go into the tierkv cache in update(): the first
-layer of a forward pass reserves the step's tokens of every sequence, each layer writes its
-own, the last layer commits them. With attn_implementation="tierkv" (registered on import)
-attention runs tierkv's decode (one new token) or causal chunked prefill over the mixed-format
-pages; no dense copy exists. With any other attention implementation update() returns the
-cache's decoded keys and values (every past token, dequantised), so eager / sdpa work too, at
-the cost of that copy. One row of the batch is one tierkv sequence; padded batches are not
+layer of a forward pass starts the step (the host cache reserves the step's tokens; the GPU
+cache runs begin_step, which commits them), each layer writes its own, and the step ends at the
+start of the next forward pass (the host cache commits at the last layer and retiers; the GPU
+cache runs end_step). With attn_implementation="tierkv" (registered on import) attention runs
+tierkv's decode (one new token) or causal chunked prefill over the mixed-format pages; no dense
+copy exists. With any other attention implementation update() returns the host cache's
+decoded keys and values (every past token, dequantised), so eager / sdpa work too on the host,
+at the cost of that copy. One row of the batch is one tierkv sequence; padded batches are not
 supported (the tierkv attention applies no attention mask).
+
+CUDA graphs (GPU cache): call begin_step(n) before the forward pass yourself and end_step()
+after it; layer 0 then starts no step, so the forward pass is plain launches that a CUDA graph
+captures once and replays at every later step of the same batch (pass position_ids as a static
+tensor; bench/gpu/torch_e2e.py does this).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import Cache as TierkvCache
+from .cache import Cache as HostCache
 
 ATTENTION_NAME = "tierkv"
-_KEY = "tierkv_cache"  # how update() hands the cache to the attention function
+# update() -> the attention function of the same layer: the cache and layer in flight on this
+# thread (transformers calls update() and then attention for each layer, and not every version
+# passes the attention kwargs to update()).
+_in_flight = threading.local()
 
 
 class _TieredLayer(CacheLayerMixin):
@@ -43,7 +56,7 @@ class _TieredLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner._update(key_states, value_states, self.layer, kwargs.get("kwargs"))
+        return self.owner._update(key_states, value_states, self.layer)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -55,51 +68,140 @@ class _TieredLayer(CacheLayerMixin):
         return -1
 
 
+class _HostSteps:
+    """The host cache's step: reserve at layer 0, write per layer, commit at the last layer."""
+
+    def __init__(self, cache: HostCache):
+        self.c = cache
+        self.pending = 0  # tokens reserved and not committed (a forward pass cut short)
+
+    def begin(self, seqs, n: int, step: int) -> None:
+        if self.pending:
+            self.c.cancel(seqs)
+        if step > 1:
+            self.c.retier(step - 1)  # between steps: no page of this step is read yet
+        self.c.reserve(seqs, [n] * len(seqs))
+        self.pending = n
+
+    def write(self, layer: int, seqs, k, v) -> None:
+        self.c.write(layer, seqs, k, v)
+
+    def layer_done(self, layer: int, last: bool, seqs) -> None:
+        if last:
+            self.c.commit(seqs)
+            self.pending = 0
+
+    def end(self, step: int) -> None:
+        pass  # retier runs at the next begin (the host path's step is synchronous)
+
+    def attend(self, layer: int, seqs, q, n: int):
+        if n == 1:
+            return self.c.decode(layer, seqs, q)[0]
+        B = len(seqs)
+        indptr = torch.arange(0, (B + 1) * n, n, dtype=torch.int32)
+        return self.c.prefill(layer, seqs, q, indptr)[0]
+
+    def length(self, seq: int) -> int:
+        return self.c.length(seq)
+
+
+class _CudaSteps:
+    """The GPU cache's step: begin_step (tokens committed), append per layer, end_step."""
+
+    def __init__(self, cache):
+        self.c = cache
+        self.open = False
+
+    def begin(self, seqs, n: int, step: int) -> None:
+        if self.open:
+            self.end(step - 1)
+        self.c.begin_step(seqs.tolist(), [n] * len(seqs))
+        self.open = True
+
+    def write(self, layer: int, seqs, k, v) -> None:
+        self.c.append(layer, k, v)
+
+    def layer_done(self, layer: int, last: bool, seqs) -> None:
+        pass
+
+    def end(self, step: int) -> None:
+        if self.open:
+            self.c.end_step(step)
+            self.open = False
+
+    def attend(self, layer: int, seqs, q, n: int):
+        return self.c.decode(layer, q) if n == 1 else self.c.prefill(layer, q)
+
+    def length(self, seq: int) -> int:
+        return self.c.length(seq)
+
+
 class TieredCache(Cache):
     """A transformers Cache whose keys and values live in a tierkv tiered cache.
 
     config: the model's config (layers, heads, head_dim). Format names and capacity are
     tierkv.Cache's: recent ("int8_rotated" | "fp8"), cache_type_k / cache_type_v ("tq4" /
     "tq3" Stale formats, or the recent name three times for an 8-bit-only cache), page_size,
-    max_tokens or pages_per_tier; the rest of tierkv.Cache's keywords pass through.
+    max_tokens or pages_per_tier; device="cuda" keeps the cache on the GPU (tierkv.CudaCache,
+    whose keywords pass through too). from_cache() wraps a cache and sequences made elsewhere.
     """
 
-    def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", **kwargs):
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", device=None, **kwargs):
+        text = self._text_config(config)
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         if heads % kv_heads:
             raise ValueError(f"TieredCache: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+        kwargs.setdefault("max_tokens", 4096)
+        kwargs.setdefault("softmax_scale", head_dim**-0.5)
+        geometry = dict(head_dim=head_dim, kv_heads=kv_heads, group_size=heads // kv_heads, num_layers=text.num_hidden_layers)
+        names = dict(recent=recent, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        if device is not None and torch.device(device).type == "cuda":
+            from .cuda import CudaCache
+
+            cache = CudaCache(**geometry, **names, device=device, **kwargs)
+        else:
+            cache = HostCache(**geometry, **names, **kwargs)
+        self._setup(text, cache, None, float(kwargs["softmax_scale"]))
+
+    @classmethod
+    def from_cache(cls, config, cache, seqs=None, softmax_scale=None) -> "TieredCache":
+        """Wraps an existing tierkv.Cache or tierkv.CudaCache; seqs (one per batch row) may hold
+        tokens already (a prompt written through the cache's own API)."""
+        self = cls.__new__(cls)
+        text = cls._text_config(config)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._setup(text, cache, seqs, float(softmax_scale or head_dim**-0.5))
+        return self
+
+    @staticmethod
+    def _text_config(config):
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         types = getattr(text, "layer_types", None)
         if types and any(t != "full_attention" for t in types):
             raise ValueError(f"TieredCache: every layer must be full attention, got layer_types {sorted(set(types))}")
+        return text
+
+    def _setup(self, text, cache, seqs, scale: float) -> None:
         self.config = text
         self.num_layers = text.num_hidden_layers
-        kwargs.setdefault("max_tokens", 4096)
-        kwargs.setdefault("softmax_scale", head_dim**-0.5)
-        self.tierkv = TierkvCache(
-            head_dim=head_dim,
-            kv_heads=kv_heads,
-            group_size=heads // kv_heads,
-            num_layers=self.num_layers,
-            recent=recent,
-            cache_type_k=cache_type_k,
-            cache_type_v=cache_type_v,
-            **kwargs,
-        )
-        self.scale = float(kwargs["softmax_scale"])
-        self.seqs: torch.Tensor | None = None
+        self.tierkv = cache
+        self.on_gpu = not isinstance(cache, HostCache)
+        self.steps = _CudaSteps(cache) if self.on_gpu else _HostSteps(cache)
+        self.scale = scale
+        self.seqs = None if seqs is None else torch.tensor(list(seqs), dtype=torch.int64)
         self.step = 0
-        self._tokens = 0  # new tokens of the forward pass in flight (per sequence)
+        self._tokens = 0  # new tokens per sequence of the step in flight
+        self._explicit = False  # a step begun by begin_step() (CUDA graphs)
         super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
 
     # -- transformers' Cache interface
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return self._update(key_states, value_states, layer_idx, kwargs.get("kwargs"))
+        return self._update(key_states, value_states, layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.seqs is None else self.tierkv.length(int(self.seqs[0]))
+        return 0 if self.seqs is None else self.steps.length(int(self.seqs[0]))
 
     @property
     def batch_size(self) -> int:
@@ -107,6 +209,7 @@ class TieredCache(Cache):
 
     def reset(self):
         if self.seqs is not None:
+            self.end_step()
             for s in self.seqs.tolist():
                 self.tierkv.release(s)
         self.seqs, self.step, self._tokens = None, 0, 0
@@ -115,7 +218,7 @@ class TieredCache(Cache):
         raise NotImplementedError("TieredCache: crop is not supported (tierkv pages are committed; no rollback)")
 
     def reorder_cache(self, beam_idx):
-        raise NotImplementedError("TieredCache: beam search is not supported (use tierkv.Cache.fork directly)")
+        raise NotImplementedError("TieredCache: beam search is not supported (use the tierkv cache's fork directly)")
 
     def batch_repeat_interleave(self, repeats: int):
         raise NotImplementedError("TieredCache: batch expansion is not supported")
@@ -123,36 +226,46 @@ class TieredCache(Cache):
     def batch_select_indices(self, indices):
         raise NotImplementedError("TieredCache: batch selection is not supported")
 
+    # -- explicit steps (CUDA graphs)
+    def begin_step(self, new_tokens: int = 1, batch_size: int | None = None) -> None:
+        """Starts a step of new_tokens per sequence before the forward pass (layer 0 then
+        starts none): the forward pass is plain launches a CUDA graph can capture."""
+        self._begin(new_tokens, batch_size)
+        self._explicit = True
+
+    def end_step(self) -> None:
+        """Ends the step in flight (GPU: page mass to the policy, retier on the side stream)."""
+        self.steps.end(self.step)
+        self._explicit = False
+
     # -- the step
-    def _update(self, key_states, value_states, layer, attn_kwargs):
+    def _begin(self, n: int, batch_size: int | None) -> None:
+        if self.seqs is None:
+            if batch_size is None:
+                raise ValueError("TieredCache.begin_step: the cache holds no sequences yet; pass batch_size")
+            self.seqs = torch.tensor([self.tierkv.create_sequence() for _ in range(batch_size)], dtype=torch.int64)
+        elif batch_size is not None and batch_size != self.seqs.numel():
+            raise ValueError(f"TieredCache: batch of {batch_size} rows, the cache holds {self.seqs.numel()} sequences")
+        self.step += 1
+        self.steps.begin(self.seqs, n, self.step)
+        self._tokens = n
+
+    def _update(self, key_states, value_states, layer):
         B, kvh, n, d = key_states.shape
-        c = self.tierkv
-        if layer == 0:
-            if self.seqs is None:
-                self.seqs = torch.tensor([c.create_sequence() for _ in range(B)], dtype=torch.int64)
-            elif B != self.seqs.numel():
-                raise ValueError(f"TieredCache: batch of {B} rows, the cache holds {self.seqs.numel()} sequences")
-            if self._tokens:  # a forward pass that did not reach its last layer
-                c.cancel(self.seqs)
-            if self.step:
-                c.retier(self.step)  # between steps: no page of this step is read yet
-            self.step += 1
-            c.reserve(self.seqs, [n] * B)
-            self._tokens = n
-        elif self.seqs is None or n != self._tokens:
-            raise ValueError(f"TieredCache: layer {layer} got {n} new tokens, layer 0 reserved {self._tokens}")
-        c.write(layer, self.seqs, _rows(key_states), _rows(value_states))
-        if layer == self.num_layers - 1:
-            c.commit(self.seqs)
-            self._tokens = 0
+        if layer == 0 and not self._explicit:
+            self._begin(n, B)
+        elif self.seqs is None or n != self._tokens or B != self.seqs.numel():
+            raise ValueError(
+                f"TieredCache: layer {layer} got {B} x {n} new tokens, the step holds "
+                f"{self.batch_size} x {self._tokens}"
+            )
+        self.steps.write(layer, self.seqs, _rows(key_states), _rows(value_states))
+        self.steps.layer_done(layer, layer == self.num_layers - 1, self.seqs)
         if self.config._attn_implementation == ATTENTION_NAME:
-            if attn_kwargs is None:
-                raise RuntimeError(
-                    "TieredCache: the model did not pass its attention kwargs to Cache.update; "
-                    "use an attention implementation other than 'tierkv' with this model"
-                )
-            attn_kwargs[_KEY] = (self, layer)
+            _in_flight.entry = (self, layer)
             return key_states, value_states
+        if self.on_gpu:
+            raise NotImplementedError("TieredCache on the GPU needs attn_implementation='tierkv' (no dense copy exists)")
         return self._dense(layer, key_states.dtype)
 
     def _dense(self, layer, dtype):
@@ -171,10 +284,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def tierkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: decode / causal prefill over the tierkv pages."""
-    entry = kwargs.get(_KEY)
+    entry = getattr(_in_flight, "entry", None)
     if entry is None:
         raise RuntimeError("attn_implementation='tierkv' needs past_key_values=TieredCache(...)")
     cache, layer = entry
+    _in_flight.entry = None
     if getattr(module, "layer_idx", layer) != layer:
         raise RuntimeError(f"tierkv attention: module layer {module.layer_idx}, cache layer {layer}")
     if scaling is not None and abs(scaling - cache.scale) > 1e-6 * cache.scale:
@@ -182,12 +296,7 @@ def tierkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if dropout:
         raise ValueError("tierkv attention: dropout is not supported (inference only)")
     B, qh, n, d = query.shape
-    q = _rows(query)
-    if n == 1:
-        out, _ = cache.tierkv.decode(layer, cache.seqs, q)
-    else:
-        indptr = torch.arange(0, (B + 1) * n, n, dtype=torch.int32)
-        out, _ = cache.tierkv.prefill(layer, cache.seqs, q, indptr)
+    out = cache.steps.attend(layer, cache.seqs, _rows(query), n)
     return out.view(B, n, qh, d), None
 
 

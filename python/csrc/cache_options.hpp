@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: Apache-2.0
+// What every cache of a binding's prebuilt set shares, from run-time values to the library's
+// types: errors as exceptions, sequence ids, the storage and policy options of a cache_config
+// (checked first, each check naming the value and its limit) and the memory report as numbers.
+// The host impl (cache_impl.hpp) and the CUDA impl (cuda/gpu_cache_impl.cuh) both use it.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "runtime.hpp"
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/paging/storage_types.hpp"
+#include "tierkv/report.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
+
+namespace tierkv_py {
+
+[[noreturn]] inline void fail(tierkv::status st) { throw tierkv::error(std::move(st)); }
+inline void check(const tierkv::status& st) {
+  if (!st) fail(st);
+}
+template <class T>
+T value(tierkv::result<T> r) {
+  if (!r) fail(r.error_status());
+  return std::move(*r);
+}
+
+inline tierkv::seq_id to_seq(std::int64_t s) {
+  if (s < 0 || s >= std::int64_t(tierkv::seq_id::invalid_value))
+    fail(tierkv::status::out_of_range("sequence id", s, tierkv::seq_id::invalid_value));
+  return tierkv::seq_id(std::uint32_t(s));
+}
+
+// The storage options (pools, layers, sequences, codec seed) and the recency_anchor policy of
+// `cfg`, for a tier set of N tiers. The cache's create() checks everything else.
+template <int N>
+std::pair<tierkv::storage_options<N>, tierkv::policy::recency_anchor> common_options(
+    const cache_config& cfg) {
+  if (cfg.pages_per_tier.size() != std::size_t(N))
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier has ",
+                              cfg.pages_per_tier.size(), " entries; this tier set has ", N, " tier",
+                              N == 1 ? "" : "s"));
+  tierkv::storage_options<N> storage;
+  for (int t = 0; t < N; ++t) {
+    const std::int64_t p = cfg.pages_per_tier[std::size_t(t)];
+    if (p < 1 || p > std::numeric_limits<std::int32_t>::max())
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier[", t, "] = ", p,
+                                " must lie in [1, 2^31)"));
+    storage.pages_per_tier[std::size_t(t)] = std::uint32_t(p);
+  }
+  if (cfg.max_sequences < 1 || cfg.max_sequences > std::numeric_limits<std::int32_t>::max())
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, "max_sequences = ", cfg.max_sequences,
+                              " must lie in [1, 2^31)"));
+  if (cfg.min_dwell_steps < 0)
+    fail(tierkv::status::make(tierkv::errc::invalid_argument,
+                              "min_dwell_steps = ", cfg.min_dwell_steps, " is negative"));
+  storage.num_layers = cfg.num_layers;
+  storage.max_sequences = std::uint32_t(cfg.max_sequences);
+  storage.codec_seed = cfg.codec_seed;
+  tierkv::policy::recency_anchor_options po;
+  po.recent_pages = cfg.recent_pages;
+  po.sink_pages = cfg.sink_pages;
+  po.keep_first_layers = cfg.keep_first_layers;
+  po.keep_last_layers = cfg.keep_last_layers;
+  po.min_dwell_steps = std::uint64_t(cfg.min_dwell_steps);
+  return {storage, tierkv::policy::recency_anchor(po)};
+}
+
+// The report as numbers, in the order tierkv/cache.py names them (_REPORT_FIELDS, the tier
+// count, then _TIER_FIELDS per tier).
+inline std::vector<double> report_values(const tierkv::memory_report& r) {
+  std::vector<double> v = {
+      double(r.allocator_total),  double(r.lines_total()),   double(r.live_page_bytes()),
+      double(r.pool_bookkeeping), double(r.page_tables),     double(r.index_arrays),
+      double(r.live_tokens),      double(r.sequence_tokens), r.kib_per_token,
+      r.kib_per_token_allocated,  r.bits_per_scalar,         double(r.tiers.size())};
+  for (const auto& t : r.tiers) {
+    v.insert(v.end(), {double(t.page_bytes), double(t.capacity_pages), double(t.live_pages),
+                       double(t.live_bytes()), double(t.free_page_bytes), double(t.token_layers),
+                       t.bits_per_scalar});
+  }
+  return v;
+}
+
+}  // namespace tierkv_py

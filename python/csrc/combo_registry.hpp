@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: Apache-2.0
+// The prebuilt set of one binding (the host ops' or the CUDA library's): instantiation units add
+// their combinations at load time; a cache is made by resolving the run-time format names
+// (formats.hpp) and looking the combination up. A combination not built is refused with a
+// message naming what was built and how to build more.
+#pragma once
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "formats.hpp"
+#include "tierkv/core/status.hpp"
+
+namespace tierkv_py {
+
+// A prebuilt combination: tier set and geometry.
+struct combo {
+  int tier_set = 0;  // index into formats.hpp's tier_sets
+  int head_dim = 0, kv_heads = 0, group_size = 0, page_size = 0;
+  friend auto operator<=>(const combo&, const combo&) = default;
+};
+
+template <class C>
+std::string join(const C& values) {
+  std::ostringstream out;
+  const char* sep = "";
+  for (const auto& v : values) out << sep << v, sep = ", ";
+  return out.str();
+}
+
+// The tier set named recent / cache_type_k / cache_type_v (-1 when no set has these three);
+// a name no set uses is refused.
+inline int resolve_tier_set(const std::string& recent, const std::string& k, const std::string& v) {
+  for (const std::string* name : {&recent, &k, &v}) {
+    bool known = false;
+    for (auto n : format_names) known = known || n == *name;
+    if (!known)
+      throw tierkv::error(tierkv::status::make(
+          tierkv::errc::invalid_argument, "unknown cache format name \"", *name,
+          "\" (recent / cache_type_k / cache_type_v); known names: ", join(format_names)));
+  }
+  for (std::size_t i = 0; i < tier_set_names.size(); ++i) {
+    const auto& n = tier_set_names[i];
+    if (n.recent == recent && n.k == k && n.v == v) return int(i);
+  }
+  return -1;
+}
+
+template <class Factory>
+class combo_registry {
+ public:
+  void add(const combo& c, Factory f) { table_.emplace(c, f); }
+
+  std::vector<combo> combos() const {
+    std::vector<combo> v;
+    for (const auto& [c, f] : table_) v.push_back(c);
+    return v;
+  }
+
+  // The factory of the named combination; `rebuild` says how to build one that is missing.
+  Factory find(const std::string& recent, const std::string& k, const std::string& v, int head_dim,
+               int kv_heads, int group_size, int page_size, const char* rebuild) const {
+    const int set = resolve_tier_set(recent, k, v);
+    const auto it =
+        set < 0 ? table_.end() : table_.find(combo{set, head_dim, kv_heads, group_size, page_size});
+    if (it == table_.end())
+      throw tierkv::error(tierkv::status::make(
+          tierkv::errc::invalid_argument, "no prebuilt tierkv cache for recent=", recent,
+          ", cache_type_k=", k, ", cache_type_v=", v, ", head_dim=", head_dim, ", kv_heads=",
+          kv_heads, ", group_size=", group_size, ", page_size=", page_size, ". Built: ", describe(),
+          ". Other combinations: ", rebuild, ", or compose tierkv's templates in C++"));
+    return it->second;
+  }
+
+  std::string describe() const {
+    std::set<int> sets, d, kv, g, p;
+    for (const auto& [c, f] : table_) {
+      sets.insert(c.tier_set);
+      d.insert(c.head_dim), kv.insert(c.kv_heads), g.insert(c.group_size), p.insert(c.page_size);
+    }
+    std::ostringstream out;
+    out << table_.size() << " combinations; tier sets (recent/cache_type_k/cache_type_v) {";
+    const char* sep = "";
+    for (int s : sets) {
+      const auto& n = tier_set_names[std::size_t(s)];
+      out << sep << n.recent << "/" << n.k << "/" << n.v;
+      sep = ", ";
+    }
+    out << "}, head_dim {" << join(d) << "}, kv_heads {" << join(kv) << "}, group_size {" << join(g)
+        << "}, page_size {" << join(p) << "}";
+    const std::size_t product = sets.size() * d.size() * kv.size() * g.size() * p.size();
+    if (product != table_.size()) out << " (not every product of these; built() lists them)";
+    return out.str();
+  }
+
+ private:
+  std::map<combo, Factory> table_;
+};
+
+}  // namespace tierkv_py

@@ -1,0 +1,264 @@
+// SPDX-License-Identifier: Apache-2.0
+// capi.h over gpu_cache: argument checks that name the value and its limit, exceptions turned
+// into return codes with a thread-local message, and the prebuilt set's registry.
+#include "capi.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cache_options.hpp"
+#include "combo_registry.hpp"
+#include "gpu_cache.hpp"
+
+namespace tierkv_py {
+namespace {
+
+combo_registry<gpu_factory>& table() {
+  static combo_registry<gpu_factory> t;  // filled while the library loads
+  return t;
+}
+
+thread_local std::string last_error;
+
+// Runs f; a library error (or any exception) becomes its code and the message.
+template <class F>
+int guarded(const char* what, F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const tierkv::error& e) {
+    last_error = std::string(what) + ": " + e.what();
+    return int(e.code());
+  } catch (const std::exception& e) {
+    last_error = std::string(what) + ": " + e.what();
+    return int(tierkv::errc::invalid_argument);
+  }
+}
+
+gpu_cache& cache_of(void* h) {
+  if (h == nullptr)
+    fail(tierkv::status(tierkv::errc::invalid_argument, "the cache handle is null"));
+  return *static_cast<gpu_cache*>(h);
+}
+
+int to_int(std::int64_t v, const char* name, std::int64_t lo = 0) {
+  if (v < lo || v > std::numeric_limits<int>::max())
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, name, " = ", v, " must lie in [", lo,
+                              ", 2^31)"));
+  return int(v);
+}
+
+gpu_dtype to_dtype(int t, const char* name) {
+  if (t != int(gpu_dtype::f32) && t != int(gpu_dtype::bf16))
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, name, " = ", t,
+                              " is no dtype (0 = float32, 1 = bfloat16)"));
+  return gpu_dtype(t);
+}
+
+const char* text(const char* s, const char* name) {
+  if (s == nullptr) fail(tierkv::status::make(tierkv::errc::invalid_argument, name, " is null"));
+  return s;
+}
+
+gpu_cache_config to_config(const tkv_cuda_config& c) {
+  gpu_cache_config g;
+  g.recent = text(c.recent, "recent");
+  g.cache_type_k = text(c.cache_type_k, "cache_type_k");
+  g.cache_type_v = text(c.cache_type_v, "cache_type_v");
+  g.head_dim = to_int(c.head_dim, "head_dim", 1);
+  g.kv_heads = to_int(c.kv_heads, "kv_heads", 1);
+  g.group_size = to_int(c.group_size, "group_size", 1);
+  g.page_size = to_int(c.page_size, "page_size", 1);
+  g.num_layers = to_int(c.num_layers, "num_layers", 1);
+  if (c.num_tiers < 1 || c.num_tiers > 8)
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, "num_tiers = ", c.num_tiers,
+                              " must lie in [1, 8]"));
+  g.pages_per_tier.assign(c.pages_per_tier, c.pages_per_tier + c.num_tiers);
+  g.max_sequences = c.max_sequences;
+  g.max_batch = to_int(c.max_batch, "max_batch", 1);
+  g.max_pages = to_int(c.max_pages, "max_pages", 1);
+  g.max_step_tokens = to_int(c.max_step_tokens, "max_step_tokens", 1);
+  g.max_retier_pages = to_int(c.max_retier_pages, "max_retier_pages", 1);
+  g.max_chunks_per_seq = to_int(c.max_chunks_per_seq, "max_chunks_per_seq", 1);
+  g.mass_layers_per_step = to_int(c.mass_layers_per_step, "mass_layers_per_step");
+  g.softmax_scale = c.softmax_scale;
+  g.codec_seed = c.codec_seed;
+  g.recent_pages = to_int(c.recent_pages, "recent_pages");
+  g.sink_pages = to_int(c.sink_pages, "sink_pages");
+  g.keep_first_layers = to_int(c.keep_first_layers, "keep_first_layers");
+  g.keep_last_layers = to_int(c.keep_last_layers, "keep_last_layers");
+  g.min_dwell_steps = c.min_dwell_steps;
+  return g;
+}
+
+cudaStream_t stream_of(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+void register_gpu_combo(const combo& c, gpu_factory f) { table().add(c, f); }
+
+}  // namespace tierkv_py
+
+using namespace tierkv_py;
+
+extern "C" {
+
+int tkv_cuda_abi_version(void) { return TKV_CUDA_ABI_VERSION; }
+const char* tkv_cuda_last_error(void) { return last_error.c_str(); }
+
+int tkv_cuda_built(int32_t* rows, int capacity) {
+  const auto combos = table().combos();
+  for (std::size_t i = 0; i < combos.size() && int(i) < capacity && rows != nullptr; ++i) {
+    const combo& c = combos[i];
+    const int32_t r[5] = {c.tier_set, c.head_dim, c.kv_heads, c.group_size, c.page_size};
+    std::memcpy(rows + 5 * i, r, sizeof r);
+  }
+  return int(combos.size());
+}
+
+const char* tkv_cuda_tier_set_name(int i) {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (const auto& n : tier_set_names)
+      v.push_back(std::string(n.recent) + "/" + std::string(n.k) + "/" + std::string(n.v));
+    return v;
+  }();
+  return i >= 0 && std::size_t(i) < names.size() ? names[std::size_t(i)].c_str() : nullptr;
+}
+
+int tkv_cuda_create(const tkv_cuda_config* cfg, void* stream, void** cache) {
+  return guarded("tkv_cuda_create", [&] {
+    if (cfg == nullptr || cache == nullptr)
+      fail(tierkv::status(tierkv::errc::invalid_argument, "cfg and cache must not be null"));
+    const gpu_cache_config g = to_config(*cfg);
+    const gpu_factory f = table().find(
+        g.recent, g.cache_type_k, g.cache_type_v, g.head_dim, g.kv_heads, g.group_size, g.page_size,
+        "rebuild the CUDA library with TIERKV_PYTHON_CUDA_SET (docs/python.md)");
+    *cache = f(g, stream_of(stream)).release();
+  });
+}
+
+int tkv_cuda_destroy(void* cache) {
+  return guarded("tkv_cuda_destroy", [&] { delete &cache_of(cache); });
+}
+
+int tkv_cuda_num_tiers(void* cache, int64_t* tiers) {
+  return guarded("tkv_cuda_num_tiers", [&] { *tiers = cache_of(cache).num_tiers(); });
+}
+int tkv_cuda_create_sequence(void* cache, int64_t* seq) {
+  return guarded("create_sequence", [&] { *seq = cache_of(cache).create_sequence(); });
+}
+int tkv_cuda_fork(void* cache, int64_t parent, int64_t* seq) {
+  return guarded("fork", [&] { *seq = cache_of(cache).fork(parent); });
+}
+int tkv_cuda_release(void* cache, int64_t seq) {
+  return guarded("release", [&] { cache_of(cache).release(seq); });
+}
+int tkv_cuda_length(void* cache, int64_t seq, int64_t* tokens) {
+  return guarded("length", [&] { *tokens = cache_of(cache).length(seq); });
+}
+
+int tkv_cuda_set_stream(void* cache, void* stream) {
+  return guarded("set_stream", [&] { cache_of(cache).set_stream(stream_of(stream)); });
+}
+int tkv_cuda_begin_step(void* cache, const int64_t* seqs, const int32_t* counts, int64_t n) {
+  return guarded("begin_step", [&] {
+    if (n < 0 || (n > 0 && (seqs == nullptr || counts == nullptr)))
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "begin_step: ", n,
+                                " sequences with a null array"));
+    cache_of(cache).begin_step({seqs, std::size_t(n)}, {counts, std::size_t(n)});
+  });
+}
+int tkv_cuda_append(void* cache, int64_t layer, const void* k, const void* v, int dtype,
+                    void* stream) {
+  return guarded("append", [&] {
+    cache_of(cache).append(to_int(layer, "layer"), k, v, to_dtype(dtype, "dtype"),
+                           stream_of(stream));
+  });
+}
+int tkv_cuda_decode(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
+                    int out_dtype, float* lse, void* stream) {
+  return guarded("decode", [&] {
+    cache_of(cache).decode(to_int(layer, "layer"), q, to_dtype(q_dtype, "q_dtype"), out,
+                           to_dtype(out_dtype, "out_dtype"), lse, stream_of(stream));
+  });
+}
+int tkv_cuda_prefill(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
+                     int out_dtype, float* lse, float soft_cap, int64_t window, void* stream) {
+  return guarded("prefill", [&] {
+    cache_of(cache).prefill(to_int(layer, "layer"), q, to_dtype(q_dtype, "q_dtype"), out,
+                            to_dtype(out_dtype, "out_dtype"), lse, soft_cap,
+                            to_int(window, "window"), stream_of(stream));
+  });
+}
+int tkv_cuda_end_step(void* cache, uint64_t step, int wait, uint64_t stats[8]) {
+  return guarded("end_step", [&] {
+    const tierkv::retier_stats s = cache_of(cache).end_step(step, wait != 0);
+    if (stats != nullptr) {
+      const uint64_t v[8] = {s.planned,          s.converted, s.promoted,      s.demoted,
+                             s.pressure_demoted, s.deferred,  s.deferred_full, s.failed};
+      std::memcpy(stats, v, sizeof v);
+    }
+  });
+}
+
+int tkv_cuda_report(void* cache, double* values, int capacity) {
+  int n = -1;
+  const int rc = guarded("report", [&] {
+    const std::vector<double> v = report_values(cache_of(cache).report());
+    for (std::size_t i = 0; i < v.size() && int(i) < capacity && values != nullptr; ++i)
+      values[i] = v[i];
+    n = int(v.size());
+  });
+  return rc == 0 ? n : -rc;
+}
+int64_t tkv_cuda_report_text(void* cache, char* text, int64_t capacity) {
+  std::int64_t n = -1;
+  const int rc = guarded("report_text", [&] {
+    std::ostringstream out;
+    out << cache_of(cache).report();
+    const std::string s = out.str();
+    if (text != nullptr && capacity > 0) {
+      const std::size_t m = std::min<std::size_t>(s.size(), std::size_t(capacity - 1));
+      std::memcpy(text, s.data(), m);
+      text[m] = '\0';
+    }
+    n = std::int64_t(s.size());
+  });
+  return rc == 0 ? n : -rc;
+}
+int tkv_cuda_pin(void* cache, int64_t seq, int64_t first_page, int64_t pages, int pinned) {
+  return guarded("pin", [&] { cache_of(cache).pin(seq, first_page, pages, pinned != 0); });
+}
+int64_t tkv_cuda_page_tiers(void* cache, int64_t seq, int64_t layer, int64_t* tiers,
+                            int64_t capacity) {
+  std::int64_t n = -1;
+  const int rc = guarded("page_tiers", [&] {
+    const auto t = cache_of(cache).page_tiers(seq, to_int(layer, "layer"));
+    for (std::size_t i = 0; i < t.size() && std::int64_t(i) < capacity && tiers != nullptr; ++i)
+      tiers[i] = t[i];
+    n = std::int64_t(t.size());
+  });
+  return rc == 0 ? n : -rc;
+}
+int tkv_cuda_check_invariants(void* cache) {
+  return guarded("check_invariants", [&] { cache_of(cache).check_invariants(); });
+}
+int tkv_cuda_device_error(void* cache) {
+  return guarded("device_error", [&] { cache_of(cache).device_error(); });
+}
+int tkv_cuda_transfers(void* cache, uint64_t out[3]) {
+  return guarded("transfers", [&] {
+    const auto t = cache_of(cache).transfers();
+    for (int i = 0; i < 3; ++i) out[i] = t[std::size_t(i)];
+  });
+}
+
+}  // extern "C"

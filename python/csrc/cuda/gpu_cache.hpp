@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: Apache-2.0
+// The run-time face of cuda::tiered_cache, the cache wholly on the GPU, for the C ABI library
+// the Python package loads (capi.cpp): one abstract class, implemented once per prebuilt
+// instantiation (gpu_cache_impl.cuh). Plain pointers, spans and streams only, so capi.cpp
+// compiles with the host compiler alone. Errors are thrown as tierkv::error.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "runtime.hpp"
+#include "tierkv/report.hpp"
+#include "tierkv/tiering/tier_controller.hpp"
+
+namespace tierkv_py {
+
+// cache_config's fields (formats, geometry, pools, sequences, policy knobs; `threads` and
+// `soft_cap` are the host path's and unused here) plus the GPU façade's capacities.
+struct gpu_cache_config : cache_config {
+  int max_step_tokens = 4096;    // new tokens of one step over its batch
+  int max_retier_pages = 1024;   // conversions per GPU batch
+  int max_chunks_per_seq = 64;   // decode split
+  int mass_layers_per_step = 1;  // layers whose page mass feeds the policy a step (0 = all)
+};
+
+// Element types of the tensors the ops pass (the same values as cuda::input_type,
+// cuda::query_type and cuda::output_type).
+enum class gpu_dtype : int { f32 = 0, bf16 = 1 };
+
+class gpu_cache {
+ public:
+  virtual ~gpu_cache() = default;
+  virtual const gpu_cache_config& config() const = 0;
+  virtual int num_tiers() const = 0;
+
+  virtual std::int64_t create_sequence() = 0;
+  virtual std::int64_t fork(std::int64_t parent) = 0;
+  virtual void release(std::int64_t seq) = 0;
+  virtual std::int64_t length(std::int64_t seq) const = 0;
+
+  // The façade's step (cuda/tiered_cache.cuh): begin_step on the cache's stream (set_stream
+  // moves it, between steps), then per layer append and decode or prefill, each enqueued on
+  // `stream` (the cache's, or a stream capturing a graph), then end_step.
+  virtual void set_stream(cudaStream_t stream) = 0;
+  virtual void begin_step(std::span<const std::int64_t> seqs,
+                          std::span<const std::int32_t> counts) = 0;
+  virtual void append(int layer, const void* k, const void* v, gpu_dtype type,
+                      cudaStream_t stream) = 0;
+  virtual void decode(int layer, const void* q, gpu_dtype qtype, void* out, gpu_dtype otype,
+                      float* lse, cudaStream_t stream) = 0;
+  virtual void prefill(int layer, const void* q, gpu_dtype qtype, void* out, gpu_dtype otype,
+                       float* lse, float soft_cap, int window, cudaStream_t stream) = 0;
+  virtual tierkv::retier_stats end_step(std::uint64_t step, bool wait) = 0;
+
+  virtual tierkv::memory_report report() const = 0;
+  virtual void pin(std::int64_t seq, std::int64_t first_page, std::int64_t pages, bool pinned) = 0;
+  // The tier of each committed logical page of seq at one layer.
+  virtual std::vector<std::int64_t> page_tiers(std::int64_t seq, int layer) const = 0;
+  virtual void check_invariants() const = 0;
+  // The device check of the last step's index build, decodes and prefills (synchronizes).
+  virtual void device_error() = 0;
+  // Host<->device bytes moved: metadata h2d, metadata d2h, page bytes (always 0).
+  virtual std::array<std::uint64_t, 3> transfers() const = 0;
+};
+
+using gpu_factory = std::unique_ptr<gpu_cache> (*)(const gpu_cache_config&, cudaStream_t);
+
+// capi.cpp: the prebuilt set. Instantiation units add themselves at load time.
+void register_gpu_combo(const combo& c, gpu_factory f);
+
+}  // namespace tierkv_py

@@ -1,0 +1,431 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tierkv.cuda: the cache wholly on the GPU (cuda::tiered_cache) from Python.
+
+The GPU code lives in libtierkv_cuda.so, a C ABI library over the prebuilt set (csrc/cuda/capi.h)
+that needs no particular torch build: it is loaded with ctypes, and the ops that run inside a
+forward pass are torch custom ops registered here (torch.ops.tierkv.cuda_append, cuda_decode,
+cuda_prefill), with fake implementations for torch.compile. They enqueue on torch's current
+stream, so a forward pass over every layer can be captured in one CUDA graph and replayed at
+every later step of the same batch:
+
+    c = tierkv.CudaCache(head_dim=256, kv_heads=4, group_size=6, num_layers=16, max_tokens=...)
+    seqs = [c.create_sequence() for _ in range(B)]
+    c.begin_step(seqs, [1] * B)              # host: slots, index arrays (metadata only)
+    for layer in range(L):                   # the forward pass (capturable)
+        c.append(layer, k, v)                # [B, kv_heads, head_dim] bf16 or f32
+        out = c.decode(layer, q)             # [B, q_heads, head_dim] over the mixed pages
+    c.end_step()                             # page mass -> policy, retier on a side stream
+
+The library is found next to this file (pip install with TIERKV_PYTHON_CUDA=1 builds it there)
+or at $TIERKV_CUDA_LIB. Page bytes never leave the GPU; see docs/gpu-cache.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .cache import RETIER_FIELDS, parse_report, pool_pages
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_VALUE_ERRORS = {1, 2, 4, 6, 8}  # invalid_argument, out_of_range, stale_id, non_finite_input, geometry_mismatch
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        ("recent", ctypes.c_char_p),
+        ("cache_type_k", ctypes.c_char_p),
+        ("cache_type_v", ctypes.c_char_p),
+        ("head_dim", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("group_size", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("num_layers", ctypes.c_int64),
+        ("num_tiers", ctypes.c_int64),
+        ("pages_per_tier", ctypes.c_int64 * 8),
+        ("max_sequences", ctypes.c_int64),
+        ("max_batch", ctypes.c_int64),
+        ("max_pages", ctypes.c_int64),
+        ("max_step_tokens", ctypes.c_int64),
+        ("max_retier_pages", ctypes.c_int64),
+        ("max_chunks_per_seq", ctypes.c_int64),
+        ("mass_layers_per_step", ctypes.c_int64),
+        ("softmax_scale", ctypes.c_double),
+        ("codec_seed", ctypes.c_uint64),
+        ("recent_pages", ctypes.c_int64),
+        ("sink_pages", ctypes.c_int64),
+        ("keep_first_layers", ctypes.c_int64),
+        ("keep_last_layers", ctypes.c_int64),
+        ("min_dwell_steps", ctypes.c_int64),
+    ]
+
+
+_lib = None
+
+
+def library_path() -> Path:
+    env = os.environ.get("TIERKV_CUDA_LIB")
+    return Path(env) if env else Path(__file__).resolve().parent / "libtierkv_cuda.so"
+
+
+def _load():
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = library_path()
+    if not path.is_file():
+        raise RuntimeError(
+            f"tierkv.cuda: {path} not found: build the package with TIERKV_PYTHON_CUDA=1 "
+            "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
+        )
+    lib = ctypes.CDLL(str(path))
+    if lib.tkv_cuda_abi_version() != 1:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 1")
+    vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
+    sig = {
+        "tkv_cuda_last_error": ([], ctypes.c_char_p),
+        "tkv_cuda_built": ([i32p, ctypes.c_int], ctypes.c_int),
+        "tkv_cuda_tier_set_name": ([ctypes.c_int], ctypes.c_char_p),
+        "tkv_cuda_create": ([ctypes.POINTER(_Config), vp, ctypes.POINTER(vp)], ctypes.c_int),
+        "tkv_cuda_destroy": ([vp], ctypes.c_int),
+        "tkv_cuda_num_tiers": ([vp, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_create_sequence": ([vp, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_fork": ([vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_release": ([vp, i64], ctypes.c_int),
+        "tkv_cuda_length": ([vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_set_stream": ([vp, vp], ctypes.c_int),
+        "tkv_cuda_begin_step": ([vp, vp, vp, i64], ctypes.c_int),
+        "tkv_cuda_append": ([vp, i64, vp, vp, ctypes.c_int, vp], ctypes.c_int),
+        "tkv_cuda_decode": ([vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, vp, vp], ctypes.c_int),
+        "tkv_cuda_prefill": (
+            [vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, vp, ctypes.c_float, i64, vp],
+            ctypes.c_int,
+        ),
+        "tkv_cuda_end_step": ([vp, ctypes.c_uint64, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+        "tkv_cuda_report": ([vp, ctypes.POINTER(ctypes.c_double), ctypes.c_int], ctypes.c_int),
+        "tkv_cuda_report_text": ([vp, ctypes.c_char_p, i64], i64),
+        "tkv_cuda_pin": ([vp, i64, i64, i64, ctypes.c_int], ctypes.c_int),
+        "tkv_cuda_page_tiers": ([vp, i64, i64, ctypes.POINTER(i64), i64], i64),
+        "tkv_cuda_check_invariants": ([vp], ctypes.c_int),
+        "tkv_cuda_device_error": ([vp], ctypes.c_int),
+        "tkv_cuda_transfers": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+    }
+    for name, (args, res) in sig.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, res
+    _lib = lib
+    return lib
+
+
+def _check(rc: int) -> None:
+    if rc == 0:
+        return
+    msg = "tierkv.cuda." + _lib.tkv_cuda_last_error().decode()
+    raise (ValueError if rc in _VALUE_ERRORS else RuntimeError)(msg)
+
+
+def built() -> list[dict]:
+    """The combinations libtierkv_cuda.so was built with."""
+    lib = _load()
+    n = lib.tkv_cuda_built(None, 0)
+    rows = (ctypes.c_int32 * (5 * n))()
+    lib.tkv_cuda_built(rows, n)
+    out = []
+    for i in range(n):
+        s, d, kv, g, p = rows[5 * i : 5 * i + 5]
+        recent, k, v = lib.tkv_cuda_tier_set_name(s).decode().split("/")
+        out.append(dict(recent=recent, cache_type_k=k, cache_type_v=v, head_dim=d, kv_heads=kv, group_size=g, page_size=p))
+    return out
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# The live caches, by the handle their state tensor names (the custom ops find them here).
+_caches: dict[int, "CudaCache"] = {}
+
+
+class CudaCache:
+    """A tiered KV cache wholly in GPU memory (cuda::tiered_cache), chosen by run-time names.
+
+    Formats and capacity as tierkv.Cache (recent, cache_type_k, cache_type_v; pages_per_tier or
+    max_tokens), plus the GPU façade's capacities: max_batch sequences and max_step_tokens new
+    tokens per step, max_pages logical pages per sequence, max_retier_pages conversions per GPU
+    batch, mass_layers_per_step layers whose page mass feeds the policy each step. The
+    combination must be in built(); otherwise construction fails naming what was built.
+    """
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        kv_heads: int,
+        group_size: int,
+        num_layers: int,
+        page_size: int = 16,
+        recent: str = "int8_rotated",
+        cache_type_k: str = "tq4",
+        cache_type_v: str = "tq3",
+        pages_per_tier: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        max_sequences: int = 64,
+        max_batch: int = 64,
+        max_pages: int = 4096,
+        max_step_tokens: int = 4096,
+        max_retier_pages: int = 1024,
+        max_chunks_per_seq: int = 64,
+        mass_layers_per_step: int = 1,
+        softmax_scale: float = 0.0,
+        codec_seed: int = 0,
+        recent_pages: int = 4,
+        sink_pages: int = 1,
+        keep_first_layers: int = 1,
+        keep_last_layers: int = 1,
+        min_dwell_steps: int = 8,
+        device=None,
+    ):
+        lib = _load()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"tierkv.CudaCache: device must be a CUDA device, got {self.device}")
+        tiers = 1 if recent == cache_type_k == cache_type_v else 2
+        if pages_per_tier is None:
+            if max_tokens is None:
+                raise ValueError("tierkv.CudaCache: give pages_per_tier or max_tokens")
+            pages_per_tier = pool_pages(max_tokens, page_size, max_sequences, num_layers, tiers)
+        if not 1 <= len(pages_per_tier) <= 8:
+            raise ValueError(f"tierkv.CudaCache: pages_per_tier has {len(pages_per_tier)} entries")
+        cfg = _Config(
+            recent.encode(), cache_type_k.encode(), cache_type_v.encode(),
+            head_dim, kv_heads, group_size, page_size, num_layers, len(pages_per_tier),
+            (ctypes.c_int64 * 8)(*pages_per_tier), max_sequences, max_batch, max_pages,
+            max_step_tokens, max_retier_pages, max_chunks_per_seq, mass_layers_per_step,
+            float(softmax_scale), codec_seed, recent_pages, sink_pages, keep_first_layers,
+            keep_last_layers, min_dwell_steps,
+        )  # fmt: skip
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            _check(lib.tkv_cuda_create(ctypes.byref(cfg), _stream(self.device), ctypes.byref(handle)))
+        self._h = handle.value
+        n = ctypes.c_int64()
+        _check(lib.tkv_cuda_num_tiers(self._h, ctypes.byref(n)))
+        self.num_tiers = n.value
+        self.head_dim, self.kv_heads, self.group_size = head_dim, kv_heads, group_size
+        self.q_heads = kv_heads * group_size
+        self.page_size, self.num_layers = page_size, num_layers
+        self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
+        self.formats = (recent, cache_type_k, cache_type_v)
+        # ops' state: {handle, mutation count} (the custom ops' ordering under torch.compile)
+        self.state = torch.tensor([self._h, 0], dtype=torch.int64)
+        self._batch: list[int] = []
+        self._step_tokens = 0
+        self._stepping = False
+        self._steps = 0
+        _caches[self._h] = self
+        self._finalizer = weakref.finalize(self, CudaCache._destroy, self._h)
+
+    @staticmethod
+    def _destroy(h: int) -> None:
+        _caches.pop(h, None)
+        _lib.tkv_cuda_destroy(h)
+
+    def close(self) -> None:
+        """Frees the cache's GPU memory now (otherwise when the object is collected)."""
+        self._finalizer()
+
+    # sequences (between steps)
+    def create_sequence(self) -> int:
+        out = ctypes.c_int64()
+        _check(_lib.tkv_cuda_create_sequence(self._h, ctypes.byref(out)))
+        return out.value
+
+    def fork(self, parent: int) -> int:
+        out = ctypes.c_int64()
+        _check(_lib.tkv_cuda_fork(self._h, parent, ctypes.byref(out)))
+        return out.value
+
+    def release(self, seq: int) -> None:
+        _check(_lib.tkv_cuda_release(self._h, seq))
+
+    def length(self, seq: int) -> int:
+        """Committed tokens (a step's tokens are committed by begin_step)."""
+        out = ctypes.c_int64()
+        _check(_lib.tkv_cuda_length(self._h, seq, ctypes.byref(out)))
+        return out.value
+
+    # the step
+    def begin_step(self, seqs: Sequence[int], counts: Sequence[int]) -> None:
+        """Adds counts[b] new tokens to seqs[b] (0: decode only) on torch's current stream, which
+        becomes the cache's stream: slots, index arrays and the decode plan (metadata only)."""
+        seqs, counts = [int(s) for s in seqs], [int(n) for n in counts]
+        _check(_lib.tkv_cuda_set_stream(self._h, _stream(self.device)))
+        s = (ctypes.c_int64 * len(seqs))(*seqs)
+        n = (ctypes.c_int32 * len(counts))(*counts)
+        _check(_lib.tkv_cuda_begin_step(self._h, s, n, len(seqs)))
+        self._batch, self._step_tokens, self._stepping = seqs, sum(counts), True
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [step tokens, kv_heads, head_dim] (bf16 or f32, on the cache's device), batch order."""
+        torch.ops.tierkv.cuda_append(self.state, layer, k, v)
+
+    def decode(self, layer: int, q: torch.Tensor, *, return_lse: bool = False):
+        """q [batch, q_heads, head_dim] (bf16 or f32; f16 is computed as f32) -> out like q."""
+        out, lse = torch.ops.tierkv.cuda_decode(self.state, layer, q)
+        return (out, lse) if return_lse else out
+
+    def prefill(self, layer: int, q: torch.Tensor, *, soft_cap: float = 0.0, window: int = 0, return_lse: bool = False):
+        """q [step tokens, q_heads, head_dim]: each sequence's new tokens of this step attend its
+        whole sequence causally (window > 0: the last `window` positions) -> out like q."""
+        out, lse = torch.ops.tierkv.cuda_prefill(self.state, layer, q, float(soft_cap), int(window))
+        return (out, lse) if return_lse else out
+
+    def end_step(self, step: int | None = None, *, wait: bool = False) -> dict:
+        """Waits for the step's work, feeds the sampled page masses to the policy and enqueues
+        the conversions it asks for on the side stream (wait: finishes them too)."""
+        self._steps += 1
+        stats = (ctypes.c_uint64 * 8)()
+        self._stepping = False
+        _check(_lib.tkv_cuda_end_step(self._h, self._steps if step is None else step, int(wait), stats))
+        return dict(zip(RETIER_FIELDS, list(stats)))
+
+    @property
+    def batch(self) -> list[int]:
+        """The sequences of the step in flight (begin_step's order)."""
+        return list(self._batch)
+
+    # accounting and inspection
+    def report(self) -> dict:
+        n = _lib.tkv_cuda_report(self._h, None, 0)
+        if n < 0:
+            _check(-n)
+        v = (ctypes.c_double * n)()
+        _lib.tkv_cuda_report(self._h, v, n)
+        return parse_report(list(v))
+
+    def report_text(self) -> str:
+        n = _lib.tkv_cuda_report_text(self._h, None, 0)
+        if n < 0:
+            _check(-n)
+        buf = ctypes.create_string_buffer(n + 1)
+        _lib.tkv_cuda_report_text(self._h, buf, n + 1)
+        return buf.value.decode()
+
+    def pin(self, seq: int, first_page: int, pages: int, pinned: bool = True) -> None:
+        _check(_lib.tkv_cuda_pin(self._h, seq, first_page, pages, int(pinned)))
+
+    def page_tiers(self, seq: int, layer: int) -> list[int]:
+        n = _lib.tkv_cuda_page_tiers(self._h, seq, layer, None, 0)
+        if n < 0:
+            _check(-n)
+        t = (ctypes.c_int64 * max(1, n))()
+        _lib.tkv_cuda_page_tiers(self._h, seq, layer, t, n)
+        return list(t[:n])
+
+    def check_invariants(self) -> None:
+        _check(_lib.tkv_cuda_check_invariants(self._h))
+
+    def device_error(self) -> None:
+        """Raises if the last step's kernels found a bad page slot or chunk (synchronizes)."""
+        _check(_lib.tkv_cuda_device_error(self._h))
+
+    def transfers(self) -> dict:
+        t = (ctypes.c_uint64 * 3)()
+        _check(_lib.tkv_cuda_transfers(self._h, t))
+        return dict(h2d_metadata_bytes=t[0], d2h_metadata_bytes=t[1], page_bytes=t[2])
+
+    def __repr__(self) -> str:
+        r, k, v = self.formats
+        return (
+            f"tierkv.CudaCache(recent={r!r}, cache_type_k={k!r}, cache_type_v={v!r}, head_dim={self.head_dim}, "
+            f"kv_heads={self.kv_heads}, group_size={self.group_size}, page_size={self.page_size}, "
+            f"num_layers={self.num_layers}, device={str(self.device)!r})"
+        )
+
+
+# ---- the custom ops: what runs inside a forward pass ----------------------------------------
+
+
+def _cache_of(state: torch.Tensor) -> CudaCache:
+    c = _caches.get(int(state[0]))
+    if c is None:
+        raise ValueError(f"tierkv.cuda: no live CudaCache with handle {int(state[0])}")
+    if not c._stepping:
+        raise ValueError("tierkv.cuda: call begin_step first")
+    return c
+
+
+def _check_tensor(x: torch.Tensor, name: str, c: CudaCache, shape: tuple) -> None:
+    if x.device != c.device:
+        raise ValueError(f"tierkv.cuda: {name} is on {x.device}, the cache on {c.device}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"tierkv.cuda: {name} is {x.dtype}; float32 and bfloat16 are supported")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"tierkv.cuda: {name} has shape {tuple(x.shape)}, {shape} expected")
+    if not x.is_contiguous():
+        raise ValueError(f"tierkv.cuda: {name} must be contiguous")
+
+
+def _as_query(q: torch.Tensor) -> torch.Tensor:
+    return q.float() if q.dtype == torch.float16 else q
+
+
+@torch.library.custom_op("tierkv::cuda_append", mutates_args=("state",))
+def cuda_append(state: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    c = _cache_of(state)
+    shape = (c._step_tokens, c.kv_heads, c.head_dim)
+    _check_tensor(k, "k", c, shape)
+    _check_tensor(v, "v", c, shape)
+    if k.dtype != v.dtype:
+        raise ValueError(f"tierkv.cuda: k is {k.dtype} and v {v.dtype}")
+    _check(_lib.tkv_cuda_append(c._h, layer, k.data_ptr(), v.data_ptr(), _DTYPES[k.dtype], _stream(c.device)))
+    state[1] += 1
+
+
+@cuda_append.register_fake
+def _(state, layer, k, v):
+    return None
+
+
+@torch.library.custom_op("tierkv::cuda_decode", mutates_args=())
+def cuda_decode(state: torch.Tensor, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = _cache_of(state)
+    qq = _as_query(q)
+    _check_tensor(qq, "q", c, (len(c._batch), c.q_heads, c.head_dim))
+    out = torch.empty_like(qq)
+    lse = torch.empty(qq.shape[:2], dtype=torch.float32, device=q.device)
+    t = _DTYPES[qq.dtype]
+    _check(_lib.tkv_cuda_decode(c._h, layer, qq.data_ptr(), t, out.data_ptr(), t, lse.data_ptr(), _stream(c.device)))
+    return out.to(q.dtype), lse
+
+
+@cuda_decode.register_fake
+def _(state, layer, q):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("tierkv::cuda_prefill", mutates_args=())
+def cuda_prefill(
+    state: torch.Tensor, layer: int, q: torch.Tensor, soft_cap: float, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = _cache_of(state)
+    qq = _as_query(q)
+    _check_tensor(qq, "q", c, (c._step_tokens, c.q_heads, c.head_dim))
+    out = torch.empty_like(qq)
+    lse = torch.empty(qq.shape[:2], dtype=torch.float32, device=q.device)
+    t = _DTYPES[qq.dtype]
+    rc = _lib.tkv_cuda_prefill(
+        c._h, layer, qq.data_ptr(), t, out.data_ptr(), t, lse.data_ptr(), soft_cap, window, _stream(c.device)
+    )
+    _check(rc)
+    return out.to(q.dtype), lse
+
+
+@cuda_prefill.register_fake
+def _(state, layer, q, soft_cap, window):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
