@@ -56,7 +56,8 @@ def twins(tier_set, lengths, num_layers=2, seed=0):
         g.append(layer, k.cuda(), v.cuda())
         h.write(layer, sh, k, v)
     h.commit(sh)
-    g.end_step(wait=True)
+    g.end_step(1, wait=True)  # step 1 on both: the same policy decisions
+    h.retier(1)
     return g, h, sg, sh
 
 
@@ -65,7 +66,7 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
     g, h, sg, sh = twins(tier_set, [1, 40, 133])
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
-    for step in range(1, 25):
+    for step in range(2, 26):
         g.begin_step(sg, [1, 1, 1])
         h.reserve(sh, [1, 1, 1])
         for layer in range(2):
@@ -82,6 +83,8 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
         g.device_error()
         g.end_step(step, wait=True)
         h.retier(step)
+        for a, b in zip(sg, sh):  # the same tiers: the GPU's page masses equal the host's to rounding
+            assert g.page_tiers(a, 0) == h.page_tiers(b, 0)
     # a chunk of 24 new tokens per sequence: causal prefill over every tier's pages
     g.begin_step(sg, [24, 24, 24])
     h.reserve(sh, [24, 24, 24])
@@ -93,13 +96,13 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
         h.write(layer, sh, k, v)
         assert rel(g.prefill(layer, q.cuda()).cpu(), h.prefill(layer, sh, q, indptr)[0]) < 4e-3
     h.commit(sh)
-    g.end_step(wait=True)
+    g.end_step(26, wait=True)
     if tier_set != "int8r only":  # pages left the Recent tier on both
         assert 1 in g.page_tiers(sg[2], 0) and 1 in h.page_tiers(sh[2], 0)
     g.check_invariants()
     assert g.transfers()["page_bytes"] == 0
     r = g.report()
-    assert r["reconciles"] and r["live_tokens"] == 2 * (1 + 40 + 133 + 24 + 24)
+    assert r["reconciles"] and r["live_tokens"] == (1 + 40 + 133) + 24 * 3 + 24 * 3
 
 
 def test_bf16_io_and_f16_queries():
@@ -119,7 +122,7 @@ def test_bf16_io_and_f16_queries():
         outh = g.decode(layer, q.half().cuda())  # f16 queries run as f32
         assert outh.dtype == torch.float16 and rel(outh.cpu(), ref) < 2e-3
     h.commit(sh)
-    g.end_step(wait=True)
+    g.end_step(2, wait=True)
 
 
 def test_cuda_graph_replays_equal_eager_steps():
@@ -137,7 +140,7 @@ def test_cuda_graph_replays_equal_eager_steps():
             outs[layer] = graphed.decode(layer, q[layer])
 
     graph = None
-    for step in range(1, 30):
+    for step in range(2, 31):
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
         q.copy_(torch.randn(q.shape, generator=gen))

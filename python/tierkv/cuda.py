@@ -191,9 +191,11 @@ class CudaCache:
         device=None,
     ):
         lib = _load()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"tierkv.CudaCache: device must be a CUDA device, got {self.device}")
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"tierkv.CudaCache: device must be a CUDA device, got {device}")
+        # an index always, so tensors' devices compare equal to it
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         tiers = 1 if recent == cache_type_k == cache_type_v else 2
         if pages_per_tier is None:
             if max_tokens is None:

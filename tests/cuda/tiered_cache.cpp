@@ -311,6 +311,21 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
         REQUIRE(host_prefill<G, TL>(ws, pa).is_ok());
         const double perr = rel_l2(pout, pref);
         worst_prefill = std::max(worst_prefill, perr);
+        if (perr >= 4e-3) {  // which sequences' rows differ
+          for (std::size_t b = 0; b < gb.size(); ++b) {
+            const std::size_t r0 = std::size_t(qo[b]) * QH * D,
+                              r1 = std::size_t(qo[b + 1]) * QH * D;
+            std::vector<float> got(pout.begin() + std::ptrdiff_t(r0),
+                                   pout.begin() + std::ptrdiff_t(r1));
+            std::vector<float> want(pref.begin() + std::ptrdiff_t(r0),
+                                    pref.begin() + std::ptrdiff_t(r1));
+            std::size_t nans = 0;
+            for (float x : got) nans += std::isnan(x) ? 1 : 0;
+            UNSCOPED_INFO("  seq " << b << " n " << counts[b] << " len " << *twin->length(tb[b])
+                                   << " rel " << (got.empty() ? 0.0 : rel_l2(got, want)) << " nans "
+                                   << nans);
+          }
+        }
         INFO("layer " << l << " prefill rel_l2 vs host " << perr);
         REQUIRE(perr < 4e-3);
       }
@@ -509,6 +524,12 @@ TEST_CASE("cuda::tiered_cache: a step captured in a CUDA graph replays as eager 
     }
     REQUIRE(graphed->replay_step(k, v, q, outs).is_ok());
     for (int l = 0; l < layers; ++l) {
+      std::size_t nan_graph = 0, nan_eager = 0;
+      for (std::size_t i = 0; i < outs[l].size(); ++i) {
+        nan_graph += std::isnan(outs[l][i]) ? 1 : 0;
+        nan_eager += std::isnan(ref[l][i]) ? 1 : 0;
+      }
+      INFO("NaNs: graph " << nan_graph << " eager " << nan_eager << " of " << outs[l].size());
       const double err = rel_l2(outs[l], ref[l]);
       worst = std::max(worst, err);
       INFO("layer " << l << " graph vs eager rel_l2 " << err);

@@ -50,9 +50,14 @@ struct device_buffer {
     if (h.size() > n)
       throw std::length_error("device_buffer::put: " + std::to_string(h.size()) +
                               " elements into " + std::to_string(n));
-    if (!h.empty())
-      cuda_ok(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy",
-              __FILE__, __LINE__);
+    if (h.empty()) return;
+    cuda_ok(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy",
+            __FILE__, __LINE__);
+    // From pageable memory cudaMemcpy returns once the bytes are staged, before the DMA has
+    // landed (CUDA runtime API, "API synchronization behavior"), and a kernel on a non-blocking
+    // stream does not wait for it: under a loaded GPU the tests' kernels read the previous
+    // contents (a prefill from the last layer's queries; NaN from the poisoned first fill).
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize", __FILE__, __LINE__);
   }
   std::vector<T> get() const {
     std::vector<T> h(n);
