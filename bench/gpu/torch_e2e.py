@@ -136,21 +136,33 @@ class StepRunner:
             torch.cuda.synchronize()
 
     def time_steps(self, steps, before=None, after=None, warm=3):
+        """Wall time a step (steps back to back, synchronized at the end), and the host time of
+        the step's parts: before (begin_step), the replay's enqueue, after (end_step)."""
+        parts = [0.0, 0.0, 0.0]
+
         def one():
+            t0 = time.perf_counter()
             if before:
                 before()
             self.pos += 1
+            t1 = time.perf_counter()
             self.g.replay()
+            t2 = time.perf_counter()
             if after:
                 after()
+            t3 = time.perf_counter()
+            for i, d in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                parts[i] += d
 
         for _ in range(warm):
             one()
         torch.cuda.synchronize()
+        parts[:] = [0.0, 0.0, 0.0]
         t0 = time.perf_counter()
         for _ in range(steps):
             one()
         torch.cuda.synchronize()
+        self.host_ms = dict(zip(("begin", "replay_enqueue", "end"), (1e3 * p / steps for p in parts)))
         return (time.perf_counter() - t0) / steps
 
 
@@ -265,7 +277,7 @@ class TierkvArm:
 
     name = "tierkv"
 
-    def __init__(self, L, budget, fill_step_tokens=32768):
+    def __init__(self, L, budget, fill_step_tokens=65536, batch=None):
         self.L = L
         probe = tierkv.CudaCache(head_dim=D, kv_heads=HKV, group_size=HQ // HKV, num_layers=LAYERS,
                                  page_size=TKV_PAGE, pages_per_tier=[64, 64], max_batch=1)  # fmt: skip
@@ -279,7 +291,7 @@ class TierkvArm:
         self.t0_per_seq = 2 * P + (LAYERS - 2) * (4 + 1 + 1 + math.ceil(0.02 * P))
         self.t1_per_seq = (LAYERS - 2) * P
         self.per_seq = self.t0_per_seq * self.page_bytes[0] + self.t1_per_seq * self.page_bytes[1]
-        self.B = int(budget // self.per_seq)
+        self.B = int(budget // self.per_seq) if batch is None else batch
         self.fill_step_tokens = fill_step_tokens
 
     def fill(self):
@@ -296,15 +308,23 @@ class TierkvArm:
         pool = [torch.randn(chunk * B, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         t0, done, step = time.perf_counter(), 0, 0
         stats = dict.fromkeys(tierkv.RETIER_FIELDS, 0)
+        parts = [0.0, 0.0, 0.0]  # host s in begin_step, appends, end_step
         while done < L - 1:  # the last position is the first decode step's token
             n = min(chunk, L - 1 - done)
+            ta = time.perf_counter()
             self.c.begin_step(self.seqs, [n] * B)
+            tb = time.perf_counter()
             for layer in range(LAYERS):
                 x = pool[(step + layer) % 4][: n * B]
                 self.c.append(layer, x, pool[(step + layer + 1) % 4][: n * B])
+            tc = time.perf_counter()
             for k, v in self.c.end_step().items():
                 stats[k] += v
+            td = time.perf_counter()
+            for i, d in enumerate((tb - ta, tc - tb, td - tc)):
+                parts[i] += d
             done, step = done + n, step + 1
+        self.fill_parts_s = dict(steps=step, chunk=chunk, begin_step=parts[0], appends=parts[1], end_step=parts[2])
         # Decode-free steps until the conversions the policy wants are done (pages wait
         # min_dwell_steps between moves): the timed steps start from the steady state.
         for _ in range(12):
@@ -335,6 +355,7 @@ def run_arm(model, arm, batches, steps):
                 r = StepRunner(model, tc, B, arm.L - 1)
                 r.capture(before=lambda: tc.begin_step(1), after=tc.end_step)
                 t = r.time_steps(steps, before=lambda: tc.begin_step(1), after=tc.end_step)
+                row["host_ms"] = r.host_ms
                 row["transfers"] = arm.c.transfers()
             elif arm.name == "bf16":
                 set_attention(model, "tkvbench_bf16")
@@ -348,6 +369,7 @@ def run_arm(model, arm, batches, steps):
                         r.capture()
                         tb = r.time_steps(steps)
                         row[f"s_per_step_{name}"] = tb
+                        row[f"host_ms_{name}"] = r.host_ms
                         if best is None or tb < best[1]:
                             best = (name, tb)
                     except Exception as e:
@@ -363,8 +385,9 @@ def run_arm(model, arm, batches, steps):
                 r = StepRunner(model, _ArmCache(arm, B), B, arm.L - 1)
                 r.capture()
                 t = r.time_steps(steps)
+                row["host_ms"] = r.host_ms
             row.update(s_per_step=t, tokens_per_s=B / t)
-            log(f"{arm.name:7s} L={arm.L:6d} B={B:3d}: {t * 1e3:8.2f} ms/step {B / t:8.1f} tok/s")
+            log(f"{arm.name:7s} L={arm.L:6d} B={B:3d}: {t * 1e3:8.2f} ms/step {B / t:8.1f} tok/s; host ms {row.get('host_ms')}")
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             log(f"{arm.name} L={arm.L} B={B}: {row['error']}")
@@ -413,6 +436,8 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=100.0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--arms", default="tierkv,bf16,fp8_fi")
+    ap.add_argument("--equal-only", type=int, nargs="*", default=[],
+                    help="contexts measured at the equal batch only (each arm sized for it, not the budget)")
     ap.add_argument("--quick", action="store_true", help="small contexts and budget (a smoke run)")
     args = ap.parse_args()
     if args.quick:
@@ -447,16 +472,17 @@ def main():
     for L in args.contexts:
         for name in arms:
             t0 = time.perf_counter()
+            only = equal.get(L, 8) if L in args.equal_only else None
             if name == "tierkv":
-                arm = TierkvArm(L, budget).fill()
-                info = dict(fill_s=arm.fill_s, fill_stats=arm.fill_stats, **arm.report())
+                arm = TierkvArm(L, budget, batch=only).fill()
+                info = dict(fill_s=arm.fill_s, fill_stats=arm.fill_stats, fill_parts_s=arm.fill_parts_s, **arm.report())
                 log(f"tierkv L={L}: B_max {arm.B}, filled in {arm.fill_s:.1f} s, {info}")
             else:
                 if jit is not None and name == "fp8_fi":
                     log("flashinfer jit: " + " | ".join(jit.communicate()[0].strip().splitlines()[-3:]))
                     jit = None
                 cls = DenseArm if name == "bf16" else FlashInferArm
-                B = int(budget // cls.per_seq_bytes(L))
+                B = only or int(budget // cls.per_seq_bytes(L))
                 arm = cls(B, L)
                 arm.B = B
                 info = dict(kv_bytes=B * cls.per_seq_bytes(L))
@@ -468,6 +494,7 @@ def main():
             dump()
             if name == "tierkv":
                 arm.c.close()
+            _active.clear()  # the arm's buffers go with it
             del arm
             torch.cuda.empty_cache()
             log(f"{name} L={L}: {time.perf_counter() - t0:.0f} s")
@@ -481,7 +508,7 @@ def main():
     m = {}
     for L, tag in [(131072, "128k"), (32768, "32k")]:
         for arm, key in [("tierkv", "tierkv"), ("bf16", "bf16"), ("fp8_fi", "fp8_flashinfer")]:
-            r = get(arm, L)
+            r = get(arm, L) if L not in args.equal_only else {}
             if r.get("tokens_per_s"):
                 m[f"tokens_per_s_{key}_{tag}"] = r["tokens_per_s"]
                 m[f"batch_{key}_{tag}"] = r["batch"]

@@ -121,9 +121,12 @@ class tiered_cache {
     for (void* p : {workspace_, prefill_workspace_, static_cast<void*>(mass_dev_),
                     static_cast<void*>(lse_dev_), static_cast<void*>(slots_dev_)})
       cudaFree(p);
-    for (void* p : {static_cast<void*>(mass_host_), static_cast<void*>(slots_host_)})
-      cudaFreeHost(p);
-    for (cudaEvent_t e : {mass_ready_, slots_uploaded_, handoff_})
+    for (mass_copy& m : mass_copies_) {
+      if (m.host) cudaFreeHost(m.host);
+      if (m.ready) cudaEventDestroy(m.ready);
+    }
+    if (slots_host_) cudaFreeHost(slots_host_);
+    for (cudaEvent_t e : {slots_uploaded_, handoff_})
       if (e) cudaEventDestroy(e);
     if (side_) cudaStreamDestroy(side_);
   }
@@ -359,15 +362,21 @@ class tiered_cache {
                                           prefill_plan_.workspace_bytes, *stream);
   }
 
-  // Ends the step: waits for the step's work on the stream (the engine waits for its logits
-  // anyway), feeds the sampled layers' page masses of the sequences decoded this step to the
-  // policy, and enqueues the conversions the policy wants at `step` on the
-  // side stream (published by a later begin_step or end_step once complete). wait = true
-  // finishes the batch and gives the replaced pages back before returning (tests, shutdown).
+  // Ends the step: queues the copy of this step's sampled page masses to the host, feeds the
+  // policy the previous step's (its work came before this step's on the stream, so the host
+  // does not wait for this step: its planning overlaps the GPU's step), and enqueues the
+  // conversions the policy wants at `step` on the side stream (published by a later
+  // begin_step or end_step once complete). wait = true feeds this step's masses too and
+  // finishes the batch, giving the replaced pages back, before returning (tests, shutdown).
   result<retier_stats> end_step(std::uint64_t step, bool wait = false) {
     if (!stepping_) return status(errc::invalid_argument, "end_step: call begin_step first");
     stepping_ = false;
-    if (auto st = feed_masses(); !st) return st;
+    mass_copy& now = mass_copies_[std::size_t(mass_turn_)];
+    mass_turn_ ^= 1;
+    if (auto st = queue_masses(now); !st) return st;
+    if (auto st = feed_masses(mass_copies_[std::size_t(mass_turn_)]); !st) return st;
+    if (wait)
+      if (auto st = feed_masses(now); !st) return st;
     retier_stats st;
     if (auto c = collect_retier(wait); !c) return c;
     const auto todo = controller_->plan(step);
@@ -418,6 +427,15 @@ class tiered_cache {
   int layers() const noexcept { return opt_.storage.num_layers; }
 
  private:
+  // A step's sampled page masses on their way to the host (end_step feeds the previous step's).
+  struct mass_copy {
+    std::vector<seq_id> batch;  // the step's batch
+    std::vector<int> layers;    // per host slot: the layer sampled
+    float* host = nullptr;
+    cudaEvent_t ready = nullptr;
+    bool pending = false;  // queued, not fed yet
+  };
+
   tiered_cache(const options& opt, cudaStream_t stream) : opt_(opt), stream_(stream) {}
 
   status init() {
@@ -465,13 +483,15 @@ class tiered_cache {
     mass_layers_ =
         opt_.mass_layers_per_step == 0 ? layers() : std::min(opt_.mass_layers_per_step, layers());
     TIERKV_CUDA_TRY(cudaMalloc(&mass_dev_, mass_offset(layers()) * sizeof(float)));
-    TIERKV_CUDA_TRY(cudaMallocHost(&mass_host_, mass_offset(mass_layers_) * sizeof(float)));
+    for (mass_copy& m : mass_copies_) {
+      TIERKV_CUDA_TRY(cudaMallocHost(&m.host, mass_offset(mass_layers_) * sizeof(float)));
+      TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
+    }
     TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
     mass_layer_.assign(std::size_t(mass_layers_), -1);
     const std::size_t slot_ints = qo_offset() + std::size_t(opt_.max_batch) + 1;
     TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaMallocHost(&slots_host_, slot_ints * sizeof(std::int32_t)));
-    TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&mass_ready_, cudaEventDisableTiming));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&slots_uploaded_, cudaEventDisableTiming));
     TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // pools poisoned, workspace zeroed
@@ -675,24 +695,39 @@ class tiered_cache {
       TIERKV_CUDA_TRY(cudaMemsetAsync(mass_dev_ + mass_offset(l), 0xff, bytes, stream_));
     return {};
   }
-  status feed_masses() {
+  // This step's sampled masses to page-locked memory, with the batch and page counts they
+  // belong to.
+  status queue_masses(mass_copy& m) {
+    m.pending = false;
     if (batch_.empty()) return {};
     const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
     for (int j = 0; j < mass_layers_; ++j)
-      TIERKV_CUDA_TRY(cudaMemcpyAsync(mass_host_ + mass_offset(j),
+      TIERKV_CUDA_TRY(cudaMemcpyAsync(m.host + mass_offset(j),
                                       mass_dev_ + mass_offset(mass_layer_[std::size_t(j)]), bytes,
                                       cudaMemcpyDeviceToHost, stream_));
+    TIERKV_CUDA_TRY(cudaEventRecord(m.ready, stream_));
     counters_.d2h_metadata_bytes += std::uint64_t(mass_layers_) * bytes;
-    TIERKV_CUDA_TRY(cudaEventRecord(mass_ready_, stream_));
-    TIERKV_CUDA_TRY(cudaEventSynchronize(mass_ready_));
-    for (int j = 0; j < mass_layers_; ++j) {
-      const int l = mass_layer_[std::size_t(j)];
-      for (std::size_t b = 0; b < batch_.size(); ++b) {
+    m.batch = batch_;
+    m.layers = mass_layer_;
+    m.pending = true;
+    return {};
+  }
+  // Feeds a queued copy to the policy. A sequence released since is skipped; one that grew is
+  // fed a row of its present page count, whose new pages read NaN (no signal).
+  status feed_masses(mass_copy& m) {
+    if (!m.pending) return {};
+    m.pending = false;
+    TIERKV_CUDA_TRY(cudaEventSynchronize(m.ready));
+    for (std::size_t j = 0; j < m.layers.size(); ++j) {
+      const int l = m.layers[j];
+      for (std::size_t b = 0; b < m.batch.size(); ++b) {
+        const auto pages = storage_->logical_pages(m.batch[b]);
+        if (!pages) continue;
         const std::span<const float> row(
-            mass_host_ + mass_offset(j) + b * std::size_t(opt_.max_pages), std::size_t(pages_[b]));
+            m.host + mass_offset(int(j)) + b * std::size_t(opt_.max_pages), std::size_t(*pages));
         if (row.empty() || std::isnan(row[0])) continue;
-        if (observer_) observer_(batch_[b], l, row);
-        if (auto st = controller_->observe_mass(batch_[b], l, row); !st) return st;
+        if (observer_) observer_(m.batch[b], l, row);
+        if (auto st = controller_->observe_mass(m.batch[b], l, row); !st) return st;
       }
     }
     return {};
@@ -735,13 +770,14 @@ class tiered_cache {
   std::vector<seq_id> batch_;
   std::vector<std::int32_t> rows_, pages_, lens_;
   // Page mass: every layer's on the device, [layer][max_batch][max_pages]; the mass_layers_
-  // layers sampled this step are copied to the host, [slot][max_batch][max_pages].
+  // layers sampled a step are copied to the host, [slot][max_batch][max_pages], two steps'
+  // copies in turn (end_step feeds the previous step's).
   int mass_layers_ = 0;
   std::vector<int> mass_layer_;  // per host slot: the layer sampled this step
   float* mass_dev_ = nullptr;
-  float* mass_host_ = nullptr;
   float* lse_dev_ = nullptr;
-  cudaEvent_t mass_ready_ = nullptr;
+  std::array<mass_copy, 2> mass_copies_;
+  int mass_turn_ = 0;
   cudaEvent_t handoff_ = nullptr;  // set_stream's ordering of the new stream after the old
   // Slot mapping of the step's tokens: [layers][max_step_tokens] slots, then offsets.
   std::int32_t* slots_dev_ = nullptr;

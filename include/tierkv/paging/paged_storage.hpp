@@ -140,6 +140,12 @@ class paged_storage {
   std::uint32_t live_sequences() const noexcept { return seqs_.live(); }
   /// Blocks live now.
   std::uint32_t live_blocks() const noexcept { return live_blocks_; }
+  /// Counts the changes to which sequences hold which blocks other than a sequence growing:
+  /// a block freed, a fork, a release, a sequence started from shared blocks. Between two
+  /// equal values every block keeps its holders and logical positions, and only a sequence's
+  /// own length (its new and newly sealed pages) moves its blocks' facts
+  /// (tier_controller::refresh uses this to visit only the sequences that grew).
+  std::uint64_t structure_epoch() const noexcept { return structure_epoch_; }
   /// Scalars clipped by encoders so far (encode_stats).
   std::uint64_t saturations() const noexcept { return stats_.saturated; }
   /// The options it was created with.
@@ -395,6 +401,7 @@ class paged_storage {
         c.blocks.push_back(p->blocks[i]);
       }
     }
+    ++structure_epoch_;
     return seqs_.open(p->length);
   }
 
@@ -404,6 +411,7 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     for (std::uint32_t b : r->blocks) drop_block(b);
     seqs_.close(s);  // gives the list's memory back
+    ++structure_epoch_;
     return {};
   }
 
@@ -641,6 +649,7 @@ class paged_storage {
       ++(*block_meta_)[b.index].refcount;
       c.blocks.push_back(b.index);
     }
+    ++structure_epoch_;
     return seqs_.open(std::int64_t(blocks.size()) * page_tokens);
   }
 
@@ -675,6 +684,14 @@ class paged_storage {
     for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
       const seq_record& r = seqs_.at(i);
       if (r.live) f(seqs_.id_of(i, r.generation), r.length);
+    }
+  }
+  /// Calls f(slot, seq_id, length) for every live sequence (slot < max_sequences()).
+  template <class F>
+  void for_each_sequence_slot(F&& f) const {
+    for (std::uint32_t i = 0; i < opt_.max_sequences; ++i) {
+      const seq_record& r = seqs_.at(i);
+      if (r.live) f(i, seqs_.id_of(i, r.generation), r.length);
     }
   }
   /// Whether p is free, open or sealed.
@@ -903,6 +920,7 @@ class paged_storage {
     ++m.generation;
     block_free_->push_back(b);
     --live_blocks_;
+    ++structure_epoch_;
   }
 
   page_id page_of(std::uint32_t b, int layer) const {
@@ -1039,6 +1057,7 @@ class paged_storage {
   std::optional<counted_vector<std::uint32_t>> block_free_;
   std::uint32_t block_capacity_ = 0;
   std::uint32_t live_blocks_ = 0;
+  std::uint64_t structure_epoch_ = 0;
   encode_stats stats_{};
 };
 
