@@ -79,6 +79,16 @@ def pool_pages(max_tokens: int, page_size: int, max_sequences: int, num_layers: 
     return [(math.ceil(max_tokens / page_size) + max_sequences) * num_layers] * tiers
 
 
+def describe(name: str, cache, extra: str = "") -> str:
+    """A cache's repr: its formats and geometry (the host and the GPU cache share it)."""
+    r, k, v = cache.formats
+    return (
+        f"{name}(recent={r!r}, cache_type_k={k!r}, cache_type_v={v!r}, head_dim={cache.head_dim}, "
+        f"kv_heads={cache.kv_heads}, group_size={cache.group_size}, page_size={cache.page_size}, "
+        f"num_layers={cache.num_layers}{extra})"
+    )
+
+
 def seq_tensor(seqs) -> torch.Tensor:
     """Sequence ids as the 1-D int64 CPU tensor the ops take."""
     if isinstance(seqs, torch.Tensor):
@@ -234,10 +244,5 @@ class Cache:
         return ops.page_tiers(self.state, seq, layer).tolist()
 
     def __repr__(self) -> str:
-        r, k, v = self.formats
-        return (
-            f"tierkv.Cache(recent={r!r}, cache_type_k={k!r}, cache_type_v={v!r}, head_dim={self.head_dim}, "
-            f"kv_heads={self.kv_heads}, group_size={self.group_size}, page_size={self.page_size}, "
-            f"num_layers={self.num_layers})"
-        )
+        return describe("tierkv.Cache", self)
 

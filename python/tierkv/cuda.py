@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from .cache import RETIER_FIELDS, parse_report, pool_pages
+from .cache import RETIER_FIELDS, describe, parse_report, pool_pages
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _VALUE_ERRORS = {1, 2, 4, 6, 8}  # invalid_argument, out_of_range, stale_id, non_finite_input, geometry_mismatch
@@ -342,12 +342,7 @@ class CudaCache:
         return dict(h2d_metadata_bytes=t[0], d2h_metadata_bytes=t[1], page_bytes=t[2])
 
     def __repr__(self) -> str:
-        r, k, v = self.formats
-        return (
-            f"tierkv.CudaCache(recent={r!r}, cache_type_k={k!r}, cache_type_v={v!r}, head_dim={self.head_dim}, "
-            f"kv_heads={self.kv_heads}, group_size={self.group_size}, page_size={self.page_size}, "
-            f"num_layers={self.num_layers}, device={str(self.device)!r})"
-        )
+        return describe("tierkv.CudaCache", self, f", device={str(self.device)!r}")
 
 
 # ---- the custom ops: what runs inside a forward pass ----------------------------------------
