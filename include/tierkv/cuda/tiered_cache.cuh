@@ -689,18 +689,20 @@ class tiered_cache {
   // a non-finite query, and is not fed. The device says what ran, so a replayed graph that the
   // host never saw call decode feeds the policy too.
   status clear_sampled_masses() {
-    if (batch_.empty()) return {};
-    const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
     for (int l : mass_layer_)
-      TIERKV_CUDA_TRY(cudaMemsetAsync(mass_dev_ + mass_offset(l), 0xff, bytes, stream_));
+      TIERKV_CUDA_TRY(
+          cudaMemsetAsync(mass_dev_ + mass_offset(l), 0xff, batch_mass_bytes(), stream_));
     return {};
   }
-  // This step's sampled masses to page-locked memory, with the batch and page counts they
-  // belong to.
+  // One sampled layer's masses of the step's batch: [batch][max_pages] floats.
+  std::size_t batch_mass_bytes() const {
+    return batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
+  }
+  // This step's sampled masses to page-locked memory, with the batch and layers they belong to.
   status queue_masses(mass_copy& m) {
     m.pending = false;
     if (batch_.empty()) return {};
-    const std::size_t bytes = batch_.size() * std::size_t(opt_.max_pages) * sizeof(float);
+    const std::size_t bytes = batch_mass_bytes();
     for (int j = 0; j < mass_layers_; ++j)
       TIERKV_CUDA_TRY(cudaMemcpyAsync(m.host + mass_offset(j),
                                       mass_dev_ + mass_offset(mass_layer_[std::size_t(j)]), bytes,
