@@ -165,6 +165,38 @@ class StepRunner:
         self.host_ms = dict(zip(("begin", "replay_enqueue", "end"), (1e3 * p / steps for p in parts)))
         return (time.perf_counter() - t0) / steps
 
+    def time_replays(self, n=20):
+        """GPU ms of the captured step alone: n replays back to back (CUDA events), no host work
+        between them. For tierkv begin_step/end_step are not called: each replay rewrites the
+        same token's slots and reads the same index arrays, and nothing is reclaimed meanwhile
+        (reclaiming runs only inside begin_step/end_step)."""
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            self.g.replay()
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1) / n
+
+    def kernel_profile(self, n=3, top=12):
+        """The captured step's kernels by GPU time (torch.profiler over n replays): name, calls
+        and ms per step, the largest first."""
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                self.g.replay()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t > 0:
+                rows.append(dict(name=e.key[:120], calls_per_step=e.count / n, ms_per_step=t / 1e3 / n))
+        rows.sort(key=lambda r: -r["ms_per_step"])
+        return rows[:top]
+
 
 # ---- arms ---------------------------------------------------------------------------------------
 
@@ -324,7 +356,8 @@ class TierkvArm:
             for i, d in enumerate((tb - ta, tc - tb, td - tc)):
                 parts[i] += d
             done, step = done + n, step + 1
-        self.fill_parts_s = dict(steps=step, chunk=chunk, begin_step=parts[0], appends=parts[1], end_step=parts[2])
+        self.fill_parts_s = dict(steps=step, chunk=chunk, begin_step=parts[0], appends=parts[1], end_step=parts[2],
+                                 cache_host_s=self.c.host_times())  # fmt: skip
         # Decode-free steps until the conversions the policy wants are done (pages wait
         # min_dwell_steps between moves): the timed steps start from the steady state.
         for _ in range(12):
@@ -354,8 +387,18 @@ def run_arm(model, arm, batches, steps):
                 tc = TieredCache.from_cache(model.config, arm.c, arm.seqs[:B], softmax_scale=D**-0.5)
                 r = StepRunner(model, tc, B, arm.L - 1)
                 r.capture(before=lambda: tc.begin_step(1), after=tc.end_step)
+                h0, s0 = arm.c.host_times(), arm.c.retier_totals()
                 t = r.time_steps(steps, before=lambda: tc.begin_step(1), after=tc.end_step)
+                h1, s1 = arm.c.host_times(), arm.c.retier_totals()
+                n = max(1, h1["steps"] - h0["steps"])
                 row["host_ms"] = r.host_ms
+                row["host_parts_ms"] = {k: 1e3 * (h1[k] - h0[k]) / n for k in h1 if k != "steps"}
+                row["retier_timed"] = {k: s1[k] - s0[k] for k in s1}
+                row["gpu_ms"] = r.time_replays()
+                try:
+                    row["kernels"] = r.kernel_profile()
+                except Exception as e:  # a profiler that cannot trace graphs costs the row nothing
+                    row["kernels_error"] = str(e).splitlines()[0][:200]
                 row["transfers"] = arm.c.transfers()
             elif arm.name == "bf16":
                 set_attention(model, "tkvbench_bf16")
@@ -368,6 +411,7 @@ def run_arm(model, arm, batches, steps):
                         r = StepRunner(model, _ArmCache(arm, B), B, arm.L - 1)
                         r.capture()
                         tb = r.time_steps(steps)
+                        row[f"gpu_ms_{name}"] = r.time_replays()
                         row[f"s_per_step_{name}"] = tb
                         row[f"host_ms_{name}"] = r.host_ms
                         if best is None or tb < best[1]:
@@ -386,8 +430,12 @@ def run_arm(model, arm, batches, steps):
                 r.capture()
                 t = r.time_steps(steps)
                 row["host_ms"] = r.host_ms
+                row["gpu_ms"] = r.time_replays()
             row.update(s_per_step=t, tokens_per_s=B / t)
             log(f"{arm.name:7s} L={arm.L:6d} B={B:3d}: {t * 1e3:8.2f} ms/step {B / t:8.1f} tok/s; host ms {row.get('host_ms')}")
+            for k in ("gpu_ms", "host_parts_ms", "retier_timed", "kernels", "kernels_error"):
+                if k in row:
+                    log(f"    {k}: {row[k]}")
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             log(f"{arm.name} L={arm.L} B={B}: {row['error']}")

@@ -84,8 +84,8 @@ def _load():
             "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
         )
     lib = ctypes.CDLL(str(path))
-    if lib.tkv_cuda_abi_version() != 1:
-        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 1")
+    if lib.tkv_cuda_abi_version() != 2:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 2")
     vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     sig = {
         "tkv_cuda_last_error": ([], ctypes.c_char_p),
@@ -114,6 +114,7 @@ def _load():
         "tkv_cuda_check_invariants": ([vp], ctypes.c_int),
         "tkv_cuda_device_error": ([vp], ctypes.c_int),
         "tkv_cuda_transfers": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+        "tkv_cuda_host_times": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
     }
     for name, (args, res) in sig.items():
         f = getattr(lib, name)
@@ -229,6 +230,7 @@ class CudaCache:
         self._step_tokens = 0
         self._stepping = False
         self._steps = 0
+        self._retier_totals = dict.fromkeys(RETIER_FIELDS, 0)
         _caches[self._h] = self
         self._finalizer = weakref.finalize(self, CudaCache._destroy, self._h)
 
@@ -294,7 +296,14 @@ class CudaCache:
         stats = (ctypes.c_uint64 * 8)()
         self._stepping = False
         _check(_lib.tkv_cuda_end_step(self._h, self._steps if step is None else step, int(wait), stats))
-        return dict(zip(RETIER_FIELDS, list(stats)))
+        out = dict(zip(RETIER_FIELDS, list(stats)))
+        for k, v in out.items():
+            self._retier_totals[k] += v
+        return out
+
+    def retier_totals(self) -> dict:
+        """end_step's retier statistics summed since creation."""
+        return dict(self._retier_totals)
 
     @property
     def batch(self) -> list[int]:
@@ -340,6 +349,16 @@ class CudaCache:
         t = (ctypes.c_uint64 * 3)()
         _check(_lib.tkv_cuda_transfers(self._h, t))
         return dict(h2d_metadata_bytes=t[0], d2h_metadata_bytes=t[1], page_bytes=t[2])
+
+    def host_times(self) -> dict:
+        """Host seconds spent since creation, by part: steps (end_step calls), begin_step (of
+        which make_room: demotions under memory pressure, index: index arrays and decode plan),
+        end_step (of which mass_wait: waiting for the previous step's page masses, mass_fold:
+        feeding them to the policy, plan, retier: publishing and enqueueing conversions)."""
+        t = (ctypes.c_uint64 * 9)()
+        _check(_lib.tkv_cuda_host_times(self._h, t))
+        names = ("begin_step", "make_room", "index", "end_step", "mass_wait", "mass_fold", "plan", "retier")
+        return dict(steps=t[0], **{n: t[i + 1] * 1e-9 for i, n in enumerate(names)})
 
     def __repr__(self) -> str:
         return describe("tierkv.CudaCache", self, f", device={str(self.device)!r}")

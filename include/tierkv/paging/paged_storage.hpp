@@ -210,6 +210,21 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     return std::int64_t(committed_pages(*r));
   }
+  /// Tier-0 pages that n more tokens open (one per layer of each new logical page), counted
+  /// from the sequence's committed and reserved tokens: a scheduler asks make_room once for a
+  /// step's whole batch rather than once per reservation.
+  result<std::uint64_t> pages_to_open(seq_id s, std::int64_t n) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (n < 0)
+      return status::make(errc::invalid_argument, "pages_to_open: token count = ", n,
+                          " is negative");
+    const std::int64_t now = r->length + r->reserved;
+    if (n > max_sequence_tokens - now)
+      return status::exceeds(errc::out_of_range, "pages_to_open: sequence length", now + n,
+                             max_sequence_tokens);
+    return std::uint64_t(pages_for(now + n) - pages_for(now)) * std::uint64_t(layers_);
+  }
   /// Tokens of the sequence's outstanding reservation (0: none).
   result<std::int64_t> reserved(seq_id s) const {
     const seq_record* r = find(s);

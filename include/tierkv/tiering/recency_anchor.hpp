@@ -107,6 +107,12 @@ class recency_anchor {
            (a.position < opt_.sink_pages) == (b.position < opt_.sink_pages) && a.pinned == b.pinned;
   }
 
+  /// Whether choose() gives the same role for two states (only `anchored` is read): the
+  /// controller re-evaluates an observed page only when its anchoring flipped.
+  bool same_state_choice(const page_state& a, const page_state& b) const {
+    return a.anchored == b.anchored;
+  }
+
   /// Demotion order under pressure: plain pages by smoothed mass, then anchors by mass,
   /// then sinks, then Recent pages (oldest first), then sensitive layers; pinned never.
   float keep_value(const page_state& s, const page_facts& f) const {

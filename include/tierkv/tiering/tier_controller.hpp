@@ -192,9 +192,13 @@ class tier_controller {
   }
 
   /// The decode path's per-page attention mass of sequence s at one layer (host_decode's
-  /// page_mass row: one entry per logical page, summing to 1). Taken relative to a
-  /// uniform share and kept until the next plan(), which smooths it into the policy's
-  /// state; a page shared by several sequences keeps the largest of their values.
+  /// page_mass row: one entry per logical page, summing to 1), taken relative to a uniform
+  /// share. A page only s holds (as of the last plan, no fork or release since) folds it into
+  /// the policy's state at once: each call is one observation, and only a page whose role
+  /// may have changed is re-evaluated by the next plan (with same_state_choice, the fold is
+  /// the whole cost: at the torch_e2e scale the batch's pages are ~10^5-10^6 a step). A page
+  /// shared by several sequences keeps the largest of their values until the next plan(),
+  /// which folds it.
   status observe_mass(seq_id s, int layer, std::span<const float> mass) {
     auto pages = storage_->logical_pages(s);
     if (!pages) return pages.error_status();
@@ -204,11 +208,18 @@ class tier_controller {
       return status::make(errc::invalid_argument, "observe_mass: ", mass.size(), " masses for ", s,
                           " with ", *pages, " logical pages");
     const float uniform = float(*pages);
+    const bool holders_known = epoch_seen_ == storage_->structure_epoch();
     storage_->for_each_logical_block(s, [&](std::int64_t i, block_ref b) {
       const float m = mass[std::size_t(i)] * uniform;
       if (!std::isfinite(m) || m < 0.0f) return;  // never let a broken signal move pages
-      sync(b);
+      const block_rec& br = sync(b);
       page_rec& r = page(b.index, layer);
+      if (holders_known && br.holders == 1 && r.pending < 0.0f) {
+        const typename Policy::page_state before = r.state;
+        policy_.observe(r.state, m);
+        if (!same_state_choice(before, r.state)) mark_dirty(b.index, layer);
+        return;
+      }
       r.pending = r.pending < 0.0f ? m : std::max(r.pending, m);
       mark_dirty(b.index, layer);
     });
@@ -655,6 +666,18 @@ class tier_controller {
     } else {
       return false;
     }
+  }
+
+  /// Whether choose() gives the same role for two policy states (policy::same_state_choice);
+  /// without it, every observation re-evaluates its page.
+  bool same_state_choice(const typename Policy::page_state& a,
+                         const typename Policy::page_state& b) const {
+    if constexpr (requires {
+                    { policy_.same_state_choice(a, b) } -> std::convertible_to<bool>;
+                  })
+      return policy_.same_state_choice(a, b);
+    else
+      return false;
   }
 
   static constexpr bool choice_reads_time() {

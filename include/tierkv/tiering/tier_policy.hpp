@@ -47,6 +47,9 @@ struct page_facts {
 ///   p.same_choice(facts_a, facts_b) -> bool  choose() cannot tell the two apart (position,
 ///                                          age, holders, pinned); without it, any change
 ///                                          of a block's facts re-evaluates its pages
+///   p.same_state_choice(state_a, state_b) -> bool  choose() cannot tell the two states
+///                                          apart: an observation that keeps it so does not
+///                                          re-evaluate the page
 ///   P::choice_reads_time = true            choose() reads steps_since_move: plan() then
 ///                                          visits every page each step
 namespace detail {

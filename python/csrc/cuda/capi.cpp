@@ -261,4 +261,11 @@ int tkv_cuda_transfers(void* cache, uint64_t out[3]) {
   });
 }
 
+int tkv_cuda_host_times(void* cache, uint64_t out[9]) {
+  return guarded("host_times", [&] {
+    const auto t = cache_of(cache).host_times();
+    for (int i = 0; i < 9; ++i) out[i] = t[std::size_t(i)];
+  });
+}
+
 }  // extern "C"

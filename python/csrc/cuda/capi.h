@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define TKV_CUDA_ABI_VERSION 1
+#define TKV_CUDA_ABI_VERSION 2
 #define TKV_CUDA_API __attribute__((visibility("default")))
 
 typedef struct tkv_cuda_config {
@@ -80,6 +80,9 @@ TKV_CUDA_API int tkv_cuda_check_invariants(void* cache);
 TKV_CUDA_API int tkv_cuda_device_error(void* cache);
 /* metadata bytes host to device, device to host, page bytes (0). */
 TKV_CUDA_API int tkv_cuda_transfers(void* cache, uint64_t out[3]);
+/* host time by part, nanoseconds since create (cuda::host_times, in its field order): steps,
+ * begin_step, make_room, index, end_step, mass_wait, mass_fold, plan, retier. */
+TKV_CUDA_API int tkv_cuda_host_times(void* cache, uint64_t out[9]);
 
 #ifdef __cplusplus
 }

@@ -66,6 +66,7 @@ class gpu_cache {
   virtual void device_error() = 0;
   // Host<->device bytes moved: metadata h2d, metadata d2h, page bytes (always 0).
   virtual std::array<std::uint64_t, 3> transfers() const = 0;
+  virtual std::array<std::uint64_t, 9> host_times() const = 0;
 };
 
 using gpu_factory = std::unique_ptr<gpu_cache> (*)(const gpu_cache_config&, cudaStream_t);

@@ -84,6 +84,11 @@ class gpu_cache_impl final : public gpu_cache {
     const auto& t = c_->transfers();
     return {t.h2d_metadata_bytes, t.d2h_metadata_bytes, t.page_bytes};
   }
+  std::array<std::uint64_t, 9> host_times() const override {
+    const auto& t = c_->times();
+    return {t.steps,        t.begin_step_ns, t.make_room_ns, t.index_ns, t.end_step_ns,
+            t.mass_wait_ns, t.mass_fold_ns,  t.plan_ns,      t.retier_ns};
+  }
 
  private:
   gpu_cache_impl(const gpu_cache_config& cfg, cudaStream_t stream) : cfg_(cfg) {

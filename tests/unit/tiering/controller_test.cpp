@@ -192,6 +192,43 @@ TEST_CASE("controller: recency and sinks demote, attention mass promotes, dwell 
   REQUIRE(c->check_invariants());
 }
 
+TEST_CASE("controller: observe_mass folds a page one sequence holds at once, a shared page's "
+          "largest mass at plan",
+          "[tiering][controller]") {
+  auto s = make_storage(64, 64);
+  auto c = controller2::create(*s, recency_anchor(tierkv_test::recency_knobs(
+                                       1, 1, 0.5f, 4.0f, 2.0f, 0)))
+               .value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 64)));  // 4 sealed pages
+  (void)c->plan(1);                                  // the controller has seen the holders
+  const block_ref b2 = s->block_of(q, 2).value();
+  std::vector<float> mass(4, 0.1f);
+  mass[2] = 0.5f;  // 2x a uniform share
+  // Unshared: every call is one EMA step, before any plan (0.5: 2 -> 2 + 0.5 (0.4 - 2) = 1.2).
+  REQUIRE(c->observe_mass(q, 0, mass));
+  CHECK(c->page_state_of(b2, 0).ema == Approx(2.0f));
+  mass[2] = 0.1f;
+  REQUIRE(c->observe_mass(q, 0, mass));
+  CHECK(c->page_state_of(b2, 0).ema == Approx(1.2f));
+  CHECK(c->page_state_of(b2, 1).ema == 0.0f);  // the other layer was not observed
+  // A fork shares the pages: until a plan sees the new holders, and while shared, the largest
+  // of the holders' masses is kept and folded once by the plan.
+  const seq_id f = s->fork(q).value();
+  mass[2] = 1.0f;  // 4x
+  REQUIRE(c->observe_mass(q, 0, mass));
+  mass[2] = 0.5f;  // 2x
+  REQUIRE(c->observe_mass(f, 0, mass));
+  CHECK(c->page_state_of(b2, 0).ema == Approx(1.2f));  // pending
+  (void)c->plan(2);
+  CHECK(c->page_state_of(b2, 0).ema == Approx(1.2f + 0.5f * (4.0f - 1.2f)));
+  REQUIRE(c->observe_mass(f, 0, mass));  // the plan saw 2 holders: pending again
+  CHECK(c->page_state_of(b2, 0).ema == Approx(2.6f));
+  (void)c->plan(3);
+  CHECK(c->page_state_of(b2, 0).ema == Approx(2.6f + 0.5f * (2.0f - 2.6f)));
+  REQUIRE(c->check_invariants());
+}
+
 TEST_CASE("controller: sensitive layers, pinned pages and forks", "[tiering][controller]") {
   auto s = make_storage(64, 64, 3);
   auto knobs = plain_knobs();
