@@ -106,8 +106,11 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
                                            grid_merge, dim3(detail::decode_threads), stream, in,
                                            plan, ws));
   if (in.page_mass != nullptr) {
+    const dim3 grid_mass(
+        unsigned((plan.max_pages + detail::decode_threads - 1) / detail::decode_threads),
+        unsigned(in.index.batch));
     detail::decode_page_mass_kernel<Geometry, TierList>
-        <<<unsigned(in.index.batch), detail::decode_threads, 0, stream>>>(in, plan, ws);
+        <<<grid_mass, detail::decode_threads, 0, stream>>>(in, plan, ws);
     TIERKV_CUDA_TRY(cudaGetLastError());
   }
   return status::ok();

@@ -270,8 +270,9 @@ class tiered_cache {
 
   // Decode attention of layer `layer` for the step's batch: queries [batch][q_heads][head_dim]
   // (post-RoPE, device memory), out (same shape, f32 or bf16), lse ([batch][q_heads],
-  // optional). It also computes the layer's page mass on the device (end_step feeds the
-  // sampled layers' to the policy), so the launches are the same at every step.
+  // optional). The launches are the same at every step (a graph replays them): the layer's
+  // page mass is computed on the device when begin_step's flag for the layer says it is one
+  // of the step's sampled layers (end_step feeds those to the policy).
   status decode(int layer, const void* queries, query_type qtype, void* out,
                 output_type otype = output_type::f32, float* lse = nullptr,
                 std::optional<cudaStream_t> on = std::nullopt) {
@@ -287,6 +288,7 @@ class tiered_cache {
     in.lse = lse != nullptr ? lse : lse_dev_ + lse_offset(layer);
     in.page_mass = mass_dev_ + mass_offset(layer);
     in.page_mass_stride = opt_.max_pages;
+    in.page_mass_on = slots_dev_ + mass_on_offset() + layer;
     return cuda::decode<Geometry, Tiers, Path>(plan_, in, workspace_, plan_.workspace_bytes,
                                                *stream);
   }
@@ -409,6 +411,15 @@ class tiered_cache {
                                     (batch.size() + 1) * sizeof(std::int32_t),
                                     cudaMemcpyHostToDevice, stream_));
     counters_.h2d_metadata_bytes += (batch.size() + 1) * sizeof(std::int32_t);
+    // the layers whose decode computes the page mass this step (a flag each, read by the kernels)
+    choose_mass_layers();
+    std::int32_t* on = slots_host_ + mass_on_offset();
+    std::fill(on, on + layers(), 0);
+    for (int l : mass_layer_) on[l] = 1;
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(slots_dev_ + mass_on_offset(), on,
+                                    std::size_t(layers()) * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream_));
+    counters_.h2d_metadata_bytes += std::size_t(layers()) * sizeof(std::int32_t);
     TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));  // the whole slot buffer's copies
 
     batch_.assign(batch.begin(), batch.end());
@@ -434,7 +445,6 @@ class tiered_cache {
     if (!plan) return plan.error_status();
     plan_ = *plan;
     times_.index_ns += elapsed_ns(t_index);
-    choose_mass_layers();
     if (auto st = clear_sampled_masses(); !st) return st;
     stepping_ = true;
     return {};
@@ -531,7 +541,7 @@ class tiered_cache {
     }
     TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
     mass_layer_.assign(std::size_t(mass_layers_), -1);
-    const std::size_t slot_ints = qo_offset() + std::size_t(opt_.max_batch) + 1;
+    const std::size_t slot_ints = mass_on_offset() + std::size_t(layers());
     TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaMallocHost(&slots_host_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming));
@@ -582,11 +592,12 @@ class tiered_cache {
     in.layer = layer;
   }
 
-  // The slot buffer: [layers][max_step_tokens] slots, [max_step_tokens] offsets, then the step's
-  // query offsets [max_batch + 1].
+  // The slot buffer: [layers][max_step_tokens] slots, [max_step_tokens] offsets, the step's
+  // query offsets [max_batch + 1], then the layers' page-mass flags [layers].
   std::size_t qo_offset() const {
     return (std::size_t(layers()) + 1) * std::size_t(opt_.max_step_tokens);
   }
+  std::size_t mass_on_offset() const { return qo_offset() + std::size_t(opt_.max_batch) + 1; }
   std::size_t retier_list_bytes() const {
     return 3 * std::size_t(opt_.max_retier_pages) * sizeof(std::int32_t) + sizeof(int);
   }

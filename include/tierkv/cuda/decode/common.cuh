@@ -135,6 +135,13 @@ __device__ __forceinline__ void chunk_range(const chunking<N>& c, const std::int
   hi = int(first_at_or_after(z));
 }
 
+// Whether this launch computes the page mass: asked for (in.page_mass) and not switched off by
+// the run-time flag.
+template <int N>
+__device__ __forceinline__ bool page_mass_wanted(const decode_inputs<N>& in) {
+  return in.page_mass != nullptr && (in.page_mass_on == nullptr || *in.page_mass_on != 0);
+}
+
 // A split block of `Kernels` (a split kernel's chunk function). Grid (kv_heads, max_chunks,
 // batch): the KV head, the chunk and the sequence come from the block index, the chunking is the
 // merge's (decode_finish); a block past the batch or past its sequence's chunks returns at once,
@@ -152,8 +159,9 @@ __device__ __forceinline__ void run_split_block(const decode_inputs<N>& in, cons
       chunk_sequence<N>(in.index, b, cost, plan.target_chunk_bytes, plan.max_chunks);
   if (c >= ch.chunks) return;
   int* err = reinterpret_cast<int*>(workspace + plan.error_offset);
-  float* mass_ws =
-      plan.page_mass ? reinterpret_cast<float*>(workspace + plan.mass_offset) : nullptr;
+  float* mass_ws = plan.page_mass && page_mass_wanted(in)
+                       ? reinterpret_cast<float*>(workspace + plan.mass_offset)
+                       : nullptr;
   Kernels::chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws);
 }
 
@@ -453,11 +461,18 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
       in.lse[row] = poisoned ? NAN : lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;
   }
 
-  // grid (batch): per-page mass averaged over q_heads, from the log2 page masses.
+  // grid (ceil(plan.max_pages / decode_threads), batch): one thread a page, its mass averaged
+  // over q_heads from the log2 page masses. A thread a page, not a block a sequence: with one
+  // block a sequence the kernel took 0.67 ms a layer at 8208 pages, latency-bound
+  // (bench/results/model-gpu/torch-e2e-2026-12-03-mass.json).
   static __device__ void page_mass(const decode_inputs<N>& in, const decode_plan& plan,
                                    const std::uint8_t* workspace) {
-    const int b = int(blockIdx.x);
-    if (b >= in.index.batch) return;
+    const int b = int(blockIdx.y);
+    if (b >= in.index.batch || !page_mass_wanted(in)) return;
+    __shared__ float lse2[QH];
+    for (int h = int(threadIdx.x); h < QH; h += decode_threads)
+      lse2[h] = in.lse[std::size_t(b) * QH + std::size_t(h)] * log2e;
+    __syncthreads();
     const float* mass_ws = reinterpret_cast<const float*>(workspace + plan.mass_offset);
     int pages = 0;
     for (int f = 0; f < N; ++f)
@@ -465,23 +480,21 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     if (pages > plan.max_pages) pages = plan.max_pages;
     if (pages > in.page_mass_stride) pages = in.page_mass_stride;
     constexpr int SL = mass_slots_per_page<Geometry>;
-    for (int p = int(threadIdx.x); p < pages; p += decode_threads) {
-      // the slots the split kernels wrote: one per step of the page (at least one)
-      const int steps =
-          std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
-      float s = 0.f;
-      for (int h = 0; h < QH; ++h) {
-        const std::size_t row = std::size_t(b) * QH + std::size_t(h);
-        const float lse2 = in.lse[row] * log2e;
-        const float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(p)) * SL;
-        for (int k = 0; k < steps; ++k) {
-          const float lm = slots[k];
-          if (lse2 != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2);
-        }
+    const int p = int(blockIdx.x) * decode_threads + int(threadIdx.x);
+    if (p >= pages) return;
+    // the slots the split kernels wrote: one per step of the page (at least one)
+    const int steps = std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
+    float s = 0.f;
+    for (int h = 0; h < QH; ++h) {
+      const std::size_t row = std::size_t(b) * QH + std::size_t(h);
+      const float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(p)) * SL;
+      for (int k = 0; k < steps; ++k) {
+        const float lm = slots[k];
+        if (lse2[h] != -INFINITY && lm != -INFINITY) s += exp2f(lm - lse2[h]);
       }
-      in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] =
-          s / float(QH);
     }
+    in.page_mass[std::size_t(b) * std::size_t(in.page_mass_stride) + std::size_t(p)] =
+        s / float(QH);
   }
 };
 

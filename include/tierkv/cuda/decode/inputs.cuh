@@ -36,6 +36,9 @@ struct decode_inputs {
   // logical page i averaged over the layer's q_heads (sums to 1 per non-empty sequence).
   float* page_mass = nullptr;
   int page_mass_stride = 0;
+  // Optional device flag read at run time: 0 skips the page mass in this launch (a captured
+  // graph decodes every layer each step; the façade turns the mass on for its sampled layers).
+  const int* page_mass_on = nullptr;
 };
 
 namespace detail {
