@@ -48,7 +48,7 @@ from tierkv.transformers import TieredCache  # noqa: E402
 GIB = 1 << 30
 HQ, HKV, D, LAYERS = 24, 4, 256, 16
 FI_PAGE = 64
-TKV_PAGE = 16
+TKV_PAGE = 64  # --page-size; 64 is the decode microbenchmark's page (docs/gpu.md)
 
 
 def log(*a):
@@ -478,6 +478,7 @@ def logits_check(steps=16, prompt=96, batch=2):
 
 
 def main():
+    global TKV_PAGE
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", type=int, nargs="*", default=[131072, 32768])
@@ -487,7 +488,9 @@ def main():
     ap.add_argument("--equal-only", type=int, nargs="*", default=[],
                     help="contexts measured at the equal batch only (each arm sized for it, not the budget)")
     ap.add_argument("--quick", action="store_true", help="small contexts and budget (a smoke run)")
+    ap.add_argument("--page-size", type=int, default=TKV_PAGE, help="tierkv's page size (16 or 64 are prebuilt)")
     args = ap.parse_args()
+    TKV_PAGE = args.page_size
     if args.quick:
         args.contexts, args.budget_gib, args.steps = [8192], 8.0, 5
     arms = args.arms.split(",")
@@ -495,7 +498,7 @@ def main():
     equal = {131072: 8, 32768: 32, 8192: 4}
     props = torch.cuda.get_device_properties(0)
     out = dict(name="torch-e2e", date=time.strftime("%Y-%m-%d"), device=props.name, torch=torch.__version__,
-               commit=os.environ.get("TIERKV_COMMIT", "unknown"), budget_gib=args.budget_gib,
+               commit=os.environ.get("TIERKV_COMMIT", "unknown"), budget_gib=args.budget_gib, tierkv_page_size=TKV_PAGE,
                model=dict(layers=LAYERS, q_heads=HQ, kv_heads=HKV, head_dim=D, hidden=3072, vocab=151936,
                           intermediate=8192, dtype="bfloat16", weights="random"),
                rows=[])  # fmt: skip
