@@ -457,7 +457,9 @@ def logits_check(steps=16, prompt=96, batch=2):
     cpu.load_state_dict({k: v.cpu() for k, v in gpu.state_dict().items()})
     set_attention(gpu, "tierkv")
     set_attention(cpu, "tierkv")
-    kw = dict(max_tokens=prompt + steps + 64, page_size=TKV_PAGE, max_sequences=batch, max_batch=batch)
+    # 16-token pages whatever --page-size says: with 96 + 16 tokens, 64-token pages never leave
+    # tier 0, and the check is of the ops over both tiers
+    kw = dict(max_tokens=prompt + steps + 64, page_size=16, max_sequences=batch, max_batch=batch)
     cg = TieredCache(gpu.config, device="cuda", max_step_tokens=batch * prompt, **kw)
     cc = TieredCache(cpu.config, **kw)
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt))

@@ -640,7 +640,7 @@ class tiered_cache {
     TIERKV_CUDA_TRY(cudaEventSynchronize(slots_uploaded_));
     // One make_room for the step's whole need: per reservation, each call that finds tier 0
     // short waits for the retier batch in flight and scans every tier-0 page (the model-level
-    // fill paid ~3 s a step that way, bench/results/model-gpu/torch-e2e-2026-12-03.json).
+    // fill paid ~3 s a step that way, bench/results/model-gpu/torch-e2e-2026-12-03-endstep.json).
     std::uint64_t need = 0;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       auto p = storage_->pages_to_open(batch[b], n[b]);
