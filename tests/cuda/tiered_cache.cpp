@@ -231,7 +231,8 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
     // Twin: one make_room for the step, reserve all, write all, commit all (the GPU's order, so
     // make_room sees the same).
     std::uint64_t need = 0;
-    for (std::size_t b = 0; b < tb.size(); ++b) need += twin->pages_to_open(tb[b], counts[b]).value();
+    for (std::size_t b = 0; b < tb.size(); ++b)
+      need += twin->pages_to_open(tb[b], counts[b]).value();
     if (need > 0) REQUIRE(twin_room(std::uint32_t(need)).is_ok());
     for (std::size_t b = 0; b < tb.size(); ++b)
       if (counts[b] > 0) REQUIRE(twin->reserve(tb[b], counts[b], {}, twin_room).is_ok());

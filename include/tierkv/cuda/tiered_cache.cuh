@@ -77,7 +77,7 @@ struct tiered_cache_options {
   int max_retier_pages = 1024;   // conversions per GPU batch
   int max_chunks_per_seq = 64;   // decode split (decode_capacity)
   int mass_layers_per_step = 0;  // layers whose page mass feeds the policy a step (0 = all);
-                                 // every decode computes its layer's mass on the device
+                                 // only their decodes compute the mass (a device flag)
   float softmax_scale = 0.f;     // 0: 1 / sqrt(head_dim)
 };
 
@@ -91,15 +91,15 @@ struct transfer_counters {
 // Host time the façade spent since create, by part (steady clock, nanoseconds): where a
 // model-level step's host time goes. "waits" are host blocking on the GPU.
 struct host_times {
-  std::uint64_t steps = 0;           // end_step calls
-  std::uint64_t begin_step_ns = 0;   // all of begin_step, of which:
-  std::uint64_t make_room_ns = 0;    //   demotions under memory pressure (waits for them)
-  std::uint64_t index_ns = 0;        //   the index arrays' build and the decode plan
-  std::uint64_t end_step_ns = 0;     // all of end_step, of which:
-  std::uint64_t mass_wait_ns = 0;    //   waiting for the previous step's page masses
-  std::uint64_t mass_fold_ns = 0;    //   feeding the page masses to the policy
-  std::uint64_t plan_ns = 0;         //   the controller's plan
-  std::uint64_t retier_ns = 0;       //   publishing and enqueueing retier batches
+  std::uint64_t steps = 0;          // end_step calls
+  std::uint64_t begin_step_ns = 0;  // all of begin_step, of which:
+  std::uint64_t make_room_ns = 0;   //   demotions under memory pressure (waits for them)
+  std::uint64_t index_ns = 0;       //   the index arrays' build and the decode plan
+  std::uint64_t end_step_ns = 0;    // all of end_step, of which:
+  std::uint64_t mass_wait_ns = 0;   //   waiting for the previous step's page masses
+  std::uint64_t mass_fold_ns = 0;   //   feeding the page masses to the policy
+  std::uint64_t plan_ns = 0;        //   the controller's plan
+  std::uint64_t retier_ns = 0;      //   publishing and enqueueing retier batches
 };
 
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
@@ -333,7 +333,6 @@ class tiered_cache {
     ++times_.steps;
     return r;
   }
-
 
   // ---- accounting ----------------------------------------------------------------------------
   memory_report report() const { return make_report(*storage_); }

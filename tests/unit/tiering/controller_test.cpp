@@ -192,16 +192,17 @@ TEST_CASE("controller: recency and sinks demote, attention mass promotes, dwell 
   REQUIRE(c->check_invariants());
 }
 
-TEST_CASE("controller: observe_mass folds a page one sequence holds at once, a shared page's "
-          "largest mass at plan",
-          "[tiering][controller]") {
+TEST_CASE(
+    "controller: observe_mass folds a page one sequence holds at once, a shared page's "
+    "largest mass at plan",
+    "[tiering][controller]") {
   auto s = make_storage(64, 64);
-  auto c = controller2::create(*s, recency_anchor(tierkv_test::recency_knobs(
-                                       1, 1, 0.5f, 4.0f, 2.0f, 0)))
-               .value();
+  auto c =
+      controller2::create(*s, recency_anchor(tierkv_test::recency_knobs(1, 1, 0.5f, 4.0f, 2.0f, 0)))
+          .value();
   const seq_id q = s->create_sequence().value();
   REQUIRE(append_seeds(*s, q, seeds_from(1, 64)));  // 4 sealed pages
-  (void)c->plan(1);                                  // the controller has seen the holders
+  (void)c->plan(1);                                 // the controller has seen the holders
   const block_ref b2 = s->block_of(q, 2).value();
   std::vector<float> mass(4, 0.1f);
   mass[2] = 0.5f;  // 2x a uniform share
