@@ -2,7 +2,8 @@
 // cuda::tiered_cache, the cache wholly on the GPU, against a host twin (paged_storage and
 // tier_controller over host memory, host codecs, host_decode) driven by the same operations:
 // >= 1000 scheduler steps over up to 8 sequences with prefill chunks, single-token decode steps
-// and short multi-token (speculative-size) steps, forks, releases and memory pressure. The twin
+// and short multi-token (speculative-size) steps, forks, releases, prefix reuse (insert, start
+// from a cached prefix, evict; the twin with its own prefix_index) and memory pressure. The twin
 // is fed the page masses the GPU decode produced, so both policies see the same input. After
 // every step: every logical page of every layer has the same tier and the same token bytes in
 // both (0 divergences), the device mirror's index arrays equal build_batch_index over the GPU
@@ -29,6 +30,7 @@
 #include "tierkv/attention/host_workspace.hpp"
 #include "tierkv/codec/bf16.hpp"
 #include "tierkv/paging/index_builder.hpp"
+#include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/tiering/conversion.hpp"
 
 namespace {
@@ -149,7 +151,11 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
   std::mt19937_64 rng(20261202);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<pair_seq> live;
-  std::map<std::uint32_t, seq_id> twin_of;  // gpu seq value -> twin seq
+  std::map<std::uint32_t, seq_id> twin_of;                 // gpu seq value -> twin seq
+  std::map<std::uint32_t, std::vector<std::int32_t>> ids;  // gpu seq value -> its token ids
+  prefix_index<host_storage> twin_prefixes(*twin);
+  constexpr std::uint64_t salt = 7;
+  std::uint64_t prefix_inserted = 0, prefix_starts = 0, prefix_tokens = 0, prefix_evicted = 0;
   gpu->set_mass_observer([&](seq_id s, int layer, std::span<const float> m) {
     REQUIRE(tctl->observe_mass(twin_of.at(s.value), layer, m).is_ok());
   });
@@ -166,8 +172,16 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
       const seq_id g = gpu->create_sequence().value();
       const seq_id t = twin->create_sequence().value();
       twin_of[g.value] = t;
+      ids[g.value] = {};
       live.push_back({g, t});
       fresh.push_back(g.value);
+    };
+    auto drop = [&](std::size_t i) {
+      REQUIRE(gpu->release(live[i].gpu).is_ok());
+      REQUIRE(twin->release(live[i].twin).is_ok());
+      ids.erase(live[i].gpu.value);
+      live.erase(live.begin() + std::ptrdiff_t(i));
+      ++releases;
     };
     if (live.size() < 2 || (live.size() < 8 && rng() % 25 == 0)) add_new();
     if (live.size() < 8 && live.size() >= 1 && rng() % 31 == 0) {
@@ -177,27 +191,58 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
       REQUIRE(g.has_value() == t.has_value());
       if (g.has_value()) {
         twin_of[g->value] = *t;
+        ids[g->value] = ids.at(p.gpu.value);
         live.push_back({*g, *t});
         ++forks;
       }
     }
-    if (live.size() > 2 && rng() % 29 == 0) {
-      const std::size_t i = rng() % live.size();
-      REQUIRE(gpu->release(live[i].gpu).is_ok());
-      REQUIRE(twin->release(live[i].twin).is_ok());
-      live.erase(live.begin() + std::ptrdiff_t(i));
-      ++releases;
+    // Prefix reuse: cache a live sequence's full pages; start a sequence from a cached prefix
+    // (a live sequence's token ids cut at a random point, with a new tail); evict now and then
+    // (and when the entries would crowd the Stale pool).
+    if (!live.empty() && rng() % 17 == 0) {
+      const pair_seq p = live[rng() % live.size()];
+      const std::vector<std::int32_t>& toks = ids.at(p.gpu.value);
+      auto g = gpu->insert_prefix(p.gpu, salt, toks);
+      auto t = twin_prefixes.insert(p.twin, salt, toks);
+      REQUIRE(g.has_value() == t.has_value());
+      if (g.has_value()) {
+        REQUIRE(*g == *t);
+        prefix_inserted += *g;
+      }
     }
+    if (live.size() < 8 && !live.empty() && rng() % 23 == 0) {
+      const pair_seq p = live[rng() % live.size()];
+      std::vector<std::int32_t> query(ids.at(p.gpu.value));
+      // at most 700 tokens cached: its prefill chunk (<= 196) keeps it under max_pages
+      query.resize(std::min<std::size_t>(query.size() * std::size_t(rng() % 101) / 100, 700));
+      for (int i = 0; i < 20; ++i) query.push_back(std::int32_t(rng() % 50000));
+      auto g = gpu->start_from_prefix(salt, query);
+      auto t = twin_prefixes.start_sequence(salt, query);
+      REQUIRE(g.has_value() == t.has_value());
+      if (g.has_value()) {
+        REQUIRE(g->second == t->cached_tokens);
+        twin_of[g->first.value] = t->seq;
+        ids[g->first.value].assign(query.begin(), query.begin() + std::ptrdiff_t(g->second));
+        live.push_back({g->first, t->seq});
+        fresh.push_back(g->first.value);
+        ++prefix_starts;
+        prefix_tokens += std::uint64_t(g->second);
+      }
+    }
+    if (rng() % 41 == 0 || twin_prefixes.size() > 90) {
+      const std::size_t n = 1 + rng() % 8;
+      auto g = gpu->evict_prefixes(n);
+      REQUIRE(g.has_value());
+      REQUIRE(*g == twin_prefixes.evict(n));
+      prefix_evicted += *g;
+    }
+    if (live.size() > 2 && rng() % 29 == 0) drop(rng() % live.size());
     // Sequences near max_pages are released (and a new one opened next step).
     for (std::size_t i = 0; i < live.size();) {
-      if (*twin->length(live[i].twin) > (o.max_pages - 4) * T) {
-        REQUIRE(gpu->release(live[i].gpu).is_ok());
-        REQUIRE(twin->release(live[i].twin).is_ok());
-        live.erase(live.begin() + std::ptrdiff_t(i));
-        ++releases;
-      } else {
+      if (*twin->length(live[i].twin) > (o.max_pages - 4) * T)
+        drop(i);
+      else
         ++i;
-      }
     }
 
     // ---- the step's tokens: a prefill chunk for new sequences, 1 token (sometimes 2-8) else ----
@@ -216,6 +261,9 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
     }
     std::int32_t total = 0;
     for (auto n : counts) total += n;
+    for (std::size_t b = 0; b < gb.size(); ++b)  // the step's token ids
+      for (std::int32_t i = 0; i < counts[b]; ++i)
+        ids.at(gb[b].value).push_back(std::int32_t(rng() % 50000));
     tokens_appended += std::uint64_t(total);
     const std::size_t vec = std::size_t(KVH) * D;
     std::vector<std::vector<float>> k(layers), v(layers);
@@ -369,6 +417,7 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
     REQUIRE(divergences == 0);
     REQUIRE(gpu->check_invariants().is_ok());
     REQUIRE(tctl->check_invariants().is_ok());
+    REQUIRE(twin_prefixes.check_invariants().is_ok());
     REQUIRE(gpu->storage().free_pages(0) == twin->free_pages(0));
     REQUIRE(gpu->storage().free_pages(1) == twin->free_pages(1));
   }
@@ -378,22 +427,31 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
     CHECK(c.converted > 0);
     CHECK(c.pressure_demoted > 0);  // the pressure path ran
     CHECK(forks > 0);
+    CHECK(prefix_starts > 0);
+    CHECK(prefix_tokens > 0);  // some started from a cached prefix
+    CHECK(prefix_evicted > 0);
   }
   std::printf(
       "e2e: steps %d, sequences <= 8, decodes %llu, tokens %llu, prefills %llu, forks %llu, "
       "releases %llu, pages compared %llu, host_twin_divergences %llu, conversions %llu "
       "(pressure %llu), worst decode rel_l2 vs host %.2e, prefill calls %llu, worst prefill "
-      "rel_l2 vs host %.2e, metadata h2d %.1f B/step d2h %.1f B/step, page bytes over PCIe %llu\n",
+      "rel_l2 vs host %.2e, metadata h2d %.1f B/step d2h %.1f B/step, page bytes over PCIe %llu, "
+      "prefix entries inserted %llu, sequences started from a prefix %llu (%llu cached tokens), "
+      "entries evicted %llu\n",
       steps, (unsigned long long)decodes, (unsigned long long)tokens_appended,
       (unsigned long long)prefills, (unsigned long long)forks, (unsigned long long)releases,
       (unsigned long long)pages_compared, (unsigned long long)divergences,
       (unsigned long long)c.converted, (unsigned long long)c.pressure_demoted, worst_decode,
       (unsigned long long)prefill_calls, worst_prefill, double(c.h2d) / steps,
-      double(c.d2h) / steps, (unsigned long long)c.page_bytes);
+      double(c.d2h) / steps, (unsigned long long)c.page_bytes, (unsigned long long)prefix_inserted,
+      (unsigned long long)prefix_starts, (unsigned long long)prefix_tokens,
+      (unsigned long long)prefix_evicted);
   for (const pair_seq& p : live) {
     REQUIRE(gpu->release(p.gpu).is_ok());
     REQUIRE(twin->release(p.twin).is_ok());
   }
+  REQUIRE(*gpu->evict_prefixes(SIZE_MAX) == twin_prefixes.evict(SIZE_MAX));  // every entry now
+  REQUIRE(twin_prefixes.size() == 0);
   REQUIRE(gpu->storage().free_pages(0) == tier0_pages);
   REQUIRE(gpu->storage().free_pages(1) == 1500);
 }

@@ -70,6 +70,19 @@ tierkv::result<tierkv::seq_id> e2e_cache::fork(tierkv::seq_id parent) {
   return impl_->c->fork(parent);
 }
 tierkv::status e2e_cache::release(tierkv::seq_id s) { return impl_->c->release(s); }
+tierkv::result<std::size_t> e2e_cache::insert_prefix(tierkv::seq_id s, std::uint64_t salt,
+                                                     std::span<const std::int32_t> tokens) {
+  return impl_->c->insert_prefix(s, salt, tokens);
+}
+tierkv::result<std::pair<tierkv::seq_id, std::int64_t>> e2e_cache::start_from_prefix(
+    std::uint64_t salt, std::span<const std::int32_t> tokens) {
+  auto st = impl_->c->start_from_prefix(salt, tokens);
+  if (!st) return st.error_status();
+  return std::pair(st->seq, st->cached_tokens);
+}
+tierkv::result<std::size_t> e2e_cache::evict_prefixes(std::size_t max_entries) {
+  return impl_->c->evict_prefixes(max_entries);
+}
 tierkv::status e2e_cache::begin_step(std::span<const tierkv::seq_id> batch,
                                      std::span<const std::int32_t> new_tokens) {
   return impl_->c->begin_step(batch, new_tokens);

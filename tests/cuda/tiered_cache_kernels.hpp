@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "tierkv/codec/fp8.hpp"
@@ -57,6 +58,13 @@ class e2e_cache {
   tierkv::result<tierkv::seq_id> create_sequence();
   tierkv::result<tierkv::seq_id> fork(tierkv::seq_id parent);
   tierkv::status release(tierkv::seq_id s);
+  // Prefix reuse (the façade's prefix index): new entries; a new sequence and its cached
+  // tokens; entries evicted.
+  tierkv::result<std::size_t> insert_prefix(tierkv::seq_id s, std::uint64_t salt,
+                                            std::span<const std::int32_t> tokens);
+  tierkv::result<std::pair<tierkv::seq_id, std::int64_t>> start_from_prefix(
+      std::uint64_t salt, std::span<const std::int32_t> tokens);
+  tierkv::result<std::size_t> evict_prefixes(std::size_t max_entries);
   tierkv::status begin_step(std::span<const tierkv::seq_id> batch,
                             std::span<const std::int32_t> new_tokens);
   // k, v: [tokens][kv_heads][head_dim] floats of one layer.

@@ -3,8 +3,8 @@
 // device memory; the host keeps only metadata (page tables, policy state) and never reads or
 // writes page bytes (device_allocator is not host accessible, so no host codec path compiles
 // here). It owns the storage, the tier controller, the retier driver (conversions on a side
-// stream), a device mirror of the page table (page_table_mirror.cuh) and the decode plan and
-// workspace.
+// stream), a device mirror of the page table (page_table_mirror.cuh), a prefix index (sealed
+// pages shared by reference across requests) and the decode plan and workspace.
 //
 //   auto c = cache::create(opt, stream).value();
 //   per scheduler step:
@@ -58,6 +58,7 @@
 #include "tierkv/cuda/retier_driver.cuh"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/report.hpp"
 #include "tierkv/tiering/recency_anchor.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
@@ -111,6 +112,7 @@ class tiered_cache {
   using driver_type = retier_driver<storage_type>;
   static constexpr int num_tiers = Tiers::size;
   using mirror_type = page_table_mirror<num_tiers>;
+  using prefix_type = prefix_index<storage_type>;
   using options = tiered_cache_options<Policy, num_tiers>;
   using append_tier = tier_at_t<Tiers, 0>;
   static constexpr int layers_max = 65535;
@@ -132,6 +134,7 @@ class tiered_cache {
     driver_.reset();
     controller_.reset();
     mirror_.reset();
+    prefixes_.reset();  // its page references, before the storage
     storage_.reset();
     for (void* p : {workspace_, prefill_workspace_, static_cast<void*>(mass_dev_),
                     static_cast<void*>(lse_dev_), static_cast<void*>(slots_dev_)})
@@ -210,6 +213,38 @@ class tiered_cache {
     return {};
   }
   result<std::int64_t> length(seq_id s) const { return storage_->length(s); }
+
+  // ---- prefix reuse: sealed pages shared by reference (metadata only, no page bytes move) ---
+  // Caches the full pages of s that tokens (s's first tokens.size() token ids) cover under
+  // `salt` (model, adapter, tenant); returns the new entries. Between steps only.
+  result<std::size_t> insert_prefix(seq_id s, std::uint64_t salt,
+                                    std::span<const std::int32_t> tokens) {
+    if (stepping_)
+      return status(errc::invalid_argument, "insert_prefix: not between begin_step and end_step");
+    return prefixes_->insert(s, salt, tokens);
+  }
+  // A new sequence holding the longest cached prefix of tokens (whole pages) under `salt`; the
+  // engine adds the rest of its tokens with begin_step. Between steps only; a refusal (no
+  // sequence slot) changes nothing.
+  result<typename prefix_type::started> start_from_prefix(std::uint64_t salt,
+                                                          std::span<const std::int32_t> tokens) {
+    if (stepping_)
+      return status(errc::invalid_argument,
+                    "start_from_prefix: not between begin_step and end_step");
+    auto st = prefixes_->start_sequence(salt, tokens);
+    if (!st) return st;
+    open_row(st->seq);
+    sync_rows(st->seq, 0);
+    return st;
+  }
+  // Drops up to max_entries least recently used prefix entries that no sequence uses (their
+  // pages go back to the pools once nothing else holds them); returns how many. Between steps.
+  result<std::size_t> evict_prefixes(std::size_t max_entries) {
+    if (stepping_)
+      return status(errc::invalid_argument, "evict_prefixes: not between begin_step and end_step");
+    return prefixes_->evict(max_entries);
+  }
+  std::size_t prefix_entries() const noexcept { return prefixes_->size(); }
   status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
     return controller_->pin(s, first_page, pages, pinned);
   }
@@ -339,6 +374,7 @@ class tiered_cache {
   status check_invariants() const {
     const std::size_t outstanding = driver_->pages_held() + driver_->pages_in_flight();
     if (auto st = storage_->check_invariants(std::uint32_t(outstanding)); !st) return st;
+    if (auto st = prefixes_->check_invariants(); !st) return st;
     return controller_->check_invariants();
   }
   // The device check of the last begin_step's index build and decodes (synchronizes).
@@ -496,6 +532,7 @@ class tiered_cache {
     auto s = storage_type::create(opt_.storage, std::move(pages));
     if (!s) return s.error_status();
     storage_ = std::move(*s);
+    prefixes_ = std::make_unique<prefix_type>(*storage_);
     auto ctl = controller_type::create(*storage_, opt_.policy, opt_.tiering);
     if (!ctl) return ctl.error_status();
     controller_ = std::move(*ctl);
@@ -840,6 +877,7 @@ class tiered_cache {
   std::unique_ptr<controller_type> controller_;
   std::unique_ptr<driver_type> driver_;
   std::unique_ptr<mirror_type> mirror_;
+  std::unique_ptr<prefix_type> prefixes_;
   std::vector<std::uint32_t> known_gen_;  // per block: generation + 1 the mirror holds (0: none)
   std::unordered_map<std::uint32_t, std::int32_t> row_of_;  // seq_id value -> mirror row
   std::vector<std::int32_t> free_rows_;
