@@ -209,9 +209,9 @@ int main(int argc, char** argv) {
     }
   }
   CUDA_OK(cudaStreamSynchronize(stream));
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (auto st = cache.device_error(); !st) return fail("device_error", st);
+  if (auto st = cache.drain(); !st) return fail("drain", st);  // the batch in flight, published
   const auto totals = cache.retier_totals();
   const auto moved = cache.transfers();
   const auto times = cache.times();
@@ -227,22 +227,25 @@ int main(int argc, char** argv) {
       "engine loop on the GPU: %d requests (a %d-token system prompt + 64..319 tokens of their "
       "own, %d generated each), %d layers, (%d,%d,%d) pages of %d tokens\n",
       requests, system_tokens, gen, layers, QH, KVH, D, T);
-  std::printf("  %llu steps (%llu with prefill chunks) in %.2f s; prompt tokens prefilled %llu, "
-              "reused from the prefix index %llu; tokens generated %llu\n",
-              (unsigned long long)step, (unsigned long long)prefill_steps, secs,
-              (unsigned long long)prefilled, (unsigned long long)reused,
-              (unsigned long long)generated_total);
-  std::printf("  conversions %llu (demoted %llu, promoted %llu, under pressure %llu); peak "
-              "%.2f bits per scalar; %zu prefix entries at the end, evicted\n",
-              (unsigned long long)totals.converted, (unsigned long long)totals.demoted,
-              (unsigned long long)totals.promoted, (unsigned long long)totals.pressure_demoted,
-              peak_bits, entries);
-  std::printf("  host ms a step: begin_step %.3f, end_step %.3f; metadata h2d %.1f KB a step, "
-              "page bytes over PCIe %llu\n",
-              1e-6 * double(times.begin_step_ns) / double(step),
-              1e-6 * double(times.end_step_ns) / double(step),
-              double(moved.h2d_metadata_bytes) / 1024.0 / double(step),
-              (unsigned long long)moved.page_bytes);
+  std::printf(
+      "  %llu steps (%llu with prefill chunks) in %.2f s; prompt tokens prefilled %llu, "
+      "reused from the prefix index %llu; tokens generated %llu\n",
+      (unsigned long long)step, (unsigned long long)prefill_steps, secs,
+      (unsigned long long)prefilled, (unsigned long long)reused,
+      (unsigned long long)generated_total);
+  std::printf(
+      "  conversions %llu (demoted %llu, promoted %llu, under pressure %llu); peak "
+      "%.2f bits per scalar; %zu prefix entries at the end, evicted\n",
+      (unsigned long long)totals.converted, (unsigned long long)totals.demoted,
+      (unsigned long long)totals.promoted, (unsigned long long)totals.pressure_demoted, peak_bits,
+      entries);
+  std::printf(
+      "  host ms a step: begin_step %.3f, end_step %.3f; metadata h2d %.1f KB a step, "
+      "page bytes over PCIe %llu\n",
+      1e-6 * double(times.begin_step_ns) / double(step),
+      1e-6 * double(times.end_step_ns) / double(step),
+      double(moved.h2d_metadata_bytes) / 1024.0 / double(step),
+      (unsigned long long)moved.page_bytes);
   std::printf("%s\n", ok ? "check: every request finished, every page back in its pool, 0 page "
                            "bytes over PCIe"
                          : "check FAILED");

@@ -371,11 +371,23 @@ class tiered_cache {
 
   // ---- accounting ----------------------------------------------------------------------------
   memory_report report() const { return make_report(*storage_); }
+  // The storage's, the controller's and the prefix index's invariants, the retier driver's
+  // pages (a batch in flight, replaced pages not yet back) accounted for.
   status check_invariants() const {
-    const std::size_t outstanding = driver_->pages_held() + driver_->pages_in_flight();
-    if (auto st = storage_->check_invariants(std::uint32_t(outstanding)); !st) return st;
+    const auto outstanding = std::uint32_t(driver_->pages_held() + driver_->pages_in_flight());
     if (auto st = prefixes_->check_invariants(); !st) return st;
-    return controller_->check_invariants();
+    return controller_->check_invariants(outstanding);
+  }
+  // Finishes the retier batch in flight and gives the replaced pages back (blocks on the GPU):
+  // afterwards every live page is one that a block names (before a report meant to show the
+  // steady state, or shutdown). Between steps.
+  status drain() {
+    if (stepping_)
+      return status(errc::invalid_argument, "drain: not between begin_step and end_step");
+    if (auto st = collect_retier(true); !st) return st;
+    totals_.add(last_batch_);
+    last_batch_ = retier_stats{};
+    return {};
   }
   // The device check of the last begin_step's index build and decodes (synchronizes).
   status device_error() {

@@ -450,9 +450,10 @@ class tier_controller {
     return todo->first(std::min(need, todo->size()));
   }
 
-  /// Storage invariants with the controller's own pages (shadows) accounted for, and
-  /// the shadows' own consistency.
-  status check_invariants() const {
+  /// Storage invariants with the controller's own pages (shadows) and `held_elsewhere` pages
+  /// the caller holds (a GPU retier driver's batch in flight and replaced pages) accounted for,
+  /// and the shadows' own consistency.
+  status check_invariants(std::uint32_t held_elsewhere = 0) const {
     std::uint32_t n = 0;
     for (const page_rec& r : *pages_) {
       if (!r.shadow.valid()) continue;
@@ -464,7 +465,7 @@ class tier_controller {
     }
     if (n != shadows_)
       return status::make(errc::corrupt_data, "shadow count ", shadows_, " != ", n);
-    return storage_->check_invariants(shadows_);
+    return storage_->check_invariants(shadows_ + held_elsewhere);
   }
 
   /// The policy state of (block, layer) (tests, reports).
