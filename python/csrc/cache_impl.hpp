@@ -28,6 +28,7 @@
 #include "tierkv/cache.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/paging/index_builder.hpp"
+#include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/report.hpp"
 
 namespace tierkv_py {
@@ -213,6 +214,23 @@ class cache_impl final : public runtime_cache {
     return t;
   }
 
+  std::int64_t prefix_insert(std::int64_t s, std::uint64_t salt,
+                             std::span<const std::int32_t> tokens) override {
+    return std::int64_t(value(prefixes_->insert(to_seq(s), salt, tokens)));
+  }
+  std::pair<std::int64_t, std::int64_t> prefix_start(
+      std::uint64_t salt, std::span<const std::int32_t> tokens) override {
+    const auto st = value(prefixes_->start_sequence(salt, tokens));
+    return {std::int64_t(st.seq.value), st.cached_tokens};
+  }
+  std::int64_t prefix_evict(std::int64_t n) override {
+    if (n < 0)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "prefix_evict: n = ", n,
+                                " is negative"));
+    return std::int64_t(prefixes_->evict(std::size_t(n)));
+  }
+  std::int64_t prefix_entries() const override { return std::int64_t(prefixes_->size()); }
+
  private:
   struct mapping {
     std::int64_t n = 0;
@@ -235,6 +253,7 @@ class cache_impl final : public runtime_cache {
                                                                     cfg.max_batch, cfg.max_pages)));
     mass_.assign(std::size_t(cfg.max_batch) * std::size_t(cfg.max_pages), 0.f);
     pools_ = cache_->storage().views();
+    prefixes_ = std::make_unique<tierkv::prefix_index<storage_type>>(cache_->storage());
   }
 
   void check_layer(int layer) const {
@@ -317,6 +336,7 @@ class cache_impl final : public runtime_cache {
 
   cache_config cfg_;
   std::unique_ptr<cache_type> cache_;
+  std::unique_ptr<tierkv::prefix_index<storage_type>> prefixes_;  // destroyed before cache_
   std::optional<tierkv::index_arrays<storage_type>> index_;
   std::vector<float> mass_;
   std::array<tierkv::pool_view, N> pools_{};

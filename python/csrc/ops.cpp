@@ -375,6 +375,52 @@ at::Tensor page_tiers(const at::Tensor& state, std::int64_t seq, std::int64_t la
   return at::tensor(t, at::TensorOptions().dtype(at::kLong));
 }
 
+// ---- prefix reuse ---------------------------------------------------------------------------
+
+// Token ids: a 1-D integer tensor on the CPU, each in int32.
+std::vector<std::int32_t> token_ids(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "tierkv.", op, ": tokens must be on the CPU, got ",
+                    t.device());
+  TORCH_CHECK_VALUE(t.dim() == 1, "tierkv.", op, ": tokens must be 1-D, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kBool, "tierkv.",
+                    op, ": tokens must be integer ids, got ", t.scalar_type());
+  const at::Tensor l = t.to(at::kLong).contiguous();
+  std::vector<std::int32_t> ids(std::size_t(l.numel()));
+  const std::int64_t* p = l.data_ptr<std::int64_t>();
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    TORCH_CHECK_VALUE(p[i] >= INT32_MIN && p[i] <= INT32_MAX, "tierkv.", op, ": tokens[", i,
+                      "] = ", p[i], " does not fit int32");
+    ids[i] = std::int32_t(p[i]);
+  }
+  return ids;
+}
+std::int64_t prefix_insert(at::Tensor& state, std::int64_t seq, std::int64_t salt,
+                           const at::Tensor& tokens) {
+  auto c = find(state);
+  const auto ids = token_ids(tokens, "prefix_insert");
+  bump(state);
+  return guarded("prefix_insert", [&] { return c->prefix_insert(seq, std::uint64_t(salt), ids); });
+}
+std::vector<std::int64_t> prefix_start(at::Tensor& state, std::int64_t salt,
+                                       const at::Tensor& tokens) {
+  auto c = find(state);
+  const auto ids = token_ids(tokens, "prefix_start");
+  bump(state);
+  return guarded("prefix_start", [&] {
+    const auto [seq, cached] = c->prefix_start(std::uint64_t(salt), ids);
+    return std::vector<std::int64_t>{seq, cached};
+  });
+}
+std::int64_t prefix_evict(at::Tensor& state, std::int64_t n) {
+  auto c = find(state);
+  bump(state);
+  return guarded("prefix_evict", [&] { return c->prefix_evict(n); });
+}
+std::int64_t prefix_entries(const at::Tensor& state) {
+  auto c = find(state);
+  return guarded("prefix_entries", [&] { return c->prefix_entries(); });
+}
+
 // Geometry and formats of a cache: {head_dim, kv_heads, group_size, page_size, num_layers,
 // num_tiers, max_batch, max_pages}.
 at::Tensor info(const at::Tensor& state) {
@@ -419,6 +465,10 @@ TORCH_LIBRARY(tierkv, m) {
   m.def("read_layer(Tensor state, int seq, int layer, int first, int n) -> (Tensor, Tensor)");
   m.def("page_tiers(Tensor state, int seq, int layer) -> Tensor");
   m.def("info(Tensor state) -> Tensor");
+  m.def("prefix_insert(Tensor(a!) state, int seq, int salt, Tensor tokens) -> int");
+  m.def("prefix_start(Tensor(a!) state, int salt, Tensor tokens) -> int[]");
+  m.def("prefix_evict(Tensor(a!) state, int n) -> int");
+  m.def("prefix_entries(Tensor state) -> int");
 }
 
 // Ops without tensor arguments dispatch to their CompositeExplicitAutograd kernel.
@@ -449,6 +499,10 @@ TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
   m.impl("read_layer", &tierkv_py::read_layer);
   m.impl("page_tiers", &tierkv_py::page_tiers);
   m.impl("info", &tierkv_py::info);
+  m.impl("prefix_insert", &tierkv_py::prefix_insert);
+  m.impl("prefix_start", &tierkv_py::prefix_start);
+  m.impl("prefix_evict", &tierkv_py::prefix_evict);
+  m.impl("prefix_entries", &tierkv_py::prefix_entries);
 }
 
 #ifndef TIERKV_PY_CUDA

@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "combo_registry.hpp"
@@ -84,6 +85,17 @@ class runtime_cache {
                           float* keys, float* values) const = 0;
   // The tier of each committed logical page of seq at one layer.
   virtual std::vector<std::int64_t> page_tiers(std::int64_t seq, int layer) const = 0;
+
+  // Prefix reuse (tierkv::prefix_index over the cache's storage): sealed pages shared by
+  // reference. insert: the new entries for seq's full pages its first tokens.size() token ids
+  // cover; start: a new sequence and the tokens of the longest cached prefix it holds; evict:
+  // up to n least recently used entries no sequence uses, how many went.
+  virtual std::int64_t prefix_insert(std::int64_t seq, std::uint64_t salt,
+                                     std::span<const std::int32_t> tokens) = 0;
+  virtual std::pair<std::int64_t, std::int64_t> prefix_start(
+      std::uint64_t salt, std::span<const std::int32_t> tokens) = 0;
+  virtual std::int64_t prefix_evict(std::int64_t n) = 0;
+  virtual std::int64_t prefix_entries() const = 0;
 };
 
 using factory = std::unique_ptr<runtime_cache> (*)(const cache_config&);

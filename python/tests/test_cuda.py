@@ -208,6 +208,44 @@ def test_refusals_name_the_value():
     assert any(c["head_dim"] == D and c["kv_heads"] == KVH for c in tkv_cuda.built())
 
 
+def test_prefix_reuse_on_the_gpu():
+    g = gpu_cache(num_layers=2)
+    ids = list(range(1000, 1050))  # 3 full pages + 2 tokens
+    gen = torch.Generator().manual_seed(3)
+    K, V = torch.randn(2, 50, KVH, D, generator=gen), torch.randn(2, 50, KVH, D, generator=gen)
+    a = g.create_sequence()
+    g.begin_step([a], [50])
+    for layer in range(2):
+        g.append(layer, K[layer].cuda(), V[layer].cuda())
+    g.end_step(wait=True)
+    assert g.insert_prefix(a, ids, salt=5) == 3 and g.insert_prefix(a, ids, salt=5) == 0
+    b, cached = g.start_from_prefix(ids[:40] + [7, 8, 9], salt=5)
+    assert (cached, g.length(b)) == (32, 32)
+    g.begin_step([b], [18])  # the rest of a's prompt
+    for layer in range(2):
+        g.append(layer, K[layer, 32:].contiguous().cuda(), V[layer, 32:].contiguous().cuda())
+    g.end_step(wait=True)
+    q = torch.randn(1, KVH * G, D, generator=gen).cuda()
+    g.begin_step([a, b], [0, 0])
+    out = g.decode(0, torch.cat([q, q]))
+    g.end_step(wait=True)
+    assert rel(out[0], out[1]) < 1e-6
+    r = g.report()
+    assert (r["sequence_tokens"], r["live_tokens"]) == (100, 68)  # 32 tokens stored once
+    c, none = g.start_from_prefix(ids, salt=6)  # another salt shares nothing
+    assert none == 0 and g.length(c) == 0
+    assert g.evict_prefixes(10) == 0  # still used
+    for s in (a, b, c):
+        g.release(s)
+    assert g.evict_prefixes(10) == 3
+    g.drain()
+    g.check_invariants()
+    with pytest.raises(ValueError, match="int32"):
+        g.start_from_prefix([2**40])
+    with pytest.raises(ValueError, match="negative"):
+        g.evict_prefixes(-1)
+
+
 def test_tiered_cache_on_the_gpu_matches_the_host_cache():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -171,6 +171,50 @@ def test_fork_release_and_sharing(rng):
     assert c.report()["live_tokens"] == 40
 
 
+def test_prefix_reuse(rng):
+    c = make_cache()  # 16-token pages
+    ids = list(range(1000, 1050))  # a 50-token prompt: 3 full pages + 2 tokens
+    a = c.create_sequence()
+    K, V = torch.randn(2, 50, 4, 64, generator=rng), torch.randn(2, 50, 4, 64, generator=rng)
+    c.append(a, K, V)
+    assert c.insert_prefix(a, ids, salt=5) == 3  # full pages only
+    assert c.insert_prefix(a, torch.tensor(ids), salt=5) == 0  # cached already
+    assert c.prefix_entries() == 3
+    # The same prompt with another tail: the 3 cached pages, not the partial fourth.
+    b, cached = c.start_from_prefix(ids[:40] + [7, 8, 9], salt=5)
+    assert cached == 32 and c.length(b) == 32  # whole pages of the first 40 ids match
+    la, _ = c.read_layer(a, 1, 0, 32)
+    lb, _ = c.read_layer(b, 1, 0, 32)
+    assert torch.equal(la, lb)  # the same pages, by reference
+    q = torch.randn(1, 8, 64, generator=rng)
+    c.append(b, K[:, 32:].contiguous(), V[:, 32:].contiguous())  # the rest of a's prompt
+    out, _ = c.decode(0, [a, b], q[[0, 0]])
+    assert rel_l2(out[0], out[1]) < 1e-6  # same keys and values, shared or written
+    r = c.report()
+    assert (r["sequence_tokens"], r["live_tokens"]) == (100, 68)  # 32 tokens stored once
+    # Another salt, or other ids, share nothing.
+    d, none = c.start_from_prefix(ids, salt=6)
+    assert none == 0 and c.length(d) == 0
+    c.release(d)
+    # Entries that sequences still use are not evicted; once released, they are.
+    assert c.evict_prefixes(10) == 0
+    c.release(a)
+    c.release(b)
+    assert c.evict_prefixes(10) == 3 and c.prefix_entries() == 0
+    assert c.report()["live_tokens"] == 0
+    # Bad input is refused by name.
+    with pytest.raises(ValueError, match="1-D"):
+        c.start_from_prefix(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        c.start_from_prefix(torch.zeros(3))
+    with pytest.raises(ValueError, match="int32"):
+        c.start_from_prefix([2**40])
+    with pytest.raises(ValueError, match="seq#"):
+        c.insert_prefix(a, ids)  # released
+    with pytest.raises(ValueError, match="negative"):
+        c.evict_prefixes(-1)
+
+
 def test_report_reconciles_and_counts_bits(rng):
     c = make_cache((128, 4, 4, 16), "int8r+tq4k/tq3v")
     fill(c, [400], rng)

@@ -89,6 +89,13 @@ def describe(name: str, cache, extra: str = "") -> str:
     )
 
 
+def _token_ids(tokens) -> torch.Tensor:
+    """Token ids as a 1-D int64 CPU tensor (a list, a tuple or a tensor)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.cpu()
+    return torch.tensor(list(tokens), dtype=torch.int64)
+
+
 def seq_tensor(seqs) -> torch.Tensor:
     """Sequence ids as the 1-D int64 CPU tensor the ops take."""
     if isinstance(seqs, torch.Tensor):
@@ -189,6 +196,25 @@ class Cache:
 
     def reserved(self, seq: int) -> int:
         return ops.reserved(self.state, seq)
+
+    # prefix reuse: sealed pages shared by reference (tierkv::prefix_index)
+    def insert_prefix(self, seq: int, tokens, salt: int = 0) -> int:
+        """Caches seq's full pages that tokens (its first len(tokens) token ids) cover, under
+        salt (model, adapter, tenant). Returns the new entries."""
+        return ops.prefix_insert(self.state, seq, salt, _token_ids(tokens))
+
+    def start_from_prefix(self, tokens, salt: int = 0) -> tuple[int, int]:
+        """A new sequence holding the longest cached prefix of tokens (whole pages): returns
+        (sequence, cached tokens); write the rest of the prompt's tokens to it."""
+        seq, cached = ops.prefix_start(self.state, salt, _token_ids(tokens))
+        return seq, cached
+
+    def evict_prefixes(self, n: int) -> int:
+        """Drops up to n least recently used prefix entries no sequence uses; how many went."""
+        return ops.prefix_evict(self.state, n)
+
+    def prefix_entries(self) -> int:
+        return ops.prefix_entries(self.state)
 
     # writes: reserve -> write each layer -> commit, or append (all layers at once)
     def reserve(self, seqs, counts) -> None:

@@ -115,6 +115,10 @@ def _load():
         "tkv_cuda_device_error": ([vp], ctypes.c_int),
         "tkv_cuda_transfers": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
         "tkv_cuda_host_times": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+        "tkv_cuda_prefix_insert": ([vp, i64, ctypes.c_uint64, i32p, i64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_prefix_start": ([vp, ctypes.c_uint64, i32p, i64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_prefix_evict": ([vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_drain": ([vp], ctypes.c_int),
     }
     for name, (args, res) in sig.items():
         f = getattr(lib, name)
@@ -142,6 +146,19 @@ def built() -> list[dict]:
         recent, k, v = lib.tkv_cuda_tier_set_name(s).decode().split("/")
         out.append(dict(recent=recent, cache_type_k=k, cache_type_v=v, head_dim=d, kv_heads=kv, group_size=g, page_size=p))
     return out
+
+
+def _int32_ids(tokens):
+    """Token ids as a ctypes int32 array and its length (a list, a tuple or a 1-D tensor)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point():
+            raise ValueError(f"tierkv.cuda: tokens must be 1-D integer ids, got {tokens.dtype} {tuple(tokens.shape)}")
+        tokens = tokens.tolist()
+    ids = list(tokens)
+    for i, t in enumerate(ids):
+        if not -(2**31) <= int(t) < 2**31:
+            raise ValueError(f"tierkv.cuda: tokens[{i}] = {t} does not fit int32")
+    return (ctypes.c_int32 * max(1, len(ids)))(*ids), len(ids)
 
 
 def _stream(device: torch.device) -> int:
@@ -256,6 +273,34 @@ class CudaCache:
 
     def release(self, seq: int) -> None:
         _check(_lib.tkv_cuda_release(self._h, seq))
+
+    # prefix reuse (between steps): sealed pages shared by reference, no page bytes move
+    def insert_prefix(self, seq: int, tokens, salt: int = 0) -> int:
+        """Caches seq's full pages that tokens (its first len(tokens) token ids) cover, under
+        salt (model, adapter, tenant). Returns the new entries."""
+        ids, n = _int32_ids(tokens)
+        out = ctypes.c_int64()
+        _check(_lib.tkv_cuda_prefix_insert(self._h, seq, salt, ids, n, ctypes.byref(out)))
+        return out.value
+
+    def start_from_prefix(self, tokens, salt: int = 0) -> tuple[int, int]:
+        """A new sequence holding the longest cached prefix of tokens (whole pages): returns
+        (sequence, cached tokens); begin_step adds the rest of the prompt."""
+        ids, n = _int32_ids(tokens)
+        out = (ctypes.c_int64 * 2)()
+        _check(_lib.tkv_cuda_prefix_start(self._h, salt, ids, n, out))
+        return out[0], out[1]
+
+    def evict_prefixes(self, n: int) -> int:
+        """Drops up to n least recently used prefix entries no sequence uses; how many went."""
+        out = ctypes.c_int64()
+        _check(_lib.tkv_cuda_prefix_evict(self._h, n, ctypes.byref(out)))
+        return out.value
+
+    def drain(self) -> None:
+        """Finishes the conversion batch in flight and gives replaced pages back (waits for the
+        GPU): afterwards report() shows only pages that sequences or prefix entries hold."""
+        _check(_lib.tkv_cuda_drain(self._h))
 
     def length(self, seq: int) -> int:
         """Committed tokens (a step's tokens are committed by begin_step)."""

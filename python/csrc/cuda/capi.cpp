@@ -9,6 +9,7 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -53,6 +54,13 @@ int to_int(std::int64_t v, const char* name, std::int64_t lo = 0) {
     fail(tierkv::status::make(tierkv::errc::invalid_argument, name, " = ", v, " must lie in [", lo,
                               ", 2^31)"));
   return int(v);
+}
+
+std::span<const std::int32_t> token_span(const int32_t* tokens, int64_t n, const char* what) {
+  if (n < 0 || (n > 0 && tokens == nullptr))
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, what, ": ", n,
+                              " token ids at a null pointer or a negative count"));
+  return {tokens, std::size_t(n)};
 }
 
 gpu_dtype to_dtype(int t, const char* name) {
@@ -163,6 +171,26 @@ int tkv_cuda_release(void* cache, int64_t seq) {
 }
 int tkv_cuda_length(void* cache, int64_t seq, int64_t* tokens) {
   return guarded("length", [&] { *tokens = cache_of(cache).length(seq); });
+}
+int tkv_cuda_prefix_insert(void* cache, int64_t seq, uint64_t salt, const int32_t* tokens,
+                           int64_t n, int64_t* added) {
+  return guarded("prefix_insert", [&] {
+    *added = cache_of(cache).prefix_insert(seq, salt, token_span(tokens, n, "prefix_insert"));
+  });
+}
+int tkv_cuda_prefix_start(void* cache, uint64_t salt, const int32_t* tokens, int64_t n,
+                          int64_t out[2]) {
+  return guarded("prefix_start", [&] {
+    const auto r = cache_of(cache).prefix_start(salt, token_span(tokens, n, "prefix_start"));
+    out[0] = r[0];
+    out[1] = r[1];
+  });
+}
+int tkv_cuda_prefix_evict(void* cache, int64_t max_entries, int64_t* evicted) {
+  return guarded("prefix_evict", [&] { *evicted = cache_of(cache).prefix_evict(max_entries); });
+}
+int tkv_cuda_drain(void* cache) {
+  return guarded("drain", [&] { cache_of(cache).drain(); });
 }
 
 int tkv_cuda_set_stream(void* cache, void* stream) {

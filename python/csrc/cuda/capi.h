@@ -48,6 +48,13 @@ TKV_CUDA_API int tkv_cuda_create_sequence(void* cache, int64_t* seq);
 TKV_CUDA_API int tkv_cuda_fork(void* cache, int64_t parent, int64_t* seq);
 TKV_CUDA_API int tkv_cuda_release(void* cache, int64_t seq);
 TKV_CUDA_API int tkv_cuda_length(void* cache, int64_t seq, int64_t* tokens);
+/* prefix reuse, between steps: tokens are n int32 ids; out[2] = {sequence, cached tokens} */
+TKV_CUDA_API int tkv_cuda_prefix_insert(void* cache, int64_t seq, uint64_t salt,
+                                        const int32_t* tokens, int64_t n, int64_t* added);
+TKV_CUDA_API int tkv_cuda_prefix_start(void* cache, uint64_t salt, const int32_t* tokens, int64_t n,
+                                       int64_t out[2]);
+TKV_CUDA_API int tkv_cuda_prefix_evict(void* cache, int64_t max_entries, int64_t* evicted);
+TKV_CUDA_API int tkv_cuda_drain(void* cache);
 
 TKV_CUDA_API int tkv_cuda_set_stream(void* cache, void* stream);
 TKV_CUDA_API int tkv_cuda_begin_step(void* cache, const int64_t* seqs, const int32_t* counts,

@@ -42,6 +42,15 @@ class gpu_cache {
   virtual std::int64_t fork(std::int64_t parent) = 0;
   virtual void release(std::int64_t seq) = 0;
   virtual std::int64_t length(std::int64_t seq) const = 0;
+  // Prefix reuse (the façade's prefix index, between steps): new entries; {sequence, cached
+  // tokens}; entries evicted.
+  virtual std::int64_t prefix_insert(std::int64_t seq, std::uint64_t salt,
+                                     std::span<const std::int32_t> tokens) = 0;
+  virtual std::array<std::int64_t, 2> prefix_start(std::uint64_t salt,
+                                                   std::span<const std::int32_t> tokens) = 0;
+  virtual std::int64_t prefix_evict(std::int64_t n) = 0;
+  // Finishes the retier batch in flight, gives replaced pages back (blocks on the GPU).
+  virtual void drain() = 0;
 
   // The façade's step (cuda/tiered_cache.cuh): begin_step on the cache's stream (set_stream
   // moves it, between steps), then per layer append and decode or prefill, each enqueued on

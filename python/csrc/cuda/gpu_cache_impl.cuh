@@ -36,6 +36,22 @@ class gpu_cache_impl final : public gpu_cache {
   std::int64_t fork(std::int64_t parent) override { return value(c_->fork(to_seq(parent))).value; }
   void release(std::int64_t s) override { check(c_->release(to_seq(s))); }
   std::int64_t length(std::int64_t s) const override { return value(c_->length(to_seq(s))); }
+  std::int64_t prefix_insert(std::int64_t s, std::uint64_t salt,
+                             std::span<const std::int32_t> tokens) override {
+    return std::int64_t(value(c_->insert_prefix(to_seq(s), salt, tokens)));
+  }
+  std::array<std::int64_t, 2> prefix_start(std::uint64_t salt,
+                                           std::span<const std::int32_t> tokens) override {
+    const auto st = value(c_->start_from_prefix(salt, tokens));
+    return {std::int64_t(st.seq.value), st.cached_tokens};
+  }
+  std::int64_t prefix_evict(std::int64_t n) override {
+    if (n < 0)
+      check(tierkv::status::make(tierkv::errc::invalid_argument, "prefix_evict: n = ", n,
+                                 " is negative"));
+    return std::int64_t(value(c_->evict_prefixes(std::size_t(n))));
+  }
+  void drain() override { check(c_->drain()); }
 
   void set_stream(cudaStream_t s) override { check(c_->set_stream(s)); }
   void begin_step(std::span<const std::int64_t> seqs,
