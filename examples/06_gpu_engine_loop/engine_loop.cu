@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,14 +41,9 @@ using stale = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;           // Sta
 using gpu_cache = tierkv::cuda::tiered_cache<geo, tierkv::tiers<recent, stale>>;
 constexpr int D = geo::head_dim, KVH = geo::kv_heads, QH = geo::q_heads, T = geo::page_tokens;
 
-#define CUDA_OK(x)                                                                             \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+// A CUDA call the example cannot go on without: tierkv::cuda::check names the call and the
+// runtime's error, and throw_if_error throws it (main prints it and exits 1).
+void must(cudaError_t e, const char* what) { tierkv::cuda::check(e, what).throw_if_error(); }
 
 // n pseudo-random bf16 values in [-2, 2) from (salt, index): the stand-in for a model's K/V/Q.
 __global__ void fill_random(__nv_bfloat16* x, std::size_t n, std::uint64_t salt) {
@@ -76,7 +72,7 @@ int arg(int argc, char** argv, const char* name, int fallback) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("no CUDA device: skipped\n");
@@ -88,7 +84,7 @@ int main(int argc, char** argv) {
   constexpr std::uint64_t salt = 1;  // one model, no adapters
 
   cudaStream_t stream;
-  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  must(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   gpu_cache::options opt;
   opt.storage.num_layers = layers;
   opt.storage.max_sequences = max_running + 1;
@@ -121,10 +117,10 @@ int main(int argc, char** argv) {
   const std::size_t kv_elems = std::size_t(step_budget) * KVH * D;
   const std::size_t q_elems = std::size_t(step_budget) * QH * D;
   __nv_bfloat16 *k, *v, *q, *out;
-  CUDA_OK(cudaMalloc(&k, kv_elems * sizeof(__nv_bfloat16)));
-  CUDA_OK(cudaMalloc(&v, kv_elems * sizeof(__nv_bfloat16)));
-  CUDA_OK(cudaMalloc(&q, q_elems * sizeof(__nv_bfloat16)));
-  CUDA_OK(cudaMalloc(&out, q_elems * sizeof(__nv_bfloat16)));
+  must(cudaMalloc(&k, kv_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
+  must(cudaMalloc(&v, kv_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
+  must(cudaMalloc(&q, q_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
+  must(cudaMalloc(&out, q_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
 
   std::vector<request> running;
   std::uint64_t step = 0, reused = 0, prefilled = 0, generated_total = 0, prefill_steps = 0;
@@ -170,7 +166,7 @@ int main(int argc, char** argv) {
       fill_random<<<256, 256, 0, stream>>>(k, std::size_t(total) * KVH * D, salt_l + 1);
       fill_random<<<256, 256, 0, stream>>>(v, std::size_t(total) * KVH * D, salt_l + 2);
       fill_random<<<256, 256, 0, stream>>>(q, std::size_t(total) * QH * D, salt_l + 3);
-      CUDA_OK(cudaGetLastError());
+      must(cudaGetLastError(), "cudaGetLastError");
       using namespace tierkv::cuda;
       if (auto st = cache.append(l, k, v, input_type::bf16); !st) return fail("append", st);
       auto st = chunks ? cache.prefill(l, q, query_type::bf16, out, output_type::bf16)
@@ -208,7 +204,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  CUDA_OK(cudaStreamSynchronize(stream));
+  must(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (auto st = cache.device_error(); !st) return fail("device_error", st);
   if (auto st = cache.drain(); !st) return fail("drain", st);  // the batch in flight, published
@@ -256,4 +252,13 @@ int main(int argc, char** argv) {
   cudaFree(out);
   cudaStreamDestroy(stream);
   return ok ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
 }

@@ -218,16 +218,12 @@ class cache_impl final : public runtime_cache {
                              std::span<const std::int32_t> tokens) override {
     return std::int64_t(value(prefixes_->insert(to_seq(s), salt, tokens)));
   }
-  std::pair<std::int64_t, std::int64_t> prefix_start(
-      std::uint64_t salt, std::span<const std::int32_t> tokens) override {
-    const auto st = value(prefixes_->start_sequence(salt, tokens));
-    return {std::int64_t(st.seq.value), st.cached_tokens};
+  std::array<std::int64_t, 2> prefix_start(std::uint64_t salt,
+                                           std::span<const std::int32_t> tokens) override {
+    return started_sequence(prefixes_->start_sequence(salt, tokens));
   }
   std::int64_t prefix_evict(std::int64_t n) override {
-    if (n < 0)
-      fail(tierkv::status::make(tierkv::errc::invalid_argument, "prefix_evict: n = ", n,
-                                " is negative"));
-    return std::int64_t(prefixes_->evict(std::size_t(n)));
+    return std::int64_t(prefixes_->evict(evict_count(n)));
   }
   std::int64_t prefix_entries() const override { return std::int64_t(prefixes_->size()); }
 

@@ -5,6 +5,8 @@
 // The host impl (cache_impl.hpp) and the CUDA impl (cuda/gpu_cache_impl.cuh) both use it.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -27,6 +29,20 @@ template <class T>
 T value(tierkv::result<T> r) {
   if (!r) fail(r.error_status());
   return std::move(*r);
+}
+
+// Prefix reuse as the bindings return it: {sequence, cached tokens} of a started sequence (a
+// prefix_index::started), and evict's count, refused when negative.
+template <class Started>
+std::array<std::int64_t, 2> started_sequence(tierkv::result<Started> r) {
+  const Started st = value(std::move(r));
+  return {std::int64_t(st.seq.value), st.cached_tokens};
+}
+inline std::size_t evict_count(std::int64_t n) {
+  if (n < 0)
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, "prefix_evict: n = ", n,
+                              " is negative"));
+  return std::size_t(n);
 }
 
 inline tierkv::seq_id to_seq(std::int64_t s) {

@@ -407,8 +407,8 @@ std::vector<std::int64_t> prefix_start(at::Tensor& state, std::int64_t salt,
   const auto ids = token_ids(tokens, "prefix_start");
   bump(state);
   return guarded("prefix_start", [&] {
-    const auto [seq, cached] = c->prefix_start(std::uint64_t(salt), ids);
-    return std::vector<std::int64_t>{seq, cached};
+    const auto r = c->prefix_start(std::uint64_t(salt), ids);
+    return std::vector<std::int64_t>{r[0], r[1]};
   });
 }
 std::int64_t prefix_evict(at::Tensor& state, std::int64_t n) {

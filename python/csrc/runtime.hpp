@@ -5,11 +5,11 @@
 // headers. Errors are thrown as tierkv::error carrying the library's status message.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "combo_registry.hpp"
@@ -92,8 +92,8 @@ class runtime_cache {
   // up to n least recently used entries no sequence uses, how many went.
   virtual std::int64_t prefix_insert(std::int64_t seq, std::uint64_t salt,
                                      std::span<const std::int32_t> tokens) = 0;
-  virtual std::pair<std::int64_t, std::int64_t> prefix_start(
-      std::uint64_t salt, std::span<const std::int32_t> tokens) = 0;
+  virtual std::array<std::int64_t, 2> prefix_start(std::uint64_t salt,
+                                                   std::span<const std::int32_t> tokens) = 0;
   virtual std::int64_t prefix_evict(std::int64_t n) = 0;
   virtual std::int64_t prefix_entries() const = 0;
 };

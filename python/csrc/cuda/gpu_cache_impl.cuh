@@ -42,14 +42,10 @@ class gpu_cache_impl final : public gpu_cache {
   }
   std::array<std::int64_t, 2> prefix_start(std::uint64_t salt,
                                            std::span<const std::int32_t> tokens) override {
-    const auto st = value(c_->start_from_prefix(salt, tokens));
-    return {std::int64_t(st.seq.value), st.cached_tokens};
+    return started_sequence(c_->start_from_prefix(salt, tokens));
   }
   std::int64_t prefix_evict(std::int64_t n) override {
-    if (n < 0)
-      check(tierkv::status::make(tierkv::errc::invalid_argument, "prefix_evict: n = ", n,
-                                 " is negative"));
-    return std::int64_t(value(c_->evict_prefixes(std::size_t(n))));
+    return std::int64_t(value(c_->evict_prefixes(evict_count(n))));
   }
   void drain() override { check(c_->drain()); }
 
