@@ -331,6 +331,10 @@ TEST_CASE("controller: pressure_plan names make_room's demotions, and refuses as
   std::vector<staged_conversion> staged(todo->size());
   retier_stats st;
   REQUIRE(c2->stage(*todo, std::span<staged_conversion>(staged), st) == 2);
+  // The staged target pages are live but no block names them yet: the invariants hold only
+  // when the caller counts them (a GPU retier driver's batch in flight).
+  CHECK(c2->check_invariants().code() == errc::corrupt_data);
+  CHECK(c2->check_invariants(2).is_ok());
   bool filled[2];
   for (int i = 0; i < 2; ++i) {
     conversion_counters cc;
