@@ -73,7 +73,7 @@ const std::vector<std::vector<std::uint8_t>>& buffers() {
     v.push_back(export_pages(*src, a).value());
     v.push_back(export_pages(*src, b).value());
     v.push_back(export_pages(*src, b, 1, 3).value());
-    v.push_back(export_pages(*src, a, 2).value());           // the partial last page only
+    v.push_back(export_pages(*src, a, 2).value());              // the partial last page only
     v.push_back(export_pages(*src, b, 0, -1, {1, 1}).value());  // KV head 1 alone
     return v;
   }();
@@ -94,8 +94,8 @@ snapshot take(const store& s, seq_id resident) {
 }
 
 bool documented(errc e) {
-  return e == errc::corrupt_data || e == errc::geometry_mismatch ||
-         e == errc::capacity_exhausted || e == errc::invalid_argument || e == errc::out_of_range;
+  return e == errc::corrupt_data || e == errc::geometry_mismatch || e == errc::capacity_exhausted ||
+         e == errc::invalid_argument || e == errc::out_of_range;
 }
 
 }  // namespace
