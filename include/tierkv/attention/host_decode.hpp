@@ -40,6 +40,9 @@ struct host_decode_args {
   /// a non-empty sequence sum to 1). Entries i >= the sequence's page count are set to 0.
   float* page_mass = nullptr;  ///< [batch][mass_stride]
   int mass_stride = 0;         ///< >= the largest page count of the batch
+  /// > 0: the query (at position seq_len - 1) attends only the last `window` positions
+  /// (sliding-window layers); 0: every position.
+  int window = 0;
 };
 
 /// Decode attention of one layer over mixed-format pages on ws's thread pool (see
@@ -59,6 +62,8 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
   if (!(a.logits.soft_cap >= 0.f) || !std::isfinite(a.logits.soft_cap))
     return status::make(errc::invalid_argument, "logits.soft_cap = ", a.logits.soft_cap,
                         " must be finite and >= 0 (0 = off)");
+  if (a.window < 0)
+    return status::make(errc::invalid_argument, "window = ", a.window, " must be >= 0 (0 = off)");
   int max_pages = 0;
   if (status s = pass::validate(a.index, a.pools, ws.bitmap(), &max_pages); !s) return s;
   const int batch = a.index.batch;
@@ -92,10 +97,11 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
       stats = pass::template start_array<tile_stats>(raw + pass::scratch_bytes(G),
                                                      std::size_t(G) * std::size_t(stats_stride));
     const float* qrows[G];
-    int limits[G];
+    int limits[G], firsts[G];
     for (int g = 0; g < G; ++g) {
       qrows[g] = a.queries + (std::size_t(b) * QH + std::size_t(h) * G + std::size_t(g)) * D;
       limits[g] = a.index.seq_len[b];
+      firsts[g] = a.index.seq_len[b] - a.window;
     }
     typename pass::job j;
     j.seq = b;
@@ -103,6 +109,7 @@ status host_decode(host_attention_workspace& ws, const host_decode_args<TierList
     j.rows = G;
     j.queries = qrows;
     j.row_limit = limits;
+    j.row_first = a.window > 0 ? firsts : nullptr;
     j.page_stats = stats;
     j.stats_stride = stats_stride;
     pass::run(a.index, a.pools, a.source, a.logits, j, s);

@@ -39,6 +39,9 @@ struct host_prefill_args {
   logit_params logits{};               ///< softmax scale and soft cap
   float* out = nullptr;                ///< [total_q][q_heads][head_dim]
   float* lse = nullptr;                ///< optional [total_q][q_heads], natural log
+  /// > 0: a query at position p attends positions (p - window, p] only (sliding-window
+  /// layers); 0: every position up to p.
+  int window = 0;
 };
 
 /// Query tokens per task: rows = query_block * group_size share each unpacked key/value
@@ -63,6 +66,8 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
   if (!(a.logits.soft_cap >= 0.f) || !std::isfinite(a.logits.soft_cap))
     return status::make(errc::invalid_argument, "logits.soft_cap = ", a.logits.soft_cap,
                         " must be finite and >= 0 (0 = off)");
+  if (a.window < 0)
+    return status::make(errc::invalid_argument, "window = ", a.window, " must be >= 0 (0 = off)");
   if (status s = pass::validate(a.index, a.pools, ws.bitmap(), nullptr); !s) return s;
   const int batch = a.index.batch;
   if (batch == 0) return status::ok();
@@ -113,13 +118,14 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
     const int rows = nq * G;
     typename pass::scratch s = pass::carve(ws.worker_scratch(worker), rows);
     const float* qrows[rows_max];
-    int limits[rows_max];
+    int limits[rows_max], firsts[rows_max];
     for (int jj = 0; jj < nq; ++jj) {
       const std::size_t qtok = std::size_t(a.q_indptr[b]) + std::size_t(j0 + jj);
       const int pos = a.index.seq_len[b] - n + j0 + jj;
       for (int g = 0; g < G; ++g) {
         qrows[jj * G + g] = a.queries + (qtok * QH + std::size_t(h) * G + std::size_t(g)) * D;
         limits[jj * G + g] = pos + 1;
+        firsts[jj * G + g] = pos + 1 - a.window;
       }
     }
     typename pass::job j;
@@ -128,6 +134,7 @@ status host_prefill(host_attention_workspace& ws, const host_prefill_args<TierLi
     j.rows = rows;
     j.queries = qrows;
     j.row_limit = limits;
+    j.row_first = a.window > 0 ? firsts : nullptr;
     pass::run(a.index, a.pools, a.source, a.logits, j, s);
     for (int jj = 0; jj < nq; ++jj) {
       const std::size_t qtok = std::size_t(a.q_indptr[b]) + std::size_t(j0 + jj);

@@ -71,6 +71,7 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     float* scores;       ///< [rows][tile_tokens]
     tile_stats* tstats;  ///< [rows]
     int* row_ntok;       ///< [rows]
+    int* row_first;      ///< [rows]
   };
   static constexpr std::size_t round64(std::size_t n) { return (n + 63) / 64 * 64; }
   /// Begins the lifetime of n trivially constructible objects in raw scratch bytes.
@@ -84,7 +85,7 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     const std::size_t r = std::size_t(rows);
     return round64(sizeof(state) * r * (num_tiers + 1)) + round64(sizeof(float) * r * head_dim) +
            round64(sizeof(float) * r * tile_tokens) + round64(sizeof(tile_stats) * r) +
-           round64(sizeof(int) * r);
+           2 * round64(sizeof(int) * r);
   }
   static scratch carve(std::byte* base, int rows) {
     const std::size_t r = std::size_t(rows);
@@ -99,6 +100,8 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     s.tstats = start_array<tile_stats>(base, r);
     base += round64(sizeof(tile_stats) * r);
     s.row_ntok = start_array<int>(base, r);
+    base += round64(sizeof(int) * r);
+    s.row_first = start_array<int>(base, r);
     return s;
   }
 
@@ -108,7 +111,8 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
     int rows = 0;
     const float* const* queries = nullptr;  ///< [rows] raw (post-RoPE) queries
     const int* row_limit = nullptr;         ///< [rows]: row r sees token positions < row_limit[r]
-    tile_stats* page_stats = nullptr;       ///< optional [rows][stats_stride], by logical page
+    const int* row_first = nullptr;    ///< optional [rows]: and positions >= row_first[r] (windows)
+    tile_stats* page_stats = nullptr;  ///< optional [rows][stats_stride], by logical page
     int stats_stride = 0;
   };
 
@@ -239,16 +243,22 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
         for (int r = 0; r < j.rows; ++r) s.tstats[r] = tile_stats{};
       for (int t0 = 0; t0 < ntok; t0 += tile_tokens) {
         const int n = ntok - t0 < tile_tokens ? ntok - t0 : tile_tokens;
-        bool any = false;
+        bool any = false, later = false;  // a row sees some of this tile / of a later one
         for (int r = 0; r < j.rows; ++r) {
           const int vis = j.row_limit[r] - (page_start + t0);
           s.row_ntok[r] = vis < 0 ? 0 : (vis > n ? n : vis);
-          any = any || s.row_ntok[r] > 0;
+          const int first = j.row_first ? j.row_first[r] - (page_start + t0) : 0;
+          s.row_first[r] = first < 0 ? 0 : first;
+          any = any || s.row_ntok[r] > s.row_first[r];
+          later = later || vis > n;
         }
-        if (!any) break;  // limits only cut the tail: later tiles of the page are hidden too
+        if (!any) {
+          if (!later) break;  // the limits cut the tail: later tiles of the page are hidden too
+          continue;           // before every row's window
+        }
         const auto span = tile::span::template in_page<layout>(page, j.kv_head, t0);
         tile::run(s.prepared, j.rows, s.row_ntok, span, n, lp, st,
-                  j.page_stats ? s.tstats : nullptr, s.scores);
+                  j.page_stats ? s.tstats : nullptr, s.scores, j.row_first ? s.row_first : nullptr);
       }
       if (j.page_stats)
         for (int r = 0; r < j.rows; ++r)

@@ -163,8 +163,9 @@ struct attention_tile {
   using span = kv_span<KeyCodec, ValueCodec>;          ///< the tokens a run() reads
 
   /// Folds tokens [0, ntok) of `kv` into `states[r]` for rows r in [0, rows). Row r sees
-  /// only its first row_ntok[r] tokens (clamped to [0, ntok]; a causal limit); pass
-  /// row_ntok = nullptr when every row sees all ntok tokens.
+  /// only tokens [row_first[r], row_ntok[r]) (each clamped to [0, ntok]; a sliding window's
+  /// start and a causal limit); pass row_ntok = nullptr when every row sees up to ntok,
+  /// row_first = nullptr when every row sees from token 0.
   ///   queries: [rows][head_dim] prepared queries;
   ///   scores:  scratch of rows * ntok floats (the caller bounds ntok to keep it small);
   ///   stats:   optional [rows]; stats[r] is merged with this tile's own {m, l} of row r
@@ -172,8 +173,11 @@ struct attention_tile {
   TIERKV_HD static void run(const float* TIERKV_RESTRICT queries, int rows, const int* row_ntok,
                             const span& kv, int ntok, const logit_params& lp,
                             state* TIERKV_RESTRICT states, tile_stats* stats,
-                            float* TIERKV_RESTRICT scores) {
+                            float* TIERKV_RESTRICT scores, const int* row_first = nullptr) {
     if (ntok <= 0) return;
+    const auto hidden = [&](int r, int t) {
+      return t >= limit(row_ntok, r, ntok) || t < first(row_first, r, ntok);
+    };
     // Scores: each key's stored bytes are visited once per token for all rows, so they
     // stay in L1 while every row of the group reads them.
     [[maybe_unused]] float unpacked[UnpackOnce ? head_dim : 1];
@@ -186,13 +190,13 @@ struct attention_tile {
         KeyCodec::accumulate(1.f, kp, ts::unit(), unpacked);
         const float scalar = ts::of(km);
         for (int r = 0; r < rows; ++r) {
-          if (t >= limit(row_ntok, r, ntok)) continue;
+          if (hidden(r, t)) continue;
           scores[std::size_t(r) * std::size_t(ntok) + std::size_t(t)] = lp.apply(
               scalar * detail::dot8<head_dim>(queries + std::size_t(r) * head_dim, unpacked));
         }
       } else {
         for (int r = 0; r < rows; ++r) {
-          if (t >= limit(row_ntok, r, ntok)) continue;
+          if (hidden(r, t)) continue;
           scores[std::size_t(r) * std::size_t(ntok) + std::size_t(t)] =
               lp.apply(KeyCodec::dot(queries + std::size_t(r) * head_dim, kp, km));
         }
@@ -200,19 +204,19 @@ struct attention_tile {
     }
     // Per row: the tile's own max and sum, then one rescale of the running state.
     for (int r = 0; r < rows; ++r) {
-      const int n = limit(row_ntok, r, ntok);
-      if (n <= 0) continue;
+      const int n = limit(row_ntok, r, ntok), f = first(row_first, r, ntok);
+      if (n <= f) continue;
       float* s = scores + std::size_t(r) * std::size_t(ntok);
-      float tm = s[0];
-      for (int t = 1; t < n; ++t) tm = s[t] > tm ? s[t] : tm;
+      float tm = s[f];
+      for (int t = f + 1; t < n; ++t) tm = s[t] > tm ? s[t] : tm;
       // Every logit -inf (only from an overflowing dot product): no probability mass,
       // and exp(-inf - -inf) must not be evaluated.
       if (tm == -std::numeric_limits<float>::infinity()) {
-        for (int t = 0; t < n; ++t) s[t] = 0.f;
+        for (int t = f; t < n; ++t) s[t] = 0.f;
         continue;
       }
       float tl = 0.f;
-      for (int t = 0; t < n; ++t) {
+      for (int t = f; t < n; ++t) {
         s[t] = std::exp(s[t] - tm);
         tl += s[t];
       }
@@ -220,10 +224,10 @@ struct attention_tile {
       state& st = states[r];
       const float new_m = st.empty() || tm > st.m ? tm : st.m;
       st.rescale_to(new_m);
-      const float f = std::exp(tm - new_m);  // 1 unless the state already had a larger max
-      st.l += tl * f;
-      if (f != 1.f)
-        for (int t = 0; t < n; ++t) s[t] *= f;
+      const float scale = std::exp(tm - new_m);  // 1 unless the state had a larger max already
+      st.l += tl * scale;
+      if (scale != 1.f)
+        for (int t = f; t < n; ++t) s[t] *= scale;
     }
     // Values: likewise each value is visited once per token for all rows.
     for (int t = 0; t < ntok; ++t) {
@@ -235,14 +239,14 @@ struct attention_tile {
         ValueCodec::accumulate(1.f, vp, ts::unit(), unpacked);
         const float scalar = ts::of(vm);
         for (int r = 0; r < rows; ++r) {
-          if (t >= limit(row_ntok, r, ntok)) continue;
+          if (hidden(r, t)) continue;
           const float w = scores[std::size_t(r) * std::size_t(ntok) + std::size_t(t)] * scalar;
           float* TIERKV_RESTRICT acc = states[r].acc;
           for (int i = 0; i < head_dim; ++i) acc[i] += w * unpacked[i];
         }
       } else {
         for (int r = 0; r < rows; ++r) {
-          if (t >= limit(row_ntok, r, ntok)) continue;
+          if (hidden(r, t)) continue;
           ValueCodec::accumulate(scores[std::size_t(r) * std::size_t(ntok) + std::size_t(t)], vp,
                                  vm, states[r].acc);
         }
@@ -251,10 +255,17 @@ struct attention_tile {
   }
 
  private:
+  // row_ntok[r] clamped to [0, ntok] (ntok without limits).
   TIERKV_HD_INLINE static int limit(const int* row_ntok, int r, int ntok) {
     if (!row_ntok) return ntok;
     const int n = row_ntok[r];
     return n < 0 ? 0 : (n > ntok ? ntok : n);
+  }
+  // row_first[r] clamped to [0, ntok] (0 without a window).
+  TIERKV_HD_INLINE static int first(const int* row_first, int r, int ntok) {
+    if (!row_first) return 0;
+    const int f = row_first[r];
+    return f < 0 ? 0 : (f > ntok ? ntok : f);
   }
 };
 

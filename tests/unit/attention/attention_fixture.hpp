@@ -171,13 +171,14 @@ struct ref_result {
 
 inline ref_result reference_row(const float* q, const std::vector<float>& K,
                                 const std::vector<float>& V, int kvh, int h, int D, int limit,
-                                int page_tokens, double scale, double cap) {
+                                int page_tokens, double scale, double cap, int first = 0) {
   ref_result r;
   r.out.assign(std::size_t(D), 0.0);
   if (limit <= 0) return r;
+  first = std::max(first, 0);  // tokens [first, limit): a sliding window's
   std::vector<double> s(static_cast<std::size_t>(limit));
   double m = -std::numeric_limits<double>::infinity();
-  for (int t = 0; t < limit; ++t) {
+  for (int t = first; t < limit; ++t) {
     const float* kk =
         K.data() + (std::size_t(t) * std::size_t(kvh) + std::size_t(h)) * std::size_t(D);
     double d = 0;
@@ -191,7 +192,7 @@ inline ref_result reference_row(const float* q, const std::vector<float>& K,
   const int pages = (limit + page_tokens - 1) / page_tokens;
   r.page_l.assign(std::size_t(pages), 0.0);
   r.page_m.assign(std::size_t(pages), 0.0);
-  for (int t = 0; t < limit; ++t) {
+  for (int t = first; t < limit; ++t) {
     const double p = std::exp(s[std::size_t(t)] - m);
     l += p;
     r.page_l[std::size_t(t / page_tokens)] += p;

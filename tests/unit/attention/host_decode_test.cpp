@@ -197,6 +197,9 @@ TEST_CASE("host decode rejects inconsistent index arrays and pools with a clear 
     a.logits.soft_cap = -1.f;
     CHECK(host_decode<Geo, two_dense>(ws, a).code() == errc::invalid_argument);
     a = args();
+    a.window = -1;
+    CHECK(host_decode<Geo, two_dense>(ws, a).code() == errc::invalid_argument);
+    a = args();
     a.logits.softmax_scale = std::numeric_limits<float>::quiet_NaN();
     CHECK(host_decode<Geo, two_dense>(ws, a).code() == errc::invalid_argument);
     std::vector<std::int32_t> lens = {40, -1};
