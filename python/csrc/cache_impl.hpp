@@ -153,7 +153,7 @@ class cache_impl final : public runtime_cache {
   }
 
   void decode(int layer, std::span<const std::int64_t> seqs, const float* queries, float* out,
-              float* lse) override {
+              float* lse, int window) override {
     const auto view = build_index(layer, seqs);
     tierkv::host_decode_args<N> a;
     a.queries = queries;
@@ -165,6 +165,7 @@ class cache_impl final : public runtime_cache {
     a.lse = lse;
     a.page_mass = mass_.data();
     a.mass_stride = cfg_.max_pages;
+    a.window = window;
     check(tierkv::host_decode<Geometry, tier_list>(workspace_, a));
     // The committed pages' masses feed the policy (as tiered_cache::attend does); a
     // reservation's pages are not pages of the sequence yet.
@@ -176,8 +177,8 @@ class cache_impl final : public runtime_cache {
   }
 
   void prefill(int layer, std::span<const std::int64_t> seqs,
-               std::span<const std::int32_t> q_indptr, const float* queries, float* out,
-               float* lse) override {
+               std::span<const std::int32_t> q_indptr, const float* queries, float* out, float* lse,
+               int window) override {
     if (q_indptr.size() != seqs.size() + 1)
       fail(tierkv::status::make(tierkv::errc::invalid_argument, "prefill: q_indptr holds ",
                                 q_indptr.size(), " entries, ", seqs.size() + 1,
@@ -192,6 +193,7 @@ class cache_impl final : public runtime_cache {
     a.logits = logits();
     a.out = out;
     a.lse = lse;
+    a.window = window;
     check(tierkv::host_prefill<Geometry, tier_list>(workspace_, a));
   }
 

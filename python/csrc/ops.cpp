@@ -266,7 +266,8 @@ void append(at::Tensor& state, std::int64_t seq, const at::Tensor& k, const at::
 // ---- attention ------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& state, std::int64_t layer,
-                                          const at::Tensor& seqs, const at::Tensor& q) {
+                                          const at::Tensor& seqs, const at::Tensor& q,
+                                          std::int64_t window) {
   auto c = find(state);
   const auto& cfg = c->config();
   const auto s = seq_list(seqs, "seqs");
@@ -276,14 +277,14 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& state, std::int64_t 
   at::Tensor lse = at::empty({B, QH}, qf.options());
   guarded("decode", [&] {
     c->decode(to_int(layer, "layer"), s, qf.data_ptr<float>(), out.data_ptr<float>(),
-              lse.data_ptr<float>());
+              lse.data_ptr<float>(), to_int(window, "window"));
   });
   return {out.to(q.scalar_type()), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> prefill(const at::Tensor& state, std::int64_t layer,
                                            const at::Tensor& seqs, const at::Tensor& q,
-                                           const at::Tensor& q_indptr) {
+                                           const at::Tensor& q_indptr, std::int64_t window) {
   auto c = find(state);
   const auto& cfg = c->config();
   const auto s = seq_list(seqs, "seqs");
@@ -312,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor> prefill(const at::Tensor& state, std::int64_t
   at::Tensor lse = at::empty({total, QH}, qf.options());
   guarded("prefill", [&] {
     c->prefill(to_int(layer, "layer"), s, indptr, qf.data_ptr<float>(), out.data_ptr<float>(),
-               lse.data_ptr<float>());
+               lse.data_ptr<float>(), to_int(window, "window"));
   });
   return {out.to(q.scalar_type()), lse};
 }
@@ -454,10 +455,10 @@ TORCH_LIBRARY(tierkv, m) {
   m.def("commit(Tensor(a!) state, Tensor seqs) -> ()");
   m.def("cancel(Tensor(a!) state, Tensor seqs) -> ()");
   m.def("append(Tensor(a!) state, int seq, Tensor k, Tensor v) -> ()");
-  m.def("decode(Tensor state, int layer, Tensor seqs, Tensor q) -> (Tensor, Tensor)");
+  m.def("decode(Tensor state, int layer, Tensor seqs, Tensor q, int window=0) -> (Tensor, Tensor)");
   m.def(
-      "prefill(Tensor state, int layer, Tensor seqs, Tensor q, Tensor q_indptr) -> (Tensor, "
-      "Tensor)");
+      "prefill(Tensor state, int layer, Tensor seqs, Tensor q, Tensor q_indptr, int window=0) -> "
+      "(Tensor, Tensor)");
   m.def("retier(Tensor(a!) state, int step) -> Tensor");
   m.def("report(Tensor state) -> Tensor");
   m.def("report_text(Tensor state) -> str");

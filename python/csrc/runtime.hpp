@@ -69,13 +69,14 @@ class runtime_cache {
   virtual void append(std::int64_t seq, std::int64_t n, const float* keys, const float* values) = 0;
 
   // queries [batch][q_heads][head_dim] -> out (same), lse [batch][q_heads] (may be null).
+  // window > 0: each query attends its sequence's last `window` positions only.
   virtual void decode(int layer, std::span<const std::int64_t> seqs, const float* queries,
-                      float* out, float* lse) = 0;
+                      float* out, float* lse, int window) = 0;
   // queries [q_indptr[batch]][q_heads][head_dim]; sequence b's chunk is its last
-  // q_indptr[b+1] - q_indptr[b] tokens, causal.
+  // q_indptr[b+1] - q_indptr[b] tokens, causal (window > 0: a query at p sees (p - window, p]).
   virtual void prefill(int layer, std::span<const std::int64_t> seqs,
                        std::span<const std::int32_t> q_indptr, const float* queries, float* out,
-                       float* lse) = 0;
+                       float* lse, int window) = 0;
 
   virtual tierkv::retier_stats retier(std::uint64_t step) = 0;
   virtual tierkv::memory_report report() const = 0;

@@ -111,6 +111,41 @@ def test_generate_through_tiered_pages():
     assert agree >= 0.5, agree
 
 
+def windowed(kind, attn):
+    """A tiny model whose layers 0 and 2 attend a 24-token sliding window (Qwen3 with
+    layer_types; Gemma 2, which also soft-caps its attention logits at 50 and scales them by
+    query_pre_attn_scalar)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, max_position_embeddings=512, sliding_window=24,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_implementation=attn)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(query_pre_attn_scalar=48, **common)).eval()
+    return Qwen3ForCausalLM(Qwen3Config(use_sliding_window=True, max_window_layers=0, **common)).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_sliding_windows_and_soft_cap(kind):
+    """Sliding-window layers (and Gemma 2's soft-capped, query_pre_attn_scalar-scaled logits)
+    through an 8-bit-only TieredCache on a 40-token prompt (longer than the window), checked as
+    test_generate_matches_dynamic_cache checks full attention. Attending every position instead
+    of the window moves these logits by far more than the bound."""
+    ref_model = windowed(kind, "eager")
+    model = windowed(kind, "tierkv")
+    ids = torch.randint(1, 256, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
+    cache = tiered(model)
+    if kind == "gemma2":
+        assert cache.soft_cap == 50.0 and abs(cache.scale - 48**-0.5) < 1e-9
+    tokens, logits = greedy(model, ids, cache)
+    ref = teacher_forced_logits(ref_model, ids, tokens)
+    rel = float((logits - ref).norm() / ref.norm())
+    assert 0 < rel < 1e-2, rel
+    gap = ref.max(-1).values - ref.gather(-1, tokens[..., None])[..., 0]
+    assert float(gap.max()) < 1e-2, gap
+
+
 def test_tierkv_attention_without_tiered_cache_is_refused():
     model = tiny("llama", "tierkv")
     with pytest.raises(RuntimeError, match="TieredCache"):

@@ -18,13 +18,13 @@ def _check_q(q, rows, what):
 
 
 @torch.library.register_fake(_lib + "decode")
-def _decode(state, layer, seqs, q):
+def _decode(state, layer, seqs, q, window=0):
     _check_q(q, seqs.shape[0], "decode")
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake(_lib + "prefill")
-def _prefill(state, layer, seqs, q, q_indptr):
+def _prefill(state, layer, seqs, q, q_indptr, window=0):
     torch._check(q.dim() == 3, lambda: f"tierkv.prefill: q must be 3-D, got {tuple(q.shape)}")
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 

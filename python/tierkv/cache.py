@@ -236,16 +236,18 @@ class Cache:
         ops.append(self.state, seq, k, v)
 
     # attention
-    def decode(self, layer: int, seqs, q: torch.Tensor):
-        """q [batch, q_heads, head_dim] -> (out like q, lse float32 [batch, q_heads])."""
-        return ops.decode(self.state, layer, seq_tensor(seqs), q)
+    def decode(self, layer: int, seqs, q: torch.Tensor, *, window: int = 0):
+        """q [batch, q_heads, head_dim] -> (out like q, lse float32 [batch, q_heads]); window > 0:
+        each query attends its sequence's last `window` positions only (sliding-window layers)."""
+        return ops.decode(self.state, layer, seq_tensor(seqs), q, window)
 
-    def prefill(self, layer: int, seqs, q: torch.Tensor, q_indptr):
+    def prefill(self, layer: int, seqs, q: torch.Tensor, q_indptr, *, window: int = 0):
         """q [total, q_heads, head_dim]; sequence b's chunk is its last q_indptr[b+1]-q_indptr[b]
-        tokens (committed or reserved), causal. -> (out like q, lse [total, q_heads])."""
+        tokens (committed or reserved), causal (window > 0: a query at p attends (p - window,
+        p]). -> (out like q, lse [total, q_heads])."""
         if not isinstance(q_indptr, torch.Tensor):
             q_indptr = torch.tensor(list(q_indptr), dtype=torch.int32)
-        return ops.prefill(self.state, layer, seq_tensor(seqs), q, q_indptr)
+        return ops.prefill(self.state, layer, seq_tensor(seqs), q, q_indptr, window)
 
     # tiering and accounting
     def retier(self, step: int) -> dict:

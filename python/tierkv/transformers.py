@@ -94,12 +94,13 @@ class _HostSteps:
     def end(self, step: int) -> None:
         pass  # retier runs at the next begin (the host path's step is synchronous)
 
-    def attend(self, layer: int, seqs, q, n: int):
+    def attend(self, layer: int, seqs, q, n: int, window: int = 0, soft_cap: float = 0.0):
+        # soft_cap is the cache's own (HostCache(soft_cap=...)): TieredCache checks they agree
         if n == 1:
-            return self.c.decode(layer, seqs, q)[0]
+            return self.c.decode(layer, seqs, q, window=window)[0]
         B = len(seqs)
         indptr = torch.arange(0, (B + 1) * n, n, dtype=torch.int32)
-        return self.c.prefill(layer, seqs, q, indptr)[0]
+        return self.c.prefill(layer, seqs, q, indptr, window=window)[0]
 
     def length(self, seq: int) -> int:
         return self.c.length(seq)
@@ -129,8 +130,12 @@ class _CudaSteps:
             self.c.end_step(step)
             self.open = False
 
-    def attend(self, layer: int, seqs, q, n: int):
-        return self.c.decode(layer, q) if n == 1 else self.c.prefill(layer, q)
+    def attend(self, layer: int, seqs, q, n: int, window: int = 0, soft_cap: float = 0.0):
+        if n == 1 and not window and not soft_cap:
+            return self.c.decode(layer, q)
+        # the GPU decode has neither yet: the chunked prefill of one token per sequence is a
+        # decode step with them (cuda/tiered_cache.cuh)
+        return self.c.prefill(layer, q, soft_cap=soft_cap, window=window)
 
     def length(self, seq: int) -> int:
         return self.c.length(seq)
@@ -154,16 +159,21 @@ class TieredCache(Cache):
         if heads % kv_heads:
             raise ValueError(f"TieredCache: {heads} attention heads are not a multiple of {kv_heads} KV heads")
         kwargs.setdefault("max_tokens", 4096)
-        kwargs.setdefault("softmax_scale", head_dim**-0.5)
+        # Gemma-style models scale logits by query_pre_attn_scalar, not head_dim, and cap them
+        kwargs.setdefault("softmax_scale", (getattr(text, "query_pre_attn_scalar", None) or head_dim) ** -0.5)
+        cap = float(getattr(text, "attn_logit_softcapping", None) or 0.0)
         geometry = dict(head_dim=head_dim, kv_heads=kv_heads, group_size=heads // kv_heads, num_layers=text.num_hidden_layers)
         names = dict(recent=recent, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         if device is not None and torch.device(device).type == "cuda":
             from .cuda import CudaCache
 
             cache = CudaCache(**geometry, **names, device=device, **kwargs)
+            cap = None  # the GPU attention takes the model's soft-cap per call
         else:
+            kwargs.setdefault("soft_cap", cap)
             cache = HostCache(**geometry, **names, **kwargs)
-        self._setup(text, cache, None, float(kwargs["softmax_scale"]))
+            cap = float(kwargs["soft_cap"])
+        self._setup(text, cache, None, float(kwargs["softmax_scale"]), cap)
 
     @classmethod
     def from_cache(cls, config, cache, seqs=None, softmax_scale=None) -> "TieredCache":
@@ -172,24 +182,29 @@ class TieredCache(Cache):
         self = cls.__new__(cls)
         text = cls._text_config(config)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self._setup(text, cache, seqs, float(softmax_scale or head_dim**-0.5))
+        self._setup(text, cache, seqs, float(softmax_scale or head_dim**-0.5), None)
         return self
 
     @staticmethod
     def _text_config(config):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         types = getattr(text, "layer_types", None)
-        if types and any(t != "full_attention" for t in types):
-            raise ValueError(f"TieredCache: every layer must be full attention, got layer_types {sorted(set(types))}")
+        supported = {"full_attention", "sliding_attention"}
+        if types and any(t not in supported for t in types):
+            raise ValueError(
+                f"TieredCache: layer_types {sorted(set(types) - supported)} are not supported "
+                f"(full and sliding-window attention are)"
+            )
         return text
 
-    def _setup(self, text, cache, seqs, scale: float) -> None:
+    def _setup(self, text, cache, seqs, scale: float, soft_cap) -> None:
         self.config = text
         self.num_layers = text.num_hidden_layers
         self.tierkv = cache
         self.on_gpu = not isinstance(cache, HostCache)
         self.steps = _CudaSteps(cache) if self.on_gpu else _HostSteps(cache)
         self.scale = scale
+        self.soft_cap = soft_cap  # the host cache's logit soft-cap (None: not checked)
         self.seqs = None if seqs is None else torch.tensor(list(seqs), dtype=torch.int64)
         self.step = 0
         self._tokens = 0  # new tokens per sequence of the step in flight
@@ -295,8 +310,15 @@ def tierkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError(f"tierkv attention: the model's scaling {scaling} differs from the cache's softmax_scale {cache.scale}")
     if dropout:
         raise ValueError("tierkv attention: dropout is not supported (inference only)")
+    window = int(kwargs.get("sliding_window") or 0)  # transformers: a query at p sees (p - window, p]
+    soft_cap = float(kwargs.get("softcap") or 0.0)
+    if cache.soft_cap is not None and abs(soft_cap - cache.soft_cap) > 1e-6 * max(1.0, soft_cap):
+        raise ValueError(
+            f"tierkv attention: the model's softcap {soft_cap} differs from the cache's soft_cap "
+            f"{cache.soft_cap} (TieredCache reads attn_logit_softcapping from the config)"
+        )
     B, qh, n, d = query.shape
-    out = cache.steps.attend(layer, cache.seqs, _rows(query), n)
+    out = cache.steps.attend(layer, cache.seqs, _rows(query), n, window, soft_cap)
     return out.view(B, n, qh, d), None
 
 
