@@ -76,7 +76,7 @@ TEST_CASE("chunked prefill: causal within the chunk, cached mixed pages before i
         {100, 37, 20, 5}, [&](int, int p, int) { return p % 2; }, rng);
     check_prefill(c, {29, 37, 0, 1}, logit_params{0.125f, 0.f}, 2, 3e-6);
   }
-  SECTION("mixed FP8/TQ3 cache, the chunk read in its stored FP8 pages; soft-cap") {
+  SECTION("mixed FP8/TQ3 cache, the chunk read in its stored FP8 pages; soft-cap; a window") {
     using Geo = geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<32>>;
     std::mt19937_64 rng(2);
     mixed_cache<Geo, mixed> c;
@@ -84,7 +84,10 @@ TEST_CASE("chunked prefill: causal within the chunk, cached mixed pages before i
     // Pages 0..5 stale (TQ3) except page 0 (anchor); the chunk's pages (the newest) are FP8.
     c.build(
         {300, 64}, [](int, int p, int pages) { return p == 0 || p >= pages - 4 ? 0 : 1; }, rng);
-    check_prefill(c, {70, 64}, logit_params{0.09f, 20.f}, 2, 1e-5);
+    for (int w : {0, 100}) {
+      INFO("window " << w);
+      check_prefill(c, {70, 64}, logit_params{0.09f, 20.f}, 2, 1e-5, w);
+    }
   }
   SECTION("sliding windows: a query at p attends (p - window, p]") {
     using Geo = geometry<head_dim<64>, kv_heads<2>, group_size<3>, page_tokens<16>>;
@@ -98,15 +101,6 @@ TEST_CASE("chunked prefill: causal within the chunk, cached mixed pages before i
       INFO("window " << w);
       check_prefill(c, {33, 40, 1}, logit_params{0.125f, 0.f}, 2, 3e-6, w);
     }
-  }
-  SECTION("sliding window over mixed FP8/TQ3 pages, with soft-cap") {
-    using Geo = geometry<head_dim<128>, kv_heads<1>, group_size<4>, page_tokens<32>>;
-    std::mt19937_64 rng(5);
-    mixed_cache<Geo, mixed> c;
-    c.seed = 6;
-    c.build(
-        {300, 64}, [](int, int p, int pages) { return p == 0 || p >= pages - 4 ? 0 : 1; }, rng);
-    check_prefill(c, {70, 64}, logit_params{0.09f, 20.f}, 2, 1e-5, 100);
   }
 }
 
