@@ -5,6 +5,7 @@
 // host chunked prefill; also the validation of their index arrays.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -233,12 +234,19 @@ struct sequence_pass<Geometry, tiers<Tiers...>> {
       key_codec::prepare_query(j.queries[r], s.prepared + std::size_t(r) * head_dim, kctx);
     state* st = s.tier_states + std::size_t(I) * std::size_t(j.rows);
     for (int r = 0; r < j.rows; ++r) st[r].clear();
+    // With windows, pages wholly before every row's window are not visited at all.
+    int window_start = 0;
+    if (j.row_first) {
+      window_start = j.row_first[0];
+      for (int r = 1; r < j.rows; ++r) window_start = std::min(window_start, j.row_first[r]);
+    }
 
     for (int e = lo; e < hi; ++e) {
       const int lpage = v.logical[e];
       const int ntok = index.tokens_in_page(j.seq, lpage, page_tokens);
-      const std::uint8_t* page = pools[I].page(std::uint32_t(v.slot[e]));
       const int page_start = lpage * page_tokens;
+      if (page_start + ntok <= window_start) continue;  // its stats stay empty (run() cleared them)
+      const std::uint8_t* page = pools[I].page(std::uint32_t(v.slot[e]));
       if (j.page_stats)
         for (int r = 0; r < j.rows; ++r) s.tstats[r] = tile_stats{};
       for (int t0 = 0; t0 < ntok; t0 += tile_tokens) {
