@@ -258,10 +258,84 @@ class tiered_cache {
   // whole step, blocking while the demotions run on the GPU (make_room); otherwise it only
   // enqueues work.
   status begin_step(std::span<const seq_id> batch, std::span<const std::int32_t> new_tokens) {
-    const auto t0 = host_clock::now();
-    status st = start_step(batch, new_tokens);
-    times_.begin_step_ns += elapsed_ns(t0);
-    return st;
+    const scoped_time timed{times_.begin_step_ns};
+    if (stepping_) return status(errc::invalid_argument, "begin_step: the last step has not ended");
+    if (batch.size() != new_tokens.size())
+      return status::make(errc::invalid_argument, "begin_step: ", batch.size(), " sequences and ",
+                          new_tokens.size(), " token counts");
+    if (batch.size() > std::size_t(opt_.max_batch))
+      return status::exceeds(errc::capacity_exhausted, "begin_step: batch", batch.size(),
+                             opt_.max_batch);
+    std::int64_t total = 0;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      if (new_tokens[b] < 0)
+        return status::make(errc::invalid_argument, "begin_step: new_tokens[", b,
+                            "] = ", new_tokens[b], " is negative");
+      auto len = storage_->length(batch[b]);
+      if (!len) return len.error_status();
+      constexpr std::int64_t T = storage_type::page_tokens;
+      if ((*len + new_tokens[b] + T - 1) / T > opt_.max_pages)
+        return status::make(errc::out_of_range, "begin_step: ", batch[b], " would have ",
+                            (*len + new_tokens[b] + T - 1) / T,
+                            " logical pages, max_pages = ", opt_.max_pages, "; nothing added");
+      for (std::size_t a = 0; a < b; ++a)
+        if (batch[a] == batch[b])
+          return status::make(errc::invalid_argument, "begin_step: ", batch[b], " appears twice");
+      total += new_tokens[b];
+    }
+    if (total > opt_.max_step_tokens)
+      return status::exceeds(errc::capacity_exhausted, "begin_step: new tokens", total,
+                             opt_.max_step_tokens);
+    // Publish a finished retier batch first: the index arrays below name its pages.
+    if (auto st = collect_retier(/*wait=*/false); !st) return st;
+    if (auto st = reserve_all(batch, new_tokens, total); !st) return st;
+    // the step's query offsets (prefill's q_indptr): sequence b's chunk is its new tokens
+    std::int32_t* qo = slots_host_ + qo_offset();
+    qo[0] = 0;
+    for (std::size_t b = 0; b < batch.size(); ++b) qo[b + 1] = qo[b] + new_tokens[b];
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(slots_dev_ + qo_offset(), qo,
+                                    (batch.size() + 1) * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream_));
+    counters_.h2d_metadata_bytes += (batch.size() + 1) * sizeof(std::int32_t);
+    // the layers whose decode computes the page mass this step (a flag each, read by the kernels)
+    choose_mass_layers();
+    std::int32_t* on = slots_host_ + mass_on_offset();
+    std::fill(on, on + layers(), 0);
+    for (int l : mass_layer_) on[l] = 1;
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(slots_dev_ + mass_on_offset(), on,
+                                    std::size_t(layers()) * sizeof(std::int32_t),
+                                    cudaMemcpyHostToDevice, stream_));
+    counters_.h2d_metadata_bytes += std::size_t(layers()) * sizeof(std::int32_t);
+    TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));  // the whole slot buffer's copies
+
+    batch_.assign(batch.begin(), batch.end());
+    rows_.resize(batch.size());
+    pages_.resize(batch.size());
+    lens_.resize(batch.size());
+    std::vector<std::int32_t> per_format(batch.size() * std::size_t(num_tiers));
+    const auto share = tier_shares();
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::int64_t len = *storage_->length(batch[b]);
+      const std::int64_t pages = *storage_->logical_pages(batch[b]);
+      rows_[b] = row_of(batch[b]);
+      pages_[b] = std::int32_t(pages);
+      lens_[b] = std::int32_t(len);
+      for (int f = 0; f < num_tiers; ++f)
+        per_format[b * num_tiers + std::size_t(f)] = std::int32_t(std::lround(pages * share[f]));
+    }
+    {
+      const scoped_time index_timed{times_.index_ns};
+      if (auto st = mirror_->build(rows_, pages_, lens_, stream_); !st) return st;
+      counters_.h2d_metadata_bytes += mirror_->last_upload_bytes();
+      decode_capacity cap{opt_.max_batch, opt_.max_chunks_per_seq, opt_.max_pages, true};
+      auto plan =
+          plan_decode<Geometry, Tiers>(cap, per_format.data(), int(batch.size()), sm_count_);
+      if (!plan) return plan.error_status();
+      plan_ = *plan;
+    }
+    if (auto st = clear_sampled_masses(); !st) return st;
+    stepping_ = true;
+    return {};
   }
 
   // Makes `s` the cache's stream (between steps): later steps, forks and conversions order on
@@ -362,11 +436,38 @@ class tiered_cache {
   // finishes the batch, giving the replaced pages back, before returning (tests, shutdown).
   result<retier_stats> end_step(std::uint64_t step, bool wait = false) {
     if (!stepping_) return status(errc::invalid_argument, "end_step: call begin_step first");
-    const auto t0 = host_clock::now();
-    auto r = finish_step(step, wait);
-    times_.end_step_ns += elapsed_ns(t0);
+    const scoped_time timed{times_.end_step_ns};
     ++times_.steps;
-    return r;
+    stepping_ = false;
+    mass_copy& now = mass_copies_[std::size_t(mass_turn_)];
+    mass_turn_ ^= 1;
+    if (auto st = queue_masses(now); !st) return st;
+    if (auto st = feed_masses(mass_copies_[std::size_t(mass_turn_)]); !st) return st;
+    if (wait)
+      if (auto st = feed_masses(now); !st) return st;
+    retier_stats st;
+    {
+      const scoped_time retier_timed{times_.retier_ns};
+      if (auto c = collect_retier(wait); !c) return c;
+    }
+    std::span<const conversion> todo;
+    {
+      const scoped_time plan_timed{times_.plan_ns};
+      todo = controller_->plan(step);
+    }
+    {
+      const scoped_time retier_timed{times_.retier_ns};
+      const std::size_t n = std::min(todo.size(), std::size_t(opt_.max_retier_pages));
+      auto queued = driver_->enqueue(*controller_, todo.first(n), stream_, st);
+      if (!queued) return queued.error_status();
+      if (*queued > 0) counters_.h2d_metadata_bytes += retier_list_bytes();
+      if (wait)
+        if (auto c = collect_retier(true); !c) return c;
+    }
+    st.add(last_batch_);
+    last_batch_ = retier_stats{};
+    totals_.add(st);
+    return st;
   }
 
   // ---- accounting ----------------------------------------------------------------------------
@@ -418,114 +519,6 @@ class tiered_cache {
   int layers() const noexcept { return opt_.storage.num_layers; }
 
  private:
-  // ---- the step's parts ----------------------------------------------------------------------
-  status start_step(std::span<const seq_id> batch, std::span<const std::int32_t> new_tokens) {
-    if (stepping_) return status(errc::invalid_argument, "begin_step: the last step has not ended");
-    if (batch.size() != new_tokens.size())
-      return status::make(errc::invalid_argument, "begin_step: ", batch.size(), " sequences and ",
-                          new_tokens.size(), " token counts");
-    if (batch.size() > std::size_t(opt_.max_batch))
-      return status::exceeds(errc::capacity_exhausted, "begin_step: batch", batch.size(),
-                             opt_.max_batch);
-    std::int64_t total = 0;
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      if (new_tokens[b] < 0)
-        return status::make(errc::invalid_argument, "begin_step: new_tokens[", b,
-                            "] = ", new_tokens[b], " is negative");
-      auto len = storage_->length(batch[b]);
-      if (!len) return len.error_status();
-      constexpr std::int64_t T = storage_type::page_tokens;
-      if ((*len + new_tokens[b] + T - 1) / T > opt_.max_pages)
-        return status::make(errc::out_of_range, "begin_step: ", batch[b], " would have ",
-                            (*len + new_tokens[b] + T - 1) / T,
-                            " logical pages, max_pages = ", opt_.max_pages, "; nothing added");
-      for (std::size_t a = 0; a < b; ++a)
-        if (batch[a] == batch[b])
-          return status::make(errc::invalid_argument, "begin_step: ", batch[b], " appears twice");
-      total += new_tokens[b];
-    }
-    if (total > opt_.max_step_tokens)
-      return status::exceeds(errc::capacity_exhausted, "begin_step: new tokens", total,
-                             opt_.max_step_tokens);
-    // Publish a finished retier batch first: the index arrays below name its pages.
-    if (auto st = collect_retier(/*wait=*/false); !st) return st;
-    if (auto st = reserve_all(batch, new_tokens, total); !st) return st;
-    // the step's query offsets (prefill's q_indptr): sequence b's chunk is its new tokens
-    std::int32_t* qo = slots_host_ + qo_offset();
-    qo[0] = 0;
-    for (std::size_t b = 0; b < batch.size(); ++b) qo[b + 1] = qo[b] + new_tokens[b];
-    TIERKV_CUDA_TRY(cudaMemcpyAsync(slots_dev_ + qo_offset(), qo,
-                                    (batch.size() + 1) * sizeof(std::int32_t),
-                                    cudaMemcpyHostToDevice, stream_));
-    counters_.h2d_metadata_bytes += (batch.size() + 1) * sizeof(std::int32_t);
-    // the layers whose decode computes the page mass this step (a flag each, read by the kernels)
-    choose_mass_layers();
-    std::int32_t* on = slots_host_ + mass_on_offset();
-    std::fill(on, on + layers(), 0);
-    for (int l : mass_layer_) on[l] = 1;
-    TIERKV_CUDA_TRY(cudaMemcpyAsync(slots_dev_ + mass_on_offset(), on,
-                                    std::size_t(layers()) * sizeof(std::int32_t),
-                                    cudaMemcpyHostToDevice, stream_));
-    counters_.h2d_metadata_bytes += std::size_t(layers()) * sizeof(std::int32_t);
-    TIERKV_CUDA_TRY(cudaEventRecord(slots_uploaded_, stream_));  // the whole slot buffer's copies
-
-    batch_.assign(batch.begin(), batch.end());
-    rows_.resize(batch.size());
-    pages_.resize(batch.size());
-    lens_.resize(batch.size());
-    std::vector<std::int32_t> per_format(batch.size() * std::size_t(num_tiers));
-    const auto share = tier_shares();
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::int64_t len = *storage_->length(batch[b]);
-      const std::int64_t pages = *storage_->logical_pages(batch[b]);
-      rows_[b] = row_of(batch[b]);
-      pages_[b] = std::int32_t(pages);
-      lens_[b] = std::int32_t(len);
-      for (int f = 0; f < num_tiers; ++f)
-        per_format[b * num_tiers + std::size_t(f)] = std::int32_t(std::lround(pages * share[f]));
-    }
-    const auto t_index = host_clock::now();
-    if (auto st = mirror_->build(rows_, pages_, lens_, stream_); !st) return st;
-    counters_.h2d_metadata_bytes += mirror_->last_upload_bytes();
-    decode_capacity cap{opt_.max_batch, opt_.max_chunks_per_seq, opt_.max_pages, true};
-    auto plan = plan_decode<Geometry, Tiers>(cap, per_format.data(), int(batch.size()), sm_count_);
-    if (!plan) return plan.error_status();
-    plan_ = *plan;
-    times_.index_ns += elapsed_ns(t_index);
-    if (auto st = clear_sampled_masses(); !st) return st;
-    stepping_ = true;
-    return {};
-  }
-
-  result<retier_stats> finish_step(std::uint64_t step, bool wait) {
-    stepping_ = false;
-    mass_copy& now = mass_copies_[std::size_t(mass_turn_)];
-    mass_turn_ ^= 1;
-    if (auto st = queue_masses(now); !st) return st;
-    if (auto st = feed_masses(mass_copies_[std::size_t(mass_turn_)]); !st) return st;
-    if (wait)
-      if (auto st = feed_masses(now); !st) return st;
-    retier_stats st;
-    auto t = host_clock::now();
-    if (auto c = collect_retier(wait); !c) return c;
-    times_.retier_ns += elapsed_ns(t);
-    t = host_clock::now();
-    const auto todo = controller_->plan(step);
-    times_.plan_ns += elapsed_ns(t);
-    t = host_clock::now();
-    const std::size_t n = std::min(todo.size(), std::size_t(opt_.max_retier_pages));
-    auto queued = driver_->enqueue(*controller_, todo.first(n), stream_, st);
-    if (!queued) return queued.error_status();
-    if (*queued > 0) counters_.h2d_metadata_bytes += retier_list_bytes();
-    if (wait)
-      if (auto c = collect_retier(true); !c) return c;
-    times_.retier_ns += elapsed_ns(t);
-    st.add(last_batch_);
-    last_batch_ = retier_stats{};
-    totals_.add(st);
-    return st;
-  }
-
   // A step's sampled page masses on their way to the host (end_step feeds the previous step's).
   struct mass_copy {
     std::vector<seq_id> batch;  // the step's batch
@@ -696,11 +689,9 @@ class tiered_cache {
       need += *p;
     }
     if (need > 0) {
-      const auto t0 = host_clock::now();
-      const std::uint32_t ask = std::uint32_t(std::min<std::uint64_t>(need, UINT32_MAX));
-      status room = make_room(ask);
-      times_.make_room_ns += elapsed_ns(t0);
-      if (!room) return room;
+      const scoped_time room_timed{times_.make_room_ns};
+      if (auto st = make_room(std::uint32_t(std::min<std::uint64_t>(need, UINT32_MAX))); !st)
+        return st;
     }
     std::int64_t at = 0;
     std::size_t done = 0;
@@ -836,15 +827,11 @@ class tiered_cache {
   status feed_masses(mass_copy& m) {
     if (!m.pending) return {};
     m.pending = false;
-    auto t = host_clock::now();
-    TIERKV_CUDA_TRY(cudaEventSynchronize(m.ready));
-    times_.mass_wait_ns += elapsed_ns(t);
-    t = host_clock::now();
-    struct fold_time {  // every return below counts
-      host_times& times;
-      host_clock::time_point t;
-      ~fold_time() { times.mass_fold_ns += elapsed_ns(t); }
-    } fold{times_, t};
+    {
+      const scoped_time wait_timed{times_.mass_wait_ns};
+      TIERKV_CUDA_TRY(cudaEventSynchronize(m.ready));
+    }
+    const scoped_time fold_timed{times_.mass_fold_ns};
     for (std::size_t j = 0; j < m.layers.size(); ++j) {
       const int l = m.layers[j];
       for (std::size_t b = 0; b < m.batch.size(); ++b) {
@@ -875,11 +862,16 @@ class tiered_cache {
     return used;
   }
 
-  using host_clock = std::chrono::steady_clock;
-  static std::uint64_t elapsed_ns(host_clock::time_point since) {
-    return std::uint64_t(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(host_clock::now() - since).count());
-  }
+  // Adds the nanoseconds its scope lasted to a host_times field (every return path counts).
+  struct scoped_time {
+    using clock = std::chrono::steady_clock;
+    std::uint64_t& ns;
+    clock::time_point t0 = clock::now();
+    ~scoped_time() {
+      ns += std::uint64_t(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count());
+    }
+  };
 
   options opt_;
   cudaStream_t stream_ = nullptr;
