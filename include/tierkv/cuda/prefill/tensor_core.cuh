@@ -44,37 +44,45 @@ inline constexpr int prefill_warps = 8;
 inline constexpr int prefill_threads = 32 * prefill_warps;
 inline constexpr int prefill_rows = prefill_block_rows;  // (query, head) rows of a block
 static_assert(prefill_rows == 16 * prefill_warps, "prefill: 16 rows a warp");
-inline constexpr int prefill_tile = 64;        // tokens of a K/V tile
-inline constexpr int prefill_max_entries = 4;  // index entries of a tile (pages of 16 tokens)
+// Tokens of a K/V tile: two decoded tiles (and two staged ones) must fit beside the queries, so
+// head_dim 256 takes 32-token tiles.
+template <int D>
+inline constexpr int prefill_tile = D == 256 ? 32 : 64;
+inline constexpr int prefill_max_entries = 4;    // index entries of a tile (pages of 16 tokens)
+inline constexpr int prefill_entry_buffers = 4;  // tiles t + 1 (unpack), t + 2 (fetch), t + 3
 
 // Shared memory of a block (bytes). Q / K / V rows are padded by 16 bytes so the 8 row addresses
 // of an ldmatrix hit 8 different 16-byte bank groups; the output scratch (f32, one 16-row slab
-// per warp, padded by 8 floats: the fragment stores take 2 wavefronts) lies over Q, K and V. The
-// staging area holds the next tile's raw payloads and metas as cp.async lands them.
+// per warp, padded by 8 floats: the fragment stores take 2 wavefronts) lies over Q and both K / V
+// buffers. Two decoded tiles (one computed while the next is decoded) and two staging areas (the
+// raw payloads and metas cp.async lands, one tile ahead of the decode).
 template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload>
 struct prefill_smem {
   static constexpr int D = Geometry::head_dim;
+  static constexpr int tile = prefill_tile<D>;
   static constexpr int pitch = D + 8;    // halves per Q / K / V row
   static constexpr int o_pitch = D + 8;  // floats per output scratch row
+  static constexpr std::size_t kv_bytes = std::size_t(tile) * pitch * 2;  // one K or V tile
+  static constexpr std::size_t stage_k_bytes = tile * KeyPayload;
+  static constexpr std::size_t stage_v_bytes = tile * ValuePayload;
+  static constexpr std::size_t stage_bytes = stage_k_bytes + stage_v_bytes + 2 * tile * 2;
   static constexpr std::size_t q_off = 0;
-  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * pitch * 2;
-  static constexpr std::size_t v_off = k_off + std::size_t(prefill_tile) * pitch * 2;
-  static constexpr std::size_t stage_k_off = v_off + std::size_t(prefill_tile) * pitch * 2;
-  static constexpr std::size_t stage_v_off = stage_k_off + prefill_tile * KeyPayload;
-  static constexpr std::size_t stage_kmeta_off = stage_v_off + prefill_tile * ValuePayload;
-  static constexpr std::size_t stage_vmeta_off = stage_kmeta_off + prefill_tile * 2;
-  static constexpr std::size_t ent_off =
-      stage_vmeta_off + prefill_tile * 2;  // [2][slot, logical][4]
-  static constexpr std::size_t kscale_off = ent_off + 2 * 2 * prefill_max_entries * 4;
-  static constexpr std::size_t vscale_off = kscale_off + prefill_tile * 4;
-  static constexpr std::size_t kpos_off = vscale_off + prefill_tile * 4;
-  static constexpr std::size_t rscale_off = kpos_off + prefill_tile * 4;
+  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * pitch * 2;  // [2]
+  static constexpr std::size_t v_off = k_off + 2 * kv_bytes;                           // [2]
+  static constexpr std::size_t stage_off = v_off + 2 * kv_bytes;                       // [2]
+  static constexpr std::size_t ent_off = stage_off + 2 * stage_bytes;  // [4][slot, logical][4]
+  static constexpr std::size_t kscale_off =
+      ent_off + prefill_entry_buffers * 2 * prefill_max_entries * 4;  // [2][tile]
+  static constexpr std::size_t vscale_off = kscale_off + 2 * tile * 4;
+  static constexpr std::size_t kpos_off = vscale_off + 2 * tile * 4;
+  static constexpr std::size_t rscale_off = kpos_off + 2 * tile * 4;
   static constexpr std::size_t rbad_off = rscale_off + prefill_rows * 4;
   static constexpr std::size_t bytes = rbad_off + prefill_rows * 4;
-  static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= stage_k_off,
+  static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= stage_off,
                 "prefill: the output scratch must fit over Q, K and V");
-  static_assert(prefill_tile * KeyPayload % 16 == 0 && prefill_tile * ValuePayload % 16 == 0,
+  static_assert(stage_k_bytes % 16 == 0 && stage_v_bytes % 16 == 0 && tile * 2 % 16 == 0,
                 "prefill: staged tiles are whole 16-byte units");
+  static_assert(bytes <= 227 * 1024, "prefill: shared memory beyond the H100 / H200 limit");
 };
 
 // Pass order over a tier list: the tiers whose values are rotated first, so O is un-rotated at
@@ -112,15 +120,16 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   static constexpr int D = Geometry::head_dim, G = Geometry::group_size;
   static constexpr int T = Geometry::page_tokens, QH = Geometry::q_heads;
-  static constexpr int P = D / 32;                                // coordinates per lane of a row
-  static constexpr int NT = D / 8;                                // 8-column n-tiles of a row of O
-  static constexpr int ST = prefill_tile / 8;                     // 8-token n-tiles of a score row
-  static constexpr int TE = T < prefill_tile ? T : prefill_tile;  // tokens of an entry in a tile
-  static constexpr int EPT = prefill_tile / TE;                   // entries of a tile
+  static constexpr int TL = prefill_tile<D>;  // tokens of a K / V tile
+  static constexpr int P = D / 32;            // coordinates per lane of a row
+  static constexpr int NT = D / 8;            // 8-column n-tiles of a row of O
+  static constexpr int ST = TL / 8;           // 8-token n-tiles of a score row
+  static constexpr int TE = T < TL ? T : TL;  // tokens of an entry in a tile
+  static constexpr int EPT = TL / TE;         // entries of a tile
   using SM = prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>>;
   static_assert(D == 64 || D == 128 || D == 256, "prefill: head_dim 64, 128 or 256");
   static_assert(G >= 1 && G <= 8, "prefill: group_size 1..8");
-  static_assert(prefill_tile % T == 0 || T % prefill_tile == 0,
+  static_assert(TL % T == 0 || T % TL == 0,
                 "prefill: page_tokens must divide 64 or be a multiple of it");
   static_assert(EPT <= prefill_max_entries, "prefill: pages of at least 16 tokens");
 
@@ -138,22 +147,37 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     int split;
     int* err;
   };
+  // Shared-memory views; the double buffers are addressed from their first (kv, st: 0 or 1).
   struct smem {
     std::uint8_t* base;
     __half* q;
-    __half* k;
-    __nv_bfloat16* v;
-    std::uint8_t* stage_k;
-    std::uint8_t* stage_v;
-    std::uint16_t* stage_kmeta;
-    std::uint16_t* stage_vmeta;
     std::int32_t* ent;  // [buffer][slot, logical][prefill_max_entries]
-    float* kscale;
-    float* vscale;
-    int* kpos;
     float* rscale;
     int* rbad;
     float* scratch;  // over q, k and v
+    __device__ __half* k(int kv) const {
+      return reinterpret_cast<__half*>(base + SM::k_off + kv * SM::kv_bytes);
+    }
+    __device__ __nv_bfloat16* v(int kv) const {
+      return reinterpret_cast<__nv_bfloat16*>(base + SM::v_off + kv * SM::kv_bytes);
+    }
+    __device__ float* kscale(int kv) const {
+      return reinterpret_cast<float*>(base + SM::kscale_off) + kv * TL;
+    }
+    __device__ float* vscale(int kv) const {
+      return reinterpret_cast<float*>(base + SM::vscale_off) + kv * TL;
+    }
+    __device__ int* kpos(int kv) const {
+      return reinterpret_cast<int*>(base + SM::kpos_off) + kv * TL;
+    }
+    __device__ std::uint8_t* stage_k(int st) const {
+      return base + SM::stage_off + st * SM::stage_bytes;
+    }
+    __device__ std::uint8_t* stage_v(int st) const { return stage_k(st) + SM::stage_k_bytes; }
+    __device__ std::uint16_t* stage_kmeta(int st) const {
+      return reinterpret_cast<std::uint16_t*>(stage_v(st) + SM::stage_v_bytes);
+    }
+    __device__ std::uint16_t* stage_vmeta(int st) const { return stage_kmeta(st) + TL; }
     __device__ std::int32_t* slots(int buf) const { return ent + buf * 2 * prefill_max_entries; }
     __device__ std::int32_t* logicals(int buf) const {
       return ent + (buf * 2 + 1) * prefill_max_entries;
@@ -266,13 +290,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                     const format_pages_view& fv, int e_begin, int e_end, int& lo,
                                     int& hi) {
     const int tokens = (e_end - e_begin) * T;
-    const int tiles = (tokens + prefill_tile - 1) / prefill_tile;
-    hi = tile_search(
-        tiles, [&](int t) { return entry_position(fv, e_begin, t * prefill_tile) > bk.pos_max; });
+    const int tiles = (tokens + TL - 1) / TL;
+    hi =
+        tile_search(tiles, [&](int t) { return entry_position(fv, e_begin, t * TL) > bk.pos_max; });
     lo = 0;
     if (in.window > 0)
       lo = tile_search(hi, [&](int t) {
-        const int last = min(t * prefill_tile + prefill_tile, tokens) - 1;
+        const int last = min(t * TL + TL, tokens) - 1;
         return entry_position(fv, e_begin, last) > bk.pos_min - in.window;
       });
   }
@@ -283,7 +307,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                        int tile, int buf, const smem& sm) {
     const int i = int(threadIdx.x);
     if (i < EPT) {
-      const int e = e_begin + (tile * prefill_tile) / T + i;
+      const int e = e_begin + (tile * TL) / T + i;
       if (e < e_end) {
         cp_async_4(sm.slots(buf) + i, fv.slot + e);
         cp_async_4(sm.logicals(buf) + i, fv.logical + e);
@@ -294,18 +318,18 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   }
   // cp.async of tile `tile`'s key / value payloads and metas of the block's KV head (entries in
-  // buffer `buf`) into the staging area; a bad or absent entry's bytes are not fetched.
+  // buffer `buf`) into staging area `stage`; a bad or absent entry's bytes are not fetched.
   template <int F>
   static __device__ void fetch_tile(const prefill_inputs<N>& in, const block& bk, int tile, int buf,
-                                    const smem& sm) {
+                                    int stage, const smem& sm) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using layout = page_layout<Geometry, K, V>;
     const pool_view pool = in.pools[F];
-    const int t0 = T > prefill_tile ? (tile * prefill_tile) % T : 0;  // first token in its page
+    const int t0 = T > TL ? (tile * TL) % T : 0;  // first token in its page
     auto copy = [&](std::uint8_t* dst, std::size_t row_bytes, auto region) {
       constexpr int entry_bytes_unit = 16;
-      const int units = int(prefill_tile * row_bytes / entry_bytes_unit);
+      const int units = int(TL * row_bytes / entry_bytes_unit);
       for (int u = int(threadIdx.x); u < units; u += prefill_threads) {
         const int byte = u * entry_bytes_unit;
         const int j = byte / int(TE * row_bytes);
@@ -316,20 +340,23 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         cp_async_16(dst + byte, src);
       }
     };
-    copy(sm.stage_k, K::payload_bytes, [&](int t) { return layout::key_payload(bk.kvh, t); });
-    copy(sm.stage_v, V::payload_bytes, [&](int t) { return layout::value_payload(bk.kvh, t); });
-    copy(reinterpret_cast<std::uint8_t*>(sm.stage_kmeta), 2,
+    copy(sm.stage_k(stage), K::payload_bytes,
+         [&](int t) { return layout::key_payload(bk.kvh, t); });
+    copy(sm.stage_v(stage), V::payload_bytes,
+         [&](int t) { return layout::value_payload(bk.kvh, t); });
+    copy(reinterpret_cast<std::uint8_t*>(sm.stage_kmeta(stage)), 2,
          [&](int t) { return layout::key_meta(bk.kvh, t); });
-    copy(reinterpret_cast<std::uint8_t*>(sm.stage_vmeta), 2,
+    copy(reinterpret_cast<std::uint8_t*>(sm.stage_vmeta(stage)), 2,
          [&](int t) { return layout::value_meta(bk.kvh, t); });
   }
 
-  // The landed tile (staging, entries in `buf`) -> K (f16) / V (bf16) tiles, scales and
-  // positions, by all threads. A token past the sequence, past the entries or of a bad entry gets
-  // position INT_MAX (masked for every row) and zero K / V (0 x poison stays out of P V).
+  // The landed tile (staging area `st`, entries in `buf`) -> decoded buffer `kv`: K (f16) / V
+  // (bf16), scales and positions, by all threads. A token past the sequence, past the entries or
+  // of a bad entry gets position INT_MAX (masked for every row) and zero K / V (0 x poison stays
+  // out of P V).
   template <int F>
-  static __device__ void unpack_tile(const block& bk, int tile, int present, int buf,
-                                     const pool_view& pool, const smem& sm) {
+  static __device__ void unpack_tile(const block& bk, int tile, int present, int buf, int st,
+                                     int kv, const pool_view& pool, const smem& sm) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using KR = slice_reader<K>;
@@ -337,8 +364,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
                   "prefill: per-token meta must be bf16 bits (docs/formats.md)");
     constexpr int S = D / 16;  // 16-coordinate slices of a token
-    const int t0 = T > prefill_tile ? (tile * prefill_tile) % T : 0;
-    for (int idx = int(threadIdx.x); idx < prefill_tile * S; idx += prefill_threads) {
+    const int t0 = T > TL ? (tile * TL) % T : 0;
+    for (int idx = int(threadIdx.x); idx < TL * S; idx += prefill_threads) {
       const int i = idx / S, s = idx % S;
       const int j = i / TE;
       const std::int32_t slot = sm.slots(buf)[j], logical = sm.logicals(buf)[j];
@@ -351,13 +378,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           if (p < bk.len) pos = int(p);
         }
       }
-      uint4* kd = reinterpret_cast<uint4*>(sm.k + i * SM::pitch + s * 16);
-      uint4* vd = reinterpret_cast<uint4*>(sm.v + i * SM::pitch + s * 16);
+      uint4* kd = reinterpret_cast<uint4*>(sm.k(kv) + i * SM::pitch + s * 16);
+      uint4* vd = reinterpret_cast<uint4*>(sm.v(kv) + i * SM::pitch + s * 16);
       if (pos != INT_MAX) {
         const typename KR::raw kr =
-            KR::template load<true>(sm.stage_k + std::size_t(i) * K::payload_bytes, s);
+            KR::template load<true>(sm.stage_k(st) + std::size_t(i) * K::payload_bytes, s);
         const typename VR::raw vr =
-            VR::template load<true>(sm.stage_v + std::size_t(i) * V::payload_bytes, s);
+            VR::template load<true>(sm.stage_v(st) + std::size_t(i) * V::payload_bytes, s);
         float x[16];
         std::uint32_t w[8];
         if constexpr (requires { KR::unpack_h2(kr, s, w); }) {
@@ -378,27 +405,27 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         vd[0] = make_uint4(w[0], w[1], w[2], w[3]);
         vd[1] = make_uint4(w[4], w[5], w[6], w[7]);
         if (s == 0) {
-          sm.kscale[i] = bf16_bits_to_float(sm.stage_kmeta[i]) * KR::code_scale;
-          sm.vscale[i] = bf16_bits_to_float(sm.stage_vmeta[i]) * VR::code_scale;
+          sm.kscale(kv)[i] = bf16_bits_to_float(sm.stage_kmeta(st)[i]) * KR::code_scale;
+          sm.vscale(kv)[i] = bf16_bits_to_float(sm.stage_vmeta(st)[i]) * VR::code_scale;
         }
       } else {
         kd[0] = kd[1] = vd[0] = vd[1] = make_uint4(0u, 0u, 0u, 0u);
-        if (s == 0) sm.kscale[i] = sm.vscale[i] = 0.f;
+        if (s == 0) sm.kscale(kv)[i] = sm.vscale(kv)[i] = 0.f;
       }
-      if (s == 0) sm.kpos[i] = pos;
+      if (s == 0) sm.kpos(kv)[i] = pos;
     }
   }
 
-  // The warp's 16 rows over the tile in shared memory. Masked = false: every token of the tile
+  // The warp's 16 rows over decoded tile buffer `kv`. Masked = false: every token of the tile
   // is valid and visible to every row of the warp (no position compare per logit).
   template <bool Masked>
-  static __device__ void compute_tile(const prefill_inputs<N>& in, const smem& sm, warp_state& st,
-                                      int warp, int lane) {
+  static __device__ void compute_tile(const prefill_inputs<N>& in, const smem& sm, int kv,
+                                      warp_state& st, int warp, int lane) {
     float s[ST][4];
 #pragma unroll
     for (int j = 0; j < ST; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     const __half* qrow = sm.q + (warp * 16 + lane % 16) * SM::pitch + (lane / 16) * 8;
-    const __half* krow = sm.k + ((lane / 16) * 8 + lane % 8) * SM::pitch + ((lane / 8) % 2) * 8;
+    const __half* krow = sm.k(kv) + ((lane / 16) * 8 + lane % 8) * SM::pitch + ((lane / 8) % 2) * 8;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       std::uint32_t a[4];
@@ -416,9 +443,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < ST; ++j) {
-      const float2 ksc = *reinterpret_cast<const float2*>(sm.kscale + 8 * j + cb);
+      const float2 ksc = *reinterpret_cast<const float2*>(sm.kscale(kv) + 8 * j + cb);
       int2 kp = make_int2(0, 0);
-      if constexpr (Masked) kp = *reinterpret_cast<const int2*>(sm.kpos + 8 * j + cb);
+      if constexpr (Masked) kp = *reinterpret_cast<const int2*>(sm.kpos(kv) + 8 * j + cb);
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll
@@ -448,7 +475,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     std::uint32_t pa[ST][2];  // bf16 pairs of p x value scale: rows g (0) and g + 8 (1)
 #pragma unroll
     for (int j = 0; j < ST; ++j) {
-      const float2 vsc = *reinterpret_cast<const float2*>(sm.vscale + 8 * j + cb);
+      const float2 vsc = *reinterpret_cast<const float2*>(sm.vscale(kv) + 8 * j + cb);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float p0 = fast_exp2(s[j][2 * r] - mu[r]), p1 = fast_exp2(s[j][2 * r + 1] - mu[r]);
@@ -470,9 +497,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       }
     }
     const __nv_bfloat16* vrow =
-        sm.v + (lane % 8 + ((lane / 8) % 2) * 8) * SM::pitch + (lane / 16) * 8;
+        sm.v(kv) + (lane % 8 + ((lane / 8) % 2) * 8) * SM::pitch + (lane / 16) * 8;
 #pragma unroll
-    for (int kt = 0; kt < prefill_tile / 16; ++kt) {
+    for (int kt = 0; kt < TL / 16; ++kt) {
       const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
                                   pa[2 * kt + 1][1]};
 #pragma unroll
@@ -520,7 +547,12 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     __syncwarp();
   }
 
-  // Tier F's tiles [a, b) of this block: the fetch of tile t + 1 overlaps tile t's compute.
+  // Tier F's tiles [a, b) of this block, a three-stage pipeline with one barrier a tile: while
+  // tile t is computed from one decoded buffer, tile t + 1 is decoded from its staging area into
+  // the other and tile t + 2's bytes land by cp.async in the staging area t's bytes left (the
+  // index entries run one tile further ahead). The decode is ALU work and the compute tensor-core
+  // work: the block's two warp halves take them in opposite orders, so each scheduler (warps w
+  // and w + 4) has one warp of each kind to issue from.
   template <int F>
   static __device__ void tier_tiles(const prefill_inputs<N>& in, const block& bk, int e_begin,
                                     int e_end, int a, int b, const smem& sm, warp_state& st,
@@ -535,30 +567,37 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
       wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
     }
-    __syncthreads();  // the staging area and the entry buffers are free
-    fetch_entries(fv, e_begin, e_end, a, 0, sm);
+    const bool decode_first = warp >= prefill_warps / 2;
+    constexpr int EB = prefill_entry_buffers;
+    auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
+    auto decode = [&](int t) {
+      unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) & 1, (t - a) & 1, pool, sm);
+    };
+    __syncthreads();  // the staging areas, entry and decoded buffers are free
+    for (int t = a; t < a + 3 && t < b; ++t) fetch_entries(fv, e_begin, e_end, t, t - a, sm);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    fetch_tile<F>(in, bk, a, 0, sm);
-    if (a + 1 < b) fetch_entries(fv, e_begin, e_end, a + 1, 1, sm);
+    for (int t = a; t < a + 2 && t < b; ++t) fetch_tile<F>(in, bk, t, t - a, t - a, sm);
     cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    decode(a);
+    __syncthreads();
     for (int t = a; t < b; ++t) {
-      const int buf = (t - a) & 1;
-      cp_async_wait<0>();
-      __syncthreads();  // tile t and the entries of t + 1 have landed; tile t - 1 is computed
-      unpack_tile<F>(bk, t, min(EPT, e_end - (e_begin + (t * prefill_tile) / T)), buf, pool, sm);
-      __syncthreads();
-      if (t + 1 < b) {
-        fetch_tile<F>(in, bk, t + 1, buf ^ 1, sm);
-        if (t + 2 < b) fetch_entries(fv, e_begin, e_end, t + 2, buf, sm);
-        cp_async_commit();
-      }
-      const int first = sm.kpos[0], last = sm.kpos[prefill_tile - 1];  // positions grow in a tile
+      const int kv = (t - a) & 1;
+      if (t + 2 < b) fetch_tile<F>(in, bk, t + 2, (t + 2 - a) % EB, kv, sm);
+      if (t + 3 < b) fetch_entries(fv, e_begin, e_end, t + 3, (t + 3 - a) % EB, sm);
+      cp_async_commit();
+      if (decode_first && t + 1 < b) decode(t + 1);
+      const int first = sm.kpos(kv)[0], last = sm.kpos(kv)[TL - 1];  // positions grow in a tile
       if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
-        compute_tile<false>(in, sm, st, warp, lane);
+        compute_tile<false>(in, sm, kv, st, warp, lane);
       else if (first <= wmax)
-        compute_tile<true>(in, sm, st, warp, lane);
+        compute_tile<true>(in, sm, kv, st, warp, lane);
+      if (!decode_first && t + 1 < b) decode(t + 1);
+      cp_async_wait<0>();
+      __syncthreads();  // tile t + 1 decoded, t + 2 landed; tile t's buffers are free
     }
   }
 
@@ -635,16 +674,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     std::uint8_t* base = prefill_shared;
     sm.base = base;
     sm.q = reinterpret_cast<__half*>(base + SM::q_off);
-    sm.k = reinterpret_cast<__half*>(base + SM::k_off);
-    sm.v = reinterpret_cast<__nv_bfloat16*>(base + SM::v_off);
-    sm.stage_k = base + SM::stage_k_off;
-    sm.stage_v = base + SM::stage_v_off;
-    sm.stage_kmeta = reinterpret_cast<std::uint16_t*>(base + SM::stage_kmeta_off);
-    sm.stage_vmeta = reinterpret_cast<std::uint16_t*>(base + SM::stage_vmeta_off);
     sm.ent = reinterpret_cast<std::int32_t*>(base + SM::ent_off);
-    sm.kscale = reinterpret_cast<float*>(base + SM::kscale_off);
-    sm.vscale = reinterpret_cast<float*>(base + SM::vscale_off);
-    sm.kpos = reinterpret_cast<int*>(base + SM::kpos_off);
     sm.rscale = reinterpret_cast<float*>(base + SM::rscale_off);
     sm.rbad = reinterpret_cast<int*>(base + SM::rbad_off);
     sm.scratch = reinterpret_cast<float*>(base + SM::q_off);
