@@ -5,12 +5,16 @@
 // every step is one begin_step, per layer append + attention, one end_step (page mass to the
 // policy, conversions on a side stream). A step that holds prefill chunks runs the chunked
 // prefill for the whole batch (a sequence with one new token gets decode's answer); a step of
-// single tokens runs decode. The "model" is random bf16 keys, values and queries from a hash
-// (the example is the loop, not a model). It checks: every request finished, every page back in
-// its pool once the prefix entries are evicted, the cache's invariants, no device-side error,
-// no page bytes over PCIe.
+// single tokens runs decode. A decode step's launches (every layer's append and decode) are
+// captured once per batch size as a CUDA graph and replayed at every later step of that size:
+// begin_step rewrites the metadata the graph reads in place, and the step's K/V/Q inputs are
+// written into fixed per-layer buffers before the replay. The "model" is random bf16 keys,
+// values and queries from a hash (the example is the loop, not a model). It checks: every
+// request finished, every page back in its pool once the prefix entries are evicted, the cache's
+// invariants, no device-side error, no page bytes over PCIe, and that a replayed decode step
+// writes the same outputs as the same step run eagerly.
 //
-//   tierkv_example_06_gpu_engine_loop [--requests 64] [--gen 32] [--layers 4]
+//   tierkv_example_06_gpu_engine_loop [--requests 64] [--gen 32] [--layers 4] [--eager 1]
 // Exits 77 (skipped) without a CUDA device, 1 if a check fails.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,11 +85,13 @@ static int run(int argc, char** argv) {
   }
   const int requests = arg(argc, argv, "--requests", 64), gen = arg(argc, argv, "--gen", 32);
   const int layers = arg(argc, argv, "--layers", 4);
+  const bool graphs = arg(argc, argv, "--eager", 0) == 0;
   constexpr int system_tokens = 1000, max_running = 16, step_budget = 2048;
   constexpr std::uint64_t salt = 1;  // one model, no adapters
 
-  cudaStream_t stream;
+  cudaStream_t stream, capture;  // the cache's stream; a stream that only captures graphs
   must(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  must(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   gpu_cache::options opt;
   opt.storage.num_layers = layers;
   opt.storage.max_sequences = max_running + 1;
@@ -121,9 +128,23 @@ static int run(int argc, char** argv) {
   must(cudaMalloc(&v, kv_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
   must(cudaMalloc(&q, q_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
   must(cudaMalloc(&out, q_elems * sizeof(__nv_bfloat16)), "cudaMalloc");
+  // A decode step's inputs and outputs, one slab per layer at fixed addresses (a graph reads
+  // them): [layers][max_running][heads][head_dim].
+  const std::size_t dkv = std::size_t(max_running) * KVH * D,
+                    dq = std::size_t(max_running) * QH * D;
+  __nv_bfloat16 *gk, *gv, *gq, *gout;
+  must(cudaMalloc(&gk, dkv * layers * sizeof(__nv_bfloat16)), "cudaMalloc");
+  must(cudaMalloc(&gv, dkv * layers * sizeof(__nv_bfloat16)), "cudaMalloc");
+  must(cudaMalloc(&gq, dq * layers * sizeof(__nv_bfloat16)), "cudaMalloc");
+  must(cudaMalloc(&gout, dq * layers * sizeof(__nv_bfloat16)), "cudaMalloc");
+  std::map<int, cudaGraphExec_t> decode_graphs;  // by batch size
+  std::uint64_t replayed = 0;
+  bool replay_checked = false;
 
   std::vector<request> running;
   std::uint64_t step = 0, reused = 0, prefilled = 0, generated_total = 0, prefill_steps = 0;
+  double decode_step_host_ms = 0;
+  std::uint64_t decode_steps = 0;
   double peak_bits = 0;
   int finished = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -160,21 +181,88 @@ static int run(int argc, char** argv) {
     int total = 0;
     for (int n : counts) total += n;
     const bool chunks = std::any_of(counts.begin(), counts.end(), [](int n) { return n > 1; });
+    const auto step_t0 = std::chrono::steady_clock::now();
     if (auto st = cache.begin_step(batch, counts); !st) return fail("begin_step", st);
-    for (int l = 0; l < layers; ++l) {
-      const std::uint64_t salt_l = (step * 131 + std::uint64_t(l)) << 32;
-      fill_random<<<256, 256, 0, stream>>>(k, std::size_t(total) * KVH * D, salt_l + 1);
-      fill_random<<<256, 256, 0, stream>>>(v, std::size_t(total) * KVH * D, salt_l + 2);
-      fill_random<<<256, 256, 0, stream>>>(q, std::size_t(total) * QH * D, salt_l + 3);
+    using namespace tierkv::cuda;
+    if (chunks) {
+      for (int l = 0; l < layers; ++l) {
+        const std::uint64_t salt_l = (step * 131 + std::uint64_t(l)) << 32;
+        fill_random<<<256, 256, 0, stream>>>(k, std::size_t(total) * KVH * D, salt_l + 1);
+        fill_random<<<256, 256, 0, stream>>>(v, std::size_t(total) * KVH * D, salt_l + 2);
+        fill_random<<<256, 256, 0, stream>>>(q, std::size_t(total) * QH * D, salt_l + 3);
+        must(cudaGetLastError(), "cudaGetLastError");
+        if (auto st = cache.append(l, k, v, input_type::bf16); !st) return fail("append", st);
+        auto st = cache.prefill(l, q, query_type::bf16, out, output_type::bf16);
+        if (!st) return fail("prefill", st);
+      }
+    } else {
+      // Every layer's inputs first (the model's work), then the cache's launches: replayed
+      // from the batch size's graph, captured the first time the size is seen.
+      const std::uint64_t salt_s = step << 40;
+      fill_random<<<256, 256, 0, stream>>>(gk, dkv * layers, salt_s + 1);
+      fill_random<<<256, 256, 0, stream>>>(gv, dkv * layers, salt_s + 2);
+      fill_random<<<256, 256, 0, stream>>>(gq, dq * layers, salt_s + 3);
       must(cudaGetLastError(), "cudaGetLastError");
-      using namespace tierkv::cuda;
-      if (auto st = cache.append(l, k, v, input_type::bf16); !st) return fail("append", st);
-      auto st = chunks ? cache.prefill(l, q, query_type::bf16, out, output_type::bf16)
-                       : cache.decode(l, q, query_type::bf16, out, output_type::bf16);
-      if (!st) return fail(chunks ? "prefill" : "decode", st);
+      auto launches = [&](std::optional<cudaStream_t> on) -> tierkv::status {
+        for (int l = 0; l < layers; ++l) {
+          if (auto st = cache.append(l, gk + dkv * l, gv + dkv * l, input_type::bf16, on); !st)
+            return st;
+          if (auto st = cache.decode(l, gq + dq * l, query_type::bf16, gout + dq * l,
+                                     output_type::bf16, nullptr, 0.f, 0, on);
+              !st)
+            return st;
+        }
+        return {};
+      };
+      const int size = int(batch.size());
+      auto it = decode_graphs.find(size);
+      const bool capture_now = graphs && it == decode_graphs.end();
+      if (capture_now) {
+        cudaGraph_t g;
+        must(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal),
+             "cudaStreamBeginCapture");
+        const tierkv::status st = launches(capture);
+        must(cudaStreamEndCapture(capture, &g), "cudaStreamEndCapture");
+        if (!st) return fail("capture", st);
+        cudaGraphExec_t exec;
+        must(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+        must(cudaGraphDestroy(g), "cudaGraphDestroy");
+        it = decode_graphs.emplace(size, exec).first;
+      }
+      if (graphs) {
+        must(cudaGraphLaunch(it->second, stream), "cudaGraphLaunch");
+        ++replayed;
+      } else if (auto st = launches(std::nullopt); !st) {
+        return fail("decode step", st);
+      }
+      // Once, a graph's first replay against the same launches run eagerly (the same step, so
+      // the same decode plan): appending again rewrites the same slots with the same bytes, so
+      // the eager decode must write the same outputs, bit for bit.
+      if (capture_now && !replay_checked && size > 1) {
+        std::vector<std::uint16_t> a(dq * layers), b(dq * layers);
+        must(cudaMemcpyAsync(a.data(), gout, a.size() * 2, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
+        if (auto st = launches(std::nullopt); !st) return fail("eager twin", st);
+        must(cudaMemcpyAsync(b.data(), gout, b.size() * 2, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
+        must(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        const std::size_t used = std::size_t(batch.size()) * QH * D;
+        for (int l = 0; l < layers; ++l)
+          if (std::memcmp(a.data() + dq * l, b.data() + dq * l, used * 2) != 0) {
+            std::fprintf(stderr, "check FAILED: a replayed decode step differs from eager\n");
+            return 1;
+          }
+        replay_checked = true;
+      }
     }
     auto stats = cache.end_step(++step);
     if (!stats) return fail("end_step", stats.error_status());
+    if (!chunks) {
+      decode_step_host_ms +=
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_t0)
+              .count();
+      ++decode_steps;
+    }
     prefill_steps += chunks ? 1 : 0;
     peak_bits = std::max(peak_bits, cache.report().bits_per_scalar);
     // Bookkeeping: prompts that completed are cached for later requests; finished requests go.
@@ -216,7 +304,8 @@ static int run(int argc, char** argv) {
     return fail("evict_prefixes", ev.error_status());
   if (auto st = cache.check_invariants(); !st) return fail("check_invariants", st);
   const auto rep = cache.report();
-  bool ok = moved.page_bytes == 0 && finished == requests && reused > 0;
+  bool ok = moved.page_bytes == 0 && finished == requests && reused > 0 &&
+            (replay_checked || decode_graphs.empty() || decode_graphs.rbegin()->first == 1);
   for (const auto& t : rep.tiers) ok = ok && t.live_pages == 0;
 
   std::printf(
@@ -242,10 +331,22 @@ static int run(int argc, char** argv) {
       1e-6 * double(times.end_step_ns) / double(step),
       double(moved.h2d_metadata_bytes) / 1024.0 / double(step),
       (unsigned long long)moved.page_bytes);
+  const std::string how =
+      graphs ? std::to_string(replayed) + " replayed from " + std::to_string(decode_graphs.size()) +
+                   " graphs (one per batch size; one replay checked bit-equal to eager)"
+             : std::string("eager");
+  std::printf("  decode steps %llu, %s; host ms a decode step (begin_step to end_step) %.3f\n",
+              (unsigned long long)decode_steps, how.c_str(),
+              decode_step_host_ms / double(std::max<std::uint64_t>(decode_steps, 1)));
   std::printf("%s\n", ok ? "check: every request finished, every page back in its pool, 0 page "
                            "bytes over PCIe"
                          : "check FAILED");
+  for (auto& [size, exec] : decode_graphs) cudaGraphExecDestroy(exec);
   created.value().reset();  // waits for the stream, gives the pools back
+  for (void* p : {static_cast<void*>(gk), static_cast<void*>(gv), static_cast<void*>(gq),
+                  static_cast<void*>(gout)})
+    cudaFree(p);
+  cudaStreamDestroy(capture);
   cudaFree(k);
   cudaFree(v);
   cudaFree(q);
