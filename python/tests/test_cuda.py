@@ -40,10 +40,10 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def twins(tier_set, lengths, num_layers=2, seed=0):
+def twins(tier_set, lengths, num_layers=2, seed=0, **host_kw):
     """A GPU cache and a host cache holding the same tokens (f32 K/V) in the same sequences."""
     g = gpu_cache(tier_set, num_layers)
-    h = make_cache(GEO, tier_set, num_layers=num_layers, **POLICY)
+    h = make_cache(GEO, tier_set, num_layers=num_layers, **POLICY, **host_kw)
     sg = [g.create_sequence() for _ in lengths]
     sh = [h.create_sequence() for _ in lengths]
     gen = torch.Generator().manual_seed(seed)
@@ -103,6 +103,34 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
     assert g.transfers()["page_bytes"] == 0
     r = g.report()
     assert r["reconciles"] and r["live_tokens"] == (1 + 40 + 133) + 24 * 3 + 24 * 3
+
+
+@pytest.mark.parametrize("tier_set", ["int8r+tq4k/tq3v", "fp8+tq3"])
+def test_decode_with_soft_cap_and_window_equals_the_host_path(tier_set):
+    """Soft-capped logits and sliding windows in the GPU decode (Gemma 2 style layers) against the
+    host cache's decode with the same cap (a host cache option) and window, in one step (the same
+    pages on both: no retier between the calls)."""
+    cap = 5.0
+    g, h, sg, sh = twins(tier_set, [1, 40, 133], soft_cap=cap)
+    gen = torch.Generator().manual_seed(3)
+    g.begin_step(sg, [1, 1, 1])
+    h.reserve(sh, [1, 1, 1])
+    for layer in range(2):
+        k, v = torch.randn(3, KVH, D, generator=gen), torch.randn(3, KVH, D, generator=gen)
+        g.append(layer, k.cuda(), v.cuda())
+        h.write(layer, sh, k, v)
+        q = torch.randn(3, QH, D, generator=gen) * 2.0  # logits into the cap's bend
+        for window in (1, 17, 37, 100, 1000):
+            out_g, lse_g = g.decode(layer, q.cuda(), soft_cap=cap, window=window, return_lse=True)
+            out_h, lse_h = h.decode(layer, sh, q, window=window)
+            assert rel(out_g.cpu(), out_h) < 3e-3, window
+            assert (lse_g.cpu() - lse_h).abs().max() < 1e-3, window
+        # the window alone (no cap) equals the GPU's one-token prefill with it
+        out_d = g.decode(layer, q.cuda(), window=37)
+        assert rel(out_d, g.prefill(layer, q.cuda(), window=37)) < 3e-3
+    h.commit(sh)
+    g.device_error()
+    g.end_step(2, wait=True)
 
 
 def test_bf16_io_and_f16_queries():
@@ -179,6 +207,9 @@ def test_torch_compile_traces_the_ops():
     g.append(0, k, k)  # the same token written again: decode reads the same pages
     assert rel(out, g.decode(0, q * 2.0) + 1.0) < 1e-6
     torch.library.opcheck(torch.ops.tierkv.cuda_decode.default, (g.state, 0, q), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.tierkv.cuda_decode.default, (g.state, 0, q, 5.0, 37), test_utils=("test_schema", "test_faketensor")
+    )
     g.end_step(wait=True)
 
 
@@ -196,6 +227,11 @@ def test_refusals_name_the_value():
         g.append(0, torch.randn(2, KVH, D, device="cuda", dtype=torch.float64), torch.randn(2, KVH, D, device="cuda"))
     with pytest.raises(ValueError, match="layer"):
         g.append(7, torch.randn(2, KVH, D, device="cuda"), torch.randn(2, KVH, D, device="cuda"))
+    g.append(0, torch.randn(2, KVH, D, device="cuda"), torch.randn(2, KVH, D, device="cuda"))
+    with pytest.raises(ValueError, match="soft_cap"):
+        g.decode(0, torch.randn(1, QH, D, device="cuda"), soft_cap=-1.0)
+    with pytest.raises(ValueError, match="window"):
+        g.decode(0, torch.randn(1, QH, D, device="cuda"), window=-3)
     with pytest.raises(ValueError, match="end_step|begin_step"):
         g.begin_step([s], [1])  # a step is open
     g.end_step()

@@ -102,6 +102,10 @@ def _load():
         "tkv_cuda_begin_step": ([vp, vp, vp, i64], ctypes.c_int),
         "tkv_cuda_append": ([vp, i64, vp, vp, ctypes.c_int, vp], ctypes.c_int),
         "tkv_cuda_decode": ([vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, vp, vp], ctypes.c_int),
+        "tkv_cuda_decode_ex": (
+            [vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, vp, ctypes.c_float, i64, vp],
+            ctypes.c_int,
+        ),
         "tkv_cuda_prefill": (
             [vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, vp, ctypes.c_float, i64, vp],
             ctypes.c_int,
@@ -121,7 +125,10 @@ def _load():
         "tkv_cuda_drain": ([vp], ctypes.c_int),
     }
     for name, (args, res) in sig.items():
-        f = getattr(lib, name)
+        try:
+            f = getattr(lib, name)
+        except AttributeError:
+            raise RuntimeError(f"tierkv.cuda: {path} has no {name}: it predates this package, rebuild it") from None
         f.argtypes, f.restype = args, res
     _lib = lib
     return lib
@@ -323,9 +330,11 @@ class CudaCache:
         """k, v [step tokens, kv_heads, head_dim] (bf16 or f32, on the cache's device), batch order."""
         torch.ops.tierkv.cuda_append(self.state, layer, k, v)
 
-    def decode(self, layer: int, q: torch.Tensor, *, return_lse: bool = False):
-        """q [batch, q_heads, head_dim] (bf16 or f32; f16 is computed as f32) -> out like q."""
-        out, lse = torch.ops.tierkv.cuda_decode(self.state, layer, q)
+    def decode(self, layer: int, q: torch.Tensor, *, soft_cap: float = 0.0, window: int = 0, return_lse: bool = False):
+        """q [batch, q_heads, head_dim] (bf16 or f32; f16 is computed as f32) -> out like q.
+        soft_cap > 0 caps the logits (s -> soft_cap tanh(s / soft_cap)); window > 0 attends the
+        last `window` positions only (a sliding-window layer)."""
+        out, lse = torch.ops.tierkv.cuda_decode(self.state, layer, q, float(soft_cap), int(window))
         return (out, lse) if return_lse else out
 
     def prefill(self, layer: int, q: torch.Tensor, *, soft_cap: float = 0.0, window: int = 0, return_lse: bool = False):
@@ -454,19 +463,24 @@ def _(state, layer, k, v):
 
 
 @torch.library.custom_op("tierkv::cuda_decode", mutates_args=())
-def cuda_decode(state: torch.Tensor, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cuda_decode(
+    state: torch.Tensor, layer: int, q: torch.Tensor, soft_cap: float = 0.0, window: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     c = _cache_of(state)
     qq = _as_query(q)
     _check_tensor(qq, "q", c, (len(c._batch), c.q_heads, c.head_dim))
     out = torch.empty_like(qq)
     lse = torch.empty(qq.shape[:2], dtype=torch.float32, device=q.device)
     t = _DTYPES[qq.dtype]
-    _check(_lib.tkv_cuda_decode(c._h, layer, qq.data_ptr(), t, out.data_ptr(), t, lse.data_ptr(), _stream(c.device)))
+    rc = _lib.tkv_cuda_decode_ex(
+        c._h, layer, qq.data_ptr(), t, out.data_ptr(), t, lse.data_ptr(), soft_cap, window, _stream(c.device)
+    )
+    _check(rc)
     return out.to(q.dtype), lse
 
 
 @cuda_decode.register_fake
-def _(state, layer, q):
+def _(state, layer, q, soft_cap=0.0, window=0):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 

@@ -131,10 +131,8 @@ class _CudaSteps:
             self.open = False
 
     def attend(self, layer: int, seqs, q, n: int, window: int = 0, soft_cap: float = 0.0):
-        if n == 1 and not window and not soft_cap:
-            return self.c.decode(layer, q)
-        # the GPU decode has neither yet: the chunked prefill of one token per sequence is a
-        # decode step with them (cuda/tiered_cache.cuh)
+        if n == 1:  # sliding-window and soft-capped layers too
+            return self.c.decode(layer, q, soft_cap=soft_cap, window=window)
         return self.c.prefill(layer, q, soft_cap=soft_cap, window=window)
 
     def length(self, seq: int) -> int:

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // GPU mixed-format decode vs a float64 reference on the decoded vectors and vs the host
-// path (attention/host_decode.hpp) on the same codes; plan/run with CUDA-graph replay.
+// path (attention/host_decode.hpp) on the same codes, with soft-capped logits and sliding
+// windows too; plan/run with CUDA-graph replay.
 #include "catch.hpp"
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -85,6 +87,50 @@ std::vector<std::int32_t> page_counts(const HB& h) {
   return c;
 }
 
+// The float64 reference of host_batch::reference with a soft cap (s -> cap tanh(s / cap)) and a
+// sliding window (the query at n - 1 attends positions >= n - window; 0: all): out [b][qh][D],
+// lse natural, page mass (pages wholly before the window: 0).
+template <class G, class HB>
+void reference_capped(const HB& h, double scale, double soft_cap, int window,
+                      std::vector<double>& out, std::vector<double>& lse, std::vector<double>& mass,
+                      int mass_stride) {
+  constexpr int D = G::head_dim, QH = G::q_heads, H = G::kv_heads, T = G::page_tokens;
+  const int B = h.batch();
+  out.assign(std::size_t(B) * QH * D, 0.0);
+  lse.assign(std::size_t(B) * QH, -std::numeric_limits<double>::infinity());
+  mass.assign(std::size_t(B) * mass_stride, 0.0);
+  for (int b = 0; b < B; ++b) {
+    const int n = h.seq_len[std::size_t(b)];
+    const int lo = window > 0 ? std::max(0, n - window) : 0;
+    if (n == 0) continue;
+    for (int qh = 0; qh < QH; ++qh) {
+      const int kh = qh / G::group_size;
+      std::vector<double> s(std::size_t(n), 0.0);
+      double mx = -INFINITY;
+      for (int t = lo; t < n; ++t) {
+        double dot = 0;
+        for (int d = 0; d < D; ++d)
+          dot += double(h.q[(std::size_t(b) * QH + qh) * D + d]) *
+                 h.kdec[std::size_t(b)][(std::size_t(t) * H + kh) * D + d];
+        double z = dot * scale;
+        if (soft_cap > 0) z = soft_cap * std::tanh(z / soft_cap);
+        s[std::size_t(t)] = z;
+        mx = std::max(mx, z);
+      }
+      double l = 0;
+      for (int t = lo; t < n; ++t) l += std::exp(s[std::size_t(t)] - mx);
+      for (int t = lo; t < n; ++t) {
+        const double p = std::exp(s[std::size_t(t)] - mx) / l;
+        mass[std::size_t(b) * mass_stride + t / T] += p / QH;
+        for (int d = 0; d < D; ++d)
+          out[(std::size_t(b) * QH + qh) * D + d] +=
+              p * h.vdec[std::size_t(b)][(std::size_t(t) * H + kh) * D + d];
+      }
+      lse[std::size_t(b) * QH + qh] = mx + std::log(l);
+    }
+  }
+}
+
 // Tolerances per path: the tensor-core path rounds the probabilities to f16 (f16 queries are
 // split hi + lo, so FP8 scores keep ~fp32 precision; int8 keys score against the query
 // rounded to 2^-13 of its largest element); TQ3 pages are 3-bit codes whose scores move the
@@ -97,8 +143,8 @@ double out_tol(decode_path path, bool has_tq3) {
 template <class G, decode_path Path, class Recent = recent, class Stale = stale>
 void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves,
                      std::int64_t min_chunk, float key_offset, int value_spread, float q_scale,
-                     int head_base) {
-  constexpr int D = G::head_dim, QH = G::q_heads;
+                     int head_base, float soft_cap, int window) {
+  constexpr int D = G::head_dim, QH = G::q_heads, T = G::page_tokens;
   std::mt19937_64 rng(rng_seed);
   host_batch<G, Recent, Stale> h;
   h.head_base = head_base;
@@ -118,6 +164,8 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   device_buffer<std::uint8_t> ws(plan->workspace_bytes);
   REQUIRE(cuda_test::decode_workspace_init(*plan, ws.p, ws.n, nullptr).is_ok());
   auto in = dev.inputs(h, B, true);
+  in.soft_cap = soft_cap;
+  in.window = window;
   REQUIRE(cuda_test::decode<G, tiers<Recent, Stale>, Path>(*plan, in, ws.p, ws.n, nullptr).is_ok());
   CUDA_OK(cudaDeviceSynchronize());
   auto derr = cuda_test::decode_device_error(*plan, ws.p, nullptr);
@@ -126,7 +174,10 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
 
   std::vector<double> ref_out, ref_lse, ref_mass;
   const double scale = 1.0 / std::sqrt(double(D));
-  h.reference(scale, ref_out, ref_lse, ref_mass, max_pages);
+  if (soft_cap > 0.f || window > 0)
+    reference_capped<G>(h, scale, soft_cap, window, ref_out, ref_lse, ref_mass, max_pages);
+  else
+    h.reference(scale, ref_out, ref_lse, ref_mass, max_pages);
   const auto out = dev.out.get();
   const auto lse = dev.lse.get();
   const auto mass = dev.mass.get();
@@ -134,7 +185,8 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   const bool has_tq3 = m != mix::all_fp8;
   const double tol = out_tol(Path, has_tq3);
   const double err = rel_l2(out, ref_out, std::size_t(B) * QH * D);
-  INFO("shape " << QH << "/" << G::kv_heads << "/" << D << " mix " << int(m) << " rel_l2 " << err);
+  INFO("shape " << QH << "/" << G::kv_heads << "/" << D << " mix " << int(m) << " soft_cap "
+                << soft_cap << " window " << window << " rel_l2 " << err);
   CHECK(err < tol);
   for (int i = 0; i < B * QH; ++i) {
     if (std::isinf(ref_lse[i])) {
@@ -151,6 +203,8 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
     for (int p = 0; p < np; ++p) {
       CHECK(std::abs(mass[std::size_t(b) * max_pages + p] -
                      ref_mass[std::size_t(b) * max_pages + p]) < 2e-3);
+      if (window > 0 && (p + 1) * T <= lens[b] - window)  // wholly before the window: not read
+        CHECK(mass[std::size_t(b) * max_pages + p] == 0.f);
       sum += mass[std::size_t(b) * max_pages + p];
     }
     if (lens[b] > 0) CHECK(std::abs(sum - 1.0) < 1e-3);
@@ -171,6 +225,8 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   ha.pools = pools;
   ha.source = {h.seed, h.layer, h.head_base};
   ha.logits.softmax_scale = float(scale);
+  ha.logits.soft_cap = soft_cap;
+  ha.window = window;
   std::vector<float> hout(std::size_t(B) * QH * D), hlse(std::size_t(B) * QH);
   ha.out = hout.data();
   ha.lse = hlse.data();
@@ -180,20 +236,24 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   INFO("vs host path rel_l2 " << herr);
   CHECK(herr < tol);
   std::printf(
-      "decode %-11s %-12s %3d/%d/%3d mix %d B %d: rel_l2 vs float64 %.2e, vs host path %.2e\n",
+      "decode %-11s %-12s %3d/%d/%3d mix %d B %d cap %g window %d: rel_l2 vs float64 %.2e, vs "
+      "host path %.2e\n",
       Path == decode_path::tensor_core ? "tensor_core" : "cuda_core",
-      host_batch<G, Recent, Stale>::KF::name, QH, G::kv_heads, D, int(m), B, err, herr);
+      host_batch<G, Recent, Stale>::KF::name, QH, G::kv_heads, D, int(m), B, double(soft_cap),
+      window, err, herr);
 }
 
 // Both split kernels on the same case. Recent: the tier of the "fp8" pages of a mix.
 template <class G, class Recent = recent, class Stale = stale>
 void check_case(const std::vector<int>& lens, mix m, std::uint64_t rng_seed, int waves = 4,
                 std::int64_t min_chunk = 32 * 1024, float key_offset = 0.f, int value_spread = 0,
-                float q_scale = 1.f, int head_base = 0) {
-  check_case_path<G, decode_path::tensor_core, Recent, Stale>(
-      lens, m, rng_seed, waves, min_chunk, key_offset, value_spread, q_scale, head_base);
-  check_case_path<G, decode_path::cuda_core, Recent, Stale>(
-      lens, m, rng_seed, waves, min_chunk, key_offset, value_spread, q_scale, head_base);
+                float q_scale = 1.f, int head_base = 0, float soft_cap = 0.f, int window = 0) {
+  check_case_path<G, decode_path::tensor_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk,
+                                                              key_offset, value_spread, q_scale,
+                                                              head_base, soft_cap, window);
+  check_case_path<G, decode_path::cuda_core, Recent, Stale>(lens, m, rng_seed, waves, min_chunk,
+                                                            key_offset, value_spread, q_scale,
+                                                            head_base, soft_cap, window);
 }
 
 using g_qwen = cuda_test::decode_qwen;
@@ -278,6 +338,47 @@ TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {
   SECTION("tiny and large queries (f16 subnormal / sharp softmax)") {
     check_case<g_qwen>({900, 64}, mix::tiered, 49, 4, 32 * 1024, 0.f, 0, 1e-7f);
     check_case<g_llama>({900, 65}, mix::interleaved, 50, 4, 32 * 1024, 0.f, 0, 8.f);
+  }
+}
+
+TEST_CASE("gpu decode: soft-capped logits and sliding windows", "[cuda][decode][window]") {
+  // Arguments after the rng seed: waves, min_chunk, key_offset, value_spread, q_scale, head_base,
+  // soft_cap, window. Every case checks both kernels against float64 (page mass included: the
+  // pages wholly before a window get exactly 0, a sequence's masses still sum to 1) and against
+  // the host path with the same soft_cap / window.
+  using recent_int8r = cuda_test::decode_int8r;
+  using stale_k4 = cuda_test::decode_stale_k4;
+  constexpr std::int64_t mc = 32 * 1024;
+  const std::vector<int> lens = {3000, 1, 700, 64, 129};
+  SECTION("soft-cap 30 and 5 over large logits") {
+    check_case<g_llama>(lens, mix::tiered, 201, 4, mc, 0.f, 0, 8.f, 0,
+                        30.f);  // q x 8: ~8-nat logits
+    check_case<g_qwen>({1500, 300}, mix::tiered, 202, 4, mc, 6.f, 0, 4.f, 0, 5.f);
+    check_case<g_smol, recent_int8r, stale_k4>(lens, mix::interleaved, 203, 4, mc, 0.f, 0, 4.f, 0,
+                                               5.f);
+    check_case<g_llama>({2000, 65}, mix::all_fp8, 204, 4, mc, 0.f, 0, 2.f, 0, 5.f);
+  }
+  SECTION("windows of 1, 37 and 200 tokens and one longer than every sequence") {
+    for (int w : {1, 37, 200, 5000})
+      check_case<g_llama>(lens, mix::tiered, 210, 4, mc, 0.f, 0, 1.f, 0, 0.f, w);
+    check_case<g_smol>(lens, mix::interleaved, 211, 4, mc, 0.f, 0, 1.f, 0, 0.f, 37);
+    check_case<g_qwen, recent_int8r, stale_k4>(lens, mix::tiered, 212, 4, mc, 0.f, 0, 1.f, 0, 0.f,
+                                               200);
+    check_case<g_llama>({2000, 700}, mix::all_fp8, 213, 4, mc, 0.f, 0, 1.f, 0, 0.f, 37);
+  }
+  SECTION("windows starting on a page boundary, mid-page and mid-step; small and 32-token pages") {
+    // 3008 - 192 = 44 x 64: the window starts a page; 3000 - 192 = 2808: mid-page
+    check_case<g_llama>({3008, 3000}, mix::tiered, 220, 4, mc, 0.f, 0, 1.f, 0, 0.f, 192);
+    check_case<g_small_pages>({1000, 17, 16, 1}, mix::tiered, 221, 8, 256, 0.f, 0, 1.f, 0, 0.f, 37);
+    check_case<g_pages32>({1000, 33, 32, 31, 17, 16, 1}, mix::interleaved, 222, 8, 1024, 0.f, 0,
+                          1.f, 0, 0.f, 50);
+    check_case<g_pages32, recent, stale_k4>({777, 48, 15}, mix::tiered, 223, 8, 1024, 0.f, 0, 1.f,
+                                            0, 0.f, 20);
+  }
+  SECTION("windows over many KV splits: chunks wholly before the window store empty states") {
+    check_case<g_qwen>({9000, 2, 300}, mix::tiered, 230, 16, 1024, 0.f, 0, 1.f, 0, 0.f, 200);
+    check_case<g_qwen>({9000, 2, 300}, mix::tiered, 231, 16, 1024, 0.f, 0, 1.f, 0, 0.f, 3000);
+    check_case<g_llama>({6000, 1500}, mix::interleaved, 232, 16, 512, 0.f, 0, 4.f, 0, 30.f, 1000);
   }
 }
 
@@ -482,6 +583,25 @@ TEST_CASE("gpu decode: bad input is reported", "[cuda][decode]") {
     bad.softmax_scale = std::numeric_limits<float>::quiet_NaN();
     CHECK(cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr).code() ==
           errc::invalid_argument);
+    for (float bad_cap :
+         {-1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      bad = in;
+      bad.soft_cap = bad_cap;
+      const status st = cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr);
+      INFO(st.message());
+      CHECK(st.code() == errc::invalid_argument);
+      CHECK(st.message().find("soft_cap") != std::string::npos);
+      CHECK(cuda_test::decode<G, two_tiers, decode_path::cuda_core>(*plan, bad, ws.p, ws.n, nullptr)
+                .code() == errc::invalid_argument);
+    }
+    bad = in;
+    bad.window = -3;
+    {
+      const status st = cuda_test::decode<G, two_tiers>(*plan, bad, ws.p, ws.n, nullptr);
+      INFO(st.message());
+      CHECK(st.code() == errc::invalid_argument);
+      CHECK(st.message().find("window = -3") != std::string::npos);
+    }
     bad = in;
     bad.page_mass = dev.mass.p;  // plan without page mass
     bad.page_mass_stride = 8;

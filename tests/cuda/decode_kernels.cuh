@@ -21,6 +21,8 @@ tierkv::status decode(const tierkv::cuda::decode_plan& plan, const decode_args& 
   in.queries = a.queries;
   in.queries_type = cuda::query_type::f32;
   in.softmax_scale = a.softmax_scale;
+  in.soft_cap = a.soft_cap;
+  in.window = a.window;
   in.cache_seed = a.cache_seed;
   in.head_base = a.head_base;
   in.layer = a.layer;

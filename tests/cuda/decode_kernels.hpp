@@ -25,6 +25,8 @@ struct decode_args {
   tierkv::pool_view pools[2];
   const float* queries = nullptr;
   float softmax_scale = 0.f;
+  float soft_cap = 0.f;
+  int window = 0;
   std::uint64_t cache_seed = 0;
   int head_base = 0;
   int layer = 0;

@@ -304,6 +304,27 @@ TEST_CASE("cuda::tiered_cache runs 1000 steps on device pools with 0 divergences
       std::vector<float> q(gb.size() * std::size_t(QH) * D);
       for (auto& x : q) x = normal(rng);
       std::vector<float> out;
+      if (step % 25 == 0) {  // a soft-capped sliding-window layer's decode vs the host's (before
+                             // the plain decode below, whose page mass the step keeps)
+        const int window = 1 + (step * 7 + l) % 150;
+        REQUIRE(gpu->decode(l, q, out, 30.f, window).is_ok());
+        auto wv = build_batch_index(*twin, l, tb, layout, hbuf);
+        REQUIRE(wv.has_value());
+        const auto wpools = twin->views();
+        host_decode_args<2> wa;
+        wa.queries = q.data();
+        wa.index = *wv;
+        wa.pools = wpools.data();
+        wa.source = layer_source{twin->config().codec_seed, l, twin->config().head_base};
+        wa.logits = logit_params{1.f / std::sqrt(float(D)), 30.f};
+        wa.window = window;
+        std::vector<float> wref(q.size());
+        wa.out = wref.data();
+        REQUIRE(host_decode<G, TL>(ws, wa).is_ok());
+        INFO("layer " << l << " window " << window << " soft-capped decode rel_l2 vs host "
+                      << rel_l2(out, wref));
+        REQUIRE(rel_l2(out, wref) < 2e-3);
+      }
       REQUIRE(gpu->decode(l, q, out).is_ok());
       ++decodes;
       // The device mirror's index arrays equal the host builder over the GPU storage.

@@ -110,10 +110,12 @@ tierkv::status e2e_cache::prefill(int layer, const std::vector<float>& q, std::v
   return st;
 }
 
-tierkv::status e2e_cache::decode(int layer, const std::vector<float>& q, std::vector<float>& out) {
+tierkv::status e2e_cache::decode(int layer, const std::vector<float>& q, std::vector<float>& out,
+                                 float soft_cap, int window) {
   CUDA_OK(cudaStreamSynchronize(impl_->stream));
   impl_->q->put(q);
-  auto st = impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out->p);
+  auto st = impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out->p,
+                             tierkv::cuda::output_type::f32, nullptr, soft_cap, window);
   if (!st) return st;
   CUDA_OK(cudaStreamSynchronize(impl_->stream));
   out.resize(q.size());
@@ -163,7 +165,7 @@ tierkv::status e2e_cache::capture_step() {
     if (st)
       st = m.c->decode(l, m.gq->p + std::size_t(l) * B * q_vec, tierkv::cuda::query_type::f32,
                        m.gout->p + std::size_t(l) * B * q_vec, tierkv::cuda::output_type::f32,
-                       nullptr, cap);
+                       nullptr, 0.f, 0, cap);
   }
   cudaGraph_t g = nullptr;
   CUDA_OK(cudaStreamEndCapture(cap, &g));
@@ -212,7 +214,7 @@ tierkv::status e2e_cache::decode_on_other_stream(int layer) {
   CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
   impl_->owned.push_back(other);
   return impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out->p,
-                          tierkv::cuda::output_type::f32, nullptr, other);
+                          tierkv::cuda::output_type::f32, nullptr, 0.f, 0, other);
 }
 
 tierkv::status e2e_cache::move_to_new_stream() {

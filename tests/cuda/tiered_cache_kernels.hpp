@@ -70,7 +70,8 @@ class e2e_cache {
   // k, v: [tokens][kv_heads][head_dim] floats of one layer.
   tierkv::status append(int layer, const std::vector<float>& k, const std::vector<float>& v);
   // q: [batch][q_heads][head_dim] -> out, same shape.
-  tierkv::status decode(int layer, const std::vector<float>& q, std::vector<float>& out);
+  tierkv::status decode(int layer, const std::vector<float>& q, std::vector<float>& out,
+                        float soft_cap = 0.f, int window = 0);
   // q: [step tokens][q_heads][head_dim] (each sequence's new tokens) -> out, same shape.
   tierkv::status prefill(int layer, const std::vector<float>& q, std::vector<float>& out);
   tierkv::result<tierkv::retier_stats> end_step(std::uint64_t step, bool wait);

@@ -66,6 +66,12 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   if (!(in.softmax_scale > 0.f) || !std::isfinite(in.softmax_scale))
     return status::make(errc::invalid_argument, "decode: softmax_scale = ", in.softmax_scale,
                         " must be positive and finite");
+  if (!(in.soft_cap >= 0.f) || !std::isfinite(in.soft_cap))
+    return status::make(errc::invalid_argument, "decode: soft_cap = ", in.soft_cap,
+                        " must be finite and >= 0 (0 = off)");
+  if (in.window < 0)
+    return status::make(errc::invalid_argument, "decode: window = ", in.window,
+                        " must be >= 0 (0 = full attention)");
   if (in.page_mass != nullptr &&
       (!plan.page_mass || in.lse == nullptr || in.page_mass_stride < plan.max_pages))
     return status::make(errc::invalid_argument,

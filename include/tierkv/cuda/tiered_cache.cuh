@@ -381,10 +381,12 @@ class tiered_cache {
   // (post-RoPE, device memory), out (same shape, f32 or bf16), lse ([batch][q_heads],
   // optional). The launches are the same at every step (a graph replays them): the layer's
   // page mass is computed on the device when begin_step's flag for the layer says it is one
-  // of the step's sampled layers (end_step feeds those to the policy).
+  // of the step's sampled layers (end_step feeds those to the policy). soft_cap > 0 caps the
+  // logits (s -> soft_cap tanh(s / soft_cap)); window > 0 attends the last `window` positions
+  // only (a sliding-window layer; the pages before it get zero mass), as prefill's.
   status decode(int layer, const void* queries, query_type qtype, void* out,
-                output_type otype = output_type::f32, float* lse = nullptr,
-                std::optional<cudaStream_t> on = std::nullopt) {
+                output_type otype = output_type::f32, float* lse = nullptr, float soft_cap = 0.f,
+                int window = 0, std::optional<cudaStream_t> on = std::nullopt) {
     if (!stepping_) return status(errc::invalid_argument, "decode: call begin_step first");
     if (layer < 0 || layer >= layers())
       return status::out_of_range("decode: layer", layer, layers());
@@ -392,6 +394,8 @@ class tiered_cache {
     if (!stream) return stream.error_status();
     decode_inputs<num_tiers> in;
     set_layer_inputs(in, layer, queries, qtype);
+    in.soft_cap = soft_cap;
+    in.window = window;
     in.out = out;
     in.out_type = otype;
     in.lse = lse != nullptr ? lse : lse_dev_ + lse_offset(layer);

@@ -211,12 +211,17 @@ int tkv_cuda_append(void* cache, int64_t layer, const void* k, const void* v, in
                            stream_of(stream));
   });
 }
-int tkv_cuda_decode(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
-                    int out_dtype, float* lse, void* stream) {
+int tkv_cuda_decode_ex(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
+                       int out_dtype, float* lse, float soft_cap, int64_t window, void* stream) {
   return guarded("decode", [&] {
     cache_of(cache).decode(to_int(layer, "layer"), q, to_dtype(q_dtype, "q_dtype"), out,
-                           to_dtype(out_dtype, "out_dtype"), lse, stream_of(stream));
+                           to_dtype(out_dtype, "out_dtype"), lse, soft_cap,
+                           to_int(window, "window"), stream_of(stream));
   });
+}
+int tkv_cuda_decode(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
+                    int out_dtype, float* lse, void* stream) {
+  return tkv_cuda_decode_ex(cache, layer, q, q_dtype, out, out_dtype, lse, 0.f, 0, stream);
 }
 int tkv_cuda_prefill(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
                      int out_dtype, float* lse, float soft_cap, int64_t window, void* stream) {

@@ -63,8 +63,13 @@ TKV_CUDA_API int tkv_cuda_begin_step(void* cache, const int64_t* seqs, const int
  * tokens][q_heads][head_dim]; lse: [rows][q_heads] f32 or NULL. */
 TKV_CUDA_API int tkv_cuda_append(void* cache, int64_t layer, const void* k, const void* v,
                                  int dtype, void* stream);
+/* decode_ex: soft_cap > 0 caps the logits (s -> soft_cap tanh(s / soft_cap)), window > 0 attends
+ * the last `window` positions only (0, 0: tkv_cuda_decode, kept for callers of ABI 2 before it). */
 TKV_CUDA_API int tkv_cuda_decode(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
                                  int out_dtype, float* lse, void* stream);
+TKV_CUDA_API int tkv_cuda_decode_ex(void* cache, int64_t layer, const void* q, int q_dtype,
+                                    void* out, int out_dtype, float* lse, float soft_cap,
+                                    int64_t window, void* stream);
 TKV_CUDA_API int tkv_cuda_prefill(void* cache, int64_t layer, const void* q, int q_dtype, void* out,
                                   int out_dtype, float* lse, float soft_cap, int64_t window,
                                   void* stream);

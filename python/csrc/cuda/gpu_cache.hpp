@@ -61,7 +61,7 @@ class gpu_cache {
   virtual void append(int layer, const void* k, const void* v, gpu_dtype type,
                       cudaStream_t stream) = 0;
   virtual void decode(int layer, const void* q, gpu_dtype qtype, void* out, gpu_dtype otype,
-                      float* lse, cudaStream_t stream) = 0;
+                      float* lse, float soft_cap, int window, cudaStream_t stream) = 0;
   virtual void prefill(int layer, const void* q, gpu_dtype qtype, void* out, gpu_dtype otype,
                        float* lse, float soft_cap, int window, cudaStream_t stream) = 0;
   virtual tierkv::retier_stats end_step(std::uint64_t step, bool wait) = 0;

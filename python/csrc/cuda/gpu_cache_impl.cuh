@@ -62,9 +62,9 @@ class gpu_cache_impl final : public gpu_cache {
     check(c_->append(layer, k, v, tierkv::cuda::input_type(type), stream));
   }
   void decode(int layer, const void* q, gpu_dtype qtype, void* out, gpu_dtype otype, float* lse,
-              cudaStream_t stream) override {
+              float soft_cap, int window, cudaStream_t stream) override {
     check(c_->decode(layer, q, tierkv::cuda::query_type(qtype), out,
-                     tierkv::cuda::output_type(otype), lse, stream));
+                     tierkv::cuda::output_type(otype), lse, soft_cap, window, stream));
   }
   void prefill(int layer, const void* q, gpu_dtype qtype, void* out, gpu_dtype otype, float* lse,
                float soft_cap, int window, cudaStream_t stream) override {

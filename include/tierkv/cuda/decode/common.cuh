@@ -142,6 +142,48 @@ __device__ __forceinline__ bool page_mass_wanted(const decode_inputs<N>& in) {
   return in.page_mass != nullptr && (in.page_mass_on == nullptr || *in.page_mass_on != 0);
 }
 
+// Sliding windows (decode_inputs::window > 0): the query, at position length - 1, sees the
+// positions >= window_first (0 without a window: every position).
+__device__ __forceinline__ int window_first(int window, int length) {
+  return window > 0 ? length - window : 0;
+}
+template <int N>
+__device__ __forceinline__ int window_first(const decode_inputs<N>& in, int b) {
+  return in.window > 0 ? in.index.seq_len[b] - in.window : 0;  // seq_len read only with a window
+}
+// Tokens [first_in_page, ntok) of logical page `logical` are in the window (0 without one).
+template <int T>
+__device__ __forceinline__ int first_in_page(std::int32_t logical, int first, int ntok) {
+  const std::int64_t t = std::int64_t(first) - std::int64_t(logical) * T;
+  return t <= 0 ? 0 : t >= ntok ? ntok : int(t);
+}
+// Whether logical page `logical` (T tokens a page) lies wholly before position `first`: the split
+// kernels do not read it and the page-mass kernel gives it zero mass (the same test in both).
+template <int T>
+__device__ __forceinline__ bool page_before_window(std::int32_t logical, int first) {
+  return (std::int64_t(logical) + 1) * T <= std::int64_t(first);
+}
+// The first entry in [lo, hi) of `fv` whose page is not wholly before position `first` (hi when
+// none), by a warp with all lanes active (each gets the answer): a sequence's entries are sorted by
+// logical page, so the pages before the window are a prefix of them. Rounds of 32 probes, one
+// index load per lane each: 2 rounds up to 1024 entries.
+template <int T>
+__device__ __forceinline__ int first_window_entry(const format_pages_view& fv, int lo, int hi,
+                                                  int first) {
+  const int lane = int(threadIdx.x) % 32;
+  while (hi > lo) {
+    const int step = (hi - lo + 31) / 32;
+    const int e = lo + lane * step;
+    const bool before = e < hi && page_before_window<T>(__ldg(fv.logical + e), first);
+    // the probes before the window are lo, lo + step, ..., lo + (below - 1) step
+    const int below = __popc(__ballot_sync(0xffffffffu, before));
+    if (below == 0) break;  // lo is in the window
+    lo += (below - 1) * step + 1;
+    hi = min(hi, lo - 1 + step);
+  }
+  return lo;
+}
+
 // A split block of `Kernels` (a split kernel's chunk function). Grid (kv_heads, max_chunks,
 // batch): the KV head, the chunk and the sequence come from the block index, the chunking is the
 // merge's (decode_finish); a block past the batch or past its sequence's chunks returns at once,
@@ -482,10 +524,15 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     constexpr int SL = mass_slots_per_page<Geometry>;
     const int p = int(blockIdx.x) * decode_threads + int(threadIdx.x);
     if (p >= pages) return;
-    // the slots the split kernels wrote: one per step of the page (at least one)
-    const int steps = std::max(1, (in.index.tokens_in_page(b, p, Geometry::page_tokens) + 15) / 16);
+    // the slots the split kernels wrote: one per step of the page (at least one); none for a page
+    // wholly before the window (its mass is 0)
+    const int length = in.index.seq_len[b];
+    const int steps =
+        page_before_window<Geometry::page_tokens>(p, window_first(in.window, length))
+            ? 0
+            : std::max(1, (in.index.tokens_in_page_of(length, p, Geometry::page_tokens) + 15) / 16);
     float s = 0.f;
-    for (int h = 0; h < QH; ++h) {
+    for (int h = 0; h < QH && steps > 0; ++h) {
       const std::size_t row = std::size_t(b) * QH + std::size_t(h);
       const float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(p)) * SL;
       for (int k = 0; k < steps; ++k) {

@@ -94,6 +94,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
   const codec_context vctx =
       make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
   const float score_scale = in.softmax_scale * log2e * KR::code_scale;
+  const bool capped = in.soft_cap > 0.f;  // uniform: the cap's code runs only when it is on
+  const int first = window_first(in, b);  // the window's first position (0 without one)
 
   // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
   // then lay them out so lane `slice` reads its 4 float4 without bank conflicts.
@@ -124,11 +126,14 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
     }
     const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
     const head_regions<layout> hr(pool.page(std::uint32_t(slot)), kvh);
+    // tokens [t_lo, ntok) are in the window: the tiles before t_lo's are skipped, the rest of
+    // the tokens before it masked (t_lo = 0 without a window)
+    const int t_lo = first_in_page<Geometry::page_tokens>(logical, first, ntok);
     if (warp == 0 && lane < G) {
       sm.page_m[lane] = -INFINITY;
       sm.page_l[lane] = 0.f;
     }
-    for (int t0 = 0; t0 < ntok; t0 += TILE) {
+    for (int t0 = t_lo / TILE * TILE; t0 < ntok; t0 += TILE) {
       // ---- scores: batches of IB independent 16-byte (TQ3: 12-byte) loads in flight per
       // thread (IB bounded so acc + loads stay in registers at 3 blocks per SM)
 #pragma unroll
@@ -175,9 +180,18 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
 #pragma unroll
             for (int h = 0; h < G; ++h) dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], off);
           if (slice == 0) {
+            float z[G];
 #pragma unroll
-            for (int h = 0; h < G; ++h)
-              sm.scores[h * TILE + tl] = live ? dot[h] * km[uu] * score_scale : -INFINITY;
+            for (int h = 0; h < G; ++h) z[h] = dot[h] * km[uu] * score_scale;
+            if (capped) {  // in log2 units: cap log2(e) tanh(z / (cap log2(e)))
+              const float c2 = in.soft_cap * log2e;
+#pragma unroll
+              for (int h = 0; h < G; ++h) z[h] = c2 * tanhf(z[h] / c2);
+            }
+            // in the window as well: t_lo <= t < ntok (one unsigned compare)
+            const bool seen = unsigned(t0 + tl - t_lo) < unsigned(ntok - t_lo);
+#pragma unroll
+            for (int h = 0; h < G; ++h) sm.scores[h * TILE + tl] = seen ? z[h] : -INFINITY;
             sm.vscale[tl] = live ? vm[uu] : 0.f;
           }
         }
@@ -358,9 +372,13 @@ struct cuda_core_kernels<Geometry, tiers<Tiers...>> {
                                   int b, int kvh, const decode_smem& sm, float* mass_ws, int* err) {
     int lo = 0, hi = 0;
     chunk_range<N>(ch, cost, c, F, lo, hi);
+    lo += ch.first[F];
+    hi += ch.first[F];
+    if (in.window > 0 && hi > lo)  // the pages wholly before the window are not read
+      lo = first_window_entry<Geometry::page_tokens>(in.index.formats[F], lo, hi,
+                                                     window_first(in, b));
     if (hi > lo)
-      decode_tier_pages<Geometry, Tier, N>(in, plan, F, b, kvh, ch.first[F] + lo, ch.first[F] + hi,
-                                           sm, mass_ws, err);
+      decode_tier_pages<Geometry, Tier, N>(in, plan, F, b, kvh, lo, hi, sm, mass_ws, err);
   }
 };
 

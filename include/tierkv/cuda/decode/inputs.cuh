@@ -25,6 +25,10 @@ struct decode_inputs {
   const void* queries = nullptr;  // [batch][q_heads][head_dim], post-RoPE
   query_type queries_type = query_type::f32;
   float softmax_scale = 0.f;  // natural-log units, usually 1/sqrt(head_dim)
+  float soft_cap = 0.f;       // > 0: logits s -> soft_cap tanh(s / soft_cap) (Gemma 2)
+  // > 0: the query (position seq_len - 1) attends positions >= seq_len - window only
+  // (sliding-window layers; pages wholly before the window are not read and get zero mass)
+  int window = 0;
   std::uint64_t cache_seed =
       0;              // codec contexts: make_codec_context(seed, layer, head_base + head, role)
   int head_base = 0;  // global index of KV head 0 (a tensor-parallel rank's first head)

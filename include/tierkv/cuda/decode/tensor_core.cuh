@@ -168,6 +168,13 @@ struct mma_smem {
   uint4* qfrag;
 };
 
+// 1 / x on the MUFU unit (rcp.approx.ftz: ~1 ulp; 1 / inf = 0).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
 // step; the value product accumulates p x value_scale relative to its own running max m_v
 // (so the f16 probabilities are <= 1 whatever the scales), rebased to m at the tier's end.
@@ -436,7 +443,9 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 
   // One step of P 16-token sub-steps; sub-step h: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]),
   // value rows 16h + 2qc, +1, +8, +9 (vw[h]), log2 value scales lvs[h]; rows at or past ntok
-  // are masked in the scores (read_values below says which value codes must be zeroed there).
+  // are masked in the scores (read_values below says which value codes must be zeroed there),
+  // and so are the rows before the window's first token t_lo of the page: t0 and ntok come
+  // relative to t_lo (0 without a window), so one unsigned compare a row does both.
   // Scores and one online-softmax update for the step's 16 P tokens; returns P^T of each
   // sub-step as the value product's B fragments.
   auto step_scores = [&](const std::uint32_t(&kw)[P][2][KC::key_words], const float(&ks)[P][2],
@@ -499,7 +508,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           for (int i = 0; i < 4; ++i) sc[h][i] += lo[h][i];
       }
     }
-    // rows at or past ntok: -inf (their key and value metas may be anything, NaN included)
+    // rows at or past ntok: -inf (their key and value metas may be anything, NaN included); rows
+    // before the window's first token too
     float sv[P][4];  // log2 of p x value scale, up to the running max
 #pragma unroll
     for (int h = 0; h < P; ++h)
@@ -507,10 +517,26 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       for (int i = 0; i < 4; ++i) {
         if constexpr (key_offset) sc[h][i] -= koff[i % 2];
         const int r = i / 2;
-        const bool live = t0 + 16 * h + qg + 8 * r < ntok;
+        const bool live = unsigned(t0 + 16 * h + qg + 8 * r) < unsigned(ntok);
         sc[h][i] = live ? sc[h][i] * ks[h][r] * colscale[i % 2] : -INFINITY;
         sv[h][i] = live ? sc[h][i] + lvs[h][r] : -INFINITY;
       }
+    if (in.soft_cap > 0.f) {  // uniform (a launch parameter): the masked scores stay -inf
+      // in log2 units, s -> c tanh(s / c) with c = cap log2(e), as c - 2 c / (e^(2 s / c) + 1) =
+      // c - 2 c / (2^(2 s / cap) + 1) on the MUFU unit: absolute error ~2^-21 c, under the f16
+      // probabilities' 2^-11. (tanhf, or the cap before the mask, spilled registers in the step
+      // loop at the launch bounds, ptxas -v.)
+      const float c2 = in.soft_cap * log2e, k = 2.f / in.soft_cap;
+#pragma unroll
+      for (int h = 0; h < P; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const bool masked = sc[h][i] == -INFINITY;
+          const float z = fmaf(-2.f * c2, fast_rcp(fast_exp2(sc[h][i] * k) + 1.f), c2);
+          sc[h][i] = masked ? sc[h][i] : z;
+          sv[h][i] = masked ? sv[h][i] : z + lvs[h][i / 2];
+        }
+    }
     // ---- online softmax per column over the step's tokens; p for l, pv = p x value scale for
     // the value product
     float pv[P][4];
@@ -641,13 +667,16 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     }
   };
   constexpr bool phased = staging::phased;
-  int ntok = 0;
+  int ntok = 0, t_lo = 0;
   std::int32_t logical = -1;
   while (j < j_end) {
     const int step = int(j % SL);
     if (logical < 0) {  // a new page (or the first step, which may start mid-page)
       logical = fv.logical[e_begin + int(j / SL)];
-      ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+      const int len = in.index.seq_len[b];
+      ntok = in.index.tokens_in_page_of(len, logical, Geometry::page_tokens);
+      // tokens before t_lo are outside the window (0 without one)
+      t_lo = first_in_page<Geometry::page_tokens>(logical, window_first(in.window, len), ntok);
     }
     // the next step: in this page (same address), else the warp's next valid page
     const bool same_page = (j + 1) % SL != 0;
@@ -667,7 +696,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         for (int h = 0; h < P; ++h) read_keys(h, kw[h], ks[h], lvs[h]);
         __syncwarp();  // every lane has read the key rows and metas before they are overwritten
         issue_keys(npage, ns);
-        step_scores(kw, ks, lvs, t0, ntok, ps, pb);
+        step_scores(kw, ks, lvs, t0 - t_lo, ntok - t_lo, ps, pb);
       }
       cp_async_wait<1>();  // this step's V group (the next K group may still be in flight)
       __syncwarp();
@@ -698,7 +727,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       issue_keys(npage, ns);
       issue_values(npage, ns);
       std::uint32_t pb[P][2];
-      step_scores(kw, ks, lvs, t0, ntok, ps, pb);
+      step_scores(kw, ks, lvs, t0 - t_lo, ntok - t_lo, ps, pb);
 #pragma unroll
       for (int h = 0; h < P; ++h) step_values(vw[h], pb[h]);
     }
@@ -829,13 +858,22 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
       sm.l[tid] = 0.f;
       sm.m_ref[tid] = -INFINITY;
     }
-    // The tiers with pages in this chunk (by-format chunks, the usual case, have one).
+    // The tiers with pages in this chunk (by-format chunks, the usual case, have one), less the
+    // pages wholly before the window (not read; a chunk left without pages stores an empty state).
     int lo[N], hi[N], with_pages = 0;
 #pragma unroll
-    for (int f = 0; f < N; ++f) {
-      chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
-      with_pages += hi[f] > lo[f];
+    for (int f = 0; f < N; ++f) chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+    if (in.window > 0) {
+      const int first = window_first(in, b);
+#pragma unroll
+      for (int f = 0; f < N; ++f)
+        if (hi[f] > lo[f])
+          lo[f] = first_window_entry<Geometry::page_tokens>(
+                      in.index.formats[f], ch.first[f] + lo[f], ch.first[f] + hi[f], first) -
+                  ch.first[f];
     }
+#pragma unroll
+    for (int f = 0; f < N; ++f) with_pages += hi[f] > lo[f];
     const bool sole = with_pages == 1;
     run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
     __syncthreads();
