@@ -14,7 +14,10 @@
 //     on the reference queries (lambda = value_ridge x the mean diagonal of P^T P: a ridge
 //     towards the original values, which keeps t > n_q well posed).
 // Everything runs in float64 through BLAS / LAPACK (compaction/lapack.hpp): this is the
-// offline host path, run once per completed prefix. Arms of the paper: keep (fit_bias =
+// offline host path, run once per completed prefix. The first pass over all n keys (the
+// n_q x n scores, the selection score, the full masses and outputs) depends on no option but
+// the scale: am_prepare computes it once, and attention_match(h, ref, o) reuses it for every
+// arm and budget of the same head. Arms of the paper: keep (fit_bias =
 // false, refit_values = false), drop (fit_bias = false, refit_values = true), AM (both).
 #pragma once
 
@@ -137,14 +140,27 @@ inline result<std::int64_t> am_budget(const head_data& h, const am_options& o) {
   return std::clamp<std::int64_t>(std::int64_t(std::ceil(o.budget * double(n) - 1e-9)), 1, n);
 }
 
-/// Compacts one head (see the header comment). Errors name the value and its limit:
-/// invalid_argument / out_of_range for shapes and options, non_finite_input for a NaN or Inf in
-/// keys, values or queries (named by row and dim). Zero-norm queries are valid (they attend
-/// uniformly).
-inline result<head_compaction> attention_match(const head_data& h, const am_options& o = {}) {
-  auto tb = am_budget(h, o);
-  if (!tb) return tb.error_status();
-  const std::int64_t t = *tb;
+/// Pass 1 of attention_match, which every arm and budget over the same head and reference
+/// queries shares (it is most of the cost: an n_q x n score matrix): per reference query the
+/// row maximum m_i, the full mass Z_i = sum_j exp(s_ij - m_i) and the full attention output Y_i,
+/// and per key its attention mass summed over the queries (the selection score).
+struct am_reference {
+  int head_dim = 0;           ///< scalars per vector
+  std::int64_t n = 0;         ///< prefix tokens
+  std::int64_t n_q = 0;       ///< reference queries
+  double softmax_scale = 0;   ///< the scale used (resolved, never 0)
+  std::vector<double> m;      ///< [n_q] row maxima of the logits
+  std::vector<double> Z;      ///< [n_q] full masses relative to m
+  std::vector<double> Y;      ///< [n_q][d] full attention outputs
+  std::vector<double> score;  ///< [n] attention mass per key, summed over the queries
+};
+
+/// Computes pass 1 (am_reference) for h with o's softmax_scale and query_block; checks shapes,
+/// options and finiteness as attention_match does. The result may be passed to
+/// attention_match(h, ref, o) with any budget, keep, beta_max, fit_bias, refit_values or
+/// value_ridge, for the same h (the same arrays: only the shapes and the scale are checked).
+inline result<am_reference> am_prepare(const head_data& h, const am_options& o = {}) {
+  if (auto tb = am_budget(h, o); !tb) return tb.error_status();
   if (auto st = detail::check_finite_rows(h.keys, h.head_dim, "keys"); !st) return st;
   if (auto st = detail::check_finite_rows(h.values, h.head_dim, "values"); !st) return st;
   if (auto st = detail::check_finite_rows(h.queries, h.head_dim, "queries"); !st) return st;
@@ -152,7 +168,6 @@ inline result<head_compaction> attention_match(const head_data& h, const am_opti
   const int d = h.head_dim;
   const int n = int(h.keys.size() / std::size_t(d));
   const int nq = int(h.queries.size() / std::size_t(d));
-  const int ti = int(t);
   const double scale = o.softmax_scale > 0.f ? double(o.softmax_scale) : 1.0 / std::sqrt(double(d));
   const auto D = std::size_t(d);
 
@@ -160,9 +175,16 @@ inline result<head_compaction> attention_match(const head_data& h, const am_opti
   std::vector<double> K(h.keys.begin(), h.keys.end()), V(h.values.begin(), h.values.end()),
       Q(h.queries.begin(), h.queries.end());
 
-  // Pass 1 over query blocks: row maxima m, full masses Z, outputs Y [d x nq], mass per key.
-  std::vector<double> m(static_cast<std::size_t>(nq)), Z(static_cast<std::size_t>(nq)),
-      Y(D * std::size_t(nq)), score(std::size_t(n), 0.0);
+  am_reference r;
+  r.head_dim = d;
+  r.n = n;
+  r.n_q = nq;
+  r.softmax_scale = scale;
+  // Over query blocks: row maxima m, full masses Z, outputs Y [d x nq], mass per key.
+  r.m.resize(static_cast<std::size_t>(nq));
+  r.Z.resize(static_cast<std::size_t>(nq));
+  r.Y.resize(D * std::size_t(nq));
+  r.score.assign(std::size_t(n), 0.0);
   const int nb_max = std::min(o.query_block, nq);
   std::vector<double> S(static_cast<std::size_t>(nb_max) * std::size_t(n));
   for (int i0 = 0; i0 < nq; i0 += nb_max) {
@@ -177,14 +199,39 @@ inline result<head_compaction> attention_match(const head_data& h, const am_opti
         z += (S[std::size_t(j) * nb + i] = std::exp(S[std::size_t(j) * nb + i] - mx));
       for (int j = 0; j < n; ++j) {
         S[std::size_t(j) * nb + i] /= z;
-        score[std::size_t(j)] += S[std::size_t(j) * nb + i];
+        r.score[std::size_t(j)] += S[std::size_t(j) * nb + i];
       }
-      m[std::size_t(i0 + i)] = mx;
-      Z[std::size_t(i0 + i)] = z;
+      r.m[std::size_t(i0 + i)] = mx;
+      r.Z[std::size_t(i0 + i)] = z;
     }
     lapack::gemm('N', 'T', d, nb, n, 1.0, V.data(), d, S.data(), nb, 0.0,
-                 Y.data() + std::size_t(i0) * D, d);
+                 r.Y.data() + std::size_t(i0) * D, d);
   }
+  return r;
+}
+
+/// Compacts one head from its prepared pass 1 (am_prepare(h, ...) on the same arrays). Refuses
+/// (invalid_argument) a reference whose head_dim, n, n_q or softmax scale differs from h and o.
+inline result<head_compaction> attention_match(const head_data& h, const am_reference& ref,
+                                               const am_options& o) {
+  auto tb = am_budget(h, o);
+  if (!tb) return tb.error_status();
+  const std::int64_t t = *tb;
+  const int d = h.head_dim;
+  const int n = int(h.keys.size() / std::size_t(d));
+  const int nq = int(h.queries.size() / std::size_t(d));
+  const int ti = int(t);
+  const double scale = o.softmax_scale > 0.f ? double(o.softmax_scale) : 1.0 / std::sqrt(double(d));
+  const auto D = std::size_t(d);
+  if (ref.head_dim != d || ref.n != n || ref.n_q != nq || ref.softmax_scale != scale ||
+      ref.m.size() != std::size_t(nq) || ref.Z.size() != std::size_t(nq) ||
+      ref.Y.size() != std::size_t(nq) * D || ref.score.size() != std::size_t(n))
+    return status::make(errc::invalid_argument, "attention_match: the reference was prepared for ",
+                        ref.n, " tokens, ", ref.n_q, " queries, head_dim ", ref.head_dim,
+                        ", scale ", ref.softmax_scale, "; this head has ", n, ", ", nq, ", ", d,
+                        ", ", scale);
+  const std::vector<double>&m = ref.m, &Z = ref.Z, &Y = ref.Y, &score = ref.score;
+  std::vector<double> Q(h.queries.begin(), h.queries.end());
 
   head_compaction r;
   r.head_dim = d;
@@ -208,8 +255,8 @@ inline result<head_compaction> attention_match(const head_data& h, const am_opti
   for (std::size_t a = 0; a < T; ++a) {
     const std::size_t j = std::size_t(r.kept[a]);
     for (std::size_t k = 0; k < D; ++k) {
-      Ks[a * D + k] = K[j * D + k];
-      Vs[k * T + a] = V[j * D + k];
+      Ks[a * D + k] = double(h.keys[j * D + k]);
+      Vs[k * T + a] = double(h.values[j * D + k]);
       r.keys[a * D + k] = h.keys[j * D + k];
     }
   }
@@ -296,6 +343,16 @@ inline result<head_compaction> attention_match(const head_data& h, const am_opti
   for (std::size_t a = 0; a < T; ++a)
     for (std::size_t k = 0; k < D; ++k) r.values[a * D + k] = float(X[k * T + a]);
   return r;
+}
+
+/// Compacts one head (see the header comment): am_prepare, then attention_match(h, ref, o).
+/// Errors name the value and its limit: invalid_argument / out_of_range for shapes and
+/// options, non_finite_input for a NaN or Inf in keys, values or queries (named by row and
+/// dim). Zero-norm queries are valid (they attend uniformly).
+inline result<head_compaction> attention_match(const head_data& h, const am_options& o = {}) {
+  auto ref = am_prepare(h, o);
+  if (!ref) return ref.error_status();
+  return attention_match(h, *ref, o);
 }
 
 }  // namespace tierkv::compaction

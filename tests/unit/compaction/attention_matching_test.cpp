@@ -216,3 +216,93 @@ TEST_CASE("attention_match refuses bad input, naming the value and the limit", "
   bad.values = bad.values.subspan(0, 16 * 9);
   expect(attention_match(bad, {}), errc::invalid_argument, "9 value rows for 10 key rows");
 }
+
+TEST_CASE("am_prepare: one first pass serves every arm and budget, bit for bit",
+          "[compaction][am]") {
+  const auto h = structured(32, 300, 240, 21);
+  const double scale = 1.0 / std::sqrt(32.0);
+  auto ref = am_prepare(view(h));
+  REQUIRE(ref);
+  CHECK(ref->n == 300);
+  CHECK(ref->n_q == 240);
+  CHECK(ref->softmax_scale == scale);
+  // Its arrays against float64 recomputations: the full mass and output of each query, the
+  // selection score (attention summed over the queries).
+  std::vector<double> score(300, 0.0);
+  double worst_z = 0, worst_y = 0;
+  for (std::int64_t i = 0; i < h.nq; ++i) {
+    std::vector<double> s(300);
+    double mx = -1e300;
+    for (std::size_t j = 0; j < 300; ++j) {
+      double dot = 0;
+      for (int k = 0; k < 32; ++k)
+        dot += double(h.q[std::size_t(i * 32 + k)]) * h.k[j * 32 + std::size_t(k)];
+      mx = std::max(mx, s[j] = scale * dot);
+    }
+    double z = 0;
+    for (double x : s) z += std::exp(x - mx);
+    CHECK(ref->m[std::size_t(i)] == Approx(mx).epsilon(1e-12));
+    worst_z = std::max(worst_z, std::abs(ref->Z[std::size_t(i)] - z) / z);
+    for (int k = 0; k < 32; ++k) {
+      double y = 0;
+      for (std::size_t j = 0; j < 300; ++j)
+        y += std::exp(s[j] - mx) / z * h.v[j * 32 + std::size_t(k)];
+      worst_y = std::max(worst_y, std::abs(ref->Y[std::size_t(i * 32 + k)] - y));
+    }
+    for (std::size_t j = 0; j < 300; ++j) score[j] += std::exp(s[j] - mx) / z;
+  }
+  CHECK(worst_z < 1e-10);
+  CHECK(worst_y < 1e-10);
+  for (std::size_t j = 0; j < 300; ++j) CHECK(ref->score[j] == Approx(score[j]).epsilon(1e-10));
+  // Every arm and budget from the shared pass equals the one-call result exactly.
+  for (double budget : {0.1, 0.05, 1.0})
+    for (int arm = 0; arm < 4; ++arm) {
+      am_options o;
+      o.budget = budget;
+      o.fit_bias = arm == 0 || arm == 3;
+      o.refit_values = arm != 2;
+      if (arm == 3) o.beta_max = 1.0;
+      INFO("budget " << budget << " arm " << arm);
+      auto a = attention_match(view(h), *ref, o);
+      auto b = attention_match(view(h), o);
+      REQUIRE(a);
+      REQUIRE(b);
+      CHECK(a->kept == b->kept);
+      CHECK(a->keys == b->keys);
+      CHECK(a->values == b->values);
+      CHECK(a->beta == b->beta);
+      CHECK(a->mass_error == b->mass_error);
+      CHECK(a->output_error == b->output_error);
+    }
+}
+
+TEST_CASE("attention_match refuses a reference prepared for another head or scale",
+          "[compaction][am]") {
+  const auto h = gaussian(16, 40, 30, 31);
+  auto ref = am_prepare(view(h));
+  REQUIRE(ref);
+  auto expect_refused = [](const result<head_compaction>& r) {
+    REQUIRE(!r);
+    CHECK(r.error_status().code() == errc::invalid_argument);
+    INFO(r.error_status().message());
+    CHECK(r.error_status().message().find("the reference was prepared for 40 tokens, 30 "
+                                          "queries") != std::string::npos);
+  };
+  head_data fewer_keys = view(h);
+  fewer_keys.keys = fewer_keys.keys.subspan(0, 16 * 39);
+  fewer_keys.values = fewer_keys.values.subspan(0, 16 * 39);
+  expect_refused(attention_match(fewer_keys, *ref, {}));
+  head_data fewer_queries = view(h);
+  fewer_queries.queries = fewer_queries.queries.subspan(0, 16 * 29);
+  expect_refused(attention_match(fewer_queries, *ref, {}));
+  am_options other_scale;
+  other_scale.softmax_scale = 0.5f;
+  expect_refused(attention_match(view(h), *ref, other_scale));
+  // am_prepare refuses what attention_match refuses.
+  auto bad = h;
+  bad.q[2 * 16 + 3] = std::numeric_limits<float>::quiet_NaN();
+  auto r = am_prepare(view(bad));
+  REQUIRE(!r);
+  CHECK(r.error_status().code() == errc::non_finite_input);
+  CHECK(r.error_status().message().find("queries[2][3]") != std::string::npos);
+}
