@@ -39,8 +39,11 @@ class kv_backend {
   virtual ~kv_backend() = default;
   virtual std::string name() const = 0;
   virtual void reset() = 0;
-  // Tokens committed so far (the position of the next chunk's first token).
+  // Tokens committed so far.
   virtual int length() const = 0;
+  // RoPE position of the next chunk's first token: length() for a cache that holds every
+  // token, original tokens + continuation for a compacted prefix (compacted_backend.hpp).
+  virtual int position() const { return length(); }
   // k, v: n rows of kv_heads*head_dim floats (post-RoPE keys) for positions [length, length+n).
   virtual void append(int layer, int n, const float* k, const float* v) = 0;
   // q: n rows of q_heads*head_dim; query i sees positions [0, length + i]. out: same shape as q.
@@ -75,15 +78,25 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A per-key additive logit bias for the first `keys` cached keys of every kv head (AM's
+// biased read path, compacted_backend.hpp): kv head g's biases at at + g * stride.
+struct key_bias {
+  const float* at = nullptr;
+  std::size_t stride = 0;
+  int keys = 0;
+};
+
 // Causal attention of n queries over T = past + n keys held as float rows.
 // k_head(h) / v_head(h) point at kv head h's T x head_dim rows (row stride ld_kv).
 // scores is scratch of n*T floats.
 // When page_mass is given (ceil(T / page_tokens) floats, zeroed by the caller), the last
 // query's softmax probability on each page, summed over query heads, is added to it.
+// bias: logit = scale q.k_j + bias_j for the biased keys. lse (n x q_heads floats, if given):
+// the log-sum-exp of each query row's logits (natural log).
 template <class KHead, class VHead>
 void attend_float(const kv_shape& s, int past, int n, const float* q, float* out, KHead k_head,
                   VHead v_head, int ld_kv, std::vector<float>& scores, float* page_mass = nullptr,
-                  int page_tokens = 16) {
+                  int page_tokens = 16, key_bias bias = {}, float* lse = nullptr) {
   const int T = past + n;
   const int hd = s.head_dim;
   const int group = s.q_heads / s.kv_heads;
@@ -96,9 +109,12 @@ void attend_float(const kv_shape& s, int past, int n, const float* q, float* out
     const float* V = v_head(g);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, T, hd, scale, q + h * hd, ldq, K, ld_kv,
                 0.0f, scores.data(), T);
+    const float* b = bias.at ? bias.at + std::size_t(g) * bias.stride : nullptr;
     for (int i = 0; i < n; ++i) {
       float* row = scores.data() + std::size_t(i) * std::size_t(T);
       const int visible = past + i + 1;
+      if (b)
+        for (int j = 0, e = std::min(bias.keys, visible); j < e; ++j) row[j] += b[j];
       float m = -INFINITY;
       for (int j = 0; j < visible; ++j) m = std::max(m, row[j]);
       float sum = 0;
@@ -108,6 +124,7 @@ void attend_float(const kv_shape& s, int past, int n, const float* q, float* out
       }
       const float inv = 1.0f / sum;
       for (int j = 0; j < visible; ++j) row[j] *= inv;
+      if (lse) lse[std::size_t(i) * std::size_t(s.q_heads) + std::size_t(h)] = m + std::log(sum);
       for (int j = visible; j < T; ++j) row[j] = 0.0f;
     }
     if (page_mass) {

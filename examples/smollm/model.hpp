@@ -93,13 +93,14 @@ class model {
   // how the golden test tells that rounding apart from an engine error.
   bool quantize_activations = false;
 
-  // Runs tokens[0..n) at positions [kv.length(), kv.length() + n) and commits them to kv.
+  // Runs tokens[0..n) at RoPE positions [kv.position(), kv.position() + n) and commits them
+  // to kv.
   // logits: n x vocab when all_logits, else the last position's vocab floats.
   void forward(const std::int32_t* tokens, int n, kv_backend& kv, std::vector<float>& logits,
                bool all_logits) {
     const model_config& c = cfg_;
     const int E = c.embd, Q = c.q_heads * c.head_dim, KV = c.kv_heads * c.head_dim;
-    const int pos0 = kv.length();
+    const int pos0 = kv.position();
     const std::size_t sE = std::size_t(E), sQ = std::size_t(Q), sKV = std::size_t(KV);
     x_.resize(std::size_t(n) * sE);
     h_.resize(x_.size());

@@ -5,6 +5,7 @@
 //   tokenize  --prompt TEXT
 //   tasks     [--quick] [--arms a,b,..] [--out FILE.json]   needle + perplexity + agreement
 //   demo                                                     4K needle, dense vs tiered
+//   compaction --out-dir DIR [...]                           AM compaction arms (issue 27)
 #include <cblas.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "compaction_eval.hpp"
 #include "runner.hpp"
 
 using namespace smollm;
@@ -72,7 +74,11 @@ void usage() {
       "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] [--center-fp8 0] "
       "[--rotate-fp8-keys 1] [--rotate-fp8-values 0] [--codec-seed N]\n"
       "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE]\n"
-      "  demo     [--tokens 4096]\n");
+      "  demo     [--tokens 4096]\n"
+      "  compaction --out-dir DIR [--docs FILE[+FILE]@OFFSET,...,needle:I] [--doc-tokens 4096]\n"
+      "           [--cont-tokens 256] [--greedy 32] [--ref repeat|self] [--ref-stride 2]\n"
+      "           [--budgets 0.1,0.05]"
+      " [--remedies 1] [--quant 1] [--text-dir /usr/share/common-licenses]\n");
 }
 
 }  // namespace
@@ -164,6 +170,27 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 4096));
+    if (cmd == "compaction") {  // docs/compaction.md; scripts/measure compaction-model
+      compaction_eval_options o;
+      o.out_dir = a.get("--out-dir", "");
+      o.docs = a.get("--docs", o.docs);
+      o.text_dir = a.get("--text-dir", o.text_dir);
+      o.doc_tokens = a.get_int("--doc-tokens", o.doc_tokens);
+      o.cont_tokens = a.get_int("--cont-tokens", o.cont_tokens);
+      o.greedy_tokens = a.get_int("--greedy", o.greedy_tokens);
+      o.ref_stride = a.get_int("--ref-stride", o.ref_stride);
+      o.ref = a.get("--ref", o.ref);
+      o.chunk = a.get_int("--chunk", o.chunk);
+      o.budgets = a.get("--budgets", o.budgets);
+      o.remedies = a.get_int("--remedies", 1) != 0;
+      o.quant = a.get_int("--quant", 1) != 0;
+      if (o.doc_tokens < 64 || o.cont_tokens < 1 || o.greedy_tokens < 1 || o.ref_stride < 1 ||
+          o.chunk < 1) {
+        usage();
+        return 2;
+      }
+      return run_compaction_eval(eng, o);
+    }
     usage();
     return 2;
   } catch (const std::exception& e) {
