@@ -1,14 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
-// gpubench_retier_overlap --out FILE.json [--commit SHA]: a decode step of L = 1 or 16 layer
-// calls (tiered mix, context 32K) with one batch of FP8 -> TQ3 conversions of 1% / 5% of the
-// live pages of every layer (N = pct x live x L pages, one launch):
-//   (a) decode alone; (r) the retier batch alone; (b) decode then retier on one stream;
-//   (c) decode on the main stream, the batch on a low-priority side stream through
-//       retier_async.cuh (events): main-stream step time and wall time (both streams joined);
-//       the same with the side stream at the main stream's priority (eq_*).
-// Medians of 25 steps after 3 warm-up steps; page sets rotated to stay cache-cold (as
-// bench/cuda/decode.cu). Checked on the device: decode outputs of (c) equal (a)'s bit for bit,
-// and the pages (c) converted equal (b)'s byte for byte; the retier error flag stays 0.
+// gpubench_retier_overlap [--out FILE.json] [--commit SHA] [--benchmark_* flags]: a decode step
+// of L = 1 or 16 layer calls (tiered mix, context 32K) with one batch of FP8 -> TQ3 conversions
+// of 1% / 5% of the live pages of every layer (N = pct x live x L pages, one launch):
+//   decode      the decode alone;
+//   retier      the retier batch alone;
+//   serial      decode then retier on one stream;
+//   overlap     decode on the main stream, the batch on a low-priority side stream through
+//               retier_async.cuh (events);
+//   overlap_eq  the same with the side stream at the main stream's priority.
+// Google Benchmark: one benchmark per (shape, batch, layers[, pct], mode), e.g.
+// retier_overlap/shape:24x4x256/batch:8/layers:16/pct:5/mode:overlap, 25 repetitions of one step
+// after 3 warm-up steps (bench_support.cuh: L2 flushed, spin kernel on the main stream, events).
+// A step's manual time is its wall time (the main stream joined with the side stream's
+// conversions); counter main_us is the main stream's own time (the step's last decode); the
+// record takes their medians. Checked on the device in every overlap / overlap_eq repetition:
+// the decode outputs equal the decode alone's bit for bit (outputs_bit_equal) and the pages
+// converted on the side stream equal one-stream retier's byte for byte (retiered_bytes_equal;
+// the record takes the "min" aggregate, so one failed repetition shows); the retier error flag
+// stays 0. Exit status 2 when a check failed. bench/gpu/gbench_record.py turns the JSON into the
+// retier-overlap record.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,11 +26,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "bench_support.cuh"
+#include "gbench_main.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/decode.cuh"
@@ -34,353 +45,372 @@ using namespace tierkv::bench;
 using recent = tier<fp8_e4m3, fp8_e4m3>;
 using stale = tier<tq3_key, tq3_value>;
 using two_tiers = tiers<recent, stale>;
+using g256 = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
+using g128 = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+constexpr int warm = 3, reps = 25;
+constexpr int context = 32768;
+
+struct device_state {
+  cudaStream_t main = nullptr, side = nullptr, side_eq = nullptr;
+  int sms = 0;
+  std::unique_ptr<l2_flusher> flush;
+};
+device_state dev;
+case_cache cache;
+bool checks_failed = false;
+
+enum class mode { decode, retier, serial, overlap, overlap_eq };
+const char* mode_name(mode m) {
+  switch (m) {
+    case mode::decode:
+      return "decode";
+    case mode::retier:
+      return "retier";
+    case mode::serial:
+      return "serial";
+    case mode::overlap:
+      return "overlap";
+    case mode::overlap_eq:
+      return "overlap_eq";
+  }
+  return "?";
 }
 
-struct row {
-  int qh, kvh, d, context, batch, layers, pct, pages_live, pages_retiered;
-  double decode_us, retier_us, serial_us, overlap_main_us, overlap_wall_us, eqprio_main_us,
-      eqprio_wall_us;
-  bool outputs_equal, pages_equal;
-};
-std::vector<row> rows;
-std::size_t l2_bytes = 0;
-int sms = 0;
-constexpr int warm = 3, reps = 25;
+// Counts the bytes where a and b differ and the nonzero bytes of b.
+__global__ void compare_bytes(const std::uint8_t* a, const std::uint8_t* b, std::size_t n,
+                              unsigned long long* counts) {
+  unsigned long long diff = 0, nonzero = 0;
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    diff += a[i] != b[i];
+    nonzero += b[i] != 0;
+  }
+  if (diff) atomicAdd(&counts[0], diff);
+  if (nonzero) atomicAdd(&counts[1], nonzero);
+}
 
+// One (shape, batch, layers) case: a batch of B sequences of 32K tokens (tiered mix) in one
+// set of pools, its plan, the decode alone's output (the reference), and per pct the retier
+// batch's lists, destinations and the one-stream conversion's bytes (the reference).
 template <class G>
-void bench_shape(int B, int layers, cudaStream_t s, cudaStream_t side, cudaStream_t side_eq) {
-  constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens, QH = G::q_heads;
+struct overlap_case {
+  static constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens, QH = G::q_heads;
   using KF = recent::key_codec<D>;
   using KT = stale::key_codec<D>;
   using VT = stale::value_codec<D>;
   using L8 = page_layout<G, KF, KF>;
   using L3 = page_layout<G, KT, VT>;
-  const int L = 32768, n = L / T;
-  std::vector<int> tier(n);
-  const int recent_pages = (n * 27 + 99) / 100 - 1;
-  for (int i = 0; i < n; ++i) tier[i] = (i == 0 || i >= n - recent_pages) ? 0 : 1;
-  int n8 = 0;
-  for (int t : tier) n8 += t == 0;
-  const int n3 = n - n8;
-  const double bytes_per_set =
-      double(B) * (double(n8) * double(L8::page_bytes) + double(n3) * double(L3::page_bytes));
-  const int sets =
-      std::max(1, std::min(32, int(std::ceil(4.0 * double(l2_bytes) / bytes_per_set))));
-  const std::uint32_t cap8 = std::uint32_t(B * n8 * sets), cap3 = std::uint32_t(B * n3 * sets);
-  const int live = B * n;
-  const int nmax = std::max(1, live * 5 / 100) * layers;  // retier pages of a step, all layers
-  std::uint8_t *p8, *p3, *dst_serial, *dst_async;
-  const std::size_t dst_bytes = L3::page_bytes * std::size_t(nmax) * std::size_t(sets);
-  CK(cudaMalloc(&p8, L8::page_bytes * cap8));
-  CK(cudaMalloc(&p3, L3::page_bytes * cap3));
-  CK(cudaMalloc(&dst_serial, dst_bytes));
-  CK(cudaMalloc(&dst_async, dst_bytes));
-  fill_pages<<<1024, 256, 0, s>>>(p8, L8::page_bytes * cap8, 1 + L, 1);
-  fill_pages<<<1024, 256, 0, s>>>(p3, L3::page_bytes * cap3, 2 + L, 0);
-  fill_meta<<<1024, 256, 0, s>>>(p8, L8::page_bytes, L8::key_meta_offset, std::size_t(2) * H * T,
-                                 cap8, 3.f / 448.f, 3);
-  fill_meta<<<1024, 256, 0, s>>>(p3, L3::page_bytes, L3::key_meta_offset, std::size_t(2) * H * T,
-                                 cap3, std::sqrt(float(D)), 4);
-  CK(cudaGetLastError());
-  std::vector<std::int32_t> seq_len(B, L), counts;
-  std::vector<std::int32_t> slot[2], logical[2];
-  for (int b = 0; b < B; ++b) {
-    counts.push_back(n8);
-    counts.push_back(n3);
-  }
-  for (int set = 0; set < sets; ++set) {
-    int next[2] = {set * B * n8, set * B * n3};
-    for (int b = 0; b < B; ++b)
+
+  struct batch_lists {
+    int n1 = 0, n = 0;  // pages per layer, per step
+    device_array<std::int32_t> src, dst, layer_of;
+  };
+
+  int B, layers, n8 = 0, n3 = 0, live = 0, nmax = 0;
+  std::uint32_t cap8 = 1, cap3 = 1;
+  device_array<std::uint8_t> p8, p3, dst_serial, dst_async, ws;
+  device_array<std::int32_t> len, indptr[2], slot[2], logical[2];
+  device_array<float> q, out;
+  device_array<int> err;
+  device_array<unsigned long long> counts;
+  cuda::decode_plan plan{};
+  cuda::retier_async_events ev;
+  std::vector<float> ref_out;
+  batch_lists lists[2];  // pct 1, 5
+  int ref_pct = 0;       // whose one-stream conversion dst_serial holds
+
+  overlap_case(int B_, int layers_, cudaStream_t s) : B(B_), layers(layers_) {
+    const int n = context / T;
+    std::vector<int> tier(static_cast<std::size_t>(n));
+    const int recent_pages = (n * 27 + 99) / 100 - 1;
+    for (int i = 0; i < n; ++i) tier[std::size_t(i)] = (i == 0 || i >= n - recent_pages) ? 0 : 1;
+    for (int t : tier) n8 += t == 0;
+    n3 = n - n8;
+    cap8 = std::uint32_t(B * n8);
+    cap3 = std::uint32_t(B * n3);
+    live = B * n;
+    nmax = std::max(1, live * 5 / 100) * layers;  // retier pages of a step, all layers
+    p8 = device_array<std::uint8_t>(L8::page_bytes * cap8);
+    p3 = device_array<std::uint8_t>(L3::page_bytes * cap3);
+    dst_serial = device_array<std::uint8_t>(L3::page_bytes * std::size_t(nmax));
+    dst_async = device_array<std::uint8_t>(L3::page_bytes * std::size_t(nmax));
+    fill_pages<<<1024, 256, 0, s>>>(p8.get(), p8.size(), 1 + context, 1);
+    fill_pages<<<1024, 256, 0, s>>>(p3.get(), p3.size(), 2 + context, 0);
+    fill_meta<<<1024, 256, 0, s>>>(p8.get(), L8::page_bytes, L8::key_meta_offset,
+                                   std::size_t(2) * H * T, cap8, 3.f / 448.f, 3);
+    fill_meta<<<1024, 256, 0, s>>>(p3.get(), L3::page_bytes, L3::key_meta_offset,
+                                   std::size_t(2) * H * T, cap3, std::sqrt(float(D)), 4);
+    CK(cudaGetLastError());
+    std::vector<std::int32_t> pages_of, ip[2], sl[2], lg[2];
+    int next[2] = {0, 0};
+    for (int b = 0; b < B; ++b) {
+      pages_of.push_back(n8);
+      pages_of.push_back(n3);
       for (int i = 0; i < n; ++i) {
-        slot[tier[i]].push_back(next[tier[i]]++);
-        logical[tier[i]].push_back(i);
+        const int f = tier[std::size_t(i)];
+        sl[f].push_back(next[f]++);
+        lg[f].push_back(i);
       }
+    }
+    for (int f = 0; f < 2; ++f) {
+      for (int b = 0; b <= B; ++b) ip[f].push_back(b * (f == 0 ? n8 : n3));
+      indptr[f] = device_array<std::int32_t>(ip[f]);
+      slot[f] = device_array<std::int32_t>(sl[f]);
+      logical[f] = device_array<std::int32_t>(lg[f]);
+    }
+    len = device_array<std::int32_t>(std::vector<std::int32_t>(std::size_t(B), context));
+    const std::size_t qn = std::size_t(B) * QH * D;
+    q = device_array<float>(qn);
+    out = device_array<float>(qn);
+    fill_floats<<<256, 256, 0, s>>>(q.get(), qn, 7);
+    err = device_array<int>(std::vector<int>{0});
+    counts = device_array<unsigned long long>(2);
+    const cuda::decode_capacity cap{B, 64, 0, false};
+    plan = take(cuda::plan_decode<G, two_tiers>(cap, pages_of.data(), B, dev.sms));
+    ws = device_array<std::uint8_t>(plan.workspace_bytes);
+    die_if(cuda::decode_workspace_init(plan, ws.get(), plan.workspace_bytes, s));
+    ev = take(cuda::retier_async_events::create());
+    // Prime `converted` so the join wait of a step with nothing on the side is well defined.
+    CK(cudaEventRecord(ev.converted(), dev.side));
+    for (int k = 0; k < 2; ++k) {
+      const int pct = k == 0 ? 1 : 5;
+      batch_lists& bl = lists[k];
+      bl.n1 = std::max(1, live * pct / 100);
+      bl.n = bl.n1 * layers;
+      // Sources: N1 FP8 pages per layer spread over the sequences; destinations: fresh TQ3
+      // pages outside every index array (reserved, unpublished).
+      std::vector<std::int32_t> src, dst, lay;
+      for (int j = 0; j < bl.n; ++j) {
+        src.push_back(int(std::int64_t(j % bl.n1) * B * n8 / bl.n1));
+        dst.push_back(j);
+        lay.push_back(j / bl.n1);
+      }
+      bl.src = device_array<std::int32_t>(src);
+      bl.dst = device_array<std::int32_t>(dst);
+      bl.layer_of = device_array<std::int32_t>(lay);
+    }
+    decode_step(s, [] {});
+    CK(cudaStreamSynchronize(s));
+    ref_out = out.to_host();
   }
-  std::vector<std::int32_t> indptr[2];
-  for (int f = 0; f < 2; ++f)
-    for (int b = 0; b <= B; ++b) indptr[f].push_back(b * (f == 0 ? n8 : n3));
-  std::int32_t *d_len, *d_ip[2], *d_slot[2], *d_log[2];
-  CK(cudaMalloc(&d_len, sizeof(int) * B));
-  CK(cudaMemcpy(d_len, seq_len.data(), sizeof(int) * B, cudaMemcpyHostToDevice));
-  for (int f = 0; f < 2; ++f) {
-    CK(cudaMalloc(&d_ip[f], sizeof(int) * (B + 1)));
-    CK(cudaMemcpy(d_ip[f], indptr[f].data(), sizeof(int) * (B + 1), cudaMemcpyHostToDevice));
-    CK(cudaMalloc(&d_slot[f], sizeof(int) * slot[f].size()));
-    CK(cudaMalloc(&d_log[f], sizeof(int) * slot[f].size()));
-    CK(cudaMemcpy(d_slot[f], slot[f].data(), sizeof(int) * slot[f].size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_log[f], logical[f].data(), sizeof(int) * slot[f].size(),
-                  cudaMemcpyHostToDevice));
+
+  const batch_lists& lists_of(int pct) const { return lists[pct == 1 ? 0 : 1]; }
+
+  cuda::retier_inputs batch(int pct, std::uint8_t* dpool) const {
+    const batch_lists& bl = lists_of(pct);
+    cuda::retier_inputs r;
+    r.src = {p8.get(), L8::page_bytes, cap8};
+    r.dst = {dpool, L3::page_bytes, std::uint32_t(nmax)};
+    r.src_slot = bl.src.get();
+    r.dst_slot = bl.dst.get();
+    r.pages = bl.n;
+    r.layer_of = bl.layer_of.get();
+    r.cache_seed = 42;
+    r.error = err.get();
+    return r;
   }
-  float *q, *out;
-  CK(cudaMalloc(&q, sizeof(float) * B * QH * D));
-  CK(cudaMalloc(&out, sizeof(float) * B * QH * D));
-  fill_floats<<<256, 256, 0, s>>>(q, std::size_t(B) * QH * D, 7);
-  int* d_err;
-  CK(cudaMalloc(&d_err, sizeof(int)));
-  CK(cudaMemset(d_err, 0, sizeof(int)));
-  cuda::decode_capacity cap{B, 64, 0, false};
-  auto plan = cuda::plan_decode<G, two_tiers>(cap, counts.data(), B, sms);
-  die_if(plan.error_status());
-  std::uint8_t* ws;
-  CK(cudaMalloc(&ws, plan->workspace_bytes));
-  die_if(cuda::decode_workspace_init(*plan, ws, plan->workspace_bytes, s));
-  // L layer decodes; after_first() runs after the first layer's enqueue (where a step's
-  // retier batch is enqueued, so it can start while the first layer runs).
-  auto decode_set = [&](int set, cudaStream_t st, auto&& after_first) {
+
+  // `layers` decodes on stream st; after_first() runs after the first one is enqueued (where a
+  // step's retier batch is enqueued, so it can start while the first layer runs).
+  template <class F>
+  void decode_step(cudaStream_t st, F&& after_first) {
     for (int layer = 0; layer < layers; ++layer) {
       cuda::decode_inputs<2> in;
       in.index.batch = B;
-      in.index.seq_len = d_len;
-      in.index.formats[0] = {d_ip[0], d_slot[0] + std::size_t(set) * B * n8,
-                             d_log[0] + std::size_t(set) * B * n8};
-      in.index.formats[1] = {d_ip[1], d_slot[1] + std::size_t(set) * B * n3,
-                             d_log[1] + std::size_t(set) * B * n3};
-      in.pools[0] = {p8, L8::page_bytes, cap8};
-      in.pools[1] = {p3, L3::page_bytes, cap3};
-      in.queries = q;
+      in.index.seq_len = len.get();
+      for (int f = 0; f < 2; ++f)
+        in.index.formats[f] = {indptr[f].get(), slot[f].get(), logical[f].get()};
+      in.pools[0] = {p8.get(), L8::page_bytes, cap8};
+      in.pools[1] = {p3.get(), L3::page_bytes, cap3};
+      in.queries = q.get();
       in.softmax_scale = 1.f / std::sqrt(float(D));
       in.cache_seed = 42;
       in.layer = layer;
-      in.out = out;  // the last layer's output is the one checked
-      die_if(cuda::decode<G, two_tiers>(*plan, in, ws, plan->workspace_bytes, st));
+      in.out = out.get();  // the last layer's output is the one checked
+      die_if(cuda::decode<G, two_tiers>(plan, in, ws.get(), plan.workspace_bytes, st));
       if (layer == 0) after_first();
     }
-  };
-  auto nothing = [] {};
-  auto host_out = [&] {
-    std::vector<float> h(std::size_t(B) * QH * D);
-    CK(cudaMemcpy(h.data(), out, sizeof(float) * h.size(), cudaMemcpyDeviceToHost));
-    return h;
-  };
-  cudaEvent_t e0, e1, e2;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventCreate(&e2));
-  auto ev = cuda::retier_async_events::create();
-  die_if(ev.error_status());
+  }
 
-  // One step per call: f(set) enqueues between e0 (main) and e1 (main); e2 after the join.
-  // Returns {median e0->e1, median e0->e2}.
-  auto steps = [&](auto&& f) {
-    std::vector<double> a, w;
-    for (int i = 0; i < warm + reps; ++i) {
-      CK(cudaEventRecord(e0, s));
-      f(i % sets);
-      CK(cudaEventRecord(e1, s));
-      CK(cudaStreamWaitEvent(s, ev->converted(), 0));  // no-op wait when nothing ran on side
-      CK(cudaEventRecord(e2, s));
-      CK(cudaEventSynchronize(e2));
-      float m1 = 0, m2 = 0;
-      CK(cudaEventElapsedTime(&m1, e0, e1));
-      CK(cudaEventElapsedTime(&m2, e0, e2));
-      if (i >= warm) {
-        a.push_back(double(m1) * 1e3);
-        w.push_back(double(m2) * 1e3);
-      }
-    }
-    return std::pair<double, double>{median(a), median(w)};
-  };
-  // Prime `converted` so the join wait of the first steps is well defined.
-  CK(cudaEventRecord(ev->converted(), side));
-  const double t_decode = steps([&](int set) { decode_set(set, s, nothing); }).first;
-  const int last_set = (warm + reps - 1) % sets;
-  decode_set(last_set, s, nothing);
-  CK(cudaStreamSynchronize(s));
-  const std::vector<float> ref_out = host_out();
+  void retier_serial(int pct, cudaStream_t s) {
+    die_if(cuda::retier<G, recent, stale>(batch(pct, dst_serial.get()), s));
+  }
 
-  for (int pct : {1, 5}) {
-    const int N1 = std::max(1, live * pct / 100), N = N1 * layers;  // N1 per layer
-    // Sources: N FP8 pages of each set spread over its sequences; destinations: N fresh TQ3
-    // pages per set outside every index array (reserved, unpublished).
-    std::vector<std::int32_t> src(std::size_t(N) * sets), dst(std::size_t(N) * sets),
-        lay(std::size_t(N) * sets);
-    for (int set = 0; set < sets; ++set)
-      for (int j = 0; j < N; ++j) {
-        src[std::size_t(set) * N + j] = set * B * n8 + int(std::int64_t(j % N1) * B * n8 / N1);
-        dst[std::size_t(set) * N + j] = set * nmax + j;
-        lay[std::size_t(set) * N + j] = j / N1;
-      }
-    std::int32_t *d_src, *d_dst, *d_lay;
-    CK(cudaMalloc(&d_lay, sizeof(int) * lay.size()));
-    CK(cudaMemcpy(d_lay, lay.data(), sizeof(int) * lay.size(), cudaMemcpyHostToDevice));
-    CK(cudaMalloc(&d_src, sizeof(int) * src.size()));
-    CK(cudaMalloc(&d_dst, sizeof(int) * dst.size()));
-    CK(cudaMemcpy(d_src, src.data(), sizeof(int) * src.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_dst, dst.data(), sizeof(int) * dst.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemset(dst_serial, 0, dst_bytes));
-    CK(cudaMemset(dst_async, 0, dst_bytes));
-    auto batch = [&](int set, std::uint8_t* dpool) {
-      cuda::retier_inputs r;
-      r.src = {p8, L8::page_bytes, cap8};
-      r.dst = {dpool, L3::page_bytes, std::uint32_t(nmax * sets)};
-      r.src_slot = d_src + std::size_t(set) * N;
-      r.dst_slot = d_dst + std::size_t(set) * N;
-      r.pages = N;
-      r.layer_of = d_lay + std::size_t(set) * N;
-      r.cache_seed = 42;
-      r.error = d_err;
-      return r;
-    };
-    const double t_retier = steps([&](int set) {
-                              die_if(cuda::retier<G, recent, stale>(batch(set, dst_serial), s));
-                            }).first;
-    const double t_serial = steps([&](int set) {
-                              decode_set(set, s, nothing);
-                              die_if(cuda::retier<G, recent, stale>(batch(set, dst_serial), s));
-                            }).first;
-    const auto ovl = steps([&](int set) {
-      die_if(cuda::mark_sources_ready(*ev, s));
-      decode_set(set, s, [&] {
-        die_if(cuda::enqueue_retier_async<G, recent, stale>(batch(set, dst_async), *ev, side));
-      });
-    });
-    CK(cudaDeviceSynchronize());
-    const bool outputs_equal_low = host_out() == ref_out;
-    // The same overlap with the side stream at the main stream's (highest) priority.
-    const auto eq = steps([&](int set) {
-      die_if(cuda::mark_sources_ready(*ev, s));
-      decode_set(set, s, [&] {
-        die_if(cuda::enqueue_retier_async<G, recent, stale>(batch(set, dst_async), *ev, side_eq));
-      });
-    });
-    CK(cudaDeviceSynchronize());
-    const bool outputs_equal =
-        outputs_equal_low && host_out() == ref_out;  // both ended on last_set
-    std::vector<std::uint8_t> hs(dst_bytes), ha(dst_bytes);
-    CK(cudaMemcpy(hs.data(), dst_serial, dst_bytes, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(ha.data(), dst_async, dst_bytes, cudaMemcpyDeviceToHost));
-    const bool written = std::any_of(ha.begin(), ha.end(), [](std::uint8_t x) { return x != 0; });
-    const bool pages_equal = written && hs == ha;
-    int err = 0;
-    CK(cudaMemcpy(&err, d_err, sizeof(int), cudaMemcpyDeviceToHost));
-    if (err != 0) {
-      std::fprintf(stderr, "retier device error %d\n", err);
+  // dst_serial holds pct's one-stream conversion (the bytes the side stream must produce).
+  void reference(int pct, cudaStream_t s) {
+    if (ref_pct == pct) return;
+    CK(cudaMemsetAsync(dst_serial.get(), 0, dst_serial.bytes(), s));
+    retier_serial(pct, s);
+    CK(cudaStreamSynchronize(s));
+    ref_pct = pct;
+  }
+
+  // After an overlap step (synchronized): {outputs equal, converted bytes equal and written}.
+  std::pair<bool, bool> check(int pct, cudaStream_t s) {
+    const bool outputs_equal = out.to_host() == ref_out;
+    const std::size_t n = L3::page_bytes * std::size_t(lists_of(pct).n);
+    CK(cudaMemsetAsync(counts.get(), 0, counts.bytes(), s));
+    compare_bytes<<<1024, 256, 0, s>>>(dst_serial.get(), dst_async.get(), n, counts.get());
+    CK(cudaGetLastError());
+    CK(cudaStreamSynchronize(s));
+    const std::vector<unsigned long long> c = counts.to_host();
+    int e = 0;
+    CK(cudaMemcpy(&e, err.get(), sizeof(int), cudaMemcpyDeviceToHost));
+    if (e != 0) {
+      std::fprintf(stderr, "gpubench_retier_overlap: retier device error %d\n", e);
       std::exit(1);
     }
-    row r{QH,
-          H,
-          D,
-          L,
-          B,
-          layers,
-          pct,
-          live,
-          N,
-          t_decode,
-          t_retier,
-          t_serial,
-          ovl.first,
-          ovl.second,
-          eq.first,
-          eq.second,
-          outputs_equal,
-          pages_equal};
-    rows.push_back(r);
-    std::printf(
-        "%3d %2d %3d %3d %2d %3d%% %6d %6d %9.1f %9.1f %9.1f %9.1f %9.1f %6.3f %6.2f %9.1f %9.1f  "
-        "%s %s\n",
-        QH, H, D, B, layers, pct, live, N, t_decode, t_retier, t_serial, ovl.first, ovl.second,
-        ovl.first / t_decode, (t_serial - ovl.second) / t_retier, eq.first, eq.second,
-        outputs_equal ? "yes" : "NO", pages_equal ? "yes" : "NO");
-    std::fflush(stdout);
-    CK(cudaFree(d_src));
-    CK(cudaFree(d_dst));
-    CK(cudaFree(d_lay));
+    return {outputs_equal, c[0] == 0 && c[1] > 0};
   }
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  CK(cudaEventDestroy(e2));
-  CK(cudaFree(ws));
-  CK(cudaFree(q));
-  CK(cudaFree(out));
-  CK(cudaFree(d_len));
-  CK(cudaFree(d_err));
-  for (int f = 0; f < 2; ++f) {
-    CK(cudaFree(d_ip[f]));
-    CK(cudaFree(d_slot[f]));
-    CK(cudaFree(d_log[f]));
+};
+
+// One step between events on the main stream: e0, the step's work, e1, the join with the side
+// stream's conversions (a no-op wait when nothing ran there), e2. The L2 flush and the spin
+// kernel come before e0.
+struct step_timer {
+  cudaEvent_t e0 = nullptr, e1 = nullptr, e2 = nullptr;
+  step_timer() {
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventCreate(&e2));
   }
-  CK(cudaFree(p8));
-  CK(cudaFree(p3));
-  CK(cudaFree(dst_serial));
-  CK(cudaFree(dst_async));
+  ~step_timer() {
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaEventDestroy(e2);
+  }
+  step_timer(const step_timer&) = delete;
+  step_timer& operator=(const step_timer&) = delete;
+  // {main stream us (e0 -> e1), wall us (e0 -> e2)}
+  template <class F>
+  std::pair<double, double> step(cudaEvent_t converted, F&& enqueue) {
+    cudaStream_t s = dev.main;
+    dev.flush->run(s);
+    spin(s);
+    CK(cudaEventRecord(e0, s));
+    enqueue();
+    CK(cudaEventRecord(e1, s));
+    CK(cudaStreamWaitEvent(s, converted, 0));
+    CK(cudaEventRecord(e2, s));
+    CK(cudaEventSynchronize(e2));
+    float m1 = 0, m2 = 0;
+    CK(cudaEventElapsedTime(&m1, e0, e1));
+    CK(cudaEventElapsedTime(&m2, e0, e2));
+    return {double(m1) * 1e3, double(m2) * 1e3};
+  }
+};
+
+template <class G>
+void register_case(int B, int layers) {
+  using C = overlap_case<G>;
+  const std::string sh = shape(C::QH, C::H, C::D);
+  const std::string key =
+      bench_name("retier_overlap").add("shape", sh).add("batch", B).add("layers", layers).str();
+  auto add = [&](mode m, int pct) {
+    bench_name name =
+        bench_name("retier_overlap").add("shape", sh).add("batch", B).add("layers", layers);
+    if (m != mode::decode) name.add("pct", pct);
+    name.add("mode", mode_name(m));
+    auto* b = benchmark::RegisterBenchmark(
+        name.c_str(), [key, B, layers, m, pct, first = first_time()](benchmark::State& st) {
+          cudaStream_t s = dev.main;
+          C& c = cache.get<C>(key, [&] { return std::make_shared<C>(B, layers, s); });
+          const bool overlap = m == mode::overlap || m == mode::overlap_eq;
+          if (m != mode::decode) c.reference(pct, s);
+          auto enqueue = [&] {
+            switch (m) {
+              case mode::decode:
+                c.decode_step(s, [] {});
+                break;
+              case mode::retier:
+                c.retier_serial(pct, s);
+                break;
+              case mode::serial:
+                c.decode_step(s, [] {});
+                c.retier_serial(pct, s);
+                break;
+              case mode::overlap:
+              case mode::overlap_eq: {
+                cudaStream_t side = m == mode::overlap ? dev.side : dev.side_eq;
+                die_if(cuda::mark_sources_ready(c.ev, s));
+                c.decode_step(s, [&] {
+                  die_if(cuda::enqueue_retier_async<G, recent, stale>(
+                      c.batch(pct, c.dst_async.get()), c.ev, side));
+                });
+                break;
+              }
+            }
+          };
+          step_timer t;
+          if (first())
+            for (int i = 0; i < warm; ++i) t.step(c.ev.converted(), enqueue);
+          if (overlap) CK(cudaMemsetAsync(c.dst_async.get(), 0, c.dst_async.bytes(), s));
+          double main_us = 0;
+          for (auto _ : st) {
+            const auto [m_us, wall_us] = t.step(c.ev.converted(), enqueue);
+            st.SetIterationTime(wall_us * 1e-6);
+            main_us = m_us;
+          }
+          st.counters["main_us"] = main_us;
+          st.counters["live_pages"] = c.live;
+          st.counters["retier_pages"] = m == mode::decode ? 0 : c.lists_of(pct).n;
+          if (overlap) {
+            CK(cudaDeviceSynchronize());
+            const auto [outputs_equal, pages_equal] = c.check(pct, s);
+            if (!outputs_equal || !pages_equal) checks_failed = true;
+            st.counters["outputs_bit_equal"] = outputs_equal ? 1 : 0;
+            st.counters["retiered_bytes_equal"] = pages_equal ? 1 : 0;
+          }
+        });
+    gpu_bench(b, reps);
+  };
+  add(mode::decode, 0);
+  for (int pct : {1, 5})
+    for (mode m : {mode::retier, mode::serial, mode::overlap, mode::overlap_eq}) add(m, pct);
+}
+
+void register_all() {
+  for (int layers : {1, 16})
+    for (int B : {8, 32}) {
+      register_case<g256>(B, layers);
+      register_case<g128>(B, layers);
+    }
+}
+
+void setup(const device_facts& f) {
+  dev.sms = f.sms;
+  int least = 0, greatest = 0;
+  CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  CK(cudaStreamCreateWithPriority(&dev.main, cudaStreamNonBlocking, greatest));
+  dev.side = take(cuda::create_side_stream());
+  CK(cudaStreamCreateWithPriority(&dev.side_eq, cudaStreamNonBlocking, greatest));
+  dev.flush = std::make_unique<l2_flusher>(f.l2_bytes);
+  add_context("l2_flush_bytes", std::to_string(dev.flush->bytes()));
+  add_context("stream_priorities",
+              "main " + std::to_string(greatest) + ", side " + std::to_string(least));
+  add_context("step",
+              "L layer decodes in sequence (live = one layer's pages; retier_pages = pct x live x "
+              "L), tiered mix, context 32768, median of 25 steps after 3 warm-up");
+}
+
+void teardown() {
+  cache.clear();
+  dev.flush.reset();
+  for (cudaStream_t s : {dev.main, dev.side, dev.side_eq})
+    if (s) cudaStreamDestroy(s);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_path, commit = "unknown";
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc)
-      out_path = argv[++i];
-    else if (!std::strcmp(argv[i], "--commit") && i + 1 < argc)
-      commit = argv[++i];
-  }
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  sms = prop.multiProcessorCount;
-  l2_bytes = std::size_t(prop.l2CacheSize);
-  int least = 0, greatest = 0;
-  CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t s;
-  CK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
-  auto side = cuda::create_side_stream();
-  die_if(side.error_status());
-  cudaStream_t side_eq;
-  CK(cudaStreamCreateWithPriority(&side_eq, cudaStreamNonBlocking, greatest));
-  std::printf(
-      "device %s, %d SMs, L2 %zu MB; stream priorities main %d, side %d; step = L layer decodes, "
-      "context 32K, tiered; N = pct of live pages x L\n",
-      prop.name, sms, l2_bytes >> 20, greatest, least);
-  std::printf(
-      " qh kv   d   B  L  pct   live      N decode_us retier_us serial_us  ovl_main  ovl_wall "
-      "slowdn hidden   eq_main   eq_wall  out= pages=\n");
-  for (int layers : {1, 16})
-    for (int B : {8, 32}) {
-      bench_shape<geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>>(
-          B, layers, s, *side, side_eq);
-      bench_shape<geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>>(
-          B, layers, s, *side, side_eq);
-    }
-  std::printf(
-      "slowdn = ovl_main / decode_us; hidden = (serial_us - ovl_wall) / retier_us (1 = retier "
-      "fully hidden); eq_* = side stream at the main stream's priority\n");
-  CK(cudaStreamDestroy(s));
-  CK(cudaStreamDestroy(*side));
-  CK(cudaStreamDestroy(side_eq));
-  bool all_ok = true;
-  for (const row& r : rows) all_ok = all_ok && r.outputs_equal && r.pages_equal;
-  if (!out_path.empty()) {
-    FILE* f = std::fopen(out_path.c_str(), "w");
-    if (!f) {
-      std::perror(out_path.c_str());
-      return 1;
-    }
-    std::fprintf(f,
-                 "{\"gpu\":\"%s\",\"sms\":%d,\"l2_bytes\":%zu,\"commit\":\"%s\",\"step\":\"L layer "
-                 "decodes in sequence (live = one layer's pages; retier_pages = pct x live x L), "
-                 "tiered mix, context 32768, median of %d steps after %d warm-up\",\n\"rows\":[\n",
-                 prop.name, sms, l2_bytes, commit.c_str(), reps, warm);
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      const row& r = rows[i];
-      std::fprintf(f,
-                   "%s{\"q_heads\":%d,\"kv_heads\":%d,\"head_dim\":%d,\"context\":%d,\"batch\":%d,"
-                   "\"layers\":%d,"
-                   "\"retier_pct\":%d,\"live_pages\":%d,\"retier_pages\":%d,\"decode_us\":%.2f,"
-                   "\"retier_alone_us\":%.2f,\"serial_us\":%.2f,\"overlap_main_us\":%.2f,"
-                   "\"overlap_wall_us\":%.2f,\"equal_priority_main_us\":%.2f,\"equal_priority_wall_"
-                   "us\":%.2f,\"outputs_bit_equal\":%s,\"retiered_bytes_equal\":%s}\n",
-                   i ? "," : "", r.qh, r.kvh, r.d, r.context, r.batch, r.layers, r.pct,
-                   r.pages_live, r.pages_retiered, r.decode_us, r.retier_us, r.serial_us,
-                   r.overlap_main_us, r.overlap_wall_us, r.eqprio_main_us, r.eqprio_wall_us,
-                   r.outputs_equal ? "true" : "false", r.pages_equal ? "true" : "false");
-    }
-    std::fprintf(f, "]}\n");
-    std::fclose(f);
-  }
-  return all_ok ? 0 : 2;
+  program p;
+  p.name = "gpubench_retier_overlap";
+  p.summary =
+      "A decode step with a retier batch on a side stream (docs/tiering.md), on Google Benchmark.";
+  p.setup = setup;
+  p.register_benchmarks = register_all;
+  p.teardown = teardown;
+  p.exit_status = [] { return checks_failed ? 2 : 0; };
+  return run(argc, argv, p);
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// gpubench_unpack [--out FILE.json]: throughput of the code -> f16 operand conversions the
-// tensor-core decode runs per 4 codes (docs/gpu.md), each in a dependent-free loop over many
-// warps so the issue rate, not latency, decides:
+// gpubench_unpack [--out FILE.json] [--commit SHA] [--benchmark_* flags]: throughput of the
+// code -> f16 operand conversions the tensor-core decode runs per 4 codes (docs/gpu.md), each in
+// a dependent-free loop over many warps so the issue rate, not latency, decides:
 //   tq3_table: TQ3 values (f16): 2 prmt table lookups (low / high bytes) + 2 prmt interleaves
 //              (TQ3 keys take 1 prmt into int8 levels since the int8 key product);
 //   tq3_e4m3:  TQ3 with E4M3-exact levels (a lead, not built): 1 prmt lookup of E4M3 bytes
@@ -11,22 +11,26 @@
 //   int8_prmt: int8_rotated: 2 prmt + 2 hsub2.
 // Each variant folds its 2 half2 results into an accumulator with one xor, and advances its
 // input word with one integer multiply-add, the same in every variant (a baseline row times
-// that loop alone). Reported: ns per 4 codes per SM (lower is better).
+// that loop alone). Google Benchmark: unpack/variant:<v>/iters:4096, 8 blocks of 256 threads per
+// SM, 5 repetitions of one timed call after 1 warm-up call (bench_support.cuh's timing); the
+// record takes the fastest (the "min" aggregate), as the hand-rolled loop took the best of 5.
+// Counters: ns_per_4codes_per_sm (lower is better), groups_per_sm. bench/gpu/gbench_record.py
+// turns the JSON into the unpack record (rows of variant, ms, ns_per_4codes_per_sm, net_ns).
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
+#include <memory>
 #include <string>
 
 #include "bench_support.cuh"
+#include "gbench_main.hpp"
 #include "tierkv/codec/tq3.hpp"
 
 namespace {
 
-using tierkv::bench::die_if;
+using namespace tierkv::bench;
 
 enum variant : int { baseline = 0, tq3_table, tq3_e4m3, fp8_cvt, tq4_lop3, int8_prmt, variants };
 const char* names[variants] = {"baseline", "tq3_table", "tq3_e4m3",
@@ -88,78 +92,75 @@ __global__ void __launch_bounds__(256)
   if (r == 0x12345678u) sink[0] = r;  // keeps the loop; practically never taken
 }
 
+struct device_state {
+  cudaStream_t stream = nullptr;
+  int sms = 0;
+  std::unique_ptr<l2_flusher> flush;
+  device_array<std::uint32_t> sink;
+};
+std::unique_ptr<device_state> dev;
+
+constexpr int iters = 4096, reps = 5;
+
 template <int V>
-float time_variant(int blocks, int iters, std::uint32_t* sink) {
-  cudaEvent_t a, b;
-  die_if(cudaEventCreate(&a), "event");
-  die_if(cudaEventCreate(&b), "event");
-  unpack_kernel<V><<<blocks, 256>>>(iters, 1u, sink);  // warm-up
-  float best = 1e30f;
-  for (int rep = 0; rep < 5; ++rep) {
-    die_if(cudaEventRecord(a), "record");
-    unpack_kernel<V><<<blocks, 256>>>(iters, 7u + unsigned(rep), sink);
-    die_if(cudaEventRecord(b), "record");
-    die_if(cudaEventSynchronize(b), "sync");
-    float ms = 0.f;
-    die_if(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    best = ms < best ? ms : best;
-  }
-  die_if(cudaGetLastError(), "unpack_kernel");
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return best;
+void register_variant() {
+  auto* b = benchmark::RegisterBenchmark(
+      bench_name("unpack").add("variant", names[V]).c_str(),
+      [first = first_time(), seed = std::make_shared<unsigned>(7u)](benchmark::State& st) {
+        const int it = int(st.range(0));
+        const int blocks = dev->sms * 8;  // 8 x 256 threads = full occupancy
+        cudaStream_t s = dev->stream;
+        if (first()) {
+          unpack_kernel<V><<<blocks, 256, 0, s>>>(it, 1u, dev->sink.get());
+          CK(cudaStreamSynchronize(s));
+        }
+        gpu_timer t(s, dev->flush.get());
+        const double us = timed_iterations(st, t, [&] {
+          unpack_kernel<V><<<blocks, 256, 0, s>>>(it, (*seed)++, dev->sink.get());
+        });
+        CK(cudaGetLastError());
+        // groups of 4 codes converted per SM: threads per SM x iterations x 4 streams
+        const double groups_per_sm = 8.0 * 256 * it * 4;
+        st.counters["groups_per_sm"] = groups_per_sm;
+        st.counters["ns_per_4codes_per_sm"] = us * 1e3 / groups_per_sm;
+      });
+  gpu_bench(b, reps)->Args({iters})->ArgNames({"iters"});
+}
+
+void register_all() {
+  register_variant<baseline>();
+  register_variant<tq3_table>();
+  register_variant<tq3_e4m3>();
+  register_variant<fp8_cvt>();
+  register_variant<tq4_lop3>();
+  register_variant<int8_prmt>();
+}
+
+void setup(const device_facts& f) {
+  dev = std::make_unique<device_state>();
+  CK(cudaStreamCreate(&dev->stream));
+  dev->sms = f.sms;
+  dev->flush = std::make_unique<l2_flusher>(f.l2_bytes);
+  dev->sink = device_array<std::uint32_t>(1);
+}
+
+void teardown() {
+  if (!dev) return;
+  cudaStream_t s = dev->stream;
+  dev.reset();
+  if (s) cudaStreamDestroy(s);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--out") && i + 1 < argc)
-      out = argv[++i];
-    else {
-      std::fprintf(stderr, "gpubench_unpack: unknown argument %s\n", argv[i]);
-      return 2;
-    }
-  }
-  cudaDeviceProp prop;
-  die_if(cudaGetDeviceProperties(&prop, 0), "props");
-  std::uint32_t* sink;
-  die_if(cudaMalloc(&sink, 4), "malloc");
-  const int blocks = prop.multiProcessorCount * 8;  // 8 x 256 threads = full occupancy
-  const int iters = 4096;
-  float ms[variants];
-  ms[baseline] = time_variant<baseline>(blocks, iters, sink);
-  ms[tq3_table] = time_variant<tq3_table>(blocks, iters, sink);
-  ms[tq3_e4m3] = time_variant<tq3_e4m3>(blocks, iters, sink);
-  ms[fp8_cvt] = time_variant<fp8_cvt>(blocks, iters, sink);
-  ms[tq4_lop3] = time_variant<tq4_lop3>(blocks, iters, sink);
-  ms[int8_prmt] = time_variant<int8_prmt>(blocks, iters, sink);
-  // groups of 4 codes converted per SM: threads per SM x iterations x 4 streams
-  const double groups_per_sm = 8.0 * 256 * iters * 4;
-  std::printf("device %s, %d SMs; %d blocks x 256 threads, %d iterations x 4 streams\n", prop.name,
-              prop.multiProcessorCount, blocks, iters);
-  std::printf("%-10s %10s %16s %22s\n", "variant", "ms", "ns/4 codes/SM", "minus baseline");
-  std::string js = "{\"name\":\"unpack\",\"device\":\"" + std::string(prop.name) + "\",\"rows\":[";
-  for (int v = 0; v < variants; ++v) {
-    const double ns = double(ms[v]) * 1e6 / groups_per_sm;
-    const double net = double(ms[v] - ms[baseline]) * 1e6 / groups_per_sm;
-    std::printf("%-10s %10.3f %16.4f %22.4f\n", names[v], ms[v], ns, net);
-    char buf[256];
-    std::snprintf(
-        buf, sizeof buf,
-        "%s{\"variant\":\"%s\",\"ms\":%.4f,\"ns_per_4codes_per_sm\":%.5f,\"net_ns\":%.5f}",
-        v ? "," : "", names[v], double(ms[v]), ns, net);
-    js += buf;
-  }
-  js += "]}";
-  if (!out.empty()) {
-    FILE* f = std::fopen(out.c_str(), "w");
-    if (f) {
-      std::fprintf(f, "%s\n", js.c_str());
-      std::fclose(f);
-    }
-  }
-  cudaFree(sink);
-  return 0;
+  program p;
+  p.name = "gpubench_unpack";
+  p.summary =
+      "Code -> f16 operand conversion cost per format (ns per 4 codes per SM), on Google "
+      "Benchmark.";
+  p.setup = setup;
+  p.register_benchmarks = register_all;
+  p.teardown = teardown;
+  return run(argc, argv, p);
 }

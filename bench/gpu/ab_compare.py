@@ -4,18 +4,24 @@
 Usage: ab_compare.py --a A1.json [A2.json ...] --b B1.json [B2.json ...]
 Prints one line per (shape, context, batch, mix) with the best (min of stream / graph)
 time of A and of B and the ratio B / A, then the geometric mean of the ratios per batch.
-scripts/gpu-ab runs the binaries alternately on the device and calls this.
+scripts/gpu-ab runs the binaries alternately on the device and calls this. A file is
+gpubench_decode's Google Benchmark JSON or a record in the old shape (a binary built before the
+port to Google Benchmark, a bench/results/decode record): gbench_record.load reads both.
 """
 import argparse
-import json
 import math
+import os
+import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gbench_record  # noqa: E402
 
 
 def best_times(paths):
     best = {}
     for p in paths:
-        for r in json.load(open(p))["rows"]:
+        for r in gbench_record.load(p)["rows"]:
             key = (r["q_heads"], r["kv_heads"], r["head_dim"], r["context"], r["batch"], r["mix"])
             t = min(x for x in (r.get("time_us", 0), r.get("graph_us", 0)) if x > 0)
             best[key] = min(best.get(key, math.inf), t)

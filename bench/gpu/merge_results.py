@@ -4,11 +4,17 @@
 one results record: bench/results/decode/decode-h200-<date>.json rows carry sdpa_bf16_us and
 speedup_vs_sdpa (the control's time / tierkv's best of stream and graph-replay time), and
 flashinfer_bf16_us / flashinfer_fp8_us (FlashInfer's paged decode, best of its tensor-core and
-CUDA-core backends) with speedup_vs_flashinfer_fp8.
+CUDA-core backends) with speedup_vs_flashinfer_fp8. TIERKV.json is gpubench_decode's Google
+Benchmark JSON or its old-shape record (gbench_record.py converts the first).
 Usage: merge_results.py TIERKV.json SDPA.json OUT.json [--date YYYY-MM-DD] [--flashinfer FI.json]"""
 import argparse
 import datetime
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gbench_record  # noqa: E402
 
 
 def main():
@@ -19,7 +25,7 @@ def main():
     ap.add_argument("--date", default=datetime.date.today().isoformat())
     ap.add_argument("--flashinfer")
     args = ap.parse_args()
-    tk = json.load(open(args.tierkv))
+    tk = gbench_record.load(args.tierkv)
     try:
         sd = json.load(open(args.sdpa))
     except (OSError, ValueError):
@@ -41,7 +47,7 @@ def main():
         key = (r["q_heads"], r["kv_heads"], r["head_dim"], r["context"], r["batch"])
         c = ctl.get(key)
         sdpa = c["sdpa_bf16_us"] if c else None
-        best = min(r["time_us"], r["graph_us"])
+        best = min(t for t in (r["time_us"], r["graph_us"]) if t > 0)  # one may be filtered out (0)
         fb, f8 = peer.get(key + ("bf16",)), peer.get(key + ("fp8",))
         r = dict(r, best_us=best, sdpa_bf16_us=sdpa,
                  speedup_vs_sdpa=(sdpa / best) if sdpa else None)

@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Markdown tables for docs/gpu.md from a bench/results/decode/decode-h200-*.json record.
+"""Markdown tables for docs/gpu.md from a bench/results/decode/decode-h200-*.json record (or
+straight from gpubench_decode's Google Benchmark JSON, through gbench_record.load: no SDPA columns).
 Usage: results_table.py RESULTS.json"""
-import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gbench_record  # noqa: E402
 
 
 def main():
-    r = json.load(open(sys.argv[1]))
+    r = gbench_record.load(sys.argv[1])
     cp = r["copy_gbps"]
-    print(f"{r['gpu']}, {r['sms']} SMs, date {r['date']}, commit {r['commit']}, "
+    print(f"{r['gpu']}, {r['sms']} SMs, date {r.get('date', '-')}, commit {r['commit']}, "
           f"device-to-device copy {cp:.0f} GB/s (read + write), PyTorch {r.get('torch')}\n")
     peer = "flashinfer_rows" in r
     print("| q/kv/d | context | B | mix | tierkv µs (stream / graph) | bytes read (MB) | GB/s | of copy | SDPA BF16 µs | speedup |"
