@@ -178,7 +178,9 @@ __device__ __forceinline__ float fast_rcp(float x) {
 // One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
 // step; the value product accumulates p x value_scale relative to its own running max m_v
 // (so the f16 probabilities are <= 1 whatever the scales), rebased to m at the tier's end.
-template <class Geometry, class Tier, int N>
+// Local: the launch has a soft-cap or a sliding window (decode() picks the instantiation, so the
+// plain kernel carries none of their registers: bench/results/decode/ab/ for the A/B).
+template <class Geometry, class Tier, int N, bool Local>
 __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
                                int kvh, int e_begin, int e_end, bool sole, const mma_smem& sm,
                                float* mass_ws, int* err) {
@@ -517,11 +519,12 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       for (int i = 0; i < 4; ++i) {
         if constexpr (key_offset) sc[h][i] -= koff[i % 2];
         const int r = i / 2;
-        const bool live = unsigned(t0 + 16 * h + qg + 8 * r) < unsigned(ntok);
+        const bool live = Local ? unsigned(t0 + 16 * h + qg + 8 * r) < unsigned(ntok)
+                                : t0 + 16 * h + qg + 8 * r < ntok;
         sc[h][i] = live ? sc[h][i] * ks[h][r] * colscale[i % 2] : -INFINITY;
         sv[h][i] = live ? sc[h][i] + lvs[h][r] : -INFINITY;
       }
-    if (in.soft_cap > 0.f) {  // uniform (a launch parameter): the masked scores stay -inf
+    if (Local && in.soft_cap > 0.f) {  // uniform (a launch parameter): masked scores stay -inf
       // in log2 units, s -> c tanh(s / c) with c = cap log2(e), as c - 2 c / (e^(2 s / c) + 1) =
       // c - 2 c / (2^(2 s / cap) + 1) on the MUFU unit: absolute error ~2^-21 c, under the f16
       // probabilities' 2^-11. (tanhf, or the cap before the mask, spilled registers in the step
@@ -673,10 +676,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     const int step = int(j % SL);
     if (logical < 0) {  // a new page (or the first step, which may start mid-page)
       logical = fv.logical[e_begin + int(j / SL)];
-      const int len = in.index.seq_len[b];
-      ntok = in.index.tokens_in_page_of(len, logical, Geometry::page_tokens);
-      // tokens before t_lo are outside the window (0 without one)
-      t_lo = first_in_page<Geometry::page_tokens>(logical, window_first(in.window, len), ntok);
+      if constexpr (Local) {
+        const int len = in.index.seq_len[b];
+        ntok = in.index.tokens_in_page_of(len, logical, Geometry::page_tokens);
+        // tokens before t_lo are outside the window (0 without one)
+        t_lo = first_in_page<Geometry::page_tokens>(logical, window_first(in.window, len), ntok);
+      } else {
+        ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
+      }
     }
     // the next step: in this page (same address), else the warp's next valid page
     const bool same_page = (j + 1) % SL != 0;
@@ -818,11 +825,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   __syncthreads();
 }
 
-template <class Geometry, class TierList>
+template <class Geometry, class TierList, bool Local>
 struct mma_kernels;
 
-template <class Geometry, class... Tiers>
-struct mma_kernels<Geometry, tiers<Tiers...>> {
+template <class Geometry, class... Tiers, bool Local>
+struct mma_kernels<Geometry, tiers<Tiers...>, Local> {
   static constexpr int N = int(sizeof...(Tiers));
   using S = mma_shape<Geometry>;
 
@@ -861,19 +868,27 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
     // The tiers with pages in this chunk (by-format chunks, the usual case, have one), less the
     // pages wholly before the window (not read; a chunk left without pages stores an empty state).
     int lo[N], hi[N], with_pages = 0;
+    if constexpr (!Local) {
 #pragma unroll
-    for (int f = 0; f < N; ++f) chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
-    if (in.window > 0) {
-      const int first = window_first(in, b);
+      for (int f = 0; f < N; ++f) {
+        chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+        with_pages += hi[f] > lo[f];
+      }
+    } else {
 #pragma unroll
-      for (int f = 0; f < N; ++f)
-        if (hi[f] > lo[f])
-          lo[f] = first_window_entry<Geometry::page_tokens>(
-                      in.index.formats[f], ch.first[f] + lo[f], ch.first[f] + hi[f], first) -
-                  ch.first[f];
+      for (int f = 0; f < N; ++f) chunk_range<N>(ch, cost, c, f, lo[f], hi[f]);
+      if (in.window > 0) {
+        const int first = window_first(in, b);
+#pragma unroll
+        for (int f = 0; f < N; ++f)
+          if (hi[f] > lo[f])
+            lo[f] = first_window_entry<Geometry::page_tokens>(
+                        in.index.formats[f], ch.first[f] + lo[f], ch.first[f] + hi[f], first) -
+                    ch.first[f];
+      }
+#pragma unroll
+      for (int f = 0; f < N; ++f) with_pages += hi[f] > lo[f];
     }
-#pragma unroll
-    for (int f = 0; f < N; ++f) with_pages += hi[f] > lo[f];
     const bool sole = with_pages == 1;
     run_tiers(in, plan, ch, lo, hi, sole, b, kvh, sm, mass_ws, err, std::make_index_sequence<N>{});
     __syncthreads();
@@ -888,19 +903,19 @@ struct mma_kernels<Geometry, tiers<Tiers...>> {
                                    bool sole, int b, int kvh, const mma_smem& sm, float* mass_ws,
                                    int* err, std::index_sequence<I...>) {
     ((hi[I] > lo[I]
-          ? mma_tier_pages<Geometry, Tiers, N>(in, plan, int(I), b, kvh, ch.first[I] + lo[I],
-                                               ch.first[I] + hi[I], sole, sm, mass_ws, err)
+          ? mma_tier_pages<Geometry, Tiers, N, Local>(in, plan, int(I), b, kvh, ch.first[I] + lo[I],
+                                                      ch.first[I] + hi[I], sole, sm, mass_ws, err)
           : void()),
      ...);
   }
 };
 
-template <class Geometry, class TierList>
+template <class Geometry, class TierList, bool Local>
 __global__ void __launch_bounds__(decode_threads, mma_shape<Geometry>::min_blocks)
     decode_mma_split_kernel(decode_inputs<TierList::size> in, decode_plan plan,
                             std::uint8_t* workspace) {
   allow_dependent_launch();  // the merge kernel's programmatic launch (arch/pdl.cuh)
-  run_split_block<mma_kernels<Geometry, TierList>>(in, plan, workspace);
+  run_split_block<mma_kernels<Geometry, TierList, Local>>(in, plan, workspace);
 }
 
 }  // namespace tierkv::cuda::detail
