@@ -58,7 +58,8 @@ done
 
 echo "== merge_results.py (no SDPA control here) and results_table.py"
 python3 bench/gpu/merge_results.py "$W/gpubench_decode.gbench.json" /nonexistent "$W/decode-merged.json" > /dev/null || rc=1
-python3 bench/gpu/results_table.py "$W/decode-merged.json" | head -12 || rc=1
+python3 bench/gpu/results_table.py "$W/decode-merged.json" > "$W/decode-table.txt" || rc=1
+head -12 "$W/decode-table.txt"
 echo "== ab_compare.py: the last decode record (A, 81554fa) vs this run (B)"
 python3 bench/gpu/ab_compare.py --a bench/results/decode/decode-h200-2026-11-30-run16.json \
   --b "$W/gpubench_decode.gbench.json" | tail -4 || rc=1
