@@ -66,6 +66,7 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
     g, h, sg, sh = twins(tier_set, [1, 40, 133])
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
+    summed = g.retier_totals()  # plus every end_step's stats below: the façade's totals
     for step in range(2, 26):
         g.begin_step(sg, [1, 1, 1])
         h.reserve(sh, [1, 1, 1])
@@ -81,7 +82,8 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
             assert (lse_g.cpu() - lse_h).abs().max() < 1e-3
         h.commit(sh)
         g.device_error()
-        g.end_step(step, wait=True)
+        for k, n in g.end_step(step, wait=True).items():
+            summed[k] += n
         h.retier(step)
         for a, b in zip(sg, sh):  # the same tiers: the GPU's page masses equal the host's to rounding
             assert g.page_tiers(a, 0) == h.page_tiers(b, 0)
@@ -96,7 +98,10 @@ def test_decode_and_prefill_equal_the_host_path(tier_set):
         h.write(layer, sh, k, v)
         assert rel(g.prefill(layer, q.cuda()).cpu(), h.prefill(layer, sh, q, indptr)[0]) < 4e-3
     h.commit(sh)
-    g.end_step(26, wait=True)
+    for k, n in g.end_step(26, wait=True).items():
+        summed[k] += n
+    # no memory pressure here: the totals are end_step's, summed (make_room and drain add to them)
+    assert g.retier_totals() == summed
     if tier_set != "int8r only":  # pages left the Recent tier on both
         assert 1 in g.page_tiers(sg[2], 0) and 1 in h.page_tiers(sh[2], 0)
     g.check_invariants()

@@ -90,9 +90,11 @@ def describe(name: str, cache, extra: str = "") -> str:
 
 
 def _token_ids(tokens) -> torch.Tensor:
-    """Token ids as a 1-D int64 CPU tensor (a list, a tuple or a tensor)."""
+    """Token ids as a 1-D int64 CPU tensor (a list, a tuple or a 1-D integer tensor)."""
     if isinstance(tokens, torch.Tensor):
-        return tokens.cpu()
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"tierkv: tokens must be 1-D integer ids, got {tokens.dtype} {tuple(tokens.shape)}")
+        return tokens.cpu().to(torch.int64)
     return torch.tensor(list(tokens), dtype=torch.int64)
 
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from .cache import RETIER_FIELDS, describe, parse_report, pool_pages
+from .cache import RETIER_FIELDS, _token_ids, describe, parse_report, pool_pages
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _VALUE_ERRORS = {1, 2, 4, 6, 8}  # invalid_argument, out_of_range, stale_id, non_finite_input, geometry_mismatch
@@ -119,6 +119,7 @@ def _load():
         "tkv_cuda_device_error": ([vp], ctypes.c_int),
         "tkv_cuda_transfers": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
         "tkv_cuda_host_times": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+        "tkv_cuda_retier_totals": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
         "tkv_cuda_prefix_insert": ([vp, i64, ctypes.c_uint64, i32p, i64, ctypes.POINTER(i64)], ctypes.c_int),
         "tkv_cuda_prefix_start": ([vp, ctypes.c_uint64, i32p, i64, ctypes.POINTER(i64)], ctypes.c_int),
         "tkv_cuda_prefix_evict": ([vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
@@ -156,16 +157,13 @@ def built() -> list[dict]:
 
 
 def _int32_ids(tokens):
-    """Token ids as a ctypes int32 array and its length (a list, a tuple or a 1-D tensor)."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point():
-            raise ValueError(f"tierkv.cuda: tokens must be 1-D integer ids, got {tokens.dtype} {tuple(tokens.shape)}")
-        tokens = tokens.tolist()
-    ids = list(tokens)
-    for i, t in enumerate(ids):
-        if not -(2**31) <= int(t) < 2**31:
-            raise ValueError(f"tierkv.cuda: tokens[{i}] = {t} does not fit int32")
-    return (ctypes.c_int32 * max(1, len(ids)))(*ids), len(ids)
+    """Token ids as a ctypes int32 array and its length (what _token_ids takes)."""
+    ids = _token_ids(tokens)
+    outside = ((ids < -(2**31)) | (ids >= 2**31)).nonzero()
+    if len(outside):
+        i = int(outside[0])
+        raise ValueError(f"tierkv.cuda: tokens[{i}] = {int(ids[i])} does not fit int32")
+    return (ctypes.c_int32 * max(1, len(ids)))(*ids.tolist()), len(ids)
 
 
 def _stream(device: torch.device) -> int:
@@ -254,7 +252,6 @@ class CudaCache:
         self._step_tokens = 0
         self._stepping = False
         self._steps = 0
-        self._retier_totals = dict.fromkeys(RETIER_FIELDS, 0)
         _caches[self._h] = self
         self._finalizer = weakref.finalize(self, CudaCache._destroy, self._h)
 
@@ -350,14 +347,14 @@ class CudaCache:
         stats = (ctypes.c_uint64 * 8)()
         self._stepping = False
         _check(_lib.tkv_cuda_end_step(self._h, self._steps if step is None else step, int(wait), stats))
-        out = dict(zip(RETIER_FIELDS, list(stats)))
-        for k, v in out.items():
-            self._retier_totals[k] += v
-        return out
+        return dict(zip(RETIER_FIELDS, list(stats)))
 
     def retier_totals(self) -> dict:
-        """end_step's retier statistics summed since creation."""
-        return dict(self._retier_totals)
+        """Every conversion since creation: end_step's, make_room's (begin_step under memory
+        pressure) and drain's, in end_step's fields."""
+        t = (ctypes.c_uint64 * 8)()
+        _check(_lib.tkv_cuda_retier_totals(self._h, t))
+        return dict(zip(RETIER_FIELDS, list(t)))
 
     @property
     def batch(self) -> list[int]:

@@ -300,5 +300,11 @@ int tkv_cuda_host_times(void* cache, uint64_t out[9]) {
     for (int i = 0; i < 9; ++i) out[i] = t[std::size_t(i)];
   });
 }
+int tkv_cuda_retier_totals(void* cache, uint64_t out[8]) {
+  return guarded("retier_totals", [&] {
+    const auto t = cache_of(cache).retier_totals();
+    for (int i = 0; i < 8; ++i) out[i] = t[std::size_t(i)];
+  });
+}
 
 }  // extern "C"

@@ -95,6 +95,9 @@ TKV_CUDA_API int tkv_cuda_transfers(void* cache, uint64_t out[3]);
 /* host time by part, nanoseconds since create (cuda::host_times, in its field order): steps,
  * begin_step, make_room, index, end_step, mass_wait, mass_fold, plan, retier. */
 TKV_CUDA_API int tkv_cuda_host_times(void* cache, uint64_t out[9]);
+/* every conversion since create (end_step's, make_room's under memory pressure and drain's), in
+ * tkv_cuda_end_step's stats order. */
+TKV_CUDA_API int tkv_cuda_retier_totals(void* cache, uint64_t out[8]);
 
 #ifdef __cplusplus
 }

@@ -76,6 +76,8 @@ class gpu_cache {
   // Host<->device bytes moved: metadata h2d, metadata d2h, page bytes (always 0).
   virtual std::array<std::uint64_t, 3> transfers() const = 0;
   virtual std::array<std::uint64_t, 9> host_times() const = 0;
+  // Every conversion since create (end_step's, make_room's and drain's), retier_stats' fields.
+  virtual std::array<std::uint64_t, 8> retier_totals() const = 0;
 };
 
 using gpu_factory = std::unique_ptr<gpu_cache> (*)(const gpu_cache_config&, cudaStream_t);

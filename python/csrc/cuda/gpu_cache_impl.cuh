@@ -101,6 +101,11 @@ class gpu_cache_impl final : public gpu_cache {
     return {t.steps,        t.begin_step_ns, t.make_room_ns, t.index_ns, t.end_step_ns,
             t.mass_wait_ns, t.mass_fold_ns,  t.plan_ns,      t.retier_ns};
   }
+  std::array<std::uint64_t, 8> retier_totals() const override {
+    const tierkv::retier_stats s = c_->retier_totals();
+    return {s.planned,          s.converted, s.promoted,      s.demoted,
+            s.pressure_demoted, s.deferred,  s.deferred_full, s.failed};
+  }
 
  private:
   gpu_cache_impl(const gpu_cache_config& cfg, cudaStream_t stream) : cfg_(cfg) {
