@@ -201,8 +201,8 @@ inline result<am_reference> am_prepare(const head_data& h, const am_options& o =
         S[std::size_t(j) * nb + i] /= z;
         r.score[std::size_t(j)] += S[std::size_t(j) * nb + i];
       }
-      r.m[std::size_t(i0 + i)] = mx;
-      r.Z[std::size_t(i0 + i)] = z;
+      r.m[std::size_t(i0) + std::size_t(i)] = mx;
+      r.Z[std::size_t(i0) + std::size_t(i)] = z;
     }
     lapack::gemm('N', 'T', d, nb, n, 1.0, V.data(), d, S.data(), nb, 0.0,
                  r.Y.data() + std::size_t(i0) * D, d);

@@ -28,6 +28,7 @@ struct strong_id {
   /// False for a default-constructed id.
   TIERKV_HD constexpr bool valid() const { return value != invalid_value; }
   /// Ordered by raw value.
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 flags the defaulted <=>'s own literal 0
   friend constexpr auto operator<=>(const strong_id&, const strong_id&) = default;
   /// Writes e.g. "seq#3".
   friend std::ostream& operator<<(std::ostream& out, const strong_id& id) {

@@ -526,7 +526,7 @@ result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf) requi
 
   auto seq = s.create_sequence();
   if (!seq) return seq.error_status();
-  const auto fail = [&](status st) -> status {
+  const auto fail = [&](const status& st) -> status {
     (void)s.release(*seq);
     return status::make(st.code(), st.message(), "; import rolled back, nothing imported");
   };

@@ -502,8 +502,8 @@ class tier_controller {
     std::uint64_t shadow_step = 0;
     /// The incremental plan: the tier the policy chose at the last evaluation (-1: none, the
     /// block is open), the tier the page had then, and list memberships.
-    std::int8_t want = -1;
-    std::int8_t want_from = -1;
+    std::int16_t want = -1;  // 16-bit: compared with page formats' unsigned 8-bit tiers
+    std::int16_t want_from = -1;
     bool dirty = false;    ///< in dirty_: inputs changed since the last plan
     bool waiting = false;  ///< in waiting_: wants another tier
   };
@@ -772,8 +772,8 @@ class tier_controller {
 
   void evaluate(page_rec& r, std::uint32_t bi, int layer, page_id p) {
     const page_facts f = facts(bi, layer, p);
-    r.want = std::int8_t(Roles::tier_of(policy_.choose(r.state, f)));
-    r.want_from = std::int8_t(f.tier);
+    r.want = std::int16_t(Roles::tier_of(policy_.choose(r.state, f)));
+    r.want_from = std::int16_t(f.tier);
     if (r.want != f.tier && !r.waiting) {
       r.waiting = true;
       waiting_->push_back(bi * std::uint32_t(storage_->num_layers()) + std::uint32_t(layer));
