@@ -18,7 +18,8 @@
 //      and, with remedies, fold_mean (u = mu / |mu|^2), fold_r01 (ridge 0.1 on u), am_b1 and
 //      fold_b1 (|beta| <= 1, values refit for it), am_nv and fold_nv (AM's bias over the kept
 //      tokens' original values, no refit), fold_sel (per head the fold or drop, whichever
-//      matches the full output better on the reference queries); full_fp8 / full_tq3 put the whole
+//      matches the full output better on the reference queries; also on FP8 / TQ3 pages as
+//      fold_sel_fp8 / fold_sel_tq3); full_fp8 / full_tq3 put the whole
 //      uncompacted document through the same pages (the codecs' own error);
 //   3. each arm and the full float32 cache read the continuation, teacher-forced: per position
 //      KL(full || arm) of the next-token distribution, the arm's log-loss and top-1 hit on the
@@ -298,8 +299,9 @@ inline std::string compaction_signature(const compaction_eval_options& o) {
   std::ostringstream s;
   s << "doc_tokens=" << o.doc_tokens << ";cont_tokens=" << o.cont_tokens
     << ";greedy=" << o.greedy_tokens << ";ref_stride=" << o.ref_stride << ";chunk=" << o.chunk
-    << ";ref=" << o.ref << ";budgets=" << o.budgets << ";remedies=" << o.remedies
-    << ";quant=" << o.quant << ";seed=" << o.seed;
+    << ";ref=" << o.ref << ";budgets=" << o.budgets << ";pages=fold"
+    << (o.remedies ? ",fold_sel" : "") << ";remedies=" << o.remedies << ";quant=" << o.quant
+    << ";seed=" << o.seed;
   return s.str();
 }
 
@@ -404,8 +406,10 @@ inline int run_compaction_eval(engine& eng, const compaction_eval_options& o) {
 
     // 2. Compaction per (layer, KV head), every budget and arm.
     t0 = std::chrono::steady_clock::now();
-    std::map<std::string, std::vector<prefix_head>> arms;        // name -> [l * H + h]
-    std::map<std::string, std::vector<tc::folded_head>> folded;  // budget -> default fold
+    std::map<std::string, std::vector<prefix_head>> arms;  // name -> [l * H + h]
+    // (arm, budget) -> the plain compacted heads that also go through FP8 / TQ3 pages: the
+    // default fold, and fold_sel (a plain cache that works) with remedies.
+    std::map<std::pair<std::string, std::string>, std::vector<tc::folded_head>> folded;
     std::map<std::string, double> diag, maxdiag;
     std::map<std::string, std::vector<double>> per_head;  // [l * H + h]
     for (double b : budgets)
@@ -537,10 +541,16 @@ inline int run_compaction_eval(engine& eng, const compaction_eval_options& o) {
             const bool use_fold =
                 error_vs_full_ref(f.keys, f.values) <= error_vs_full_ref(drop.keys, drop.values);
             add("fold_sel_fold_share", use_fold ? 1.0 : 0.0);
-            if (use_fold)
-              put("fold_sel", {f.keys, f.values, {}});
-            else
-              put("fold_sel", {drop.keys, drop.values, {}});
+            tc::folded_head sel;
+            sel.head_dim = D;
+            sel.n = n;
+            sel.softmax_scale = am.softmax_scale;
+            sel.keys = use_fold ? f.keys : drop.keys;
+            sel.values = use_fold ? f.values : drop.values;
+            put("fold_sel", {sel.keys, sel.values, {}});
+            auto& sv = folded[{"fold_sel", bl}];
+            sv.resize(std::size_t(L) * std::size_t(H));
+            sv[std::size_t(l * H + h)] = std::move(sel);
           }
           add("tokens", double(am.size()));
           add("beta_at_lower_bound_share", double(am.at_lower_bound) / double(am.size()));
@@ -550,7 +560,7 @@ inline int run_compaction_eval(engine& eng, const compaction_eval_options& o) {
           add("am_output_error", am.output_error);
           add("drop_output_error", drop.output_error);
           add("keep_output_error", am.output_error_original);
-          auto& fv = folded[bl];
+          auto& fv = folded[{"fold", bl}];
           fv.resize(std::size_t(L) * std::size_t(H));
           fv[std::size_t(l * H + h)] = std::move(f);
           if (o.remedies) {
@@ -594,13 +604,13 @@ inline int run_compaction_eval(engine& eng, const compaction_eval_options& o) {
       }());
     }
     if (o.quant) {
-      for (const auto& [bl, fv] : folded) {
+      for (const auto& [key, fv] : folded) {
+        const auto& [arm, bl] = key;
         auto p = tc::assemble_prefix(fv, L, H);
         if (!p) throw tierkv::error(p.error_status());
-        res["fold_fp8_" + bl] =
-            through_cache<fp8_prefix_cache>(eng, *p, d, full, doc_last, "fold_fp8_" + bl);
-        res["fold_tq3_" + bl] =
-            through_cache<tq3_prefix_cache>(eng, *p, d, full, doc_last, "fold_tq3_" + bl);
+        const std::string n8 = arm + "_fp8_" + bl, n3 = arm + "_tq3_" + bl;
+        res[n8] = through_cache<fp8_prefix_cache>(eng, *p, d, full, doc_last, n8);
+        res[n3] = through_cache<tq3_prefix_cache>(eng, *p, d, full, doc_last, n3);
       }
       tc::compacted_prefix whole;  // the uncompacted document through the same pages
       whole.layers = L;

@@ -119,7 +119,7 @@ def main():
             if b not in base:
                 base.append(b)
     order = ["keep", "drop", "am", "fold", "fold_fp8", "fold_tq3", "fold_mean", "fold_r01",
-             "am_b1", "fold_b1", "am_nv", "fold_nv", "fold_sel"]
+             "am_b1", "fold_b1", "am_nv", "fold_nv", "fold_sel", "fold_sel_fp8", "fold_sel_tq3"]
     base = [b for b in order if b in base] + [b for b in base if b not in order]
     print("compaction on SmolLM2-135M: %d documents, %d teacher-forced positions (items), "
           "commit %s" % (len(docs), n_items, a.commit))
@@ -131,7 +131,7 @@ def main():
     print("[lo, hi]: paired bootstrap 95% of arm - AM (items / documents)")
     for b in budgets:
         print("\n-- budget %s --" % b)
-        print("%-9s %8s %26s %8s %26s %7s %8s" % ("arm", "kl", "kl - am [items] [docs]", "acc",
+        print("%-12s %8s %26s %8s %26s %7s %8s" % ("arm", "kl", "kl - am [items] [docs]", "acc",
                                                   "acc - am [items]", "agree", "greedy"))
         for arm in base:
             name = "%s_%s" % (arm, b)
@@ -141,12 +141,12 @@ def main():
             ia = intervals.get("acc_%s - acc_am_%s" % (name, b))
             ks = "%+.3f [%+.3f,%+.3f] [%+.3f,%+.3f]" % (ik["diff"], *ik["items"], *ik["docs"]) if ik else ""
             acs = "%+.3f [%+.3f,%+.3f]" % (ia["diff"], *ia["items"]) if ia else ""
-            print("%-9s %8.4f %26s %8.4f %26s %7.3f %8.3f" % (
+            print("%-12s %8.4f %26s %8.4f %26s %7.3f %8.3f" % (
                 arm, metrics["kl_" + name], ks, metrics["acc_" + name], acs,
                 metrics["agree_" + name], metrics["greedy_" + name]))
     for arm in ("full_fp8", "full_tq3"):
         if arm in arms:
-            print("%-9s %8.4f %26s %8.4f %26s %7.3f %8.3f   (uncompacted document)" % (
+            print("%-12s %8.4f %26s %8.4f %26s %7.3f %8.3f   (uncompacted document)" % (
                 arm, metrics["kl_" + arm], "", metrics["acc_" + arm], "", metrics["agree_" + arm],
                 metrics["greedy_" + arm]))
     print()
