@@ -24,6 +24,7 @@
 
 namespace tierkv {
 
+/// How a codec's error is measured: inner-product error (key role) or relative MSE (value role).
 enum class error_measure : std::uint8_t { inner_product, relative_mse };
 
 /// The role decides the measure (tier.hpp: keys move routing, values move content).
@@ -31,17 +32,19 @@ constexpr error_measure measure_for(kv_role role) {
   return role == kv_role::key ? error_measure::inner_product : error_measure::relative_mse;
 }
 
+/// Inner-product error e = (q·k_hat − q·k) / (|q||k|) over the measured samples (key role).
 struct inner_product_error {
-  double bias = 0;     ///< mean of e
-  double rms = 0;      ///< sqrt(mean e^2)
-  double max_abs = 0;  ///< max |e|
-  double gain = 0;     ///< sum (q·k_hat)(q·k) / sum (q·k)^2; 1 = no shrinkage
-  std::uint64_t samples = 0;
+  double bias = 0;            ///< mean of e
+  double rms = 0;             ///< sqrt(mean e^2)
+  double max_abs = 0;         ///< max |e|
+  double gain = 0;            ///< sum (q·k_hat)(q·k) / sum (q·k)^2; 1 = no shrinkage
+  std::uint64_t samples = 0;  ///< number of (q, k) pairs measured
 };
+/// Relative MSE |x − x_hat|^2 / |x|^2 over the measured vectors (value role).
 struct mse_error {
-  double rel_mse = 0;      ///< sum |x − x_hat|^2 / sum |x|^2
-  double max_rel_mse = 0;  ///< worst single vector
-  std::uint64_t samples = 0;
+  double rel_mse = 0;         ///< sum |x − x_hat|^2 / sum |x|^2
+  double max_rel_mse = 0;     ///< worst single vector
+  std::uint64_t samples = 0;  ///< number of vectors measured
 };
 
 namespace detail {
@@ -154,53 +157,108 @@ struct codec_error_traits {
   static_assert(detail::dependent_false<Family>,
                 "codec_error_traits: no expected figures recorded for this codec family");
 };
+/// Exact: no error.
 template <>
 struct codec_error_traits<dense_f32> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.0, ip_rms_sqrt_d = 0.0, ip_bias = 0.0;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
 /// Measured at head_dim 128, 20000 vectors (docs/codecs.md, scripts/measure codec).
 template <>
 struct codec_error_traits<dense_bf16> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 2.9e-6, ip_rms_sqrt_d = 0.00234, ip_bias = 0.0;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
+/// FP8 E4M3 per scalar (docs/codecs.md).
 template <>
 struct codec_error_traits<fp8_e4m3> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.00066, ip_rms_sqrt_d = 0.0343, ip_bias = -0.00026;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
+/// FP8 E5M2 per scalar: fewer mantissa bits, about 4x the E4M3 MSE.
 template <>
 struct codec_error_traits<fp8_e5m2> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.00263, ip_rms_sqrt_d = 0.0705, ip_bias = -0.0014;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
 /// Uniform 8-bit codes of the rotated vector: 16x lower MSE than E4M3, 5x lower inner-product
 /// rms, unbiased (gain 1.0000).
 template <>
 struct codec_error_traits<int8_rotated> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 4.24e-5, ip_rms_sqrt_d = 0.00653, ip_bias = 0.0;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
 /// Keys: alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain 1.000) and halves the rms
 /// against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340 at d = 128).
 template <>
 struct codec_error_traits<tq3_key> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.0348, ip_rms_sqrt_d = 0.1336, ip_bias = 0.0;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
 /// Values: least-squares alpha gives the lowest MSE; inner products shrink by 0.966.
 template <>
 struct codec_error_traits<tq3_value> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.0336, ip_rms_sqrt_d = 0.302, ip_bias = -0.0237;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
 /// TQ4 (16 uniform levels of the rotated vector): 1.75x lower key inner-product rms than TQ3
 /// (3.1x lower variance), MSE 0.011 (d = 128, 20000 vectors; docs/codecs.md).
 template <>
 struct codec_error_traits<tq4_key> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.01124, ip_rms_sqrt_d = 0.0760, ip_bias = 0.0;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
+/// TQ4 values: least-squares alpha, the lowest MSE; inner products shrink slightly.
 template <>
 struct codec_error_traits<tq4_value> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.01111, ip_rms_sqrt_d = 0.1196, ip_bias = -0.0079;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
+/// TQ3 with the plain norm as scale (neither key nor value correction), for reference.
 template <>
 struct codec_error_traits<tq3_plain> {
+  /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.0340, ip_rms_sqrt_d = 0.353, ip_bias = -0.0234;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
 };
 
 /// Exact storage cost of a family at a head_dim: payload + per-vector metadata.
@@ -211,23 +269,35 @@ inline constexpr double family_bits_per_scalar = bits_per_scalar<codec_for<Famil
 template <class Tier, int HeadDim>
 struct tier_error_traits {
   static_assert(is_tier<Tier>::value, "tier_error_traits: Tier must be a tierkv::tier<K, V>");
+  /// The key codec of the tier at HeadDim.
   using key_codec = typename Tier::template key_codec<HeadDim>;
+  /// The value codec of the tier at HeadDim.
   using value_codec = typename Tier::template value_codec<HeadDim>;
+  /// Expected figures of the key family.
   using key_traits = codec_error_traits<typename Tier::key_family>;
+  /// Expected figures of the value family.
   using value_traits = codec_error_traits<typename Tier::value_family>;
 
+  /// Exact storage bits per key scalar (payload + per-vector metadata).
   static constexpr double key_bits_per_scalar = bits_per_scalar<key_codec>;
+  /// Exact storage bits per value scalar (payload + per-vector metadata).
   static constexpr double value_bits_per_scalar = bits_per_scalar<value_codec>;
+  /// Mean bits per scalar over keys and values.
   static constexpr double bits_per_scalar_kv = (key_bits_per_scalar + value_bits_per_scalar) / 2;
+  /// Expected mean inner-product error of the keys.
   static constexpr double expected_key_ip_bias = key_traits::ip_bias;
+  /// Expected inner-product rms of the keys at HeadDim (ip_rms_sqrt_d / sqrt(HeadDim)).
   static double expected_key_ip_rms() {
     return key_traits::ip_rms_sqrt_d / std::sqrt(double(HeadDim));
   }
+  /// Expected relative MSE of the values.
   static constexpr double expected_value_rel_mse = value_traits::rel_mse;
 
+  /// Measures the key codec's inner-product error on `vectors` N(0,1) vectors from `seed`.
   static inner_product_error measure_keys(int vectors, std::uint64_t seed) {
     return measure_inner_product_error<key_codec>(vectors, seed);
   }
+  /// Measures the value codec's relative MSE on `vectors` N(0,1) vectors from `seed`.
   static mse_error measure_values(int vectors, std::uint64_t seed) {
     return measure_relative_mse<value_codec>(vectors, seed);
   }

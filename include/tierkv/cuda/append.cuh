@@ -25,32 +25,33 @@
 
 namespace tierkv::cuda {
 
+/// Element type of the new keys and values: f32 or bf16 (converted to float on load).
 enum class input_type : std::uint8_t { f32 = 0, bf16 = 1 };
 
-// New tokens of `layers` layers. Token n of layer l:
-//   key   k[l * layer_stride + (n * kv_heads + h) * head_dim + i]   (same for v)
-//   page  slot[l * slot_layer_stride + n] of `pool`, token offset offset[n] in that page.
-// A layer's pages hold one layer, so each layer has its own slots (slot_layer_stride);
-// offsets are the same for every layer (the sequence position decides them).
+/// New tokens of `layers` layers. Token n of layer l:
+///   key   k[l * layer_stride + (n * kv_heads + h) * head_dim + i]   (same for v)
+///   page  slot[l * slot_layer_stride + n] of `pool`, token offset offset[n] in that page.
+/// A layer's pages hold one layer, so each layer has its own slots (slot_layer_stride);
+/// offsets are the same for every layer (the sequence position decides them).
 struct append_inputs {
-  const void* k = nullptr;
-  const void* v = nullptr;
-  input_type type = input_type::f32;
-  std::int64_t layer_stride = 0;       // elements between layers of k and v
-  const std::int32_t* slot = nullptr;  // [layers][slot_layer_stride]
-  std::int64_t slot_layer_stride = 0;
-  const std::int32_t* offset = nullptr;  // [tokens]
-  int tokens = 0;
-  int layers = 1;
-  pool_view pool;  // the append tier's pool
-  // Rotated formats (int8_rotated): codec contexts are make_codec_context(cache_seed, layer,
-  // head_base + h, role), as in paged_storage. layer_base is the layer of k's layer 0.
+  const void* k = nullptr;               ///< device keys of `type`, indexed as above
+  const void* v = nullptr;               ///< device values, same layout as k
+  input_type type = input_type::f32;     ///< element type of k and v
+  std::int64_t layer_stride = 0;         ///< elements between layers of k and v
+  const std::int32_t* slot = nullptr;    ///< [layers][slot_layer_stride]
+  std::int64_t slot_layer_stride = 0;    ///< slots between layers in `slot`
+  const std::int32_t* offset = nullptr;  ///< [tokens]
+  int tokens = 0;                        ///< new tokens per layer
+  int layers = 1;                        ///< layers written (k holds `layers` layers)
+  pool_view pool;                        ///< the append tier's pool
+  /// Rotated formats (int8_rotated): codec contexts are make_codec_context(cache_seed, layer,
+  /// head_base + h, role), as in paged_storage. layer_base is the layer of k's layer 0.
   std::uint64_t cache_seed = 0;
-  int head_base = 0;
-  int layer_base = 0;
-  // Optional: first device error (errc as int; 0 = ok): out_of_range for a slot beyond the
-  // pool or an offset beyond page_tokens (nothing written for that token), non_finite_input
-  // for NaN/Inf (the codec's poison is written: zero codes, NaN scale).
+  int head_base = 0;   ///< global index of KV head 0 (codec contexts use head_base + h)
+  int layer_base = 0;  ///< the layer of k's layer 0 (codec contexts)
+  /// Optional: first device error (errc as int; 0 = ok): out_of_range for a slot beyond the
+  /// pool or an offset beyond page_tokens (nothing written for that token), non_finite_input
+  /// for NaN/Inf (the codec's poison is written: zero codes, NaN scale).
   int* error = nullptr;
 };
 
@@ -174,8 +175,8 @@ __global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
 
 }  // namespace detail
 
-// Enqueues the append on `stream`. Tier must store keys and values in one format, FP8 E4M3
-// or int8_rotated (the tier new tokens go to). No synchronization, no allocation.
+/// Enqueues the append on `stream`. Tier must store keys and values in one format, FP8 E4M3
+/// or int8_rotated (the tier new tokens go to). No synchronization, no allocation.
 template <class Geometry, class Tier>
 status append(const append_inputs& in, cudaStream_t stream) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;

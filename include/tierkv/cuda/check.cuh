@@ -13,15 +13,15 @@
 
 namespace tierkv::cuda {
 
-// status::ok() for cudaSuccess, else errc::cuda_error "what: <cuda name>: <cuda message>".
+/// status::ok() for cudaSuccess, else errc::cuda_error "what: <cuda name>: <cuda message>".
 inline status check(cudaError_t err, std::string_view what) {
   if (err == cudaSuccess) return status::ok();
   return status::make(errc::cuda_error, what, ": ", cudaGetErrorName(err), ": ",
                       cudaGetErrorString(err));
 }
 
-// The launch error of the kernel just queued (configuration, missing image), without
-// synchronizing: asynchronous faults surface at the caller's next synchronization.
+/// The launch error of the kernel just queued (configuration, missing image), without
+/// synchronizing: asynchronous faults surface at the caller's next synchronization.
 inline status check_launch(std::string_view kernel) { return check(cudaGetLastError(), kernel); }
 
 }  // namespace tierkv::cuda

@@ -21,37 +21,43 @@
 
 namespace tierkv::cuda {
 
-// n vectors: vector v reads x + v * x_stride (floats), writes its payload at
-// payload + v * payload_stride (bytes) and its meta at meta[v] (unused when the codec has
-// none). Its rotation seed is seeds[v], or `seed` when seeds is null. status[v] (if not
-// null) gets errc::ok or errc::non_finite_input; *saturated (if not null) is increased
-// by the encoder's saturation count.
+/// n vectors: vector v reads x + v * x_stride (floats), writes its payload at
+/// payload + v * payload_stride (bytes) and its meta at meta[v] (unused when the codec has
+/// none). Its rotation seed is seeds[v], or `seed` when seeds is null. status[v] (if not
+/// null) gets errc::ok or errc::non_finite_input; *saturated (if not null) is increased
+/// by the encoder's saturation count.
 template <class Codec>
 struct encode_batch {
-  const float* x = nullptr;
-  std::size_t x_stride = Codec::head_dim;
-  std::uint8_t* payload = nullptr;
-  std::size_t payload_stride = Codec::payload_bytes;
+  const float* x = nullptr;                           ///< device input vectors (floats)
+  std::size_t x_stride = Codec::head_dim;             ///< floats between vectors of x
+  std::uint8_t* payload = nullptr;                    ///< device payloads out
+  std::size_t payload_stride = Codec::payload_bytes;  ///< bytes between payloads
+  /// Device metadata out, one per vector (unused when the codec has none)
   typename Codec::meta_type* meta = nullptr;
-  const std::uint64_t* seeds = nullptr;
-  std::uint64_t seed = 0;
-  int n = 0;
-  errc* status = nullptr;
-  unsigned long long* saturated = nullptr;
+  const std::uint64_t* seeds = nullptr;     ///< optional device rotation seeds, one per vector
+  std::uint64_t seed = 0;                   ///< rotation seed of every vector when seeds is null
+  int n = 0;                                ///< number of vectors
+  errc* status = nullptr;                   ///< optional device per-vector errc
+  unsigned long long* saturated = nullptr;  ///< optional device saturation counter
 };
 
+/// n vectors: vector v decodes the payload at payload + v * payload_stride (bytes) and
+/// meta[v] with rotation seed seeds[v] (or `seed` when seeds is null) into
+/// out + v * out_stride (floats).
 template <class Codec>
 struct decode_batch {
-  const std::uint8_t* payload = nullptr;
-  std::size_t payload_stride = Codec::payload_bytes;
+  const std::uint8_t* payload = nullptr;              ///< device payloads in
+  std::size_t payload_stride = Codec::payload_bytes;  ///< bytes between payloads
+  /// Device metadata in, one per vector (unused when the codec has none)
   const typename Codec::meta_type* meta = nullptr;
-  const std::uint64_t* seeds = nullptr;
-  std::uint64_t seed = 0;
-  int n = 0;
-  float* out = nullptr;
-  std::size_t out_stride = Codec::head_dim;
+  const std::uint64_t* seeds = nullptr;      ///< optional device rotation seeds, one per vector
+  std::uint64_t seed = 0;                    ///< rotation seed of every vector when seeds is null
+  int n = 0;                                 ///< number of vectors
+  float* out = nullptr;                      ///< device decoded vectors out (floats)
+  std::size_t out_stride = Codec::head_dim;  ///< floats between vectors of out
 };
 
+/// Warps per block of the warp-per-vector kernels (FP8, TQ3).
 inline constexpr int codec_warps_per_block = 4;
 
 namespace detail {
@@ -300,7 +306,7 @@ inline int warp_grid(int n) {
 
 }  // namespace detail
 
-// Encodes b.n vectors on `stream` (asynchronous). Returns the launch error, if any.
+/// Encodes b.n vectors on `stream` (asynchronous). Returns the launch error, if any.
 template <vector_codec Codec>
 cudaError_t launch_encode(const encode_batch<Codec>& b, cudaStream_t stream = nullptr) {
   if (b.n <= 0) return cudaSuccess;
@@ -312,7 +318,7 @@ cudaError_t launch_encode(const encode_batch<Codec>& b, cudaStream_t stream = nu
   return cudaGetLastError();
 }
 
-// Decodes b.n vectors to float on `stream` (asynchronous).
+/// Decodes b.n vectors to float on `stream` (asynchronous).
 template <vector_codec Codec>
 cudaError_t launch_decode(const decode_batch<Codec>& b, cudaStream_t stream = nullptr) {
   if (b.n <= 0) return cudaSuccess;
@@ -324,8 +330,8 @@ cudaError_t launch_decode(const decode_batch<Codec>& b, cudaStream_t stream = nu
   return cudaGetLastError();
 }
 
-// The reference path: one thread per vector running the host encoder's own code (slow;
-// for tests that check the warp kernels).
+/// The reference path: one thread per vector running the host encoder's own code (slow;
+/// for tests that check the warp kernels).
 template <vector_codec Codec>
 cudaError_t launch_encode_reference(const encode_batch<Codec>& b, cudaStream_t stream = nullptr) {
   if (b.n <= 0) return cudaSuccess;

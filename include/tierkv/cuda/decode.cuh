@@ -27,15 +27,15 @@
 
 namespace tierkv::cuda {
 
-// Which split kernel runs a decode step (same result up to rounding, same plan/workspace).
-// tensor_core: scores and values on mma.sync (f16 operands, FP8 queries split hi + lo; int8
-// operands for TQ3, TQ4 and int8_rotated keys, queries as int8 digits; f16 probabilities;
-// docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
+/// Which split kernel runs a decode step (same result up to rounding, same plan/workspace).
+/// tensor_core: scores and values on mma.sync (f16 operands, FP8 queries split hi + lo; int8
+/// operands for TQ3, TQ4 and int8_rotated keys, queries as int8 digits; f16 probabilities;
+/// docs/gpu.md); cuda_core: fp32 FMA per scalar (the reference GPU path).
 enum class decode_path : std::uint8_t { tensor_core = 0, cuda_core = 1 };
 
-// Zeroes a new workspace's error words, once per workspace and plan (a step leaves them
-// zeroed for the next: no memset per step, which cost ~0.8 us of a B = 1 step, H200 A/B in
-// docs/gpu.md).
+/// Zeroes a new workspace's error words, once per workspace and plan (a step leaves them
+/// zeroed for the next: no memset per step, which cost ~0.8 us of a B = 1 step, H200 A/B in
+/// docs/gpu.md).
 inline status decode_workspace_init(const decode_plan& plan, void* workspace,
                                     std::size_t workspace_bytes, cudaStream_t stream) {
   if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
@@ -46,12 +46,12 @@ inline status decode_workspace_init(const decode_plan& plan, void* workspace,
   return status::ok();
 }
 
-// Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)
-// the per-page mass. Host-side checks only (no synchronization, no allocation): the
-// workspace (plan.workspace_bytes, device memory, decode_workspace_init'ed once for this
-// plan) must not be used by another stream meanwhile. Capturable in a CUDA graph; replaying
-// it reads the index arrays, lengths and queries present at replay time (within the plan's
-// capacity).
+/// Enqueues one decode step on `stream`: the split kernel, the merge, and (with page_mass)
+/// the per-page mass. Host-side checks only (no synchronization, no allocation): the
+/// workspace (plan.workspace_bytes, device memory, decode_workspace_init'ed once for this
+/// plan) must not be used by another stream meanwhile. Capturable in a CUDA graph; replaying
+/// it reads the index arrays, lengths and queries present at replay time (within the plan's
+/// capacity).
 template <class Geometry, class TierList, decode_path Path = decode_path::tensor_core>
 status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, void* workspace,
               std::size_t workspace_bytes, cudaStream_t stream) {
@@ -125,8 +125,8 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   return status::ok();
 }
 
-// The first device-side error of the last decode on this workspace (errc::ok when none):
-// a page slot beyond its pool or a logical page beyond plan.max_pages. Synchronizes `stream`.
+/// The first device-side error of the last decode on this workspace (errc::ok when none):
+/// a page slot beyond its pool or a logical page beyond plan.max_pages. Synchronizes `stream`.
 inline result<errc> decode_device_error(const decode_plan& plan, const void* workspace,
                                         cudaStream_t stream) {
   int code = 0;

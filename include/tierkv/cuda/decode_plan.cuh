@@ -16,55 +16,55 @@
 
 namespace tierkv::cuda {
 
-// The most chunks one sequence may be split in (the workspace holds a state and an
-// accumulator per chunk).
+/// The most chunks one sequence may be split in (the workspace holds a state and an
+/// accumulator per chunk).
 inline constexpr int decode_capacity_max_chunks = 4096;
-// Attention-mass slots per page in the workspace: one per 16-token step, because the
-// tensor-core kernel's warps may split a page's steps between them (the CUDA-core kernel
-// writes a page's mass to its first slot); the page-mass kernel adds a page's slots.
+/// Attention-mass slots per page in the workspace: one per 16-token step, because the
+/// tensor-core kernel's warps may split a page's steps between them (the CUDA-core kernel
+/// writes a page's mass to its first slot); the page-mass kernel adds a page's slots.
 template <class Geometry>
 inline constexpr int mass_slots_per_page = Geometry::page_tokens / 16;
 
-// Blocks per SM the tensor-core split kernel is built for (its __launch_bounds__: 128
-// registers a thread at head_dim <= 128, 168 above; ptxas -v, docs/gpu.md): the planner's
-// default size of one wave.
+/// Blocks per SM the tensor-core split kernel is built for (its __launch_bounds__: 128
+/// registers a thread at head_dim <= 128, 168 above; ptxas -v, docs/gpu.md): the planner's
+/// default size of one wave.
 template <class Geometry>
 inline constexpr int decode_blocks_per_sm = Geometry::head_dim <= 128 ? 4 : 3;
 
-// What a plan must hold: the largest batch, the most chunks a sequence may be split in
-// (the workspace holds one partial state per chunk), and for the optional per-page
-// attention mass the most logical pages a sequence may have.
+/// What a plan must hold: the largest batch, the most chunks a sequence may be split in
+/// (the workspace holds one partial state per chunk), and for the optional per-page
+/// attention mass the most logical pages a sequence may have.
 struct decode_capacity {
-  int max_batch = 0;
-  int max_chunks_per_seq = 64;
-  int max_pages_per_seq = 0;  // only needed with page_mass
-  bool page_mass = false;
+  int max_batch = 0;            ///< largest batch
+  int max_chunks_per_seq = 64;  ///< most chunks a sequence may be split in
+  int max_pages_per_seq = 0;    ///< only needed with page_mass
+  bool page_mass = false;       ///< reserve workspace for the per-page attention mass
 };
 
-// A plan is plain data: the run reads it by value, so a captured graph replays it.
-//   page_cost[f]: a page's weight on a sequence's cost line (bytes or work, see `balance`);
-//   target_chunk_bytes (in page_cost units): a sequence of total cost T (per KV head) runs in
-//     clamp(ceil(T / target_chunk_bytes), 1, min(max_chunks, its page count)) chunks;
-//   every chunk gets a contiguous, equal share of the sequence's cost (pages ordered
-//   format by format; the merge is order-independent).
+/// A plan is plain data: the run reads it by value, so a captured graph replays it.
+///   page_cost[f]: a page's weight on a sequence's cost line (bytes or work, see `balance`);
+///   target_chunk_bytes (in page_cost units): a sequence of total cost T (per KV head) runs in
+///     clamp(ceil(T / target_chunk_bytes), 1, min(max_chunks, its page count)) chunks;
+///   every chunk gets a contiguous, equal share of the sequence's cost (pages ordered
+///   format by format; the merge is order-independent).
 struct decode_plan {
-  static constexpr int max_formats = 8;
-  // Weight of one page of each tier on a sequence's cost line (what chunks are balanced by).
+  static constexpr int max_formats = 8;  ///< most tiers (formats) a plan covers
+  /// Weight of one page of each tier on a sequence's cost line (what chunks are balanced by).
   std::int64_t page_cost[max_formats] = {};
-  int max_batch = 0;
-  int max_chunks = 1;
-  int max_pages = 0;
-  bool page_mass = false;
-  std::int64_t target_chunk_bytes = 0;
-  std::size_t workspace_bytes = 0;
+  int max_batch = 0;                    ///< largest batch
+  int max_chunks = 1;                   ///< most chunks per sequence
+  int max_pages = 0;                    ///< most logical pages per sequence (page mass only)
+  bool page_mass = false;               ///< workspace holds the per-page attention mass
+  std::int64_t target_chunk_bytes = 0;  ///< target cost of one chunk, in page_cost units
+  std::size_t workspace_bytes = 0;      ///< bytes of device workspace the run needs
   // Offsets inside the workspace (bytes, 256-aligned).
-  std::size_t state_offset = 0;  // float2 {m (log2 units), l} [max_batch][q_heads][max_chunks]
-  std::size_t acc_offset = 0;    // float [max_batch][q_heads][max_chunks][head_dim]
+  std::size_t state_offset = 0;  ///< float2 {m (log2 units), l} [max_batch][q_heads][max_chunks]
+  std::size_t acc_offset = 0;    ///< float [max_batch][q_heads][max_chunks][head_dim]
   std::size_t mass_offset =
-      0;  // float [max_batch][q_heads][max_pages][mass_slots_per_page] (log2 masses)
+      0;  ///< float [max_batch][q_heads][max_pages][mass_slots_per_page] (log2 masses)
   std::size_t error_offset =
-      0;  // one int: the running step's first device-side errc (0 between steps)
-  std::size_t result_offset = 0;  // one int: the last step's errc (decode_device_error)
+      0;  ///< one int: the running step's first device-side errc (0 between steps)
+  std::size_t result_offset = 0;  ///< one int: the last step's errc (decode_device_error)
 };
 
 namespace detail {
@@ -114,12 +114,12 @@ struct page_costs<Geometry, tiers<Tiers...>> {
 };
 }  // namespace detail
 
-// What a chunk is balanced by. `bytes`: the bytes a page costs to read (right for a kernel at
-// the bandwidth roofline). `work`: the time a page costs in the present kernels, where TQ3
-// pages are instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about 3/4 of
-// an FP8 page's time (docs/gpu.md); balancing by bytes left the TQ3 chunks of a tiered batch
-// much longer than the FP8 ones. A TQ3 role's weight in percent of an 8-bit one is
-// plan_decode's tq3_work_percent.
+/// What a chunk is balanced by. `bytes`: the bytes a page costs to read (right for a kernel at
+/// the bandwidth roofline). `work`: the time a page costs in the present kernels, where TQ3
+/// pages are instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about 3/4 of
+/// an FP8 page's time (docs/gpu.md); balancing by bytes left the TQ3 chunks of a tiered batch
+/// much longer than the FP8 ones. A TQ3 role's weight in percent of an 8-bit one is
+/// plan_decode's tq3_work_percent.
 enum class balance : std::uint8_t { bytes = 0, work = 1 };
 
 namespace detail {
@@ -142,30 +142,34 @@ struct page_works<Geometry, tiers<Tiers...>> {
 };
 }  // namespace detail
 
-// plan_decode's defaults, named so that benchmarks and tests can start from them.
+/// plan_decode's defaults, named so that benchmarks and tests can start from them.
 inline constexpr int decode_default_waves = 12;
+/// Default `min_chunk_bytes`: no chunk reads less (bytes).
 inline constexpr std::int64_t decode_default_min_chunk_bytes = 16 * 1024;
+/// Default `min_chunk_pages`: no chunk gets fewer average pages.
 inline constexpr int decode_default_min_chunk_pages = 16;
+/// Default `tq3_work_percent`: a TQ3 role's page work in percent of an 8-bit one.
 inline constexpr int decode_default_tq3_work_percent = 75;
 
-// Plans a decode for `capacity`, sized by a representative step: pages_per_format[b*N + f]
-// is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
-// size is chosen so that all (sequence, KV head, chunk) blocks number about `waves` x
-// `sm_count` (12 = about 4 waves of 3 resident blocks per SM, so the last, partial wave
-// costs little), but beyond one wave (`resident_blocks` x sm_count blocks, less one block
-// per (sequence, KV head) because each rounds its chunk count up: without that slack, 4
-// blocks per SM at head_dim <= 128 made (32,8,128) 8K B = 8 a wave and a tenth, +18%, which
-// planning with 3 had hidden; with it, against 3 and no slack: (32,8,128) 32K B = 1 -7..-16%,
-// (24,4,256) 8K B = 8 -8..-19%, B = 32 unchanged; H200 A/B in
-// bench/results/decode/ab/ab-h200-2026-11-30-plan-wave.txt) no chunk gets fewer than
-// `min_chunk_pages` average pages (large chunks hand whole pages to the kernel's 4 warps: 16 pages
-// = 4 per warp), and no chunk reads less than `min_chunk_bytes` (per-chunk setup and the merge cost
-// about as much as reading ~16 KB; with 64 KB, the earlier default, TQ3 pages at d = 64 got 26
-// chunks per sequence where FP8 got 64 (bench/results/decode/ab/ab-h200-2026-11-30-min-chunk.txt):
-// H200 A/B at B = 1, 8K-32K: -16% geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by >
-// 2%). `tq3_work_percent` weighs a TQ3 role against an 8-bit one (75: H200 sweep of tiered and
-// tiered_k4 batches with 32-token TQ3 steps, 75 against 108: B = 1 -4.7%, B = 8 -1.3%, B = 32
-// -1.2%; 60 and 90 in between). docs/gpu.md has the H200 measurements behind these defaults.
+/// Plans a decode for `capacity`, sized by a representative step: pages_per_format[b*N + f]
+/// is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
+/// size is chosen so that all (sequence, KV head, chunk) blocks number about `waves` x
+/// `sm_count` (12 = about 4 waves of 3 resident blocks per SM, so the last, partial wave
+/// costs little), but beyond one wave (`resident_blocks` x sm_count blocks, less one block
+/// per (sequence, KV head) because each rounds its chunk count up: without that slack, 4
+/// blocks per SM at head_dim <= 128 made (32,8,128) 8K B = 8 a wave and a tenth, +18%, which
+/// planning with 3 had hidden; with it, against 3 and no slack: (32,8,128) 32K B = 1 -7..-16%,
+/// (24,4,256) 8K B = 8 -8..-19%, B = 32 unchanged; H200 A/B in
+/// bench/results/decode/ab/ab-h200-2026-11-30-plan-wave.txt) no chunk gets fewer than
+/// `min_chunk_pages` average pages (large chunks hand whole pages to the kernel's 4 warps: 16 pages
+/// = 4 per warp), and no chunk reads less than `min_chunk_bytes` (per-chunk setup and the merge
+/// cost about as much as reading ~16 KB; with 64 KB, the earlier default, TQ3 pages at d = 64 got
+/// 26 chunks per sequence where FP8 got 64
+/// (bench/results/decode/ab/ab-h200-2026-11-30-min-chunk.txt): H200 A/B at B = 1, 8K-32K: -16%
+/// geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by > 2%). `tq3_work_percent` weighs
+/// a TQ3 role against an 8-bit one (75: H200 sweep of tiered and tiered_k4 batches with 32-token
+/// TQ3 steps, 75 against 108: B = 1 -4.7%, B = 8 -1.3%, B = 32 -1.2%; 60 and 90 in between).
+/// docs/gpu.md has the H200 measurements behind these defaults.
 template <class Geometry, class TierList>
 result<decode_plan> plan_decode(const decode_capacity& capacity,
                                 const std::int32_t* pages_per_format, int batch, int sm_count,

@@ -121,15 +121,19 @@ inline status cuda_check(cudaError_t e, const char* what) {
 
 }  // namespace detail
 
+/// Builds a layer's batch_index_view on the device from a device page table (see above);
+/// fixed shapes (the capacity of `layout`), so one builder serves every captured step.
 template <int NumFormats>
 class device_index_builder {
  public:
-  static constexpr int threads = 256;
+  static constexpr int threads = 256;  ///< threads per block of its kernels
 
+  /// A builder for the capacity and byte layout `layout`.
   explicit device_index_builder(index_layout<NumFormats> layout) : layout_(layout) {}
+  /// The capacity and byte layout of the index it builds.
   const index_layout<NumFormats>& layout() const noexcept { return layout_; }
 
-  // Scratch (flags, ranks, the CUB temporary storage, an error word): query once, allocate once.
+  /// Scratch (flags, ranks, the CUB temporary storage, an error word): query once, allocate once.
   result<std::size_t> scratch_bytes() const {
     if (auto st = layout_.validate(); !st) return st;
     std::size_t cub_bytes = 0;
@@ -143,8 +147,8 @@ class device_index_builder {
     return 2 * ints(std::size_t(n)) + align(cub_bytes) + 16;
   }
 
-  // Builds into out (index_layout bytes, device memory) from a device page table of
-  // `in.batch` sequences. Asynchronous on stream; error() reads the device check.
+  /// Builds into out (index_layout bytes, device memory) from a device page table of
+  /// `in.batch` sequences. Asynchronous on stream; error() reads the device check.
   result<batch_index_view<NumFormats>> build(const page_table_arrays& in, void* out, void* scratch,
                                              std::size_t scratch_size, cudaStream_t stream) const {
     auto need = scratch_bytes();
@@ -186,7 +190,7 @@ class device_index_builder {
     return layout_.view_of(out, in.batch);
   }
 
-  // Reads the device check of the last build on stream (synchronizes the stream).
+  /// Reads the device check of the last build on stream (synchronizes the stream).
   status error(const void* scratch, cudaStream_t stream) const {
     auto need = scratch_bytes();
     if (!need) return need.error_status();
@@ -217,8 +221,8 @@ class device_index_builder {
   index_layout<NumFormats> layout_;
 };
 
-// The FlashInfer/vLLM adapter on the device: t's arrays are device pointers (validate
-// them on the host with validate_paged_kv_table before upload when they are untrusted).
+/// The FlashInfer/vLLM adapter on the device: t's arrays are device pointers (validate
+/// them on the host with validate_paged_kv_table before upload when they are untrusted).
 template <int NumFormats>
 result<batch_index_view<NumFormats>> index_from_paged_kv_table_device(
     const paged_kv_table& t, int format, const index_layout<NumFormats>& layout, void* out,

@@ -36,15 +36,18 @@
 
 namespace tierkv::cuda {
 
-// A table entry: the page's tier (format) in the top 8 bits, its pool slot below.
+/// A table entry: the page's tier (format) in the top 8 bits, its pool slot below.
 struct packed_page {
-  static constexpr int slot_bits = 24;
-  static constexpr std::uint32_t max_slots = 1u << slot_bits;
-  static constexpr std::int32_t none = -1;
+  static constexpr int slot_bits = 24;                         ///< bits of the pool slot
+  static constexpr std::uint32_t max_slots = 1u << slot_bits;  ///< slots a format's pool may have
+  static constexpr std::int32_t none = -1;                     ///< an unmapped entry
+  /// The entry of pool slot `slot` of tier `format`.
   static constexpr std::int32_t pack(int format, std::uint32_t slot) {
     return std::int32_t((std::uint32_t(format) << slot_bits) | slot);
   }
+  /// The tier (format) of entry e.
   TIERKV_HD_INLINE static int format(std::int32_t e) { return int(std::uint32_t(e) >> slot_bits); }
+  /// The pool slot of entry e.
   TIERKV_HD_INLINE static std::int32_t slot(std::int32_t e) {
     return std::int32_t(std::uint32_t(e) & (max_slots - 1));
   }
@@ -153,11 +156,11 @@ __global__ void __launch_bounds__(256) mirror_scatter(mirror_args a, index_layou
 
 }  // namespace detail
 
-// The mirror of up to `max_rows` sequences of up to `max_pages` logical pages over `blocks`
-// blocks of `layers` pages. Host edits (set_row, set_page) go to the shadow and the journal;
-// build() applies the journal on the device, then writes every layer's index arrays of a
-// batch. One stream at a time; build() waits for its previous upload before reusing the
-// page-locked staging buffer (done long before in a step loop).
+/// The mirror of up to `max_rows` sequences of up to `max_pages` logical pages over `blocks`
+/// blocks of `layers` pages. Host edits (set_row, set_page) go to the shadow and the journal;
+/// build() applies the journal on the device, then writes every layer's index arrays of a
+/// batch. One stream at a time; build() waits for its previous upload before reusing the
+/// page-locked staging buffer (done long before in a step loop).
 template <int NumFormats>
 class page_table_mirror {
  public:
@@ -165,6 +168,8 @@ class page_table_mirror {
   page_table_mirror& operator=(const page_table_mirror&) = delete;
   ~page_table_mirror() { free_all(); }
 
+  /// A mirror with its device arrays, sized for the capacity (see above) and up to `max_batch`
+  /// sequences a build.
   static result<std::unique_ptr<page_table_mirror>> create(int max_rows, int max_pages, int blocks,
                                                            int layers, int max_batch) {
     if (max_rows < 1 || max_pages < 1 || blocks < 1 || layers < 1 || max_batch < 1)
@@ -202,21 +207,26 @@ class page_table_mirror {
     return result<std::unique_ptr<page_table_mirror>>(std::move(m));
   }
 
+  /// The capacity and byte layout of one layer's index arrays.
   const index_layout<NumFormats>& layout() const noexcept { return layout_; }
+  /// Layers of every block.
   int layers() const noexcept { return layers_; }
+  /// Row `row`'s logical page `logical` is block `block` (host edit, journaled).
   void set_row(int row, int logical, std::int32_t block) {
     put(std::size_t(row) * std::size_t(max_pages_) + std::size_t(logical), block);
   }
+  /// Block `block`'s page of layer `layer` is pool slot `slot` of tier `format` (host edit,
+  /// journaled).
   void set_page(std::uint32_t block, int layer, int format, std::uint32_t slot) {
     put(row_entries_ + std::size_t(block) * std::size_t(layers_) + std::size_t(layer),
         packed_page::pack(format, slot));
   }
-  // Bytes of the last build()'s upload (journal and batch: metadata only).
+  /// Bytes of the last build()'s upload (journal and batch: metadata only).
   std::size_t last_upload_bytes() const noexcept { return last_upload_; }
 
-  // Applies the journal and builds the index arrays of every layer for the batch (rows[b]:
-  // the mirror row of entry b, pages[b] its committed logical pages, seq_len[b] its tokens).
-  // Asynchronous on `stream`; error() reads the device check.
+  /// Applies the journal and builds the index arrays of every layer for the batch (rows[b]:
+  /// the mirror row of entry b, pages[b] its committed logical pages, seq_len[b] its tokens).
+  /// Asynchronous on `stream`; error() reads the device check.
   status build(std::span<const std::int32_t> rows, std::span<const std::int32_t> pages,
                std::span<const std::int32_t> seq_len, cudaStream_t stream) {
     const int batch = int(rows.size());
@@ -278,18 +288,20 @@ class page_table_mirror {
     return check(cudaGetLastError(), "page_table_mirror: build launch");
   }
 
-  // Layer l's index arrays of the last build (device memory).
+  /// Layer l's index arrays of the last build (device memory).
   batch_index_view<NumFormats> view(int layer) const {
     return layout_.view_of(static_cast<std::uint8_t*>(index_) + std::size_t(layer) * layer_bytes_,
                            batch_);
   }
+  /// Layer `layer`'s index arrays of the last build as bytes (device memory).
   const void* index_bytes(int layer) const {
     return static_cast<const std::uint8_t*>(index_) + std::size_t(layer) * layer_bytes_;
   }
+  /// Bytes of one layer's index arrays.
   std::size_t layer_bytes() const noexcept { return layer_bytes_; }
 
-  // The device check of the last build (synchronizes `stream`): a row naming no block or a
-  // table entry of no format.
+  /// The device check of the last build (synchronizes `stream`): a row naming no block or a
+  /// table entry of no format.
   status error(cudaStream_t stream) const {
     int code = 0;
     TIERKV_CUDA_TRY(cudaMemcpyAsync(&code, scratch_, sizeof(int), cudaMemcpyDeviceToHost, stream));

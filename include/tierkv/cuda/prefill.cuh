@@ -23,7 +23,7 @@
 
 namespace tierkv::cuda {
 
-// Zeroes a new workspace's error word (once; prefill_device_error re-zeroes it when read).
+/// Zeroes a new workspace's error word (once; prefill_device_error re-zeroes it when read).
 inline status prefill_workspace_init(const prefill_plan& plan, void* workspace,
                                      std::size_t workspace_bytes, cudaStream_t stream) {
   if (workspace == nullptr || workspace_bytes < plan.workspace_bytes)
@@ -34,11 +34,11 @@ inline status prefill_workspace_init(const prefill_plan& plan, void* workspace,
   return status::ok();
 }
 
-// Enqueues one layer's prefill on `stream`. Host-side checks only (no synchronization, no
-// allocation); q_indptr, seq_len and the index are read on the device: a chunk longer than its
-// sequence or than plan.max_chunk_tokens, or a page slot beyond its pool, is reported through
-// prefill_device_error (that sequence's outputs are then unspecified). A query row holding a NaN
-// or an infinity gets NaN output and lse. Capturable in a CUDA graph.
+/// Enqueues one layer's prefill on `stream`. Host-side checks only (no synchronization, no
+/// allocation); q_indptr, seq_len and the index are read on the device: a chunk longer than its
+/// sequence or than plan.max_chunk_tokens, or a page slot beyond its pool, is reported through
+/// prefill_device_error (that sequence's outputs are then unspecified). A query row holding a NaN
+/// or an infinity gets NaN output and lse. Capturable in a CUDA graph.
 template <class Geometry, class TierList>
 status prefill(const prefill_plan& plan, const prefill_inputs<TierList::size>& in, void* workspace,
                std::size_t workspace_bytes, cudaStream_t stream) {
@@ -87,8 +87,8 @@ status prefill(const prefill_plan& plan, const prefill_inputs<TierList::size>& i
   return status::ok();
 }
 
-// The first device-side error of the prefills on this workspace since the last call (errc::ok
-// when none), then zeroes it. Synchronizes `stream`.
+/// The first device-side error of the prefills on this workspace since the last call (errc::ok
+/// when none), then zeroes it. Synchronizes `stream`.
 inline result<errc> prefill_device_error(const prefill_plan& plan, void* workspace,
                                          cudaStream_t stream) {
   int code = 0;

@@ -14,37 +14,37 @@
 
 namespace tierkv::cuda {
 
-// (query, head) rows of one prefill block: 8 warps of 16 (prefill/tensor_core.cuh). H200,
-// (24, 4, 256) chunk 512 over 32K: 3.04 ms against 3.30 ms for 4 warps of 16 rows over 32-token
-// tiles at two blocks per SM (docs/gpu-prefill.md).
+/// (query, head) rows of one prefill block: 8 warps of 16 (prefill/tensor_core.cuh). H200,
+/// (24, 4, 256) chunk 512 over 32K: 3.04 ms against 3.30 ms for 4 warps of 16 rows over 32-token
+/// tiles at two blocks per SM (docs/gpu-prefill.md).
 inline constexpr int prefill_block_rows = 128;
-// Blocks per SM the planner counts on: one (shared memory ~170 KB a block at head_dim 256; 256
-// threads at up to 255 registers each fill the register file).
+/// Blocks per SM the planner counts on: one (shared memory ~170 KB a block at head_dim 256; 256
+/// threads at up to 255 registers each fill the register file).
 inline constexpr int prefill_blocks_per_sm = 1;
-// The most KV splits of a block's tiles (the workspace holds a partial state per split).
+/// The most KV splits of a block's tiles (the workspace holds a partial state per split).
 inline constexpr int prefill_max_splits = 64;
 
-// A plan is plain data (a captured graph replays it): the grid covers max_chunk_tokens queries
-// of each of max_batch sequences, each (sequence, KV head, row block) cut in kv_splits equal
-// shares of the tiles its rows see; with more than one, the workspace holds each split's partial
-// state and a second kernel merges them.
+/// A plan is plain data (a captured graph replays it): the grid covers max_chunk_tokens queries
+/// of each of max_batch sequences, each (sequence, KV head, row block) cut in kv_splits equal
+/// shares of the tiles its rows see; with more than one, the workspace holds each split's partial
+/// state and a second kernel merges them.
 struct prefill_plan {
-  int max_batch = 0;
-  int max_chunk_tokens = 0;  // queries of one sequence
-  int max_total_q = 0;       // queries of the whole batch (the partial states' rows / q_heads)
-  int row_blocks = 0;  // blocks per (sequence, KV head): ceil(max_chunk_tokens x group / rows)
-  int kv_splits = 1;
-  std::size_t workspace_bytes = 0;
-  std::size_t error_offset = 0;        // int: the first device-side errc since the last read
-  std::size_t partial_offset = 0;      // float [kv_splits][max_total_q x q_heads][head_dim] (O / l)
-  std::size_t partial_lse_offset = 0;  // float [kv_splits][max_total_q x q_heads] (log2 units)
+  int max_batch = 0;         ///< largest batch
+  int max_chunk_tokens = 0;  ///< queries of one sequence
+  int max_total_q = 0;       ///< queries of the whole batch (the partial states' rows / q_heads)
+  int row_blocks = 0;  ///< blocks per (sequence, KV head): ceil(max_chunk_tokens x group / rows)
+  int kv_splits = 1;   ///< KV splits per (sequence, KV head, row block)
+  std::size_t workspace_bytes = 0;  ///< bytes of device workspace the run needs
+  std::size_t error_offset = 0;     ///< int: the first device-side errc since the last read
+  std::size_t partial_offset = 0;   ///< float [kv_splits][max_total_q x q_heads][head_dim] (O / l)
+  std::size_t partial_lse_offset = 0;  ///< float [kv_splits][max_total_q x q_heads] (log2 units)
 };
 
-// A plan for batches of up to max_batch sequences with chunks of up to max_chunk_tokens queries
-// and max_total_q queries in all (0: max_batch x max_chunk_tokens) on a GPU of `sms`
-// multiprocessors. kv_splits = 0 picks the fewest splits (up to
-// prefill_max_splits) that fill the GPU's resident blocks to >= 85% in whole waves; a given
-// value is used as is (1: no merge pass, no partial states).
+/// A plan for batches of up to max_batch sequences with chunks of up to max_chunk_tokens queries
+/// and max_total_q queries in all (0: max_batch x max_chunk_tokens) on a GPU of `sms`
+/// multiprocessors. kv_splits = 0 picks the fewest splits (up to
+/// prefill_max_splits) that fill the GPU's resident blocks to >= 85% in whole waves; a given
+/// value is used as is (1: no merge pass, no partial states).
 template <class Geometry>
 result<prefill_plan> plan_prefill(int max_batch, int max_chunk_tokens, int max_total_q = 0,
                                   int sms = 132, int kv_splits = 0) {

@@ -31,21 +31,23 @@
 
 namespace tierkv::cuda {
 
-// Page i of the list: src.page(src_slot[i]) (tier From) -> dst.page(dst_slot[i]) (tier To),
-// layer layer_of[i] (or `layer` for all when layer_of is null; codec contexts depend on it).
-// All page_tokens slots are converted: retier seals pages, so they are full. A NaN-poisoned
-// or non-finite source vector gives the destination codec's poison and errc::non_finite_input.
+/// Page i of the list: src.page(src_slot[i]) (tier From) -> dst.page(dst_slot[i]) (tier To),
+/// layer layer_of[i] (or `layer` for all when layer_of is null; codec contexts depend on it).
+/// All page_tokens slots are converted: retier seals pages, so they are full. A NaN-poisoned
+/// or non-finite source vector gives the destination codec's poison and errc::non_finite_input.
 struct retier_inputs {
-  pool_view src;
-  pool_view dst;
-  const std::int32_t* src_slot = nullptr;
-  const std::int32_t* dst_slot = nullptr;
-  const std::int32_t* layer_of = nullptr;
-  int layer = 0;
-  int pages = 0;
+  pool_view src;                           ///< source pool (tier From), device-addressable
+  pool_view dst;                           ///< destination pool (tier To), device-addressable
+  const std::int32_t* src_slot = nullptr;  ///< device [pages] source pool slots
+  const std::int32_t* dst_slot = nullptr;  ///< device [pages] destination pool slots
+  const std::int32_t* layer_of = nullptr;  ///< optional device [pages] layer of each page
+  int layer = 0;                           ///< layer of every page when layer_of is null
+  int pages = 0;                           ///< pages in the list
+  /// Codec contexts: make_codec_context(seed, layer, head_base + head, role)
   std::uint64_t cache_seed = 0;
-  int head_base = 0;  // global index of KV head 0: contexts use head_base + head (tensor parallel)
-  int* error = nullptr;  // optional: first device errc (0 = ok)
+  /// Global index of KV head 0: contexts use head_base + head (tensor parallel)
+  int head_base = 0;
+  int* error = nullptr;  ///< optional: first device errc (0 = ok)
 };
 
 namespace detail {
@@ -106,11 +108,14 @@ using encode_exchange = exchange_if<
 template <class SC, class DC, int N, int G>
 using decode_exchange =
     exchange_if<rotated_format<SC> && DC::format == storage_format::fp8_e4m3, N, G>;
+// Hidden from Doxygen 1.9, which cannot resolve the member accesses in this expression.
+/// \cond
 template <class SC, class DC, int N, int G, bool OnePath>
 inline constexpr int exchange_float4s =  // per warp
     encode_exchange<SC, DC, N, G, OnePath>::float4s > decode_exchange<SC, DC, N, G>::float4s
         ? encode_exchange<SC, DC, N, G, OnePath>::float4s
         : decode_exchange<SC, DC, N, G>::float4s;
+/// \endcond
 template <class X>
 __device__ __forceinline__ X make_exchange(float4* area) {
   if constexpr (X::runs)
@@ -268,8 +273,8 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks)
 
 }  // namespace detail
 
-// Enqueues the conversion of in.pages pages from tier From to tier To on `stream`.
-// Source and destination pages must not overlap (distinct pools or slots).
+/// Enqueues the conversion of in.pages pages from tier From to tier To on `stream`.
+/// Source and destination pages must not overlap (distinct pools or slots).
 template <class Geometry, class From, class To>
 status retier(const retier_inputs& in, cudaStream_t stream) {
   constexpr int D = Geometry::head_dim;

@@ -39,13 +39,15 @@
 
 namespace tierkv::cuda {
 
-// The three events of one batch in flight (timing disabled: they only order and signal).
+/// The three events of one batch in flight (timing disabled: they only order and signal).
 class retier_async_events {
  public:
   retier_async_events() = default;
   retier_async_events(const retier_async_events&) = delete;
   retier_async_events& operator=(const retier_async_events&) = delete;
+  /// Moves the events of o (o is left empty).
   retier_async_events(retier_async_events&& o) noexcept { swap(o); }
+  /// Moves the events of o; the events held before are destroyed.
   retier_async_events& operator=(retier_async_events&& o) noexcept {
     retier_async_events t(std::move(o));
     swap(t);
@@ -53,6 +55,7 @@ class retier_async_events {
   }
   ~retier_async_events() { release(); }
 
+  /// Creates the three events.
   static result<retier_async_events> create() {
     retier_async_events e;
     for (cudaEvent_t* p : {&e.sources_ready_, &e.converted_, &e.old_pages_idle_}) {
@@ -63,8 +66,11 @@ class retier_async_events {
     return result<retier_async_events>(std::move(e));
   }
 
+  /// Recorded on the main stream once the source pages are immutable (step 2).
   cudaEvent_t sources_ready() const { return sources_ready_; }
+  /// Recorded on the side stream once the batch is converted (step 4).
   cudaEvent_t converted() const { return converted_; }
+  /// Recorded on the main stream after the last decode that may read the old pages (step 6).
   cudaEvent_t old_pages_idle() const { return old_pages_idle_; }
 
  private:
@@ -83,7 +89,7 @@ class retier_async_events {
   cudaEvent_t old_pages_idle_ = nullptr;
 };
 
-// A non-blocking stream at the device's lowest priority (the side stream of the protocol).
+/// A non-blocking stream at the device's lowest priority (the side stream of the protocol).
 inline result<cudaStream_t> create_side_stream() {
   int least = 0, greatest = 0;
   status s = check(cudaDeviceGetStreamPriorityRange(&least, &greatest),
@@ -95,7 +101,7 @@ inline result<cudaStream_t> create_side_stream() {
   return st;
 }
 
-// Step 2: the sources are immutable from this point of the main stream on.
+/// Step 2: the sources are immutable from this point of the main stream on.
 inline status mark_sources_ready(const retier_async_events& ev, cudaStream_t main_stream) {
   if (!ev.sources_ready())
     return status::make(errc::invalid_argument, "mark_sources_ready: events not created");
@@ -103,8 +109,8 @@ inline status mark_sources_ready(const retier_async_events& ev, cudaStream_t mai
                "mark_sources_ready: cudaEventRecord");
 }
 
-// Step 4: side waits for sources_ready, converts, records converted. Fails without enqueuing
-// anything if the inputs are rejected by cuda::retier's host checks.
+/// Step 4: side waits for sources_ready, converts, records converted. Fails without enqueuing
+/// anything if the inputs are rejected by cuda::retier's host checks.
 template <class Geometry, class From, class To>
 status enqueue_retier_async(const retier_inputs& in, const retier_async_events& ev,
                             cudaStream_t side_stream) {
@@ -128,20 +134,21 @@ inline result<bool> event_done(cudaEvent_t e, const char* what) {
 }
 }  // namespace detail
 
-// Step 5: may the destination pages be published?
+/// Step 5: may the destination pages be published?
 inline result<bool> conversion_complete(const retier_async_events& ev) {
   return detail::event_done(ev.converted(), "conversion_complete: cudaEventQuery");
 }
+/// Step 5, blocking: waits until the batch is converted.
 inline status wait_converted(const retier_async_events& ev) {
   return check(cudaEventSynchronize(ev.converted()), "wait_converted: cudaEventSynchronize");
 }
 
-// Step 6: after the last decode that may read the old pages has been enqueued on main.
+/// Step 6: after the last decode that may read the old pages has been enqueued on main.
 inline status mark_old_pages_last_read(const retier_async_events& ev, cudaStream_t main_stream) {
   return check(cudaEventRecord(ev.old_pages_idle(), main_stream),
                "mark_old_pages_last_read: cudaEventRecord");
 }
-// May the old slots be handed out again?
+/// May the old slots be handed out again?
 inline result<bool> old_pages_idle(const retier_async_events& ev) {
   return detail::event_done(ev.old_pages_idle(), "old_pages_idle: cudaEventQuery");
 }

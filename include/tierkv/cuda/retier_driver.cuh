@@ -39,6 +39,8 @@
 
 namespace tierkv::cuda {
 
+/// Drives asynchronous retiering of a paged_storage `Storage` on the GPU, one batch per
+/// step (see above).
 template <class Storage>
 class retier_driver {
   static constexpr int N = Storage::num_tiers;
@@ -55,8 +57,8 @@ class retier_driver {
     free_buffers();
   }
 
-  // A driver for `storage` converting up to `max_batch_pages` pages per step on `side`
-  // (create_side_stream(): non-blocking, lowest priority).
+  /// A driver for `storage` converting up to `max_batch_pages` pages per step on `side`
+  /// (create_side_stream(): non-blocking, lowest priority).
   static result<std::unique_ptr<retier_driver>> create(Storage& storage, int max_batch_pages,
                                                        cudaStream_t side) {
     if (max_batch_pages < 1)
@@ -81,22 +83,23 @@ class retier_driver {
     return result<std::unique_ptr<retier_driver>>(std::move(p));
   }
 
+  /// Whether a batch is reserved and launched but not yet published.
   bool batch_in_flight() const noexcept { return in_flight_ > 0; }
-  // Target pages reserved by the batch in flight (allocated, not yet published).
+  /// Target pages reserved by the batch in flight (allocated, not yet published).
   std::size_t pages_in_flight() const noexcept { return in_flight_; }
-  // Pages replaced but not yet back in their pools (their decodes may still run).
+  /// Pages replaced but not yet back in their pools (their decodes may still run).
   std::size_t pages_held() const noexcept { return old_.size(); }
-  // The conversions of the last batch try_publish committed (published or given back: read
-  // the block's page to tell), until the next enqueue. Mirrors of the page table (the GPU
-  // façade's) update these (block, layer) entries.
+  /// The conversions of the last batch try_publish committed (published or given back: read
+  /// the block's page to tell), until the next enqueue. Mirrors of the page table (the GPU
+  /// façade's) update these (block, layer) entries.
   std::span<const staged_conversion> last_committed() const noexcept {
     return {staged_.data(), committed_};
   }
 
-  // Reserves the target pages of `plan` (through ctl.stage), and enqueues their fill: the side
-  // stream waits until this point of `main` (the sources are immutable from here on), then one
-  // retier launch per tier pair. Returns the number of staged conversions (0: nothing to do,
-  // or a batch or its old pages are still in flight -- call reclaim / try_publish first).
+  /// Reserves the target pages of `plan` (through ctl.stage), and enqueues their fill: the side
+  /// stream waits until this point of `main` (the sources are immutable from here on), then one
+  /// retier launch per tier pair. Returns the number of staged conversions (0: nothing to do,
+  /// or a batch or its old pages are still in flight -- call reclaim / try_publish first).
   template <class Controller>
   result<std::size_t> enqueue(Controller& ctl, std::span<const conversion> plan, cudaStream_t main,
                               retier_stats& stats) {
@@ -134,8 +137,8 @@ class retier_driver {
     return n;
   }
 
-  // Publishes the batch in flight once it has completed (non-blocking: false while it runs).
-  // The replaced pages are held (retain_page) until mark_decodes_enqueued's event completes.
+  /// Publishes the batch in flight once it has completed (non-blocking: false while it runs).
+  /// The replaced pages are held (retain_page) until mark_decodes_enqueued's event completes.
   template <class Controller>
   result<bool> try_publish(Controller& ctl, retier_stats& stats) {
     if (in_flight_ == 0) return false;
@@ -168,15 +171,15 @@ class retier_driver {
     return true;
   }
 
-  // Records, on `main`, the point after which no enqueued decode can read the replaced pages.
+  /// Records, on `main`, the point after which no enqueued decode can read the replaced pages.
   status mark_decodes_enqueued(cudaStream_t main) {
     if (old_.empty()) return {};
     marked_ = true;
     return mark_old_pages_last_read(ev_, main);
   }
 
-  // Gives the replaced pages back to their pools once their decodes have completed
-  // (non-blocking). Returns how many went back.
+  /// Gives the replaced pages back to their pools once their decodes have completed
+  /// (non-blocking). Returns how many went back.
   result<std::size_t> reclaim() {
     if (old_.empty() || !marked_) return std::size_t(0);
     auto idle = old_pages_idle(ev_);

@@ -67,56 +67,70 @@
 
 namespace tierkv::cuda {
 
+/// The options of a tiered_cache (tiered_cache::options); tiered_cache::validate checks them.
 template <class Policy, int NumTiers>
 struct tiered_cache_options {
-  storage_options<NumTiers> storage{};  // layers, sequences, pages per tier, codec seed
-  Policy policy{};
-  tier_controller_options tiering{};
-  int max_batch = 64;            // sequences per step
-  int max_pages = 4096;          // logical pages per sequence
-  int max_step_tokens = 4096;    // new tokens of one step over its batch (prefill chunks)
-  int max_retier_pages = 1024;   // conversions per GPU batch
-  int max_chunks_per_seq = 64;   // decode split (decode_capacity)
-  int mass_layers_per_step = 0;  // layers whose page mass feeds the policy a step (0 = all);
-                                 // only their decodes compute the mass (a device flag)
-  float softmax_scale = 0.f;     // 0: 1 / sqrt(head_dim)
+  storage_options<NumTiers> storage{};  ///< layers, sequences, pages per tier, codec seed
+  Policy policy{};                      ///< the tier policy (its parameters)
+  tier_controller_options tiering{};    ///< the tier controller's knobs
+  int max_batch = 64;                   ///< sequences per step
+  int max_pages = 4096;                 ///< logical pages per sequence
+  int max_step_tokens = 4096;           ///< new tokens of one step over its batch (prefill chunks)
+  int max_retier_pages = 1024;          ///< conversions per GPU batch
+  int max_chunks_per_seq = 64;          ///< decode split (decode_capacity)
+  int mass_layers_per_step = 0;  ///< layers whose page mass feeds the policy a step (0 = all);
+                                 ///< only their decodes compute the mass (a device flag)
+  float softmax_scale = 0.f;     ///< 0: 1 / sqrt(head_dim)
 };
 
-// Host<->device bytes the façade moved: all metadata. Page bytes never cross (see the top).
+/// Host<->device bytes the façade moved: all metadata. Page bytes never cross (see the top).
 struct transfer_counters {
-  std::uint64_t h2d_metadata_bytes = 0;  // mirror journals, batch rows, slot mappings, retier lists
-  std::uint64_t d2h_metadata_bytes = 0;  // page masses, error words
-  std::uint64_t page_bytes = 0;          // host<->device page bytes: no path moves any
+  /// Mirror journals, batch rows, slot mappings, retier lists
+  std::uint64_t h2d_metadata_bytes = 0;
+  std::uint64_t d2h_metadata_bytes = 0;  ///< page masses, error words
+  std::uint64_t page_bytes = 0;          ///< host<->device page bytes: no path moves any
 };
 
-// Host time the façade spent since create, by part (steady clock, nanoseconds): where a
-// model-level step's host time goes. "waits" are host blocking on the GPU.
+/// Host time the façade spent since create, by part (steady clock, nanoseconds): where a
+/// model-level step's host time goes. "waits" are host blocking on the GPU.
 struct host_times {
-  std::uint64_t steps = 0;          // end_step calls
-  std::uint64_t begin_step_ns = 0;  // all of begin_step, of which:
-  std::uint64_t make_room_ns = 0;   //   demotions under memory pressure (waits for them)
-  std::uint64_t index_ns = 0;       //   the index arrays' build and the decode plan
-  std::uint64_t end_step_ns = 0;    // all of end_step, of which:
-  std::uint64_t mass_wait_ns = 0;   //   waiting for the previous step's page masses
-  std::uint64_t mass_fold_ns = 0;   //   feeding the page masses to the policy
-  std::uint64_t plan_ns = 0;        //   the controller's plan
-  std::uint64_t retier_ns = 0;      //   publishing and enqueueing retier batches
+  std::uint64_t steps = 0;          ///< end_step calls
+  std::uint64_t begin_step_ns = 0;  ///< all of begin_step, of which:
+  std::uint64_t make_room_ns = 0;   ///<   demotions under memory pressure (waits for them)
+  std::uint64_t index_ns = 0;       ///<   the index arrays' build and the decode plan
+  std::uint64_t end_step_ns = 0;    ///< all of end_step, of which:
+  std::uint64_t mass_wait_ns = 0;   ///<   waiting for the previous step's page masses
+  std::uint64_t mass_fold_ns = 0;   ///<   feeding the page masses to the policy
+  std::uint64_t plan_ns = 0;        ///<   the controller's plan
+  std::uint64_t retier_ns = 0;      ///<   publishing and enqueueing retier batches
 };
 
+/// The façade (see the top of this header): a KV cache wholly on the GPU over `Tiers`, with
+/// tiering by `Policy`, decode kernels of `Path` and the tier roles `Roles`. Create with
+/// create(); not copyable.
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
           decode_path Path = decode_path::tensor_core, class Roles = tier_roles<Tiers>>
 class tiered_cache {
  public:
+  /// The paged storage: device pages, host metadata.
   using storage_type = paged_storage<Geometry, Tiers, device_allocator, host_allocator>;
+  /// The tier controller.
   using controller_type = tier_controller<storage_type, Policy, Roles>;
+  /// The asynchronous retier driver.
   using driver_type = retier_driver<storage_type>;
+  /// Number of tiers.
   static constexpr int num_tiers = Tiers::size;
+  /// The device mirror of the page table.
   using mirror_type = page_table_mirror<num_tiers>;
+  /// The prefix index.
   using prefix_type = prefix_index<storage_type>;
+  /// The options of create().
   using options = tiered_cache_options<Policy, num_tiers>;
+  /// The tier new tokens are appended to (tier 0).
   using append_tier = tier_at_t<Tiers, 0>;
+  /// Most layers (num_layers) a cache may have.
   static constexpr int layers_max = 65535;
-  // Observes the page mass the policy is fed: (sequence, layer, mass per logical page).
+  /// Observes the page mass the policy is fed: (sequence, layer, mass per logical page).
   using mass_observer = std::function<void(seq_id, int, std::span<const float>)>;
 
   tiered_cache(const tiered_cache&) = delete;
@@ -149,8 +163,8 @@ class tiered_cache {
     if (side_) cudaStreamDestroy(side_);
   }
 
-  // Every option is checked first (invalid_argument naming it); then the device buffers are
-  // allocated. `stream` is the engine's stream: appends, decodes, fork copies run on it.
+  /// Every option is checked first (invalid_argument naming it); then the device buffers are
+  /// allocated. `stream` is the engine's stream: appends, decodes, fork copies run on it.
   static result<std::unique_ptr<tiered_cache>> create(const options& opt, cudaStream_t stream) {
     if (auto st = validate(opt); !st) return st;
     std::unique_ptr<tiered_cache> c(new tiered_cache(opt, stream));
@@ -158,6 +172,8 @@ class tiered_cache {
     return result<std::unique_ptr<tiered_cache>>(std::move(c));
   }
 
+  /// Checks every option of `opt` (invalid_argument naming the first bad one); create()
+  /// calls it first.
   static status validate(const options& opt) {
     if (auto st = storage_type::validate(opt.storage); !st) return st;
     if (auto st = controller_type::validate(opt.policy, opt.tiering); !st) return st;
@@ -188,14 +204,15 @@ class tiered_cache {
   }
 
   // ---- sequences -----------------------------------------------------------------------------
+  /// A new, empty sequence (and its mirror row).
   result<seq_id> create_sequence() {
     auto s = storage_->create_sequence();
     if (!s) return s;
     open_row(*s);
     return s;
   }
-  // Shares every sealed page; the open tail page is copied on the stream (device to device).
-  // Refusals come before any demotion, as on the host.
+  /// Shares every sealed page; the open tail page is copied on the stream (device to device).
+  /// Refusals come before any demotion, as on the host.
   result<seq_id> fork(seq_id parent) {
     if (stepping_)
       return status(errc::invalid_argument, "fork: not between begin_step and end_step");
@@ -205,6 +222,8 @@ class tiered_cache {
     sync_rows(*s, 0);
     return s;
   }
+  /// Releases s: its pages go back to their pools once nothing else holds them. Between
+  /// steps only.
   status release(seq_id s) {
     if (stepping_)
       return status(errc::invalid_argument, "release: not between begin_step and end_step");
@@ -212,20 +231,21 @@ class tiered_cache {
     close_row(s);
     return {};
   }
+  /// Committed tokens of s.
   result<std::int64_t> length(seq_id s) const { return storage_->length(s); }
 
   // ---- prefix reuse: sealed pages shared by reference (metadata only, no page bytes move) ---
-  // Caches the full pages of s that tokens (s's first tokens.size() token ids) cover under
-  // `salt` (model, adapter, tenant); returns the new entries. Between steps only.
+  /// Caches the full pages of s that tokens (s's first tokens.size() token ids) cover under
+  /// `salt` (model, adapter, tenant); returns the new entries. Between steps only.
   result<std::size_t> insert_prefix(seq_id s, std::uint64_t salt,
                                     std::span<const std::int32_t> tokens) {
     if (stepping_)
       return status(errc::invalid_argument, "insert_prefix: not between begin_step and end_step");
     return prefixes_->insert(s, salt, tokens);
   }
-  // A new sequence holding the longest cached prefix of tokens (whole pages) under `salt`; the
-  // engine adds the rest of its tokens with begin_step. Between steps only; a refusal (no
-  // sequence slot) changes nothing.
+  /// A new sequence holding the longest cached prefix of tokens (whole pages) under `salt`; the
+  /// engine adds the rest of its tokens with begin_step. Between steps only; a refusal (no
+  /// sequence slot) changes nothing.
   result<typename prefix_type::started> start_from_prefix(std::uint64_t salt,
                                                           std::span<const std::int32_t> tokens) {
     if (stepping_)
@@ -237,26 +257,29 @@ class tiered_cache {
     sync_rows(st->seq, 0);
     return st;
   }
-  // Drops up to max_entries least recently used prefix entries that no sequence uses (their
-  // pages go back to the pools once nothing else holds them); returns how many. Between steps.
+  /// Drops up to max_entries least recently used prefix entries that no sequence uses (their
+  /// pages go back to the pools once nothing else holds them); returns how many. Between steps.
   result<std::size_t> evict_prefixes(std::size_t max_entries) {
     if (stepping_)
       return status(errc::invalid_argument, "evict_prefixes: not between begin_step and end_step");
     return prefixes_->evict(max_entries);
   }
+  /// Prefix entries cached.
   std::size_t prefix_entries() const noexcept { return prefixes_->size(); }
+  /// Pins (or, with pinned = false, unpins) `pages` logical pages of s from `first_page`:
+  /// pinned pages are Anchor and never demoted under pressure (tier_controller::pin).
   status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
     return controller_->pin(s, first_page, pages, pinned);
   }
 
   // ---- a step ------------------------------------------------------------------------------
-  // Adds new_tokens[b] tokens to batch[b] (0 for a plain decode step; a prefill chunk; several
-  // sequences of any mix), uploads their slot mapping, and builds the index arrays of every
-  // layer and the decode plan for `batch`. Refusals (a bad sequence, max_pages, capacity that
-  // demotion cannot free) return before any token is added; demotions made for the step stay
-  // (they lose nothing). When tier 0 is short of the step's new pages it demotes once for the
-  // whole step, blocking while the demotions run on the GPU (make_room); otherwise it only
-  // enqueues work.
+  /// Adds new_tokens[b] tokens to batch[b] (0 for a plain decode step; a prefill chunk; several
+  /// sequences of any mix), uploads their slot mapping, and builds the index arrays of every
+  /// layer and the decode plan for `batch`. Refusals (a bad sequence, max_pages, capacity that
+  /// demotion cannot free) return before any token is added; demotions made for the step stay
+  /// (they lose nothing). When tier 0 is short of the step's new pages it demotes once for the
+  /// whole step, blocking while the demotions run on the GPU (make_room); otherwise it only
+  /// enqueues work.
   status begin_step(std::span<const seq_id> batch, std::span<const std::int32_t> new_tokens) {
     const scoped_time timed{times_.begin_step_ns};
     if (stepping_) return status(errc::invalid_argument, "begin_step: the last step has not ended");
@@ -338,8 +361,8 @@ class tiered_cache {
     return {};
   }
 
-  // Makes `s` the cache's stream (between steps): later steps, forks and conversions order on
-  // it, after everything already enqueued on the old one (an event hand-off, no host wait).
+  /// Makes `s` the cache's stream (between steps): later steps, forks and conversions order on
+  /// it, after everything already enqueued on the old one (an event hand-off, no host wait).
   status set_stream(cudaStream_t s) {
     if (stepping_)
       return status(errc::invalid_argument, "set_stream: not between begin_step and end_step");
@@ -351,9 +374,9 @@ class tiered_cache {
     return {};
   }
 
-  // Writes layer `layer` of the step's new tokens: k and v hold [tokens][kv_heads][head_dim]
-  // (tokens in begin_step's batch order), device memory, f32 or bf16. Enqueued on the stream,
-  // or on `on`, a stream capturing a graph (see launch_stream).
+  /// Writes layer `layer` of the step's new tokens: k and v hold [tokens][kv_heads][head_dim]
+  /// (tokens in begin_step's batch order), device memory, f32 or bf16. Enqueued on the stream,
+  /// or on `on`, a stream capturing a graph (see launch_stream).
   status append(int layer, const void* k, const void* v, input_type type = input_type::f32,
                 std::optional<cudaStream_t> on = std::nullopt) {
     if (!stepping_) return status(errc::invalid_argument, "append: call begin_step first");
@@ -377,13 +400,13 @@ class tiered_cache {
     return cuda::append<Geometry, append_tier>(in, *stream);
   }
 
-  // Decode attention of layer `layer` for the step's batch: queries [batch][q_heads][head_dim]
-  // (post-RoPE, device memory), out (same shape, f32 or bf16), lse ([batch][q_heads],
-  // optional). The launches are the same at every step (a graph replays them): the layer's
-  // page mass is computed on the device when begin_step's flag for the layer says it is one
-  // of the step's sampled layers (end_step feeds those to the policy). soft_cap > 0 caps the
-  // logits (s -> soft_cap tanh(s / soft_cap)); window > 0 attends the last `window` positions
-  // only (a sliding-window layer; the pages before it get zero mass), as prefill's.
+  /// Decode attention of layer `layer` for the step's batch: queries [batch][q_heads][head_dim]
+  /// (post-RoPE, device memory), out (same shape, f32 or bf16), lse ([batch][q_heads],
+  /// optional). The launches are the same at every step (a graph replays them): the layer's
+  /// page mass is computed on the device when begin_step's flag for the layer says it is one
+  /// of the step's sampled layers (end_step feeds those to the policy). soft_cap > 0 caps the
+  /// logits (s -> soft_cap tanh(s / soft_cap)); window > 0 attends the last `window` positions
+  /// only (a sliding-window layer; the pages before it get zero mass), as prefill's.
   status decode(int layer, const void* queries, query_type qtype, void* out,
                 output_type otype = output_type::f32, float* lse = nullptr, float soft_cap = 0.f,
                 int window = 0, std::optional<cudaStream_t> on = std::nullopt) {
@@ -406,12 +429,12 @@ class tiered_cache {
                                                *stream);
   }
 
-  // Chunked prefill attention of layer `layer` for the step's batch: sequence b's queries are its
-  // begin_step new_tokens[b] tokens ([step tokens][q_heads][head_dim] in batch order, post-RoPE,
-  // device memory), each attending its whole sequence causally, pages of every tier where they
-  // lie (cuda/prefill.cuh); out has the queries' shape (f32 or bf16), lse [step tokens][q_heads]
-  // (optional). A sequence with new_tokens 1 gets a decode step's answer; with 0, nothing. No
-  // page mass is sampled here (decode's job).
+  /// Chunked prefill attention of layer `layer` for the step's batch: sequence b's queries are its
+  /// begin_step new_tokens[b] tokens ([step tokens][q_heads][head_dim] in batch order, post-RoPE,
+  /// device memory), each attending its whole sequence causally, pages of every tier where they
+  /// lie (cuda/prefill.cuh); out has the queries' shape (f32 or bf16), lse [step tokens][q_heads]
+  /// (optional). A sequence with new_tokens 1 gets a decode step's answer; with 0, nothing. No
+  /// page mass is sampled here (decode's job).
   status prefill(int layer, const void* queries, query_type qtype, void* out,
                  output_type otype = output_type::f32, float* lse = nullptr, float soft_cap = 0.f,
                  int window = 0, std::optional<cudaStream_t> on = std::nullopt) {
@@ -432,12 +455,12 @@ class tiered_cache {
                                           prefill_plan_.workspace_bytes, *stream);
   }
 
-  // Ends the step: queues the copy of this step's sampled page masses to the host, feeds the
-  // policy the previous step's (its work came before this step's on the stream, so the host
-  // does not wait for this step: its planning overlaps the GPU's step), and enqueues the
-  // conversions the policy wants at `step` on the side stream (published by a later
-  // begin_step or end_step once complete). wait = true feeds this step's masses too and
-  // finishes the batch, giving the replaced pages back, before returning (tests, shutdown).
+  /// Ends the step: queues the copy of this step's sampled page masses to the host, feeds the
+  /// policy the previous step's (its work came before this step's on the stream, so the host
+  /// does not wait for this step: its planning overlaps the GPU's step), and enqueues the
+  /// conversions the policy wants at `step` on the side stream (published by a later
+  /// begin_step or end_step once complete). wait = true feeds this step's masses too and
+  /// finishes the batch, giving the replaced pages back, before returning (tests, shutdown).
   result<retier_stats> end_step(std::uint64_t step, bool wait = false) {
     if (!stepping_) return status(errc::invalid_argument, "end_step: call begin_step first");
     const scoped_time timed{times_.end_step_ns};
@@ -475,17 +498,18 @@ class tiered_cache {
   }
 
   // ---- accounting ----------------------------------------------------------------------------
+  /// Exact accounting of the storage's memory (make_report).
   memory_report report() const { return make_report(*storage_); }
-  // The storage's, the controller's and the prefix index's invariants, the retier driver's
-  // pages (a batch in flight, replaced pages not yet back) accounted for.
+  /// The storage's, the controller's and the prefix index's invariants, the retier driver's
+  /// pages (a batch in flight, replaced pages not yet back) accounted for.
   status check_invariants() const {
     const auto outstanding = std::uint32_t(driver_->pages_held() + driver_->pages_in_flight());
     if (auto st = prefixes_->check_invariants(); !st) return st;
     return controller_->check_invariants(outstanding);
   }
-  // Finishes the retier batch in flight and gives the replaced pages back (blocks on the GPU):
-  // afterwards every live page is one that a block names (before a report meant to show the
-  // steady state, or shutdown). Between steps.
+  /// Finishes the retier batch in flight and gives the replaced pages back (blocks on the GPU):
+  /// afterwards every live page is one that a block names (before a report meant to show the
+  /// steady state, or shutdown). Between steps.
   status drain() {
     if (stepping_)
       return status(errc::invalid_argument, "drain: not between begin_step and end_step");
@@ -494,7 +518,7 @@ class tiered_cache {
     last_batch_ = retier_stats{};
     return {};
   }
-  // The device check of the last begin_step's index build and decodes (synchronizes).
+  /// The device check of the last begin_step's index build and decodes (synchronizes).
   status device_error() {
     if (auto st = mirror_->error(stream_); !st) return st;
     auto e = decode_device_error(plan_, workspace_, stream_);
@@ -507,19 +531,32 @@ class tiered_cache {
       return status::make(*pe, "prefill: a page slot beyond its pool or a chunk beyond its limits");
     return {};
   }
+  /// Host<->device bytes moved so far.
   const transfer_counters& transfers() const noexcept { return counters_; }
+  /// Host time spent so far, by part.
   const host_times& times() const noexcept { return times_; }
+  /// Retier totals so far (retier_stats summed over the steps).
   const retier_stats& retier_totals() const noexcept { return totals_; }
+  /// Sets the observer of the page masses the policy is fed (empty: none).
   void set_mass_observer(mass_observer f) { observer_ = std::move(f); }
 
+  /// The paged storage.
   storage_type& storage() noexcept { return *storage_; }
+  /// The paged storage (read-only).
   const storage_type& storage() const noexcept { return *storage_; }
+  /// The tier controller.
   controller_type& controller() noexcept { return *controller_; }
+  /// The device mirror of the page table.
   const mirror_type& mirror() const noexcept { return *mirror_; }
+  /// The decode plan of the current step.
   const decode_plan& plan() const noexcept { return plan_; }
+  /// The engine's stream (appends, decodes, fork copies).
   cudaStream_t stream() const noexcept { return stream_; }
+  /// The side stream of the retier batches.
   cudaStream_t side_stream() const noexcept { return side_; }
+  /// The options the cache was created with.
   const options& config() const noexcept { return opt_; }
+  /// Layers of the cache (opt.storage.num_layers).
   int layers() const noexcept { return opt_.storage.num_layers; }
 
  private:
