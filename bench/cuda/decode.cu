@@ -2,7 +2,8 @@
 // gpubench_decode [--out FILE.json] [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
 //                 [--dim D] [--mix M] [--no-retier] [--retier-only] [--max-chunks N]
 //                 [--min-chunk-kb N] [--resident N] [--int8r | --int8r-only] [--k4 | --k4-only]
-//                 [--balance bytes|work] [--tq3-work N] [--waves N] [--benchmark_* flags]
+//                 [--balance bytes|work] [--tq3-work N] [--waves N] [--shared]
+//                 [--benchmark_* flags]
 // Mixed-format paged decode on the GPU (docs/gpu.md) over the benchmark shapes, contexts,
 // batches and mixes, stream launch and CUDA-graph replay; retier throughput both ways and
 // append latency at B = 64 per tier pair. Google Benchmark: one benchmark per (shape, mix, path,
@@ -58,6 +59,7 @@ struct options {
   cuda::balance balance_by = cuda::balance::work;
   int tq3_work = cuda::decode_default_tq3_work_percent;
   int waves = cuda::decode_default_waves;
+  bool shared = false;  // every sequence reads the same pages (a prefix shared by the batch)
 };
 options opt;
 
@@ -113,7 +115,8 @@ std::vector<int> page_tiers(int n, int mi) {
 
 // One decode case: a batch of B sequences of L tokens, pages of mix mi in one set of pools
 // (the L2 flush keeps every call cache-cold), the plan and workspace; graphs and the one-wave
-// plan are made by prepare() for the paths that use them.
+// plan are made by prepare() for the paths that use them. With --shared the pools hold one
+// sequence's pages and every sequence's page table names them (bytes counts them once).
 template <class G, class Recent, class Stale>
 struct decode_case {
   static constexpr int D = G::head_dim, H = G::kv_heads, T = G::page_tokens, QH = G::q_heads;
@@ -125,6 +128,7 @@ struct decode_case {
   using TL = tiers<Recent, Stale>;
 
   static double page_bytes(int L, int B, int mi) {
+    if (opt.shared) B = 1;
     int n8 = 0;
     for (int t : page_tiers(L / T, mi)) n8 += t == 0;
     const int n3 = L / T - n8;
@@ -148,8 +152,9 @@ struct decode_case {
     const std::vector<int> tier = page_tiers(n, mi);
     for (int t : tier) n8 += t == 0;
     n3 = n - n8;
-    cap8 = std::uint32_t(std::max(1, B * n8));
-    cap3 = std::uint32_t(std::max(1, B * n3));
+    const int copies = opt.shared ? 1 : B;
+    cap8 = std::uint32_t(std::max(1, copies * n8));
+    cap3 = std::uint32_t(std::max(1, copies * n3));
     p8 = device_array<std::uint8_t>(L8::page_bytes * cap8);
     p3 = device_array<std::uint8_t>(L3::page_bytes * cap3);
     fill_pages<<<1024, 256, 0, s>>>(p8.get(), p8.size(), 1 + L, 1);
@@ -166,6 +171,7 @@ struct decode_case {
     for (int b = 0; b < B; ++b) {
       counts.push_back(n8);
       counts.push_back(n3);
+      if (opt.shared) next[0] = next[1] = 0;
       for (int i = 0; i < n; ++i) {
         const int f = tier[std::size_t(i)];
         sl[f].push_back(next[f]++);
@@ -556,6 +562,8 @@ int main(int argc, char** argv) {
       {"--tq3-work", "N", "plan: a TQ3 role's work in percent of an 8-bit one's",
        num("--tq3-work", opt.tq3_work)},
       {"--waves", "N", "plan: waves of blocks", num("--waves", opt.waves)},
+      {"--shared", "", "every sequence of a batch reads the same pages (a shared prefix)",
+       on(opt.shared)},
   };
   p.setup = setup;
   p.register_benchmarks = register_all;

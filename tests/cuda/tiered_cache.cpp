@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -637,4 +638,196 @@ TEST_CASE("cuda::tiered_cache: a step captured in a CUDA graph replays as eager 
   CHECK(graphed->counters().converted > 0);
   std::printf("graph: 79 steps replayed, worst rel_l2 vs eager %.2e, masses fed %llu\n", worst,
               (unsigned long long)fed[1]);
+}
+
+// ---- fault injection (issue 24): every conversion step of every façade operation that converts
+namespace {
+
+// What a fault may not change: every logical page's tier and token bytes, the pools' free
+// counts, the sequences' lengths and the retier totals.
+struct cache_state {
+  std::vector<std::int64_t> lengths;
+  std::vector<int> formats;  // [seq][page][layer]
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::vector<std::uint32_t> free_pages;
+  std::uint64_t converted = 0, failed = 0, pressure_demoted = 0;
+};
+
+template <int F>
+std::vector<std::uint8_t> token_bytes(const std::vector<std::uint8_t>& pool, std::uint32_t slot,
+                                      int tokens) {
+  using tier = tier_at_t<TL, F>;
+  using K = typename tier::template key_codec<D>;
+  using V = typename tier::template value_codec<D>;
+  using L = page_layout<G, K, V>;
+  const std::uint8_t* p = pool.data() + std::size_t(slot) * L::page_bytes;
+  std::vector<std::uint8_t> out;
+  auto put = [&](std::size_t at, std::size_t n) { out.insert(out.end(), p + at, p + at + n); };
+  for (int h = 0; h < KVH; ++h)
+    for (int t = 0; t < tokens; ++t) {
+      put(L::key_payload(h, t), K::payload_bytes);
+      put(L::key_meta(h, t), K::meta_bytes);
+      put(L::value_payload(h, t), V::payload_bytes);
+      put(L::value_meta(h, t), V::meta_bytes);
+    }
+  return out;
+}
+
+cache_state state_of(cuda_test::e2e_cache& c, const std::vector<seq_id>& seqs, int num_layers) {
+  cache_state s;
+  const std::vector<std::uint8_t> pools[2] = {c.pool_bytes(0), c.pool_bytes(1)};
+  auto& st = c.storage();
+  for (const seq_id q : seqs) {
+    const std::int64_t len = *st.length(q);
+    s.lengths.push_back(len);
+    const std::int64_t pages = *st.logical_pages(q);
+    for (std::int64_t p = 0; p < pages; ++p)
+      for (int l = 0; l < num_layers; ++l) {
+        const page_id pg = *st.page(q, l, p);
+        const int tokens = int(std::min<std::int64_t>(T, len - p * T));
+        s.formats.push_back(int(pg.format));
+        s.bytes.push_back(pg.format == 0 ? token_bytes<0>(pools[0], pg.slot, tokens)
+                                         : token_bytes<1>(pools[1], pg.slot, tokens));
+      }
+  }
+  for (int f = 0; f < 2; ++f) s.free_pages.push_back(st.free_pages(f));
+  const auto k = c.counters();
+  s.converted = k.converted;
+  s.failed = k.failed;
+  s.pressure_demoted = k.pressure_demoted;
+  return s;
+}
+
+// A cache whose tier 0 (12 pages, 2 layers) is full after a prefill of a (64 tokens: 4 sealed
+// pages) and b (20 tokens: one sealed, one open). recent: the policy's recent pages (1: the
+// prefill's end_step demotes what aged out; 16: nothing ages out). No anchors.
+struct fault_world {
+  std::unique_ptr<cuda_test::e2e_cache> c;
+  std::vector<seq_id> seqs;
+};
+
+constexpr int fault_layers = 2;
+
+fault_world make_fault_world(int recent, bool end_prefill) {
+  cuda_test::e2e_options o;
+  o.storage.num_layers = fault_layers;
+  o.storage.max_sequences = 4;
+  o.storage.pages_per_tier = {12, 64};
+  o.storage.codec_seed = 7;
+  o.storage.head_base = 0;
+  o.policy = policy::recency_anchor(tierkv_test::recency_knobs(recent, 0, 1.0f, 1e30f, 1e29f, 0));
+  o.max_batch = 4;
+  o.max_pages = 16;
+  o.max_step_tokens = 128;
+  fault_world w;
+  w.c = std::move(cuda_test::e2e_cache::create(o).value());
+  w.seqs = {w.c->create_sequence().value(), w.c->create_sequence().value()};
+  const std::vector<std::int32_t> counts{64, 20};
+  REQUIRE(w.c->begin_step(w.seqs, counts).is_ok());
+  std::mt19937_64 rng(424242);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int l = 0; l < fault_layers; ++l) {
+    std::vector<float> k(84 * std::size_t(KVH) * D), v(k.size());
+    for (auto& e : k) e = normal(rng);
+    for (auto& e : v) e = normal(rng);
+    REQUIRE(w.c->append(l, k, v).is_ok());
+  }
+  if (end_prefill) REQUIRE(w.c->end_step(0, true).has_value());
+  REQUIRE(w.c->storage().free_pages(0) == 0);
+  return w;
+}
+
+// One operation swept: the world it starts from, the call, whether it may absorb a fault.
+struct fault_op {
+  const char* name;
+  int recent;
+  bool end_prefill;
+  std::function<status(fault_world&)> run;
+  bool refuses;  // a fault refuses the call (else: conversions fail one by one, the call succeeds)
+};
+
+}  // namespace
+
+TEST_CASE(
+    "cuda::tiered_cache: a fault at every conversion step refuses with nothing changed, "
+    "or fails only the conversions it hits",
+    "[cuda][cache][faults]") {
+  const std::vector<fault_op> ops = {
+      // begin_step needing 4 tier-0 pages: make_room demotes 4 sealed pages, all or none
+      {"pressured begin_step", 16, true,
+       [](fault_world& w) {
+         const std::vector<seq_id> b{w.seqs[1]};
+         return w.c->begin_step(b, std::vector<std::int32_t>{32});
+       },
+       true},
+      // fork of b copies its open tail page into tier 0 (one page per layer): make_room first
+      {"pressured fork", 16, true,
+       [](fault_world& w) { return w.c->fork(w.seqs[1]).error_status(); }, true},
+      // the prefill's end_step: the policy demotes the pages that aged out, one batch
+      {"end_step retier", 1, false,
+       [](fault_world& w) { return w.c->end_step(0, true).error_status(); }, false},
+  };
+  int points = 0;
+  for (const fault_op& op : ops) {
+    INFO(op.name);
+    cache_state clean, before;
+    std::int64_t calls = 0;
+    {
+      fault_world w = make_fault_world(op.recent, op.end_prefill);
+      before = state_of(*w.c, w.seqs, fault_layers);
+      REQUIRE(op.run(w).is_ok());
+      REQUIRE(w.c->check_invariants().is_ok());
+      clean = state_of(*w.c, w.seqs, fault_layers);
+      calls = w.c->faults().calls;
+    }
+    REQUIRE(calls >= 6);  // every op converts at least two pages (3 steps each)
+    for (std::int64_t k = 0; k < calls; ++k) {
+      INFO("fault at call " << k << " of " << calls);
+      fault_world w = make_fault_world(op.recent, op.end_prefill);
+      REQUIRE(state_of(*w.c, w.seqs, fault_layers).bytes == before.bytes);
+      w.c->faults().fail_at = k;
+      const status st = op.run(w);
+      REQUIRE(w.c->faults().calls > k);  // the fault fired
+      REQUIRE(w.c->check_invariants().is_ok());
+      REQUIRE(w.c->device_error().is_ok());
+      const cache_state after = state_of(*w.c, w.seqs, fault_layers);
+      if (op.refuses) {
+        REQUIRE(st.code() == errc::injected_fault);
+        CHECK(after.lengths == before.lengths);
+        CHECK(after.formats == before.formats);
+        CHECK(after.bytes == before.bytes);
+        CHECK(after.free_pages == before.free_pages);
+        CHECK(after.converted == before.converted);
+        CHECK(after.failed == before.failed);
+        CHECK(after.pressure_demoted == before.pressure_demoted);
+        // nothing is left half done: the same call without the fault then succeeds as in the
+        // clean run
+        w.c->faults().fail_at = -1;
+        REQUIRE(op.run(w).is_ok());
+        const cache_state retried = state_of(*w.c, w.seqs, fault_layers);
+        CHECK(retried.formats == clean.formats);
+        CHECK(retried.bytes == clean.bytes);
+      } else {
+        REQUIRE(st.is_ok());
+        REQUIRE(after.lengths == clean.lengths);
+        CHECK(after.failed > 0);
+        // every logical page is its page before the call or its page after the clean call
+        for (std::size_t i = 0; i < after.formats.size(); ++i) {
+          const bool as_before =
+              after.formats[i] == before.formats[i] && after.bytes[i] == before.bytes[i];
+          const bool as_clean =
+              after.formats[i] == clean.formats[i] && after.bytes[i] == clean.bytes[i];
+          INFO("page " << i);
+          CHECK((as_before || as_clean));
+        }
+        CHECK(after.converted < clean.converted);
+        CHECK(after.converted + after.failed >= clean.converted);
+      }
+      ++points;
+    }
+  }
+  std::printf(
+      "gpu faults: %d injected (pressured begin_step, pressured fork, end_step retier), "
+      "0 lost or changed pages\n",
+      points);
 }

@@ -9,7 +9,10 @@
 
 namespace cuda_test {
 
-using cache_type = tierkv::cuda::tiered_cache<e2e_geometry, e2e_tiers>;
+using cache_type =
+    tierkv::cuda::tiered_cache<e2e_geometry, e2e_tiers, tierkv::policy::recency_anchor,
+                               tierkv::cuda::decode_path::tensor_core,
+                               tierkv::tier_roles<e2e_tiers>, e2e_faults>;
 static_assert(std::is_same_v<cache_type::storage_type, e2e_storage>);
 
 struct e2e_cache::impl {
@@ -233,6 +236,8 @@ void e2e_cache::set_mass_observer(
 }
 e2e_storage& e2e_cache::storage() { return impl_->c->storage(); }
 e2e_ctl& e2e_cache::controller() { return impl_->c->controller(); }
+
+e2e_faults& e2e_cache::faults() { return impl_->c->faults(); }
 
 e2e_counters e2e_cache::counters() const {
   e2e_counters c;

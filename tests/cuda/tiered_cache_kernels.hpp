@@ -18,6 +18,7 @@
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/paging/paged_storage.hpp"
+#include "tierkv/tiering/conversion.hpp"
 #include "tierkv/tiering/recency_anchor.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 
@@ -41,13 +42,23 @@ struct e2e_options {
   int mass_layers_per_step = 0;
 };
 
+// The wrapper's conversion fault hook: the fail_at-th call (from 0) fails with injected_fault;
+// calls counts every call (reserve, fill, publish of every conversion).
+struct e2e_faults {
+  std::int64_t fail_at = -1;
+  std::int64_t calls = 0;
+  tierkv::errc operator()(tierkv::conversion_step, tierkv::block_ref, int) {
+    return calls++ == fail_at ? tierkv::errc::injected_fault : tierkv::errc::ok;
+  }
+};
+
 struct e2e_counters {
   std::uint64_t h2d = 0, d2h = 0, page_bytes = 0;
   std::uint64_t pressure_demoted = 0, converted = 0, failed = 0;
 };
 
-// cuda::tiered_cache<e2e_geometry, e2e_tiers>; host vectors in and out (the wrapper copies
-// them to and from device buffers on the cache's stream).
+// cuda::tiered_cache<e2e_geometry, e2e_tiers> with the e2e_faults hook; host vectors in and
+// out (the wrapper copies them to and from device buffers on the cache's stream).
 class e2e_cache {
  public:
   static tierkv::result<std::unique_ptr<e2e_cache>> create(const e2e_options& opt);
@@ -98,6 +109,7 @@ class e2e_cache {
 
   e2e_storage& storage();
   e2e_ctl& controller();
+  e2e_faults& faults();
   e2e_counters counters() const;
   // Test-only reads of device memory: a pool's bytes, layer l's index arrays (mirror build).
   std::vector<std::uint8_t> pool_bytes(int tier) const;

@@ -17,6 +17,10 @@
 //   publication
 // A failed batch (a device error flag: a non-finite source vector, a bad slot) publishes
 // nothing: every old page stays published at its old id and tier, the reserved pages go back.
+// Otherwise each conversion is published or given back on its own, or, for a batch enqueued
+// all_or_none (memory pressure: a refused step must change nothing), all or none of them.
+// A conversion_fault_hook sees every conversion at reserve (stage), fill (a failing fill
+// fails the batch as a device error does) and publish.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -100,12 +104,25 @@ class retier_driver {
   /// stream waits until this point of `main` (the sources are immutable from here on), then one
   /// retier launch per tier pair. Returns the number of staged conversions (0: nothing to do,
   /// or a batch or its old pages are still in flight -- call reclaim / try_publish first).
-  template <class Controller>
+  /// all_or_none: the batch is published whole or not at all (try_publish), and a plan that
+  /// does not stage whole is refused here with every reserved page given back.
+  template <class Controller, conversion_fault_hook Faults = no_faults>
   result<std::size_t> enqueue(Controller& ctl, std::span<const conversion> plan, cudaStream_t main,
-                              retier_stats& stats) {
+                              retier_stats& stats, Faults&& faults = {}, bool all_or_none = false) {
     if (in_flight_ > 0 || !old_.empty() || plan.empty()) return std::size_t(0);
     committed_ = 0;
-    const std::size_t n = ctl.stage(plan, std::span<staged_conversion>(staged_), stats);
+    retier_stats staging;
+    const std::size_t n = ctl.stage(plan, std::span<staged_conversion>(staged_), staging, faults);
+    if (all_or_none && n < plan.size()) {
+      ctl.abandon(std::span<staged_conversion>(staged_.data(), n));
+      if (!staging.first_error.is_ok())
+        return status::make(staging.first_error.code(), staging.first_error.message(),
+                            "; nothing was converted");
+      return status::make(errc::capacity_exhausted, "retier_driver: ", n, " of ", plan.size(),
+                          " conversions could be staged; nothing was converted");
+    }
+    stats.add(staging);
+    all_or_none_ = all_or_none;
     if (n == 0) return std::size_t(0);
     // Group by (from, to) so each pair is one contiguous launch.
     std::stable_sort(staged_.begin(), staged_.begin() + std::ptrdiff_t(n),
@@ -123,6 +140,8 @@ class retier_driver {
       hl[i] = staged_[i].layer;
     }
     *h_error_ = 0;
+    for (std::size_t i = 0; i < n && *h_error_ == 0; ++i)  // set before the kernels' atomicCAS
+      *h_error_ = int(faults(conversion_step::fill, staged_[i].block, staged_[i].layer));
     status st = launch(n, main);
     if (!st) {
       // Nothing was published; the stream may hold part of the batch: let it finish before
@@ -139,8 +158,10 @@ class retier_driver {
 
   /// Publishes the batch in flight once it has completed (non-blocking: false while it runs).
   /// The replaced pages are held (retain_page) until mark_decodes_enqueued's event completes.
-  template <class Controller>
-  result<bool> try_publish(Controller& ctl, retier_stats& stats) {
+  /// A batch enqueued all_or_none that cannot be published whole returns the failure, nothing
+  /// published and `stats` untouched.
+  template <class Controller, conversion_fault_hook Faults = no_faults>
+  result<bool> try_publish(Controller& ctl, retier_stats& stats, Faults&& faults = {}) {
     if (in_flight_ == 0) return false;
     auto done = detail::event_done(done_, "retier_driver: cudaEventQuery");
     if (!done) return done.error_status();
@@ -154,13 +175,25 @@ class retier_driver {
       filled_[i] = ok && storage_->retain_page(staged_[i].from).is_ok();
       retained_.push_back(filled_[i] ? staged_[i].from : page_id{});
     }
+    const std::span<staged_conversion> batch(staged_.data(), n);
+    const std::span<const bool> filled(filled_.get(), n);
+    status failed;
     if (!ok)
-      stats.first_error =
-          status::make(static_cast<errc>(*h_error_), "retier_driver: the batch of ", n,
-                       " pages failed on the device (", to_string(static_cast<errc>(*h_error_)),
-                       "); nothing was published");
-    ctl.commit(std::span<staged_conversion>(staged_.data(), n),
-               std::span<const bool>(filled_.get(), n), stats);
+      failed = status::make(static_cast<errc>(*h_error_), "retier_driver: the batch of ", n,
+                            " pages failed on the device (",
+                            to_string(static_cast<errc>(*h_error_)), "); nothing was published");
+    if (all_or_none_) {
+      if (failed.is_ok()) {
+        retier_stats st;
+        failed = ctl.commit_all(batch, filled, st, faults);
+        if (failed.is_ok()) stats.add(st);
+      } else {
+        ctl.abandon(batch);
+      }
+    } else {
+      if (!failed.is_ok()) stats.first_error = failed;
+      ctl.commit(batch, filled, stats, faults);
+    }
     for (const page_id p : retained_) {
       if (!p.valid()) continue;
       if (storage_->page_published(p))
@@ -168,6 +201,7 @@ class retier_driver {
       else
         old_.push_back(p);
     }
+    if (all_or_none_ && !failed.is_ok()) return failed;
     return true;
   }
 
@@ -260,6 +294,7 @@ class retier_driver {
   std::size_t in_flight_ = 0;
   std::size_t committed_ = 0;  // conversions of the last committed batch (last_committed)
   bool marked_ = false;
+  bool all_or_none_ = false;  // the batch in flight is published whole or not at all
 };
 
 }  // namespace tierkv::cuda

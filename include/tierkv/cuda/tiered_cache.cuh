@@ -106,10 +106,12 @@ struct host_times {
 };
 
 /// The façade (see the top of this header): a KV cache wholly on the GPU over `Tiers`, with
-/// tiering by `Policy`, decode kernels of `Path` and the tier roles `Roles`. Create with
-/// create(); not copyable.
+/// tiering by `Policy`, decode kernels of `Path`, the tier roles `Roles` and the conversion
+/// fault hook `Faults` (tiering/conversion.hpp: none by default; tests inject through it).
+/// Create with create(); not copyable.
 template <class Geometry, class Tiers, tier_policy Policy = policy::recency_anchor,
-          decode_path Path = decode_path::tensor_core, class Roles = tier_roles<Tiers>>
+          decode_path Path = decode_path::tensor_core, class Roles = tier_roles<Tiers>,
+          conversion_fault_hook Faults = no_faults>
 class tiered_cache {
  public:
   /// The paged storage: device pages, host metadata.
@@ -485,7 +487,7 @@ class tiered_cache {
     {
       const scoped_time retier_timed{times_.retier_ns};
       const std::size_t n = std::min(todo.size(), std::size_t(opt_.max_retier_pages));
-      auto queued = driver_->enqueue(*controller_, todo.first(n), stream_, st);
+      auto queued = driver_->enqueue(*controller_, todo.first(n), stream_, st, faults_);
       if (!queued) return queued.error_status();
       if (*queued > 0) counters_.h2d_metadata_bytes += retier_list_bytes();
       if (wait)
@@ -546,6 +548,8 @@ class tiered_cache {
   const storage_type& storage() const noexcept { return *storage_; }
   /// The tier controller.
   controller_type& controller() noexcept { return *controller_; }
+  /// The conversion fault hook (tiering/conversion.hpp).
+  Faults& faults() noexcept { return faults_; }
   /// The device mirror of the page table.
   const mirror_type& mirror() const noexcept { return *mirror_; }
   /// The decode plan of the current step.
@@ -777,16 +781,22 @@ class tiered_cache {
   auto room() {
     return [this](std::uint32_t pages) { return make_room(pages); };
   }
+  // Each batch is published whole or not at all (pressure_plan refuses what demotions cannot
+  // free before anything changes), so a refusal changes nothing, the totals included, as long
+  // as the need fits one batch (max_retier_pages; a larger one keeps its earlier batches).
   status make_room(std::uint32_t pages) {
     if (storage_->free_pages(0) >= pages) return {};
     if (auto st = collect_retier(true); !st) return st;
+    totals_.add(last_batch_);  // the end_step batch just published, before this call's own
+    last_batch_ = retier_stats{};
     while (storage_->free_pages(0) < pages) {
       auto todo = controller_->pressure_plan(pages);
       if (!todo) return todo.error_status();
       if (todo->empty()) break;
       const std::size_t n = std::min(todo->size(), std::size_t(opt_.max_retier_pages));
       retier_stats st;
-      auto queued = driver_->enqueue(*controller_, todo->first(n), stream_, st);
+      auto queued = driver_->enqueue(*controller_, todo->first(n), stream_, st, faults_,
+                                     /*all_or_none=*/true);
       if (!queued) return queued.error_status();
       if (*queued == 0) break;
       counters_.h2d_metadata_bytes += retier_list_bytes();
@@ -795,7 +805,6 @@ class tiered_cache {
       last_batch_ = retier_stats{};
       st.pressure_demoted += st.demoted;
       totals_.add(st);
-      if (!st.first_error.is_ok()) return st.first_error;
     }
     if (storage_->free_pages(0) >= pages) return {};
     return status::make(errc::capacity_exhausted, "make_room: tier 0 still has ",
@@ -807,7 +816,7 @@ class tiered_cache {
   // (wait: waits for the stream).
   status collect_retier(bool wait) {
     if (wait && driver_->batch_in_flight()) TIERKV_CUDA_TRY(cudaStreamSynchronize(side_));
-    auto published = driver_->try_publish(*controller_, last_batch_);
+    auto published = driver_->try_publish(*controller_, last_batch_, faults_);
     if (!published) return published.error_status();
     if (*published) {
       counters_.d2h_metadata_bytes += sizeof(int);
@@ -951,6 +960,7 @@ class tiered_cache {
   std::int32_t* slots_host_ = nullptr;
   cudaEvent_t slots_uploaded_ = nullptr;
   mass_observer observer_;
+  [[no_unique_address]] Faults faults_{};
   retier_stats last_batch_;  // what try_publish committed, folded into the next step's stats
   retier_stats totals_;
   transfer_counters counters_;

@@ -335,15 +335,41 @@ class tier_controller {
         note_failure(st, std::move(s));
         continue;
       }
-      page_rec& r = page(sc.block.index, sc.layer);
-      if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
-      r.last_move = step_;
-      mark_dirty(sc.block.index, sc.layer);
-      ++st.converted;
-      if (to == append_tier) ++st.promoted;
-      if (from == append_tier && to != append_tier) ++st.demoted;
+      record_move(sc, from, to, st);
     }
     totals_.add(st);
+  }
+  /// commit() all or none (the GPU façade's make_room, so that a refused step changes nothing):
+  /// when every staged[i] is filled and passes check_publish, all are published; otherwise
+  /// every reserved page is given back and the first failure returned, with nothing changed,
+  /// the totals included.
+  template <conversion_fault_hook Faults = no_faults>
+  status commit_all(std::span<staged_conversion> staged, std::span<const bool> filled,
+                    retier_stats& st, Faults&& faults = {}) {
+    for (std::size_t i = 0; i < staged.size(); ++i) {
+      const staged_conversion& sc = staged[i];
+      status s = i < filled.size() && filled[i]
+                     ? check_publish(*storage_, sc, faults)
+                     : status::make(errc::non_finite_input, "commit_all: the fill of block ",
+                                    sc.block.index, " layer ", sc.layer, " failed");
+      if (!s) {
+        abandon(staged);
+        return status::make(s.code(), s.message(), "; none of the ", staged.size(),
+                            " conversions was published");
+      }
+    }
+    for (staged_conversion& sc : staged) {
+      const int from = int(sc.from.format), to = int(sc.to.format);
+      publish_checked(*storage_, sc);
+      record_move(sc, from, to, st);
+    }
+    totals_.add(st);
+    return {};
+  }
+  /// Gives back the reserved target pages of staged conversions that will not be committed
+  /// (no bookkeeping: as if stage() had not run).
+  void abandon(std::span<staged_conversion> staged) {
+    for (staged_conversion& sc : staged) abort_conversion(*storage_, sc);
   }
 
   /// plan(step) + apply(): one retier step.
@@ -861,6 +887,17 @@ class tier_controller {
       return true;
     }
     return false;
+  }
+
+  // The bookkeeping of a published conversion from tier `from` to `to`.
+  void record_move(const staged_conversion& sc, int from, int to, retier_stats& st) {
+    page_rec& r = page(sc.block.index, sc.layer);
+    if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
+    r.last_move = step_;
+    mark_dirty(sc.block.index, sc.layer);
+    ++st.converted;
+    if (to == append_tier) ++st.promoted;
+    if (from == append_tier && to != append_tier) ++st.demoted;
   }
 
   void note_failure(retier_stats& st, status s) {

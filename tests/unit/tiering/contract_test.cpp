@@ -5,6 +5,8 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 
@@ -243,6 +245,77 @@ TEST_CASE("retier with the Stale pool full reports deferred conversions, not fai
     CHECK(st.deferred_full == 12);
     CHECK(st.failed == 0);
     for (std::size_t i = 0; i < n; ++i) abort_conversion(c->storage(), staged[i]);
+  }
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("commit_all publishes a staged batch whole or not at all",
+          "[tiering][contract][faults]") {
+  // The GPU façade's make_room publishes its demotion batch through commit_all, so that a
+  // refused step changes nothing (tests/cuda/tiered_cache.cpp sweeps it on the device).
+  cache_t::options opt = pressure_options();
+  opt.storage.max_sequences = 1;
+  opt.storage.pages_per_tier = {30, 64};
+  opt.policy = policy::recency_anchor({.recent_pages = 1,
+                                       .sink_pages = 0,
+                                       .min_dwell_steps = 0,
+                                       .keep_first_layers = 0,
+                                       .keep_last_layers = 0});
+  auto c = cache_t::create(opt).value();
+  const seq_id s = c->create_sequence().value();
+  REQUIRE(append_tokens(*c, s, 1, 6 * 16));  // pages 0-4 Stale: 15 demotions
+  auto& ctl = c->controller();
+  const std::string before = cache_snapshot(*c);
+  // stage and fill everything plan(1) wants; filled[i] as given
+  auto stage_all = [&](std::vector<staged_conversion>& staged, std::unique_ptr<bool[]>& filled) {
+    const auto todo = ctl.plan(1);
+    staged.resize(todo.size());
+    retier_stats st;
+    REQUIRE(ctl.stage(todo, staged, st) == todo.size());
+    filled.reset(new bool[staged.size()]);
+    for (std::size_t i = 0; i < staged.size(); ++i) {
+      conversion_counters k;
+      filled[i] = fill_conversion_on_host(c->storage(), staged[i], k).is_ok();
+    }
+  };
+  std::vector<staged_conversion> staged;
+  std::unique_ptr<bool[]> filled;
+  for (const std::uint64_t fail_at : {1u, 8u, 15u}) {  // a publish fault: first, middle, last
+    INFO("publish fault at conversion " << fail_at);
+    stage_all(staged, filled);
+    REQUIRE(staged.size() == 15);
+    fault_injector faults;
+    faults.fail_at = fail_at;
+    retier_stats st;
+    const status r =
+        ctl.commit_all(staged, std::span<const bool>(filled.get(), staged.size()), st, faults);
+    CHECK(r.code() == errc::injected_fault);
+    CHECK(r.message().find("none of the 15") != std::string::npos);
+    CHECK(st.converted == 0);
+    CHECK(cache_snapshot(*c) == before);
+    REQUIRE(c->check_invariants());
+  }
+  SECTION("a fill that failed refuses the batch") {
+    stage_all(staged, filled);
+    filled[3] = false;
+    retier_stats st;
+    CHECK(ctl.commit_all(staged, std::span<const bool>(filled.get(), staged.size()), st).code() ==
+          errc::non_finite_input);
+    CHECK(cache_snapshot(*c) == before);
+  }
+  SECTION("abandon gives every reserved page back") {
+    stage_all(staged, filled);
+    ctl.abandon(staged);
+    CHECK(cache_snapshot(*c) == before);
+  }
+  SECTION("no fault: all 15 published") {
+    stage_all(staged, filled);
+    retier_stats st;
+    REQUIRE(ctl.commit_all(staged, std::span<const bool>(filled.get(), staged.size()), st));
+    CHECK(st.converted == 15);
+    CHECK(st.demoted == 15);
+    CHECK(ctl.totals().converted == 15);
+    CHECK(c->storage().free_pages(0) == 30 - 3);  // the recent page's three layers stay
   }
   REQUIRE(c->check_invariants());
 }
