@@ -76,6 +76,7 @@ struct ppl_result {
   double seconds = 0;
   kv_memory mem;
   std::vector<std::int32_t> continuation;  // 64 greedy tokens after the text
+  std::vector<float> nll;                  // per scored token (paired intervals across arms)
 };
 
 // Chunked perplexity: the text is prefilled `chunk` tokens at a time, and every token after
@@ -100,7 +101,10 @@ inline ppl_result run_ppl(engine& eng, kv_backend& kv, const std::vector<std::in
       for (int v = 1; v < V; ++v) m = std::max(m, row[v]);
       float s = 0;
       for (int v = 0; v < V; ++v) s += detail::exp_nonpositive(row[v] - m);
-      nll += double(m) + std::log(double(s)) - double(row[toks[std::size_t(p + 1)]]);
+      const double token_nll =
+          double(m) + std::log(double(s)) - double(row[toks[std::size_t(p + 1)]]);
+      nll += token_nll;
+      r.nll.push_back(float(token_nll));
       ++r.scored;
     }
   }

@@ -12,9 +12,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -73,7 +75,8 @@ void usage() {
       "1]\n"
       "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] [--center-fp8 0] "
       "[--rotate-fp8-keys 1] [--rotate-fp8-values 0] [--codec-seed N]\n"
-      "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE]\n"
+      "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE] [--nll-out "
+      "FILE.json]\n"
       "  demo     [--tokens 4096]\n"
       "  compaction --out-dir DIR [--docs FILE[+FILE]@OFFSET,...,needle:I] [--doc-tokens 4096]\n"
       "           [--cont-tokens 256] [--greedy 32] [--ref repeat|self] [--ref-stride 2]\n"
@@ -167,6 +170,18 @@ int main(int argc, char** argv) {
           "%s ppl %.4f over %d tokens, %.3f bits per scalar, %.2f KiB/token, fp8 share %.3f\n",
           a.get("--arm", "dense").c_str(), p.ppl, p.scored, p.mem.bits_per_scalar(),
           p.mem.kib_per_token(), p.mem.fp8_fraction);
+      if (const std::string f = a.get("--nll-out", ""); !f.empty()) {
+        // per-token NLL for paired intervals (scripts/measure ppl-texts)
+        std::ofstream o(f);
+        o << "{\"arm\":\"" << a.get("--arm", "dense") << "\",\"tokens\":" << toks.size()
+          << ",\"scored\":" << p.scored << ",\"ppl\":" << p.ppl
+          << ",\"bits_per_scalar\":" << p.mem.bits_per_scalar() << ",\"seconds\":" << p.seconds
+          << ",\"nll\":[";
+        o.precision(9);
+        for (std::size_t i = 0; i < p.nll.size(); ++i) o << (i ? "," : "") << p.nll[i];
+        o << "]}\n";
+        if (!o) throw std::runtime_error("ppl: cannot write " + f);
+      }
       return 0;
     }
     if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 4096));
