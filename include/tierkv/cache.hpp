@@ -30,6 +30,7 @@
 
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/attention/host_workspace.hpp"
+#include "tierkv/centering.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
@@ -58,6 +59,11 @@ struct tiered_cache_options {
   unsigned threads = 1;  ///< host attention workers (the caller included; 0 = all cores), <= 1024
   float softmax_scale = 0.f;  ///< 0: 1 / sqrt(head_dim)
   float soft_cap = 0.f;       ///< logit soft cap (0 = off)
+  /// Centring (centering.hpp): each layer's per-(KV head) channel means of keys and values are
+  /// subtracted before encoding and added back to attend()'s outputs and LSE, exactly. The
+  /// means are set_centering()'s, or else those of the first tokens appended to (or written
+  /// to) the layer. Not with soft_cap (not exact there).
+  bool center = false;
 };
 
 /// The host façade: paged storage (a pool per tier, page tables, fork), the tier controller
@@ -88,6 +94,7 @@ class tiered_cache {
   ~tiered_cache() {
     // Members that hold storage bookkeeping go first, the storage last.
     mass_.reset();
+    means_.reset();
     index_.reset();
     controller_.reset();
   }
@@ -112,6 +119,9 @@ class tiered_cache {
       c->mass_.emplace(std::size_t(opt.max_batch) * std::size_t(opt.max_pages), 0.f,
                        counted_allocator<float, MetaAlloc>(c->storage_->meta_alloc(),
                                                            c->storage_->lines().index_arrays));
+      if (opt.center)
+        c->means_.emplace(opt.storage.num_layers, c->storage_->meta_alloc(),
+                          c->storage_->lines().scratch);
     } catch (const allocation_failure& e) {
       return e.get_status();
     }
@@ -140,6 +150,10 @@ class tiered_cache {
     if (!(opt.soft_cap >= 0.f) || !std::isfinite(opt.soft_cap))
       return status::make(errc::invalid_argument, "soft_cap = ", opt.soft_cap,
                           " must be finite and >= 0 (0 = off)");
+    if (opt.center && opt.soft_cap > 0.f)
+      return status::make(errc::invalid_argument, "center = true with soft_cap = ", opt.soft_cap,
+                          ": centring is exact only without a soft-cap (tanh is not shift "
+                          "invariant); use one or the other");
     return {};
   }
 
@@ -162,7 +176,32 @@ class tiered_cache {
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values) {
     if (auto st = check_max_pages(s, n, "append", "appended"); !st) return st;
-    return storage_->append(s, n, keys, values, room());
+    // Without centring, or input the storage refuses (sizes, NaN / Inf: it names the value),
+    // the storage takes the input as it is.
+    if (!means_ || n <= 0 || keys.size() != values.size() ||
+        keys.size() != std::size_t(n) * std::size_t(storage_->num_layers()) * channel_floats ||
+        !all_finite(keys) || !all_finite(values))
+      return storage_->append(s, n, keys, values, room());
+    const std::size_t layer_floats = std::size_t(n) * channel_floats;
+    std::vector<int> estimated;  // layers whose means this call set: unset if it is refused
+    status st = centre(keys.size(), [&](float* kc, float* vc) -> status {
+      for (int l = 0; l < storage_->num_layers(); ++l) {
+        const float* k = keys.data() + std::size_t(l) * layer_floats;
+        const float* v = values.data() + std::size_t(l) * layer_floats;
+        if (!means_->known(l)) {
+          (void)means_->estimate(l, n, k, v);  // finite input: finite means
+          estimated.push_back(l);
+        }
+        means_->subtract(l, false, n, k, kc + std::size_t(l) * layer_floats);
+        means_->subtract(l, true, n, v, vc + std::size_t(l) * layer_floats);
+      }
+      const std::span<const float> kcs(kc, keys.size()), vcs(vc, keys.size());
+      if (!all_finite(kcs) || !all_finite(vcs)) return overflow();
+      return storage_->append(s, n, kcs, vcs, room());
+    });
+    if (!st)
+      for (int l : estimated) means_->unset(l);
+    return st;
   }
 
   /// Layer by layer (paged_storage::reserve): reserve room for the next n tokens (the slot
@@ -178,7 +217,42 @@ class tiered_cache {
   /// Writes one layer's keys and values ([token][kv_head][dim]) of the reserved tokens.
   status write_layer(seq_id s, int layer, std::span<const float> keys,
                      std::span<const float> values) {
-    return storage_->write_layer(s, layer, keys, values);
+    auto n = storage_->reserved(s);
+    if (!means_ || !n || *n <= 0 || layer < 0 || layer >= storage_->num_layers() ||
+        keys.size() != values.size() || keys.size() != std::size_t(*n) * channel_floats ||
+        !all_finite(keys) || !all_finite(values))
+      return storage_->write_layer(s, layer, keys, values);  // (as append: it refuses those)
+    const bool estimate = !means_->known(layer);
+    status st = centre(keys.size(), [&](float* kc, float* vc) -> status {
+      if (estimate) (void)means_->estimate(layer, *n, keys.data(), values.data());
+      means_->subtract(layer, false, *n, keys.data(), kc);
+      means_->subtract(layer, true, *n, values.data(), vc);
+      const std::span<const float> kcs(kc, keys.size()), vcs(vc, keys.size());
+      if (!all_finite(kcs) || !all_finite(vcs)) return overflow();
+      return storage_->write_layer(s, layer, kcs, vcs);
+    });
+    if (!st && estimate) means_->unset(layer);
+    return st;
+  }
+
+  /// Sets layer's centring means ([kv_head][head_dim] floats each), e.g. from a calibration
+  /// pass, while the cache holds no page (its pages were encoded against the means they have).
+  status set_centering(int layer, std::span<const float> mu_k, std::span<const float> mu_v) {
+    if (!means_)
+      return status(errc::invalid_argument,
+                    "set_centering: the cache was created with center = false");
+    for (int t = 0; t < num_tiers; ++t)
+      if (storage_->free_pages(t) != opt_.storage.pages_per_tier[std::size_t(t)])
+        return status::make(errc::invalid_argument, "set_centering: tier ", t, " holds ",
+                            opt_.storage.pages_per_tier[std::size_t(t)] - storage_->free_pages(t),
+                            " pages encoded against the present means; release every sequence "
+                            "and prefix entry first");
+    return means_->set(layer, mu_k, mu_v);
+  }
+  /// The centring means (nullptr when center = false): an engine moving pages to another cache
+  /// (export / import) gives that cache the same means.
+  const channel_means<head_dim, Geometry::kv_heads, MetaAlloc>* centering() const noexcept {
+    return means_ ? &*means_ : nullptr;
   }
   /// Makes the first n reserved tokens live and gives back the rest.
   status commit(seq_id s, std::int64_t n) { return storage_->commit(s, n); }
@@ -228,6 +302,13 @@ class tiered_cache {
     a.page_mass = mass_->data();
     a.mass_stride = opt_.max_pages;
     if (auto st = host_decode<Geometry, Tiers>(workspace_, a); !st) return st;
+    if (means_)  // add back what centring took (a sequence with no token keeps its zeros)
+      for (std::size_t b = 0; b < batch.size(); ++b)
+        if (*storage_->length(batch[b]) > 0 && means_->known(layer))
+          means_->restore(layer, Geometry::group_size, a.logits.softmax_scale,
+                          queries.data() + b * std::size_t(q_heads) * head_dim,
+                          out.data() + b * std::size_t(q_heads) * head_dim,
+                          lse.empty() ? nullptr : lse.data() + b * std::size_t(q_heads));
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::span<const float> row(mass_->data() + b * stride, stride);
       if (auto st = controller_->observe_mass(batch[b], layer, row); !st) return st;
@@ -275,6 +356,34 @@ class tiered_cache {
     return {};
   }
 
+  static constexpr std::size_t channel_floats = std::size_t(Geometry::kv_heads) * head_dim;
+
+  /// Runs fill(kc, vc) over two arrays of `floats` each, charged to the scratch line for the
+  /// call only (capacity_exhausted when the bookkeeping allocator refuses them; nothing else
+  /// changed then).
+  template <class Fill>
+  status centre(std::size_t floats, Fill&& fill) {
+    std::optional<std::vector<float, counted_allocator<float, MetaAlloc>>> buf;
+    try {
+      buf.emplace(
+          2 * floats, 0.f,
+          counted_allocator<float, MetaAlloc>(storage_->meta_alloc(), storage_->lines().scratch));
+    } catch (const allocation_failure& e) {
+      return e.get_status();
+    }
+    return fill(buf->data(), buf->data() + floats);
+  }
+  static bool all_finite(std::span<const float> x) {
+    for (float e : x)
+      if (!std::isfinite(e)) return false;
+    return true;
+  }
+  static status overflow() {
+    return status(errc::out_of_range,
+                  "centring: an input element minus its channel mean overflows float (inputs "
+                  "near +-3.4e38 of opposite signs in one channel); nothing written");
+  }
+
   /// The storage calls it once its own checks passed: tier-0 pages freed by demotion.
   auto room() {
     return [this](std::uint32_t pages) { return controller_->make_room(pages, faults_); };
@@ -285,6 +394,7 @@ class tiered_cache {
   std::unique_ptr<controller_type> controller_;
   std::optional<index_arrays<storage_type>> index_;
   std::optional<std::vector<float, counted_allocator<float, MetaAlloc>>> mass_;
+  std::optional<channel_means<head_dim, Geometry::kv_heads, MetaAlloc>> means_;  // center only
   host_attention_workspace workspace_;
   [[no_unique_address]] Faults faults_{};
 };

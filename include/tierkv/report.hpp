@@ -53,7 +53,7 @@ struct memory_report {
   std::size_t page_tables = 0;         ///< sequences, logical page lists, blocks
   std::size_t index_arrays = 0;        ///< index_arrays made from this storage
   std::size_t prefix_index = 0;        ///< entries, token ids, hash buckets
-  std::size_t scratch = 0;             ///< storage-owned scratch (none on the host append path)
+  std::size_t scratch = 0;             ///< the host façade's centring means
   std::size_t allocator_total = 0;     ///< page allocator + bookkeeping allocator, as they report
   std::uint64_t live_tokens = 0;       ///< distinct stored tokens (shared pages count once)
   std::uint64_t sequence_tokens = 0;   ///< sum of sequence lengths
@@ -123,6 +123,7 @@ memory_report make_report(const Storage& s) {
   r.page_tables = s.lines().page_tables;
   r.index_arrays = s.lines().index_arrays;
   r.prefix_index = s.lines().prefix_index;
+  r.scratch = s.lines().scratch;
   r.allocator_total = s.page_alloc().bytes_allocated() + s.meta_alloc().bytes_allocated();
   if (r.live_tokens > 0) {
     r.kib_per_token = double(r.live_page_bytes()) / double(r.live_tokens) / 1024.0;

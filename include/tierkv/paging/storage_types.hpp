@@ -63,6 +63,8 @@ struct storage_lines {
   std::size_t page_tables = 0;       ///< sequences, their logical page lists, blocks
   std::size_t index_arrays = 0;      ///< index_arrays buffers made from this storage
   std::size_t prefix_index = 0;      ///< a prefix_index over this storage
+  std::size_t scratch = 0;           ///< the host façade's centring means (and, during a call,
+                                     ///< its centred copy of the input)
 };
 
 /// Where the tokens of a reservation go, in cuda::append_inputs's layout (caller memory; the
