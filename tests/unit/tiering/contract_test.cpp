@@ -210,17 +210,28 @@ TEST_CASE("attend refuses a NaN or Inf query, naming the batch row and head, and
   for (float x : out) REQUIRE(std::isfinite(x));
 }
 
-TEST_CASE("retier with the Stale pool full reports deferred conversions, not failures",
-          "[tiering][cache][contract]") {
+namespace {
+
+// One sequence of a 30-page tier 0, recent_pages 1 and no dwell: after six sealed pages, pages
+// 0-4 are Stale (15 demotions over three layers); stale_pages in the Stale tier.
+cache_t::options six_pages_options(std::uint32_t stale_pages) {
   cache_t::options opt = pressure_options();
   opt.storage.max_sequences = 1;
-  opt.storage.pages_per_tier = {30, 3};  // room for one layer of one logical page in TQ3
+  opt.storage.pages_per_tier = {30, stale_pages};
   opt.policy = policy::recency_anchor({.recent_pages = 1,
                                        .sink_pages = 0,
                                        .min_dwell_steps = 0,
                                        .keep_first_layers = 0,
                                        .keep_last_layers = 0});
-  auto c = cache_t::create(opt).value();
+  return opt;
+}
+
+}  // namespace
+
+TEST_CASE("retier with the Stale pool full reports deferred conversions, not failures",
+          "[tiering][cache][contract]") {
+  // room for one layer of one logical page in TQ3
+  auto c = cache_t::create(six_pages_options(3)).value();
   const seq_id s = c->create_sequence().value();
   REQUIRE(append_tokens(*c, s, 1, 6 * 16));  // six sealed pages: pages 0-4 are Stale, 15 demotions
 
@@ -253,15 +264,7 @@ TEST_CASE("commit_all publishes a staged batch whole or not at all",
           "[tiering][contract][faults]") {
   // The GPU façade's make_room publishes its demotion batch through commit_all, so that a
   // refused step changes nothing (tests/cuda/tiered_cache.cpp sweeps it on the device).
-  cache_t::options opt = pressure_options();
-  opt.storage.max_sequences = 1;
-  opt.storage.pages_per_tier = {30, 64};
-  opt.policy = policy::recency_anchor({.recent_pages = 1,
-                                       .sink_pages = 0,
-                                       .min_dwell_steps = 0,
-                                       .keep_first_layers = 0,
-                                       .keep_last_layers = 0});
-  auto c = cache_t::create(opt).value();
+  auto c = cache_t::create(six_pages_options(64)).value();
   const seq_id s = c->create_sequence().value();
   REQUIRE(append_tokens(*c, s, 1, 6 * 16));  // pages 0-4 Stale: 15 demotions
   auto& ctl = c->controller();
