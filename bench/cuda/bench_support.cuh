@@ -137,6 +137,38 @@ class device_array {
   std::size_t n_ = 0;
 };
 
+// Index arrays of B sequences whose page i lies in tier tier[i] (0 or 1): each sequence's pages
+// of a tier on consecutive slots of that tier's pool, or (shared) every sequence naming the first
+// one's slots (a prefix the batch shares). counts: [sequence][tier] pages, the planner's input.
+struct two_tier_index {
+  std::vector<std::int32_t> counts;
+  device_array<std::int32_t> indptr[2], slot[2], logical[2];
+
+  two_tier_index() = default;
+  two_tier_index(const std::vector<int>& tier, int B, bool shared = false) {
+    int per_seq[2] = {0, 0};
+    for (int t : tier) ++per_seq[t];
+    std::vector<std::int32_t> ip[2], sl[2], lg[2];
+    int next[2] = {0, 0};
+    for (int b = 0; b < B; ++b) {
+      counts.push_back(per_seq[0]);
+      counts.push_back(per_seq[1]);
+      if (shared) next[0] = next[1] = 0;
+      for (std::size_t i = 0; i < tier.size(); ++i) {
+        const int f = tier[i];
+        sl[f].push_back(next[f]++);
+        lg[f].push_back(std::int32_t(i));
+      }
+    }
+    for (int f = 0; f < 2; ++f) {
+      for (int b = 0; b <= B; ++b) ip[f].push_back(b * per_seq[f]);
+      indptr[f] = device_array<std::int32_t>(ip[f]);
+      slot[f] = device_array<std::int32_t>(sl[f]);
+      logical[f] = device_array<std::int32_t>(lg[f]);
+    }
+  }
+};
+
 // An instantiated CUDA graph of what `enqueue` puts on the stream.
 class graph_exec {
  public:

@@ -137,9 +137,9 @@ struct decode_case {
 
   int L, B, n8 = 0, n3 = 0;
   std::uint32_t cap8 = 1, cap3 = 1;
-  std::vector<std::int32_t> counts;  // [b][tier] pages
   device_array<std::uint8_t> p8, p3, ws, ws3;
-  device_array<std::int32_t> len, indptr[2], slot[2], logical[2];
+  two_tier_index table;
+  device_array<std::int32_t> len;
   device_array<float> q, out, lse;
   cuda::decode_plan plan{}, plan3{};
   bool have_plan3 = false;
@@ -165,25 +165,7 @@ struct decode_case {
     fill_meta<<<1024, 256, 0, s>>>(p3.get(), L3::page_bytes, L3::key_meta_offset,
                                    std::size_t(2) * H * T, cap3, std::sqrt(float(D)), 4);
     CK(cudaGetLastError());
-    // Index arrays: each sequence's pages of a tier on consecutive slots of its pool.
-    std::vector<std::int32_t> ip[2], sl[2], lg[2];
-    int next[2] = {0, 0};
-    for (int b = 0; b < B; ++b) {
-      counts.push_back(n8);
-      counts.push_back(n3);
-      if (opt.shared) next[0] = next[1] = 0;
-      for (int i = 0; i < n; ++i) {
-        const int f = tier[std::size_t(i)];
-        sl[f].push_back(next[f]++);
-        lg[f].push_back(i);
-      }
-    }
-    for (int f = 0; f < 2; ++f) {
-      for (int b = 0; b <= B; ++b) ip[f].push_back(b * (f == 0 ? n8 : n3));
-      indptr[f] = device_array<std::int32_t>(ip[f]);
-      slot[f] = device_array<std::int32_t>(sl[f]);
-      logical[f] = device_array<std::int32_t>(lg[f]);
-    }
+    table = two_tier_index(tier, B, opt.shared);
     len = device_array<std::int32_t>(std::vector<std::int32_t>(std::size_t(B), L));
     const std::size_t qn = std::size_t(B) * QH * D;
     q = device_array<float>(qn);
@@ -192,7 +174,7 @@ struct decode_case {
     fill_floats<<<256, 256, 0, s>>>(q.get(), qn, 7);
     const cuda::decode_capacity cap{B, opt.max_chunks, 0, false};
     plan = take(cuda::plan_decode<G, TL>(
-        cap, counts.data(), B, dev.sms, opt.waves, opt.min_chunk_kb * 1024, opt.balance_by,
+        cap, table.counts.data(), B, dev.sms, opt.waves, opt.min_chunk_kb * 1024, opt.balance_by,
         cuda::decode_default_min_chunk_pages,
         opt.resident > 0 ? opt.resident : cuda::decode_blocks_per_sm<G>, opt.tq3_work));
     ws = device_array<std::uint8_t>(plan.workspace_bytes);
@@ -211,7 +193,7 @@ struct decode_case {
     in.index.batch = B;
     in.index.seq_len = len.get();
     for (int f = 0; f < 2; ++f)
-      in.index.formats[f] = {indptr[f].get(), slot[f].get(), logical[f].get()};
+      in.index.formats[f] = {table.indptr[f].get(), table.slot[f].get(), table.logical[f].get()};
     in.pools[0] = {p8.get(), L8::page_bytes, cap8};
     in.pools[1] = {p3.get(), L3::page_bytes, cap3};
     in.queries = q.get();
@@ -237,7 +219,7 @@ struct decode_case {
       graph_cc = graph_exec::capture(s, [&] { decode_cc(s); });
     if (p == path::waves3_stream && !have_plan3) {
       const cuda::decode_capacity cap{B, opt.max_chunks, 0, false};
-      plan3 = take(cuda::plan_decode<G, TL>(cap, counts.data(), B, dev.sms, 3,
+      plan3 = take(cuda::plan_decode<G, TL>(cap, table.counts.data(), B, dev.sms, 3,
                                             opt.min_chunk_kb * 1024, opt.balance_by));
       ws3 = device_array<std::uint8_t>(plan3.workspace_bytes);
       die_if(cuda::decode_workspace_init(plan3, ws3.get(), plan3.workspace_bytes, s));

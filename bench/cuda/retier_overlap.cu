@@ -110,7 +110,8 @@ struct overlap_case {
   int B, layers, n8 = 0, n3 = 0, live = 0, nmax = 0;
   std::uint32_t cap8 = 1, cap3 = 1;
   device_array<std::uint8_t> p8, p3, dst_serial, dst_async, ws;
-  device_array<std::int32_t> len, indptr[2], slot[2], logical[2];
+  two_tier_index table;
+  device_array<std::int32_t> len;
   device_array<float> q, out;
   device_array<int> err;
   device_array<unsigned long long> counts;
@@ -142,23 +143,7 @@ struct overlap_case {
     fill_meta<<<1024, 256, 0, s>>>(p3.get(), L3::page_bytes, L3::key_meta_offset,
                                    std::size_t(2) * H * T, cap3, std::sqrt(float(D)), 4);
     CK(cudaGetLastError());
-    std::vector<std::int32_t> pages_of, ip[2], sl[2], lg[2];
-    int next[2] = {0, 0};
-    for (int b = 0; b < B; ++b) {
-      pages_of.push_back(n8);
-      pages_of.push_back(n3);
-      for (int i = 0; i < n; ++i) {
-        const int f = tier[std::size_t(i)];
-        sl[f].push_back(next[f]++);
-        lg[f].push_back(i);
-      }
-    }
-    for (int f = 0; f < 2; ++f) {
-      for (int b = 0; b <= B; ++b) ip[f].push_back(b * (f == 0 ? n8 : n3));
-      indptr[f] = device_array<std::int32_t>(ip[f]);
-      slot[f] = device_array<std::int32_t>(sl[f]);
-      logical[f] = device_array<std::int32_t>(lg[f]);
-    }
+    table = two_tier_index(tier, B);
     len = device_array<std::int32_t>(std::vector<std::int32_t>(std::size_t(B), context));
     const std::size_t qn = std::size_t(B) * QH * D;
     q = device_array<float>(qn);
@@ -167,7 +152,7 @@ struct overlap_case {
     err = device_array<int>(std::vector<int>{0});
     counts = device_array<unsigned long long>(2);
     const cuda::decode_capacity cap{B, 64, 0, false};
-    plan = take(cuda::plan_decode<G, two_tiers>(cap, pages_of.data(), B, dev.sms));
+    plan = take(cuda::plan_decode<G, two_tiers>(cap, table.counts.data(), B, dev.sms));
     ws = device_array<std::uint8_t>(plan.workspace_bytes);
     die_if(cuda::decode_workspace_init(plan, ws.get(), plan.workspace_bytes, s));
     ev = take(cuda::retier_async_events::create());
@@ -220,7 +205,7 @@ struct overlap_case {
       in.index.batch = B;
       in.index.seq_len = len.get();
       for (int f = 0; f < 2; ++f)
-        in.index.formats[f] = {indptr[f].get(), slot[f].get(), logical[f].get()};
+        in.index.formats[f] = {table.indptr[f].get(), table.slot[f].get(), table.logical[f].get()};
       in.pools[0] = {p8.get(), L8::page_bytes, cap8};
       in.pools[1] = {p3.get(), L3::page_bytes, cap3};
       in.queries = q.get();
