@@ -51,6 +51,10 @@ tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& 
   auto c = cache_type::create(opt, p->stream);
   if (!c) return c.error_status();
   p->c = std::move(*c);
+  // Free pages start as a known pattern, so pool_bytes reads initialized memory (initcheck) and
+  // a comparison of whole pools also catches a write into a page nobody owns.
+  for (const auto& v : p->c->storage().views())
+    CUDA_OK(cudaMemsetAsync(v.base, 0xA5, v.page_bytes * v.capacity, p->stream));
   constexpr std::size_t vec = std::size_t(e2e_geometry::kv_heads) * e2e_geometry::head_dim;
   constexpr std::size_t qvec = std::size_t(e2e_geometry::q_heads) * e2e_geometry::head_dim;
   p->k = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * vec);
