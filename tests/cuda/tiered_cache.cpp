@@ -29,6 +29,7 @@
 #include "tierkv/attention/host_decode.hpp"
 #include "tierkv/attention/host_prefill.hpp"
 #include "tierkv/attention/host_workspace.hpp"
+#include "tierkv/cache.hpp"
 #include "tierkv/codec/bf16.hpp"
 #include "tierkv/paging/index_builder.hpp"
 #include "tierkv/paging/prefix_index.hpp"
@@ -830,4 +831,265 @@ TEST_CASE(
       "gpu faults: %d injected (pressured begin_step, pressured fork, end_step retier), "
       "0 lost or changed pages\n",
       points);
+}
+
+namespace {
+
+// Float64 attention of one query head over the first n tokens of a sequence's layer
+// ([token][kv_head][dim] floats): out (D floats) and the natural-log lse.
+void exact_attention(const float* q, int kvh, const std::vector<float>& k,
+                     const std::vector<float>& v, int n, double scale, double* out, double& lse) {
+  const std::size_t vec = std::size_t(KVH) * D;
+  std::vector<double> s(static_cast<std::size_t>(n));
+  double mx = -INFINITY;
+  for (int t = 0; t < n; ++t) {
+    double dot = 0;
+    for (int d = 0; d < D; ++d)
+      dot += double(q[d]) * k[std::size_t(t) * vec + std::size_t(kvh) * D + std::size_t(d)];
+    s[std::size_t(t)] = scale * dot;
+    mx = std::max(mx, s[std::size_t(t)]);
+  }
+  double sum = 0;
+  for (int d = 0; d < D; ++d) out[d] = 0;
+  for (int t = 0; t < n; ++t) {
+    const double w = std::exp(s[std::size_t(t)] - mx);
+    sum += w;
+    for (int d = 0; d < D; ++d)
+      out[d] += w * v[std::size_t(t) * vec + std::size_t(kvh) * D + std::size_t(d)];
+  }
+  for (int d = 0; d < D; ++d) out[d] /= sum;
+  lse = mx + std::log(sum);
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - b[i]));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda::tiered_cache with centring: pages, outputs and lse as the host façade's, and keys "
+    "with per-channel offsets much closer to exact than without",
+    "[cuda][cache][centering]") {
+  // Two sequences prefill n0 tokens (one chunk), the policy demotes their old pages to TQ3,
+  // then one decode step. Keys carry a per-channel offset 5x their spread, values 2x (what QK
+  // biases and massive activations give real models; docs/codecs.md "Centring"). Three caches
+  // get the same input: the GPU façade with centring (`gc`), without (`gu`), and the host
+  // façade with centring (`hc`, the reference implementation). Means estimated from the first
+  // tokens, then given by set_centering.
+  using host_cache = tiered_cache<G, TL>;
+  constexpr int n0 = 160, n = n0 + 1;
+  const double scale = 1.0 / std::sqrt(double(D));
+  const std::size_t vec = std::size_t(KVH) * D, qvec = std::size_t(QH) * D;
+  std::mt19937_64 rng(20261204);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<std::vector<float>> off_k(layers, std::vector<float>(vec)), off_v = off_k;
+  for (int l = 0; l < layers; ++l)
+    for (std::size_t i = 0; i < vec; ++i) {
+      off_k[std::size_t(l)][i] = 5.f * normal(rng);
+      off_v[std::size_t(l)][i] = 2.f * normal(rng);
+    }
+  // [seq][layer] -> [token][kv_head][dim]; queries [layer] -> [rows][q_heads][dim]
+  std::vector<std::vector<float>> K[2], V[2];
+  for (int s = 0; s < 2; ++s)
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> k(std::size_t(n) * vec), v(k.size());
+      for (std::size_t i = 0; i < k.size(); ++i) {
+        k[i] = normal(rng) + off_k[std::size_t(l)][i % vec];
+        v[i] = normal(rng) + off_v[std::size_t(l)][i % vec];
+      }
+      K[s].push_back(std::move(k));
+      V[s].push_back(std::move(v));
+    }
+  std::vector<std::vector<float>> q_pre(layers), q_dec(layers);
+  for (int l = 0; l < layers; ++l) {
+    q_pre[std::size_t(l)].resize(2 * std::size_t(n0) * qvec);
+    q_dec[std::size_t(l)].resize(2 * qvec);
+    for (auto& e : q_pre[std::size_t(l)]) e = normal(rng);
+    for (auto& e : q_dec[std::size_t(l)]) e = normal(rng);
+  }
+  // tokens [first, first + count) of both sequences, in batch order, for one layer
+  auto step_rows = [&](const std::vector<std::vector<float>>(&X)[2], int l, int first, int count) {
+    std::vector<float> out;
+    for (int s = 0; s < 2; ++s)
+      out.insert(out.end(), X[s][std::size_t(l)].begin() + std::ptrdiff_t(first * vec),
+                 X[s][std::size_t(l)].begin() + std::ptrdiff_t((first + count) * vec));
+    return out;
+  };
+  // the host façade's append layout: [layer][token][kv_head][dim]
+  auto host_rows = [&](const std::vector<std::vector<float>>(&X)[2], int s, int first, int count) {
+    std::vector<float> out;
+    for (int l = 0; l < layers; ++l)
+      out.insert(out.end(), X[s][std::size_t(l)].begin() + std::ptrdiff_t(first * vec),
+                 X[s][std::size_t(l)].begin() + std::ptrdiff_t((first + count) * vec));
+    return out;
+  };
+
+  for (const bool given : {false, true}) {
+    INFO((given ? "means given by set_centering" : "means estimated from the first tokens"));
+    struct run {
+      std::unique_ptr<cuda_test::e2e_cache> c;
+      seq_id s[2];
+      std::vector<std::vector<float>> pout, plse, dout, dlse;
+    };
+    run gc, gu;
+    for (run* r : {&gc, &gu}) {
+      cuda_test::e2e_options o;
+      o.storage = storage_opts();
+      o.policy = knobs();
+      o.center = r == &gc;
+      r->c = std::move(cuda_test::e2e_cache::create(o).value());
+      if (given && o.center)
+        for (int l = 0; l < layers; ++l)
+          REQUIRE(r->c->set_centering(l, off_k[std::size_t(l)], off_v[std::size_t(l)]).is_ok());
+      for (seq_id& s : r->s) s = r->c->create_sequence().value();
+    }
+    host_cache::options ho;
+    ho.storage = storage_opts();
+    ho.policy = knobs();
+    ho.max_batch = 8;
+    ho.max_pages = 64;
+    ho.center = true;
+    auto hc = std::move(host_cache::create(ho).value());
+    // The GPU estimates from its first append, the prefill chunk of both sequences; the host
+    // appends a sequence at a time, so it is given the float64 means of those same tokens (the
+    // estimate's documented formula: pages equal only if the device computed exactly that).
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> mk = off_k[std::size_t(l)], mv = off_v[std::size_t(l)];
+      if (!given) {
+        const std::vector<float> k = step_rows(K, l, 0, n0), v = step_rows(V, l, 0, n0);
+        for (std::size_t i = 0; i < vec; ++i) {
+          double sk = 0, sv = 0;
+          for (std::size_t t = 0; t < 2 * std::size_t(n0); ++t) {
+            sk += double(k[t * vec + i]);
+            sv += double(v[t * vec + i]);
+          }
+          mk[i] = float(sk / double(2 * n0));
+          mv[i] = float(sv / double(2 * n0));
+        }
+      }
+      REQUIRE(hc->set_centering(l, mk, mv).is_ok());
+    }
+    seq_id hs[2] = {hc->create_sequence().value(), hc->create_sequence().value()};
+
+    // ---- the prefill step: one chunk of n0 tokens per sequence ----
+    for (run* r : {&gc, &gu}) {
+      const std::vector<seq_id> b{r->s[0], r->s[1]};
+      REQUIRE(r->c->begin_step(b, std::vector<std::int32_t>{n0, n0}).is_ok());
+      for (int l = 0; l < layers; ++l) {
+        REQUIRE(r->c->append(l, step_rows(K, l, 0, n0), step_rows(V, l, 0, n0)).is_ok());
+        std::vector<float> out, lse;
+        REQUIRE(r->c->prefill(l, q_pre[std::size_t(l)], out, &lse).is_ok());
+        r->pout.push_back(std::move(out));
+        r->plse.push_back(std::move(lse));
+      }
+      REQUIRE(r->c->end_step(1, true).has_value());
+      REQUIRE(r->c->device_error().is_ok());
+    }
+    CHECK(gc.c->centering_known(0));
+    for (int s = 0; s < 2; ++s)
+      REQUIRE(hc->append(hs[s], n0, host_rows(K, s, 0, n0), host_rows(V, s, 0, n0)).is_ok());
+    twin_retier(hc->storage(), hc->controller(), 1);
+
+    // ---- the decode step ----
+    for (run* r : {&gc, &gu}) {
+      const std::vector<seq_id> b{r->s[0], r->s[1]};
+      REQUIRE(r->c->begin_step(b, std::vector<std::int32_t>{1, 1}).is_ok());
+      for (int l = 0; l < layers; ++l) {
+        REQUIRE(r->c->append(l, step_rows(K, l, n0, 1), step_rows(V, l, n0, 1)).is_ok());
+        std::vector<float> out, lse;
+        REQUIRE(r->c->decode(l, q_dec[std::size_t(l)], out, 0.f, 0, &lse).is_ok());
+        r->dout.push_back(std::move(out));
+        r->dlse.push_back(std::move(lse));
+      }
+      REQUIRE(r->c->device_error().is_ok());
+    }
+    for (int s = 0; s < 2; ++s)
+      REQUIRE(hc->append(hs[s], 1, host_rows(K, s, n0, 1), host_rows(V, s, n0, 1)).is_ok());
+
+    // ---- every page of every layer: the same tier and bytes on the GPU as on the host ----
+    const auto pool0 = gc.c->pool_bytes(0), pool1 = gc.c->pool_bytes(1);
+    int stale = 0;
+    for (int s = 0; s < 2; ++s)
+      for (int l = 0; l < layers; ++l)
+        for (std::int64_t i = 0; i * T < n; ++i) {
+          const page_id gp = *gc.c->storage().page(gc.s[s], l, i);
+          const page_id tp = *hc->storage().page(hs[s], l, i);
+          const int tokens = int(std::min<std::int64_t>(T, n - i * T));
+          INFO("sequence " << s << " layer " << l << " page " << i);
+          REQUIRE(gp.format == tp.format);
+          stale += gp.format == 1;
+          REQUIRE((gp.format == 0 ? same_page<0>(pool0, gp, hc->storage(), tp, tokens)
+                                  : same_page<1>(pool1, gp, hc->storage(), tp, tokens)));
+        }
+    CHECK(stale > 0);  // TQ3 pages are in the comparison
+
+    for (int l = 0; l < layers; ++l) {
+      INFO("layer " << l);
+      const std::vector<seq_id> hb{hs[0], hs[1]};
+      std::vector<float> hout(2 * qvec), hlse(2 * QH);
+      REQUIRE(hc->attend(l, hb, q_dec[std::size_t(l)], hout, {}, hlse).is_ok());
+      // the GPU's centring is the host's: outputs and lse agree as the uncentred paths do
+      CHECK(rel_l2(gc.dout[std::size_t(l)], hout) < 2e-3);
+      CHECK(max_abs_diff(gc.dlse[std::size_t(l)], hlse) < 2e-3);
+      // against float64 attention over the original tokens
+      std::vector<float> dref(2 * qvec), dlse_ref(2 * QH), pref(2 * std::size_t(n0) * qvec),
+          plse_ref(2 * std::size_t(n0) * QH);
+      for (int s = 0; s < 2; ++s)
+        for (int h = 0; h < QH; ++h) {
+          double o[D], lse;
+          exact_attention(q_dec[std::size_t(l)].data() + (std::size_t(s) * QH + h) * D,
+                          h / G::group_size, K[s][std::size_t(l)], V[s][std::size_t(l)], n, scale,
+                          o, lse);
+          for (int d = 0; d < D; ++d) dref[(std::size_t(s) * QH + h) * D + d] = float(o[d]);
+          dlse_ref[std::size_t(s) * QH + h] = float(lse);
+          for (int t = 0; t < n0; ++t) {
+            const std::size_t row = (std::size_t(s) * n0 + t) * QH + h;
+            exact_attention(q_pre[std::size_t(l)].data() + row * D, h / G::group_size,
+                            K[s][std::size_t(l)], V[s][std::size_t(l)], t + 1, scale, o, lse);
+            for (int d = 0; d < D; ++d) pref[row * D + d] = float(o[d]);
+            plse_ref[row] = float(lse);
+          }
+        }
+      const double dc = rel_l2(gc.dout[std::size_t(l)], dref),
+                   du = rel_l2(gu.dout[std::size_t(l)], dref);
+      const double pc = rel_l2(gc.pout[std::size_t(l)], pref),
+                   pu = rel_l2(gu.pout[std::size_t(l)], pref);
+      const double dl = max_abs_diff(gc.dlse[std::size_t(l)], dlse_ref),
+                   pl = max_abs_diff(gc.plse[std::size_t(l)], plse_ref);
+      std::printf(
+          "centring %s, layer %d: decode rel_l2 to exact %.4f (without centring %.4f), "
+          "prefill %.4f (%.4f), max |lse - exact| decode %.4f prefill %.4f\n",
+          given ? "given" : "estimated", l, dc, du, pc, pu, dl, pl);
+      CHECK(dc < 0.5 * du);
+      CHECK(pc < 0.5 * pu);
+      CHECK(dl < 0.25);  // without the lse term it would be off by scale * q.mu_k (~5 here)
+      CHECK(pl < 0.25);
+    }
+
+    // ---- refusals ----
+    const std::vector<float> zeros(vec, 0.f);
+    CHECK(gc.c->set_centering(0, zeros, zeros).code() == errc::invalid_argument);  // pages held
+    CHECK(gu.c->set_centering(0, zeros, zeros).code() == errc::invalid_argument);  // no centring
+    std::vector<float> out;
+    CHECK(gc.c->decode(0, q_dec[0], out, 5.f).code() == errc::invalid_argument);  // soft-cap
+    REQUIRE(gc.c->end_step(2, true).has_value());
+    REQUIRE(gu.c->end_step(2, true).has_value());
+  }
+
+  // A graph capture must not estimate means (it would at every replay): refused, nothing run.
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  o.center = true;
+  auto fresh = std::move(cuda_test::e2e_cache::create(o).value());
+  const seq_id s = fresh->create_sequence().value();
+  const std::vector<seq_id> b{s};
+  REQUIRE(fresh->begin_step(b, std::vector<std::int32_t>{1}).is_ok());
+  CHECK(fresh->capture_step().code() == errc::invalid_argument);
+  CHECK_FALSE(fresh->centering_known(0));
+  const std::vector<float> bad(vec, NAN);
+  CHECK(fresh->set_centering(0, bad, bad).code() == errc::invalid_argument);  // mid-step first
 }

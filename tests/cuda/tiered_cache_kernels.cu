@@ -2,6 +2,7 @@
 // test_cuda_tiered_cache's device side: cuda::tiered_cache behind tiered_cache_kernels.hpp.
 #include "tiered_cache_kernels.hpp"
 
+#include <algorithm>
 #include <utility>
 
 #include "cuda_test.hpp"
@@ -19,7 +20,7 @@ struct e2e_cache::impl {
   cudaStream_t stream = nullptr;  // the cache's
   std::vector<cudaStream_t> owned;
   std::unique_ptr<cache_type> c;
-  std::unique_ptr<device_buffer<float>> k, v, q, out, pq, pout;
+  std::unique_ptr<device_buffer<float>> k, v, q, out, pq, pout, lse;
   std::unique_ptr<device_buffer<std::uint16_t>> out16;
   // CUDA graph of a step: per-layer inputs and outputs, [layer][max_batch x ...]
   std::unique_ptr<device_buffer<float>> gk, gv, gq, gout;
@@ -48,6 +49,7 @@ tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& 
   opt.max_step_tokens = o.max_step_tokens;
   opt.max_retier_pages = o.max_retier_pages;
   opt.mass_layers_per_step = o.mass_layers_per_step;
+  opt.center = o.center;
   auto c = cache_type::create(opt, p->stream);
   if (!c) return c.error_status();
   p->c = std::move(*c);
@@ -64,6 +66,8 @@ tierkv::result<std::unique_ptr<e2e_cache>> e2e_cache::create(const e2e_options& 
   p->pq = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * qvec);
   p->pout = std::make_unique<device_buffer<float>>(std::size_t(o.max_step_tokens) * qvec);
   p->out16 = std::make_unique<device_buffer<std::uint16_t>>(std::size_t(o.max_batch) * qvec);
+  p->lse = std::make_unique<device_buffer<float>>(
+      std::size_t(std::max(o.max_batch, o.max_step_tokens)) * e2e_geometry::q_heads);
   const std::size_t L = std::size_t(o.storage.num_layers);
   p->gk = std::make_unique<device_buffer<float>>(L * std::size_t(o.max_batch) * vec);
   p->gv = std::make_unique<device_buffer<float>>(L * std::size_t(o.max_batch) * vec);
@@ -104,31 +108,52 @@ tierkv::status e2e_cache::append(int layer, const std::vector<float>& k,
   return impl_->c->append(layer, impl_->k->p, impl_->v->p, tierkv::cuda::input_type::f32);
 }
 
-tierkv::status e2e_cache::prefill(int layer, const std::vector<float>& q, std::vector<float>& out) {
+namespace {
+// The lse rows of the `floats` query floats just computed, from the wrapper's lse buffer.
+void copy_lse(const float* dev, std::size_t floats, std::vector<float>* lse) {
+  if (lse == nullptr) return;
+  lse->resize(floats / e2e_geometry::head_dim);
+  if (!lse->empty())
+    CUDA_OK(cudaMemcpy(lse->data(), dev, lse->size() * sizeof(float), cudaMemcpyDeviceToHost));
+}
+}  // namespace
+
+tierkv::status e2e_cache::prefill(int layer, const std::vector<float>& q, std::vector<float>& out,
+                                  std::vector<float>* lse) {
   CUDA_OK(cudaStreamSynchronize(impl_->stream));
   impl_->pq->put(q);
-  auto st = impl_->c->prefill(layer, impl_->pq->p, tierkv::cuda::query_type::f32, impl_->pout->p);
+  auto st = impl_->c->prefill(layer, impl_->pq->p, tierkv::cuda::query_type::f32, impl_->pout->p,
+                              tierkv::cuda::output_type::f32, lse ? impl_->lse->p : nullptr);
   if (!st) return st;
   CUDA_OK(cudaStreamSynchronize(impl_->stream));
   out.resize(q.size());
   if (!q.empty())
     CUDA_OK(
         cudaMemcpy(out.data(), impl_->pout->p, q.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  copy_lse(impl_->lse->p, q.size(), lse);
   return st;
 }
 
+tierkv::status e2e_cache::set_centering(int layer, std::span<const float> mu_k,
+                                        std::span<const float> mu_v) {
+  return impl_->c->set_centering(layer, mu_k, mu_v);
+}
+bool e2e_cache::centering_known(int layer) const { return impl_->c->centering_known(layer); }
+
 tierkv::status e2e_cache::decode(int layer, const std::vector<float>& q, std::vector<float>& out,
-                                 float soft_cap, int window) {
+                                 float soft_cap, int window, std::vector<float>* lse) {
   CUDA_OK(cudaStreamSynchronize(impl_->stream));
   impl_->q->put(q);
   auto st = impl_->c->decode(layer, impl_->q->p, tierkv::cuda::query_type::f32, impl_->out->p,
-                             tierkv::cuda::output_type::f32, nullptr, soft_cap, window);
+                             tierkv::cuda::output_type::f32, lse ? impl_->lse->p : nullptr,
+                             soft_cap, window);
   if (!st) return st;
   CUDA_OK(cudaStreamSynchronize(impl_->stream));
   out.resize(q.size());
   if (!q.empty())
     CUDA_OK(
         cudaMemcpy(out.data(), impl_->out->p, q.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  copy_lse(impl_->lse->p, q.size(), lse);
   return st;
 }
 

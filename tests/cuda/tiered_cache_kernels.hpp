@@ -40,6 +40,7 @@ struct e2e_options {
   int max_step_tokens = 512;
   int max_retier_pages = 4096;
   int mass_layers_per_step = 0;
+  bool center = false;  // centring means (the façade's set_centering / estimate)
 };
 
 // The wrapper's conversion fault hook: the fail_at-th call (from 0) fails with injected_fault;
@@ -81,10 +82,16 @@ class e2e_cache {
   // k, v: [tokens][kv_heads][head_dim] floats of one layer.
   tierkv::status append(int layer, const std::vector<float>& k, const std::vector<float>& v);
   // q: [batch][q_heads][head_dim] -> out, same shape.
+  // lse (if given): [batch][q_heads].
   tierkv::status decode(int layer, const std::vector<float>& q, std::vector<float>& out,
-                        float soft_cap = 0.f, int window = 0);
-  // q: [step tokens][q_heads][head_dim] (each sequence's new tokens) -> out, same shape.
-  tierkv::status prefill(int layer, const std::vector<float>& q, std::vector<float>& out);
+                        float soft_cap = 0.f, int window = 0, std::vector<float>* lse = nullptr);
+  // q: [step tokens][q_heads][head_dim] (each sequence's new tokens) -> out, same shape; lse (if
+  // given): [step tokens][q_heads].
+  tierkv::status prefill(int layer, const std::vector<float>& q, std::vector<float>& out,
+                         std::vector<float>* lse = nullptr);
+  // The façade's set_centering: [kv_heads][head_dim] floats each.
+  tierkv::status set_centering(int layer, std::span<const float> mu_k, std::span<const float> mu_v);
+  bool centering_known(int layer) const;
   tierkv::result<tierkv::retier_stats> end_step(std::uint64_t step, bool wait);
   // decode with bf16 output: the raw bf16 bits, [batch][q_heads][head_dim].
   tierkv::status decode_bf16(int layer, const std::vector<float>& q,

@@ -53,6 +53,12 @@ struct append_inputs {
   /// pool or an offset beyond page_tokens (nothing written for that token), non_finite_input
   /// for NaN/Inf (the codec's poison is written: zero codes, NaN scale).
   int* error = nullptr;
+  /// Optional centring means (tierkv/centering.hpp), [layers][kv_heads][head_dim] floats from
+  /// k's layer 0 on, mean_layer_stride apart: subtracted from each key (value) before it is
+  /// encoded. A difference that overflows is non-finite and reported as such.
+  const float* key_mean = nullptr;
+  const float* value_mean = nullptr;
+  std::int64_t mean_layer_stride = 0;
 };
 
 namespace detail {
@@ -71,7 +77,8 @@ struct append_target {
   bool valid = false;
   int role = 0, h = 0, layer = 0;
   const void* src = nullptr;
-  std::int64_t base = 0;  // first element of the vector in src
+  std::int64_t base = 0;        // first element of the vector in src
+  const float* mean = nullptr;  // the vector's centring mean (head_dim floats), or none
   std::uint8_t* payload = nullptr;
   typename Codec::meta_type* meta = nullptr;
 
@@ -91,6 +98,8 @@ struct append_target {
     valid = true;
     src = role == 0 ? in.k : in.v;
     base = std::int64_t(layer) * in.layer_stride + (std::int64_t(n) * H + h) * D;
+    if (const float* m = role == 0 ? in.key_mean : in.value_mean)
+      mean = m + std::int64_t(layer) * in.mean_layer_stride + std::int64_t(h) * D;
     std::uint8_t* page = in.pool.page(std::uint32_t(slot));
     payload = page + (role == 0 ? layout::key_payload(h, off) : layout::value_payload(h, off));
     meta = reinterpret_cast<typename Codec::meta_type*>(
@@ -121,7 +130,7 @@ __global__ void __launch_bounds__(256) append_fp8_kernel(append_inputs in) {
 #pragma unroll
   for (int j = 0; j < per_lane; ++j) {
     const int i = lane * per_lane + j;  // contiguous per lane: packed byte stores below
-    x[j] = i < D ? load_input(src, in.type, base + i) : 0.f;
+    x[j] = i < D ? load_input(src, in.type, base + i) - (at.mean ? at.mean[i] : 0.f) : 0.f;
     finite = finite && tierkv::detail::is_finite_bits(x[j]);
     float a = tierkv::detail::abs_bits(x[j]);
     if (a > Codec::input_limit) a = Codec::input_limit;
@@ -164,7 +173,9 @@ __global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
   if (!at.valid) return;
   float x[P];
 #pragma unroll
-  for (int r = 0; r < P; ++r) x[r] = load_input(at.src, in.type, at.base + lane * P + r);
+  for (int r = 0; r < P; ++r)
+    x[r] = load_input(at.src, in.type, at.base + lane * P + r) -
+           (at.mean ? at.mean[lane * P + r] : 0.f);
   const std::uint64_t seed =
       make_codec_context(in.cache_seed, in.layer_base + at.layer, in.head_base + at.h,
                          at.role == 0 ? kv_role::key : kv_role::value)
@@ -173,7 +184,41 @@ __global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
   if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
 }
 
+// grid (ceil(kv_heads * head_dim / 128), 2): thread i of role blockIdx.y is channel i; its mean
+// over the tokens in token order, summed in float64 as channel_means::estimate does (the same
+// float result). A non-finite mean (NaN / Inf input, which the append then reports) is 0:
+// that channel is not centred, which is still exact.
+template <class Geometry>
+__global__ void __launch_bounds__(128)
+    estimate_means_kernel(append_inputs in, float* key_mean, float* value_mean) {
+  constexpr int C = Geometry::kv_heads * Geometry::head_dim;
+  const int i = int(blockIdx.x) * 128 + int(threadIdx.x);
+  if (i >= C) return;
+  const bool value = blockIdx.y == 1;
+  const void* src = value ? in.v : in.k;
+  double sum = 0;
+  for (int t = 0; t < in.tokens; ++t)
+    sum += double(load_input(src, in.type, std::int64_t(t) * C + i));
+  const float m = float(sum / double(in.tokens));
+  (value ? value_mean : key_mean)[i] = tierkv::detail::is_finite_bits(m) ? m : 0.f;
+}
+
 }  // namespace detail
+
+/// Enqueues the estimate of one layer's centring means (channel_means::estimate's, bit for
+/// bit) from the tokens of `in` (its layer 0): key_mean and value_mean get kv_heads x head_dim
+/// floats each. No synchronization, no allocation.
+template <class Geometry>
+status estimate_means(const append_inputs& in, float* key_mean, float* value_mean,
+                      cudaStream_t stream) {
+  if (in.tokens < 1 || !in.k || !in.v || !key_mean || !value_mean)
+    return status::make(errc::invalid_argument, "estimate_means: tokens = ", in.tokens,
+                        " (>= 1) and k, v, key_mean, value_mean must be set");
+  constexpr int C = Geometry::kv_heads * Geometry::head_dim;
+  detail::estimate_means_kernel<Geometry>
+      <<<dim3(unsigned((C + 127) / 128), 2), 128, 0, stream>>>(in, key_mean, value_mean);
+  return check_launch("estimate_means_kernel");
+}
 
 /// Enqueues the append on `stream`. Tier must store keys and values in one format, FP8 E4M3
 /// or int8_rotated (the tier new tokens go to). No synchronization, no allocation.

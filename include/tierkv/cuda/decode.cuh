@@ -72,6 +72,9 @@ status decode(const decode_plan& plan, const decode_inputs<TierList::size>& in, 
   if (in.window < 0)
     return status::make(errc::invalid_argument, "decode: window = ", in.window,
                         " must be >= 0 (0 = full attention)");
+  if ((in.key_mean != nullptr || in.value_mean != nullptr) && in.soft_cap > 0.f)
+    return status::make(errc::invalid_argument, "decode: soft_cap = ", in.soft_cap,
+                        " with centring means: centring is exact only without a soft-cap");
   if (in.page_mass != nullptr &&
       (!plan.page_mass || in.lse == nullptr || in.page_mass_stride < plan.max_pages))
     return status::make(errc::invalid_argument,

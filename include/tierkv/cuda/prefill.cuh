@@ -61,6 +61,9 @@ status prefill(const prefill_plan& plan, const prefill_inputs<TierList::size>& i
   if (in.window < 0)
     return status::make(errc::invalid_argument, "prefill: window = ", in.window,
                         " must be >= 0 (0 = full attention)");
+  if ((in.key_mean != nullptr || in.value_mean != nullptr) && in.soft_cap > 0.f)
+    return status::make(errc::invalid_argument, "prefill: soft_cap = ", in.soft_cap,
+                        " with centring means: centring is exact only without a soft-cap");
   if (status bad = detail::check_pools<Geometry>("prefill", in.index, in.pools,
                                                  static_cast<TierList*>(nullptr));
       !bad)

@@ -81,6 +81,12 @@ struct tiered_cache_options {
   int mass_layers_per_step = 0;  ///< layers whose page mass feeds the policy a step (0 = all);
                                  ///< only their decodes compute the mass (a device flag)
   float softmax_scale = 0.f;     ///< 0: 1 / sqrt(head_dim)
+  /// Centring (tierkv/centering.hpp, as the host tiered_cache's): each layer's per-KV-head
+  /// channel means of keys and values are subtracted before encoding and given back in decode
+  /// and prefill (outputs and lse). The means are set_centering()'s, or else those of the first
+  /// tokens appended to the layer (estimated on the device; not while a graph is captured).
+  /// decode / prefill refuse soft_cap > 0 then.
+  bool center = false;
 };
 
 /// Host<->device bytes the façade moved: all metadata. Page bytes never cross (see the top).
@@ -153,7 +159,8 @@ class tiered_cache {
     prefixes_.reset();  // its page references, before the storage
     storage_.reset();
     for (void* p : {workspace_, prefill_workspace_, static_cast<void*>(mass_dev_),
-                    static_cast<void*>(lse_dev_), static_cast<void*>(slots_dev_)})
+                    static_cast<void*>(lse_dev_), static_cast<void*>(slots_dev_),
+                    static_cast<void*>(means_dev_)})
       cudaFree(p);
     for (mass_copy& m : mass_copies_) {
       if (m.host) cudaFreeHost(m.host);
@@ -399,7 +406,72 @@ class tiered_cache {
     in.cache_seed = storage_->config().codec_seed;
     in.head_base = storage_->config().head_base;
     in.layer_base = layer;
+    if (opt_.center) {
+      in.key_mean = key_mean(layer);
+      in.value_mean = value_mean(layer);
+      if (!means_known_[std::size_t(layer)]) {  // the first tokens of the layer: their means
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        TIERKV_CUDA_TRY(cudaStreamIsCapturing(*stream, &capturing));
+        if (capturing != cudaStreamCaptureStatusNone)
+          return status::make(errc::invalid_argument, "append: layer ", layer,
+                              "'s centring means are not known yet and a graph capture would "
+                              "estimate them at every replay; append once outside the capture "
+                              "or call set_centering first");
+        if (auto st = estimate_means<Geometry>(in, key_mean(layer), value_mean(layer), *stream);
+            !st)
+          return st;
+        auto st = cuda::append<Geometry, append_tier>(in, *stream);
+        if (st) means_known_[std::size_t(layer)] = 1;  // else the next append estimates again
+        return st;
+      }
+    }
     return cuda::append<Geometry, append_tier>(in, *stream);
+  }
+
+  /// Sets layer's centring means ([kv_head][head_dim] host floats each, e.g. from a calibration
+  /// pass) while the cache holds no page: its pages are encoded against the means they have.
+  /// Copied before returning.
+  status set_centering(int layer, std::span<const float> mu_k, std::span<const float> mu_v) {
+    if (!opt_.center)
+      return status(errc::invalid_argument,
+                    "set_centering: the cache was created with center = false");
+    if (stepping_)
+      return status(errc::invalid_argument, "set_centering: not between begin_step and end_step");
+    if (layer < 0 || layer >= layers())
+      return status::out_of_range("set_centering: layer", layer, layers());
+    constexpr std::size_t n = std::size_t(Geometry::kv_heads) * Geometry::head_dim;
+    if (mu_k.size() != n || mu_v.size() != n)
+      return status::make(errc::invalid_argument, "set_centering: ", mu_k.size(), " and ",
+                          mu_v.size(), " floats given, kv_heads x head_dim = ", n, " needed");
+    for (std::size_t i = 0; i < n; ++i)
+      if (!std::isfinite(mu_k[i]) || !std::isfinite(mu_v[i]))
+        return status::make(errc::non_finite_input, "set_centering: mean ", i, " is ",
+                            std::isfinite(mu_k[i]) ? mu_v[i] : mu_k[i], " (",
+                            std::isfinite(mu_k[i]) ? "values" : "keys", ")");
+    for (int t = 0; t < num_tiers; ++t)
+      if (storage_->free_pages(t) != opt_.storage.pages_per_tier[std::size_t(t)])
+        return status::make(errc::invalid_argument, "set_centering: tier ", t, " holds ",
+                            opt_.storage.pages_per_tier[std::size_t(t)] - storage_->free_pages(t),
+                            " pages encoded against the present means; release every sequence "
+                            "and prefix entry first");
+    TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // no kernel reads the old means any more
+    TIERKV_CUDA_TRY(
+        cudaMemcpy(key_mean(layer), mu_k.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    TIERKV_CUDA_TRY(
+        cudaMemcpy(value_mean(layer), mu_v.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    counters_.h2d_metadata_bytes += 2 * n * sizeof(float);
+    means_known_[std::size_t(layer)] = 1;
+    return {};
+  }
+  /// Whether layer's centring means are set (given or estimated); false without centring.
+  bool centering_known(int layer) const {
+    return opt_.center && layer >= 0 && layer < layers() && means_known_[std::size_t(layer)] != 0;
+  }
+  /// Layer's centring means on the device ([kv_head][head_dim] floats each; nullptr without
+  /// centring): an engine moving pages to another cache gives it the same means.
+  const float* centering_keys(int layer) const { return opt_.center ? key_mean(layer) : nullptr; }
+  const float* centering_values(int layer) const {
+    return opt_.center ? value_mean(layer) : nullptr;
   }
 
   /// Decode attention of layer `layer` for the step's batch: queries [batch][q_heads][head_dim]
@@ -626,6 +698,12 @@ class tiered_cache {
       TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
     }
     TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
+    if (opt_.center) {  // zeros until set or estimated: a decode captured before that reads them
+      const std::size_t bytes = 2 * std::size_t(layers()) * mean_floats * sizeof(float);
+      TIERKV_CUDA_TRY(cudaMalloc(&means_dev_, bytes));
+      TIERKV_CUDA_TRY(cudaMemsetAsync(means_dev_, 0, bytes, stream_));
+      means_known_.assign(std::size_t(layers()), 0);
+    }
     mass_layer_.assign(std::size_t(mass_layers_), -1);
     const std::size_t slot_ints = mass_on_offset() + std::size_t(layers());
     TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
@@ -676,7 +754,15 @@ class tiered_cache {
     in.cache_seed = storage_->config().codec_seed;
     in.head_base = storage_->config().head_base;
     in.layer = layer;
+    if (opt_.center) {
+      in.key_mean = key_mean(layer);
+      in.value_mean = value_mean(layer);
+    }
   }
+  // Centring means on the device: [layer][keys, values][kv_heads][head_dim].
+  static constexpr std::size_t mean_floats = std::size_t(Geometry::kv_heads) * Geometry::head_dim;
+  float* key_mean(int layer) const { return means_dev_ + 2 * std::size_t(layer) * mean_floats; }
+  float* value_mean(int layer) const { return key_mean(layer) + mean_floats; }
 
   // The slot buffer: [layers][max_step_tokens] slots, [max_step_tokens] offsets, the step's
   // query offsets [max_batch + 1], then the layers' page-mass flags [layers].
@@ -952,6 +1038,8 @@ class tiered_cache {
   std::vector<int> mass_layer_;  // per host slot: the layer sampled this step
   float* mass_dev_ = nullptr;
   float* lse_dev_ = nullptr;
+  float* means_dev_ = nullptr;             // centring means (center only)
+  std::vector<std::uint8_t> means_known_;  // per layer: set or estimated
   std::array<mass_copy, 2> mass_copies_;
   int mass_turn_ = 0;
   cudaEvent_t handoff_ = nullptr;  // set_stream's ordering of the new stream after the old

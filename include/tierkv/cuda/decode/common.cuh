@@ -382,6 +382,23 @@ __device__ __forceinline__ bool query_has_non_finite(const Inputs& in, std::size
   return bad;
 }
 
+// Centring's lse term for query row `row` (D elements, f32 or bf16) against its KV head's key
+// mean: softmax_scale * q.mean, summed in a fixed order by one thread (the merge adds it to the
+// lse, the page mass takes it off again: both get the same float).
+template <int D>
+__device__ __forceinline__ float query_mean_logit(const void* queries, query_type type,
+                                                  std::size_t row, const float* mean, float scale) {
+  float s = 0.f;
+  for (int i = 0; i < D; ++i) {
+    const std::size_t at = row * D + std::size_t(i);
+    const float q = type == query_type::bf16
+                        ? __bfloat162float(static_cast<const __nv_bfloat16*>(queries)[at])
+                        : static_cast<const float*>(queries)[at];
+    s = fmaf(q, mean[i], s);
+  }
+  return scale * s;
+}
+
 // The second pass of a decode step, the same for both split kernels: the merge of the chunk
 // states and the per-page mass.
 template <class Geometry, class TierList>
@@ -497,10 +514,18 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
       float x = part[0][tid];
 #pragma unroll
       for (int w = 1; w < decode_warps; ++w) x += part[w][tid];
-      store_out(in, row * D + std::size_t(slice * merge_slice + tid), poisoned ? NAN : x * inv);
+      const int d = slice * merge_slice + tid;
+      const float mean = in.value_mean ? in.value_mean[(h / Geometry::group_size) * D + d] : 0.f;
+      store_out(in, row * D + std::size_t(d), poisoned ? NAN : x * inv + mean);
     }
-    if (tid == 0 && slice == 0 && in.lse != nullptr)
-      in.lse[row] = poisoned ? NAN : lt > 0.f ? (mx + log2f(lt)) / log2e : -INFINITY;
+    if (tid == 0 && slice == 0 && in.lse != nullptr) {
+      const float shift =
+          in.key_mean
+              ? query_mean_logit<D>(in.queries, in.queries_type, row,
+                                    in.key_mean + (h / Geometry::group_size) * D, in.softmax_scale)
+              : 0.f;
+      in.lse[row] = poisoned ? NAN : lt > 0.f ? (mx + log2f(lt)) / log2e + shift : -INFINITY;
+    }
   }
 
   // grid (ceil(plan.max_pages / decode_threads), batch): one thread a page, its mass averaged
@@ -512,8 +537,17 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     const int b = int(blockIdx.y);
     if (b >= in.index.batch || !page_mass_wanted(in)) return;
     __shared__ float lse2[QH];
-    for (int h = int(threadIdx.x); h < QH; h += decode_threads)
-      lse2[h] = in.lse[std::size_t(b) * QH + std::size_t(h)] * log2e;
+    for (int h = int(threadIdx.x); h < QH; h += decode_threads) {
+      const std::size_t row = std::size_t(b) * QH + std::size_t(h);
+      // the masses are of the centred logits: the merge's centring term comes off the lse
+      const float shift =
+          in.key_mean
+              ? query_mean_logit<Geometry::head_dim>(
+                    in.queries, in.queries_type, row,
+                    in.key_mean + (h / Geometry::group_size) * Geometry::head_dim, in.softmax_scale)
+              : 0.f;
+      lse2[h] = (in.lse[row] - shift) * log2e;
+    }
     __syncthreads();
     const float* mass_ws = reinterpret_cast<const float*>(workspace + plan.mass_offset);
     int pages = 0;

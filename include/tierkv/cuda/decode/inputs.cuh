@@ -44,6 +44,12 @@ struct decode_inputs {
   /// Optional device flag read at run time: 0 skips the page mass in this launch (a captured
   /// graph decodes every layer each step; the façade turns the mass on for its sampled layers).
   const int* page_mass_on = nullptr;
+  /// Optional centring means of this layer ([kv_heads][head_dim] floats each; the pages hold
+  /// keys and values minus them, tierkv/centering.hpp): a non-empty sequence's output gets its
+  /// KV head's value_mean added and its lse softmax_scale * q.key_mean (softmax ignores a shift
+  /// shared by all of a query's logits, so the page mass needs nothing). Needs soft_cap = 0.
+  const float* key_mean = nullptr;
+  const float* value_mean = nullptr;
 };
 
 namespace detail {

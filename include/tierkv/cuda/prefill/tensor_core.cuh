@@ -716,17 +716,32 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   }
 
   // A lane's P output elements at `at` (f32 or bf16, NaN for a row with a non-finite query).
-  static __device__ void store_output(const prefill_inputs<N>& in, std::size_t at,
+  // Row `row` (query x q_heads + head) of the output: at = row * D + lane * P; with centring
+  // the row's value mean is added here.
+  static __device__ void store_output(const prefill_inputs<N>& in, std::size_t row, int lane,
                                       const float (&x)[P], bool bad) {
+    const std::size_t at = row * D + std::size_t(lane * P);
+    float y[P];
+    const float* mean =
+        in.value_mean ? in.value_mean + (int(row % QH) / G) * D + lane * P : nullptr;
+#pragma unroll
+    for (int i = 0; i < P; ++i) y[i] = bad ? NAN : mean ? x[i] + mean[i] : x[i];
     if (in.out_type == output_type::bf16) {
       __nv_bfloat16* o = static_cast<__nv_bfloat16*>(in.out) + at;
 #pragma unroll
-      for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(bad ? NAN : x[i]);
+      for (int i = 0; i < P; ++i) o[i] = __float2bfloat16_rn(y[i]);
     } else {
       float* o = static_cast<float*>(in.out) + at;
 #pragma unroll
-      for (int i = 0; i < P; ++i) o[i] = bad ? NAN : x[i];
+      for (int i = 0; i < P; ++i) o[i] = y[i];
     }
+  }
+  // Centring's lse term of output row `row` (0 without centring): query_mean_logit.
+  static __device__ float lse_shift(const prefill_inputs<N>& in, std::size_t row) {
+    return in.key_mean
+               ? query_mean_logit<D>(in.queries, in.queries_type, row,
+                                     in.key_mean + (int(row % QH) / G) * D, in.softmax_scale)
+               : 0.f;
   }
 
   // O / l through the scratch (un-rotated if its last values were rotated) to the output, or to
@@ -775,7 +790,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       if (partial)
         store_lane_floats<P>(part_o + grow * D + std::size_t(lane * P), x);
       else
-        store_output(in, grow * D + std::size_t(lane * P), x, bad);
+        store_output(in, grow, lane, x, bad);
     }
     if (lane % 4 == 0) {
 #pragma unroll
@@ -788,7 +803,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         if (partial)
           part_lse[grow] = bad ? NAN : lse2[r];
         else if (in.lse != nullptr)
-          in.lse[grow] = bad ? NAN : lse2[r] / log2e;
+          in.lse[grow] = bad ? NAN : lse2[r] / log2e + lse_shift(in, grow);
       }
     }
   }
@@ -831,9 +846,11 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
 #pragma unroll
     for (int i = 0; i < P; ++i) acc[i] *= inv;
-    store_output(in, row * D + std::size_t(lane * P), acc, nan);
+    store_output(in, row, lane, acc, nan);
     if (lane == 0 && in.lse != nullptr)
-      in.lse[row] = nan ? NAN : wsum > 0.f ? (mx + log2f(wsum)) / log2e : -INFINITY;
+      in.lse[row] = nan          ? NAN
+                    : wsum > 0.f ? (mx + log2f(wsum)) / log2e + lse_shift(in, row)
+                                 : -INFINITY;
   }
 };
 
