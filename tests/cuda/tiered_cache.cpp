@@ -1070,13 +1070,13 @@ TEST_CASE(
     }
 
     // ---- refusals ----
-    const std::vector<float> zeros(vec, 0.f);
-    CHECK(gc.c->set_centering(0, zeros, zeros).code() == errc::invalid_argument);  // pages held
-    CHECK(gu.c->set_centering(0, zeros, zeros).code() == errc::invalid_argument);  // no centring
     std::vector<float> out;
     CHECK(gc.c->decode(0, q_dec[0], out, 5.f).code() == errc::invalid_argument);  // soft-cap
     REQUIRE(gc.c->end_step(2, true).has_value());
     REQUIRE(gu.c->end_step(2, true).has_value());
+    const std::vector<float> zeros(vec, 0.f);
+    CHECK(gc.c->set_centering(0, zeros, zeros).code() == errc::invalid_argument);  // pages held
+    CHECK(gu.c->set_centering(0, zeros, zeros).code() == errc::invalid_argument);  // no centring
   }
 
   // A graph capture must not estimate means (it would at every replay): refused, nothing run.
@@ -1090,6 +1090,9 @@ TEST_CASE(
   REQUIRE(fresh->begin_step(b, std::vector<std::int32_t>{1}).is_ok());
   CHECK(fresh->capture_step().code() == errc::invalid_argument);
   CHECK_FALSE(fresh->centering_known(0));
-  const std::vector<float> bad(vec, NAN);
-  CHECK(fresh->set_centering(0, bad, bad).code() == errc::invalid_argument);  // mid-step first
+  REQUIRE(fresh->end_step(1, true).has_value());
+  const std::vector<float> bad(vec, NAN), ok(vec, 0.f), short_(vec - 1, 0.f);
+  CHECK(fresh->set_centering(0, bad, ok).code() == errc::non_finite_input);
+  CHECK(fresh->set_centering(0, short_, ok).code() == errc::invalid_argument);
+  CHECK(fresh->set_centering(layers, ok, ok).code() == errc::out_of_range);
 }
