@@ -880,6 +880,8 @@ TEST_CASE(
   // façade with centring (`hc`, the reference implementation). Means estimated from the first
   // tokens, then given by set_centering.
   using host_cache = tiered_cache<G, TL>;
+  // by age alone, from the first step on: all but the sink page and the 2 newest go to TQ3
+  const policy::recency_anchor age_only(tierkv_test::recency_knobs(2, 1, 1.0f, 1e30f, 1e29f, 0));
   constexpr int n0 = 160, n = n0 + 1;
   const double scale = 1.0 / std::sqrt(double(D));
   const std::size_t vec = std::size_t(KVH) * D, qvec = std::size_t(QH) * D;
@@ -938,7 +940,7 @@ TEST_CASE(
     for (run* r : {&gc, &gu}) {
       cuda_test::e2e_options o;
       o.storage = storage_opts();
-      o.policy = knobs();
+      o.policy = age_only;
       o.center = r == &gc;
       r->c = std::move(cuda_test::e2e_cache::create(o).value());
       if (given && o.center)
@@ -948,7 +950,7 @@ TEST_CASE(
     }
     host_cache::options ho;
     ho.storage = storage_opts();
-    ho.policy = knobs();
+    ho.policy = age_only;
     ho.max_batch = 8;
     ho.max_pages = 64;
     ho.center = true;
