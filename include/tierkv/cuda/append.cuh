@@ -57,8 +57,8 @@ struct append_inputs {
   /// k's layer 0 on, mean_layer_stride apart: subtracted from each key (value) before it is
   /// encoded. A difference that overflows is non-finite and reported as such.
   const float* key_mean = nullptr;
-  const float* value_mean = nullptr;
-  std::int64_t mean_layer_stride = 0;
+  const float* value_mean = nullptr;   ///< the values' means, laid out as key_mean
+  std::int64_t mean_layer_stride = 0;  ///< floats between layers of key_mean and value_mean
 };
 
 namespace detail {

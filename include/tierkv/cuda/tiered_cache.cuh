@@ -470,6 +470,7 @@ class tiered_cache {
   /// Layer's centring means on the device ([kv_head][head_dim] floats each; nullptr without
   /// centring): an engine moving pages to another cache gives it the same means.
   const float* centering_keys(int layer) const { return opt_.center ? key_mean(layer) : nullptr; }
+  /// Layer's value means on the device (nullptr without centring).
   const float* centering_values(int layer) const {
     return opt_.center ? value_mean(layer) : nullptr;
   }

@@ -49,6 +49,7 @@ struct decode_inputs {
   /// KV head's value_mean added and its lse softmax_scale * q.key_mean (softmax ignores a shift
   /// shared by all of a query's logits, so the page mass needs nothing). Needs soft_cap = 0.
   const float* key_mean = nullptr;
+  /// Optional centring means of values ([kv_heads][head_dim]), added to the outputs.
   const float* value_mean = nullptr;
 };
 

@@ -33,9 +33,10 @@ struct prefill_inputs {
   void* out = nullptr;  ///< [total_q][q_heads][head_dim]
   output_type out_type = output_type::f32;  ///< element type of out
   float* lse = nullptr;                     ///< optional [total_q][q_heads], natural log
-  /// Optional centring means of this layer, as decode_inputs' (out += value_mean of the row's KV
-  /// head, lse += softmax_scale * q.key_mean). Needs soft_cap = 0.
+  /// Optional centring means of this layer, as decode_inputs': lse += softmax_scale *
+  /// q.key_mean of the row's KV head. Needs soft_cap = 0.
   const float* key_mean = nullptr;
+  /// Optional centring means of values: out += value_mean of the row's KV head.
   const float* value_mean = nullptr;
 };
 
