@@ -31,6 +31,7 @@
 #include "tierkv/attention/host_workspace.hpp"
 #include "tierkv/cache.hpp"
 #include "tierkv/codec/bf16.hpp"
+#include "tierkv/compaction/document_index.hpp"
 #include "tierkv/paging/index_builder.hpp"
 #include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/tiering/conversion.hpp"
@@ -1097,4 +1098,56 @@ TEST_CASE(
   CHECK(fresh->set_centering(0, bad, ok).code() == errc::non_finite_input);
   CHECK(fresh->set_centering(0, short_, ok).code() == errc::invalid_argument);
   CHECK(fresh->set_centering(layers, ok, ok).code() == errc::out_of_range);
+}
+
+TEST_CASE("document_index over cuda::tiered_cache: a request forks the compacted document's pages",
+          "[cuda][cache][document_index]") {
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  compaction::document_index<cuda_test::e2e_cache> index(*gpu);
+  // the compacted document: 40 tokens standing for a 256-token document
+  const seq_id d = gpu->create_sequence().value();
+  std::mt19937_64 rng(20261204);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const std::size_t vec = std::size_t(KVH) * D;
+  REQUIRE(gpu->begin_step(std::vector<seq_id>{d}, std::vector<std::int32_t>{40}).is_ok());
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> k(40 * vec), v(k.size());
+    for (auto& e : k) e = normal(rng);
+    for (auto& e : v) e = normal(rng);
+    REQUIRE(gpu->append(l, k, v).is_ok());
+  }
+  REQUIRE(gpu->end_step(1, true).has_value());
+  std::vector<std::int32_t> request(300);
+  for (auto& t : request) t = std::int32_t(rng() % 50000);
+  REQUIRE(index.insert(d, 5, std::span<const std::int32_t>(request).first(256)).is_ok());
+  const std::uint32_t free0 = gpu->storage().free_pages(0);
+
+  auto s = index.start_sequence(5, request);
+  REQUIRE(s.has_value());
+  REQUIRE(s->has_value());
+  const seq_id f = (*s)->seq;
+  CHECK((*s)->document_tokens == 256);
+  CHECK(*gpu->storage().length(f) == 40);
+  CHECK(*gpu->storage().block_of(f, 0) == *gpu->storage().block_of(d, 0));  // sealed: shared
+  CHECK(gpu->storage().free_pages(0) == free0 - layers);  // the open tail page copied per layer
+  // decode over the fork equals decode over the document (both rows get the same query)
+  REQUIRE(gpu->begin_step(std::vector<seq_id>{d, f}, std::vector<std::int32_t>{0, 0}).is_ok());
+  std::vector<float> q(2 * std::size_t(QH) * D), out;
+  for (std::size_t i = 0; i < q.size() / 2; ++i) q[i] = q[i + q.size() / 2] = normal(rng);
+  for (int l = 0; l < layers; ++l) {
+    REQUIRE(gpu->decode(l, q, out).is_ok());
+    CHECK(std::equal(out.begin(), out.begin() + std::ptrdiff_t(out.size() / 2),
+                     out.begin() + std::ptrdiff_t(out.size() / 2)));
+  }
+  // mid-step the cache refuses the release: eviction stops with the entry kept
+  CHECK(index.evict(1).error_status().code() == errc::invalid_argument);
+  CHECK(index.size() == 1);
+  REQUIRE(gpu->end_step(2, true).has_value());
+  REQUIRE(index.clear().is_ok());
+  REQUIRE(gpu->release(f).is_ok());
+  CHECK(gpu->storage().free_pages(0) == tier0_pages);
+  REQUIRE(gpu->check_invariants().is_ok());
 }
