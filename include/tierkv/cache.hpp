@@ -241,12 +241,7 @@ class tiered_cache {
     if (!means_)
       return status(errc::invalid_argument,
                     "set_centering: the cache was created with center = false");
-    for (int t = 0; t < num_tiers; ++t)
-      if (storage_->free_pages(t) != opt_.storage.pages_per_tier[std::size_t(t)])
-        return status::make(errc::invalid_argument, "set_centering: tier ", t, " holds ",
-                            opt_.storage.pages_per_tier[std::size_t(t)] - storage_->free_pages(t),
-                            " pages encoded against the present means; release every sequence "
-                            "and prefix entry first");
+    if (auto st = check_no_pages_for_centring(*storage_); !st) return st;
     return means_->set(layer, mu_k, mu_v);
   }
   /// The centring means (nullptr when center = false): an engine moving pages to another cache

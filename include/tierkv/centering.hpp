@@ -23,6 +23,21 @@
 
 namespace tierkv {
 
+/// Refuses new means (invalid_argument, naming the tier and its pages) while any pool of
+/// `storage` holds a page: every page was encoded against the present means.
+template <class Storage>
+status check_no_pages_for_centring(const Storage& storage) {
+  for (int t = 0; t < Storage::num_tiers; ++t) {
+    const std::uint32_t cap = storage.config().pages_per_tier[std::size_t(t)];
+    if (storage.free_pages(t) != cap)
+      return status::make(errc::invalid_argument, "set_centering: tier ", t, " holds ",
+                          cap - storage.free_pages(t),
+                          " pages encoded against the present means; release every sequence "
+                          "and prefix entry first");
+  }
+  return {};
+}
+
 /// The channel means of one cache: [layer][kv_head][head_dim] floats for keys and for values,
 /// each layer's set once (given, or estimated from the first tokens written to the layer) and
 /// fixed while the cache holds pages (the pages were encoded against them).
@@ -51,10 +66,11 @@ class channel_means {
     return {mu_v_.data() + std::size_t(layer) * per_layer, per_layer};
   }
 
-  /// Sets layer's means ([kv_heads][head_dim] each); refuses sizes and non-finite means.
-  status set(int layer, std::span<const float> mu_k, std::span<const float> mu_v) {
-    if (layer < 0 || layer >= layers())
-      return status::out_of_range("centring layer", layer, layers());
+  /// Whether means for layer of a cache of `layers` layers could be set: the layer, the sizes
+  /// ([kv_heads][head_dim] each) and finite values (the GPU façade checks with it too).
+  static status check(int layer, int layers, std::span<const float> mu_k,
+                      std::span<const float> mu_v) {
+    if (layer < 0 || layer >= layers) return status::out_of_range("centring layer", layer, layers);
     if (mu_k.size() != per_layer || mu_v.size() != per_layer)
       return status::make(errc::invalid_argument, "centring means of layer ", layer, " need ",
                           per_layer, " floats each ([kv_head][head_dim]), got ", mu_k.size(),
@@ -63,6 +79,12 @@ class channel_means {
       if (!std::isfinite(mu_k[i]) || !std::isfinite(mu_v[i]))
         return status::make(errc::non_finite_input, "centring means of layer ", layer, ": element ",
                             i, " is not finite");
+    return {};
+  }
+
+  /// Sets layer's means ([kv_heads][head_dim] each); refuses sizes and non-finite means.
+  status set(int layer, std::span<const float> mu_k, std::span<const float> mu_v) {
+    if (auto st = check(layer, layers(), mu_k, mu_v); !st) return st;
     std::copy(mu_k.begin(), mu_k.end(), mu_k_.begin() + std::ptrdiff_t(layer * per_layer));
     std::copy(mu_v.begin(), mu_v.end(), mu_v_.begin() + std::ptrdiff_t(layer * per_layer));
     known_[std::size_t(layer)] = 1;

@@ -44,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "tierkv/centering.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
@@ -136,6 +137,8 @@ class tiered_cache {
   using options = tiered_cache_options<Policy, num_tiers>;
   /// The tier new tokens are appended to (tier 0).
   using append_tier = tier_at_t<Tiers, 0>;
+  /// The host façade's centring means (their checks; the values live on the device here).
+  using means_type = channel_means<Geometry::head_dim, Geometry::kv_heads, host_allocator>;
   /// Most layers (num_layers) a cache may have.
   static constexpr int layers_max = 65535;
   /// Observes the page mass the policy is fed: (sequence, layer, mass per logical page).
@@ -437,23 +440,9 @@ class tiered_cache {
                     "set_centering: the cache was created with center = false");
     if (stepping_)
       return status(errc::invalid_argument, "set_centering: not between begin_step and end_step");
-    if (layer < 0 || layer >= layers())
-      return status::out_of_range("set_centering: layer", layer, layers());
-    constexpr std::size_t n = std::size_t(Geometry::kv_heads) * Geometry::head_dim;
-    if (mu_k.size() != n || mu_v.size() != n)
-      return status::make(errc::invalid_argument, "set_centering: ", mu_k.size(), " and ",
-                          mu_v.size(), " floats given, kv_heads x head_dim = ", n, " needed");
-    for (std::size_t i = 0; i < n; ++i)
-      if (!std::isfinite(mu_k[i]) || !std::isfinite(mu_v[i]))
-        return status::make(errc::non_finite_input, "set_centering: mean ", i, " is ",
-                            std::isfinite(mu_k[i]) ? mu_v[i] : mu_k[i], " (",
-                            std::isfinite(mu_k[i]) ? "values" : "keys", ")");
-    for (int t = 0; t < num_tiers; ++t)
-      if (storage_->free_pages(t) != opt_.storage.pages_per_tier[std::size_t(t)])
-        return status::make(errc::invalid_argument, "set_centering: tier ", t, " holds ",
-                            opt_.storage.pages_per_tier[std::size_t(t)] - storage_->free_pages(t),
-                            " pages encoded against the present means; release every sequence "
-                            "and prefix entry first");
+    if (auto st = means_type::check(layer, layers(), mu_k, mu_v); !st) return st;
+    if (auto st = check_no_pages_for_centring(*storage_); !st) return st;
+    constexpr std::size_t n = mean_floats;
     TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // no kernel reads the old means any more
     TIERKV_CUDA_TRY(
         cudaMemcpy(key_mean(layer), mu_k.data(), n * sizeof(float), cudaMemcpyHostToDevice));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "colliding_hash.hpp"
 #include "tierkv/cache.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/compaction/document_index.hpp"
@@ -54,14 +55,6 @@ std::vector<std::int32_t> ids(std::size_t n, std::uint64_t seed) {
   for (auto& e : x) e = std::int32_t(rng() % 50000);
   return x;
 }
-
-// Hashes every document alike: the index must tell them apart by their ids.
-struct colliding_hash {
-  std::uint64_t root(std::uint64_t) const noexcept { return 1; }
-  std::uint64_t operator()(std::uint64_t, std::span<const std::int32_t>) const noexcept {
-    return 42;
-  }
-};
 
 }  // namespace
 
@@ -182,7 +175,7 @@ TEST_CASE("document_index: a fork the cache refuses changes nothing",
 TEST_CASE("document_index: documents whose hashes collide are told apart by their ids",
           "[compaction][document_index]") {
   auto c = make_cache();
-  document_index<cache_t, colliding_hash> index(*c);
+  document_index<cache_t, tierkv_test::colliding_hash> index(*c);
   const auto x = ids(200, 3), y = ids(200, 4);
   REQUIRE(index.insert(compacted(*c, 10, 31), 0, x).is_ok());
   REQUIRE(index.insert(compacted(*c, 12, 32), 0, y).is_ok());  // same hash, other ids: new

@@ -8,18 +8,12 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "colliding_hash.hpp"
 #include "reliability_support.hpp"
 
 using namespace reliability_test;
 
-namespace {
-struct colliding_hash {  // every chain hashes alike
-  std::uint64_t root(std::uint64_t) const noexcept { return 42; }
-  std::uint64_t operator()(std::uint64_t, std::span<const std::int32_t>) const noexcept {
-    return 42;
-  }
-};
-}  // namespace
+using tierkv_test::colliding_hash;
 
 TEST_CASE("prefix index under an all-colliding hash accepts no collision",
           "[reliability][prefix]") {
