@@ -39,9 +39,15 @@ class document_index {
   explicit document_index(Cache& cache, Hash hash = {}) : cache_(&cache), hash_(hash) {}
   document_index(const document_index&) = delete;
   document_index& operator=(const document_index&) = delete;
-  /// Releases every registered sequence (errors ignored: a destructor cannot report them).
+  /// Releases every registered sequence (errors ignored: a destructor cannot report them; a
+  /// status whose message cannot be allocated is dropped too).
   ~document_index() {
-    for (const entry& e : entries_) (void)cache_->release(e.seq);
+    for (const entry& e : entries_) {
+      try {
+        (void)cache_->release(e.seq);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to report it to
+      }
+    }
   }
 
   /// A registered document matching a request.
