@@ -342,3 +342,39 @@ def test_generate_through_a_gpu_tiered_cache():
                              pad_token_id=0)  # fmt: skip
     assert gpu.shape == host.shape
     assert (gpu.cpu()[:, 30:] == host[:, 30:]).float().mean() >= 0.9  # ties may flip (docs/python.md)
+
+
+def test_centring_removes_channel_offsets():
+    """Keys with a per-channel offset 5x their spread and values with one 2x: center=True stores
+    them minus the layer's channel means (estimated from the first append) and adds the means back
+    exactly, so a Stale TQ3 tier's error is the spread's, not the offset's (docs/gpu-cache.md)."""
+    from conftest import reference
+
+    gen = torch.Generator().manual_seed(7)
+    n = 200
+    off_k = 5.0 * torch.randn(KVH, D, generator=gen)
+    off_v = 2.0 * torch.randn(KVH, D, generator=gen)
+    K = torch.randn(n + 1, KVH, D, generator=gen) + off_k
+    V = torch.randn(n + 1, KVH, D, generator=gen) + off_v
+    q = torch.randn(1, QH, D, generator=gen)
+    ref_out, ref_lse = reference(q[0], K, V, n + 1, G)
+    errors = {}
+    for center in (False, True):
+        g = gpu_cache("fp8+tq3", num_layers=1, center=center)
+        s = g.create_sequence()
+        g.begin_step([s], [n])
+        g.append(0, K[:n].cuda(), V[:n].cuda())
+        g.end_step(1, wait=True)  # the policy demotes all but the last pages to TQ3
+        assert 1 in g.page_tiers(s, 0)
+        g.begin_step([s], [1])
+        g.append(0, K[n:].cuda(), V[n:].cuda())
+        out, lse = g.decode(0, q.cuda(), return_lse=True)
+        if center:
+            with pytest.raises(ValueError, match="soft"):
+                g.decode(0, q.cuda(), soft_cap=30.0)
+        g.end_step(2, wait=True)
+        g.device_error()
+        errors[center] = rel(out[0].cpu(), ref_out)
+        assert (lse[0].cpu().double() - ref_lse).abs().max() < 0.25
+    assert errors[True] < 0.05, errors
+    assert errors[True] < 0.5 * errors[False], errors

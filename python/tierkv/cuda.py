@@ -62,6 +62,7 @@ class _Config(ctypes.Structure):
         ("keep_first_layers", ctypes.c_int64),
         ("keep_last_layers", ctypes.c_int64),
         ("min_dwell_steps", ctypes.c_int64),
+        ("center", ctypes.c_int64),
     ]
 
 
@@ -84,8 +85,8 @@ def _load():
             "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
         )
     lib = ctypes.CDLL(str(path))
-    if lib.tkv_cuda_abi_version() != 2:
-        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 2")
+    if lib.tkv_cuda_abi_version() != 3:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 3")
     vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     sig = {
         "tkv_cuda_last_error": ([], ctypes.c_char_p),
@@ -182,6 +183,9 @@ class CudaCache:
     tokens per step, max_pages logical pages per sequence, max_retier_pages conversions per GPU
     batch, mass_layers_per_step layers whose page mass feeds the policy each step. The
     combination must be in built(); otherwise construction fails naming what was built.
+    center=True subtracts a per-(layer, KV head) channel mean from keys and values before they
+    are encoded (estimated from a layer's first append) and adds it back to decode's and
+    prefill's outputs and LSE exactly (docs/gpu-cache.md, Centring); a soft-cap is then refused.
     """
 
     def __init__(
@@ -211,6 +215,7 @@ class CudaCache:
         keep_first_layers: int = 1,
         keep_last_layers: int = 1,
         min_dwell_steps: int = 8,
+        center: bool = False,
         device=None,
     ):
         lib = _load()
@@ -232,7 +237,7 @@ class CudaCache:
             (ctypes.c_int64 * 8)(*pages_per_tier), max_sequences, max_batch, max_pages,
             max_step_tokens, max_retier_pages, max_chunks_per_seq, mass_layers_per_step,
             float(softmax_scale), codec_seed, recent_pages, sink_pages, keep_first_layers,
-            keep_last_layers, min_dwell_steps,
+            keep_last_layers, min_dwell_steps, int(bool(center)),
         )  # fmt: skip
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):

@@ -103,6 +103,10 @@ gpu_cache_config to_config(const tkv_cuda_config& c) {
   g.keep_first_layers = to_int(c.keep_first_layers, "keep_first_layers");
   g.keep_last_layers = to_int(c.keep_last_layers, "keep_last_layers");
   g.min_dwell_steps = c.min_dwell_steps;
+  if (c.center != 0 && c.center != 1)
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, "center = ", c.center,
+                              " must be 0 or 1"));
+  g.center = c.center == 1;
   return g;
 }
 

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define TKV_CUDA_ABI_VERSION 2
+#define TKV_CUDA_ABI_VERSION 3
 #define TKV_CUDA_API __attribute__((visibility("default")))
 
 typedef struct tkv_cuda_config {
@@ -31,6 +31,8 @@ typedef struct tkv_cuda_config {
   double softmax_scale; /* 0: 1 / sqrt(head_dim) */
   uint64_t codec_seed;
   int64_t recent_pages, sink_pages, keep_first_layers, keep_last_layers, min_dwell_steps;
+  int64_t center; /* 1: per-(layer, KV head) channel means subtracted before encoding, added back
+                     exactly (cuda::tiered_cache options::center); 0: off */
 } tkv_cuda_config;
 
 TKV_CUDA_API int tkv_cuda_abi_version(void);

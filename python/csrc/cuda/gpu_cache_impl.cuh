@@ -118,6 +118,7 @@ class gpu_cache_impl final : public gpu_cache {
     o.max_chunks_per_seq = cfg.max_chunks_per_seq;
     o.mass_layers_per_step = cfg.mass_layers_per_step;
     o.softmax_scale = float(cfg.softmax_scale);
+    o.center = cfg.center;
     c_ = value(cache_type::create(o, stream));  // checks every other option, naming it
   }
 

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""SmolLM2-135M's needle suite on the GPU, every arm on the same items, with paired statistics.
+
+The items are examples/smollm's RULER-style needles (single, multi-key, multi-value, multi-query:
+tasks.hpp, generated from a seed), written as token ids by the C++ engine, so the GPU run scores
+exactly the prompts the CPU records scored:
+
+    smollm tasks --items 50 --lengths 1024,2048,4096,8192 --no-ppl --arms "" --dump-items ITEMS.jsonl
+
+run: SmolLM2 from the examples' GGUF (dequantized to float32 by transformers) on the GPU, each item
+prefilled in the item's chunks and decoded greedily to a stop token or max_new, once per arm: dense
+(transformers' own cache, SDPA) and tierkv arms through tierkv.transformers.TieredCache on the GPU
+(tierkv.CudaCache: GPU prefill over mixed pages, decode, retier on the GPU). One JSON line per
+(item, arm) is appended to --out; a run that stops (--time-limit) is resumed by running it again.
+
+    python3 bench/gpu/needle_suite.py run --items ITEMS.jsonl --gguf MODEL.gguf --out RESULTS.jsonl
+    python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] --out quality.json
+
+summarize: per (task, length), per length and over all items, each arm's accuracy (mean of the
+fraction of answers found), the paired bootstrap 95% interval of (arm - dense) over the same items,
+and the items dense answers wholly that the arm loses. The last line printed is the record's
+{"name", "metrics"}.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+# Arms: (recent, Stale keys, Stale values, centring). "rec" is the recommended cache of
+# docs/model.md (int8_rotated Recent/Anchor pages, TQ4 Stale keys, TQ3 Stale values) with the
+# library's centring; "seed" the seed paper's FP8 + TQ3 pages, uncentred.
+ARMS = {
+    "rec": ("int8_rotated", "tq4", "tq3", True),
+    "rec_nocenter": ("int8_rotated", "tq4", "tq3", False),
+    "seed": ("fp8", "tq3", "tq3", False),
+    "int8r": ("int8_rotated", "int8_rotated", "int8_rotated", False),
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def item_key(r):
+    return (r["task"], int(r["target"]), int(r["index"]))
+
+
+def score(answers, text):
+    """The fraction of the answers that appear in the output (tasks.hpp's niah_score)."""
+    return sum(1 for a in answers if a in text) / len(answers)
+
+
+# ---- run (needs torch, transformers and a CUDA device) ---------------------------------------
+
+
+def generate(model, prompt, chunk, max_new, stop, cache):
+    """Chunked prefill, then greedy decoding to a stop token or max_new tokens; returns (tokens
+    without the stop, prefill s, decode s)."""
+    import torch
+
+    dev = model.device
+    ids = torch.tensor(prompt, dtype=torch.long, device=dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for start in range(0, ids.numel(), chunk):
+        x = ids[start : start + chunk].view(1, -1)
+        pos = torch.arange(start, start + x.shape[1], device=dev).view(1, -1)
+        logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1]
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    out, p = [], ids.numel()
+    tok = int(logits.argmax())
+    while tok not in stop and len(out) < max_new:
+        out.append(tok)
+        x = torch.tensor([[tok]], device=dev)
+        logits = model(input_ids=x, position_ids=torch.tensor([[p]], device=dev), past_key_values=cache, use_cache=True).logits[0, -1]
+        p += 1
+        tok = int(logits.argmax())
+    torch.cuda.synchronize()
+    return out, t1 - t0, time.perf_counter() - t1
+
+
+def run(a):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    import tierkv  # noqa: F401  (registers the "tierkv" attention)
+    from tierkv.transformers import TieredCache
+
+    start = time.perf_counter()
+    arms = a.arms.split(",")
+    for arm in arms:
+        if arm != "dense" and arm not in ARMS:
+            sys.exit(f"needle_suite: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
+    items = [json.loads(line) for line in open(a.items)]
+    items = [d for d in items if d.get("kind") == "niah"]
+    if a.lengths:
+        keep = {int(x) for x in a.lengths.split(",")}
+        items = [d for d in items if int(d["target"]) in keep]
+    done = set()
+    if os.path.exists(a.out):
+        for line in open(a.out):
+            r = json.loads(line)
+            done.add((r["arm"], *item_key(r)))
+    todo = [(d, arm) for d in items for arm in arms if (arm, *item_key(d)) not in done]
+    log(f"needle_suite: {len(items)} items x {len(arms)} arms, {len(done)} done, {len(todo)} to run")
+    if not todo:
+        return
+    d, name = os.path.split(os.path.abspath(a.gguf))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
+    model.generation_config.pad_token_id = tok.eos_token_id
+    device = torch.cuda.get_device_name(0)
+    commit = os.environ.get("TIERKV_COMMIT", "unknown")
+    ran = 0
+    with open(a.out, "a") as out, torch.inference_mode():
+        for it, arm in todo:
+            if time.perf_counter() - start > a.time_limit:
+                log(f"needle_suite: time limit ({a.time_limit:.0f} s) reached after {ran} runs; run again to resume")
+                break
+            prompt, chunk, max_new = it["prompt"], int(it["chunk"]), int(it["max_new"])
+            stop = set(int(s) for s in it["stop"])
+            bits, tiers = 16.0, [0]
+            if arm == "dense":
+                model.config._attn_implementation = "sdpa"
+                cache = DynamicCache(config=model.config)
+            else:
+                recent, k, v, center = ARMS[arm]
+                model.config._attn_implementation = "tierkv"
+                cache = TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v,
+                                    center=center, max_tokens=len(prompt) + max_new + 16, max_sequences=1,
+                                    max_batch=1, max_step_tokens=chunk, codec_seed=a.codec_seed)  # fmt: skip
+            toks, pre_s, dec_s = generate(model, prompt, chunk, max_new, stop, cache)
+            if arm != "dense":
+                cache.end_step()
+                seq = int(cache.seqs[0])
+                tiers = sorted({t for layer in range(model.config.num_hidden_layers) for t in cache.tierkv.page_tiers(seq, layer)})
+                bits = cache.tierkv.report()["bits_per_scalar"]
+            text = tok.decode(toks, skip_special_tokens=True)
+            sc = score(it["answers"], text)
+            r = dict(arm=arm, task=it["task"], target=int(it["target"]), index=int(it["index"]),
+                     prompt_tokens=len(prompt), answers=it["answers"], score=sc, output=text, tokens=toks,
+                     bits_per_scalar=bits, tiers=tiers, prefill_s=pre_s, decode_s=dec_s, device=device,
+                     commit=commit, date=time.strftime("%Y-%m-%d"))  # fmt: skip
+            out.write(json.dumps(r) + "\n")
+            out.flush()
+            del cache
+            ran += 1
+            if ran % 25 == 0 or a.verbose:
+                shown = text.replace("\n", " ")[:50]
+                log(f"{ran:5d}/{len(todo)} {arm:12s} {it['task']:10s} {it['target']:5d} {it['index']:3d} "
+                    f"{sc:.2f} {bits:5.2f} bits  {pre_s:.2f}+{dec_s:.2f} s  {shown}")  # fmt: skip
+    log(f"needle_suite: {ran} runs in {time.perf_counter() - start:.0f} s")
+
+
+# ---- summarize (pure Python: runs anywhere) --------------------------------------------------
+
+
+def load_results(paths):
+    """{arm: {item key: result}} over every file; a later line for the same (arm, item) wins."""
+    by_arm = {}
+    for p in paths:
+        for line in open(p):
+            r = json.loads(line)
+            by_arm.setdefault(r["arm"], {})[item_key(r)] = r
+    return by_arm
+
+
+def paired(dense, arm, keys, boot, rng):
+    """Mean of (arm - dense) over keys, its paired bootstrap 95% interval (items resampled with
+    replacement), the items dense answers wholly that the arm does not, and the reverse."""
+    diffs = [arm[k]["score"] - dense[k]["score"] for k in keys]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(boot))
+    lo, hi = means[int(0.025 * (boot - 1))], means[int(0.975 * (boot - 1))]
+    lost = sum(1 for k in keys if dense[k]["score"] == 1.0 and arm[k]["score"] < 1.0)
+    gained = sum(1 for k in keys if dense[k]["score"] < 1.0 and arm[k]["score"] == 1.0)
+    return dict(delta=mean, ci_low=lo, ci_high=hi, lost=lost, gained=gained)
+
+
+def summarize_results(by_arm, boot=2000, seed=25):
+    """Tables per (task, length), per length and overall: accuracy per arm and each tierkv arm
+    against dense, over the items every arm has scored."""
+    if "dense" not in by_arm:
+        raise ValueError("needle_suite: no dense results to compare with")
+    arms = ["dense"] + sorted(a for a in by_arm if a != "dense")
+    keys = sorted(set.intersection(*(set(by_arm[a]) for a in arms)))
+    if not keys:
+        raise ValueError("needle_suite: no item is scored by every arm")
+    rng = random.Random(seed)
+    groups = {}
+    for k in keys:
+        task, target, _ = k
+        for g in ((task, target), ("all", target), ("all", 0)):
+            groups.setdefault(g, []).append(k)
+    rows = []
+    for (task, target), ks in sorted(groups.items(), key=lambda x: (x[0][1] == 0, x[0][1], x[0][0])):
+        row = dict(task=task, length=target or "all", items=len(ks))
+        for a in arms:
+            row[f"acc_{a}"] = sum(by_arm[a][k]["score"] for k in ks) / len(ks)
+            row[f"bits_{a}"] = sum(by_arm[a][k].get("bits_per_scalar", 16.0) for k in ks) / len(ks)
+        for a in arms[1:]:
+            for name, v in paired(by_arm["dense"], by_arm[a], ks, boot, rng).items():
+                row[f"{name}_{a}"] = v
+        rows.append(row)
+    return arms, keys, rows
+
+
+def summarize(a):
+    by_arm = load_results(a.results)
+    arms, keys, rows = summarize_results(by_arm, a.boot, a.seed)
+    log(f"{len(keys)} items scored by every arm ({', '.join(arms)}); [lo, hi]: paired bootstrap 95% of arm - dense")
+    head = f"{'task':10s} {'len':>5s} {'n':>4s} " + " ".join(f"{x:>22s}" for x in arms)
+    log(head)
+    for r in rows:
+        cells = [f"{r['acc_dense']:22.3f}"]
+        for x in arms[1:]:
+            cells.append(f"{r[f'acc_{x}']:.3f} [{r[f'ci_low_{x}']:+.3f},{r[f'ci_high_{x}']:+.3f}] -{r[f'lost_{x}']}".rjust(22))
+        log(f"{r['task']:10s} {str(r['length']):>5s} {r['items']:4d} " + " ".join(cells))
+    overall = rows[-1]
+    metrics = {"items_scored": len(keys)}
+    for x in arms[1:]:
+        short = {"rec": "rec", "seed": "seed"}.get(x, x)
+        metrics[f"items_lost_{short}"] = overall[f"lost_{x}"]
+        metrics[f"items_gained_{short}"] = overall[f"gained_{x}"]
+        metrics[f"acc_delta_{short}"] = overall[f"delta_{x}"]
+        metrics[f"acc_delta_{short}_ci_low"] = overall[f"ci_low_{x}"]
+        metrics[f"acc_delta_{short}_ci_high"] = overall[f"ci_high_{x}"]
+        metrics[f"needle_bits_per_scalar_{short}"] = overall[f"bits_{x}"]
+    metrics["acc_dense"] = overall["acc_dense"]
+    if a.ppl_record:  # perplexity over several texts (scripts/measure ppl-texts)
+        ppl = json.load(open(a.ppl_record))["metrics"]
+        for k in ("ppl_rel_rec_pooled", "ppl_rel_rec_ci_high", "bits_per_scalar_rec",
+                  "ppl_rel_seed_pooled", "ppl_rel_seed_ci_high", "bits_per_scalar_seed"):  # fmt: skip
+            metrics[k] = ppl.get(k)
+    first = next(iter(by_arm["dense"].values()))
+    rec = dict(name="quality", date=time.strftime("%Y-%m-%d"), commit=a.commit or first.get("commit", "unknown"),
+               device=first.get("device", ""), model="SmolLM2-135M-Instruct.Q4_1.gguf (float32 in transformers)",
+               command=a.command, results=a.results, ppl_record=a.ppl_record, arms={x: ARMS.get(x, "transformers DynamicCache, SDPA") for x in arms},
+               bootstrap=dict(resamples=a.boot, seed=a.seed, level=0.95), rows=rows, metrics=metrics)  # fmt: skip
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rec, f, indent=1)
+            f.write("\n")
+    print(json.dumps({"name": "quality", "metrics": metrics}))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--items", required=True)
+    r.add_argument("--gguf", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--arms", default="dense,rec,seed")
+    r.add_argument("--lengths", default="", help="comma-separated targets to run (default: all)")
+    r.add_argument("--codec-seed", type=int, default=0)
+    r.add_argument("--time-limit", type=float, default=1e9, help="seconds; stop between items after this")
+    r.add_argument("--verbose", action="store_true")
+    s = sub.add_parser("summarize")
+    s.add_argument("results", nargs="+")
+    s.add_argument("--out", default="")
+    s.add_argument("--ppl-record", default="")
+    s.add_argument("--commit", default="")
+    s.add_argument("--command", default="")
+    s.add_argument("--boot", type=int, default=2000)
+    s.add_argument("--seed", type=int, default=25)
+    a = ap.parse_args()
+    run(a) if a.cmd == "run" else summarize(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Tests of needle_suite.py's scoring and paired statistics on small hand-made result sets. No GPU,
+torch or transformers needed. Usage: python3 bench/gpu/needle_suite_test.py"""
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import needle_suite as ns  # noqa: E402
+
+
+def result(arm, task, target, index, score):
+    return dict(arm=arm, task=task, target=target, index=index, score=score, bits_per_scalar=16.0 if arm == "dense" else 4.5)
+
+
+class NeedleSuiteTest(unittest.TestCase):
+    def test_score_counts_answers_found(self):
+        self.assertEqual(ns.score(["1234567"], "The number is 1234567."), 1.0)
+        self.assertEqual(ns.score(["1111111", "2222222"], "are 2222222 and 3333333"), 0.5)
+        self.assertEqual(ns.score(["1234567"], "123456"), 0.0)
+
+    def test_paired_delta_interval_and_losses(self):
+        by_arm = {"dense": {}, "rec": {}}
+        for i in range(40):  # rec loses items 0-7 and gains item 39
+            by_arm["dense"][("single", 1024, i)] = result("dense", "single", 1024, i, 0.0 if i == 39 else 1.0)
+            by_arm["rec"][("single", 1024, i)] = result("rec", "single", 1024, i, 0.0 if i < 8 else 1.0)
+        arms, keys, rows = ns.summarize_results(by_arm, boot=500)
+        self.assertEqual(arms, ["dense", "rec"])
+        self.assertEqual(len(keys), 40)
+        overall = rows[-1]
+        self.assertEqual((overall["task"], overall["length"], overall["items"]), ("all", "all", 40))
+        self.assertAlmostEqual(overall["delta_rec"], -7 / 40)
+        self.assertEqual((overall["lost_rec"], overall["gained_rec"]), (8, 1))
+        self.assertLess(overall["ci_low_rec"], overall["delta_rec"])
+        self.assertGreater(overall["ci_high_rec"], overall["delta_rec"])
+        self.assertLess(overall["ci_high_rec"], 0.0)  # 8 losses against 1 gain: the interval lies below 0
+        self.assertAlmostEqual(overall["acc_dense"], 39 / 40)
+
+    def test_only_items_every_arm_scored_count(self):
+        by_arm = {"dense": {("single", 1024, i): result("dense", "single", 1024, i, 1.0) for i in range(5)},
+                  "rec": {("single", 1024, i): result("rec", "single", 1024, i, 1.0) for i in range(3)}}
+        _, keys, rows = ns.summarize_results(by_arm, boot=100)
+        self.assertEqual(len(keys), 3)
+        self.assertEqual(rows[-1]["delta_rec"], 0.0)
+        self.assertEqual((rows[-1]["ci_low_rec"], rows[-1]["ci_high_rec"]), (0.0, 0.0))
+
+    def test_refusals(self):
+        with self.assertRaisesRegex(ValueError, "no dense"):
+            ns.summarize_results({"rec": {("single", 1024, 0): result("rec", "single", 1024, 0, 1.0)}})
+        with self.assertRaisesRegex(ValueError, "no item"):
+            ns.summarize_results({"dense": {("single", 1024, 0): result("dense", "single", 1024, 0, 1.0)},
+                                  "rec": {("single", 1024, 1): result("rec", "single", 1024, 1, 1.0)}})
+
+    def test_load_merges_files_later_lines_win(self):
+        with tempfile.TemporaryDirectory() as d:
+            a, b = os.path.join(d, "a.jsonl"), os.path.join(d, "b.jsonl")
+            with open(a, "w") as f:
+                f.write(json.dumps(result("dense", "single", 1024, 0, 0.0)) + "\n")
+            with open(b, "w") as f:
+                f.write(json.dumps(result("dense", "single", 1024, 0, 1.0)) + "\n")
+                f.write(json.dumps(result("rec", "single", 1024, 0, 1.0)) + "\n")
+            by_arm = ns.load_results([a, b])
+            self.assertEqual(by_arm["dense"][("single", 1024, 0)]["score"], 1.0)
+            self.assertEqual(set(by_arm), {"dense", "rec"})
+
+
+if __name__ == "__main__":
+    unittest.main()
