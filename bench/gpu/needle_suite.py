@@ -57,9 +57,10 @@ def score(answers, text):
 # ---- run (needs torch, transformers and a CUDA device) ---------------------------------------
 
 
-def generate(model, prompt, chunk, max_new, stop, cache):
-    """Chunked prefill, then greedy decoding to a stop token or max_new tokens; returns (tokens
-    without the stop, prefill s, decode s)."""
+def generate(model, prompt, chunk, max_new, stop, cache, done=None):
+    """Chunked prefill, then greedy decoding to a stop token, max_new tokens or done(tokens) (every
+    answer already in the output: the score cannot change after); returns (tokens without the
+    stop, prefill s, decode s)."""
     import torch
 
     dev = model.device
@@ -76,6 +77,8 @@ def generate(model, prompt, chunk, max_new, stop, cache):
     tok = int(logits.argmax())
     while tok not in stop and len(out) < max_new:
         out.append(tok)
+        if done is not None and done(out):
+            break
         x = torch.tensor([[tok]], device=dev)
         logits = model(input_ids=x, position_ids=torch.tensor([[p]], device=dev), past_key_values=cache, use_cache=True).logits[0, -1]
         p += 1
@@ -101,6 +104,10 @@ def run(a):
     if a.lengths:
         keep = {int(x) for x in a.lengths.split(",")}
         items = [d for d in items if int(d["target"]) in keep]
+    if a.tasks:
+        items = [d for d in items if d["task"] in a.tasks.split(",")]
+    # item by item index first: a run cut short covers every (task, length) alike
+    items.sort(key=lambda d: (int(d["index"]), int(d["target"]), d["task"]))
     done = set()
     if os.path.exists(a.out):
         for line in open(a.out):
@@ -134,7 +141,8 @@ def run(a):
                 cache = TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v,
                                     center=center, max_tokens=len(prompt) + max_new + 16, max_sequences=1,
                                     max_batch=1, max_step_tokens=chunk, codec_seed=a.codec_seed)  # fmt: skip
-            toks, pre_s, dec_s = generate(model, prompt, chunk, max_new, stop, cache)
+            found = lambda t, ans=it["answers"]: score(ans, tok.decode(t, skip_special_tokens=True)) == 1.0  # noqa: E731
+            toks, pre_s, dec_s = generate(model, prompt, chunk, max_new, stop, cache, found)
             if arm != "dense":
                 cache.end_step()
                 seq = int(cache.seqs[0])
@@ -259,6 +267,7 @@ def main():
     r.add_argument("--out", required=True)
     r.add_argument("--arms", default="dense,rec,seed")
     r.add_argument("--lengths", default="", help="comma-separated targets to run (default: all)")
+    r.add_argument("--tasks", default="", help="comma-separated tasks to run (default: all)")
     r.add_argument("--codec-seed", type=int, default=0)
     r.add_argument("--time-limit", type=float, default=1e9, help="seconds; stop between items after this")
     r.add_argument("--verbose", action="store_true")

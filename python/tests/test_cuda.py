@@ -375,6 +375,7 @@ def test_centring_removes_channel_offsets():
         g.end_step(2, wait=True)
         g.device_error()
         errors[center] = rel(out[0].cpu(), ref_out)
-        assert (lse[0].cpu().double() - ref_lse).abs().max() < 0.25
+        if center:  # uncentred, the offsets' TQ3 error moves the lse by ~2 (measured on the H200)
+            assert (lse[0].cpu().double() - ref_lse).abs().max() < 0.25
     assert errors[True] < 0.05, errors
     assert errors[True] < 0.5 * errors[False], errors
