@@ -167,6 +167,9 @@ class cache_impl final : public runtime_cache {
     a.mass_stride = cfg_.max_pages;
     a.window = window;
     check(tierkv::host_decode<Geometry, tier_list>(workspace_, a));
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      restore_centring(layer, seqs[b], 1, queries + b * QH * D, out + b * QH * D,
+                       lse ? lse + b * QH : nullptr);
     // The committed pages' masses feed the policy (as tiered_cache::attend does); a
     // reservation's pages are not pages of the sequence yet.
     for (std::size_t b = 0; b < seqs.size(); ++b) {
@@ -195,6 +198,11 @@ class cache_impl final : public runtime_cache {
     a.lse = lse;
     a.window = window;
     check(tierkv::host_prefill<Geometry, tier_list>(workspace_, a));
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const std::size_t r = std::size_t(q_indptr[b]);
+      restore_centring(layer, seqs[b], q_indptr[b + 1] - q_indptr[b], queries + r * QH * D,
+                       out + r * QH * D, lse ? lse + r * QH : nullptr);
+    }
   }
 
   tierkv::retier_stats retier(std::uint64_t step) override { return cache_->retier(step); }
@@ -246,6 +254,7 @@ class cache_impl final : public runtime_cache {
     o.threads = 1;  // the façade's own attention workers are unused: attention runs here
     o.softmax_scale = float(cfg.softmax_scale);
     o.soft_cap = float(cfg.soft_cap);
+    o.center = cfg.center;
     cache_ = value(cache_type::create(o));  // checks every other option, naming it
     index_.emplace(value(tierkv::index_arrays<storage_type>::create(cache_->storage(),
                                                                     cfg.max_batch, cfg.max_pages)));
@@ -264,6 +273,19 @@ class cache_impl final : public runtime_cache {
     if (auto it = std::adjacent_find(s.begin(), s.end()); it != s.end())
       fail(tierkv::status::make(tierkv::errc::invalid_argument, op, ": sequence ", *it,
                                 " appears twice in the batch"));
+  }
+  // Centring (center = true): what the façade's write took from keys and values goes back into
+  // `rows` query rows of sequence s (outputs + mu_v, lse + scale q.mu_k), as tiered_cache::attend
+  // does; a sequence with no token, or a layer never written, keeps the kernels' result.
+  void restore_centring(int layer, std::int64_t s, std::int64_t rows, const float* q, float* out,
+                        float* lse) const {
+    const auto* means = cache_->centering();
+    if (means == nullptr || !means->known(layer)) return;
+    const tierkv::seq_id id = to_seq(s);
+    if (value(cache_->length(id)) + value(cache_->reserved(id)) == 0) return;
+    for (std::int64_t r = 0; r < rows; ++r)
+      means->restore(layer, Geometry::group_size, logits().softmax_scale, q + r * QH * D,
+                     out + r * QH * D, lse ? lse + r * QH : nullptr);
   }
   tierkv::layer_source source(int layer) const {
     return tierkv::layer_source{cfg_.codec_seed, layer, 0};

@@ -115,7 +115,7 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
                   std::int64_t page_size, std::int64_t num_layers, at::IntArrayRef pages_per_tier,
                   std::int64_t max_sequences, std::int64_t max_batch, std::int64_t max_pages,
                   std::int64_t threads, double softmax_scale, double soft_cap,
-                  std::int64_t codec_seed, at::IntArrayRef policy) {
+                  std::int64_t codec_seed, at::IntArrayRef policy, bool center) {
   TORCH_CHECK_VALUE(policy.size() == 5,
                     "tierkv.create: policy holds {recent_pages, sink_pages, keep_first_layers, "
                     "keep_last_layers, min_dwell_steps}, got ",
@@ -143,6 +143,7 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
   cfg.keep_first_layers = to_int(policy[2], "keep_first_layers");
   cfg.keep_last_layers = to_int(policy[3], "keep_last_layers");
   cfg.min_dwell_steps = policy[4];
+  cfg.center = center;
   std::shared_ptr<runtime_cache> c = guarded("create", [&] { return make_cache(cfg); });
   const std::int64_t h = next_handle++;
   {
@@ -441,7 +442,7 @@ TORCH_LIBRARY(tierkv, m) {
       "create(str recent, str cache_type_k, str cache_type_v, int head_dim, int kv_heads, "
       "int group_size, int page_size, int num_layers, int[] pages_per_tier, int max_sequences, "
       "int max_batch, int max_pages, int threads, float softmax_scale, float soft_cap, "
-      "int codec_seed, int[] policy) -> Tensor");
+      "int codec_seed, int[] policy, bool center=False) -> Tensor");
   m.def("destroy(Tensor(a!) state) -> ()");
   m.def("built() -> Tensor");
   m.def("tier_set_names() -> str[]");

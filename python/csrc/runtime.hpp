@@ -42,6 +42,8 @@ struct cache_config {
   int keep_first_layers = 1;
   int keep_last_layers = 1;
   std::int64_t min_dwell_steps = 8;
+  // channel means out before encoding, back into outputs and LSE (tierkv/centering.hpp)
+  bool center = false;
 };
 
 class runtime_cache {

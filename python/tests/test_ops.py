@@ -423,3 +423,45 @@ def test_compile_write_then_decode_keeps_order(rng):
     assert Kd.shape[0] == 18
     ref, _ = reference(q[0], Kd, Vd, 18, 2)
     assert rel_l2(out[0], ref) < EXACT
+
+
+def test_centring_removes_channel_offsets(rng):
+    """Keys offset 5x their spread per channel, values 2x: center=True stores them minus the
+    layer's channel means (estimated from the first write) and adds the means back exactly, in
+    decode and in prefill over a reserved chunk; the Stale TQ3 tier's error is then the
+    spread's, not the offset's."""
+    D, KVH, G, n, m = 64, 4, 2, 300, 20
+    off_k, off_v = 5.0 * torch.randn(KVH, D, generator=rng), 2.0 * torch.randn(KVH, D, generator=rng)
+    K = torch.randn(2, n + m, KVH, D, generator=rng) + off_k
+    V = torch.randn(2, n + m, KVH, D, generator=rng) + off_v
+    q = torch.randn(1, KVH * G, D, generator=rng)
+    qc = torch.randn(m, KVH * G, D, generator=rng)
+    errs, perrs = {}, {}
+    for center in (False, True):
+        c = make_cache((D, KVH, G, 16), "fp8+tq3", center=center)
+        s = c.create_sequence()
+        c.append(s, K[:, :n].contiguous(), V[:, :n].contiguous())
+        for step in range(3):
+            c.retier(step)
+        assert 1 in c.page_tiers(s, 0)
+        out, lse = c.decode(0, [s], q)
+        ref, ref_lse = reference(q[0], K[0], V[0], n, G)
+        errs[center] = rel_l2(out[0], ref)
+        # a chunk of m tokens, reserved and written layer by layer, attended causally
+        c.reserve([s], [m])
+        for layer in range(2):
+            c.write(layer, [s], K[layer, n:], V[layer, n:])
+        pout, plse = c.prefill(1, [s], qc, torch.tensor([0, m], dtype=torch.int32))
+        c.commit([s])
+        worst = 0.0
+        for j in range(m):
+            r, rl = reference(qc[j], K[1], V[1], n + j + 1, G)
+            perrs[center] = max(perrs.get(center, 0.0), rel_l2(pout[j], r))
+            worst = max(worst, float((plse[j].double() - rl).abs().max()))
+        if center:  # uncentred, the offsets' TQ3 error moves the lse by ~2 (the GPU test)
+            assert float((lse[0].double() - ref_lse).abs().max()) < 0.25
+            assert worst < 0.25
+    assert errs[True] < 0.05 and errs[True] < 0.5 * errs[False], errs
+    assert perrs[True] < 0.5 * perrs[False], perrs
+    with pytest.raises(ValueError, match="soft_cap"):
+        make_cache((D, KVH, G, 16), "fp8+tq3", center=True, soft_cap=30.0)

@@ -117,6 +117,10 @@ class Cache:
 
     Capacity: pages_per_tier (physical pages, one layer each, per tier), or max_tokens, which
     sizes every tier to hold max_tokens tokens of every layer (plus one open page per sequence).
+
+    center=True subtracts per-(layer, KV head) channel means from keys and values before they are
+    encoded (estimated from a layer's first write) and adds them back to decode's and prefill's
+    outputs and LSE exactly (tierkv/centering.hpp); refused with a soft_cap.
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class Cache:
         keep_first_layers: int = 1,
         keep_last_layers: int = 1,
         min_dwell_steps: int = 8,
+        center: bool = False,
     ):
         tiers = 1 if recent == cache_type_k == cache_type_v else 2
         if pages_per_tier is None:
@@ -170,6 +175,7 @@ class Cache:
             float(soft_cap),
             codec_seed,
             [recent_pages, sink_pages, keep_first_layers, keep_last_layers, min_dwell_steps],
+            bool(center),
         )
         self.head_dim, self.kv_heads, self.group_size = head_dim, kv_heads, group_size
         self.q_heads = kv_heads * group_size

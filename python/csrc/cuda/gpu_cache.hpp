@@ -26,7 +26,6 @@ struct gpu_cache_config : cache_config {
   int max_retier_pages = 1024;   // conversions per GPU batch
   int max_chunks_per_seq = 64;   // decode split
   int mass_layers_per_step = 1;  // layers whose page mass feeds the policy a step (0 = all)
-  bool center = false;           // channel means out before encoding (tierkv/centering.hpp)
 };
 
 // Element types of the tensors the ops pass (the same values as cuda::input_type,
