@@ -120,7 +120,6 @@ def run(a):
     d, name = os.path.split(os.path.abspath(a.gguf))
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
-    model.generation_config.pad_token_id = tok.eos_token_id
     device = torch.cuda.get_device_name(0)
     commit = os.environ.get("TIERKV_COMMIT", "unknown")
     ran = 0
@@ -233,13 +232,12 @@ def summarize(a):
     overall = rows[-1]
     metrics = {"items_scored": len(keys)}
     for x in arms[1:]:
-        short = {"rec": "rec", "seed": "seed"}.get(x, x)
-        metrics[f"items_lost_{short}"] = overall[f"lost_{x}"]
-        metrics[f"items_gained_{short}"] = overall[f"gained_{x}"]
-        metrics[f"acc_delta_{short}"] = overall[f"delta_{x}"]
-        metrics[f"acc_delta_{short}_ci_low"] = overall[f"ci_low_{x}"]
-        metrics[f"acc_delta_{short}_ci_high"] = overall[f"ci_high_{x}"]
-        metrics[f"needle_bits_per_scalar_{short}"] = overall[f"bits_{x}"]
+        metrics[f"items_lost_{x}"] = overall[f"lost_{x}"]
+        metrics[f"items_gained_{x}"] = overall[f"gained_{x}"]
+        metrics[f"acc_delta_{x}"] = overall[f"delta_{x}"]
+        metrics[f"acc_delta_{x}_ci_low"] = overall[f"ci_low_{x}"]
+        metrics[f"acc_delta_{x}_ci_high"] = overall[f"ci_high_{x}"]
+        metrics[f"needle_bits_per_scalar_{x}"] = overall[f"bits_{x}"]
     metrics["acc_dense"] = overall["acc_dense"]
     if a.ppl_record:  # perplexity over several texts (scripts/measure ppl-texts)
         ppl = json.load(open(a.ppl_record))["metrics"]
