@@ -8,6 +8,10 @@
 //   auto buf = tierkv::export_pages(src, seq).value();          // std::vector<uint8_t>
 //   ... send buf (NCCL, RDMA, file) ...
 //   auto dst_seq = tierkv::import_pages(dst, buf).value();      // verified, all or nothing
+//
+// Storages over device pools (cuda::tiered_cache::export_pages / import_pages) write and read
+// the same buffers through the same code: only the page-byte copies differ (detail::
+// write_transfer's page source, detail::import_verified's page writer).
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -286,10 +290,28 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
   return t;
 }
 
-/// Bytes an export of `pages` logical pages (all layers) whose tiers are `tier_of(j, l)`.
+namespace detail {
+
+/// An export's run and head slice, its defaults resolved and checked (export_run).
+struct export_request {
+  std::int64_t first = 0;  ///< first logical page of the run
+  std::int64_t count = 0;  ///< logical pages in the run
+  head_slice heads{};      ///< the KV heads exported (count resolved)
+  std::size_t bytes = 0;   ///< bytes of the buffer
+};
+
+/// f(logical, layer, page) for every page of a checked run, in the buffer's record order.
+template <class Storage, class F>
+void for_each_run_page(const Storage& s, seq_id seq, const export_request& r, F&& f) {
+  for (std::int64_t j = r.first; j < r.first + r.count; ++j)
+    for (int l = 0; l < s.num_layers(); ++l) f(j, l, *s.page(seq, l, j));
+}
+
+/// Checks an export's arguments (the storage's error for an unknown or released sequence;
+/// out_of_range naming the value and its limit) and sizes its buffer.
 template <class Storage>
-result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first = 0,
-                                std::int64_t count = -1, head_slice heads = {}) {
+result<export_request> export_run(const Storage& s, seq_id seq, std::int64_t first,
+                                  std::int64_t count, head_slice heads) {
   auto n = s.logical_pages(seq);
   if (!n) return n.error_status();
   if (first < 0 || first > *n) return status::out_of_range("first logical page", first, *n + 1);
@@ -301,16 +323,104 @@ result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first
     return status::make(errc::out_of_range, "head slice [", heads.begin, ", ",
                         heads.begin + heads.count, ") is not a non-empty part of the ",
                         Storage::kv_heads, " KV heads");
-  std::size_t total = page_transfer_header_bytes +
-                      std::size_t(Storage::num_tiers) * page_transfer_tier_entry_bytes +
-                      page_transfer_checksum_bytes;
-  for (std::int64_t j = first; j < first + count; ++j)
-    for (int l = 0; l < s.num_layers(); ++l) {
-      const page_id p = *s.page(seq, l, j);
-      total += page_transfer_record_bytes +
-               detail::slice_page_bytes<Storage>(p.format, heads.begin, heads.count);
-    }
-  return total;
+  export_request r{first, count, heads,
+                   page_transfer_header_bytes +
+                       std::size_t(Storage::num_tiers) * page_transfer_tier_entry_bytes +
+                       page_transfer_checksum_bytes};
+  for_each_run_page(s, seq, r, [&](std::int64_t, int, page_id p) {
+    r.bytes +=
+        page_transfer_record_bytes + slice_page_bytes<Storage>(p.format, heads.begin, heads.count);
+  });
+  return r;
+}
+
+/// Writes the buffer of a checked request into out (exactly r.bytes). bytes_of(logical,
+/// layer, page) gives the page's bytes, whole and in its tier's page_layout, in host memory:
+/// the pool's own page (host pools) or a copy staged from the device
+/// (cuda::tiered_cache::export_pages). That is all an export over device pools does apart.
+template <class Storage, class PageBytes>
+void write_transfer(const Storage& s, seq_id seq, const export_request& r,
+                    std::span<std::uint8_t> out, PageBytes&& bytes_of) {
+  const std::int64_t len = *s.length(seq);
+  const int heads = r.heads.count;
+  std::uint8_t* b = out.data();
+  std::memset(b, 0, page_transfer_header_bytes);
+  std::memcpy(b, page_transfer_magic.data(), 8);
+  put<std::uint32_t>(b, 8, page_transfer_version);
+  put<std::uint32_t>(b, 12, std::uint32_t(page_transfer_header_bytes));
+  put<std::uint64_t>(b, 16, std::uint64_t(out.size()));
+  put<std::uint32_t>(b, 24, std::uint32_t(Storage::head_dim));
+  put<std::uint32_t>(b, 28, std::uint32_t(heads));
+  put<std::uint32_t>(b, 32, std::uint32_t(Storage::geometry::group_size));
+  put<std::uint32_t>(b, 36, std::uint32_t(Storage::page_tokens));
+  // Global head index (the source's head_base + the slice's begin): what the rotations of
+  // the slice's pages are seeded with, so what the destination's head_base must be.
+  put<std::uint32_t>(b, 40, std::uint32_t(s.config().head_base + r.heads.begin));
+  put<std::uint32_t>(b, 44, std::uint32_t(Storage::kv_heads));
+  put<std::uint32_t>(b, 48, std::uint32_t(s.num_layers()));
+  put<std::uint32_t>(b, 52, std::uint32_t(Storage::num_tiers));
+  put<std::uint64_t>(b, 56, s.config().codec_seed);
+  put<std::uint32_t>(b, 64, std::uint32_t(r.first));
+  put<std::uint32_t>(b, 68, std::uint32_t(r.count));
+  const std::int64_t end_tok =
+      std::min<std::int64_t>(len, (r.first + r.count) * Storage::page_tokens);
+  put<std::uint64_t>(
+      b, 72, std::uint64_t(std::max<std::int64_t>(0, end_tok - r.first * Storage::page_tokens)));
+  std::size_t off = page_transfer_header_bytes;
+  for (int t = 0; t < Storage::num_tiers; ++t, off += page_transfer_tier_entry_bytes) {
+    b[off] = std::uint8_t(key_format_of<Storage>(t));
+    b[off + 1] = std::uint8_t(value_format_of<Storage>(t));
+    put<std::uint16_t>(b, off + 2, 0);
+    put<std::uint32_t>(b, off + 4,
+                       std::uint32_t(slice_page_bytes<Storage>(t, r.heads.begin, heads)));
+  }
+  for_each_run_page(s, seq, r, [&](std::int64_t j, int l, page_id p) {
+    const std::int64_t fill =
+        std::min<std::int64_t>(len - j * Storage::page_tokens, Storage::page_tokens);
+    put<std::uint32_t>(b, off, std::uint32_t(j - r.first));
+    put<std::uint32_t>(b, off + 4, std::uint32_t(l));
+    put<std::uint32_t>(b, off + 8, std::uint32_t(p.format));  // tier byte + 3 zero bytes
+    put<std::uint32_t>(b, off + 12, std::uint32_t(fill));
+    off += page_transfer_record_bytes;
+    with_index<Storage::num_tiers>(p.format, [&](auto I) {
+      using L = typename Storage::template layout<I>;
+      const auto sr = slice_regions<L>::make(r.heads.begin, heads);
+      const std::uint8_t* src = bytes_of(j, l, p);
+      // Padding and the token slots past a partial page's fill are zero, so an export
+      // depends only on the stored tokens (not on what a recycled page held before).
+      std::memset(b + off, 0, sr.slice_page_bytes);
+      if (fill == Storage::page_tokens) {
+        for (int k = 0; k < 4; ++k)
+          if (sr.len[k] != 0) std::memcpy(b + off + sr.dst[k], src + sr.src[k], sr.len[k]);
+      } else {
+        // Each region is [head][token slot][bytes per slot]: copy the first `fill` slots per
+        // head.
+        for (int k = 0; k < 4; ++k) {
+          const std::size_t slot =
+              sr.len[k] / (std::size_t(heads) * std::size_t(Storage::page_tokens));
+          const std::size_t head_bytes = slot * std::size_t(Storage::page_tokens);
+          for (int h = 0; h < heads && slot != 0; ++h) {
+            const std::size_t at = std::size_t(h) * head_bytes;
+            std::memcpy(b + off + sr.dst[k] + at, src + sr.src[k] + at, slot * std::size_t(fill));
+          }
+        }
+      }
+      off += sr.slice_page_bytes;
+    });
+  });
+  put<std::uint64_t>(b, off, transfer_checksum(out.first(off)));
+}
+
+}  // namespace detail
+
+/// Bytes of the export of logical pages [first, first + count) of seq (count < 0: to the
+/// end), all layers, KV heads `heads`.
+template <class Storage>
+result<std::size_t> export_size(const Storage& s, seq_id seq, std::int64_t first = 0,
+                                std::int64_t count = -1, head_slice heads = {}) {
+  auto r = detail::export_run(s, seq, first, count, heads);
+  if (!r) return r.error_status();
+  return r->bytes;
 }
 
 /// Writes logical pages [first, first + count) of seq (all layers; KV heads of `heads`)
@@ -320,84 +430,17 @@ template <class Storage>
 status export_pages_into(const Storage& s, seq_id seq, std::span<std::uint8_t> out,
                          std::int64_t first = 0, std::int64_t count = -1,
                          head_slice heads = {}) requires Storage::page_allocator::host_accessible {
-  auto size = export_size(s, seq, first, count, heads);
-  if (!size) return size.error_status();
-  if (out.size() != *size)
+  auto r = detail::export_run(s, seq, first, count, heads);
+  if (!r) return r.error_status();
+  if (out.size() != r->bytes)
     return status::make(errc::invalid_argument, "export: buffer holds ", out.size(),
-                        " bytes, the export needs ", *size);
-  const std::int64_t n = *s.logical_pages(seq);
-  const std::int64_t len = *s.length(seq);
-  if (count < 0) count = n - first;
-  if (heads.count < 0) heads.count = Storage::kv_heads - heads.begin;
-  using detail::put;
-  std::uint8_t* b = out.data();
-  std::memset(b, 0, page_transfer_header_bytes);
-  std::memcpy(b, page_transfer_magic.data(), 8);
-  put<std::uint32_t>(b, 8, page_transfer_version);
-  put<std::uint32_t>(b, 12, std::uint32_t(page_transfer_header_bytes));
-  put<std::uint64_t>(b, 16, std::uint64_t(out.size()));
-  put<std::uint32_t>(b, 24, std::uint32_t(Storage::head_dim));
-  put<std::uint32_t>(b, 28, std::uint32_t(heads.count));
-  put<std::uint32_t>(b, 32, std::uint32_t(Storage::geometry::group_size));
-  put<std::uint32_t>(b, 36, std::uint32_t(Storage::page_tokens));
-  // Global head index (the source's head_base + the slice's begin): what the rotations of
-  // the slice's pages are seeded with, so what the destination's head_base must be.
-  put<std::uint32_t>(b, 40, std::uint32_t(s.config().head_base + heads.begin));
-  put<std::uint32_t>(b, 44, std::uint32_t(Storage::kv_heads));
-  put<std::uint32_t>(b, 48, std::uint32_t(s.num_layers()));
-  put<std::uint32_t>(b, 52, std::uint32_t(Storage::num_tiers));
-  put<std::uint64_t>(b, 56, s.config().codec_seed);
-  put<std::uint32_t>(b, 64, std::uint32_t(first));
-  put<std::uint32_t>(b, 68, std::uint32_t(count));
-  const std::int64_t end_tok = std::min<std::int64_t>(len, (first + count) * Storage::page_tokens);
-  put<std::uint64_t>(
-      b, 72, std::uint64_t(std::max<std::int64_t>(0, end_tok - first * Storage::page_tokens)));
-  std::size_t off = page_transfer_header_bytes;
-  for (int t = 0; t < Storage::num_tiers; ++t, off += page_transfer_tier_entry_bytes) {
-    b[off] = std::uint8_t(detail::key_format_of<Storage>(t));
-    b[off + 1] = std::uint8_t(detail::value_format_of<Storage>(t));
-    put<std::uint16_t>(b, off + 2, 0);
-    put<std::uint32_t>(
-        b, off + 4, std::uint32_t(detail::slice_page_bytes<Storage>(t, heads.begin, heads.count)));
-  }
-  for (std::int64_t j = first; j < first + count; ++j) {
-    const std::int64_t fill =
-        std::min<std::int64_t>(len - j * Storage::page_tokens, Storage::page_tokens);
-    for (int l = 0; l < s.num_layers(); ++l) {
-      const page_id p = *s.page(seq, l, j);
-      put<std::uint32_t>(b, off, std::uint32_t(j - first));
-      put<std::uint32_t>(b, off + 4, std::uint32_t(l));
-      put<std::uint32_t>(b, off + 8, std::uint32_t(p.format));  // tier byte + 3 zero bytes
-      put<std::uint32_t>(b, off + 12, std::uint32_t(fill));
-      off += page_transfer_record_bytes;
-      detail::with_index<Storage::num_tiers>(p.format, [&](auto I) {
-        using L = typename Storage::template layout<I>;
-        const auto r = detail::slice_regions<L>::make(heads.begin, heads.count);
-        const std::uint8_t* src = s.template pool<I>().host_page(p);
-        // Padding and the token slots past a partial page's fill are zero, so an export
-        // depends only on the stored tokens (not on what a recycled page held before).
-        std::memset(b + off, 0, r.slice_page_bytes);
-        if (fill == Storage::page_tokens) {
-          for (int k = 0; k < 4; ++k)
-            if (r.len[k] != 0) std::memcpy(b + off + r.dst[k], src + r.src[k], r.len[k]);
-        } else {
-          // Each region is [head][token slot][bytes per slot]: copy the first `fill` slots per
-          // head.
-          for (int k = 0; k < 4; ++k) {
-            const std::size_t slot =
-                r.len[k] / (std::size_t(heads.count) * std::size_t(Storage::page_tokens));
-            const std::size_t head_bytes = slot * std::size_t(Storage::page_tokens);
-            for (int h = 0; h < heads.count && slot != 0; ++h) {
-              const std::size_t at = std::size_t(h) * head_bytes;
-              std::memcpy(b + off + r.dst[k] + at, src + r.src[k] + at, slot * std::size_t(fill));
-            }
-          }
-        }
-        off += r.slice_page_bytes;
-      });
-    }
-  }
-  detail::put<std::uint64_t>(b, off, detail::transfer_checksum(out.first(off)));
+                        " bytes, the export needs ", r->bytes);
+  detail::write_transfer(s, seq, *r, out, [&s](std::int64_t, int, page_id p) {
+    const std::uint8_t* src = nullptr;
+    detail::with_index<Storage::num_tiers>(
+        p.format, [&](auto I) { src = s.template pool<I>().host_page(p); });
+    return src;
+  });
   return {};
 }
 
@@ -475,6 +518,119 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
   return info;
 }
 
+/// What importing a verified buffer takes from a storage at its peak: a sequence slot, one
+/// block per logical page, and per tier the pages of its pool (import_needs).
+struct import_need {
+  std::uint32_t blocks = 0;                   ///< logical pages of the run (a block each)
+  std::vector<std::uint64_t> pages_per_tier;  ///< peak pages of each tier's pool
+};
+
+/// The need of a buffer that verify_import accepted (t: its result). Tier 0 peaks while the
+/// last logical page is opened: the earlier pages' tier-0 layers plus one fresh tier-0 page
+/// per layer; every other tier needs the buffer's pages of it.
+inline import_need import_needs(const transfer_info& t, std::span<const std::uint8_t> buf) {
+  import_need n;
+  n.blocks = t.logical_pages;
+  n.pages_per_tier.assign(t.pages_per_tier.begin(), t.pages_per_tier.end());
+  std::uint64_t tier0_before_last = 0;
+  std::size_t off =
+      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+  for (std::uint32_t j = 0; j < t.logical_pages; ++j)
+    for (std::uint32_t l = 0; l < t.num_layers; ++l) {
+      const std::uint32_t tier = buf[off + 8];
+      if (tier == 0 && j + 1 < t.logical_pages) ++tier0_before_last;
+      off += page_transfer_record_bytes + t.tiers[tier].page_bytes;
+    }
+  n.pages_per_tier[0] = t.logical_pages == 0 ? 0 : tier0_before_last + t.num_layers;
+  return n;
+}
+
+/// capacity_exhausted, naming what is short, what is free and what the import needs, unless s
+/// holds the import now: a sequence slot, the blocks, every tier's pages. A caller that would
+/// first demote `demoted` sealed tier-0 pages into tier `into` (cuda::tiered_cache's
+/// make_room) counts them as moved, so that its refusal comes before any demotion.
+template <class Storage>
+status check_import_capacity(const Storage& s, const import_need& n, std::uint64_t demoted = 0,
+                             int into = 0) {
+  if (s.live_sequences() >= s.max_sequences())
+    return status::make(errc::capacity_exhausted, "import: all ", s.max_sequences(),
+                        " sequence slots are in use; nothing imported");
+  if (std::uint64_t(s.block_capacity() - s.live_blocks()) < n.blocks)
+    return status::make(errc::capacity_exhausted, "import: ", n.blocks,
+                        " logical pages need blocks, ", s.block_capacity() - s.live_blocks(),
+                        " are free; nothing imported");
+  for (int i = 0; i < Storage::num_tiers; ++i) {
+    const std::uint64_t free = s.free_pages(i);
+    std::uint64_t have = free;
+    if (i == 0)
+      have += demoted;
+    else if (i == into)
+      have -= std::min(free, demoted);
+    const std::uint64_t need = n.pages_per_tier[std::size_t(i)];
+    if (have < need) {
+      if (have == free)
+        return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ", free,
+                            " free pages, the import needs ", need,
+                            " at its peak; nothing imported");
+      return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ", free,
+                          " free pages, ", have, " once ", demoted,
+                          " tier-0 pages are demoted to make room, the import needs ", need,
+                          " at its peak; nothing imported");
+    }
+  }
+  return {};
+}
+
+namespace detail {
+
+/// The import of a buffer that verify_import and check_import_capacity accepted, as a NEW
+/// sequence of s: per logical page, reserve and commit its fill (a tier-0 block, metadata
+/// only), then write each layer's page: the tier-0 page in place, or a fresh page of the
+/// buffer's tier published with replace_page. write(page, src, bytes) puts a page's bytes
+/// into the pool (memcpy for host pools, a copy on the stream for device ones): all an import
+/// into device pools does apart. A failure releases the partial sequence, so every pool,
+/// block and sequence count is as before.
+template <class Storage, class WritePage>
+result<seq_id> import_verified(Storage& s, const transfer_info& t,
+                               std::span<const std::uint8_t> buf, WritePage&& write) {
+  auto seq = s.create_sequence();
+  if (!seq) return seq.error_status();
+  const auto fail = [&](const status& st) -> status {
+    (void)s.release(*seq);
+    return status::make(st.code(), st.message(), "; import rolled back, nothing imported");
+  };
+  std::size_t off =
+      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+  for (std::uint32_t j = 0; j < t.logical_pages; ++j) {
+    const std::int64_t fill = get<std::uint32_t>(buf.data(), off + 12);
+    if (auto st = s.reserve(*seq, fill); !st) return fail(st);
+    if (auto st = s.commit(*seq, fill); !st) return fail(st);
+    for (std::uint32_t l = 0; l < t.num_layers; ++l) {
+      const int tier = buf[off + 8];
+      off += page_transfer_record_bytes;
+      const std::uint8_t* src = buf.data() + off;
+      const std::size_t pb = t.tiers[std::size_t(tier)].page_bytes;
+      off += pb;
+      const page_id old = *s.page(*seq, int(l), std::int64_t(j));
+      if (tier == 0) {
+        if (auto st = write(old, src, pb); !st) return fail(st);
+        continue;
+      }
+      auto fresh = s.allocate_page(tier);
+      if (!fresh) return fail(fresh.error_status());
+      status st = write(*fresh, src, pb);
+      if (st) st = s.replace_page(*seq, int(l), std::int64_t(j), old, *fresh);
+      if (!st) {
+        (void)s.release_page(*fresh);
+        return fail(st);
+      }
+    }
+  }
+  return *seq;
+}
+
+}  // namespace detail
+
 /// Imports a verified buffer as a NEW sequence of s holding the run's pages (its logical
 /// page 0 is the run's first page), byte-identical to the source's (a partial last page:
 /// its filled token slots; the slots past the fill are zero). All or nothing: the
@@ -482,96 +638,23 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
 /// are checked first; a failure after that (bookkeeping memory) releases the partial
 /// sequence, so every pool, block and sequence count is as before.
 ///
-/// Mechanism, through the storage's public hooks only: per logical page, append its fill
-/// of zero tokens (a tier-0 block), then overwrite each layer's tier-0 page with the
-/// buffer's bytes, or publish a page of the buffer's tier with replace_page.
+/// Mechanism, through the storage's public hooks only: per logical page, reserve and commit
+/// its fill (a tier-0 block), then overwrite each layer's tier-0 page with the buffer's
+/// bytes, or publish a page of the buffer's tier with replace_page (detail::import_verified,
+/// shared with cuda::tiered_cache::import_pages).
 template <class Storage>
 result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf) requires
     Storage::page_allocator::host_accessible {
   auto info = verify_import(s, buf);
   if (!info) return info.error_status();
-  const transfer_info& t = *info;
-  constexpr int T = Storage::page_tokens;
-  const int L = s.num_layers();
-  const std::uint32_t P = t.logical_pages;
-
-  // Capacity, before anything changes.
-  if (s.live_sequences() >= s.max_sequences())
-    return status::make(errc::capacity_exhausted, "import: all ", s.max_sequences(),
-                        " sequence slots are in use; nothing imported");
-  if (std::uint64_t(s.block_capacity() - s.live_blocks()) < P)
-    return status::make(errc::capacity_exhausted, "import: ", P, " logical pages need blocks, ",
-                        s.block_capacity() - s.live_blocks(), " are free; nothing imported");
-  // Tier 0 peaks while the last logical page is appended: the earlier pages' tier-0
-  // layers plus one fresh tier-0 page per layer.
-  std::uint64_t tier0_before_last = 0;
-  {
-    std::size_t off =
-        page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
-    for (std::uint32_t j = 0; j < P; ++j)
-      for (int l = 0; l < L; ++l) {
-        const std::uint32_t tier = buf[off + 8];
-        if (tier == 0 && j + 1 < P) ++tier0_before_last;
-        off += page_transfer_record_bytes + t.tiers[tier].page_bytes;
-      }
-  }
-  for (int i = 0; i < Storage::num_tiers; ++i) {
-    const std::uint64_t need = i == 0 ? (P == 0 ? 0 : tier0_before_last + std::uint64_t(L))
-                                      : t.pages_per_tier[std::size_t(i)];
-    if (s.free_pages(i) < need)
-      return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ",
-                          s.free_pages(i), " free pages, the import needs ", need,
-                          " at its peak; nothing imported");
-  }
-
-  auto seq = s.create_sequence();
-  if (!seq) return seq.error_status();
-  const auto fail = [&](const status& st) -> status {
-    (void)s.release(*seq);
-    return status::make(st.code(), st.message(), "; import rolled back, nothing imported");
-  };
-  std::vector<float> zeros;
-  try {
-    zeros.assign(std::size_t(L) * std::size_t(T) * Storage::kv_heads * Storage::head_dim, 0.f);
-  } catch (const std::bad_alloc&) {
-    return fail(
-        status::make(errc::capacity_exhausted, "import: no host memory for the staging tokens"));
-  }
-  std::size_t off =
-      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
-  for (std::uint32_t j = 0; j < P; ++j) {
-    const std::uint32_t fill = detail::get<std::uint32_t>(buf.data(), off + 12);
-    const std::size_t nfloat = std::size_t(L) * fill * Storage::kv_heads * Storage::head_dim;
-    const std::span<const float> z(zeros.data(), nfloat);
-    if (auto st = s.append(*seq, std::int64_t(fill), z, z); !st) return fail(st);
-    for (int l = 0; l < L; ++l) {
-      const int tier = buf[off + 8];
-      off += page_transfer_record_bytes;
-      const std::uint8_t* src = buf.data() + off;
-      const std::size_t pb = t.tiers[std::size_t(tier)].page_bytes;
-      off += pb;
-      const page_id old = *s.page(*seq, l, std::int64_t(j));
-      if (tier == 0) {
-        auto dst = s.page_bytes(old);
-        if (!dst) return fail(dst.error_status());
-        std::memcpy(dst->data(), src, pb);
-        continue;
-      }
-      auto fresh = s.allocate_page(tier);
-      if (!fresh) return fail(fresh.error_status());
-      auto dst = s.page_bytes(*fresh);
-      if (!dst) {
-        (void)s.release_page(*fresh);
-        return fail(dst.error_status());
-      }
-      std::memcpy(dst->data(), src, pb);
-      if (auto st = s.replace_page(*seq, l, std::int64_t(j), old, *fresh); !st) {
-        (void)s.release_page(*fresh);
-        return fail(st);
-      }
-    }
-  }
-  return *seq;
+  if (auto st = check_import_capacity(s, import_needs(*info, buf)); !st) return st;
+  return detail::import_verified(s, *info, buf,
+                                 [&s](page_id p, const std::uint8_t* src, std::size_t n) {
+                                   auto dst = s.page_bytes(p);
+                                   if (!dst) return dst.error_status();
+                                   std::memcpy(dst->data(), src, n);
+                                   return status{};
+                                 });
 }
 
 }  // namespace tierkv
