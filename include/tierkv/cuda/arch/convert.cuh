@@ -5,6 +5,7 @@
 
 #include "tierkv/core/config.hpp"
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
@@ -13,6 +14,22 @@ namespace tierkv::cuda::detail {
 __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+__device__ __forceinline__ std::uint32_t pack_bfloat162(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+
+// The 16-bit float type of a tensor-core operand: f16 (10 mantissa bits: the quantized formats'
+// codes are exact in it) or bf16 (f32's range: dense bf16 pages).
+enum class operand_type : std::uint8_t { f16, bf16 };
+// Two floats as one operand register (round to nearest even).
+template <operand_type T>
+__device__ __forceinline__ std::uint32_t pack_operand2(float lo, float hi) {
+  if constexpr (T == operand_type::bf16)
+    return pack_bfloat162(lo, hi);
+  else
+    return pack_half2(lo, hi);
 }
 // Two E4M3 codes (low 16 bits) -> f16x2, exact.
 __device__ __forceinline__ std::uint32_t fp8x2_to_h2(std::uint32_t w) {

@@ -6,6 +6,8 @@
 #include "tierkv/core/config.hpp"
 
 #include <cstdint>
+
+#include "tierkv/cuda/arch/convert.cuh"
 namespace tierkv::cuda::detail {
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
@@ -25,6 +27,15 @@ __device__ __forceinline__ void mma_16816_bf16(float (&c)[4], const std::uint32_
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// m16n8k16 on operands of type T.
+template <operand_type T>
+__device__ __forceinline__ void mma_16816_of(float (&c)[4], const std::uint32_t (&a)[4],
+                                             std::uint32_t b0, std::uint32_t b1) {
+  if constexpr (T == operand_type::bf16)
+    mma_16816_bf16(c, a, b0, b1);
+  else
+    mma_16816(c, a, b0, b1);
 }
 // A with every element a (a bias): rows g and g + 8 of the product are equal, so only row g's
 // two columns are accumulated (2 live registers instead of 4; d = 128 spills at the cap).

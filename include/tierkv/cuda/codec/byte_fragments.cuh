@@ -98,6 +98,9 @@ struct mma_byte_codec {
     out[1][1] = Cvt::x2_hi(y);
   }
   static constexpr int value_mtiles_per_word = 2;
+  // int8 codes are all finite levels; E4M3 0x7F / 0xFF are NaN, so FP8 value codes past a
+  // page's tokens must not reach the product (0 x NaN)
+  static constexpr bool value_codes_finite = s8_keys;
   // the fragments hold the code values, with no bias
   static constexpr float value_log2_unit(bool) { return 0.f; }
   static constexpr std::uint32_t value_bias_pair = 0;

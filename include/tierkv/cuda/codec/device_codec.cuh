@@ -12,10 +12,13 @@
 //                  prefill's keys)
 //   fragments      the tensor-core operand builders (decode/tensor_core.cuh's interface:
 //                  key_words, load_key, key_frag / key_frag_s8, value_words, load_value,
-//                  value_pairs, ...)
+//                  value_pairs, value_codes_finite, ...; key_operand / value_operand: the
+//                  16-bit type of the f16-path operands, f16 when absent)
 //   warp_decode<N, Signed>(payload, meta, seed, signs, exchange, lane) -> lane_vector
 //   warp_encode<N>(vector, payload, meta*, seed, lane, norm, exchange, signs) -> false on
 //                  non-finite input (the codec's poison written)
+// The host codec's per-token metadata is a bf16 scale (every quantized format) or nothing
+// (dense_bf16: the kernels take 1).
 // The warp codecs hold a vector N coordinates per lane (warp/lane_group.cuh) and are
 // bit-exact with the host codec for every lane grouping.
 #pragma once
@@ -25,6 +28,7 @@
 #include <concepts>
 
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/cuda/arch/convert.cuh"
 
 namespace tierkv::cuda::detail {
 
@@ -32,8 +36,9 @@ template <class C, storage_format F = C::format>
 struct device_codec {
   static_assert(
       tierkv::detail::dependent_false<C>,
-      "tierkv::cuda: no device codec for this codec's storage_format. Supported: fp8_e4m3, "
-      "int8_rotated, tq3, tq4. A new format needs a device_codec specialization in a file of "
+      "tierkv::cuda: no device codec for this codec's storage_format (the supported ones are "
+      "registered in cuda/codec/formats.cuh). A new format needs a device_codec specialization in "
+      "a file of "
       "cuda/codec/, included from cuda/codec/formats.cuh");
 };
 
@@ -52,6 +57,8 @@ consteval bool check_device_codec() {
   static_assert(
       requires { typename DC::fragments; },
       "device_codec<C>: missing `fragments` (the tensor-core decode's operand builders)");
+  static_assert(C::meta_bytes == 0 || C::meta_bytes == 2,
+                "device_codec<C>: the per-token meta must be a bf16 scale or nothing");
   return true;
 }
 
@@ -61,5 +68,23 @@ template <class C>
 using slice_reader = typename device_codec<C>::slice_reader;
 template <class C>
 using mma_codec = typename device_codec<C>::fragments;
+// A per-token scale to read (a bf16 meta), or 1.
+template <class C>
+inline constexpr bool token_scaled = check_device_codec<C>() && C::meta_bytes != 0;
+// The operand type of fragments FC's keys / values on the f16 path (f16 unless FC says).
+template <class FC>
+consteval operand_type key_operand_of() {
+  if constexpr (requires { FC::key_operand; })
+    return FC::key_operand;
+  else
+    return operand_type::f16;
+}
+template <class FC>
+consteval operand_type value_operand_of() {
+  if constexpr (requires { FC::value_operand; })
+    return FC::value_operand;
+  else
+    return operand_type::f16;
+}
 
 }  // namespace tierkv::cuda::detail

@@ -3,6 +3,7 @@
 // Kernels include this, so a tier list may name any registered format.
 #pragma once
 
+#include "tierkv/cuda/codec/dense_bf16.cuh"
 #include "tierkv/cuda/codec/device_codec.cuh"
 #include "tierkv/cuda/codec/fp8_e4m3.cuh"
 #include "tierkv/cuda/codec/int8_rotated.cuh"

@@ -243,6 +243,7 @@ struct tq3_fragments {
   static constexpr float value_log2_unit(bool biased) { return biased ? 18.f : 4.f; }
   static constexpr std::uint32_t value_bias_pair = 0x00800080u;  // f16 subnormals 128 2^-24
   static constexpr int value_mtiles_per_word = 4;
+  static constexpr bool value_codes_finite = true;  // every code is a finite centroid
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned idx = g * value_eff_words + mt / 4;
     return 32 * (idx / 4) + 8 * (idx % 4) + 2 * (mt % 4) + r;

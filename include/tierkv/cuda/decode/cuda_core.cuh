@@ -81,8 +81,6 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
   using layout = page_layout<Geometry, K, V>;
   using KR = slice_reader<K>;
   using VR = slice_reader<V>;
-  static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
-                "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, LPT = S::lanes_per_token, NTG = S::token_groups;
   constexpr int TILE = S::tile, IT = S::iters, IB = IT < 4 ? IT : 4;
   const int tid = int(threadIdx.x);
@@ -146,8 +144,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
           const int t = t0 + tg + u * NTG;
           if (u < IT && tg + u * NTG < TILE && t < ntok) {
             kr[uu] = KR::load(hr.keys + std::size_t(t) * K::payload_bytes, slice);
-            km[uu] = bf16_bits_to_float(__ldg(hr.key_meta + t));
-            vm[uu] = bf16_bits_to_float(__ldg(hr.value_meta + t));
+            km[uu] = token_scaled<K> ? bf16_bits_to_float(__ldg(hr.key_meta + t)) : 1.f;
+            vm[uu] = token_scaled<V> ? bf16_bits_to_float(__ldg(hr.value_meta + t)) : 1.f;
           }
         }
 #pragma unroll

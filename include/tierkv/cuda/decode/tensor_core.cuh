@@ -120,12 +120,14 @@ struct mma_staging {
   static constexpr std::size_t value_bytes = std::size_t(rows) * value_stride;
   static_assert(key_bytes % 16 == 0 && value_bytes % 16 == 0,
                 "decode: staged rows must be whole 16-byte units");
-  static constexpr std::size_t meta_bytes = std::size_t(rows) * 2 * 2;  // bf16 key and value metas
+  // bf16 key metas, then value metas, of the roles with a per-token scale: rows x 2 bytes / 16
+  static constexpr int key_meta_chunks = token_scaled<K> ? rows / 8 : 0;
+  static constexpr int value_meta_chunks = token_scaled<V> ? rows / 8 : 0;
+  static constexpr std::size_t meta_bytes = std::size_t(key_meta_chunks + value_meta_chunks) * 16;
   static constexpr std::size_t slot_bytes = key_bytes + value_bytes + meta_bytes;
   static constexpr int key_chunks = int(key_bytes / 16);
   static constexpr int value_chunks = int(std::size_t(rows) * V::payload_bytes / 16);
   static constexpr int value_cpr = int(V::payload_bytes / 16);
-  static constexpr int meta_chunks = rows / 8;  // per role: rows x 2 bytes / 16
   static constexpr std::size_t block_bytes = std::size_t(mma_warps) * slot_bytes;
 };
 // The end of a tier's pages: each warp's accumulator fragments (d/4 values per lane, value
@@ -190,8 +192,6 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   using layout = page_layout<Geometry, K, V>;
   using KC = mma_codec<K>;
   using VC = mma_codec<V>;
-  static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
-                "decode: per-token meta must be bf16 bits (docs/formats.md)");
   constexpr int D = S::d, G = S::g, ST = S::steps;
   using staging = mma_staging<Geometry, Tier>;
   constexpr int P = staging::substeps,
@@ -206,9 +206,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   // the offset x (the head's sum of its rounded query, an exact integer) per head.
   constexpr bool key_offset = s8_keys && KC::key_level_offset != 0.f;
   static_assert(
-      V::format != storage_format::tq4,
-      "tensor-core decode: TQ4 is a key codec here (tier<tq4_key, tq3_value>); use tq3_value or an "
-      "8-bit value codec, or decode_path::cuda_core");
+      requires { VC::value_words; },
+      "tensor-core decode: this value codec has no value fragments (TQ4 is a key codec here: "
+      "tier<tq4_key, tq3_value>); use another value codec, or decode_path::cuda_core");
+  // the 16-bit operand types of the f16 path's key (scores) and value products
+  constexpr operand_type KT = key_operand_of<KC>(), VT = value_operand_of<VC>();
   const int tid = int(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
@@ -247,7 +249,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   const std::uint8_t* kst = slot_p;
   const std::uint8_t* vst = slot_p + staging::key_bytes;
   const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
-  const std::uint16_t* vms = kms + RT;
+  const std::uint16_t* vms = kms + (token_scaled<K> ? RT : 0);
   // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
   // compiled to ~200 instructions per step, SASS before the staging). An empty group when there is
   // no next step keeps the wait counts uniform.
@@ -255,11 +257,11 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     if (page != nullptr) {
       cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, RT * step),
                                            lane);
-      constexpr int MC = staging::meta_chunks;
-      if (lane < 2 * MC) {  // the step's bf16 key metas, then its value metas, 16 bytes a lane
+      constexpr int KMC = staging::key_meta_chunks, VMC = staging::value_meta_chunks;
+      if (lane < KMC + VMC) {  // the step's bf16 key metas, then its value metas, 16 bytes a lane
         const std::uint8_t* src =
-            lane < MC ? page + layout::key_meta(kvh, RT * step) + 16 * lane
-                      : page + layout::value_meta(kvh, RT * step) + 16 * (lane - MC);
+            lane < KMC ? page + layout::key_meta(kvh, RT * step) + 16 * lane
+                       : page + layout::value_meta(kvh, RT * step) + 16 * (lane - KMC);
         cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
       }
     }
@@ -396,10 +398,17 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t fr[4];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const __half2 hh = __floats2half2_rn(x[2 * r], x[2 * r + 1]);
-          const float2 back = __half22float2(hh);
-          fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
-          fr[2 + r] = pack_half2(x[2 * r] - back.x, x[2 * r + 1] - back.y);
+          if constexpr (KT == operand_type::f16) {
+            const __half2 hh = __floats2half2_rn(x[2 * r], x[2 * r + 1]);
+            const float2 back = __half22float2(hh);
+            fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
+            fr[2 + r] = pack_half2(x[2 * r] - back.x, x[2 * r + 1] - back.y);
+          } else {  // bf16 hi + lo: 16 bits of the scaled query, about 2^-17 relative
+            const std::uint32_t hh = pack_bfloat162(x[2 * r], x[2 * r + 1]);
+            fr[r] = hh;
+            fr[2 + r] = pack_bfloat162(x[2 * r] - __uint_as_float(hh << 16),
+                                       x[2 * r + 1] - __uint_as_float(hh & 0xffff0000u));
+          }
         }
         sm.qfrag[s * 32 + ln] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
       }
@@ -499,8 +508,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
           std::uint32_t a[4];
           KC::key_frag(kw[h][0], qc, s, a[0], a[2]);
           KC::key_frag(kw[h][1], qc, s, a[1], a[3]);
-          mma_16816(sc[h], a, q.x, q.y);
-          mma_16816(S::score_chains == 2 ? lo[h] : sc[h], a, q.z, q.w);
+          mma_16816_of<KT>(sc[h], a, q.x, q.y);
+          mma_16816_of<KT>(S::score_chains == 2 ? lo[h] : sc[h], a, q.z, q.w);
         }
       }
       if constexpr (S::score_chains == 2) {
@@ -578,8 +587,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes per sub-step
 #pragma unroll
     for (int h = 0; h < P; ++h) {
-      pb[h][0] = movmatrix_trans(pack_half2(pv[h][0], pv[h][1]));
-      pb[h][1] = movmatrix_trans(pack_half2(pv[h][2], pv[h][3]));
+      pb[h][0] = movmatrix_trans(pack_operand2<VT>(pv[h][0], pv[h][1]));
+      pb[h][1] = movmatrix_trans(pack_operand2<VT>(pv[h][2], pv[h][3]));
     }
   };
   // ---- values O^T += V^T P^T, sub-step by sub-step
@@ -599,7 +608,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
       for (int k = 0; k < MPW; ++k) {
         const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
-        mma_16816(o[wi * MPW + k], a, pb[0], pb[1]);
+        mma_16816_of<VT>(o[wi * MPW + k], a, pb[0], pb[1]);
       }
     }
     if constexpr (value_bias) mma_16816_uniform_a(ob, VC::value_bias_pair, pb[0], pb[1]);
@@ -634,9 +643,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   };
 
   // Value rows past ntok hold whatever the page holds there. Their probabilities are 0, so
-  // only codes that can decode to NaN / Inf (FP8 E4M3: 0x7F, 0xFF) must be zeroed; every
-  // TQ3 code is a finite centroid and every int8 code a finite level.
-  constexpr bool zero_tail_values = V::format == storage_format::fp8_e4m3;
+  // only codes that can decode to NaN / Inf (FP8 E4M3 0x7F, 0xFF; bf16) must be zeroed.
+  constexpr bool zero_tail_values = !VC::value_codes_finite;
   // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8). Rows past the page's
   // tokens are read as staged (step_scores masks them): at fixed offsets from one base, the
   // loads take immediates (clamping the row to a real token cost ~6 instructions a row).
@@ -645,8 +653,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * h + qg + 8 * r;
       KC::template load_key<true>(kst + std::size_t(row) * K::payload_bytes, qc, kw[r]);
-      ks[r] = bf16_bits_to_float(kms[row]);
-      lvs[r] = fast_log2(bf16_bits_to_float(vms[row]));
+      ks[r] = token_scaled<K> ? bf16_bits_to_float(kms[row]) : 1.f;
+      lvs[r] = token_scaled<V> ? fast_log2(bf16_bits_to_float(vms[row])) : 0.f;
       if constexpr (value_log2_unit != 0.f) lvs[r] += value_log2_unit;  // (x + 0 is not x for -0)
     }
   };

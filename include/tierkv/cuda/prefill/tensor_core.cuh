@@ -361,8 +361,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     using V = typename tier_t<F>::template value_codec<D>;
     using KR = slice_reader<K>;
     using VR = slice_reader<V>;
-    static_assert(K::meta_bytes == 2 && V::meta_bytes == 2,
-                  "prefill: per-token meta must be bf16 bits (docs/formats.md)");
+    static_assert(
+        token_scaled<K> && token_scaled<V>,
+        "prefill: every tier's codecs need a per-token bf16 scale and f16-exact key "
+        "codes (dense_bf16 pages are decode-only on the GPU: a bf16 key has no exact f16)");
     constexpr int S = D / 16;  // 16-coordinate slices of a token
     const int t0 = T > TL ? (tile * TL) % T : 0;
     for (int idx = int(threadIdx.x); idx < TL * S; idx += prefill_threads) {
