@@ -67,6 +67,17 @@ __global__ void fill_pages(std::uint8_t* p, std::size_t n, std::uint64_t seed, i
     p[i] = v;
   }
 }
+// Random bf16 values of magnitude 2^-3 .. 2^1 (dense bf16 pages: no NaN, no overflowing scores).
+__global__ void fill_bf16(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
+  std::uint16_t* h = reinterpret_cast<std::uint16_t*>(p);
+  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n / 2;
+       i += std::size_t(gridDim.x) * blockDim.x) {
+    const std::uint64_t r = mix64(seed ^ (i * 0x9e3779b97f4a7c15ull));
+    const std::uint32_t sign = std::uint32_t(r >> 63) << 15,
+                        exp = 124u + std::uint32_t(r >> 40) % 4u;
+    h[i] = std::uint16_t(sign | (exp << 7) | std::uint32_t(r & 0x7fu));
+  }
+}
 __global__ void fill_meta(std::uint8_t* base, std::size_t page_bytes, std::size_t meta_offset,
                           std::size_t meta_count, std::uint32_t pages, float lo,
                           std::uint64_t seed) {

@@ -26,6 +26,7 @@
 
 #include "bench_support.cuh"
 #include "gbench_main.hpp"
+#include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
@@ -42,6 +43,7 @@ using recent = tier<fp8_e4m3, fp8_e4m3>;
 using stale = tier<tq3_key, tq3_value>;
 using recent_int8r = tier<int8_rotated, int8_rotated>;
 using stale_k4 = tier<tq4_key, tq3_value>;
+using recent_dense = tier<dense_bf16, dense_bf16>;  // the BF16 control arm
 using g256 = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
 using g128 = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
 using g64 = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
@@ -50,6 +52,7 @@ struct options {
   bool quick = false, compare = false, retier = true, decode = true;
   bool with_int8r = false, int8r_only = false;  // also / only the int8_rotated recent tier
   bool with_k4 = false, k4_only = false;        // also / only int8_rotated + TQ4-key Stale tiers
+  bool with_dense = false;                      // also dense bf16 recent pages (the control arm)
   std::vector<int> ctx, batch;                  // empty: the defaults
   int dim = 0;                                  // 0: all shapes
   std::string mix;                              // empty: every mix
@@ -157,11 +160,16 @@ struct decode_case {
     cap3 = std::uint32_t(std::max(1, copies * n3));
     p8 = device_array<std::uint8_t>(L8::page_bytes * cap8);
     p3 = device_array<std::uint8_t>(L3::page_bytes * cap3);
-    fill_pages<<<1024, 256, 0, s>>>(p8.get(), p8.size(), 1 + L, 1);
+    if constexpr (KF::meta_bytes == 0) {  // dense bf16
+      fill_bf16<<<1024, 256, 0, s>>>(p8.get(), p8.size(), 1 + L);
+    } else {
+      fill_pages<<<1024, 256, 0, s>>>(p8.get(), p8.size(), 1 + L, 1);
+      // FP8 scales ~ amax/448 for unit-variance data
+      fill_meta<<<1024, 256, 0, s>>>(p8.get(), L8::page_bytes, L8::key_meta_offset,
+                                     std::size_t(2) * H * T, cap8, 3.f / 448.f, 3);
+    }
     fill_pages<<<1024, 256, 0, s>>>(p3.get(), p3.size(), 2 + L, 0);
-    // FP8 scales ~ amax/448 for unit-variance data; TQ3 norms ~ sqrt(d).
-    fill_meta<<<1024, 256, 0, s>>>(p8.get(), L8::page_bytes, L8::key_meta_offset,
-                                   std::size_t(2) * H * T, cap8, 3.f / 448.f, 3);
+    // TQ3 norms ~ sqrt(d).
     fill_meta<<<1024, 256, 0, s>>>(p3.get(), L3::page_bytes, L3::key_meta_offset,
                                    std::size_t(2) * H * T, cap3, std::sqrt(float(D)), 4);
     CK(cudaGetLastError());
@@ -253,10 +261,16 @@ void register_decode(const std::vector<int>& contexts, const std::vector<int>& b
   using C = decode_case<G, Recent, Stale>;
   if (opt.dim != 0 && opt.dim != C::D) return;
   constexpr bool int8r = C::KF::format == storage_format::int8_rotated;
+  constexpr bool dense = C::KF::format == storage_format::dense_bf16;
   constexpr bool k4 = C::KT::format == storage_format::tq4;  // Stale: TQ4 keys, TQ3 values
-  const char* mixes[] = {
-      int8r ? "int8r" : "fp8", k4 ? "tq4k" : "tq3",
-      k4 ? (int8r ? "tiered_k4" : "tiered_fp8_k4") : (int8r ? "tiered_int8r" : "tiered")};
+  const char* mixes[] = {dense   ? "bf16"
+                         : int8r ? "int8r"
+                                 : "fp8",
+                         k4 ? "tq4k" : "tq3",
+                         k4 ? (int8r ? "tiered_k4" : "tiered_fp8_k4")
+                            : (dense   ? "tiered_bf16"
+                               : int8r ? "tiered_int8r"
+                                       : "tiered")};
   std::vector<path> paths{path::stream, path::graph};
   if (opt.compare)
     paths.insert(paths.end(), {path::cuda_core_stream, path::cuda_core_graph, path::waves3_stream});
@@ -265,8 +279,8 @@ void register_decode(const std::vector<int>& contexts, const std::vector<int>& b
     for (int B : batches)
       for (int mi = 0; mi < 3; ++mi) {
         if (!opt.mix.empty() && opt.mix != mixes[mi]) continue;
-        if (k4 && mi == 0) continue;            // all-recent pages do not depend on the Stale tier
-        if (int8r && !k4 && mi == 1) continue;  // all-Stale pages do not depend on the recent tier
+        if (k4 && mi == 0) continue;  // all-recent pages do not depend on the Stale tier
+        if ((int8r || dense) && !k4 && mi == 1) continue;  // all-Stale: not the recent tier's
         if (C::page_bytes(L, B, mi) > 40e9) continue;
         const std::string key = bench_name("decode")
                                     .add("shape", sh)
@@ -434,6 +448,11 @@ void register_all() {
     register_decode<g128, recent_int8r>(ctx, bat);
     register_decode<g64, recent_int8r>(ctx, bat);
   }
+  if (opt.decode && opt.with_dense) {
+    register_decode<g256, recent_dense>(ctx, bat);
+    register_decode<g128, recent_dense>(ctx, bat);
+    register_decode<g64, recent_dense>(ctx, bat);
+  }
   if (opt.retier && base) {
     register_retier_append<g256>();
     register_retier_append<g128>();
@@ -512,7 +531,8 @@ int main(int argc, char** argv) {
        [](const std::string& s) { opt.batch.push_back(to_int("--batch", s)); }},
       {"--dim", "D", "only the shape of head_dim D (256, 128, 64)", num("--dim", opt.dim)},
       {"--mix", "M",
-       "only mix M: fp8 tq3 tiered | int8r tiered_int8r (--int8r) | tq4k tiered_k4 (--k4)",
+       "only mix M: fp8 tq3 tiered | int8r tiered_int8r (--int8r) | tq4k tiered_k4 (--k4) | bf16 "
+       "tiered_bf16 (--dense)",
        [](const std::string& s) { opt.mix = s; }},
       {"--no-retier", "", "no retier / append benchmarks",
        [](const std::string&) { opt.retier = false; }},
@@ -528,6 +548,8 @@ int main(int argc, char** argv) {
       {"--int8r-only", "", "only the int8_rotated recent tier",
        [](const std::string&) { opt.with_int8r = opt.int8r_only = true; }},
       {"--k4", "", "also int8_rotated + TQ4-key / TQ3-value tiers", on(opt.with_k4)},
+      {"--dense", "", "also dense bf16 recent pages, the control arm (mixes bf16, tiered_bf16)",
+       on(opt.with_dense)},
       {"--k4-only", "", "only int8_rotated + TQ4-key / TQ3-value tiers",
        [](const std::string&) { opt.with_k4 = opt.k4_only = true; }},
       {"--balance", "bytes|work", "plan: the cost line's page weights",

@@ -134,9 +134,10 @@ void reference_capped(const HB& h, double scale, double soft_cap, int window,
 // Tolerances per path: the tensor-core path rounds the probabilities to f16 (f16 queries are
 // split hi + lo, so FP8 scores keep ~fp32 precision; int8 keys score against the query
 // rounded to 2^-13 of its largest element); TQ3 pages are 3-bit codes whose scores move the
-// softmax most.
-double out_tol(decode_path path, bool has_tq3) {
-  if (has_tq3) return 2e-3;
+// softmax most. Dense bf16 pages take bf16 probabilities (2^-9 relative, as BF16 attention
+// kernels round them) and bf16 hi + lo queries (2^-17).
+double out_tol(decode_path path, bool has_tq3, bool bf16_values = false) {
+  if (has_tq3 || (bf16_values && path == decode_path::tensor_core)) return 2e-3;
   return path == decode_path::tensor_core ? 2e-4 : 2e-5;
 }
 
@@ -183,7 +184,8 @@ void check_case_path(const std::vector<int>& lens, mix m, std::uint64_t rng_seed
   const auto mass = dev.mass.get();
   for (float x : out) REQUIRE(std::isfinite(x));
   const bool has_tq3 = m != mix::all_fp8;
-  const double tol = out_tol(Path, has_tq3);
+  const double tol = out_tol(
+      Path, has_tq3, host_batch<G, Recent, Stale>::KF::format == storage_format::dense_bf16);
   const double err = rel_l2(out, ref_out, std::size_t(B) * QH * D);
   INFO("shape " << QH << "/" << G::kv_heads << "/" << D << " mix " << int(m) << " soft_cap "
                 << soft_cap << " window " << window << " rel_l2 " << err);
@@ -285,6 +287,28 @@ TEST_CASE("gpu decode: int8_rotated recent pages (alone and with TQ3)",
   check_case<g_small_pages, recent_int8r>({1000, 17, 16, 1}, mix::tiered, 91, 8, 256);
   check_case<g_llama, recent_int8r>({2000, 500}, mix::tiered, 92, 4, 32 * 1024, 8.f, 40);
   check_case<g_qwen, recent_int8r>({1500, 3}, mix::all_fp8, 93, 4, 32 * 1024, 0.f, 0, 1e-7f, 4);
+}
+
+// The seam proof of cuda/codec/: dense bf16 pages (the control arm) through one device codec
+// file (cuda/codec/dense_bf16.cuh) and its registration, on both paths, alone and beside TQ3 /
+// TQ4 pages; the pools' unused bytes are 0xFF (bf16 NaN), so a tail value read into the
+// product would show.
+TEST_CASE("gpu decode: dense bf16 recent pages (the control arm)", "[cuda][decode][dense_bf16]") {
+  using recent_dense = cuda_test::decode_dense;
+  const std::vector<int> lens = {3000, 1, 700, 64, 129};
+  for (mix m : {mix::all_fp8, mix::tiered, mix::interleaved}) {
+    check_case<g_qwen, recent_dense>(lens, m, 261 + int(m));
+    check_case<g_llama, recent_dense>(lens, m, 271 + int(m));
+    check_case<g_smol, recent_dense>(lens, m, 281 + int(m));
+  }
+  check_case<g_small_pages, recent_dense, cuda_test::decode_stale_k4>({1000, 17, 16, 1},
+                                                                      mix::tiered, 291, 8, 256);
+  // large value scales (2^+-40 per token: bf16 holds them, f16 would not), key offsets, tiny
+  // queries, a tensor-parallel rank's heads, soft-cap and a window
+  check_case<g_llama, recent_dense>({2000, 500}, mix::all_fp8, 292, 4, 32 * 1024, 8.f, 40);
+  check_case<g_qwen, recent_dense>({1500, 3}, mix::all_fp8, 293, 4, 32 * 1024, 0.f, 0, 1e-7f, 4);
+  check_case<g_smol, recent_dense>({1500, 70}, mix::interleaved, 294, 4, 32 * 1024, 0.f, 0, 1.f, 0,
+                                   30.f, 200);
 }
 
 TEST_CASE("gpu decode: TQ4 keys with TQ3 values in the Stale tier", "[cuda][decode][tq4]") {

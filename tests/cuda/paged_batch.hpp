@@ -94,7 +94,7 @@ struct host_batch {
       for (int i = 0; i < cap; ++i) phys[f][i] = i;
       std::shuffle(phys[f].begin(), phys[f].end(), rng);
       const std::size_t pb = f == 0 ? L8::page_bytes : L3::page_bytes;
-      pool[f].assign(pb * std::size_t(cap), 0xFF);  // poison: FP8 0xFF is NaN, meta NaN
+      pool[f].assign(pb * std::size_t(cap), 0xFF);  // poison: FP8 0xFF and bf16 0xFFFF are NaN
       for (std::size_t e = 0; e < order[f].size(); ++e) {
         slot[f].push_back(phys[f][e]);
         logical[f].push_back(order[f][e].second);
@@ -130,19 +130,20 @@ struct host_batch {
                 for (int d = 0; d < D; ++d) kv[d] *= f2;
               }
               if (f == 0) {
-                auto& meta = *reinterpret_cast<bf16_bits*>(
+                auto& meta = *reinterpret_cast<typename KF::meta_type*>(
                     page + (role == 0 ? L8::key_meta(h, t) : L8::value_meta(h, t)));
                 std::uint8_t* pay =
                     page + (role == 0 ? L8::key_payload(h, t) : L8::value_payload(h, t));
                 REQUIRE(KF::encode(kv.data(), pay, meta, role == 0 ? kc : vc, nullptr) == errc::ok);
                 KF::decode(pay, meta, dec.data(), role == 0 ? kc : vc);
               } else if (role == 0) {
-                auto& meta = *reinterpret_cast<bf16_bits*>(page + L3::key_meta(h, t));
+                auto& meta = *reinterpret_cast<typename KT::meta_type*>(page + L3::key_meta(h, t));
                 std::uint8_t* pay = page + L3::key_payload(h, t);
                 REQUIRE(KT::encode(kv.data(), pay, meta, kc, nullptr) == errc::ok);
                 KT::decode(pay, meta, dec.data(), kc);
               } else {
-                auto& meta = *reinterpret_cast<bf16_bits*>(page + L3::value_meta(h, t));
+                auto& meta =
+                    *reinterpret_cast<typename VT::meta_type*>(page + L3::value_meta(h, t));
                 std::uint8_t* pay = page + L3::value_payload(h, t);
                 REQUIRE(VT::encode(kv.data(), pay, meta, vc, nullptr) == errc::ok);
                 VT::decode(pay, meta, dec.data(), vc);

@@ -2,6 +2,7 @@
 // The tier pairs and geometries the GPU attention tests (decode, prefill) run.
 #pragma once
 
+#include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
@@ -12,6 +13,8 @@
 namespace cuda_test {
 
 using decode_recent = tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>;
+// the BF16 control arm (dense pages through the same kernels)
+using decode_dense = tierkv::tier<tierkv::dense_bf16, tierkv::dense_bf16>;
 using decode_int8r = tierkv::tier<tierkv::int8_rotated, tierkv::int8_rotated>;
 using decode_stale = tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>;
 using decode_stale_k4 = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
