@@ -58,6 +58,7 @@
 #include "tierkv/cuda/retier_async.cuh"
 #include "tierkv/cuda/retier_driver.cuh"
 #include "tierkv/memory/allocators.hpp"
+#include "tierkv/paging/page_transfer.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/report.hpp"
@@ -90,12 +91,13 @@ struct tiered_cache_options {
   bool center = false;
 };
 
-/// Host<->device bytes the façade moved: all metadata. Page bytes never cross (see the top).
+/// Host<->device bytes the façade moved: metadata, and page bytes only where pages leave or
+/// enter the cache (export_pages, import_pages); no step, fork or conversion moves any.
 struct transfer_counters {
   /// Mirror journals, batch rows, slot mappings, retier lists
   std::uint64_t h2d_metadata_bytes = 0;
   std::uint64_t d2h_metadata_bytes = 0;  ///< page masses, error words
-  std::uint64_t page_bytes = 0;          ///< host<->device page bytes: no path moves any
+  std::uint64_t page_bytes = 0;          ///< host<->device page bytes: export and import only
 };
 
 /// Host time the façade spent since create, by part (steady clock, nanoseconds): where a
@@ -278,6 +280,120 @@ class tiered_cache {
   }
   /// Prefix entries cached.
   std::size_t prefix_entries() const noexcept { return prefixes_->size(); }
+  // ---- page transfer: a run of pages as one verified buffer (paging/page_transfer.hpp) --------
+  /// tierkv::export_pages's buffer (the same bytes, docs/multigpu.md: it imports into a host
+  /// storage or another cache) of logical pages [first, first + count) of s (count < 0: to
+  /// the end, the open tail page included), all layers, KV heads `heads`. The pages are
+  /// copied device to host on the stream, after every write enqueued before them, and the
+  /// stream is synchronized before returning. Between steps (a step's tokens are written by
+  /// appends not yet launched); the cache is not changed. A centred cache's pages are
+  /// centred: the destination needs the same means (centering_keys / centering_values).
+  result<std::vector<std::uint8_t>> export_pages(seq_id s, std::int64_t first = 0,
+                                                 std::int64_t count = -1, head_slice heads = {}) {
+    if (stepping_)
+      return status(errc::invalid_argument, "export_pages: not between begin_step and end_step");
+    auto run = tierkv::detail::export_run(*storage_, s, first, count, heads);
+    if (!run) return run.error_status();
+    // Whole pages to page-locked memory, one slot per record, then the host's writer.
+    const auto views = storage_->views();
+    const int L = layers();
+    std::vector<std::size_t> at;
+    std::size_t staged = 0;
+    tierkv::detail::for_each_run_page(*storage_, s, *run, [&](std::int64_t, int, page_id p) {
+      at.push_back(staged);
+      staged += views[p.format].page_bytes;
+    });
+    pinned_bytes stage;
+    if (staged > 0) TIERKV_CUDA_TRY(cudaMallocHost(&stage.p, staged));
+    status copied;
+    std::size_t i = 0;
+    tierkv::detail::for_each_run_page(*storage_, s, *run, [&](std::int64_t, int, page_id p) {
+      const pool_view& v = views[p.format];
+      if (copied)
+        copied = cuda::check(cudaMemcpyAsync(stage.p + at[i], v.page(p.slot), v.page_bytes,
+                                             cudaMemcpyDeviceToHost, stream_),
+                             "export_pages: cudaMemcpyAsync (device to host)");
+      ++i;
+    });
+    const status synced =
+        cuda::check(cudaStreamSynchronize(stream_), "export_pages: the page copies");
+    if (!copied) return copied;
+    if (!synced) return synced;
+    counters_.page_bytes += staged;
+    std::vector<std::uint8_t> out(run->bytes);
+    tierkv::detail::write_transfer(
+        *storage_, s, *run, std::span<std::uint8_t>(out), [&](std::int64_t j, int l, page_id) {
+          return stage.p + at[std::size_t(j - run->first) * std::size_t(L) + std::size_t(l)];
+        });
+    return out;
+  }
+
+  /// Imports a buffer of export_pages (this cache's, another's, or tierkv::export_pages of a
+  /// host storage) as a NEW sequence holding its run, all or nothing. The whole buffer is
+  /// verified on the host first (verify_import: format, checksum, geometry, tier list, codec
+  /// seed, head_base), then max_pages and the capacity (a sequence slot, blocks, every pool at
+  /// the import's peak). When only tier 0 is short it makes room as begin_step does
+  /// (make_room: sealed tier-0 pages demoted on the GPU, blocking), after checking that the
+  /// demotions would make the import fit: every refusal comes before any change. The pages are
+  /// copied host to device on the stream, which is synchronized before returning; the mirror
+  /// holds the sequence's row, and the controller sees it at its next plan. Between steps. A
+  /// CUDA error once the copies began releases the sequence (demotions made for it stay: they
+  /// lose nothing). With centring, every layer's means must be set first (set_centering with
+  /// the source's means), since the pages were encoded against them.
+  result<seq_id> import_pages(std::span<const std::uint8_t> buf) {
+    if (stepping_)
+      return status(errc::invalid_argument, "import_pages: not between begin_step and end_step");
+    auto info = verify_import(*storage_, buf);
+    if (!info) return info.error_status();
+    if (opt_.center)
+      for (int l = 0; l < layers(); ++l)
+        if (!means_known_[std::size_t(l)])
+          return status::make(errc::invalid_argument, "import_pages: layer ", l,
+                              "'s centring means are not set; the pages are centred with their "
+                              "source's means: set_centering with those first; nothing imported");
+    if (info->logical_pages > std::uint32_t(opt_.max_pages))
+      return status::make(errc::out_of_range, "import_pages: the buffer holds ",
+                          info->logical_pages, " logical pages, max_pages = ", opt_.max_pages,
+                          "; nothing imported");
+    const import_need need = import_needs(*info, buf);
+    const std::uint64_t free0 = storage_->free_pages(0);
+    const std::uint64_t short0 =
+        need.pages_per_tier[0] > free0 ? need.pages_per_tier[0] - free0 : 0;
+    constexpr int stale = Roles::stale;
+    if (auto st = check_import_capacity(*storage_, need, stale != 0 ? short0 : 0, stale); !st)
+      return st;
+    if (short0 > 0) {
+      const scoped_time room_timed{times_.make_room_ns};
+      if (auto st =
+              make_room(std::uint32_t(std::min<std::uint64_t>(need.pages_per_tier[0], UINT32_MAX)));
+          !st)
+        return status::make(st.code(), "import_pages: ", st.message(), "; nothing imported");
+      if (auto st = check_import_capacity(*storage_, need); !st) return st;
+    }
+    const auto views = storage_->views();
+    std::uint64_t moved = 0;
+    auto seq = tierkv::detail::import_verified(
+        *storage_, *info, buf, [&](page_id p, const std::uint8_t* src, std::size_t n) {
+          moved += n;
+          return cuda::check(cudaMemcpyAsync(views[p.format].page(p.slot), src, n,
+                                             cudaMemcpyHostToDevice, stream_),
+                             "import_pages: cudaMemcpyAsync (host to device)");
+        });
+    // The copies read `buf` and write pages of the sequence (or, after a rollback, of the
+    // pools): they finish before the caller may free the one or anyone reuse the other.
+    const status synced =
+        cuda::check(cudaStreamSynchronize(stream_), "import_pages: the page copies");
+    counters_.page_bytes += moved;
+    if (!seq) return seq;
+    if (!synced) {
+      (void)storage_->release(*seq);
+      return status::make(synced.code(), synced.message(), "; import rolled back");
+    }
+    open_row(*seq);
+    sync_rows(*seq, 0);
+    return seq;
+  }
+
   /// Pins (or, with pinned = false, unpins) `pages` logical pages of s from `first_page`:
   /// pinned pages are Anchor and never demoted under pressure (tier_controller::pin).
   status pin(seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned = true) {
@@ -633,6 +749,17 @@ class tiered_cache {
     float* host = nullptr;
     cudaEvent_t ready = nullptr;
     bool pending = false;  // queued, not fed yet
+  };
+
+  // Page-locked staging of export_pages, freed on every return path.
+  struct pinned_bytes {
+    std::uint8_t* p = nullptr;
+    pinned_bytes() = default;
+    pinned_bytes(const pinned_bytes&) = delete;
+    pinned_bytes& operator=(const pinned_bytes&) = delete;
+    ~pinned_bytes() {
+      if (p) (void)cudaFreeHost(p);
+    }
   };
 
   tiered_cache(const options& opt, cudaStream_t stream) : opt_(opt), stream_(stream) {}
