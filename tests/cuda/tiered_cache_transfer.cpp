@@ -158,6 +158,21 @@ cache_state state_of(const xfer_cache& c) {
           c.pool_bytes(1)};
 }
 
+// Imports buf into c, which must refuse it with `code` and a message naming `says`, changing
+// nothing; returns the message.
+std::string import_refused(xfer_cache& c, const bytes& buf, errc code, const char* says) {
+  const cache_state before = state_of(c);
+  auto r = c.import_pages(buf);
+  REQUIRE_FALSE(r.has_value());
+  const std::string message = r.error_status().message();
+  INFO(message);
+  CHECK(r.code() == code);
+  CHECK(message.find(says) != std::string::npos);
+  CHECK(state_of(c) == before);
+  REQUIRE(c.check_invariants().is_ok());
+  return message;
+}
+
 // A GPU cache holding s0 (150 tokens: 9 full pages and an open one of 6) and s1 (96 tokens, 6
 // full pages), its policy's conversions done, and a host twin with the same pages.
 struct world {
@@ -356,13 +371,8 @@ TEST_CASE("cuda::tiered_cache::import_pages refuses damaged or foreign buffers, 
   const bytes good = w.gpu->export_pages(w.s0).value();
   const cache_state before = state_of(*w.gpu);
   const auto refused = [&](const bytes& buf, errc code, const char* says) {
-    auto r = w.gpu->import_pages(buf);
-    REQUIRE_FALSE(r.has_value());
-    CHECK(r.code() == code);
-    INFO(r.error_status().message());
-    CHECK(r.error_status().message().find(says) != std::string::npos);
-    CHECK(state_of(*w.gpu) == before);
-    REQUIRE(w.gpu->check_invariants().is_ok());
+    import_refused(*w.gpu, buf, code, says);
+    CHECK(state_of(*w.gpu) == before);  // after every refusal before it too
   };
   // A changed field, the checksum made right again, so that the check behind it is reached.
   const auto resealed = [&](std::size_t at, std::uint32_t value) {
@@ -455,15 +465,7 @@ TEST_CASE(
   const auto source = decode_all(*w.gpu, {w.s0}, q, 3);
 
   const auto refused = [&](xfer_cache& c, errc code, const char* says) {
-    const cache_state before = state_of(c);
-    auto r = c.import_pages(buf);
-    REQUIRE_FALSE(r.has_value());
-    CHECK(r.code() == code);
-    INFO(r.error_status().message());
-    CHECK(r.error_status().message().find(says) != std::string::npos);
-    CHECK(r.error_status().message().find("nothing imported") != std::string::npos);
-    CHECK(state_of(c) == before);
-    REQUIRE(c.check_invariants().is_ok());
+    CHECK(import_refused(c, buf, code, says).find("nothing imported") != std::string::npos);
   };
   const auto imported = [&](xfer_cache& c) {
     auto r = c.import_pages(buf);
@@ -540,11 +542,7 @@ TEST_CASE(
   gpu_prefill(*src, s, random_tokens(rng, 150), 1);
   const bytes buf = src->export_pages(s).value();
 
-  const cache_state before = state_of(*dst);
-  auto early = dst->import_pages(buf);
-  CHECK(early.code() == errc::invalid_argument);
-  CHECK(early.error_status().message().find("centring means") != std::string::npos);
-  CHECK(state_of(*dst) == before);
+  import_refused(*dst, buf, errc::invalid_argument, "centring means are not set");
 
   for (int l = 0; l < layers; ++l)
     REQUIRE(dst->set_centering(l, mu_k[std::size_t(l)], mu_v[std::size_t(l)]).is_ok());
