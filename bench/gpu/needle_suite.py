@@ -144,6 +144,10 @@ def run(a):
             toks, pre_s, dec_s = generate(model, prompt, chunk, max_new, stop, cache, found)
             if arm != "dense":
                 cache.end_step()
+                # the conversions planned by the last steps, finished and published: end_step
+                # publishes a batch only once the side stream is done with it, so without this the
+                # tiers and bits below would depend on timing (an item of few decode steps)
+                cache.tierkv.drain()
                 seq = int(cache.seqs[0])
                 tiers = sorted({t for layer in range(model.config.num_hidden_layers) for t in cache.tierkv.page_tiers(seq, layer)})
                 bits = cache.tierkv.report()["bits_per_scalar"]
