@@ -15,6 +15,14 @@ prefilled in the item's chunks and decoded greedily to a stop token or max_new, 
 (item, arm) is appended to --out; a run that stops (--time-limit) is resumed by running it again.
 
     python3 bench/gpu/needle_suite.py run --items ITEMS.jsonl --gguf MODEL.gguf --out RESULTS.jsonl
+
+Another model (Gemma 3): --retokenize builds each prompt from the item's text instead ("user", the
+chat message, and "answer_prefix", which the engine writes beside the ids): the model's own chat
+template (--template auto: the tokenizer's; gemma: Gemma's turn markers; plain: the text as is)
+around "user", then the prefix, encoded by the model's tokenizer with its default leading special
+tokens (Gemma's <bos>); the stop tokens become the model's end-of-sequence and end-of-turn ids. The
+haystack was sized by SmolLM2's tokenizer, so "target" stays the nominal length and each result
+records its own prompt_tokens.
     python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] --out quality.json
 
 summarize: per (task, length), per length and over all items, each arm's accuracy (mean of the
@@ -39,6 +47,39 @@ ARMS = {
     "seed": ("fp8", "tq3", "tq3", False),
     "int8r": ("int8_rotated", "int8_rotated", "int8_rotated", False),
 }
+
+
+# end-of-turn tokens by name (Gemma, SmolLM2/ChatML, Llama 3): the ones the vocabulary holds stop decoding
+STOP_NAMES = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
+TEMPLATES = {
+    "gemma": "<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n",
+    "plain": "{user}\n",
+}
+
+
+def retokenize(item, tok, template="auto"):
+    """The item's prompt in tok's ids: the chat template around item["user"], then
+    item["answer_prefix"]; tok's default leading special tokens (e.g. <bos>) once at the start."""
+    if "user" not in item or "answer_prefix" not in item:
+        raise ValueError("needle_suite: --retokenize needs items with \"user\" and \"answer_prefix\" (smollm tasks --dump-items writes them)")
+    if template == "auto":
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("needle_suite: the tokenizer has no chat template; pass --template gemma or plain")
+        text = tok.apply_chat_template([{"role": "user", "content": item["user"]}], add_generation_prompt=True, tokenize=False)
+    else:
+        text = TEMPLATES[template].format(user=item["user"])
+    lead = list(tok("", add_special_tokens=True)["input_ids"])  # e.g. [<bos>]; [] for SmolLM2
+    ids = list(tok(text + item["answer_prefix"], add_special_tokens=False)["input_ids"])
+    if lead and ids[: len(lead)] != lead:  # a template that writes <bos> itself keeps one
+        ids = lead + ids
+    return ids
+
+
+def stop_ids(tok):
+    """The model's end-of-sequence id and the end-of-turn ids its vocabulary holds."""
+    vocab = tok.get_vocab()
+    ids = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    return ids | {int(vocab[n]) for n in STOP_NAMES if n in vocab}
 
 
 def log(*a):
@@ -119,6 +160,12 @@ def run(a):
         return
     d, name = os.path.split(os.path.abspath(a.gguf))
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    if a.retokenize:
+        stops = stop_ids(tok)
+        for it in items:
+            it["prompt"], it["stop"] = retokenize(it, tok, a.template), sorted(stops)
+        longest = max(len(it["prompt"]) + int(it["max_new"]) for it in items)
+        log(f"needle_suite: re-tokenized ({a.template}), prompts {min(len(it['prompt']) for it in items)}-{longest} tokens with the answer, stop {sorted(stops)}")
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
     device = torch.cuda.get_device_name(0)
     commit = os.environ.get("TIERKV_COMMIT", "unknown")
@@ -156,7 +203,7 @@ def run(a):
             r = dict(arm=arm, task=it["task"], target=int(it["target"]), index=int(it["index"]),
                      prompt_tokens=len(prompt), answers=it["answers"], score=sc, output=text, tokens=toks,
                      bits_per_scalar=bits, tiers=tiers, prefill_s=pre_s, decode_s=dec_s, device=device,
-                     commit=commit, date=time.strftime("%Y-%m-%d"))  # fmt: skip
+                     commit=commit, date=time.strftime("%Y-%m-%d"), model=name)  # fmt: skip
             out.write(json.dumps(r) + "\n")
             out.flush()
             del cache
@@ -250,7 +297,7 @@ def summarize(a):
             metrics[k] = ppl.get(k)
     first = next(iter(by_arm["dense"].values()))
     rec = dict(name="quality", date=time.strftime("%Y-%m-%d"), commit=a.commit or first.get("commit", "unknown"),
-               device=first.get("device", ""), model="SmolLM2-135M-Instruct.Q4_1.gguf (float32 in transformers)",
+               device=first.get("device", ""), model=f"{first.get('model', 'SmolLM2-135M-Instruct.Q4_1.gguf')} (float32 in transformers)",
                command=a.command, results=a.results, ppl_record=a.ppl_record, arms={x: ARMS.get(x, "transformers DynamicCache, SDPA") for x in arms},
                bootstrap=dict(resamples=a.boot, seed=a.seed, level=0.95), rows=rows, metrics=metrics)  # fmt: skip
     if a.out:
@@ -271,6 +318,8 @@ def main():
     r.add_argument("--lengths", default="", help="comma-separated targets to run (default: all)")
     r.add_argument("--tasks", default="", help="comma-separated tasks to run (default: all)")
     r.add_argument("--codec-seed", type=int, default=0)
+    r.add_argument("--retokenize", action="store_true", help="prompts from the items' text, the model's tokenizer and stops")
+    r.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="chat template with --retokenize")
     r.add_argument("--time-limit", type=float, default=1e9, help="seconds; stop between items after this")
     r.add_argument("--verbose", action="store_true")
     s = sub.add_parser("summarize")

@@ -67,5 +67,63 @@ class NeedleSuiteTest(unittest.TestCase):
             self.assertEqual(set(by_arm), {"dense", "rec"})
 
 
+class FakeTok:
+    """A word-level tokenizer with a <bos> it adds by default and a Gemma-like chat template."""
+
+    def __init__(self, bos=True, template=True):
+        self.vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<end_of_turn>": 106}
+        self.bos = bos
+        self.eos_token_id = 1
+        self.chat_template = "gemma-like" if template else None
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [2] if add_special_tokens and self.bos else []
+        for w in text.replace("\n", " \n ").split(" "):
+            if w:
+                ids.append(self.vocab.setdefault(w, len(self.vocab) + 200))
+        return {"input_ids": ids}
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        assert add_generation_prompt and not tokenize
+        return "<bos> <start_of_turn>user \n " + messages[0]["content"] + " <end_of_turn> \n <start_of_turn>model \n "
+
+
+ITEM = {"kind": "niah", "task": "single", "target": 16384, "index": 0, "answers": ["1234567"],
+        "user": "hay hay One of the special magic numbers for amber-falcon is: 1234567. hay\nWhat is it?",
+        "answer_prefix": "The special magic number is", "prompt": [7, 8, 9], "stop": [2, 11]}
+
+
+class RetokenizeTest(unittest.TestCase):
+    def test_template_auto_keeps_one_bos_and_ends_with_the_prefix(self):
+        tok = FakeTok()
+        ids = ns.retokenize(ITEM, tok)
+        self.assertEqual(ids.count(2), 1)
+        self.assertEqual(ids[0], 2)
+        prefix = tok(ITEM["answer_prefix"], add_special_tokens=False)["input_ids"]
+        self.assertEqual(ids[-len(prefix):], prefix)
+        self.assertIn(tok.vocab["1234567."], ids)
+
+    def test_named_templates_add_the_default_bos(self):
+        tok = FakeTok(template=False)
+        plain = ns.retokenize(ITEM, tok, "plain")
+        self.assertEqual(plain[0], 2)
+        self.assertEqual(plain.count(2), 1)
+        gemma = ns.retokenize(ITEM, tok, "gemma")
+        self.assertEqual(gemma[:2], [2, tok.vocab["<start_of_turn>user"]])
+        self.assertEqual(ns.retokenize(ITEM, FakeTok(bos=False, template=False), "plain")[0], tok.vocab["hay"])
+
+    def test_stops_are_the_models(self):
+        self.assertEqual(ns.stop_ids(FakeTok()), {1, 106})
+
+    def test_refusals(self):
+        with self.assertRaisesRegex(ValueError, "no chat template"):
+            ns.retokenize(ITEM, FakeTok(template=False))
+        with self.assertRaisesRegex(ValueError, "answer_prefix"):
+            ns.retokenize({k: v for k, v in ITEM.items() if k != "user"}, FakeTok())
+
+
 if __name__ == "__main__":
     unittest.main()

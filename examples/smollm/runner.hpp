@@ -194,7 +194,8 @@ inline int run_tasks(engine& eng, const run_options& o) {
         << "],\"answers\":[";
       for (std::size_t a = 0; a < it.answers.size(); ++a)
         d << (a ? "," : "") << '"' << it.answers[a] << '"';
-      d << "],\"prompt\":" << ids(it.prompt) << "}\n";
+      d << "],\"user\":\"" << json_escape(it.user) << "\",\"answer_prefix\":\""
+        << json_escape(it.answer_prefix) << "\",\"prompt\":" << ids(it.prompt) << "}\n";
     }
     std::fprintf(stderr, "wrote %zu items to %s\n", items.size() + 1, o.dump_items.c_str());
   }

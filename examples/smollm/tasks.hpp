@@ -23,6 +23,10 @@ struct niah_item {
   std::vector<std::int32_t> prompt;
   std::vector<std::string> answers;  // every one must appear in the output
   int max_new = 0;
+  // The prompt's text before SmolLM2's chat template and tokenizer: prompt = encode(
+  // chat_prompt(user) + answer_prefix). Another model re-tokenizes these with its own template
+  // (bench/gpu/needle_suite.py --retokenize); the haystack is sized by SmolLM2's tokenizer.
+  std::string user, answer_prefix;
 };
 
 namespace detail {
@@ -140,6 +144,7 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
                     " mentioned in the provided text are";
   }
   item.max_new = task == "single" || task == "multikey" ? 16 : 48;
+  item.answer_prefix = answer_prefix;
 
   const std::string head =
       "A special magic number is hidden within the following text. Make sure to memorize it. I "
@@ -156,7 +161,8 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
       }
       if (s < hay.size()) body += " " + hay[s];
     }
-    return tok.encode(chat_prompt(head + body + "\n" + question) + answer_prefix);
+    item.user = head + body + "\n" + question;
+    return tok.encode(chat_prompt(item.user) + answer_prefix);
   };
   // Grow the haystack sentence by sentence (token counts are additive to a few tokens),
   // then trim until the whole prompt plus the answer fits the target.
