@@ -15,6 +15,12 @@ prefilled in the item's chunks and decoded greedily to a stop token or max_new, 
 (item, arm) is appended to --out; a run that stops (--time-limit) is resumed by running it again.
 
     python3 bench/gpu/needle_suite.py run --items ITEMS.jsonl --gguf MODEL.gguf --out RESULTS.jsonl
+    python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] --out quality.json
+
+summarize: per (task, length), per length and over all items, each arm's accuracy (mean of the
+fraction of answers found), the paired bootstrap 95% interval of (arm - dense) over the same items,
+and the items dense answers wholly that the arm loses. The last line printed is the record's
+{"name", "metrics"}.
 
 Another model (Gemma 3): --retokenize builds each prompt from the item's text instead ("user", the
 chat message, and "answer_prefix", which the engine writes beside the ids): the model's own chat
@@ -23,12 +29,6 @@ around "user", then the prefix, encoded by the model's tokenizer with its defaul
 tokens (Gemma's <bos>); the stop tokens become the model's end-of-sequence and end-of-turn ids. The
 haystack was sized by SmolLM2's tokenizer, so "target" stays the nominal length and each result
 records its own prompt_tokens.
-    python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] --out quality.json
-
-summarize: per (task, length), per length and over all items, each arm's accuracy (mean of the
-fraction of answers found), the paired bootstrap 95% interval of (arm - dense) over the same items,
-and the items dense answers wholly that the arm loses. The last line printed is the record's
-{"name", "metrics"}.
 """
 
 import argparse
@@ -164,8 +164,8 @@ def run(a):
         stops = stop_ids(tok)
         for it in items:
             it["prompt"], it["stop"] = retokenize(it, tok, a.template), sorted(stops)
-        longest = max(len(it["prompt"]) + int(it["max_new"]) for it in items)
-        log(f"needle_suite: re-tokenized ({a.template}), prompts {min(len(it['prompt']) for it in items)}-{longest} tokens with the answer, stop {sorted(stops)}")
+        lens = [len(it["prompt"]) for it in items]
+        log(f"needle_suite: re-tokenized ({a.template}): prompts of {min(lens)}-{max(lens)} tokens, stop {sorted(stops)}")
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
     device = torch.cuda.get_device_name(0)
     commit = os.environ.get("TIERKV_COMMIT", "unknown")
