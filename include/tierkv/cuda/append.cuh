@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Append kernel: writes new tokens' keys and values (one decode token or a prefill chunk
-// per sequence, one layer or all layers) into open pages of the append tier (FP8 E4M3 or
-// int8_rotated), computing per-token scales, at the slots the engine's slot mapping names.
+// per sequence, one layer or all layers) into open pages of the append tier (a format whose
+// device codec appends: FP8 E4M3, int8_rotated), computing per-token scales, at the slots the
+// engine's slot mapping names.
 // Codes and scales equal the host codec's encode() bit for bit (tests/cuda/append.cpp).
 #pragma once
 
@@ -15,13 +16,12 @@
 
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/float_bits.hpp"
-#include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
-#include "tierkv/cuda/codec/int8_rotated.cuh"
+#include "tierkv/cuda/codec/formats.cuh"
 
 namespace tierkv::cuda {
 
@@ -107,81 +107,30 @@ struct append_target {
   }
 };
 
-// One warp encodes one token vector: the maximum is a warp reduction (order-free, so
-// exact), the scale is the codec's scale_for(), and each element is converted on its
-// own exactly as fp8_codec::encode_with_scale does.
+// One warp encodes one token vector: lane l loads coordinates N l .. N l + N - 1 (minus their
+// centring means), the append tier's device codec encodes them (append_encode, in its
+// cuda/codec/ file).
 template <class Geometry, class Codec>
-__global__ void __launch_bounds__(256) append_fp8_kernel(append_inputs in) {
-  constexpr int D = Geometry::head_dim, H = Geometry::kv_heads;
+__global__ void __launch_bounds__(256) append_kernel(append_inputs in) {
+  constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, N = (D + 31) / 32;
   const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
   const int lane = int(threadIdx.x) % 32;
   if (warp >= in.tokens * H * 2) return;
   const append_target<Geometry, Codec> at(in, warp, lane);
   if (!at.valid) return;
-  const void* src = at.src;
-  const std::int64_t base = at.base;
-  std::uint8_t* payload = at.payload;
-  auto* meta = at.meta;
-
-  constexpr int per_lane = (D + 31) / 32;
-  float x[per_lane];
-  float amax = 0.f;
-  bool finite = true;
+  float x[N];
 #pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
-    const int i = lane * per_lane + j;  // contiguous per lane: packed byte stores below
-    x[j] = i < D ? load_input(src, in.type, base + i) - (at.mean ? at.mean[i] : 0.f) : 0.f;
-    finite = finite && tierkv::detail::is_finite_bits(x[j]);
-    float a = tierkv::detail::abs_bits(x[j]);
-    if (a > Codec::input_limit) a = Codec::input_limit;
-    amax = fmaxf(amax, a);
+  for (int j = 0; j < N; ++j) {
+    const int i = lane * N + j;
+    x[j] = D % 32 == 0 || i < D
+               ? load_input(at.src, in.type, at.base + i) - (at.mean ? at.mean[i] : 0.f)
+               : 0.f;
   }
-  finite = __all_sync(0xffffffffu, finite);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (!finite) {
-    for (int i = lane; i < D; i += 32) payload[i] = 0;
-    if (lane == 0) {
-      *meta = Codec::poison_meta;
-      if (in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
-    }
-    return;
-  }
-  const typename Codec::meta_type scale = Codec::scale_for(amax);
-  const float s = bf16_to_float(scale);
-#pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
-    const int i = lane * per_lane + j;
-    if (i >= D) break;
-    float val = x[j];
-    if (val > Codec::input_limit) val = Codec::input_limit;
-    if (val < -Codec::input_limit) val = -Codec::input_limit;
-    payload[i] = scale == 0 ? std::uint8_t(0) : float_to_fp8<fp8_kind::e4m3>(val / s);
-  }
-  if (lane == 0) *meta = scale;
-}
-
-// int8_rotated: one warp per token vector through warp_encode_int8r (the rotation needs the
-// whole vector in the warp: head_dim a multiple of 32).
-template <class Geometry, class Codec>
-__global__ void __launch_bounds__(256) append_int8r_kernel(append_inputs in) {
-  constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, P = D / 32;
-  const int warp = int(blockIdx.x) * (blockDim.x / 32) + int(threadIdx.x) / 32;
-  const int lane = int(threadIdx.x) % 32;
-  if (warp >= in.tokens * H * 2) return;
-  const append_target<Geometry, Codec> at(in, warp, lane);
-  if (!at.valid) return;
-  float x[P];
-#pragma unroll
-  for (int r = 0; r < P; ++r)
-    x[r] = load_input(at.src, in.type, at.base + lane * P + r) -
-           (at.mean ? at.mean[lane * P + r] : 0.f);
   const std::uint64_t seed =
       make_codec_context(in.cache_seed, in.layer_base + at.layer, in.head_base + at.h,
                          at.role == 0 ? kv_role::key : kv_role::value)
           .seed;
-  const bool ok = warp_encode_int8r<Codec, P>(x, at.payload, at.meta, seed, lane);
-  if (!ok && lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+  device_codec<Codec>::template append_encode<N>(x, at.payload, at.meta, seed, lane, in.error);
 }
 
 // grid (ceil(kv_heads * head_dim / 128), 2): thread i of role blockIdx.y is channel i; its mean
@@ -227,11 +176,10 @@ status append(const append_inputs& in, cudaStream_t stream) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
   static_assert(
-      std::is_same_v<K, V> &&
-          (K::format == storage_format::fp8_e4m3 || K::format == storage_format::int8_rotated),
-      "cuda::append: the append tier must store keys and values as fp8_e4m3 or int8_rotated");
-  static_assert(K::format != storage_format::int8_rotated || Geometry::head_dim % 32 == 0,
-                "cuda::append: int8_rotated needs head_dim a multiple of 32 (one warp per vector)");
+      std::is_same_v<K, V> && requires { detail::device_codec<K>::appends; },
+      "cuda::append: the append tier must store keys and values in one format whose "
+      "device codec appends (fp8_e4m3, int8_rotated: `appends` and append_encode in its "
+      "cuda/codec/ file)");
   using layout = page_layout<Geometry, K, V>;
   if (in.tokens < 0 || in.layers < 1 || in.layers > 65535)
     return status::make(errc::invalid_argument, "append: tokens = ", in.tokens,
@@ -253,15 +201,9 @@ status append(const append_inputs& in, cudaStream_t stream) {
   const std::int64_t blocks = (warps + 7) / 8;
   if (blocks > 0x7fffffff)
     return status::exceeds(errc::invalid_argument, "append: blocks", blocks, 0x7fffffff);
-  if constexpr (K::format == storage_format::fp8_e4m3) {
-    detail::append_fp8_kernel<Geometry, K>
-        <<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
-    return check_launch("append_fp8_kernel");
-  } else {
-    detail::append_int8r_kernel<Geometry, K>
-        <<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
-    return check_launch("append_int8r_kernel");
-  }
+  detail::append_kernel<Geometry, K>
+      <<<dim3(unsigned(blocks), unsigned(in.layers)), 256, 0, stream>>>(in);
+  return check_launch("append_kernel");
 }
 
 }  // namespace tierkv::cuda

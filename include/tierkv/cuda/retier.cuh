@@ -52,12 +52,12 @@ struct retier_inputs {
 
 namespace detail {
 
-// Whether a row's vectors take the rotation's D on FP8 codes: an FP8 source's for a rotated
-// destination (warp_decode_fp8), an FP8 destination's for a rotated source (warp_encode_fp8).
+// Whether a row's vectors take the rotation's D on sign-coded (FP8) codes: such a source's for a
+// rotated destination (warp_decode_fp8), such a destination's for a rotated source
+// (warp_encode_fp8).
 template <class SC, class DC, int N>
-inline constexpr bool fp8_signs = N % 16 == 0 &&
-                                  ((SC::format == storage_format::fp8_e4m3 && rotated_format<DC>) ||
-                                   (rotated_format<SC> && DC::format == storage_format::fp8_e4m3));
+inline constexpr bool fp8_signs = N % 16 == 0 && ((sign_coded<SC>() && rotated_format<DC>) ||
+                                                  (rotated_format<SC> && sign_coded<DC>()));
 // Those masks (Runs: for a decoded vector in runs), made once per row in the warp's shared
 // `area`; nothing for other pairs.
 template <bool Used, int N, int G, bool Runs>
@@ -95,19 +95,17 @@ __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v
   return device_codec<C>::template warp_encode<N>(v, payload, meta, seed, lane, norm, ex, signs);
 }
 
-// The layout exchanges (warp/rotation.cuh), where runs hold whole canonical lanes (d <= 256): the
-// TQ3 encoder's for an FP8 source in a one-path pair (ptxas: with an int8_rotated source, or
-// in a tier pair whose roles take two code paths, it spills under the 128-register limit), and
-// a rotated decoder's for an FP8 destination; none for other pairs.
+// The layout exchanges (warp/rotation.cuh), where runs hold whole canonical lanes (d <= 256): an
+// exchange_encode encoder's (TQ3) for an unrotated source in a one-path pair, and a rotated
+// decoder's for a stores_runs destination (FP8); none for other pairs (device_codec.cuh's
+// policy traits, each codec's file says why).
 template <bool Used, int N, int G>
 using exchange_if = std::conditional_t<Used && 32 % (G * G) == 0 && N % (8 * G) == 0,
                                        lane_exchange<N, G>, no_exchange>;
 template <class SC, class DC, int N, int G, bool OnePath>
-using encode_exchange = exchange_if<
-    OnePath && SC::format == storage_format::fp8_e4m3 && DC::format == storage_format::tq3, N, G>;
+using encode_exchange = exchange_if<OnePath && !rotated_format<SC> && exchange_encode<DC>(), N, G>;
 template <class SC, class DC, int N, int G>
-using decode_exchange =
-    exchange_if<rotated_format<SC> && DC::format == storage_format::fp8_e4m3, N, G>;
+using decode_exchange = exchange_if<rotated_format<SC> && stores_runs<DC>(), N, G>;
 // Hidden from Doxygen 1.9, which cannot resolve the member accesses in this expression.
 /// \cond
 template <class SC, class DC, int N, int G, bool OnePath>
@@ -176,8 +174,8 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   const std::uint8_t* s_meta = sp + (v_role ? SL::value_meta(h, t) : SL::key_meta(h, t));
   std::uint8_t* d_payload = dp + (v_role ? DL::value_payload(h, t) : DL::key_payload(h, t));
   std::uint8_t* d_meta = dp + (v_role ? DL::value_meta(h, t) : DL::key_meta(h, t));
-  tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
-  if constexpr (rotated_format<DC> && DC::format != storage_format::int8_rotated)
+  tq_norm norm = tq_norm::plain;         // TQ destinations: the role's alpha correction
+  if constexpr (requires { DC::norm; })  // TQ3 / TQ4
     norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
   constexpr bool signed_vector =
       rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x

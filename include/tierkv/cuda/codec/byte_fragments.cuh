@@ -101,6 +101,9 @@ struct mma_byte_codec {
   // int8 codes are all finite levels; E4M3 0x7F / 0xFF are NaN, so FP8 value codes past a
   // page's tokens must not reach the product (0 x NaN)
   static constexpr bool value_codes_finite = s8_keys;
+  // FP8 tiers take 32-token steps at d <= 128 (a 66 KB slot per block at d = 256 would leave 2
+  // blocks per SM); int8_rotated tiers keep 16-token steps (not measured)
+  static constexpr int long_steps_max_head_dim = s8_keys ? 0 : 128;
   // the fragments hold the code values, with no bias
   static constexpr float value_log2_unit(bool) { return 0.f; }
   static constexpr std::uint32_t value_bias_pair = 0;

@@ -68,6 +68,51 @@ template <class C>
 using slice_reader = typename device_codec<C>::slice_reader;
 template <class C>
 using mma_codec = typename device_codec<C>::fragments;
+// Policy traits, false / 0 where a codec does not declare them (the pairs of formats the kernels
+// treat specially; each measured where its codec declares it):
+//   device_codec<C>::sign_coded       the rotation's D applies as sign-bit flips of its codes, so
+//                                     a pair with a rotated format flips signs instead (retier)
+//   device_codec<C>::stores_runs      its warp encoder stores a vector given in lane_exchange's
+//                                     runs (a rotated source decodes into them: retier)
+//   device_codec<C>::exchange_encode  its warp encoder takes an unrotated source through a
+//                                     layout exchange, in a retier whose roles share one path
+//   fragments::long_steps_with_s8_keys (values) / long_steps_max_head_dim (keys): the tensor-core
+//                                     decode's tier takes 32-token steps
+template <class C>
+consteval bool sign_coded() {
+  if constexpr (requires { device_codec<C>::sign_coded; })
+    return device_codec<C>::sign_coded;
+  else
+    return false;
+}
+template <class C>
+consteval bool stores_runs() {
+  if constexpr (requires { device_codec<C>::stores_runs; })
+    return device_codec<C>::stores_runs;
+  else
+    return false;
+}
+template <class C>
+consteval bool exchange_encode() {
+  if constexpr (requires { device_codec<C>::exchange_encode; })
+    return device_codec<C>::exchange_encode;
+  else
+    return false;
+}
+template <class FC>
+consteval bool long_steps_with_s8_keys() {
+  if constexpr (requires { FC::long_steps_with_s8_keys; })
+    return FC::long_steps_with_s8_keys;
+  else
+    return false;
+}
+template <class FC>
+consteval int long_steps_max_head_dim() {
+  if constexpr (requires { FC::long_steps_max_head_dim; })
+    return FC::long_steps_max_head_dim;
+  else
+    return 0;
+}
 // A per-token scale to read (a bf16 meta), or 1.
 template <class C>
 inline constexpr bool token_scaled = check_device_codec<C>() && C::meta_bytes != 0;

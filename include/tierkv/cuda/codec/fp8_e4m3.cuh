@@ -268,6 +268,11 @@ struct fp8_slice_reader {
 template <class C>
 struct device_codec<C, storage_format::fp8_e4m3> {
   static constexpr bool rotated = false;
+  static constexpr bool appends = true;  // an append tier's format (append_encode below)
+  // D on the codes (e4m3_sign_masks): an FP8 page converts to / from a rotated format without
+  // its rotation's first / last sign pass; its encoder stores run by run (lane_exchange)
+  static constexpr bool sign_coded = true;
+  static constexpr bool stores_runs = true;
   using slice_reader = fp8_slice_reader<C>;
   using fragments = mma_byte_codec<C, fp8_to_h2>;
 
@@ -287,6 +292,48 @@ struct device_codec<C, storage_format::fp8_e4m3> {
                                                      const Exchange& ex, const Signs* signs) {
     (void)seed, (void)norm, (void)ex;
     return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
+  }
+  // A new token's vector (cuda/append.cuh), lane l holding coordinates N l .. N l + N - 1 (zeros
+  // past head_dim), exactly as fp8_codec::encode: the maximum a warp reduction (order-free, so
+  // exact), the scale scale_for(), each element converted on its own as encode_with_scale does.
+  // Non-finite input: zero codes, the poison meta and errc::non_finite_input in *error.
+  template <int N>
+  __device__ __forceinline__ static void append_encode(const float (&x)[N], std::uint8_t* payload,
+                                                       typename C::meta_type* meta, std::uint64_t,
+                                                       int lane, int* error) {
+    constexpr int D = C::head_dim;
+    float amax = 0.f;
+    bool finite = true;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      finite = finite && tierkv::detail::is_finite_bits(x[j]);
+      float a = tierkv::detail::abs_bits(x[j]);
+      if (a > C::input_limit) a = C::input_limit;
+      amax = fmaxf(amax, a);
+    }
+    finite = __all_sync(0xffffffffu, finite);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!finite) {
+      for (int i = lane; i < D; i += 32) payload[i] = 0;
+      if (lane == 0) {
+        *meta = C::poison_meta;
+        if (error) atomicCAS(error, 0, int(errc::non_finite_input));
+      }
+      return;
+    }
+    const typename C::meta_type scale = C::scale_for(amax);
+    const float s = bf16_to_float(scale);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = lane * N + j;  // contiguous per lane: packed byte stores
+      if (i >= D) break;
+      float val = x[j];
+      if (val > C::input_limit) val = C::input_limit;
+      if (val < -C::input_limit) val = -C::input_limit;
+      payload[i] = scale == 0 ? std::uint8_t(0) : float_to_fp8<fp8_kind::e4m3>(val / s);
+    }
+    if (lane == 0) *meta = scale;
   }
 };
 

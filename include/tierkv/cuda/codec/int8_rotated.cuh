@@ -122,6 +122,7 @@ struct int8_rotated_slice_reader {
 template <class C>
 struct device_codec<C, storage_format::int8_rotated> {
   static constexpr bool rotated = true;
+  static constexpr bool appends = true;  // an append tier's format (append_encode below)
   using slice_reader = int8_rotated_slice_reader<C>;
   using fragments = mma_byte_codec<C, s8_to_h2>;
 
@@ -143,6 +144,19 @@ struct device_codec<C, storage_format::int8_rotated> {
                                                      const Exchange& ex, const Signs* signs) {
     (void)norm, (void)ex, (void)signs;
     return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
+  }
+  // A new token's vector (cuda/append.cuh), lane l holding coordinates N l .. N l + N - 1:
+  // warp_encode_int8r (the rotation needs the whole vector in the warp); non-finite input: its
+  // poison and errc::non_finite_input in *error.
+  template <int N>
+  __device__ __forceinline__ static void append_encode(const float (&x)[N], std::uint8_t* payload,
+                                                       typename C::meta_type* meta,
+                                                       std::uint64_t seed, int lane, int* error) {
+    static_assert(
+        N * 32 == C::head_dim,
+        "cuda::append: int8_rotated needs head_dim a multiple of 32 (one warp per vector)");
+    const bool ok = warp_encode_int8r<C, N>(x, payload, meta, seed, lane);
+    if (!ok && lane == 0 && error) atomicCAS(error, 0, int(errc::non_finite_input));
   }
 };
 

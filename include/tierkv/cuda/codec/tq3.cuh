@@ -244,6 +244,9 @@ struct tq3_fragments {
   static constexpr std::uint32_t value_bias_pair = 0x00800080u;  // f16 subnormals 128 2^-24
   static constexpr int value_mtiles_per_word = 4;
   static constexpr bool value_codes_finite = true;  // every code is a finite centroid
+  // 32-token steps with int8-scored keys (TQ3 and TQ4 tiers): their unpacking is about half of
+  // a 16-token step's instructions, the rest is per step (decode/tensor_core.cuh mma_staging)
+  static constexpr bool long_steps_with_s8_keys = true;
   __device__ __forceinline__ static unsigned value_coord(unsigned g, unsigned mt, unsigned r) {
     const unsigned idx = g * value_eff_words + mt / 4;
     return 32 * (idx / 4) + 8 * (idx % 4) + 2 * (mt % 4) + r;
@@ -252,6 +255,9 @@ struct tq3_fragments {
 
 template <class C>
 struct device_codec<C, storage_format::tq3> : turboquant_warp_codec<C> {
+  // from an FP8 source in a one-path retier: through the layout exchange (ptxas: with an
+  // int8_rotated source, or roles on two code paths, it spills under the 128-register limit)
+  static constexpr bool exchange_encode = true;
   using slice_reader = tq3_slice_reader<C>;
   using fragments = tq3_fragments<C>;
 };

@@ -93,9 +93,8 @@ struct mma_staging {
   // = 128 -5..+3%); at d = 256 their 66 KB slot per block would leave 2 blocks per SM. int8_rotated
   // tiers keep 16-token steps (not measured).
   static constexpr int substeps =
-      Geometry::page_tokens % 32 == 0 &&
-              ((KC::s8_keys && V::format == storage_format::tq3) ||
-               (K::format == storage_format::fp8_e4m3 && Geometry::head_dim <= 128))
+      Geometry::page_tokens % 32 == 0 && ((KC::s8_keys && long_steps_with_s8_keys<VC>()) ||
+                                          Geometry::head_dim <= long_steps_max_head_dim<KC>())
           ? 2
           : 1;
   // Phased (key rows, then value rows) where a step's code words and the accumulators (per
