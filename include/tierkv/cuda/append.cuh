@@ -175,11 +175,10 @@ template <class Geometry, class Tier>
 status append(const append_inputs& in, cudaStream_t stream) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  static_assert(
-      std::is_same_v<K, V> && requires { detail::device_codec<K>::appends; },
-      "cuda::append: the append tier must store keys and values in one format whose "
-      "device codec appends (fp8_e4m3, int8_rotated: `appends` and append_encode in its "
-      "cuda/codec/ file)");
+  static_assert(std::is_same_v<K, V> && detail::device_codec<K>::appends,
+                "cuda::append: the append tier must store keys and values in one format whose "
+                "device codec appends (fp8_e4m3, int8_rotated: `appends` and append_encode in its "
+                "cuda/codec/ file)");
   using layout = page_layout<Geometry, K, V>;
   if (in.tokens < 0 || in.layers < 1 || in.layers > 65535)
     return status::make(errc::invalid_argument, "append: tokens = ", in.tokens,

@@ -56,8 +56,9 @@ namespace detail {
 // rotated destination (warp_decode_fp8), such a destination's for a rotated source
 // (warp_encode_fp8).
 template <class SC, class DC, int N>
-inline constexpr bool fp8_signs = N % 16 == 0 && ((sign_coded<SC>() && rotated_format<DC>) ||
-                                                  (rotated_format<SC> && sign_coded<DC>()));
+inline constexpr bool fp8_signs = N % 16 == 0 &&
+                                  ((device_codec<SC>::sign_coded && rotated_format<DC>) ||
+                                   (rotated_format<SC> && device_codec<DC>::sign_coded));
 // Those masks (Runs: for a decoded vector in runs), made once per row in the warp's shared
 // `area`; nothing for other pairs.
 template <bool Used, int N, int G, bool Runs>
@@ -98,14 +99,15 @@ __device__ __forceinline__ bool warp_encode_any(const lane_vector<N, F, S, R>& v
 // The layout exchanges (warp/rotation.cuh), where runs hold whole canonical lanes (d <= 256): an
 // exchange_encode encoder's (TQ3) for an unrotated source in a one-path pair, and a rotated
 // decoder's for a stores_runs destination (FP8); none for other pairs (device_codec.cuh's
-// policy traits, each codec's file says why).
+// policy traits).
 template <bool Used, int N, int G>
 using exchange_if = std::conditional_t<Used && 32 % (G * G) == 0 && N % (8 * G) == 0,
                                        lane_exchange<N, G>, no_exchange>;
 template <class SC, class DC, int N, int G, bool OnePath>
-using encode_exchange = exchange_if<OnePath && !rotated_format<SC> && exchange_encode<DC>(), N, G>;
+using encode_exchange =
+    exchange_if<OnePath && !rotated_format<SC> && device_codec<DC>::exchange_encode, N, G>;
 template <class SC, class DC, int N, int G>
-using decode_exchange = exchange_if<rotated_format<SC> && stores_runs<DC>(), N, G>;
+using decode_exchange = exchange_if<rotated_format<SC> && device_codec<DC>::stores_runs, N, G>;
 // Hidden from Doxygen 1.9, which cannot resolve the member accesses in this expression.
 /// \cond
 template <class SC, class DC, int N, int G, bool OnePath>

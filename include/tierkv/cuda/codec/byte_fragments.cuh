@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "tierkv/cuda/arch/convert.cuh"
+#include "tierkv/cuda/codec/device_codec.cuh"
 #include "tierkv/cuda/warp/payload.cuh"
 namespace tierkv::cuda::detail {
 
@@ -29,7 +30,7 @@ struct s8_to_h2 {
 
 // One byte per coordinate (FP8 E4M3, int8_rotated): Cvt turns two codes into a half2.
 template <class C, class Cvt>
-struct mma_byte_codec {
+struct mma_byte_codec : fragment_defaults {
   static constexpr int D = C::head_dim;
   static_assert(D % 64 == 0, "tensor-core decode: fp8 / int8 head_dim must be a multiple of 64");
   // keys: lane c reads 16 bytes at 64 seg + 16 c; word w of segment seg is step 4 seg + w

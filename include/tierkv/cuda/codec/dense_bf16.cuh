@@ -12,16 +12,10 @@
 #include <cstdint>
 
 #include "tierkv/codec/dense_bf16.hpp"
-#include "tierkv/cuda/arch/mma.cuh"
+#include "tierkv/cuda/arch/convert.cuh"
 #include "tierkv/cuda/codec/device_codec.cuh"
 #include "tierkv/cuda/warp/payload.cuh"
 namespace tierkv::cuda::detail {
-
-// Two bf16 values (a little-endian word) as floats: exact.
-__device__ __forceinline__ void bf16x2_to_float2(std::uint32_t w, float* x) {
-  x[0] = __uint_as_float(w << 16);
-  x[1] = __uint_as_float(w & 0xffff0000u);
-}
 
 // 16 values are 32 bytes: two 16-byte loads.
 template <class C>
@@ -41,14 +35,17 @@ struct dense_bf16_slice_reader {
   __device__ __forceinline__ static void unpack(const raw& r, int, float (&x)[16]) {
     const std::uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) bf16x2_to_float2(w[j], x + 2 * j);
+    for (int j = 0; j < 8; ++j) {  // the high half is a float as it lies, masked (no shift)
+      x[2 * j] = __uint_as_float(w[j] << 16);
+      x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
   }
   // No unpack_h2: a bf16 value has no exact f16 in general.
 };
 
 // Tensor-core operands: bf16 pairs as stored.
 template <class C>
-struct dense_bf16_fragments {
+struct dense_bf16_fragments : fragment_defaults {
   static constexpr int D = C::head_dim;
   static_assert(D % 64 == 0, "tensor-core decode: dense_bf16 head_dim must be a multiple of 64");
   static constexpr operand_type key_operand = operand_type::bf16;
@@ -106,7 +103,7 @@ struct dense_bf16_fragments {
 };
 
 template <class C>
-struct device_codec<C, storage_format::dense_bf16> {
+struct device_codec<C, storage_format::dense_bf16> : device_codec_defaults {
   static constexpr bool rotated = false;
   using slice_reader = dense_bf16_slice_reader<C>;
   using fragments = dense_bf16_fragments<C>;

@@ -12,8 +12,7 @@
 //                  prefill's keys)
 //   fragments      the tensor-core operand builders (decode/tensor_core.cuh's interface:
 //                  key_words, load_key, key_frag / key_frag_s8, value_words, load_value,
-//                  value_pairs, value_codes_finite, ...; key_operand / value_operand: the
-//                  16-bit type of the f16-path operands, f16 when absent)
+//                  value_pairs, value_codes_finite, ...; derived from fragment_defaults)
 //   warp_decode<N, Signed>(payload, meta, seed, signs, exchange, lane) -> lane_vector
 //   warp_encode<N>(vector, payload, meta*, seed, lane, norm, exchange, signs) -> false on
 //                  non-finite input (the codec's poison written)
@@ -42,6 +41,32 @@ struct device_codec {
       "cuda/codec/, included from cuda/codec/formats.cuh");
 };
 
+// The policy traits' defaults: a specialization derives from device_codec_defaults and its
+// fragments from fragment_defaults, redeclaring what differs for its format (each codec's file
+// says why; the pairs of formats the kernels treat specially):
+//   sign_coded       the rotation's D applies as sign-bit flips of its codes, so a retier with
+//                    a rotated format flips signs instead
+//   stores_runs      its warp encoder stores a vector given in lane_exchange's runs (a rotated
+//                    retier source decodes into them)
+//   exchange_encode  its warp encoder takes an unrotated source through a layout exchange, in
+//                    a retier whose roles share one path
+//   appends          an append tier's format (append_encode: cuda/append.cuh)
+//   key_operand / value_operand   the 16-bit type of the f16 path's operands
+//   long_steps_with_s8_keys (values) / long_steps_max_head_dim (keys): the tensor-core decode's
+//                    tier takes 32-token steps
+struct device_codec_defaults {
+  static constexpr bool sign_coded = false;
+  static constexpr bool stores_runs = false;
+  static constexpr bool exchange_encode = false;
+  static constexpr bool appends = false;
+};
+struct fragment_defaults {
+  static constexpr operand_type key_operand = operand_type::f16;
+  static constexpr operand_type value_operand = operand_type::f16;
+  static constexpr bool long_steps_with_s8_keys = false;
+  static constexpr int long_steps_max_head_dim = 0;
+};
+
 // What a specialization must provide, checked where a kernel first uses one.
 template <class C>
 consteval bool check_device_codec() {
@@ -68,68 +93,7 @@ template <class C>
 using slice_reader = typename device_codec<C>::slice_reader;
 template <class C>
 using mma_codec = typename device_codec<C>::fragments;
-// Policy traits, false / 0 where a codec does not declare them (the pairs of formats the kernels
-// treat specially; each measured where its codec declares it):
-//   device_codec<C>::sign_coded       the rotation's D applies as sign-bit flips of its codes, so
-//                                     a pair with a rotated format flips signs instead (retier)
-//   device_codec<C>::stores_runs      its warp encoder stores a vector given in lane_exchange's
-//                                     runs (a rotated source decodes into them: retier)
-//   device_codec<C>::exchange_encode  its warp encoder takes an unrotated source through a
-//                                     layout exchange, in a retier whose roles share one path
-//   fragments::long_steps_with_s8_keys (values) / long_steps_max_head_dim (keys): the tensor-core
-//                                     decode's tier takes 32-token steps
-template <class C>
-consteval bool sign_coded() {
-  if constexpr (requires { device_codec<C>::sign_coded; })
-    return device_codec<C>::sign_coded;
-  else
-    return false;
-}
-template <class C>
-consteval bool stores_runs() {
-  if constexpr (requires { device_codec<C>::stores_runs; })
-    return device_codec<C>::stores_runs;
-  else
-    return false;
-}
-template <class C>
-consteval bool exchange_encode() {
-  if constexpr (requires { device_codec<C>::exchange_encode; })
-    return device_codec<C>::exchange_encode;
-  else
-    return false;
-}
-template <class FC>
-consteval bool long_steps_with_s8_keys() {
-  if constexpr (requires { FC::long_steps_with_s8_keys; })
-    return FC::long_steps_with_s8_keys;
-  else
-    return false;
-}
-template <class FC>
-consteval int long_steps_max_head_dim() {
-  if constexpr (requires { FC::long_steps_max_head_dim; })
-    return FC::long_steps_max_head_dim;
-  else
-    return 0;
-}
 // A per-token scale to read (a bf16 meta), or 1.
 template <class C>
 inline constexpr bool token_scaled = check_device_codec<C>() && C::meta_bytes != 0;
-// The operand type of fragments FC's keys / values on the f16 path (f16 unless FC says).
-template <class FC>
-consteval operand_type key_operand_of() {
-  if constexpr (requires { FC::key_operand; })
-    return FC::key_operand;
-  else
-    return operand_type::f16;
-}
-template <class FC>
-consteval operand_type value_operand_of() {
-  if constexpr (requires { FC::value_operand; })
-    return FC::value_operand;
-  else
-    return operand_type::f16;
-}
-
 }  // namespace tierkv::cuda::detail

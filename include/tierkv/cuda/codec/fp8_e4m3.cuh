@@ -266,7 +266,7 @@ struct fp8_slice_reader {
 };
 
 template <class C>
-struct device_codec<C, storage_format::fp8_e4m3> {
+struct device_codec<C, storage_format::fp8_e4m3> : device_codec_defaults {
   static constexpr bool rotated = false;
   static constexpr bool appends = true;  // an append tier's format (append_encode below)
   // D on the codes (e4m3_sign_masks): an FP8 page converts to / from a rotated format without

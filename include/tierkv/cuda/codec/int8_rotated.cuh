@@ -120,7 +120,7 @@ struct int8_rotated_slice_reader {
 };
 
 template <class C>
-struct device_codec<C, storage_format::int8_rotated> {
+struct device_codec<C, storage_format::int8_rotated> : device_codec_defaults {
   static constexpr bool rotated = true;
   static constexpr bool appends = true;  // an append tier's format (append_encode below)
   using slice_reader = int8_rotated_slice_reader<C>;

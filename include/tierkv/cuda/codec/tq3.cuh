@@ -162,7 +162,7 @@ struct tq3_slice_reader {
 };
 
 template <class C>
-struct tq3_fragments {
+struct tq3_fragments : fragment_defaults {
   static constexpr int D = C::head_dim;
   static_assert(D % 64 == 0, "tensor-core decode: tq3 head_dim must be a multiple of 64");
   // keys: lane c owns D/32 effective words, word s is k32 step s

@@ -46,7 +46,7 @@ struct tq4_slice_reader {
 // against the f16 hi query, one lop3 per 2 codes.) Keys only: values would need the offset
 // times each head's sum of p in the accumulator.
 template <class C>
-struct tq4_key_fragments {
+struct tq4_key_fragments : fragment_defaults {
   static constexpr int D = C::head_dim;
   static_assert(D % 64 == 0, "tensor-core decode: tq4 head_dim must be a multiple of 64");
   static constexpr int row_bytes = D / 2;

@@ -12,6 +12,7 @@
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/codec/turboquant.hpp"
+#include "tierkv/cuda/codec/device_codec.cuh"
 #include "tierkv/cuda/warp/lane_group.cuh"
 #include "tierkv/cuda/warp/payload.cuh"
 #include "tierkv/cuda/warp/rotation.cuh"
@@ -434,7 +435,7 @@ __device__ __forceinline__ void warp_decode_tq(const std::uint8_t* payload,
 // The device_codec members TQ3 and TQ4 share: the rotated domain and the TurboQuant warp codec
 // (retier's decode / encode); each format's file adds its slice reader and fragments.
 template <class C>
-struct turboquant_warp_codec {
+struct turboquant_warp_codec : device_codec_defaults {
   static constexpr bool rotated = true;
 
   template <int N, bool Signed, class Signs, class Exchange>

@@ -93,8 +93,8 @@ struct mma_staging {
   // = 128 -5..+3%); at d = 256 their 66 KB slot per block would leave 2 blocks per SM. int8_rotated
   // tiers keep 16-token steps (not measured).
   static constexpr int substeps =
-      Geometry::page_tokens % 32 == 0 && ((KC::s8_keys && long_steps_with_s8_keys<VC>()) ||
-                                          Geometry::head_dim <= long_steps_max_head_dim<KC>())
+      Geometry::page_tokens % 32 == 0 && ((KC::s8_keys && VC::long_steps_with_s8_keys) ||
+                                          Geometry::head_dim <= KC::long_steps_max_head_dim)
           ? 2
           : 1;
   // Phased (key rows, then value rows) where a step's code words and the accumulators (per
@@ -209,7 +209,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       "tensor-core decode: this value codec has no value fragments (TQ4 is a key codec here: "
       "tier<tq4_key, tq3_value>); use another value codec, or decode_path::cuda_core");
   // the 16-bit operand types of the f16 path's key (scores) and value products
-  constexpr operand_type KT = key_operand_of<KC>(), VT = value_operand_of<VC>();
+  constexpr operand_type KT = KC::key_operand, VT = VC::value_operand;
   const int tid = int(threadIdx.x);
   const int warp = tid / 32, lane = tid % 32;
   const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
