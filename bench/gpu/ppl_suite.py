@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Long-context perplexity over several texts on the GPU, every arm on the same tokens.
+
+The GPU twin of `scripts/measure ppl-texts` (the C++ SmolLM2 engine, 2-core machines, 8K tokens):
+any model transformers loads from a GGUF (SmolLM2, Gemma 3), texts of 32K tokens and more.
+
+texts: writes the four texts (licence, docs, source, debian) into a folder, each a superset of
+  scripts/measure ppl-texts' text of the same name (the same files first, then more of their kind,
+  so that each holds --min-bytes), cut at --min-bytes. Run it where the files are (this repo's
+  docs and headers, /usr/share/common-licenses, dpkg-query), then carry the folder.
+
+run: teacher-forced chunked perplexity: each forward call is one chunk of --chunk tokens through
+  the cache (dense: transformers' own cache, SDPA; tierkv arms: tierkv.transformers.TieredCache on
+  the GPU, tierkv.CudaCache: GPU prefill over mixed pages, retier on the GPU); positions after the
+  first chunk are scored. Arms are needle_suite.py's (rec, rec_nocenter, seed, int8r), the tierkv
+  arms once per --seeds codec seed. One file per (text, arm, seed) in --work, in the format of
+  examples/smollm's `ppl --nll-out` (per-token NLL), so examples/smollm/summarize_ppl.py summarizes
+  both; a rerun skips the files already there (--time-limit stops between runs).
+
+    python3 bench/gpu/ppl_suite.py texts --out TEXTS_DIR [--min-bytes 200000]
+    python3 bench/gpu/ppl_suite.py run --gguf MODEL.gguf --texts TEXTS_DIR --work WORK --tokens 32768
+    python3 examples/smollm/summarize_ppl.py --work WORK [--first N] --model NAME --out RECORD.json
+
+Because attention is causal, the first N scored tokens of a 32K run are exactly those of an
+N-token run (summarize_ppl.py --first).
+"""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from needle_suite import ARMS  # noqa: E402  (one definition of the arms for both suites)
+
+DENSE_SEED = "20261129"  # summarize_ppl.py reads the dense run under this seed name
+
+# scripts/measure ppl-texts' files first (the C++ record's texts are these texts' beginnings)
+LICENCES = ["GPL-3", "GPL-2", "LGPL-2.1", "LGPL-3", "Apache-2.0", "MPL-2.0", "Artistic", "GFDL-1.3", "CC0-1.0", "BSD"]
+LICENCES_MORE = ["GFDL-1.2", "GPL-1", "LGPL-2", "MPL-1.1"]
+DOCS_FIRST = ["architecture", "concepts", "tiering", "paging", "attention", "codecs"]
+SOURCE_FIRST = ["cache.hpp", "tiering/tier_controller.hpp", "paging/paged_storage.hpp", "codec/turboquant.hpp"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def ordered(first, rest):
+    return first + sorted(p for p in rest if p not in first)
+
+
+def texts(a):
+    os.makedirs(a.out, exist_ok=True)
+    lic = "/usr/share/common-licenses"
+    docs = ordered([f"docs/{n}.md" for n in DOCS_FIRST], [os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md")])
+    srcs = [os.path.relpath(p, f"{ROOT}/include/tierkv") for p in glob.glob(f"{ROOT}/include/tierkv/**/*.hpp", recursive=True)]
+    source = [f"include/tierkv/{p}" for p in ordered(SOURCE_FIRST, srcs)]
+    parts = {
+        "licence": [f"{lic}/{n}" for n in LICENCES + LICENCES_MORE if os.path.exists(f"{lic}/{n}")],
+        "docs": [f"{ROOT}/{p}" for p in docs],
+        "source": [f"{ROOT}/{p}" for p in source],
+    }
+    for name, files in parts.items():
+        data = b"".join(open(f, "rb").read() for f in files)
+        if len(data) < a.min_bytes:
+            sys.exit(f"ppl_suite: the {name} text holds {len(data)} bytes, under --min-bytes {a.min_bytes}")
+        open(f"{a.out}/{name}.txt", "wb").write(data[: a.min_bytes])
+    deb = subprocess.run(["dpkg-query", "-W", "-f", "${Package}\n${Description}\n\n"], capture_output=True, check=True,
+                         env=dict(os.environ, LC_ALL="C")).stdout  # fmt: skip
+    if len(deb) < a.min_bytes:
+        sys.exit(f"ppl_suite: dpkg-query gave {len(deb)} bytes, under --min-bytes {a.min_bytes}")
+    open(f"{a.out}/debian.txt", "wb").write(deb[: a.min_bytes])
+    for n in ("licence", "docs", "source", "debian"):
+        log(f"{a.out}/{n}.txt: {os.path.getsize(f'{a.out}/{n}.txt')} bytes")
+
+
+def nll_of(model, ids, chunk, cache):
+    """Per-token NLL of ids[p + 1] given ids[:p + 1] for p >= chunk - 1, chunk by chunk (float64
+    log-softmax over the model's float32 logits)."""
+    import torch
+
+    dev, out = model.device, []
+    ids = ids.to(dev)
+    for start in range(0, ids.numel() - 1, chunk):
+        x = ids[start : start + chunk].view(1, -1)
+        pos = torch.arange(start, start + x.shape[1], device=dev).view(1, -1)
+        logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).logits[0]
+        lo = max(start, chunk - 1) - start  # first scored row of this chunk
+        hi = min(x.shape[1], ids.numel() - 1 - start)
+        if lo < hi:
+            rows = logits[lo:hi].double()
+            target = ids[start + lo + 1 : start + hi + 1]
+            out.append(torch.logsumexp(rows, -1) - rows.gather(1, target.view(-1, 1)).squeeze(1))
+    return torch.cat(out).cpu()
+
+
+def run(a):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    import tierkv  # noqa: F401  (registers the "tierkv" attention)
+    from tierkv.transformers import TieredCache
+
+    start = time.perf_counter()
+    arms = a.arms.split(",")
+    for arm in arms:
+        if arm != "dense" and arm not in ARMS:
+            sys.exit(f"ppl_suite: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
+    os.makedirs(a.work, exist_ok=True)
+    names = a.text_names.split(",")
+    runs = []
+    for text in names:
+        for arm in arms:
+            for seed in [DENSE_SEED] if arm == "dense" else a.seeds.split(","):
+                path = f"{a.work}/{text}-{arm}-{seed}.json"
+                if not os.path.exists(path):
+                    runs.append((text, arm, seed, path))
+    log(f"ppl_suite: {len(runs)} runs to do in {a.work}")
+    if not runs:
+        return
+    d, name = os.path.split(os.path.abspath(a.gguf))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
+    os.makedirs(f"{a.work}/texts", exist_ok=True)
+    ids = {}
+    for text in names:
+        raw = open(f"{a.texts}/{text}.txt", "rb").read()
+        open(f"{a.work}/texts/{text}.txt", "wb").write(raw)  # summarize_ppl.py names each text's sha256
+        t = tok(raw.decode("utf-8", errors="replace"))["input_ids"]
+        if len(t) < a.tokens:
+            sys.exit(f"ppl_suite: {text} holds {len(t)} tokens, under --tokens {a.tokens}")
+        ids[text] = torch.tensor(t[: a.tokens], dtype=torch.long)
+    layers = model.config.get_text_config().num_hidden_layers
+    with torch.inference_mode():
+        for i, (text, arm, seed, path) in enumerate(runs):
+            if time.perf_counter() - start > a.time_limit:
+                log(f"ppl_suite: time limit ({a.time_limit:.0f} s) reached after {i} runs; run again to resume")
+                break
+            t0 = time.perf_counter()
+            bits = 16.0
+            if arm == "dense":
+                model.config._attn_implementation = "sdpa"
+                cache = DynamicCache(config=model.config)
+            else:
+                recent, k, v, center = ARMS[arm]
+                model.config._attn_implementation = "tierkv"
+                cache = TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v,
+                                    center=center, max_tokens=a.tokens + 64, max_sequences=1, max_batch=1,
+                                    max_step_tokens=a.chunk, codec_seed=int(seed))  # fmt: skip
+            nll = nll_of(model, ids[text], a.chunk, cache)
+            if arm != "dense":
+                cache.end_step()
+                cache.tierkv.drain()  # the last retier batch published before the bits are read
+                bits = cache.tierkv.report()["bits_per_scalar"]
+                seq = int(cache.seqs[0])
+                tiers = sorted({t for layer in range(layers) for t in cache.tierkv.page_tiers(seq, layer)})
+            else:
+                tiers = []
+            secs = time.perf_counter() - t0
+            ppl = float(torch.exp(nll.mean()))
+            r = dict(arm=arm, tokens=int(ids[text].numel()), scored=int(nll.numel()), ppl=ppl, bits_per_scalar=bits,
+                     seconds=secs, tiers=tiers, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0),
+                     commit=os.environ.get("TIERKV_COMMIT", "unknown"), nll=[round(float(x), 6) for x in nll])  # fmt: skip
+            with open(path + ".tmp", "w") as f:
+                json.dump(r, f)
+            os.replace(path + ".tmp", path)
+            del cache
+            log(f"{i + 1:3d}/{len(runs)} {text:8s} {arm:12s} seed {seed:9s} ppl {ppl:9.4f} {bits:5.2f} bits {secs:6.1f} s")
+    log(f"ppl_suite: {time.perf_counter() - start:.0f} s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("texts", help="write the texts")
+    t.add_argument("--out", required=True)
+    t.add_argument("--min-bytes", type=int, default=200000)
+    r = sub.add_parser("run", help="score every (text, arm, seed)")
+    r.add_argument("--gguf", required=True)
+    r.add_argument("--texts", required=True, help="folder of NAME.txt (ppl_suite.py texts)")
+    r.add_argument("--text-names", default="licence,docs,source,debian")
+    r.add_argument("--work", required=True)
+    r.add_argument("--tokens", type=int, default=32768)
+    r.add_argument("--chunk", type=int, default=512)
+    r.add_argument("--arms", default="dense,rec,seed")
+    r.add_argument("--seeds", default="20261129,11,23", help="codec seeds of the tierkv arms")
+    r.add_argument("--time-limit", type=float, default=float("inf"))
+    a = ap.parse_args()
+    texts(a) if a.cmd == "texts" else run(a)
+
+
+if __name__ == "__main__":
+    main()
