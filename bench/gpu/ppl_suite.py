@@ -115,13 +115,17 @@ def run(a):
             sys.exit(f"ppl_suite: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
     os.makedirs(a.work, exist_ok=True)
     names = a.text_names.split(",")
-    runs = []
-    for text in names:
-        for arm in arms:
-            for seed in [DENSE_SEED] if arm == "dense" else a.seeds.split(","):
-                path = f"{a.work}/{text}-{arm}-{seed}.json"
+    # seed by seed over every (text, arm): a run cut short by --time-limit covers the texts alike
+    runs, seeds = [], a.seeds.split(",")
+    for i, seed in enumerate(seeds):
+        for text in names:
+            for arm in arms:
+                if arm == "dense" and i:
+                    continue
+                s = DENSE_SEED if arm == "dense" else seed
+                path = f"{a.work}/{text}-{arm}-{s}.json"
                 if not os.path.exists(path):
-                    runs.append((text, arm, seed, path))
+                    runs.append((text, arm, s, path))
     log(f"ppl_suite: {len(runs)} runs to do in {a.work}")
     if not runs:
         return
