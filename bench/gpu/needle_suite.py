@@ -159,7 +159,9 @@ def run(a):
     if not todo:
         return
     d, name = os.path.split(os.path.abspath(a.gguf))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    # --tokenizer: a tokenizer saved elsewhere (transformers 5.17 builds Gemma 3's from the GGUF
+    # wrongly: 2.4x the tokens of 5.25's; docs/model.md)
+    tok = AutoTokenizer.from_pretrained(a.tokenizer) if a.tokenizer else AutoTokenizer.from_pretrained(d, gguf_file=name)
     if a.retokenize:
         stops = stop_ids(tok)
         for it in items:
@@ -322,6 +324,7 @@ def main():
     r.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="chat template with --retokenize")
     r.add_argument("--time-limit", type=float, default=1e9, help="seconds; stop between items after this")
     r.add_argument("--verbose", action="store_true")
+    r.add_argument("--tokenizer", help="a folder from tokenizer.save_pretrained() instead of the GGUF's tokenizer")
     s = sub.add_parser("summarize")
     s.add_argument("results", nargs="+")
     s.add_argument("--out", default="")

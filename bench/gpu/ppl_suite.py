@@ -130,7 +130,8 @@ def run(a):
     if not runs:
         return
     d, name = os.path.split(os.path.abspath(a.gguf))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    # --tokenizer: needle_suite.py's (transformers 5.17 builds Gemma 3's from the GGUF wrongly)
+    tok = AutoTokenizer.from_pretrained(a.tokenizer) if a.tokenizer else AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
     os.makedirs(f"{a.work}/texts", exist_ok=True)
     ids = {}
@@ -141,6 +142,7 @@ def run(a):
         if len(t) < a.tokens:
             sys.exit(f"ppl_suite: {text} holds {len(t)} tokens, under --tokens {a.tokens}")
         ids[text] = torch.tensor(t[: a.tokens], dtype=torch.long)
+        log(f"ppl_suite: {text}: {len(t)} tokens, the first {a.tokens} scored after the first chunk")
     layers = model.config.get_text_config().num_hidden_layers
     with torch.inference_mode():
         for i, (text, arm, seed, path) in enumerate(runs):
@@ -196,6 +198,7 @@ def main():
     r.add_argument("--arms", default="dense,rec,seed")
     r.add_argument("--seeds", default="20261129,11,23", help="codec seeds of the tierkv arms")
     r.add_argument("--time-limit", type=float, default=float("inf"))
+    r.add_argument("--tokenizer", help="a folder from tokenizer.save_pretrained() instead of the GGUF's tokenizer")
     a = ap.parse_args()
     texts(a) if a.cmd == "texts" else run(a)
 
