@@ -28,6 +28,7 @@
 #include "tierkv/cache.hpp"
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/paging/index_builder.hpp"
+#include "tierkv/paging/page_transfer.hpp"
 #include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/report.hpp"
 
@@ -236,6 +237,31 @@ class cache_impl final : public runtime_cache {
     return std::int64_t(prefixes_->evict(evict_count(n)));
   }
   std::int64_t prefix_entries() const override { return std::int64_t(prefixes_->size()); }
+
+  // Page transfer through the storage's public hooks (tierkv::export_pages_into / import_pages,
+  // as the host façade's own create_sequence, reserve and commit are the storage's): the import
+  // is a new sequence the controller meets at its next observation, like any other.
+  std::int64_t export_size(std::int64_t s, std::int64_t first, std::int64_t count, int head_begin,
+                           int head_count) const override {
+    refuse_centred_transfer(cfg_, "export_pages", "nothing exported");
+    const tierkv::seq_id id = to_seq(s);
+    // Pages opened by an outstanding reservation hold tokens that are not committed yet.
+    if (const std::int64_t r = value(cache_->reserved(id)); r > 0)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "export_pages: ", id, " has ", r,
+                                " reserved tokens not committed; commit or cancel them first; "
+                                "nothing exported"));
+    return std::int64_t(value(tierkv::export_size(cache_->storage(), id, first, count,
+                                                  tierkv::head_slice{head_begin, head_count})));
+  }
+  void export_pages(std::int64_t s, std::int64_t first, std::int64_t count, int head_begin,
+                    int head_count, std::span<std::uint8_t> out) const override {
+    check(tierkv::export_pages_into(cache_->storage(), to_seq(s), out, first, count,
+                                    tierkv::head_slice{head_begin, head_count}));
+  }
+  std::int64_t import_pages(std::span<const std::uint8_t> buf) override {
+    refuse_centred_transfer(cfg_, "import_pages", "nothing imported");
+    return value(tierkv::import_pages(cache_->storage(), buf)).value;
+  }
 
  private:
   struct mapping {

@@ -45,6 +45,18 @@ inline std::size_t evict_count(std::int64_t n) {
   return std::size_t(n);
 }
 
+// Page transfer in the bindings: a centred cache's export and import are refused (its pages are
+// centred against channel means the bindings cannot move, so an import elsewhere, or into a
+// cache that estimated its own means, would decode them wrongly). `nothing`: "nothing exported".
+inline void refuse_centred_transfer(const cache_config& cfg, const char* op, const char* nothing) {
+  if (cfg.center)
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, op,
+                              ": the cache was made with center = true; its pages are centred "
+                              "against channel means the Python binding cannot move "
+                              "(set_centering is not exposed); ",
+                              nothing));
+}
+
 inline tierkv::seq_id to_seq(std::int64_t s) {
   if (s < 0 || s >= std::int64_t(tierkv::seq_id::invalid_value))
     fail(tierkv::status::out_of_range("sequence id", s, tierkv::seq_id::invalid_value));

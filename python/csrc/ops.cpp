@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -35,9 +36,11 @@ std::unordered_map<std::int64_t, std::shared_ptr<runtime_cache>>& caches() {
 }
 std::atomic<std::int64_t> next_handle{1};
 
-// Rethrows a library error as the Python exception that fits its code.
+// Rethrows a library error as the Python exception that fits its code. corrupt_data is a
+// ValueError where the op's argument is the data checked (import_pages' buffer), a RuntimeError
+// elsewhere (the cache's own bookkeeping).
 template <class F>
-auto guarded(const char* op, F&& f) -> decltype(f()) {
+auto guarded(const char* op, F&& f, bool corrupt_argument = false) -> decltype(f()) {
   try {
     return f();
   } catch (const tierkv::error& e) {
@@ -49,6 +52,9 @@ auto guarded(const char* op, F&& f) -> decltype(f()) {
       case tierkv::errc::geometry_mismatch:
       case tierkv::errc::stale_id:
         TORCH_CHECK_VALUE(false, msg);
+      case tierkv::errc::corrupt_data:
+        TORCH_CHECK_VALUE(!corrupt_argument, msg);
+        TORCH_CHECK(false, msg);
       default:
         TORCH_CHECK(false, msg);
     }
@@ -423,6 +429,43 @@ std::int64_t prefix_entries(const at::Tensor& state) {
   return guarded("prefix_entries", [&] { return c->prefix_entries(); });
 }
 
+// ---- page transfer --------------------------------------------------------------------------
+
+// The export of logical pages [first, first + count) of seq (count < 0: to the end), all layers,
+// KV heads [head_begin, head_begin + head_count) (head_count < 0: to the end), as a 1-D uint8
+// CPU tensor holding paging/page_transfer.hpp's buffer. The cache is not changed.
+at::Tensor export_pages(const at::Tensor& state, std::int64_t seq, std::int64_t first,
+                        std::int64_t count, std::int64_t head_begin, std::int64_t head_count) {
+  auto c = find(state);
+  const int hb = to_int(head_begin, "head_begin"), hc = to_int(head_count, "head_count");
+  const std::int64_t n =
+      guarded("export_pages", [&] { return c->export_size(seq, first, count, hb, hc); });
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kByte));
+  guarded("export_pages", [&] {
+    c->export_pages(seq, first, count, hb, hc,
+                    std::span<std::uint8_t>(out.data_ptr<std::uint8_t>(), std::size_t(n)));
+  });
+  return out;
+}
+
+// Imports a buffer of export_pages (of this cache, another, or CudaCache's: the same bytes) as
+// a NEW sequence, all or nothing; returns its id.
+std::int64_t import_pages(at::Tensor& state, const at::Tensor& buf) {
+  auto c = find(state);
+  TORCH_CHECK_VALUE(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.dim() == 1,
+                    "tierkv.import_pages: buf must be a 1-D uint8 CPU tensor, got ",
+                    buf.scalar_type(), " ", buf.sizes(), " on ", buf.device());
+  const at::Tensor b = buf.contiguous();
+  bump(state);
+  return guarded(
+      "import_pages",
+      [&] {
+        return c->import_pages(
+            std::span<const std::uint8_t>(b.data_ptr<std::uint8_t>(), std::size_t(b.numel())));
+      },
+      true);
+}
+
 // Geometry and formats of a cache: {head_dim, kv_heads, group_size, page_size, num_layers,
 // num_tiers, max_batch, max_pages}.
 at::Tensor info(const at::Tensor& state) {
@@ -471,6 +514,10 @@ TORCH_LIBRARY(tierkv, m) {
   m.def("prefix_start(Tensor(a!) state, int salt, Tensor tokens) -> int[]");
   m.def("prefix_evict(Tensor(a!) state, int n) -> int");
   m.def("prefix_entries(Tensor state) -> int");
+  m.def(
+      "export_pages(Tensor state, int seq, int first=0, int count=-1, int head_begin=0, "
+      "int head_count=-1) -> Tensor");
+  m.def("import_pages(Tensor(a!) state, Tensor buf) -> int");
 }
 
 // Ops without tensor arguments dispatch to their CompositeExplicitAutograd kernel.
@@ -505,6 +552,8 @@ TORCH_LIBRARY_IMPL(tierkv, CPU, m) {
   m.impl("prefix_start", &tierkv_py::prefix_start);
   m.impl("prefix_evict", &tierkv_py::prefix_evict);
   m.impl("prefix_entries", &tierkv_py::prefix_entries);
+  m.impl("export_pages", &tierkv_py::export_pages);
+  m.impl("import_pages", &tierkv_py::import_pages);
 }
 
 #ifndef TIERKV_PY_CUDA

@@ -99,6 +99,17 @@ class runtime_cache {
                                                    std::span<const std::int32_t> tokens) = 0;
   virtual std::int64_t prefix_evict(std::int64_t n) = 0;
   virtual std::int64_t prefix_entries() const = 0;
+
+  // Page transfer (paging/page_transfer.hpp's buffer, docs/multigpu.md): export_size is the
+  // bytes of the export of logical pages [first, first + count) of seq (count < 0: to the end),
+  // all layers, KV heads [head_begin, head_begin + head_count) (head_count < 0: to the end);
+  // export_pages writes it into out (exactly export_size bytes); import_pages makes a NEW
+  // sequence of a buffer's run, all or nothing (every check before any change).
+  virtual std::int64_t export_size(std::int64_t seq, std::int64_t first, std::int64_t count,
+                                   int head_begin, int head_count) const = 0;
+  virtual void export_pages(std::int64_t seq, std::int64_t first, std::int64_t count,
+                            int head_begin, int head_count, std::span<std::uint8_t> out) const = 0;
+  virtual std::int64_t import_pages(std::span<const std::uint8_t> buf) = 0;
 };
 
 using factory = std::unique_ptr<runtime_cache> (*)(const cache_config&);

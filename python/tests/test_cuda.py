@@ -379,3 +379,125 @@ def test_centring_removes_channel_offsets():
             assert (lse[0].cpu().double() - ref_lse).abs().max() < 0.25
     assert errors[True] < 0.05, errors
     assert errors[True] < 0.5 * errors[False], errors
+
+
+# ---- page transfer: CudaCache.export_pages / import_pages, tierkv.Cache's bytes ---------------
+
+
+def stepped_twins(tier_set, lengths=(40, 133), steps=3):
+    """twins(), then `steps` steps of one new token per sequence on both (no decode: the policy
+    demotes by recency alone, so both make the same decisions): pages in both tiers, open pages
+    the GPU appended to after its conversions."""
+    g, h, sg, sh = twins(tier_set, list(lengths))
+    gen = torch.Generator().manual_seed(5)
+    n = len(lengths)
+    for step in range(2, 2 + steps):
+        g.begin_step(sg, [1] * n)
+        h.reserve(sh, [1] * n)
+        for layer in range(2):
+            k, v = torch.randn(n, KVH, D, generator=gen), torch.randn(n, KVH, D, generator=gen)
+            g.append(layer, k.cuda(), v.cuda())
+            h.write(layer, sh, k, v)
+        h.commit(sh)
+        g.end_step(step, wait=True)
+        h.retier(step)
+    for a, b in zip(sg, sh):
+        assert g.page_tiers(a, 0) == h.page_tiers(b, 0)
+    if tier_set != "int8r only":
+        assert 1 in g.page_tiers(sg[1], 0)
+    return g, h, sg, sh
+
+
+@pytest.mark.parametrize("tier_set", list(SETS))
+def test_gpu_export_equals_the_host_export(tier_set):
+    """The same appended tokens on the GPU and on the host (encoders and conversions bit-exact):
+    the same buffer byte for byte, whole runs, sub-runs, the open page alone and head slices."""
+    g, h, sg, sh = stepped_twins(tier_set)
+    moved = g.transfers()["page_bytes"]
+    for a, b in zip(sg, sh):
+        whole = g.export_pages(a)
+        assert whole[:8] == b"TKVPAGES" and whole == h.export_pages(b)
+        assert g.export_pages(a, first=1, count=2) == h.export_pages(b, first=1, count=2)
+        last = (g.length(a) - 1) // P
+        assert g.export_pages(a, first=last) == h.export_pages(b, first=last)
+        assert g.export_pages(a, heads=(1, 2)) == h.export_pages(b, heads=(1, 2))
+    assert g.transfers()["page_bytes"] > moved  # export is the only page-bytes path
+    g.check_invariants()
+
+
+@pytest.mark.parametrize("tier_set", ["int8r+tq4k/tq3v", "fp8+tq3"])
+def test_page_transfer_between_the_gpu_and_the_host(tier_set):
+    g, h, sg, sh = stepped_twins(tier_set)
+    # host -> GPU: a fresh GPU cache re-exports the same bytes
+    buf_h = h.export_pages(sh[1])
+    g2 = gpu_cache(tier_set)
+    s2 = g2.import_pages(buf_h)
+    assert g2.length(s2) == h.length(sh[1]) == 136
+    assert g2.page_tiers(s2, 1) == h.page_tiers(sh[1], 1)
+    assert g2.export_pages(s2) == buf_h
+    g2.check_invariants()
+    # GPU -> host, and GPU -> the same GPU cache
+    buf_g = g.export_pages(sg[1])
+    h2 = make_cache(GEO, tier_set, **POLICY)
+    s3 = h2.import_pages(buf_g)
+    assert h2.export_pages(s3) == buf_g
+    s4 = g.import_pages(buf_g)
+    assert g.export_pages(s4) == buf_g
+    # decode after one more token: the GPU import as the host source (kernel rounding), the host
+    # import equal to the host source bit for bit
+    gen = torch.Generator().manual_seed(7)
+    g2.begin_step([s2], [1])
+    h.reserve([sh[1]], [1])
+    h2.reserve([s3], [1])
+    for layer in range(2):
+        k, v = torch.randn(1, KVH, D, generator=gen), torch.randn(1, KVH, D, generator=gen)
+        q = torch.randn(1, QH, D, generator=gen)
+        g2.append(layer, k.cuda(), v.cuda())
+        h.write(layer, [sh[1]], k, v)
+        h2.write(layer, [s3], k, v)
+        out_h, lse_h = h.decode(layer, [sh[1]], q)
+        out_g, lse_g = g2.decode(layer, q.cuda(), return_lse=True)
+        assert rel(out_g.cpu(), out_h) < 2e-3 and (lse_g.cpu() - lse_h).abs().max() < 1e-3
+        assert torch.equal(h2.decode(layer, [s3], q)[0], out_h)
+    h.commit([sh[1]])
+    h2.commit([s3])
+    g2.device_error()
+    g2.end_step(wait=True)
+    g2.check_invariants()
+
+
+def test_page_transfer_refusals_on_the_gpu():
+    g, h, sg, sh = twins("int8r+tq4k/tq3v", [40, 133])
+    buf = h.export_pages(sh[1])
+    before, moved = g.report(), g.transfers()["page_bytes"]
+    flipped = bytearray(buf)
+    flipped[len(buf) // 2] ^= 0x40
+    damaged = {
+        rf"buffer of {len(buf) - 100} bytes is truncated": buf[:-100],
+        r"checksum 0x[0-9a-f]+ of the content != 0x[0-9a-f]+ stored": flipped,
+        r"bad magic": b"X" + buf[1:],
+    }
+    for msg, bad in damaged.items():
+        with pytest.raises(ValueError, match=r"tierkv\.cuda\.import_pages: corrupt_data: page transfer: " + msg):
+            g.import_pages(bad)
+    fp8 = make_cache(GEO, "fp8+tq3", **POLICY)
+    s = fp8.create_sequence()
+    fp8.append(s, torch.randn(2, 20, KVH, D), torch.randn(2, 20, KVH, D))
+    with pytest.raises(ValueError, match=r"tier 0 formats .* nothing imported"):
+        g.import_pages(fp8.export_pages(s))
+    assert g.report() == before and g.transfers()["page_bytes"] == moved
+    g.check_invariants()
+    g.begin_step(sg, [0, 0])  # inside a step: refused
+    with pytest.raises(ValueError, match="not between begin_step and end_step"):
+        g.import_pages(buf)
+    with pytest.raises(ValueError, match="not between begin_step and end_step"):
+        g.export_pages(sg[0])
+    g.end_step(wait=True)
+    with pytest.raises(ValueError, match="codec seed 0x0 != this storage's 0x7"):
+        gpu_cache(codec_seed=7).import_pages(buf)
+    with pytest.raises(RuntimeError, match=r"tier 1 pool has 4 free pages, the import needs \d+"):
+        gpu_cache(pages_per_tier=[64, 4]).import_pages(buf)
+    with pytest.raises(ValueError, match=r"first logical page = 10 is out of range \[0, 10\)"):
+        g.export_pages(sg[1], first=10)
+    with pytest.raises(ValueError, match="center = true"):
+        gpu_cache(center=True).import_pages(buf)

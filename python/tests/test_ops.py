@@ -465,3 +465,153 @@ def test_centring_removes_channel_offsets(rng):
     assert perrs[True] < 0.5 * perrs[False], perrs
     with pytest.raises(ValueError, match="soft_cap"):
         make_cache((D, KVH, G, 16), "fp8+tq3", center=True, soft_cap=30.0)
+
+
+# ---- page transfer: export_pages / import_pages (paging/page_transfer.hpp's buffer) -----------
+
+
+def transfer_source(rng, lens=(75, 40), tier_set="int8r+tq4k/tq3v"):
+    """A (64, 4, 2, 16) cache whose older pages were demoted (recent_pages=1): the first
+    sequence holds 4 Stale pages and a partial Recent one."""
+    c = make_cache((64, 4, 2, 16), tier_set, recent_pages=1, sink_pages=0)
+    seqs, _ = fill(c, list(lens), rng)
+    if c.num_tiers == 2:
+        assert c.page_tiers(seqs[0], 0) == [1, 1, 1, 1, 0]
+    return c, seqs
+
+
+@pytest.mark.parametrize("tier_set", list(TIER_SETS))
+def test_page_transfer_round_trip(tier_set, rng):
+    """export -> import into a fresh cache: the same pages in the same tiers, so read_layer and
+    decode equal the source's bit for bit and the import re-exports the same bytes."""
+    src, seqs = transfer_source(rng, tier_set=tier_set)
+    before = src.report()
+    buf = src.export_pages(seqs[0])
+    assert isinstance(buf, bytes) and buf[:8] == b"TKVPAGES"
+    assert src.report() == before  # the export changes nothing
+    dst = make_cache((64, 4, 2, 16), tier_set)
+    s = dst.import_pages(buf)
+    assert dst.length(s) == 75
+    for layer in range(2):
+        assert dst.page_tiers(s, layer) == src.page_tiers(seqs[0], layer)
+        ka, va = src.read_layer(seqs[0], layer)
+        kb, vb = dst.read_layer(s, layer)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+        q = torch.randn(1, 8, 64, generator=rng)
+        oa, la = src.decode(layer, [seqs[0]], q)
+        ob, lb = dst.decode(layer, [s], q)
+        assert torch.equal(oa, ob) and torch.equal(la, lb)
+    assert dst.export_pages(s) == buf
+    # Both grow by the same token: still equal (the imported open page takes appends).
+    k, v = torch.randn(2, 1, 4, 64, generator=rng), torch.randn(2, 1, 4, 64, generator=rng)
+    src.append(seqs[0], k, v)
+    dst.append(s, k, v)
+    q = torch.randn(1, 8, 64, generator=rng)
+    assert torch.equal(src.decode(1, [seqs[0]], q)[0], dst.decode(1, [s], q)[0])
+    assert dst.export_pages(s) == src.export_pages(seqs[0])
+    r = dst.report()
+    assert r["reconciles"] and r["live_tokens"] == 76
+
+
+def test_page_transfer_runs_heads_and_buffer_types(rng):
+    src, seqs = transfer_source(rng)
+    dst = make_cache((64, 4, 2, 16))
+    # a sub-run: logical pages 1..3 (full) become a new sequence's pages 0..2
+    part = src.export_pages(seqs[0], first=1, count=3)
+    p = dst.import_pages(bytearray(part))
+    assert dst.length(p) == 48 and dst.page_tiers(p, 0) == [1, 1, 1]
+    for layer in range(2):
+        ka, va = src.read_layer(seqs[0], layer, 16, 48)
+        kb, vb = dst.read_layer(p, layer)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    # the open last page alone, and an empty run
+    tail = dst.import_pages(memoryview(src.export_pages(seqs[0], first=4)))
+    assert dst.length(tail) == 11
+    assert torch.equal(dst.read_layer(tail, 0)[0], src.read_layer(seqs[0], 0, 64, 11)[0])
+    empty = dst.import_pages(src.export_pages(seqs[0], first=5))
+    assert dst.length(empty) == 0
+    # a head slice: KV head 0 of 4 into a one-KV-head cache of the same group size (global head 0
+    # on both: the rotations agree), from a uint8 tensor
+    one = make_cache((64, 1, 2, 16))
+    sliced = src.export_pages(seqs[1], heads=(0, 1))
+    h = one.import_pages(torch.frombuffer(bytearray(sliced), dtype=torch.uint8))
+    for layer in range(2):
+        ka, va = src.read_layer(seqs[1], layer)
+        kb, vb = one.read_layer(h, layer)
+        assert torch.equal(ka[:, :1], kb) and torch.equal(va[:, :1], vb)
+    again = one.export_pages(h)  # the same bytes but the source's KV-head count (offset 44) and the checksum
+    assert again[:44] == sliced[:44] and again[48:-8] == sliced[48:-8] and again[44] == 1 and sliced[44] == 4
+
+
+def test_page_transfer_refusals_change_nothing(rng):
+    src, seqs = transfer_source(rng)
+    buf = src.export_pages(seqs[0])
+    dst = make_cache((64, 4, 2, 16))
+    resident, _ = fill(dst, [30], rng, retier_steps=0)
+    before = dst.report()
+    kv_before = dst.read_layer(resident[0], 1)
+    flipped = bytearray(buf)
+    flipped[len(buf) // 2] ^= 0x40
+    damaged = {
+        rf"buffer of {len(buf) - 100} bytes is truncated: total_bytes needs {len(buf)}": buf[:-100],
+        r"buffer of 0 bytes is truncated: the header needs 88": b"",
+        r"checksum 0x[0-9a-f]+ of the content != 0x[0-9a-f]+ stored": flipped,
+        r"bad magic": b"X" + buf[1:],
+        rf"header says {len(buf)} bytes, buffer has {len(buf) + 1}": buf + b"\0",
+    }
+    for msg, bad in damaged.items():
+        with pytest.raises(ValueError, match=r"tierkv\.import_pages: corrupt_data: page transfer: " + msg):
+            dst.import_pages(bad)
+    assert dst.report() == before
+    assert all(torch.equal(a, b) for a, b in zip(dst.read_layer(resident[0], 1), kv_before))
+    # foreign buffers: each value named against this cache's
+    foreign = {
+        "buffer kv_heads = 4, this storage has 1": make_cache((64, 1, 2, 16)),
+        "buffer num_layers = 2, this storage has 3": make_cache((64, 4, 2, 16), num_layers=3),
+        r"tier 0 formats \(key \d+, value \d+\) != this storage's": make_cache((64, 4, 2, 16), "fp8+tq3"),
+        "buffer num_tiers = 2, this storage has 1": make_cache((64, 4, 2, 16), "int8r only"),
+        r"codec seed 0x0 != this storage's 0x7": make_cache((64, 4, 2, 16), codec_seed=7),
+    }
+    for msg, other in foreign.items():
+        fresh = other.report()
+        with pytest.raises(ValueError, match=msg + ".*nothing imported"):
+            other.import_pages(buf)
+        assert other.report() == fresh
+    # too little room: the Stale pool short (4 of its pages per layer), no sequence slot
+    small = make_cache((64, 4, 2, 16), pages_per_tier=[16, 6])
+    with pytest.raises(RuntimeError, match="tier 1 pool has 6 free pages, the import needs 8"):
+        small.import_pages(buf)
+    full = make_cache((64, 4, 2, 16), max_sequences=1)
+    full.create_sequence()
+    with pytest.raises(RuntimeError, match="all 1 sequence slots are in use; nothing imported"):
+        full.import_pages(buf)
+    # export arguments, each named with its limit
+    with pytest.raises(ValueError, match=r"first logical page = 6 is out of range \[0, 6\)"):
+        src.export_pages(seqs[0], first=6)
+    with pytest.raises(ValueError, match="export page count = 5 exceeds the limit 4"):
+        src.export_pages(seqs[0], first=1, count=5)
+    with pytest.raises(ValueError, match=r"head slice \[3, 5\) is not a non-empty part of the 4 KV heads"):
+        src.export_pages(seqs[0], heads=(3, 2))
+    with pytest.raises(ValueError, match="count = -1 is negative"):
+        src.export_pages(seqs[0], count=-1)
+    with pytest.raises(ValueError, match=r"heads must be None or \(begin, count\)"):
+        src.export_pages(seqs[0], heads=2)
+    src.reserve([seqs[1]], [3])
+    with pytest.raises(ValueError, match="has 3 reserved tokens not committed"):
+        src.export_pages(seqs[1])
+    src.cancel([seqs[1]])
+    src.release(seqs[1])
+    with pytest.raises(ValueError, match="seq#"):
+        src.export_pages(seqs[1])
+    with pytest.raises(TypeError, match="bytes-like"):
+        dst.import_pages("TKVPAGES")
+    with pytest.raises(ValueError, match="uint8 CPU tensor"):
+        dst.import_pages(torch.zeros(8))
+    # a centred cache's pages carry means the binding cannot move: refused both ways
+    centred = make_cache((64, 4, 2, 16), center=True)
+    with pytest.raises(ValueError, match="center = true"):
+        centred.import_pages(buf)
+    c = centred.create_sequence()
+    centred.append(c, torch.randn(2, 5, 4, 64, generator=rng), torch.randn(2, 5, 4, 64, generator=rng))
+    with pytest.raises(ValueError, match="center = true.*nothing exported"):
+        centred.export_pages(c)

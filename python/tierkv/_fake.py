@@ -62,3 +62,8 @@ def _retier(state, step):
 @torch.library.register_fake(_lib + "read_layer")
 def _read_layer(state, seq, layer, first, n):
     raise NotImplementedError("tierkv.read_layer is a host inspection call; call it outside torch.compile")
+
+
+@torch.library.register_fake(_lib + "export_pages")
+def _export_pages(state, seq, first=0, count=-1, head_begin=0, head_count=-1):
+    raise NotImplementedError("tierkv.export_pages is a host transfer call; call it outside torch.compile")

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
+import warnings
 import weakref
 from typing import Sequence
 
@@ -96,6 +98,47 @@ def _token_ids(tokens) -> torch.Tensor:
             raise ValueError(f"tierkv: tokens must be 1-D integer ids, got {tokens.dtype} {tuple(tokens.shape)}")
         return tokens.cpu().to(torch.int64)
     return torch.tensor(list(tokens), dtype=torch.int64)
+
+
+def transfer_args(count, heads) -> tuple[int, int, int]:
+    """export_pages' count and heads as the ops take them: (count, head_begin, head_count), -1
+    meaning "to the end"."""
+    if count is not None and int(count) < 0:
+        raise ValueError(f"tierkv: count = {count} is negative (None: every page from first on)")
+    if heads is None:
+        begin, n = 0, -1
+    else:
+        try:
+            begin, n = (int(x) for x in heads)
+        except (TypeError, ValueError):
+            raise ValueError(f"tierkv: heads must be None or (begin, count) of KV heads, got {heads!r}") from None
+        if n < 1:
+            raise ValueError(f"tierkv: heads = {heads!r}: the slice's head count {n} must be >= 1")
+    return -1 if count is None else int(count), begin, n
+
+
+def transfer_tensor(buf) -> torch.Tensor:
+    """A page-transfer buffer (bytes, bytearray, memoryview or a 1-D uint8 CPU tensor) as a 1-D
+    uint8 CPU tensor over the same memory (no copy; the import only reads it)."""
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
+            got = f"{buf.dtype} {tuple(buf.shape)} on {buf.device}"
+            raise ValueError(f"tierkv: buf must be bytes or a 1-D uint8 CPU tensor, got {got}")
+        return buf.contiguous()
+    try:
+        view = memoryview(buf).cast("B")
+    except TypeError:
+        raise TypeError(f"tierkv: buf must be bytes-like or a 1-D uint8 tensor, got {type(buf).__name__}") from None
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": bytes are read-only, never written
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a contiguous uint8 CPU tensor (one copy)."""
+    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
 def seq_tensor(seqs) -> torch.Tensor:
@@ -223,6 +266,24 @@ class Cache:
 
     def prefix_entries(self) -> int:
         return ops.prefix_entries(self.state)
+
+    # page transfer: a run of pages as one verified byte buffer (docs/python.md, "Page transfer")
+    def export_pages(self, seq: int, first: int = 0, count: int | None = None, heads=None) -> bytes:
+        """The bytes of logical pages [first, first + count) of seq (count None: to the end, the
+        open last page included), every layer, KV heads heads = (begin, count) (None: all), in
+        tierkv's page-transfer format (docs/multigpu.md): compressed pages as stored, never
+        dense tensors. Versioned and checksummed; CudaCache.import_pages reads the same bytes.
+        The cache is not changed; a sequence with reserved, uncommitted tokens is refused."""
+        count, hb, hc = transfer_args(count, heads)
+        return tensor_bytes(ops.export_pages(self.state, seq, first, count, hb, hc))
+
+    def import_pages(self, buf) -> int:
+        """A NEW sequence holding the run of an export_pages buffer (bytes, bytearray, memoryview
+        or a 1-D uint8 CPU tensor; of this cache, another Cache or a CudaCache of the same
+        formats, geometry, layers and codec_seed): returns its id, its logical page 0 the run's
+        first page. All or nothing: a damaged buffer (ValueError), a foreign one (ValueError) or
+        too little room (RuntimeError) changes nothing."""
+        return ops.import_pages(self.state, transfer_tensor(buf))
 
     # writes: reserve -> write each layer -> commit, or append (all layers at once)
     def reserve(self, seqs, counts) -> None:

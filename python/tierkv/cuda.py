@@ -17,7 +17,8 @@ every later step of the same batch:
     c.end_step()                             # page mass -> policy, retier on a side stream
 
 The library is found next to this file (pip install with TIERKV_PYTHON_CUDA=1 builds it there)
-or at $TIERKV_CUDA_LIB. Page bytes never leave the GPU; see docs/gpu-cache.md.
+or at $TIERKV_CUDA_LIB. Page bytes leave or enter the GPU only through export_pages /
+import_pages (tierkv.Cache's byte format); see docs/gpu-cache.md.
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ from typing import Sequence
 
 import torch
 
-from .cache import RETIER_FIELDS, _token_ids, describe, parse_report, pool_pages
+from .cache import (
+    RETIER_FIELDS,
+    _token_ids,
+    describe,
+    parse_report,
+    pool_pages,
+    tensor_bytes,
+    transfer_args,
+    transfer_tensor,
+)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _VALUE_ERRORS = {1, 2, 4, 6, 8}  # invalid_argument, out_of_range, stale_id, non_finite_input, geometry_mismatch
+_CORRUPT_DATA = 9  # a ValueError where the argument is the data checked (import_pages' buffer)
 
 
 class _Config(ctypes.Structure):
@@ -125,6 +136,12 @@ def _load():
         "tkv_cuda_prefix_start": ([vp, ctypes.c_uint64, i32p, i64, ctypes.POINTER(i64)], ctypes.c_int),
         "tkv_cuda_prefix_evict": ([vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
         "tkv_cuda_drain": ([vp], ctypes.c_int),
+        "tkv_cuda_export_pages": (
+            [vp, i64, i64, i64, i64, i64, ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(i64)],
+            ctypes.c_int,
+        ),
+        "tkv_cuda_free_buffer": ([vp], None),
+        "tkv_cuda_import_pages": ([vp, vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
     }
     for name, (args, res) in sig.items():
         try:
@@ -136,11 +153,11 @@ def _load():
     return lib
 
 
-def _check(rc: int) -> None:
+def _check(rc: int, value_errors=_VALUE_ERRORS) -> None:
     if rc == 0:
         return
     msg = "tierkv.cuda." + _lib.tkv_cuda_last_error().decode()
-    raise (ValueError if rc in _VALUE_ERRORS else RuntimeError)(msg)
+    raise (ValueError if rc in value_errors else RuntimeError)(msg)
 
 
 def built() -> list[dict]:
@@ -310,6 +327,38 @@ class CudaCache:
         """Finishes the conversion batch in flight and gives replaced pages back (waits for the
         GPU): afterwards report() shows only pages that sequences or prefix entries hold."""
         _check(_lib.tkv_cuda_drain(self._h))
+
+    # page transfer (between steps): tierkv.Cache's bytes, so buffers move between the two
+    def export_pages(self, seq: int, first: int = 0, count: int | None = None, heads=None) -> bytes:
+        """The bytes of logical pages [first, first + count) of seq (count None: to the end),
+        every layer, KV heads heads = (begin, count) (None: all): tierkv.Cache.export_pages's
+        format, byte for byte. The pages are copied to the host on the cache's stream after
+        every write enqueued before them (blocks until done); the cache is not changed."""
+        count, hb, hc = transfer_args(count, heads)
+        buffer, data, n = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int64()
+        _check(
+            _lib.tkv_cuda_export_pages(
+                self._h, seq, first, count, hb, hc, ctypes.byref(buffer), ctypes.byref(data), ctypes.byref(n)
+            )
+        )
+        try:
+            return ctypes.string_at(data.value, n.value) if n.value else b""
+        finally:
+            _lib.tkv_cuda_free_buffer(buffer)
+
+    def import_pages(self, buf) -> int:
+        """A NEW sequence holding the run of an export_pages buffer (this cache's, another
+        CudaCache's or a tierkv.Cache's of the same formats, geometry, layers and codec_seed;
+        bytes-like or a 1-D uint8 CPU tensor): returns its id. Verified on the host, then copied
+        to the GPU on the cache's stream (blocks until done). All or nothing: a damaged buffer
+        (ValueError), a foreign one (ValueError) or too little room (RuntimeError) changes
+        nothing. When only the Recent tier is short it demotes sealed pages first, as begin_step
+        does under memory pressure."""
+        t = transfer_tensor(buf)
+        out = ctypes.c_int64()
+        rc = _lib.tkv_cuda_import_pages(self._h, t.data_ptr() if t.numel() else None, t.numel(), ctypes.byref(out))
+        _check(rc, _VALUE_ERRORS | {_CORRUPT_DATA})
+        return out.value
 
     def length(self, seq: int) -> int:
         """Committed tokens (a step's tokens are committed by begin_step)."""

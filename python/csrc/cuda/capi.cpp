@@ -196,6 +196,31 @@ int tkv_cuda_prefix_evict(void* cache, int64_t max_entries, int64_t* evicted) {
 int tkv_cuda_drain(void* cache) {
   return guarded("drain", [&] { cache_of(cache).drain(); });
 }
+int tkv_cuda_export_pages(void* cache, int64_t seq, int64_t first, int64_t count,
+                          int64_t head_begin, int64_t head_count, void** buffer,
+                          const uint8_t** data, int64_t* bytes) {
+  return guarded("export_pages", [&] {
+    if (buffer == nullptr || data == nullptr || bytes == nullptr)
+      fail(tierkv::status(tierkv::errc::invalid_argument,
+                          "export_pages: buffer, data and bytes must not be null"));
+    constexpr std::int64_t any = std::numeric_limits<int>::min();  // the façade checks the range
+    auto out = std::make_unique<std::vector<std::uint8_t>>(
+        cache_of(cache).export_pages(seq, first, count, to_int(head_begin, "head_begin", any),
+                                     to_int(head_count, "head_count", any)));
+    *data = out->data();
+    *bytes = std::int64_t(out->size());
+    *buffer = out.release();
+  });
+}
+void tkv_cuda_free_buffer(void* buffer) { delete static_cast<std::vector<std::uint8_t>*>(buffer); }
+int tkv_cuda_import_pages(void* cache, const uint8_t* data, int64_t bytes, int64_t* seq) {
+  return guarded("import_pages", [&] {
+    if (bytes < 0 || (bytes > 0 && data == nullptr) || seq == nullptr)
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "import_pages: ", bytes,
+                                " bytes at a null pointer, a negative size or a null seq"));
+    *seq = cache_of(cache).import_pages({data, std::size_t(bytes)});
+  });
+}
 
 int tkv_cuda_set_stream(void* cache, void* stream) {
   return guarded("set_stream", [&] { cache_of(cache).set_stream(stream_of(stream)); });

@@ -3,9 +3,9 @@
  * depend on one framework's C++ ABI (the Python package loads it with ctypes and registers
  * torch custom ops over it: docs/python.md). Every function returns 0 on success or a
  * tierkv::errc value (1 invalid_argument, 2 out_of_range, 3 capacity_exhausted, 4 stale_id,
- * 6 non_finite_input, 8 geometry_mismatch, 10 cuda_error, ...); tkv_cuda_last_error() is then
- * the message, which names the value and its limit. Streams are cudaStream_t values. Handles
- * are not thread safe: one thread drives a cache at a time. */
+ * 6 non_finite_input, 8 geometry_mismatch, 9 corrupt_data, 10 cuda_error, ...);
+ * tkv_cuda_last_error() is then the message, which names the value and its limit. Streams are
+ * cudaStream_t values. Handles are not thread safe: one thread drives a cache at a time. */
 #ifndef TIERKV_PYTHON_CUDA_CAPI_H
 #define TIERKV_PYTHON_CUDA_CAPI_H
 
@@ -57,6 +57,18 @@ TKV_CUDA_API int tkv_cuda_prefix_start(void* cache, uint64_t salt, const int32_t
                                        int64_t out[2]);
 TKV_CUDA_API int tkv_cuda_prefix_evict(void* cache, int64_t max_entries, int64_t* evicted);
 TKV_CUDA_API int tkv_cuda_drain(void* cache);
+/* page transfer, between steps (paging/page_transfer.hpp's buffer: the host package's bytes).
+ * export_pages: the export of logical pages [first, first + count) of seq (count < 0: to the
+ * end), all layers, KV heads [head_begin, head_begin + head_count) (head_count < 0: to the end);
+ * *data points at its *bytes bytes, owned by *buffer until tkv_cuda_free_buffer(*buffer).
+ * import_pages: the buffer's run as a NEW sequence *seq, all or nothing (a damaged buffer:
+ * 9 corrupt_data; a foreign one: 8 geometry_mismatch; too little room: 3 capacity_exhausted). */
+TKV_CUDA_API int tkv_cuda_export_pages(void* cache, int64_t seq, int64_t first, int64_t count,
+                                       int64_t head_begin, int64_t head_count, void** buffer,
+                                       const uint8_t** data, int64_t* bytes);
+TKV_CUDA_API void tkv_cuda_free_buffer(void* buffer);
+TKV_CUDA_API int tkv_cuda_import_pages(void* cache, const uint8_t* data, int64_t bytes,
+                                       int64_t* seq);
 
 TKV_CUDA_API int tkv_cuda_set_stream(void* cache, void* stream);
 TKV_CUDA_API int tkv_cuda_begin_step(void* cache, const int64_t* seqs, const int32_t* counts,

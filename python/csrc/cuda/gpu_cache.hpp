@@ -51,6 +51,14 @@ class gpu_cache {
   virtual std::int64_t prefix_evict(std::int64_t n) = 0;
   // Finishes the retier batch in flight, gives replaced pages back (blocks on the GPU).
   virtual void drain() = 0;
+  // Page transfer, between steps (the façade's export_pages / import_pages: the host's buffer,
+  // byte for byte): the export of logical pages [first, first + count) of seq (count < 0: to the
+  // end), all layers, KV heads [head_begin, head_begin + head_count) (head_count < 0: to the
+  // end); the import of a buffer as a NEW sequence, all or nothing.
+  virtual std::vector<std::uint8_t> export_pages(std::int64_t seq, std::int64_t first,
+                                                 std::int64_t count, int head_begin,
+                                                 int head_count) = 0;
+  virtual std::int64_t import_pages(std::span<const std::uint8_t> buf) = 0;
 
   // The façade's step (cuda/tiered_cache.cuh): begin_step on the cache's stream (set_stream
   // moves it, between steps), then per layer append and decode or prefill, each enqueued on

@@ -48,6 +48,16 @@ class gpu_cache_impl final : public gpu_cache {
     return std::int64_t(value(c_->evict_prefixes(evict_count(n))));
   }
   void drain() override { check(c_->drain()); }
+  std::vector<std::uint8_t> export_pages(std::int64_t s, std::int64_t first, std::int64_t count,
+                                         int head_begin, int head_count) override {
+    refuse_centred_transfer(cfg_, "export_pages", "nothing exported");
+    return value(
+        c_->export_pages(to_seq(s), first, count, tierkv::head_slice{head_begin, head_count}));
+  }
+  std::int64_t import_pages(std::span<const std::uint8_t> buf) override {
+    refuse_centred_transfer(cfg_, "import_pages", "nothing imported");
+    return value(c_->import_pages(buf)).value;
+  }
 
   void set_stream(cudaStream_t s) override { check(c_->set_stream(s)); }
   void begin_step(std::span<const std::int64_t> seqs,
