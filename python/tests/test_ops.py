@@ -436,7 +436,7 @@ def test_centring_removes_channel_offsets(rng):
     V = torch.randn(2, n + m, KVH, D, generator=rng) + off_v
     q = torch.randn(1, KVH * G, D, generator=rng)
     qc = torch.randn(m, KVH * G, D, generator=rng)
-    errs, perrs = {}, {}
+    errs, perrs, rerr = {}, {}, {}
     for center in (False, True):
         c = make_cache((D, KVH, G, 16), "fp8+tq3", center=center)
         s = c.create_sequence()
@@ -447,6 +447,9 @@ def test_centring_removes_channel_offsets(rng):
         out, lse = c.decode(0, [s], q)
         ref, ref_lse = reference(q[0], K[0], V[0], n, G)
         errs[center] = rel_l2(out[0], ref)
+        # read_layer gives back the vectors written (the means added back), within the pages' error
+        rk, rv = c.read_layer(s, 0, 0, n)
+        rerr[center] = (rel_l2(rk, K[0, :n]), rel_l2(rv, V[0, :n]))
         # a chunk of m tokens, reserved and written layer by layer, attended causally
         c.reserve([s], [m])
         for layer in range(2):
@@ -463,6 +466,9 @@ def test_centring_removes_channel_offsets(rng):
             assert worst < 0.25
     assert errs[True] < 0.05 and errs[True] < 0.5 * errs[False], errs
     assert perrs[True] < 0.5 * perrs[False], perrs
+    # centred pages read back with the means: no worse than uncentred ones (offsets 5x / 2x the
+    # spread: read without the means, the error would be about 1)
+    assert rerr[True][0] < 0.1 and rerr[True][1] < 0.2 and rerr[True][0] <= rerr[False][0], rerr
     with pytest.raises(ValueError, match="soft_cap"):
         make_cache((D, KVH, G, 16), "fp8+tq3", center=True, soft_cap=30.0)
 

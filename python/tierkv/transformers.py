@@ -146,7 +146,9 @@ class TieredCache(Cache):
     tierkv.Cache's: recent ("int8_rotated" | "fp8"), cache_type_k / cache_type_v ("tq4" /
     "tq3" Stale formats, or the recent name three times for an 8-bit-only cache), page_size,
     max_tokens or pages_per_tier; device="cuda" keeps the cache on the GPU (tierkv.CudaCache,
-    whose keywords pass through too). from_cache() wraps a cache and sequences made elsewhere.
+    whose keywords pass through too). center (channel-mean centring, tierkv.Cache's) defaults
+    to True unless the model has an attention logit soft-cap, which centring refuses.
+    from_cache() wraps a cache and sequences made elsewhere.
     """
 
     def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", device=None, **kwargs):
@@ -160,6 +162,11 @@ class TieredCache(Cache):
         # Gemma-style models scale logits by query_pre_attn_scalar, not head_dim, and cap them
         kwargs.setdefault("softmax_scale", (getattr(text, "query_pre_attn_scalar", None) or head_dim) ** -0.5)
         cap = float(getattr(text, "attn_logit_softcapping", None) or 0.0)
+        # Centring by default where the cache allows it (not with a soft-cap): it halves the
+        # recommended cache's perplexity cost on Gemma 3 at 32K and is neutral on SmolLM2's
+        # needles (bench/results/quality/quality-2026-12-04-gemma.json, docs/model.md)
+        kwargs.setdefault("center", cap == 0.0)
+        self.center = bool(kwargs["center"])
         geometry = dict(head_dim=head_dim, kv_heads=kv_heads, group_size=heads // kv_heads, num_layers=text.num_hidden_layers)
         names = dict(recent=recent, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         if device is not None and torch.device(device).type == "cuda":
@@ -181,6 +188,7 @@ class TieredCache(Cache):
         text = cls._text_config(config)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._setup(text, cache, seqs, float(softmax_scale or head_dim**-0.5), None)
+        self.center = None  # the wrapped cache's own setting
         return self
 
     @staticmethod
