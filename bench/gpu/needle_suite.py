@@ -128,18 +128,67 @@ def generate(model, prompt, chunk, max_new, stop, cache, done=None):
     return out, t1 - t0, time.perf_counter() - t1
 
 
-def run(a):
+def parse_arms(spec, prog):
+    """The arms of a comma-separated list; exits naming an unknown one."""
+    arms = spec.split(",")
+    for arm in arms:
+        if arm != "dense" and arm not in ARMS:
+            sys.exit(f"{prog}: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
+    return arms
+
+
+def load_tokenizer(gguf, tokenizer=None):
+    """The GGUF's tokenizer, or one saved by save_pretrained() (tokenizer: its folder;
+    transformers 5.17 builds Gemma 3's from the GGUF wrongly: 2.4x the tokens of 5.25's)."""
+    from transformers import AutoTokenizer
+
+    d, name = os.path.split(os.path.abspath(gguf))
+    return AutoTokenizer.from_pretrained(tokenizer) if tokenizer else AutoTokenizer.from_pretrained(d, gguf_file=name)
+
+
+def load_model(gguf):
+    """The GGUF's model on the GPU, dequantized to float32 by transformers."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoModelForCausalLM
+
+    d, name = os.path.split(os.path.abspath(gguf))
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
+
+
+def make_cache(model, arm, max_tokens, step_tokens, codec_seed):
+    """One sequence's cache for arm: transformers' own (SDPA) for dense, else a TieredCache on
+    the GPU; sets the model's attention to match."""
+    from transformers import DynamicCache
 
     import tierkv  # noqa: F401  (registers the "tierkv" attention)
     from tierkv.transformers import TieredCache
 
+    if arm == "dense":
+        model.config._attn_implementation = "sdpa"
+        return DynamicCache(config=model.config)
+    recent, k, v, center = ARMS[arm]
+    model.config._attn_implementation = "tierkv"
+    return TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v, center=center,
+                       max_tokens=max_tokens, max_sequences=1, max_batch=1, max_step_tokens=step_tokens,
+                       codec_seed=codec_seed)  # fmt: skip
+
+
+def finish(cache, layers):
+    """A TieredCache's (bits per scalar, tiers its pages ended in) once its last step is closed
+    and every planned conversion finished and published: end_step publishes a batch only once
+    the side stream is done with it, so without the drain they would depend on timing."""
+    cache.end_step()
+    cache.tierkv.drain()
+    seq = int(cache.seqs[0])
+    tiers = sorted({t for layer in range(layers) for t in cache.tierkv.page_tiers(seq, layer)})
+    return cache.tierkv.report()["bits_per_scalar"], tiers
+
+
+def run(a):
+    import torch
+
     start = time.perf_counter()
-    arms = a.arms.split(",")
-    for arm in arms:
-        if arm != "dense" and arm not in ARMS:
-            sys.exit(f"needle_suite: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
+    arms = parse_arms(a.arms, "needle_suite")
     items = [json.loads(line) for line in open(a.items)]
     items = [d for d in items if d.get("kind") == "niah"]
     if a.lengths:
@@ -158,17 +207,15 @@ def run(a):
     log(f"needle_suite: {len(items)} items x {len(arms)} arms, {len(done)} done, {len(todo)} to run")
     if not todo:
         return
-    d, name = os.path.split(os.path.abspath(a.gguf))
-    # --tokenizer: a tokenizer saved elsewhere (transformers 5.17 builds Gemma 3's from the GGUF
-    # wrongly: 2.4x the tokens of 5.25's; docs/model.md)
-    tok = AutoTokenizer.from_pretrained(a.tokenizer) if a.tokenizer else AutoTokenizer.from_pretrained(d, gguf_file=name)
+    name = os.path.basename(a.gguf)
+    tok = load_tokenizer(a.gguf, a.tokenizer)
     if a.retokenize:
         stops = stop_ids(tok)
         for it in items:
             it["prompt"], it["stop"] = retokenize(it, tok, a.template), sorted(stops)
         lens = [len(it["prompt"]) for it in items]
         log(f"needle_suite: re-tokenized ({a.template}): prompts of {min(lens)}-{max(lens)} tokens, stop {sorted(stops)}")
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
+    model = load_model(a.gguf)
     device = torch.cuda.get_device_name(0)
     commit = os.environ.get("TIERKV_COMMIT", "unknown")
     ran = 0
@@ -179,27 +226,10 @@ def run(a):
                 break
             prompt, chunk, max_new = it["prompt"], int(it["chunk"]), int(it["max_new"])
             stop = set(int(s) for s in it["stop"])
-            bits, tiers = 16.0, [0]
-            if arm == "dense":
-                model.config._attn_implementation = "sdpa"
-                cache = DynamicCache(config=model.config)
-            else:
-                recent, k, v, center = ARMS[arm]
-                model.config._attn_implementation = "tierkv"
-                cache = TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v,
-                                    center=center, max_tokens=len(prompt) + max_new + 16, max_sequences=1,
-                                    max_batch=1, max_step_tokens=chunk, codec_seed=a.codec_seed)  # fmt: skip
+            cache = make_cache(model, arm, len(prompt) + max_new + 16, chunk, a.codec_seed)
             found = lambda t, ans=it["answers"]: score(ans, tok.decode(t, skip_special_tokens=True)) == 1.0  # noqa: E731
             toks, pre_s, dec_s = generate(model, prompt, chunk, max_new, stop, cache, found)
-            if arm != "dense":
-                cache.end_step()
-                # the conversions planned by the last steps, finished and published: end_step
-                # publishes a batch only once the side stream is done with it, so without this the
-                # tiers and bits below would depend on timing (an item of few decode steps)
-                cache.tierkv.drain()
-                seq = int(cache.seqs[0])
-                tiers = sorted({t for layer in range(model.config.num_hidden_layers) for t in cache.tierkv.page_tiers(seq, layer)})
-                bits = cache.tierkv.report()["bits_per_scalar"]
+            bits, tiers = (16.0, [0]) if arm == "dense" else finish(cache, model.config.num_hidden_layers)
             text = tok.decode(toks, skip_special_tokens=True)
             sc = score(it["answers"], text)
             r = dict(arm=arm, task=it["task"], target=int(it["target"]), index=int(it["index"]),

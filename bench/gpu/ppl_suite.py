@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from needle_suite import ARMS  # noqa: E402  (one definition of the arms for both suites)
+from needle_suite import finish, load_model, load_tokenizer, make_cache, parse_arms  # noqa: E402  (the arms and their caches: one definition for both suites)
 
 DENSE_SEED = "20261129"  # summarize_ppl.py reads the dense run under this seed name
 
@@ -103,16 +103,9 @@ def nll_of(model, ids, chunk, cache):
 
 def run(a):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-
-    import tierkv  # noqa: F401  (registers the "tierkv" attention)
-    from tierkv.transformers import TieredCache
 
     start = time.perf_counter()
-    arms = a.arms.split(",")
-    for arm in arms:
-        if arm != "dense" and arm not in ARMS:
-            sys.exit(f"ppl_suite: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
+    arms = parse_arms(a.arms, "ppl_suite")
     os.makedirs(a.work, exist_ok=True)
     names = a.text_names.split(",")
     # seed by seed over every (text, arm): a run cut short by --time-limit covers the texts alike
@@ -129,10 +122,9 @@ def run(a):
     log(f"ppl_suite: {len(runs)} runs to do in {a.work}")
     if not runs:
         return
-    d, name = os.path.split(os.path.abspath(a.gguf))
-    # --tokenizer: needle_suite.py's (transformers 5.17 builds Gemma 3's from the GGUF wrongly)
-    tok = AutoTokenizer.from_pretrained(a.tokenizer) if a.tokenizer else AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
+    name = os.path.basename(a.gguf)
+    tok = load_tokenizer(a.gguf, a.tokenizer)
+    model = load_model(a.gguf)
     os.makedirs(f"{a.work}/texts", exist_ok=True)
     ids = {}
     for text in names:
@@ -150,25 +142,9 @@ def run(a):
                 log(f"ppl_suite: time limit ({a.time_limit:.0f} s) reached after {i} runs; run again to resume")
                 break
             t0 = time.perf_counter()
-            bits = 16.0
-            if arm == "dense":
-                model.config._attn_implementation = "sdpa"
-                cache = DynamicCache(config=model.config)
-            else:
-                recent, k, v, center = ARMS[arm]
-                model.config._attn_implementation = "tierkv"
-                cache = TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v,
-                                    center=center, max_tokens=a.tokens + 64, max_sequences=1, max_batch=1,
-                                    max_step_tokens=a.chunk, codec_seed=int(seed))  # fmt: skip
+            cache = make_cache(model, arm, a.tokens + 64, a.chunk, int(seed))
             nll = nll_of(model, ids[text], a.chunk, cache)
-            if arm != "dense":
-                cache.end_step()
-                cache.tierkv.drain()  # the last retier batch published before the bits are read
-                bits = cache.tierkv.report()["bits_per_scalar"]
-                seq = int(cache.seqs[0])
-                tiers = sorted({t for layer in range(layers) for t in cache.tierkv.page_tiers(seq, layer)})
-            else:
-                tiers = []
+            bits, tiers = (16.0, []) if arm == "dense" else finish(cache, layers)
             secs = time.perf_counter() - t0
             ppl = float(torch.exp(nll.mean()))
             r = dict(arm=arm, tokens=int(ids[text].numel()), scored=int(nll.numel()), ppl=ppl, bits_per_scalar=bits,
