@@ -119,6 +119,15 @@ class channel_means {
         out[std::size_t(t) * per_layer + i] = x[std::size_t(t) * per_layer + i] - mu[i];
   }
 
+  /// x += layer's means for n token rows of keys (value = false) or values (true),
+  /// [token][kv_head][head_dim]: subtract's inverse (a centred page's decoded rows back to the
+  /// vectors written).
+  void add(int layer, bool value, std::int64_t n, float* x) const {
+    const float* mu = (value ? mu_v_.data() : mu_k_.data()) + std::size_t(layer) * per_layer;
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::size_t i = 0; i < per_layer; ++i) x[std::size_t(t) * per_layer + i] += mu[i];
+  }
+
   /// Undoes the centring on one sequence's decode outputs: out [q_heads][head_dim] += mu_v of
   /// the query head's KV head; lse [q_heads] (if given) += scale * q.mu_k.
   void restore(int layer, int group_size, float scale, const float* q, float* out,

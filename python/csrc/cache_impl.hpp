@@ -217,12 +217,9 @@ class cache_impl final : public runtime_cache {
     check(cache_->storage().read_layer(to_seq(s), layer, first, n, {keys, len}, {values, len}));
     // A centred cache's pages hold x - mu: give back x, the vectors attention sees
     const auto* means = cache_->centering();
-    if (means == nullptr || !means->known(layer)) return;
-    const auto mu_k = means->keys(layer), mu_v = means->values(layer);
-    for (std::size_t i = 0; i < len; ++i) {
-      keys[i] += mu_k[i % mu_k.size()];
-      values[i] += mu_v[i % mu_v.size()];
-    }
+    if (means == nullptr || !means->known(layer) || n <= 0) return;
+    means->add(layer, false, n, keys);
+    means->add(layer, true, n, values);
   }
   std::vector<std::int64_t> page_tiers(std::int64_t s, int layer) const override {
     (void)value(cache_->length(to_seq(s)));

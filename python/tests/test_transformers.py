@@ -144,7 +144,7 @@ def test_sliding_windows_and_soft_cap(kind):
     ids = torch.randint(1, 256, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
     cache = tiered(model)
     # centring by default, except under a soft-cap (which centring refuses)
-    assert cache.center == (kind != "gemma2")
+    assert cache.tierkv.center == (kind != "gemma2")
     if kind == "gemma2":
         assert cache.soft_cap == 50.0 and abs(cache.scale - 48**-0.5) < 1e-9
     if kind == "gemma3":  # no attention soft-cap; the scale is query_pre_attn_scalar's

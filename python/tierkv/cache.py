@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 import warnings
 import weakref
@@ -138,7 +137,7 @@ def transfer_tensor(buf) -> torch.Tensor:
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a contiguous uint8 CPU tensor (one copy)."""
-    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
+    return t.numpy().tobytes()
 
 
 def seq_tensor(seqs) -> torch.Tensor:
@@ -224,6 +223,7 @@ class Cache:
         self.q_heads = kv_heads * group_size
         self.page_size, self.num_layers = page_size, num_layers
         self.formats = (recent, cache_type_k, cache_type_v)
+        self.center = bool(center)
         self.num_tiers = int(ops.info(self.state)[5])
         self._finalizer = weakref.finalize(self, ops.destroy, self.state)
 

@@ -268,6 +268,7 @@ class CudaCache:
         self.page_size, self.num_layers = page_size, num_layers
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
         self.formats = (recent, cache_type_k, cache_type_v)
+        self.center = bool(center)
         # ops' state: {handle, mutation count} (the custom ops' ordering under torch.compile)
         self.state = torch.tensor([self._h, 0], dtype=torch.int64)
         self._batch: list[int] = []

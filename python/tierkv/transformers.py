@@ -166,7 +166,6 @@ class TieredCache(Cache):
         # recommended cache's perplexity cost on Gemma 3 at 32K and is neutral on SmolLM2's
         # needles (bench/results/quality/quality-2026-12-04-gemma.json, docs/model.md)
         kwargs.setdefault("center", cap == 0.0)
-        self.center = bool(kwargs["center"])
         geometry = dict(head_dim=head_dim, kv_heads=kv_heads, group_size=heads // kv_heads, num_layers=text.num_hidden_layers)
         names = dict(recent=recent, cache_type_k=cache_type_k, cache_type_v=cache_type_v)
         if device is not None and torch.device(device).type == "cuda":
@@ -188,7 +187,6 @@ class TieredCache(Cache):
         text = cls._text_config(config)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._setup(text, cache, seqs, float(softmax_scale or head_dim**-0.5), None)
-        self.center = None  # the wrapped cache's own setting
         return self
 
     @staticmethod
