@@ -199,7 +199,8 @@ int main() {
   check(err_8bit <= 0.02, "decode error over int8_token pages");
 
   // 3. Old pages leave the custom tier: the controller decodes them with int8_token and
-  // encodes them as TQ3 (the default policy; a page may move after min_dwell_steps = 8 steps).
+  // encodes them as TQ3 (the default policy: once out of the Recent window; min_dwell_steps =
+  // 8 steps between a page's later moves).
   std::uint64_t demoted = 0;
   for (std::uint64_t step = 1; step <= 10; ++step) {
     append(1);

@@ -61,7 +61,7 @@ struct engine {
   std::unique_ptr<kv_backend> make_backend(const std::string& arm, int capacity) const {
     const kv_shape s = net.config().kv();
     if (arm == "dense") return std::make_unique<dense_backend>(s, capacity);
-    return make_tierkv_backend(arm, s, tiering);
+    return make_tierkv_backend(arm, s, tiering, capacity);
   }
 
   // Prefill in chunks of `chunk` tokens; logits of the last position.

@@ -73,8 +73,8 @@ void usage() {
       "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"
       "           [--recent-pages 4] [--sink-pages 1] [--keep-first-layers 1] [--keep-last-layers "
       "1]\n"
-      "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] [--center-fp8 0] "
-      "[--rotate-fp8-keys 1] [--rotate-fp8-values 0] [--codec-seed N]\n"
+      "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] "
+      "[--codec-seed N]\n"
       "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE] [--nll-out "
       "FILE.json]\n"
       "  demo     [--tokens 4096]\n"
@@ -111,9 +111,7 @@ int main(int argc, char** argv) {
         float(std::atof(a.get("--leave-mass", std::to_string(pol.leave_mass)).c_str()));
     eng.tiering.use_mass = a.get_int("--use-mass", 1) != 0;
     eng.tiering.center = a.get_int("--center", 1) != 0;
-    eng.tiering.center_fp8 = a.get_int("--center-fp8", 0) != 0;
-    eng.tiering.rotate_fp8_keys = a.get_int("--rotate-fp8-keys", 1) != 0;
-    eng.tiering.rotate_fp8_values = a.get_int("--rotate-fp8-values", 0) != 0;
+    eng.tiering.threads = unsigned(a.get_int("--threads", 2));
     if (a.kv.count("--codec-seed")) eng.tiering.seed = std::stoull(a.get("--codec-seed"));
     if (cmd == "tokenize") {
       for (auto id : eng.tok.encode(a.get("--prompt"))) std::printf("%d ", id);

@@ -308,62 +308,68 @@ double backend_error(kv_backend& kv, const kv_shape& s, int T, int chunk, unsign
 
 }  // namespace
 
-TEST_CASE("KV backends: dense and paged arms against float64 attention") {
+TEST_CASE("KV backends: dense and the library's tiered caches against float64 attention") {
   const kv_shape s{2, 3, 9, 64};
   tiering_options opt;
   opt.policy.sink_pages = 1;
   opt.policy.recent_pages = 2;
   opt.policy.keep_first_layers = 0;
   opt.policy.keep_last_layers = 0;
+  opt.policy.min_dwell_steps = 1;  // a page moves at the first commit after its role changes
   opt.use_mass = false;
+  // The centring means (tierkv::channel_means): keys and values, 2 layers x 3 KV heads x 64
+  // floats each, and a byte per layer (set or not), for the whole sequence, over `tokens`
+  // tokens of 2 layers x 3 heads x 64 keys and values.
+  const auto mean_bits = [](int tokens) {
+    return 8.0 * (4 * 2 * 2 * 3 * 64 + 2) / (2.0 * tokens * 2 * 3 * 64);
+  };
   SECTION("dense and lossless pages: float rounding only, prefill chunks and decode steps") {
     for (int chunk : {1, 7, 40}) {
       dense_backend d(s, 200);
       CHECK(backend_error(d, s, 90, chunk, 1, 0.f) < 1e-5);
-      auto p = make_tierkv_backend("paged_f32", s, opt);
+      auto p = make_tierkv_backend("paged_f32", s, opt, 200);
       CHECK(backend_error(*p, s, 90, chunk, 1, 0.f) < 1e-5);
       CHECK(p->memory().bits_per_scalar() >= 32.0);
     }
   }
-#if SMOLLM_HAVE_FP8
   SECTION("fp8 pages") {
-    auto p = make_tierkv_backend("fp8", s, opt);
+    auto p = make_tierkv_backend("fp8", s, opt, 200);
     const double e = backend_error(*p, s, 100, 33, 2, 0.f);
     CHECK(e < 0.05);
     CHECK(e > 0.0);
-    // 16-token pages of 8-bit codes + a 2-byte scale per vector: 8.25 bits when pages are full.
-    dense_backend unused(s, 1);
-    auto full = make_tierkv_backend("fp8", s, opt);
+    // 16-token pages of 8-bit codes + a 2-byte scale per vector: 8.25 bits when pages are
+    // full, plus the centring means.
+    auto full = make_tierkv_backend("fp8", s, opt, 200);
     backend_error(*full, s, 96, 96, 3, 0.f);
-    CHECK(full->memory().bits_per_scalar() == Approx(8.25));
-  }
-#endif
-#if SMOLLM_HAVE_FP8 && SMOLLM_HAVE_TQ3
-  SECTION("tq3 and tiered pages; the policy keeps anchor + recent pages in FP8") {
-    auto t = make_tierkv_backend("tq3", s, opt);
-    const double et = backend_error(*t, s, 96, 32, 4, 0.f);
-    CHECK(et < 0.35);
-    // Pages: 3 bits per code + a 2-byte norm per 64 scalars; plus the channel means of the
-    // centring, 2 x layers x kv_heads x 64 floats for the whole sequence.
-    const double mean_bits = 8.0 * 4 * 2 * 2 * 3 * 64;
-    CHECK(t->memory().bits_per_scalar() == Approx(3.25 + mean_bits / (2.0 * 96 * 2 * 3 * 64)));
+    CHECK(full->memory().bits_per_scalar() == Approx(8.25 + mean_bits(96)));
     tiering_options plain = opt;
     plain.center = false;
-    auto tp = make_tierkv_backend("tq3", s, plain);
+    auto fp = make_tierkv_backend("fp8", s, plain, 200);
+    backend_error(*fp, s, 96, 96, 3, 0.f);
+    CHECK(fp->memory().bits_per_scalar() == Approx(8.25));
+  }
+  SECTION("tq3 and tiered pages; the policy keeps anchor + recent pages in FP8") {
+    auto t = make_tierkv_backend("tq3", s, opt, 200);
+    const double et = backend_error(*t, s, 96, 32, 4, 0.f);
+    CHECK(et < 0.35);
+    // Pages: 3 bits per code + a 2-byte norm per 64 scalars.
+    CHECK(t->memory().bits_per_scalar() == Approx(3.25 + mean_bits(96)));
+    tiering_options plain = opt;
+    plain.center = false;
+    auto tp = make_tierkv_backend("tq3", s, plain, 200);
     const double et_plain = backend_error(*tp, s, 96, 32, 4, 0.f);
     CHECK(tp->memory().bits_per_scalar() == Approx(3.25));
     CHECK(et_plain < 0.35);
-    auto m = make_tierkv_backend("tiered", s, opt);
+    auto m = make_tierkv_backend("tiered", s, opt, 200);
     const double em = backend_error(*m, s, 160, 32, 4, 0.f);
     CHECK(em < et + 0.05);
     // 10 pages per layer: anchor 1 + recent 2 in FP8, 7 in TQ3.
     CHECK(m->memory().fp8_fraction == Approx(0.3));
-    CHECK(m->memory().bits_per_scalar() ==
-          Approx((3 * 8.25 + 7 * 3.25) / 10 + mean_bits / (2.0 * 160 * 2 * 3 * 64)));
+    CHECK(m->memory().bits_per_scalar() == Approx((3 * 8.25 + 7 * 3.25) / 10 + mean_bits(160)));
     // The default keeps the first layer in FP8 (of 2 layers here: layer 1 is the last, kept 0).
     tiering_options first = opt;
     first.policy.keep_first_layers = 1;
-    auto f = make_tierkv_backend("tiered", s, first);
+    auto f = make_tierkv_backend("tiered", s, first, 200);
     backend_error(*f, s, 160, 32, 4, 0.f);
     CHECK(f->memory().fp8_fraction == Approx((10 + 3) / 20.0));
     // Attention-mass anchors: page 2's keys align with every query, so it takes most of the
@@ -373,16 +379,26 @@ TEST_CASE("KV backends: dense and paged arms against float64 attention") {
     mass.use_mass = true;
     mass.policy.enter_mass = 2.f;  // relative mass: 1 = a uniform share of the attention
     mass.policy.leave_mass = 1.f;
-    auto ma = make_tierkv_backend("tiered", s, mass);
+    auto ma = make_tierkv_backend("tiered", s, mass, 200);
     backend_error(*ma, s, 160, 16, 5, 30.f);
     CHECK(ma->memory().fp8_fraction == Approx(0.4));
     tiering_options no_mass = mass;
     no_mass.use_mass = false;
-    auto nm = make_tierkv_backend("tiered", s, no_mass);
+    auto nm = make_tierkv_backend("tiered", s, no_mass, 200);
     backend_error(*nm, s, 160, 16, 5, 30.f);
     CHECK(nm->memory().fp8_fraction == Approx(0.3));
   }
-#endif
+  SECTION("the recommended mix and the other arms build and attend; bad input is refused") {
+    for (const char* arm : {"int8r", "tiered_int8r", "tiered_k4", "tiered_k8"}) {
+      auto p = make_tierkv_backend(arm, s, opt, 200);
+      CHECK(backend_error(*p, s, 100, 25, 6, 0.f) < 0.35);
+    }
+    CHECK_THROWS_WITH(make_tierkv_backend("tq2", s, opt, 200), Catch::Contains("unknown KV arm"));
+    CHECK_THROWS_WITH(make_tierkv_backend("tq3", kv_shape{2, 4, 8, 64}, opt, 200),
+                      Catch::Contains("differs from the compiled geometry"));
+    auto small = make_tierkv_backend("tq3", s, opt, 20);  // two pages per layer
+    CHECK_THROWS_WITH(backend_error(*small, s, 40, 8, 7, 0.f), Catch::Contains("max_pages"));
+  }
 }
 
 // ---- the real model against llama.cpp ------------------------------------------------------

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "tierkv/attention/host_decode.hpp"
+#include "tierkv/attention/host_prefill.hpp"
 #include "tierkv/attention/host_workspace.hpp"
 #include "tierkv/centering.hpp"
 #include "tierkv/core/geometry.hpp"
@@ -184,7 +185,7 @@ class tiered_cache {
       return storage_->append(s, n, keys, values, room());
     const std::size_t layer_floats = std::size_t(n) * channel_floats;
     std::vector<int> estimated;  // layers whose means this call set: unset if it is refused
-    status st = centre(keys.size(), [&](float* kc, float* vc) -> status {
+    status st = scratch_pair(keys.size(), [&](float* kc, float* vc) -> status {
       for (int l = 0; l < storage_->num_layers(); ++l) {
         const float* k = keys.data() + std::size_t(l) * layer_floats;
         const float* v = values.data() + std::size_t(l) * layer_floats;
@@ -223,7 +224,7 @@ class tiered_cache {
         !all_finite(keys) || !all_finite(values))
       return storage_->write_layer(s, layer, keys, values);  // (as append: it refuses those)
     const bool estimate = !means_->known(layer);
-    status st = centre(keys.size(), [&](float* kc, float* vc) -> status {
+    status st = scratch_pair(keys.size(), [&](float* kc, float* vc) -> status {
       if (estimate) (void)means_->estimate(layer, *n, keys.data(), values.data());
       means_->subtract(layer, false, *n, keys.data(), kc);
       means_->subtract(layer, true, *n, values.data(), vc);
@@ -289,9 +290,7 @@ class tiered_cache {
     a.index = *view;
     a.pools = pools.data();
     a.source = layer_source{storage_->config().codec_seed, layer, storage_->config().head_base};
-    a.logits = logit_params{
-        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
-        opt_.soft_cap};
+    a.logits = logits();
     a.out = out.data();
     a.lse = lse.empty() ? nullptr : lse.data();
     a.page_mass = mass_->data();
@@ -304,13 +303,98 @@ class tiered_cache {
                           queries.data() + b * std::size_t(q_heads) * head_dim,
                           out.data() + b * std::size_t(q_heads) * head_dim,
                           lse.empty() ? nullptr : lse.data() + b * std::size_t(q_heads));
+    return observe(layer, batch, page_mass);
+  }
+
+  /// Attention of the tokens just written, before commit: sequence b's query rows
+  /// [q_indptr[b], q_indptr[b + 1]) (n_b >= 1 of them) are its last n_b readable tokens
+  /// (committed, then reserved: reserve and write_layer this layer first), each attending
+  /// causally to every token up to its own position in the stored formats, its own chunk
+  /// included (host_prefill). A chunked prefill; with n_b = 1, a decode step written layer by
+  /// layer. queries / out: [rows][q_heads][head_dim]; lse: [rows][q_heads] if given; window
+  /// > 0: a sliding-window layer (each query sees positions (p - window, p]). The per-page
+  /// attention mass of each sequence's last query feeds the controller, as attend's does.
+  /// Every check comes before anything is written or observed.
+  status prefill(int layer, std::span<const seq_id> batch, std::span<const std::int32_t> q_indptr,
+                 std::span<const float> queries, std::span<float> out, std::span<float> lse = {},
+                 int window = 0) {
+    if (q_indptr.size() != batch.size() + 1 || q_indptr[0] != 0)
+      return status::make(errc::invalid_argument, "prefill: q_indptr holds ", q_indptr.size(),
+                          " entries starting at ", q_indptr.empty() ? -1 : q_indptr[0], "; ",
+                          batch.size() + 1, " starting at 0 needed (batch + 1)");
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::span<const float> row(mass_->data() + b * stride, stride);
-      if (auto st = controller_->observe_mass(batch[b], layer, row); !st) return st;
-      if (!page_mass.empty())
-        std::copy(row.begin(), row.end(), page_mass.begin() + std::ptrdiff_t(b * stride));
+      const std::int64_t n = std::int64_t(q_indptr[b + 1]) - q_indptr[b];
+      auto len = storage_->length(batch[b]);
+      if (!len) return len.error_status();
+      const std::int64_t readable = *len + *storage_->reserved(batch[b]);
+      if (n < 1 || n > readable)
+        return status::make(errc::invalid_argument, "prefill: sequence ", batch[b],
+                            " (batch entry ", b, ") has ", n, " query rows; it holds ", readable,
+                            " committed and reserved tokens, and needs 1 to that many");
     }
-    return {};
+    const std::size_t rows = batch.empty() ? 0 : std::size_t(q_indptr[batch.size()]);
+    const std::size_t row_floats = std::size_t(q_heads) * head_dim;
+    if (queries.size() != rows * row_floats || out.size() != rows * row_floats)
+      return status::make(errc::invalid_argument, "prefill: ", rows, " query rows need ",
+                          rows * row_floats, " query and output floats, got ", queries.size(),
+                          " and ", out.size());
+    if (!lse.empty() && lse.size() < rows * std::size_t(q_heads))
+      return status::make(errc::invalid_argument, "prefill: lse holds ", lse.size(), " floats, ",
+                          rows * std::size_t(q_heads), " needed");
+    if (window < 0)
+      return status::make(errc::invalid_argument, "prefill: window = ", window, " is negative");
+    auto view = index_->build(layer, batch, index_scope::readable);
+    if (!view) return view.error_status();
+    const auto pools = storage_->views();
+    const layer_source source{storage_->config().codec_seed, layer, storage_->config().head_base};
+    const logit_params lp = logits();
+    // The last query row of each sequence again as a decode step, for its page masses: one
+    // pass when every sequence has one row, else a second (a decode's cost) over gathered rows.
+    const auto decode_last = [&](const float* q, float* o, float* l) {
+      host_decode_args<num_tiers> a;
+      a.queries = q;
+      a.index = *view;
+      a.pools = pools.data();
+      a.source = source;
+      a.logits = lp;
+      a.out = o;
+      a.lse = l;
+      a.page_mass = mass_->data();
+      a.mass_stride = opt_.max_pages;
+      a.window = window;
+      return host_decode<Geometry, Tiers>(workspace_, a);
+    };
+    status st;
+    if (rows == batch.size()) {
+      st = decode_last(queries.data(), out.data(), lse.empty() ? nullptr : lse.data());
+    } else {
+      host_prefill_args<num_tiers> a;
+      a.queries = queries.data();
+      a.q_indptr = q_indptr.data();
+      a.index = *view;
+      a.pools = pools.data();
+      a.source = source;
+      a.logits = lp;
+      a.out = out.data();
+      a.lse = lse.empty() ? nullptr : lse.data();
+      a.window = window;
+      st = host_prefill<Geometry, Tiers>(workspace_, a);
+      if (st)
+        st = scratch_pair(batch.size() * row_floats, [&](float* q_last, float* o_last) {
+          for (std::size_t b = 0; b < batch.size(); ++b)
+            std::copy_n(queries.data() + std::size_t(q_indptr[b + 1] - 1) * row_floats, row_floats,
+                        q_last + b * row_floats);
+          return decode_last(q_last, o_last, nullptr);
+        });
+    }
+    if (!st) return st;
+    if (means_ && means_->known(layer))  // add back what centring took
+      for (std::size_t b = 0; b < batch.size(); ++b)
+        for (std::size_t r = std::size_t(q_indptr[b]); r < std::size_t(q_indptr[b + 1]); ++r)
+          means_->restore(layer, Geometry::group_size, lp.softmax_scale,
+                          queries.data() + r * row_floats, out.data() + r * row_floats,
+                          lse.empty() ? nullptr : lse.data() + r * std::size_t(q_heads));
+    return observe(layer, batch, {});
   }
 
   // ---- tiering and accounting -----------------------------------------------------------------
@@ -353,11 +437,30 @@ class tiered_cache {
 
   static constexpr std::size_t channel_floats = std::size_t(Geometry::kv_heads) * head_dim;
 
-  /// Runs fill(kc, vc) over two arrays of `floats` each, charged to the scratch line for the
+  logit_params logits() const {
+    return logit_params{
+        opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
+        opt_.soft_cap};
+  }
+
+  /// The per-page masses of the last attention pass (mass_, [batch][max_pages]) go to the
+  /// controller, and to page_mass if given.
+  status observe(int layer, std::span<const seq_id> batch, std::span<float> page_mass) {
+    const std::size_t stride = std::size_t(opt_.max_pages);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::span<const float> row(mass_->data() + b * stride, stride);
+      if (auto st = controller_->observe_mass(batch[b], layer, row); !st) return st;
+      if (!page_mass.empty())
+        std::copy(row.begin(), row.end(), page_mass.begin() + std::ptrdiff_t(b * stride));
+    }
+    return {};
+  }
+
+  /// Runs fill(a, b) over two arrays of `floats` each, charged to the scratch line for the
   /// call only (capacity_exhausted when the bookkeeping allocator refuses them; nothing else
   /// changed then).
   template <class Fill>
-  status centre(std::size_t floats, Fill&& fill) {
+  status scratch_pair(std::size_t floats, Fill&& fill) {
     std::optional<std::vector<float, counted_allocator<float, MetaAlloc>>> buf;
     try {
       buf.emplace(

@@ -109,11 +109,17 @@ T* at(std::span<std::uint8_t> buffer, std::size_t offset) {
 }
 }  // namespace detail
 
+/// Which tokens an index lists: the committed ones (decode between steps), or the committed
+/// ones and each sequence's outstanding reservation (a forward pass attending to the tokens it
+/// has just written, before commit: chunked prefill, or a decode step written layer by layer).
+enum class index_scope : std::uint8_t { committed, readable };
+
 /// Host builder. Checks everything first; on error the buffer is untouched.
 template <class Storage>
 result<batch_index_view<Storage::num_tiers>> build_batch_index(
     const Storage& storage, int layer, std::span<const seq_id> batch,
-    const index_layout<Storage::num_tiers>& layout, std::span<std::uint8_t> buffer) {
+    const index_layout<Storage::num_tiers>& layout, std::span<std::uint8_t> buffer,
+    index_scope scope = index_scope::committed) {
   constexpr int N = Storage::num_tiers;
   if (auto st = layout.validate(); !st) return st;
   if (auto st = detail::check_index_buffer(buffer, layout.bytes()); !st) return st;
@@ -121,12 +127,18 @@ result<batch_index_view<Storage::num_tiers>> build_batch_index(
     return status::out_of_range("layer", layer, storage.num_layers());
   if (batch.size() > std::size_t(layout.max_batch))
     return status::exceeds(errc::capacity_exhausted, "batch size", batch.size(), layout.max_batch);
+  const bool readable = scope == index_scope::readable;
+  const std::int64_t P = Storage::geometry::page_tokens;
   for (std::size_t b = 0; b < batch.size(); ++b) {
-    auto pages = storage.logical_pages(batch[b]);
-    if (!pages) return pages.error_status();
-    if (*pages > layout.max_pages)
+    auto len = storage.length(batch[b]);
+    if (!len) return len.error_status();
+    const std::int64_t tokens = *len + (readable ? *storage.reserved(batch[b]) : 0);
+    if (tokens > std::numeric_limits<std::int32_t>::max())
+      return status::exceeds(errc::out_of_range, "tokens of the sequence", tokens,
+                             std::numeric_limits<std::int32_t>::max());
+    if ((tokens + P - 1) / P > layout.max_pages)
       return status::make(errc::capacity_exhausted, "sequence ", batch[b], " (batch entry ", b,
-                          ") has ", *pages, " logical pages, the index layout holds ",
+                          ") has ", (tokens + P - 1) / P, " logical pages, the index layout holds ",
                           layout.max_pages);
   }
   auto* seq_len = detail::at<std::int32_t>(buffer, layout.seq_len_offset());
@@ -142,13 +154,19 @@ result<batch_index_view<Storage::num_tiers>> build_batch_index(
     indptr[f][0] = 0;
   }
   for (std::size_t b = 0; b < batch.size(); ++b) {
-    seq_len[b] = std::int32_t(*storage.length(batch[b]));
-    storage.for_each_page(batch[b], layer, [&](std::int64_t i, page_id p) {
+    const auto list = [&](std::int64_t i, page_id p) {
       const int f = p.format;
       slot[f][cursor[f]] = std::int32_t(p.slot);
       logical[f][cursor[f]] = std::int32_t(i);
       ++cursor[f];
-    });
+    };
+    if (readable) {
+      seq_len[b] = std::int32_t(*storage.length(batch[b]) + *storage.reserved(batch[b]));
+      storage.for_each_readable_page(batch[b], layer, list);
+    } else {
+      seq_len[b] = std::int32_t(*storage.length(batch[b]));
+      storage.for_each_page(batch[b], layer, list);
+    }
     for (int f = 0; f < N; ++f) indptr[f][b + 1] = cursor[f];
   }
   return layout.view_of(buffer.data(), int(batch.size()));
@@ -344,8 +362,9 @@ class index_arrays {
   std::span<std::uint8_t> bytes() noexcept { return {data_, layout_.bytes()}; }
 
   /// The index view of `batch` at `layer` (build_batch_index into this buffer).
-  result<batch_index_view<num_formats>> build(int layer, std::span<const seq_id> batch) {
-    return build_batch_index(*storage_, layer, batch, layout_, bytes());
+  result<batch_index_view<num_formats>> build(int layer, std::span<const seq_id> batch,
+                                              index_scope scope = index_scope::committed) {
+    return build_batch_index(*storage_, layer, batch, layout_, bytes(), scope);
   }
 
  private:

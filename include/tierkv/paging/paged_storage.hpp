@@ -677,6 +677,15 @@ class paged_storage {
     for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
+  /// f(logical, page_id) for each page of s at one layer that holds committed or reserved
+  /// tokens (s and layer valid): the committed pages, then the pages the outstanding
+  /// reservation opened (tier 0, private to s). What attention over a reservation reads.
+  template <class F>
+  void for_each_readable_page(seq_id s, int layer, F&& f) const {
+    const seq_record* r = find(s);
+    for (std::size_t i = 0, n = pages_for(r->length + r->reserved); i < n; ++i)
+      f(std::int64_t(i), page_of(r->blocks[i], layer));
+  }
   /// f(logical, block_ref) for each committed logical page of s (valid): what block_of(s, i) gives
   /// for every i, in one pass.
   template <class F>

@@ -433,6 +433,7 @@ class tier_controller {
       page_rec& r = page(sc.block.index, sc.layer);
       if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
       r.last_move = step_;
+      r.moved = true;
       mark_dirty(sc.block.index, sc.layer);
       ++st.converted;
       ++st.demoted;
@@ -521,10 +522,11 @@ class tier_controller {
   };
   struct page_rec {
     typename Policy::page_state state{};
-    std::uint64_t last_move = 0;
-    float pending = -1.0f;  ///< this step's relative mass; < 0: none observed
-    page_id shadow;         ///< tier-0 copy kept after a demotion
-    page_id shadow_of;      ///< the page it was demoted into (the shadow is valid while published)
+    std::uint64_t last_move = 0;  ///< the step the page last moved, or was first seen
+    bool moved = false;           ///< moved at least once: the dwell holds only later moves
+    float pending = -1.0f;        ///< this step's relative mass; < 0: none observed
+    page_id shadow;               ///< tier-0 copy kept after a demotion
+    page_id shadow_of;  ///< the page it was demoted into (the shadow is valid while published)
     std::uint64_t shadow_step = 0;
     /// The incremental plan: the tier the policy chose at the last evaluation (-1: none, the
     /// block is open), the tier the page had then, and list memberships.
@@ -741,7 +743,7 @@ class tier_controller {
         if (!sealed) continue;
         const page_facts f = facts(bi, l, storage_->block_page(ref, l));
         const int to = Roles::tier_of(policy_.choose(r.state, f));
-        if (to == f.tier || f.steps_since_move < policy_.min_dwell_steps()) continue;
+        if (to == f.tier || dwelling(r, f)) continue;
         plan_->push_back(conversion{ref, l, f.tier, to, policy_.keep_value(r.state, f)});
       }
     }
@@ -790,10 +792,17 @@ class tier_controller {
       }
       (*waiting_)[kept++] = i;
       const page_facts f = facts(bi, l, p);
-      if (f.steps_since_move < policy_.min_dwell_steps()) continue;
+      if (dwelling(r, f)) continue;
       plan_->push_back(conversion{ref, l, f.tier, r.want, policy_.keep_value(r.state, f)});
     }
     waiting_->resize(kept);
+  }
+
+  /// The dwell holds a page that moved fewer than min_dwell_steps ago (no flapping between
+  /// tiers); a page's first move, out of the tier it was written in, is not held: a chunked
+  /// prefill's step is a whole chunk, and the dwell must not widen the policy's Recent window.
+  bool dwelling(const page_rec& r, const page_facts& f) const {
+    return r.moved && f.steps_since_move < policy_.min_dwell_steps();
   }
 
   void evaluate(page_rec& r, std::uint32_t bi, int layer, page_id p) {
@@ -894,6 +903,7 @@ class tier_controller {
     page_rec& r = page(sc.block.index, sc.layer);
     if (r.shadow.valid()) release_shadow(r);  // a copy of an older page
     r.last_move = step_;
+    r.moved = true;
     mark_dirty(sc.block.index, sc.layer);
     ++st.converted;
     if (to == append_tier) ++st.promoted;
@@ -946,6 +956,7 @@ class tier_controller {
       ++st.shadows_made;
     }
     r.last_move = step_;
+    r.moved = true;
     mark_dirty(c.block.index, c.layer);
     ++st.converted;
     if (c.to == append_tier) ++st.promoted;
@@ -961,6 +972,7 @@ class tier_controller {
     r.shadow_of = page_id{};
     --shadows_;
     r.last_move = step_;
+    r.moved = true;
     mark_dirty(c.block.index, c.layer);
     ++st.converted;
     ++st.promoted;

@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // tiered_cache's layer-by-layer writes (issue 22): reserve keeps append's contract (max_pages,
 // then make_room only once every other check passed; a refusal changes nothing), attention
-// sees only committed tokens, and the result equals append's.
+// sees only committed tokens, and the result equals append's; prefill attends the reservation.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -233,4 +236,97 @@ TEST_CASE("read_layer decodes committed and reserved tokens of one layer, across
   CHECK(st.read_layer(s, 1, 0, 2, tiny_buf, tiny_buf).code() == errc::invalid_argument);
   CHECK(std::all_of(guard.begin(), guard.end(), [](float x) { return x == -7.f; }));
   CHECK(st.read_layer(s, 1, 49, 0, guard, guard).is_ok());
+}
+
+TEST_CASE(
+    "prefill attends committed and reserved tokens causally, as float64 over the stored "
+    "vectors; one row per sequence is the decode step attend gives after commit",
+    "[tiering][cache][reserve][prefill]") {
+  cache_t::options opt = pressure_options();
+  opt.storage.pages_per_tier = {60, 64};
+  auto c = cache_t::create(opt).value();
+  const std::vector<seq_id> batch{c->create_sequence().value(), c->create_sequence().value()};
+  REQUIRE(append_tokens(*c, batch[0], 1, 40));  // pages 0-2, page 2 open
+  REQUIRE(append_tokens(*c, batch[1], 300, 7));
+  (void)c->retier(1);  // recent_pages 1: pages 0-1 of sequence 0 become TQ3
+  (void)c->retier(2);
+  REQUIRE(c->storage().page(batch[0], 1, 0).value().format == 1);
+  REQUIRE(c->reserve(batch[0], 30));  // the open tail page and two new ones
+  REQUIRE(c->reserve(batch[1], 1));
+  write_tokens(*c, batch[0], 41, 30);
+  write_tokens(*c, batch[1], 307, 1);
+
+  const std::vector<std::int32_t> indptr{0, 6, 7};  // sequence 0's last 6 tokens, 1's last one
+  std::vector<float> q(7 * QH * D), out(q.size()), lse(7 * QH);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = gauss(i, 5, 0, 2, 0);
+  const int layer = 1;
+  REQUIRE(c->prefill(layer, batch, indptr, q, out, lse));
+  double worst = 0;
+  for (std::size_t b = 0; b < 2; ++b) {
+    const std::int64_t readable = *c->length(batch[b]) + *c->reserved(batch[b]);
+    std::vector<float> k(std::size_t(readable) * KH * D), v(k.size());
+    REQUIRE(c->storage().read_layer(batch[b], layer, 0, readable, k, v));
+    for (int r = indptr[b]; r < indptr[b + 1]; ++r) {
+      const std::int64_t len = readable - (indptr[b + 1] - r) + 1;  // causal: up to its position
+      std::vector<double> ref, mass;
+      reference_attend(
+          q.data() + std::size_t(r) * QH * D, len,
+          [&](std::int64_t t, int h, float* kk, float* vv) {
+            const std::size_t at = (std::size_t(t) * KH + std::size_t(h)) * D;
+            std::copy_n(k.data() + at, D, kk);
+            std::copy_n(v.data() + at, D, vv);
+          },
+          ref, mass);
+      worst = std::max(worst, rel_l2(out.data() + std::size_t(r) * QH * D, ref));
+    }
+  }
+  CHECK(worst < 1e-5);
+  CHECK(std::all_of(lse.begin(), lse.end(), [](float x) { return std::isfinite(x); }));
+
+  // One row per sequence: the decode step over the reservation, bit for bit what attend gives
+  // once the tokens are committed.
+  const std::vector<std::int32_t> one{0, 1, 2};
+  std::vector<float> q1(2 * QH * D), step(q1.size()), after(q1.size());
+  for (std::size_t i = 0; i < q1.size(); ++i) q1[i] = gauss(i, 6, 0, 2, 0);
+  REQUIRE(c->prefill(layer, batch, one, q1, step));
+  REQUIRE(c->commit(batch[0], 30));
+  REQUIRE(c->commit(batch[1], 1));
+  REQUIRE(c->attend(layer, batch, q1, after));
+  CHECK(std::memcmp(step.data(), after.data(), step.size() * sizeof(float)) == 0);
+  REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("prefill refuses bad rows, sizes and queries, writing and observing nothing",
+          "[tiering][cache][reserve][prefill][contract]") {
+  auto c = cache_t::create(pressure_options()).value();
+  const std::vector<seq_id> batch{c->create_sequence().value()};
+  REQUIRE(append_tokens(*c, batch[0], 1, 10));
+  REQUIRE(c->reserve(batch[0], 3));
+  write_tokens(*c, batch[0], 11, 3);
+  const std::string before = cache_snapshot(*c);
+  std::vector<float> q(3 * QH * D, 0.5f), out(q.size(), -7.f), lse(3 * QH);
+  const auto untouched = [&] {
+    return std::all_of(out.begin(), out.end(), [](float x) { return x == -7.f; });
+  };
+  const auto refused = [&](std::vector<std::int32_t> indptr, std::span<const float> queries,
+                           int window = 0) {
+    const status st = c->prefill(0, batch, indptr, queries, out, lse, window);
+    return !st.is_ok() && untouched() && cache_snapshot(*c) == before ? st.code() : errc::ok;
+  };
+  CHECK(refused({0}, q) == errc::invalid_argument);         // q_indptr: batch + 1 entries
+  CHECK(refused({1, 3}, q) == errc::invalid_argument);      // must start at 0
+  CHECK(refused({0, 0}, {}) == errc::invalid_argument);     // no row for the sequence
+  CHECK(refused({0, 14}, q) == errc::invalid_argument);     // 14 rows > 13 readable tokens
+  CHECK(refused({0, 2}, q) == errc::invalid_argument);      // 3 rows of queries for 2
+  CHECK(refused({0, 3}, q, -1) == errc::invalid_argument);  // negative window
+  std::vector<float> bad = q;
+  bad[QH * D + 5] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(refused({0, 3}, bad) == errc::non_finite_input);
+  const std::vector<seq_id> gone{seq_id(77)};
+  CHECK(c->prefill(0, gone, std::vector<std::int32_t>{0, 1},
+                   std::span<const float>(q).first(QH * D), std::span<float>(out).first(QH * D))
+            .code() == errc::stale_id);
+  CHECK(untouched());
+  REQUIRE(c->prefill(0, batch, std::vector<std::int32_t>{0, 3}, q, out, lse));
+  CHECK_FALSE(untouched());
 }
