@@ -62,7 +62,8 @@ void usage() {
   std::fprintf(
       stderr,
       "usage: smollm COMMAND [--model FILE.gguf] [--threads N] ...\n"
-      "  generate --prompt TEXT [--chat] [--arm dense|fp8|tq3|tiered|int8r|tiered_int8r|tiered_k4] "
+      "  generate --prompt TEXT [--chat] [--arm dense|rec|seed|fp8|tq3|int8r|tiered|tiered_int8r|"
+      "tiered_k4|tiered_k8] "
       "[--max-new N]\n"
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"

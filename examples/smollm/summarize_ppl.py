@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-ROLES = {"tiered_k4": "rec", "tiered": "seed"}  # README's recommended cache; the seed paper's
+ROLES = {"tiered_k4": "rec", "tiered": "seed", "rec": "rec", "seed": "seed"}  # README's recommended cache; the seed paper's
 
 
 def load(work, first=0):
