@@ -343,6 +343,9 @@ class tiered_cache {
                           rows * std::size_t(q_heads), " needed");
     if (window < 0)
       return status::make(errc::invalid_argument, "prefill: window = ", window, " is negative");
+    if (layer < 0 || layer >= storage_->num_layers())
+      return status::out_of_range("prefill: layer", layer, storage_->num_layers());
+    if (batch.empty()) return {};
     auto view = index_->build(layer, batch, index_scope::readable);
     if (!view) return view.error_status();
     const auto pools = storage_->views();

@@ -327,6 +327,10 @@ TEST_CASE("prefill refuses bad rows, sizes and queries, writing and observing no
                    std::span<const float>(q).first(QH * D), std::span<float>(out).first(QH * D))
             .code() == errc::stale_id);
   CHECK(untouched());
+  CHECK(c->prefill(5, batch, std::vector<std::int32_t>{0, 3}, q, out).code() ==
+        errc::out_of_range);                                               // 3 layers
+  CHECK(c->prefill(0, {}, std::vector<std::int32_t>{0}, {}, {}).is_ok());  // an empty batch
+  CHECK(untouched());
   REQUIRE(c->prefill(0, batch, std::vector<std::int32_t>{0, 3}, q, out, lse));
   CHECK_FALSE(untouched());
 }
