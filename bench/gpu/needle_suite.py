@@ -146,18 +146,19 @@ def load_tokenizer(gguf, tokenizer=None):
     return AutoTokenizer.from_pretrained(tokenizer) if tokenizer else AutoTokenizer.from_pretrained(d, gguf_file=name)
 
 
-def load_model(gguf):
-    """The GGUF's model on the GPU, dequantized to float32 by transformers."""
+def load_model(gguf, device="cuda"):
+    """The GGUF's model on `device` (the GPU by default), dequantized to float32 by transformers."""
     import torch
     from transformers import AutoModelForCausalLM
 
     d, name = os.path.split(os.path.abspath(gguf))
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to("cuda").eval()
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to(device).eval()
 
 
-def make_cache(model, arm, max_tokens, step_tokens, codec_seed):
+def make_cache(model, arm, max_tokens, step_tokens, codec_seed, device="cuda"):
     """One sequence's cache for arm: transformers' own (SDPA) for dense, else a TieredCache on
-    the GPU; sets the model's attention to match."""
+    `device` (tierkv.CudaCache on the GPU, tierkv.Cache on the CPU); sets the model's attention
+    to match."""
     from transformers import DynamicCache
 
     import tierkv  # noqa: F401  (registers the "tierkv" attention)
@@ -168,9 +169,9 @@ def make_cache(model, arm, max_tokens, step_tokens, codec_seed):
         return DynamicCache(config=model.config)
     recent, k, v, center = ARMS[arm]
     model.config._attn_implementation = "tierkv"
-    return TieredCache(model.config, device="cuda", recent=recent, cache_type_k=k, cache_type_v=v, center=center,
-                       max_tokens=max_tokens, max_sequences=1, max_batch=1, max_step_tokens=step_tokens,
-                       codec_seed=codec_seed)  # fmt: skip
+    gpu = dict(max_step_tokens=step_tokens) if str(device).startswith("cuda") else {}  # the GPU's step workspace
+    return TieredCache(model.config, device=device, recent=recent, cache_type_k=k, cache_type_v=v, center=center,
+                       max_tokens=max_tokens, max_sequences=1, max_batch=1, codec_seed=codec_seed, **gpu)  # fmt: skip
 
 
 def finish(cache, layers):

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // runtime_cache over one compile-time tierkv::tiered_cache<geometry, tiers>. Sequences,
 // reservations, commits, tiering and accounting are the façade's own calls; attention runs
-// host_decode / host_prefill over index arrays this class builds, which hold the committed
-// pages and the pages of each sequence's outstanding reservation, so a layer-by-layer
-// forward pass attends to its own new tokens before they are committed (the storage reads
-// reserved tokens for exactly this: paged_storage::read_layer).
+// host_decode / host_prefill over the library's index of each sequence's committed pages and
+// its outstanding reservation's (index_scope::readable), so a layer-by-layer forward pass
+// attends to its own new tokens before they are committed. Unlike tiered_cache::prefill, a
+// prefill here feeds no page mass to the policy (as the GPU façade's prefill: decode steps do).
 #pragma once
 
 #include <algorithm>
@@ -16,7 +16,6 @@
 #include <optional>
 #include <span>
 #include <tuple>
-#include <unordered_map>
 #include <vector>
 
 #include "cache_options.hpp"
@@ -57,10 +56,7 @@ class cache_impl final : public runtime_cache {
   std::int64_t fork(std::int64_t parent) override {
     return value(cache_->fork(to_seq(parent))).value;
   }
-  void release(std::int64_t s) override {
-    check(cache_->release(to_seq(s)));
-    mappings_.erase(std::uint32_t(s));
-  }
+  void release(std::int64_t s) override { check(cache_->release(to_seq(s))); }
   std::int64_t length(std::int64_t s) const override { return value(cache_->length(to_seq(s))); }
   std::int64_t reserved(std::int64_t s) const override {
     return value(cache_->reserved(to_seq(s)));
@@ -73,28 +69,17 @@ class cache_impl final : public runtime_cache {
     check_distinct(seqs, "reserve");
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const tierkv::seq_id s = to_seq(seqs[b]);
-      mapping m;
-      m.n = counts[b];
+      const std::int64_t n = counts[b];
       tierkv::status st;
-      if (m.n < 0 || m.n > std::numeric_limits<std::int32_t>::max())
-        st = tierkv::status::make(tierkv::errc::invalid_argument, "reserve: token count ", m.n,
+      if (n < 0 || n > std::numeric_limits<std::int32_t>::max())
+        st = tierkv::status::make(tierkv::errc::invalid_argument, "reserve: token count ", n,
                                   " for batch entry ", b, " is outside [0, 2^31)");
-      if (st && m.n > 0) {
-        m.slot.resize(std::size_t(cfg_.num_layers) * std::size_t(m.n));
-        m.offset.resize(std::size_t(m.n));
-        st = cache_->reserve(s, m.n, tierkv::slot_mapping{m.slot, 0, m.offset});
-      } else if (st) {
-        st = cache_->reserve(s, 0);
-      }
+      if (st) st = cache_->reserve(s, n);
       if (!st) {  // all or none: give back what this call reserved
-        for (std::size_t j = 0; j < b; ++j) {
-          (void)cache_->cancel(to_seq(seqs[j]));
-          mappings_.erase(std::uint32_t(seqs[j]));
-        }
+        for (std::size_t j = 0; j < b; ++j) (void)cache_->cancel(to_seq(seqs[j]));
         fail(tierkv::status(st.code(), tierkv::status::format(st.message(), " (batch entry ", b,
                                                               ", ", s, "); nothing reserved")));
       }
-      if (m.n > 0) mappings_[s.value] = std::move(m);
     }
   }
 
@@ -134,15 +119,11 @@ class cache_impl final : public runtime_cache {
     for (std::int64_t s : seqs) {
       const std::int64_t n = value(cache_->reserved(to_seq(s)));
       check(cache_->commit(to_seq(s), n));
-      mappings_.erase(std::uint32_t(s));
     }
   }
   void cancel(std::span<const std::int64_t> seqs) override {
     for (std::int64_t s : seqs) (void)value(cache_->reserved(to_seq(s)));
-    for (std::int64_t s : seqs) {
-      check(cache_->cancel(to_seq(s)));
-      mappings_.erase(std::uint32_t(s));
-    }
+    for (std::int64_t s : seqs) check(cache_->cancel(to_seq(s)));
   }
 
   void append(std::int64_t s, std::int64_t n, const float* keys, const float* values) override {
@@ -269,11 +250,6 @@ class cache_impl final : public runtime_cache {
   }
 
  private:
-  struct mapping {
-    std::int64_t n = 0;
-    std::vector<std::int32_t> slot, offset;  // slot_mapping of the reservation, layer_stride n
-  };
-
   explicit cache_impl(const cache_config& cfg) : cfg_(cfg), workspace_(unsigned(cfg.threads)) {
     typename cache_type::options o;
     if (cfg.threads < 0 || cfg.threads > int(cache_type::max_threads))
@@ -327,62 +303,13 @@ class cache_impl final : public runtime_cache {
         float(cfg_.soft_cap)};
   }
 
-  // build_batch_index's arrays (same layout, same buffer class, so the report counts them)
-  // extended by each sequence's reserved pages: tier-0 pages at the highest logical indices,
-  // so every format's list stays in logical order.
+  // The layer's index over each sequence's committed pages and its outstanding reservation's
+  // (index_scope::readable), in the library's index buffer (the report counts it).
   tierkv::batch_index_view<N> build_index(int layer, std::span<const std::int64_t> seqs) {
     check_layer(layer);
-    const auto& layout = index_->layout();
-    if (seqs.size() > std::size_t(cfg_.max_batch))
-      fail(tierkv::status::exceeds(tierkv::errc::capacity_exhausted, "batch size", seqs.size(),
-                                   cfg_.max_batch));
-    const storage_type& st = cache_->storage();
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      const tierkv::seq_id s = to_seq(seqs[b]);
-      const std::int64_t len = value(st.length(s)) + value(st.reserved(s));
-      if (len > std::numeric_limits<std::int32_t>::max())
-        fail(tierkv::status::exceeds(tierkv::errc::out_of_range, "tokens of the sequence", len,
-                                     std::numeric_limits<std::int32_t>::max()));
-      if ((len + P - 1) / P > cfg_.max_pages)
-        fail(tierkv::status::make(tierkv::errc::capacity_exhausted, "sequence ", s,
-                                  " (batch entry ", b, ") has ", (len + P - 1) / P,
-                                  " logical pages, the limit is max_pages = ", cfg_.max_pages));
-    }
-    auto bytes = index_->bytes();
-    auto at = [&](std::size_t off) { return reinterpret_cast<std::int32_t*>(bytes.data() + off); };
-    std::int32_t* seq_len = at(layout.seq_len_offset());
-    std::int32_t *indptr[N], *slot[N], *logical[N];
-    std::int32_t cursor[N];
-    for (int f = 0; f < N; ++f) {
-      indptr[f] = at(layout.indptr_offset(f));
-      slot[f] = at(layout.slot_offset(f));
-      logical[f] = at(layout.logical_offset(f));
-      cursor[f] = 0;
-      indptr[f][0] = 0;
-    }
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      const tierkv::seq_id s = to_seq(seqs[b]);
-      const std::int64_t len = *st.length(s), res = *st.reserved(s);
-      seq_len[b] = std::int32_t(len + res);
-      st.for_each_page(s, layer, [&](std::int64_t i, tierkv::page_id p) {
-        slot[p.format][cursor[p.format]] = std::int32_t(p.slot);
-        logical[p.format][cursor[p.format]] = std::int32_t(i);
-        ++cursor[p.format];
-      });
-      if (res > 0) {
-        const mapping& m = mappings_.at(s.value);
-        const std::int64_t committed_pages = (len + P - 1) / P;  // an open tail is listed
-        for (std::int64_t i = 0; i < res; ++i) {
-          const std::int64_t page = (len + i) / P;
-          if (page < committed_pages || (i > 0 && (len + i) % P != 0)) continue;
-          slot[0][cursor[0]] = m.slot[std::size_t(layer) * std::size_t(res) + std::size_t(i)];
-          logical[0][cursor[0]] = std::int32_t(page);
-          ++cursor[0];
-        }
-      }
-      for (int f = 0; f < N; ++f) indptr[f][b + 1] = cursor[f];
-    }
-    return layout.view_of(bytes.data(), int(seqs.size()));
+    ids_.clear();
+    for (std::int64_t s : seqs) ids_.push_back(to_seq(s));
+    return value(index_->build(layer, ids_, tierkv::index_scope::readable));
   }
 
   cache_config cfg_;
@@ -391,7 +318,7 @@ class cache_impl final : public runtime_cache {
   std::optional<tierkv::index_arrays<storage_type>> index_;
   std::vector<float> mass_;
   std::array<tierkv::pool_view, N> pools_{};
-  std::unordered_map<std::uint32_t, mapping> mappings_;
+  std::vector<tierkv::seq_id> ids_;  // build_index's batch
   tierkv::host_attention_workspace workspace_;
 };
 
