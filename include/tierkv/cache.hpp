@@ -313,7 +313,8 @@ class tiered_cache {
   /// included (host_prefill). A chunked prefill; with n_b = 1, a decode step written layer by
   /// layer. queries / out: [rows][q_heads][head_dim]; lse: [rows][q_heads] if given; window
   /// > 0: a sliding-window layer (each query sees positions (p - window, p]). The per-page
-  /// attention mass of each sequence's last query feeds the controller, as attend's does.
+  /// attention mass of each sequence's last query feeds the controller, the chunk's own pages
+  /// included (as the GPU façade's, whose step tokens are committed at begin_step).
   /// Every check comes before anything is written or observed.
   status prefill(int layer, std::span<const seq_id> batch, std::span<const std::int32_t> q_indptr,
                  std::span<const float> queries, std::span<float> out, std::span<float> lse = {},
@@ -397,7 +398,7 @@ class tiered_cache {
           means_->restore(layer, Geometry::group_size, lp.softmax_scale,
                           queries.data() + r * row_floats, out.data() + r * row_floats,
                           lse.empty() ? nullptr : lse.data() + r * std::size_t(q_heads));
-    return observe(layer, batch, {});
+    return observe(layer, batch, {}, index_scope::readable);
   }
 
   // ---- tiering and accounting -----------------------------------------------------------------
@@ -447,12 +448,13 @@ class tiered_cache {
   }
 
   /// The per-page masses of the last attention pass (mass_, [batch][max_pages]) go to the
-  /// controller, and to page_mass if given.
-  status observe(int layer, std::span<const seq_id> batch, std::span<float> page_mass) {
+  /// controller (the reservation's pages too when the pass read them), and to page_mass if given.
+  status observe(int layer, std::span<const seq_id> batch, std::span<float> page_mass,
+                 index_scope scope = index_scope::committed) {
     const std::size_t stride = std::size_t(opt_.max_pages);
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::span<const float> row(mass_->data() + b * stride, stride);
-      if (auto st = controller_->observe_mass(batch[b], layer, row); !st) return st;
+      if (auto st = controller_->observe_mass(batch[b], layer, row, scope); !st) return st;
       if (!page_mass.empty())
         std::copy(row.begin(), row.end(), page_mass.begin() + std::ptrdiff_t(b * stride));
     }

@@ -20,6 +20,7 @@
 #include "tierkv/core/index_view.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/memory/allocators.hpp"
+#include "tierkv/paging/storage_types.hpp"
 
 namespace tierkv {
 
@@ -108,11 +109,6 @@ T* at(std::span<std::uint8_t> buffer, std::size_t offset) {
   return reinterpret_cast<T*>(buffer.data() + offset);
 }
 }  // namespace detail
-
-/// Which tokens an index lists: the committed ones (decode between steps), or the committed
-/// ones and each sequence's outstanding reservation (a forward pass attending to the tokens it
-/// has just written, before commit: chunked prefill, or a decode step written layer by layer).
-enum class index_scope : std::uint8_t { committed, readable };
 
 /// Host builder. Checks everything first; on error the buffer is untouched.
 template <class Storage>

@@ -210,6 +210,13 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     return std::int64_t(committed_pages(*r));
   }
+  /// Logical pages holding committed or reserved tokens: what attention over the reservation
+  /// reads (index_scope::readable).
+  result<std::int64_t> readable_pages(seq_id s) const {
+    const seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    return std::int64_t(pages_for(r->length + r->reserved));
+  }
   /// Tier-0 pages that n more tokens open (one per layer of each new logical page), counted
   /// from the sequence's committed and reserved tokens: a scheduler asks make_room once for a
   /// step's whole batch rather than once per reservation.
@@ -685,6 +692,14 @@ class paged_storage {
     const seq_record* r = find(s);
     for (std::size_t i = 0, n = pages_for(r->length + r->reserved); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
+  }
+  /// f(logical, block_ref) for each logical page of s (valid) holding committed or reserved
+  /// tokens: for_each_logical_block, then the reservation's blocks.
+  template <class F>
+  void for_each_readable_block(seq_id s, F&& f) const {
+    const seq_record* r = find(s);
+    for (std::size_t i = 0, n = pages_for(r->length + r->reserved); i < n; ++i)
+      f(std::int64_t(i), block_ref{r->blocks[i], (*block_meta_)[r->blocks[i]].generation});
   }
   /// f(logical, block_ref) for each committed logical page of s (valid): what block_of(s, i) gives
   /// for every i, in one pass.

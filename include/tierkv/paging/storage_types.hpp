@@ -67,6 +67,12 @@ struct storage_lines {
                                      ///< its centred copy of the input)
 };
 
+/// Which tokens of a sequence an index (or a mass observation) covers: the committed ones
+/// (decode between steps), or the committed ones and the outstanding reservation (a forward pass
+/// attending to the tokens it has just written, before commit: chunked prefill, or a decode step
+/// written layer by layer).
+enum class index_scope : std::uint8_t { committed, readable };
+
 /// Where the tokens of a reservation go, in cuda::append_inputs's layout (caller memory; the
 /// storage only fills it): reserved token i (sequence position length + i) of layer l goes to
 /// slot[l * layer_stride + i], a slot of the append tier's (tier 0's) pool, at token row

@@ -198,18 +198,21 @@ class tier_controller {
   /// may have changed is re-evaluated by the next plan (with same_state_choice, the fold is
   /// the whole cost: at the torch_e2e scale the batch's pages are ~10^5-10^6 a step). A page
   /// shared by several sequences keeps the largest of their values until the next plan(),
-  /// which folds it.
-  status observe_mass(seq_id s, int layer, std::span<const float> mass) {
-    auto pages = storage_->logical_pages(s);
+  /// which folds it. scope = readable: the row covers the outstanding reservation's pages too
+  /// (attention before commit, tiered_cache::prefill); they keep theirs until the next plan.
+  status observe_mass(seq_id s, int layer, std::span<const float> mass,
+                      index_scope scope = index_scope::committed) {
+    const bool readable = scope == index_scope::readable;
+    auto pages = readable ? storage_->readable_pages(s) : storage_->logical_pages(s);
     if (!pages) return pages.error_status();
     if (layer < 0 || layer >= storage_->num_layers())
       return status::out_of_range("layer", layer, storage_->num_layers());
     if (std::int64_t(mass.size()) < *pages)
       return status::make(errc::invalid_argument, "observe_mass: ", mass.size(), " masses for ", s,
-                          " with ", *pages, " logical pages");
+                          " with ", *pages, readable ? " readable" : "", " logical pages");
     const float uniform = float(*pages);
     const bool holders_known = epoch_seen_ == storage_->structure_epoch();
-    storage_->for_each_logical_block(s, [&](std::int64_t i, block_ref b) {
+    const auto fold = [&](std::int64_t i, block_ref b) {
       const float m = mass[std::size_t(i)] * uniform;
       if (!std::isfinite(m) || m < 0.0f) return;  // never let a broken signal move pages
       const block_rec& br = sync(b);
@@ -222,7 +225,11 @@ class tier_controller {
       }
       r.pending = r.pending < 0.0f ? m : std::max(r.pending, m);
       mark_dirty(b.index, layer);
-    });
+    };
+    if (readable)
+      storage_->for_each_readable_block(s, fold);
+    else
+      storage_->for_each_logical_block(s, fold);
     return {};
   }
 

@@ -334,3 +334,34 @@ TEST_CASE("prefill refuses bad rows, sizes and queries, writing and observing no
   REQUIRE(c->prefill(0, batch, std::vector<std::int32_t>{0, 3}, q, out, lse));
   CHECK_FALSE(untouched());
 }
+
+TEST_CASE("attention mass observed over a reservation reaches its pages once committed",
+          "[tiering][cache][reserve][mass]") {
+  cache_t::options opt = pressure_options();  // recent 1, no sink, enter 3x, leave 1.5x, EMA 0.5
+  opt.storage.pages_per_tier = {60, 64};
+  for (const index_scope scope : {index_scope::readable, index_scope::committed}) {
+    auto c = cache_t::create(opt).value();
+    const seq_id s = c->create_sequence().value();
+    REQUIRE(append_tokens(*c, s, 1, 64));  // pages 0-3
+    REQUIRE(c->reserve(s, 16));            // page 4, reserved
+    write_tokens(*c, s, 65, 16);
+    // The chunk's last query put most of its mass on page 4 (4.8x a uniform share of 5 pages).
+    std::vector<float> row(std::size_t(opt.max_pages), 0.01f);
+    row[4] = 0.96f;
+    CHECK(c->controller().observe_mass(s, 0, std::span<const float>(row).first(4), scope).code() ==
+          (scope == index_scope::readable ? errc::invalid_argument : errc::ok));
+    for (std::uint64_t step = 1; step <= 2; ++step) {
+      REQUIRE(c->controller().observe_mass(s, 0, row, scope));
+      (void)c->retier(step);
+    }
+    REQUIRE(c->commit(s, 16));
+    REQUIRE(append_tokens(*c, s, 81, 32));  // pages 5, 6: page 4 is no longer Recent
+    for (std::uint64_t step = 3; step <= 4; ++step) (void)c->retier(step);
+    // Read over the reservation, page 4 became an Anchor at layer 0 and stays in tier 0; the
+    // committed scope never saw it, and it goes Stale like pages 0-3 and like layer 1's.
+    CHECK(c->storage().page(s, 0, 4).value().format == (scope == index_scope::readable ? 0 : 1));
+    CHECK(c->storage().page(s, 1, 4).value().format == 1);
+    CHECK(c->storage().page(s, 0, 3).value().format == 1);
+    REQUIRE(c->check_invariants());
+  }
+}
