@@ -15,7 +15,12 @@ prefilled in the item's chunks and decoded greedily to a stop token or max_new, 
 (item, arm) is appended to --out; a run that stops (--time-limit) is resumed by running it again.
 
     python3 bench/gpu/needle_suite.py run --items ITEMS.jsonl --gguf MODEL.gguf --out RESULTS.jsonl
-    python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] --out quality.json
+    python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] [--arms dense,rec,seed] --out quality.json
+    python3 bench/gpu/needle_suite.py import-smollm TASKS.json [...] --arms dense,tiered_k4=rec --out RESULTS.jsonl
+
+import-smollm: the CPU engine's records (`smollm tasks --out`, every arm on the same items) as
+result lines, so that items scored on the CPU and on the GPU are summarized together (each item's
+arms come from one engine; the lines name their device).
 
 summarize: per (task, length), per length and over all items, each arm's accuracy (mean of the
 fraction of answers found), the paired bootstrap 95% interval of (arm - dense) over the same items,
@@ -302,8 +307,36 @@ def summarize_results(by_arm, boot=2000, seed=25):
     return arms, keys, rows
 
 
+def from_smollm(path, names, device, commit, model="SmolLM2-135M-Instruct.Q4_1.gguf"):
+    """A `smollm tasks --out` record (examples/smollm, the CPU engine) as result lines: one per
+    (item, arm), each arm named by names ({engine arm: name}; arms not in it are left out)."""
+    rec = json.load(open(path))
+    lines = []
+    for arm, res in rec["arms"].items():
+        if arm not in names:
+            continue
+        for it in res.get("items", []):
+            lines.append(dict(arm=names[arm], task=it["task"], target=int(it["target"]), index=int(it["index"]),
+                              prompt_tokens=it["prompt_tokens"], score=float(it["score"]), output=it["output"],
+                              tokens=it["tokens"], bits_per_scalar=it["bits_per_scalar"],
+                              prefill_s=it["prefill_s"], decode_s=it["decode_s"], device=device, commit=commit,
+                              date=time.strftime("%Y-%m-%d"), model=model))  # fmt: skip
+    return lines
+
+
+def import_smollm(a):
+    names = dict(x.split("=", 1) if "=" in x else (x, x) for x in a.arms.split(","))
+    with open(a.out, "a") as out:
+        for path in a.records:
+            for line in from_smollm(path, names, a.device, a.commit):
+                out.write(json.dumps(line) + "\n")
+
+
 def summarize(a):
     by_arm = load_results(a.results)
+    if a.arms:  # the arms every item must have (the others are left out)
+        keep = a.arms.split(",")
+        by_arm = {k: v for k, v in by_arm.items() if k in keep}
     arms, keys, rows = summarize_results(by_arm, a.boot, a.seed)
     log(f"{len(keys)} items scored by every arm ({', '.join(arms)}); [lo, hi]: paired bootstrap 95% of arm - dense")
     head = f"{'task':10s} {'len':>5s} {'n':>4s} " + " ".join(f"{x:>22s}" for x in arms)
@@ -329,8 +362,9 @@ def summarize(a):
                   "ppl_rel_seed_pooled", "ppl_rel_seed_ci_high", "bits_per_scalar_seed"):  # fmt: skip
             metrics[k] = ppl.get(k)
     first = next(iter(by_arm["dense"].values()))
+    seen = lambda field, default="": sorted({r.get(field, default) for arm in by_arm.values() for r in arm.values()})  # noqa: E731
     rec = dict(name="quality", date=time.strftime("%Y-%m-%d"), commit=a.commit or first.get("commit", "unknown"),
-               device=first.get("device", ""), model=f"{first.get('model', 'SmolLM2-135M-Instruct.Q4_1.gguf')} (float32 in transformers)",
+               device="; ".join(seen("device")), model="; ".join(seen("model", "SmolLM2-135M-Instruct.Q4_1.gguf")),
                command=a.command, results=a.results, ppl_record=a.ppl_record, arms={x: ARMS.get(x, "transformers DynamicCache, SDPA") for x in arms},
                bootstrap=dict(resamples=a.boot, seed=a.seed, level=0.95), rows=rows, metrics=metrics)  # fmt: skip
     if a.out:
@@ -364,8 +398,15 @@ def main():
     s.add_argument("--command", default="")
     s.add_argument("--boot", type=int, default=2000)
     s.add_argument("--seed", type=int, default=25)
+    s.add_argument("--arms", default="", help="comma-separated arms to compare (default: every arm in the files)")
+    i = sub.add_parser("import-smollm", help="examples/smollm `tasks --out` records as result lines")
+    i.add_argument("records", nargs="+")
+    i.add_argument("--out", required=True, help="result lines are appended here")
+    i.add_argument("--arms", default="dense,rec,seed", help="engine arms to take, each ARM or ARM=NAME")
+    i.add_argument("--device", default="CPU (examples/smollm)")
+    i.add_argument("--commit", default="unknown")
     a = ap.parse_args()
-    run(a) if a.cmd == "run" else summarize(a)
+    {"run": run, "summarize": summarize, "import-smollm": import_smollm}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,19 @@ def result(arm, task, target, index, score):
 
 
 class NeedleSuiteTest(unittest.TestCase):
+    def test_import_smollm_renames_arms_and_keeps_items(self):
+        item = dict(task="single", target=1024, index=50, prompt_tokens=986, score=1.0, agree=-1, bits_per_scalar=4.5,
+                    prefill_s=1.0, decode_s=0.5, tokens=[1, 2], output=" 1234567.")  # fmt: skip
+        rec = dict(arms={"dense": dict(items=[dict(item, bits_per_scalar=32.0)]), "tiered_k4": dict(items=[item]),
+                         "fp8": dict(items=[item])})  # fmt: skip
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "tasks.json")
+            json.dump(rec, open(path, "w"))
+            lines = ns.from_smollm(path, {"dense": "dense", "tiered_k4": "rec"}, "CPU", "abc")
+        self.assertEqual(sorted(x["arm"] for x in lines), ["dense", "rec"])  # fp8 left out
+        self.assertEqual({ns.item_key(x) for x in lines}, {("single", 1024, 50)})
+        self.assertEqual([x["bits_per_scalar"] for x in sorted(lines, key=lambda x: x["arm"])], [32.0, 4.5])
+
     def test_score_counts_answers_found(self):
         self.assertEqual(ns.score(["1234567"], "The number is 1234567."), 1.0)
         self.assertEqual(ns.score(["1111111", "2222222"], "are 2222222 and 3333333"), 0.5)
