@@ -296,13 +296,8 @@ class tiered_cache {
     a.page_mass = mass_->data();
     a.mass_stride = opt_.max_pages;
     if (auto st = host_decode<Geometry, Tiers>(workspace_, a); !st) return st;
-    if (means_)  // add back what centring took (a sequence with no token keeps its zeros)
-      for (std::size_t b = 0; b < batch.size(); ++b)
-        if (*storage_->length(batch[b]) > 0 && means_->known(layer))
-          means_->restore(layer, Geometry::group_size, a.logits.softmax_scale,
-                          queries.data() + b * std::size_t(q_heads) * head_dim,
-                          out.data() + b * std::size_t(q_heads) * head_dim,
-                          lse.empty() ? nullptr : lse.data() + b * std::size_t(q_heads));
+    for (std::size_t b = 0; b < batch.size(); ++b)  // a sequence with no token keeps its zeros
+      if (*storage_->length(batch[b]) > 0) restore_centring(layer, b, b + 1, queries, out, lse);
     return observe(layer, batch, page_mass);
   }
 
@@ -392,12 +387,7 @@ class tiered_cache {
         });
     }
     if (!st) return st;
-    if (means_ && means_->known(layer))  // add back what centring took
-      for (std::size_t b = 0; b < batch.size(); ++b)
-        for (std::size_t r = std::size_t(q_indptr[b]); r < std::size_t(q_indptr[b + 1]); ++r)
-          means_->restore(layer, Geometry::group_size, lp.softmax_scale,
-                          queries.data() + r * row_floats, out.data() + r * row_floats,
-                          lse.empty() ? nullptr : lse.data() + r * std::size_t(q_heads));
+    restore_centring(layer, 0, rows, queries, out, lse);  // every sequence holds tokens
     return observe(layer, batch, {}, index_scope::readable);
   }
 
@@ -445,6 +435,19 @@ class tiered_cache {
     return logit_params{
         opt_.softmax_scale > 0.f ? opt_.softmax_scale : 1.f / std::sqrt(float(head_dim)),
         opt_.soft_cap};
+  }
+
+  /// Adds back what centring took from query rows [first, last) of an attention pass (outputs
+  /// + mu_v, LSE + scale q.mu_k); nothing without centring or before the layer has means.
+  void restore_centring(int layer, std::size_t first, std::size_t last,
+                        std::span<const float> queries, std::span<float> out,
+                        std::span<float> lse) const {
+    if (!means_ || !means_->known(layer)) return;
+    constexpr std::size_t row = std::size_t(q_heads) * head_dim;
+    for (std::size_t r = first; r < last; ++r)
+      means_->restore(layer, Geometry::group_size, logits().softmax_scale, queries.data() + r * row,
+                      out.data() + r * row,
+                      lse.empty() ? nullptr : lse.data() + r * std::size_t(q_heads));
   }
 
   /// The per-page masses of the last attention pass (mass_, [batch][max_pages]) go to the

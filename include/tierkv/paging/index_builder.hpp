@@ -124,17 +124,17 @@ result<batch_index_view<Storage::num_tiers>> build_batch_index(
   if (batch.size() > std::size_t(layout.max_batch))
     return status::exceeds(errc::capacity_exhausted, "batch size", batch.size(), layout.max_batch);
   const bool readable = scope == index_scope::readable;
-  const std::int64_t P = Storage::geometry::page_tokens;
   for (std::size_t b = 0; b < batch.size(); ++b) {
-    auto len = storage.length(batch[b]);
-    if (!len) return len.error_status();
-    const std::int64_t tokens = *len + (readable ? *storage.reserved(batch[b]) : 0);
+    auto pages = storage.logical_pages(batch[b], scope);
+    if (!pages) return pages.error_status();
+    const std::int64_t tokens =
+        *storage.length(batch[b]) + (readable ? *storage.reserved(batch[b]) : 0);
     if (tokens > std::numeric_limits<std::int32_t>::max())
       return status::exceeds(errc::out_of_range, "tokens of the sequence", tokens,
                              std::numeric_limits<std::int32_t>::max());
-    if ((tokens + P - 1) / P > layout.max_pages)
+    if (*pages > layout.max_pages)
       return status::make(errc::capacity_exhausted, "sequence ", batch[b], " (batch entry ", b,
-                          ") has ", (tokens + P - 1) / P, " logical pages, the index layout holds ",
+                          ") has ", *pages, " logical pages, the index layout holds ",
                           layout.max_pages);
   }
   auto* seq_len = detail::at<std::int32_t>(buffer, layout.seq_len_offset());
@@ -150,19 +150,17 @@ result<batch_index_view<Storage::num_tiers>> build_batch_index(
     indptr[f][0] = 0;
   }
   for (std::size_t b = 0; b < batch.size(); ++b) {
-    const auto list = [&](std::int64_t i, page_id p) {
-      const int f = p.format;
-      slot[f][cursor[f]] = std::int32_t(p.slot);
-      logical[f][cursor[f]] = std::int32_t(i);
-      ++cursor[f];
-    };
-    if (readable) {
-      seq_len[b] = std::int32_t(*storage.length(batch[b]) + *storage.reserved(batch[b]));
-      storage.for_each_readable_page(batch[b], layer, list);
-    } else {
-      seq_len[b] = std::int32_t(*storage.length(batch[b]));
-      storage.for_each_page(batch[b], layer, list);
-    }
+    seq_len[b] =
+        std::int32_t(*storage.length(batch[b]) + (readable ? *storage.reserved(batch[b]) : 0));
+    storage.for_each_page(
+        batch[b], layer,
+        [&](std::int64_t i, page_id p) {
+          const int f = p.format;
+          slot[f][cursor[f]] = std::int32_t(p.slot);
+          logical[f][cursor[f]] = std::int32_t(i);
+          ++cursor[f];
+        },
+        scope);
     for (int f = 0; f < N; ++f) indptr[f][b + 1] = cursor[f];
   }
   return layout.view_of(buffer.data(), int(batch.size()));

@@ -204,18 +204,12 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     return r->length;
   }
-  /// Committed logical pages (a reservation's new pages are not counted until commit).
-  result<std::int64_t> logical_pages(seq_id s) const {
+  /// Committed logical pages (a reservation's new pages are not counted until commit); with
+  /// index_scope::readable, the pages holding committed or reserved tokens.
+  result<std::int64_t> logical_pages(seq_id s, index_scope scope = index_scope::committed) const {
     const seq_record* r = find(s);
     if (r == nullptr) return bad_seq(s);
-    return std::int64_t(committed_pages(*r));
-  }
-  /// Logical pages holding committed or reserved tokens: what attention over the reservation
-  /// reads (index_scope::readable).
-  result<std::int64_t> readable_pages(seq_id s) const {
-    const seq_record* r = find(s);
-    if (r == nullptr) return bad_seq(s);
-    return std::int64_t(pages_for(r->length + r->reserved));
+    return std::int64_t(pages_in(*r, scope));
   }
   /// Tier-0 pages that n more tokens open (one per layer of each new logical page), counted
   /// from the sequence's committed and reserved tokens: a scheduler asks make_room once for a
@@ -676,37 +670,21 @@ class paged_storage {
   }
 
   // ---- iteration (index builder, accounting, tests) ----------------------------------------
-  /// f(logical, page_id) for each committed logical page of s at one layer; s and layer must
-  /// be valid.
+  /// f(logical, page_id) for each committed logical page of s at one layer (readable: the
+  /// outstanding reservation's pages too, all in tier 0, as attention before commit reads them);
+  /// s and layer must be valid.
   template <class F>
-  void for_each_page(seq_id s, int layer, F&& f) const {
+  void for_each_page(seq_id s, int layer, F&& f, index_scope scope = index_scope::committed) const {
     const seq_record* r = find(s);
-    for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
+    for (std::size_t i = 0, n = pages_in(*r, scope); i < n; ++i)
       f(std::int64_t(i), page_of(r->blocks[i], layer));
   }
-  /// f(logical, page_id) for each page of s at one layer that holds committed or reserved
-  /// tokens (s and layer valid): the committed pages, then the pages the outstanding
-  /// reservation opened (tier 0, private to s). What attention over a reservation reads.
+  /// f(logical, block_ref) for each committed logical page of s (valid; readable: the
+  /// reservation's too): what block_of(s, i) gives for every i, in one pass.
   template <class F>
-  void for_each_readable_page(seq_id s, int layer, F&& f) const {
+  void for_each_logical_block(seq_id s, F&& f, index_scope scope = index_scope::committed) const {
     const seq_record* r = find(s);
-    for (std::size_t i = 0, n = pages_for(r->length + r->reserved); i < n; ++i)
-      f(std::int64_t(i), page_of(r->blocks[i], layer));
-  }
-  /// f(logical, block_ref) for each logical page of s (valid) holding committed or reserved
-  /// tokens: for_each_logical_block, then the reservation's blocks.
-  template <class F>
-  void for_each_readable_block(seq_id s, F&& f) const {
-    const seq_record* r = find(s);
-    for (std::size_t i = 0, n = pages_for(r->length + r->reserved); i < n; ++i)
-      f(std::int64_t(i), block_ref{r->blocks[i], (*block_meta_)[r->blocks[i]].generation});
-  }
-  /// f(logical, block_ref) for each committed logical page of s (valid): what block_of(s, i) gives
-  /// for every i, in one pass.
-  template <class F>
-  void for_each_logical_block(seq_id s, F&& f) const {
-    const seq_record* r = find(s);
-    for (std::size_t i = 0, n = committed_pages(*r); i < n; ++i)
+    for (std::size_t i = 0, n = pages_in(*r, scope); i < n; ++i)
       f(std::int64_t(i), block_ref{r->blocks[i], (*block_meta_)[r->blocks[i]].generation});
   }
   /// f(block_ref, fill, refcount) for each live block.
@@ -992,6 +970,9 @@ class paged_storage {
     return std::size_t((tokens + page_tokens - 1) / page_tokens);
   }
   static std::size_t committed_pages(const seq_record& r) { return pages_for(r.length); }
+  static std::size_t pages_in(const seq_record& r, index_scope scope) {
+    return pages_for(r.length + (scope == index_scope::readable ? r.reserved : 0));
+  }
 
   static status reservation_outstanding(seq_id s, const seq_record& r, const char* op) {
     return status::make(errc::invalid_argument, op, ": ", s, " has a reservation of ", r.reserved,

@@ -203,7 +203,7 @@ class tier_controller {
   status observe_mass(seq_id s, int layer, std::span<const float> mass,
                       index_scope scope = index_scope::committed) {
     const bool readable = scope == index_scope::readable;
-    auto pages = readable ? storage_->readable_pages(s) : storage_->logical_pages(s);
+    auto pages = storage_->logical_pages(s, scope);
     if (!pages) return pages.error_status();
     if (layer < 0 || layer >= storage_->num_layers())
       return status::out_of_range("layer", layer, storage_->num_layers());
@@ -226,10 +226,7 @@ class tier_controller {
       r.pending = r.pending < 0.0f ? m : std::max(r.pending, m);
       mark_dirty(b.index, layer);
     };
-    if (readable)
-      storage_->for_each_readable_block(s, fold);
-    else
-      storage_->for_each_logical_block(s, fold);
+    storage_->for_each_logical_block(s, fold, scope);
     return {};
   }
 
