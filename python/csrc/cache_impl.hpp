@@ -152,12 +152,14 @@ class cache_impl final : public runtime_cache {
     for (std::size_t b = 0; b < seqs.size(); ++b)
       restore_centring(layer, seqs[b], 1, queries + b * QH * D, out + b * QH * D,
                        lse ? lse + b * QH : nullptr);
-    // The committed pages' masses feed the policy (as tiered_cache::attend does); a
-    // reservation's pages are not pages of the sequence yet.
+    // Every readable page's mass feeds the policy, the reservation's too (as
+    // tiered_cache::prefill and the GPU façade, whose step pages are committed at begin_step):
+    // a step's own page can become an Anchor by the mass its last query gave it.
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const std::span<const float> row(mass_.data() + b * std::size_t(cfg_.max_pages),
                                        std::size_t(cfg_.max_pages));
-      check(cache_->controller().observe_mass(to_seq(seqs[b]), layer, row));
+      check(cache_->controller().observe_mass(to_seq(seqs[b]), layer, row,
+                                              tierkv::index_scope::readable));
     }
   }
 
