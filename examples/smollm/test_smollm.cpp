@@ -393,11 +393,12 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
       auto p = make_tierkv_backend(arm, s, opt, 200);
       CHECK(backend_error(*p, s, 100, 25, 6, 0.f) < 0.35);
     }
-    CHECK_THROWS_WITH(make_tierkv_backend("tq2", s, opt, 200), Catch::Contains("unknown KV arm"));
+    CHECK_THROWS_WITH(make_tierkv_backend("tq2", s, opt, 200),
+                      tierkv_test::contains("unknown KV arm"));
     CHECK_THROWS_WITH(make_tierkv_backend("tq3", kv_shape{2, 4, 8, 64}, opt, 200),
-                      Catch::Contains("differs from the compiled geometry"));
+                      tierkv_test::contains("differs from the compiled geometry"));
     auto small = make_tierkv_backend("tq3", s, opt, 20);  // two pages per layer
-    CHECK_THROWS_WITH(backend_error(*small, s, 40, 8, 7, 0.f), Catch::Contains("max_pages"));
+    CHECK_THROWS_WITH(backend_error(*small, s, 40, 8, 7, 0.f), tierkv_test::contains("max_pages"));
   }
 }
 

@@ -20,3 +20,16 @@ using Catch::Approx;
 #else
 #include <catch2/catch.hpp>
 #endif
+
+#include <string>
+
+namespace tierkv_test {
+// A message matcher for CHECK_THROWS_WITH under both Catch2 majors (v3 renamed Contains).
+inline auto contains(const std::string& text) {
+#if defined(TIERKV_CATCH3)
+  return Catch::Matchers::ContainsSubstring(text);
+#else
+  return Catch::Matchers::Contains(text);
+#endif
+}
+}  // namespace tierkv_test
