@@ -176,158 +176,202 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
-// One tier's pages of this chunk on the tensor cores. Online softmax per warp and 16-token
-// step; the value product accumulates p x value_scale relative to its own running max m_v
-// (so the f16 probabilities are <= 1 whatever the scales), rebased to m at the tier's end.
-// Local: the launch has a soft-cap or a sliding window (decode() picks the instantiation, so the
-// plain kernel carries none of their registers: bench/results/decode/ab/ for the A/B).
-template <class Geometry, class Tier, int N, bool Local>
-__device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
-                               int kvh, int e_begin, int e_end, bool sole, const mma_smem& sm,
-                               float* mass_ws, int* err) {
+// The compile-time shape of one tier's pages on the tensor cores, in one place so the pieces of
+// mma_tier_pages below cannot disagree on a step.
+template <class Geometry, class Tier>
+struct mma_tier_config {
+  using geometry = Geometry;
   using S = mma_shape<Geometry>;
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
   using layout = page_layout<Geometry, K, V>;
   using KC = mma_codec<K>;
   using VC = mma_codec<V>;
-  constexpr int D = S::d, G = S::g, ST = S::steps;
   using staging = mma_staging<Geometry, Tier>;
-  constexpr int P = staging::substeps,
-                RT = staging::rows;               // 16-token sub-steps and tokens per step
-  constexpr int SL = Geometry::page_tokens / RT;  // steps per page
+  static constexpr int D = S::d, G = S::g, ST = S::steps;
+  static constexpr int P = staging::substeps,
+                       RT = staging::rows;               // 16-token sub-steps and tokens per step
+  static constexpr int SL = Geometry::page_tokens / RT;  // steps per page
   // Int8 keys (TQ3 and TQ4 levels, int8_rotated codes) score on int8 mma against the query
   // rounded to 13 (TQ3, TQ4) or 20 (int8_rotated) bits of its largest element, as int8 digits
   // (s8_keys). FP8 keys take the f16 hi + lo split (~fp32 queries).
-  constexpr bool s8_keys = KC::s8_keys;
-  constexpr int KS = s8_keys ? D / 32 : ST;  // k steps of the score product
+  static constexpr bool s8_keys = KC::s8_keys;
+  static constexpr int KS = s8_keys ? D / 32 : ST;  // k steps of the score product
   // Key codes that enter the mma as level + offset (TQ4: c = level + 7.5, as uint8): subtract
   // the offset x (the head's sum of its rounded query, an exact integer) per head.
-  constexpr bool key_offset = s8_keys && KC::key_level_offset != 0.f;
+  static constexpr bool key_offset = s8_keys && KC::key_level_offset != 0.f;
   static_assert(
       requires { VC::value_words; },
       "tensor-core decode: this value codec has no value fragments (TQ4 is a key codec here: "
       "tier<tq4_key, tq3_value>); use another value codec, or decode_path::cuda_core");
   // the 16-bit operand types of the f16 path's key (scores) and value products
-  constexpr operand_type KT = KC::key_operand, VT = VC::value_operand;
-  const int tid = int(threadIdx.x);
-  const int warp = tid / 32, lane = tid % 32;
-  const int qg = lane / 4, qc = lane % 4;  // fragment row group / column pair
-  const codec_context kctx =
-      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
-  const codec_context vctx =
-      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
-
+  static constexpr operand_type KT = KC::key_operand, VT = VC::value_operand;
   // int8 queries: Q = rint(q 2^(bits - e)) as QP balanced base-128 digits
   // (attention/int8_query.hpp), digit p in its own int8 fragment; the score is the sum of
   // 128^p (K.digit_p), each product exact in int32.
-  constexpr int QP = s8_keys ? KC::query_parts : 1;
-  constexpr int s8_query_bits = int8_query_bits<QP>;
-  // Queries in the key codec's domain, per head scaled by 2^-e (max |q| < 1) and split
-  // into hi + lo B fragments (f16, or int8 for int8 keys): column n = head qg, k slots of lane qc.
-  __syncthreads();
-  // The warp's first step is copied before the query prologue, which hides its memory round
-  // trip (B = 1: 1-2 us of a chunk, per-CTA %clock64 trace).
-  const format_pages_view fv = in.index.formats[f];
-  const pool_view pool = in.pools[f];
-  auto valid_page = [&](int e) {
-    const std::int32_t slot = fv.slot[e];
-    return slot >= 0 && std::uint32_t(slot) < pool.capacity && fv.logical[e] >= 0;
-  };
+  static constexpr int QP = s8_keys ? KC::query_parts : 1;
+  static constexpr int s8_query_bits = int8_query_bits<QP>;
+  // Biased value fragments (TQ3) where the step is phased (H200 A/B,
+  // bench/results/decode/ab/ab-h200-2026-11-30-value-bias.txt: phased TQ3 / TQ4-key tiers -0.5..-4%
+  // at B = 32; the unphased TQ3 steps at d <= 128 +0..+2%): the bias's share of o, the same in
+  // every row (o's columns), is accumulated apart (mma_warp_state::ob) and subtracted at the end.
+  static constexpr bool value_bias = VC::value_bias_pair != 0u && staging::phased;
+  static constexpr float value_log2_unit = VC::value_log2_unit(value_bias);
+  // Value rows past ntok hold whatever the page holds there. Their probabilities are 0, so
+  // only codes that can decode to NaN / Inf (FP8 E4M3 0x7F, 0xFF; bf16) must be zeroed.
+  static constexpr bool zero_tail_values = !VC::value_codes_finite;
+  static constexpr bool phased = staging::phased;
+};
 
-  // A warp's pages are one stream of steps (staging::rows tokens), staged through one shared-memory
-  // slot per warp in two cp.async groups: K (key rows + metas) and V (value rows). Step i+1 is
-  // copied as soon as step i's rows are in registers, while step i's scores, softmax and
-  // value product run, so every format keeps about a step of loads in flight per warp
-  // without registers held for them. The direct loads before
-  // bench/results/decode/ab/ab-h200-2026-11-30-staging.txt paid a full memory round trip per step,
-  // and TQ3's 12-byte groups were uncoalesced (ncu: 77% excess L2 sectors at d = 256). `phased`
-  // below: where key and value codes do not fit the registers together, the K group is read and
-  // reissued before the scores, the V group before the values.
-  std::uint8_t* slot_p = sm.ring + std::size_t(warp) * staging::slot_bytes;
-  const std::uint8_t* kst = slot_p;
-  const std::uint8_t* vst = slot_p + staging::key_bytes;
-  const std::uint16_t* kms = reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes);
-  const std::uint16_t* vms = kms + (token_scaled<K> ? RT : 0);
-  // Region by region with compile-time trip counts: no per-chunk branch (a generic loop
-  // compiled to ~200 instructions per step, SASS before the staging). An empty group when there is
-  // no next step keeps the wait counts uniform.
-  auto issue_keys = [&](const std::uint8_t* page, int step) {
+// A thread's place in the block and in the m16n8 fragments: row group qg (tokens of S^T, heads
+// of B operands), column pair qc.
+struct mma_lane {
+  int tid, warp, lane, qg, qc;
+  __device__ __forceinline__ mma_lane()
+      : tid(int(threadIdx.x)), warp(tid / 32), lane(tid % 32), qg(lane / 4), qc(lane % 4) {}
+};
+
+// A warp's staging slot (mma_staging): one step's key rows + metas (cp.async group K) and value
+// rows (group V) copied in, then read into fragment registers. Region by region with
+// compile-time trip counts: no per-chunk branch (a generic loop compiled to ~200 instructions
+// per step, SASS before the staging). An empty group when there is no next step keeps the wait
+// counts uniform.
+template <class C>
+struct mma_slot {
+  using K = typename C::K;
+  using V = typename C::V;
+  using KC = typename C::KC;
+  using VC = typename C::VC;
+  using layout = typename C::layout;
+  using staging = typename C::staging;
+  std::uint8_t* p;
+  const std::uint8_t* kst;
+  const std::uint8_t* vst;
+  const std::uint16_t* kms;
+  const std::uint16_t* vms;
+  int kvh;
+  mma_lane at;
+
+  __device__ __forceinline__ mma_slot(std::uint8_t* ring, int kvh_, const mma_lane& at_)
+      : p(ring + std::size_t(at_.warp) * staging::slot_bytes),
+        kst(p),
+        vst(p + staging::key_bytes),
+        kms(reinterpret_cast<const std::uint16_t*>(vst + staging::value_bytes)),
+        vms(kms + (token_scaled<K> ? C::RT : 0)),
+        kvh(kvh_),
+        at(at_) {}
+
+  __device__ __forceinline__ void issue_keys(const std::uint8_t* page, int step) const {
     if (page != nullptr) {
-      cp_async_region<staging::key_chunks>(slot_p, page + layout::key_payload(kvh, RT * step),
-                                           lane);
+      cp_async_region<staging::key_chunks>(p, page + layout::key_payload(kvh, C::RT * step),
+                                           at.lane);
       constexpr int KMC = staging::key_meta_chunks, VMC = staging::value_meta_chunks;
-      if (lane < KMC + VMC) {  // the step's bf16 key metas, then its value metas, 16 bytes a lane
+      // the step's bf16 key metas, then its value metas, 16 bytes a lane
+      if (at.lane < KMC + VMC) {
         const std::uint8_t* src =
-            lane < KMC ? page + layout::key_meta(kvh, RT * step) + 16 * lane
-                       : page + layout::value_meta(kvh, RT * step) + 16 * (lane - KMC);
-        cp_async_16(slot_p + staging::key_bytes + staging::value_bytes + 16 * lane, src);
+            at.lane < KMC ? page + layout::key_meta(kvh, C::RT * step) + 16 * at.lane
+                          : page + layout::value_meta(kvh, C::RT * step) + 16 * (at.lane - KMC);
+        cp_async_16(p + staging::key_bytes + staging::value_bytes + 16 * at.lane, src);
       }
     }
     cp_async_commit();
-  };
-  auto issue_values = [&](const std::uint8_t* page, int step) {
+  }
+  __device__ __forceinline__ void issue_values(const std::uint8_t* page, int step) const {
     if (page != nullptr) {
-      const std::uint8_t* src = page + layout::value_payload(kvh, RT * step);
+      const std::uint8_t* src = page + layout::value_payload(kvh, C::RT * step);
       if constexpr (staging::pad_values)
         cp_async_rows<staging::value_chunks, staging::value_cpr, int(staging::value_stride)>(
-            slot_p + staging::key_bytes, src, lane);
+            p + staging::key_bytes, src, at.lane);
       else
-        cp_async_region<staging::value_chunks>(slot_p + staging::key_bytes, src, lane);
+        cp_async_region<staging::value_chunks>(p + staging::key_bytes, src, at.lane);
     }
     cp_async_commit();
-  };
-  // Which steps a warp takes. Small chunks (< 4 pages per warp): the steps of the tier's pages
-  // in this chunk split into 4 contiguous ranges, balanced to a step (whole pages per warp
-  // left up to a page of 4 steps idle per warp on the critical path of small batches; part
-  // of bench/results/decode/ab/ab-h200-2026-11-30-run9.txt: B = 1 -10..-18% at d = 256). Larger
-  // chunks: whole pages round robin (stride 4 pages), as before; contiguous ranges there measured
-  // the same (+-1%).
-  const int pages = e_end - e_begin;
-  const bool ranges = pages < 4 * mma_warps;
-  const int stride = ranges ? 1 : mma_warps;  // pages from one of the warp's pages to its next
-  // The ranges split the steps as if every page were full, so the first step's address needs
-  // no index load but its slot; the sequence's last page may be partial, and j_end is clamped
-  // to its tokens once that step is in flight. Step indices are unsigned: j / SL and j % SL
-  // are shifts for the usual page sizes.
-  const unsigned nominal = unsigned(pages) * SL;
-  unsigned j_end = ranges ? nominal * unsigned(warp + 1) / mma_warps : nominal;
+  }
+  // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8). Rows past the page's
+  // tokens are read as staged (mma_step_softmax masks them): at fixed offsets from one base, the
+  // loads take immediates (clamping the row to a real token cost ~6 instructions a row).
+  __device__ __forceinline__ void read_keys(int h, std::uint32_t (&kw)[2][KC::key_words],
+                                            float (&ks)[2], float (&lvs)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * h + at.qg + 8 * r;
+      KC::template load_key<true>(kst + std::size_t(row) * K::payload_bytes, at.qc, kw[r]);
+      ks[r] = token_scaled<K> ? bf16_bits_to_float(kms[row]) : 1.f;
+      lvs[r] = token_scaled<V> ? fast_log2(bf16_bits_to_float(vms[row])) : 0.f;
+      if constexpr (C::value_log2_unit != 0.f)
+        lvs[r] += C::value_log2_unit;  // (x + 0 is not x for -0)
+    }
+  }
+  // Value rows of sub-step h (tokens 2qc, 2qc + 1, 2qc + 8, 2qc + 9); those at or past ntok
+  // zeroed where their codes may be non-finite (C::zero_tail_values).
+  __device__ __forceinline__ void read_values(int h, int t0, int ntok,
+                                              std::uint32_t (&vw)[4][VC::value_words]) const {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int row = 16 * h + 2 * at.qc + (v & 1) + 8 * (v >> 1);
+      VC::template load_value<true>(vst + std::size_t(row) * staging::value_stride, at.qg, vw[v]);
+    }
+    if constexpr (C::zero_tail_values) {
+      // the last step of a partial page only (uniform across the warp)
+      if (t0 + 16 * (h + 1) > ntok) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const bool tail = t0 + 16 * h + 2 * at.qc + (v & 1) + 8 * (v >> 1) >= ntok;
+#pragma unroll
+          for (int i = 0; i < VC::value_words; ++i) vw[v][i] = tail ? 0u : vw[v][i];
+        }
+      }
+    }
+  }
+};
+
+// Which steps a warp takes, and where their pages are: the warp's pages are one stream of steps
+// (C::RT tokens); valid_from skips the pages without a valid slot (reported), page_at is the
+// page of a step. It refers to fv, pool and j_end of mma_tier_pages (j_end is clamped once the
+// first step is in flight), as the lambdas it replaces did.
+template <class C>
+struct mma_page_stream {
+  static constexpr int SL = C::SL;
+  const format_pages_view& fv;
+  const pool_view& pool;
+  int e_begin;
+  int stride;  // pages from one of the warp's pages to its next
+  const unsigned& j_end;
+  int* err;
+
+  __device__ __forceinline__ bool valid_page(int e) const {
+    const std::int32_t s = fv.slot[e];
+    return s >= 0 && std::uint32_t(s) < pool.capacity && fv.logical[e] >= 0;
+  }
   // j, or the first step of the warp's next page with a valid slot (j_end when none is left)
-  auto valid_from = [&](unsigned j) {
+  __device__ __forceinline__ unsigned valid_from(unsigned j) const {
     while (j < j_end && !valid_page(e_begin + int(j / SL))) {
       report_error(err, errc::out_of_range);
       j = (j / SL + stride) * SL;
     }
     return j < j_end ? j : j_end;
-  };
-  auto page_at = [&](unsigned j) {  // the page of step j; null past the warp's steps
-    return j < j_end ? pool.page(std::uint32_t(fv.slot[e_begin + int(j / SL)])) : nullptr;
-  };
-  // The last page's index and the sequence's length load alongside the first step's slot
-  // (used after that step is issued).
-  const std::int32_t last = pages > 0 ? __ldg(fv.logical + e_end - 1) : -1;
-  const int length = __ldg(in.index.seq_len + b);
-  unsigned j = valid_from(ranges ? nominal * unsigned(warp) / mma_warps : unsigned(warp) * SL);
-  const std::uint8_t* page = page_at(j);
-  issue_keys(page, int(j % SL));
-  issue_values(page, int(j % SL));
-  if (pages > 0) {  // every page has SL steps but the last (a step past a page's tokens is masked)
-    const int last_tok = last >= 0 ? in.index.tokens_in_page_of(length, last, Geometry::page_tokens)
-                                   : Geometry::page_tokens;
-    const unsigned total_steps =
-        unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + RT - 1) / RT));
-    if (j_end > total_steps) j_end = total_steps;
   }
-  group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
-  // group_prepare_query gives head h to warp h % 4, as the loop below does: a warp reads
-  // only what it wrote (no block barrier; at B = 1 the per-chunk prologue and epilogue are
-  // about half of the split kernel's stall samples, ncu; docs/history/gpu-runs.md, run 10).
-  static_assert(mma_warps == decode_warps, "decode: the prologue's head-to-warp map");
-  __syncwarp();
-  for (int h = warp; h < G; h += mma_warps) {
+  // the page of step j; null past the warp's steps
+  __device__ __forceinline__ const std::uint8_t* page_at(unsigned j) const {
+    return j < j_end ? pool.page(std::uint32_t(fv.slot[e_begin + int(j / SL)])) : nullptr;
+  }
+};
+
+// Per lane, its two columns' (heads 2 qc, 2 qc + 1) score scale and key offset.
+struct mma_columns {
+  float scale[2];
+  float koff[2];
+};
+
+// Per head h of warp h % 4 (group_prepare_query's map): the query's exponent e (max |q 2^-e| <
+// 1) and, for key offsets, the sum of its int8-rounded elements.
+template <class C>
+__device__ __forceinline__ void mma_query_exponents(const mma_smem& sm, const mma_lane& at) {
+  constexpr int D = C::D;
+  for (int h = at.warp; h < C::G; h += mma_warps) {
     float mx = 0.f;
     bool finite = true;
-    for (int i = lane; i < D; i += 32) {
+    for (int i = at.lane; i < D; i += 32) {
       const float a = fabsf(sm.acc_part[h * D + i]);
       finite = finite && a < INFINITY;  // false for NaN too
       mx = fmaxf(mx, a);
@@ -339,16 +383,327 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // A non-finite query element would round to an int8 code silently: its head's scores are
     // made NaN instead, as the f16 path's are.
     finite = __all_sync(0xffffffffu, finite);
-    if (lane == 0) sm.qexp[h] = s8_keys && !finite ? NAN : float(e);
-    if constexpr (key_offset) {  // the int8-rounded query the fragments below will hold, summed
-      const float qs = exp2f(float(s8_query_bits) - float(e));
+    if (at.lane == 0) sm.qexp[h] = C::s8_keys && !finite ? NAN : float(e);
+    if constexpr (C::key_offset) {  // the int8-rounded query the fragments will hold, summed
+      const float qs = exp2f(float(C::s8_query_bits) - float(e));
       int sum = 0;
-      for (int i = lane; i < D; i += 32) sum += __float2int_rn(sm.acc_part[h * D + i] * qs);
+      for (int i = at.lane; i < D; i += 32) sum += __float2int_rn(sm.acc_part[h * D + i] * qs);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (lane == 0) sm.qsum[h] = float(sum);  // |sum| < 2^13 x 512: exact
+      if (at.lane == 0) sm.qsum[h] = float(sum);  // |sum| < 2^13 x 512: exact
     }
   }
+}
+
+// A warp's running state over the tier's steps. The value product accumulates p x value_scale
+// relative to its own running max mv (so the f16 probabilities are <= 1 whatever the scales); l
+// keeps the score max m; both are rebased at the tier's end. References to arrays of
+// mma_tier_pages, as its lambdas held them: the arrays as members of one struct took other
+// registers (per-function SASS, bench/gpu/sass_compare.py).
+template <class C>
+struct mma_warp_state {
+  float (&o)[C::ST][4];  // O^T fragments: value k = 4 mt + i of o[mt][i] (mma_fold)
+  float (&ob)[2];        // the value bias's share of o (C::value_bias)
+  float (&m)[2];
+  float (&mv)[2];
+  float (&l)[2];
+};
+
+// The key product of one step: S^T of each sub-step (rows tokens qg, qg + 8; columns heads
+// 2qc, 2qc + 1), unscaled. Query hi and lo parts in two independent accumulator chains
+// (summed at the end) where it measured faster: one chain of 2 x d/16 dependent mma was the
+// step's critical path at d = 256 (ncu: 6.3 cycles per issued instruction per warp, 3 warps
+// per scheduler).
+template <class C>
+__device__ __forceinline__ void mma_step_scores(
+    const std::uint32_t (&kw)[C::P][2][C::KC::key_words], const mma_smem& sm, const mma_lane& at,
+    float (&sc)[C::P][4]) {
+  using KC = typename C::KC;
+  constexpr int P = C::P, QP = C::QP;
+  const int lane = at.lane, qc = at.qc;
+  if constexpr (C::s8_keys) {  // int8 levels x int8 query digits: one chain per digit and sub-step
+    int acc[P][QP][4] = {};
+    const uint2* qf = reinterpret_cast<const uint2*>(sm.qfrag);
+#pragma unroll
+    for (int s = 0; s < C::KS; ++s) {
+      uint2 q[QP];  // one shared load per k step serves every sub-step
+#pragma unroll
+      for (int p = 0; p < QP; ++p) q[p] = qf[(s * QP + p) * 32 + lane];
+#pragma unroll
+      for (int h = 0; h < P; ++h) {
+        std::uint32_t a[4];
+        KC::key_frag_s8(kw[h][0], qc, s, a[0], a[2]);
+        KC::key_frag_s8(kw[h][1], qc, s, a[1], a[3]);
+#pragma unroll
+        for (int p = 0; p < QP; ++p) mma_16832_s8<KC::key_unsigned>(acc[h][p], a, q[p].x, q[p].y);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < P; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // |acc| <= 64 x 127 x 512 < 2^23: exact in f32
+        float x = float(acc[h][QP - 1][i]);
+#pragma unroll
+        for (int p = QP - 2; p >= 0; --p) x = fmaf(x, 128.f, float(acc[h][p][i]));
+        sc[h][i] = x;
+      }
+  } else {
+    // f16 keys (FP8): query hi and lo parts, one shared load per k step for every sub-step
+    float lo[P][4];
+#pragma unroll
+    for (int h = 0; h < P; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sc[h][i] = lo[h][i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < C::ST; ++s) {
+      const uint4 q = sm.qfrag[s * 32 + lane];
+#pragma unroll
+      for (int h = 0; h < P; ++h) {
+        std::uint32_t a[4];
+        KC::key_frag(kw[h][0], qc, s, a[0], a[2]);
+        KC::key_frag(kw[h][1], qc, s, a[1], a[3]);
+        mma_16816_of<C::KT>(sc[h], a, q.x, q.y);
+        mma_16816_of<C::KT>(C::S::score_chains == 2 ? lo[h] : sc[h], a, q.z, q.w);
+      }
+    }
+    if constexpr (C::S::score_chains == 2) {
+#pragma unroll
+      for (int h = 0; h < P; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[h][i] += lo[h][i];
+    }
+  }
+}
+
+// One online-softmax update for the step's 16 P tokens, from the raw scores sc: scaled per row
+// (key scale) and column (cols), masked, soft-capped (Local), then the column maxima, rescales
+// of l and o, and P^T of each sub-step as the value product's B fragments pb. ps: the step's
+// column sums, relative to the new m. Rows at or past ntok are masked, and so are the rows
+// before the window's first token t_lo of the page: t0 and ntok come relative to t_lo (0
+// without a window), so one unsigned compare a row does both.
+template <class C, bool Local, int N>
+__device__ __forceinline__ void mma_step_softmax(const decode_inputs<N>& in, float (&sc)[C::P][4],
+                                                 const float (&ks)[C::P][2],
+                                                 const float (&lvs)[C::P][2], int t0, int ntok,
+                                                 const mma_columns& cols, int qg,
+                                                 const mma_warp_state<C>& ws, float (&ps)[2],
+                                                 std::uint32_t (&pb)[C::P][2]) {
+  constexpr int P = C::P;
+  // rows at or past ntok: -inf (their key and value metas may be anything, NaN included); rows
+  // before the window's first token too
+  float sv[P][4];  // log2 of p x value scale, up to the running max
+#pragma unroll
+  for (int h = 0; h < P; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (C::key_offset) sc[h][i] -= cols.koff[i % 2];
+      const int r = i / 2;
+      const bool live = Local ? unsigned(t0 + 16 * h + qg + 8 * r) < unsigned(ntok)
+                              : t0 + 16 * h + qg + 8 * r < ntok;
+      sc[h][i] = live ? sc[h][i] * ks[h][r] * cols.scale[i % 2] : -INFINITY;
+      sv[h][i] = live ? sc[h][i] + lvs[h][r] : -INFINITY;
+    }
+  if (Local && in.soft_cap > 0.f) {  // uniform (a launch parameter): masked scores stay -inf
+    // in log2 units, s -> c tanh(s / c) with c = cap log2(e), as c - 2 c / (e^(2 s / c) + 1) =
+    // c - 2 c / (2^(2 s / cap) + 1) on the MUFU unit: absolute error ~2^-21 c, under the f16
+    // probabilities' 2^-11. (tanhf, or the cap before the mask, spilled registers in the step
+    // loop at the launch bounds, ptxas -v.)
+    const float c2 = in.soft_cap * log2e, k = 2.f / in.soft_cap;
+#pragma unroll
+    for (int h = 0; h < P; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool masked = sc[h][i] == -INFINITY;
+        const float z = fmaf(-2.f * c2, fast_rcp(fast_exp2(sc[h][i] * k) + 1.f), c2);
+        sc[h][i] = masked ? sc[h][i] : z;
+        sv[h][i] = masked ? sv[h][i] : z + lvs[h][i / 2];
+      }
+  }
+  // ---- online softmax per column over the step's tokens; p for l, pv = p x value scale for
+  // the value product
+  float pv[P][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float smax = -INFINITY, vmax = -INFINITY;
+#pragma unroll
+    for (int h = 0; h < P; ++h) {
+      smax = fmaxf(smax, fmaxf(sc[h][j], sc[h][j + 2]));
+      vmax = fmaxf(vmax, fmaxf(sv[h][j], sv[h][j + 2]));
+    }
+    const float mn = fmaxf(ws.m[j], quad_col_max(smax));
+    const float mvn = fmaxf(ws.mv[j], quad_col_max(vmax));
+    const float alpha = exp2_rel(ws.m[j], mn);
+    float psum = 0.f;
+#pragma unroll
+    for (int h = 0; h < P; ++h) {
+      psum += exp2_rel(sc[h][j], mn) + exp2_rel(sc[h][j + 2], mn);
+      pv[h][j] = exp2_rel(sv[h][j], mvn);
+      pv[h][j + 2] = exp2_rel(sv[h][j + 2], mvn);
+    }
+    ws.l[j] = ws.l[j] * alpha + psum;
+    ps[j] = psum;  // relative to mn: the step's log2 mass is mn + log2 of its column sum
+    ws.m[j] = mn;
+    const float av = exp2_rel(ws.mv[j], mvn);
+    ws.mv[j] = mvn;
+    if (__any_sync(0xffffffffu, av != 1.f)) {
+#pragma unroll
+      for (int mt = 0; mt < C::ST; ++mt) {
+        ws.o[mt][j] *= av;
+        ws.o[mt][j + 2] *= av;
+      }
+      if constexpr (C::value_bias) ws.ob[j] *= av;
+    }
+  }
+  // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes per sub-step
+#pragma unroll
+  for (int h = 0; h < P; ++h) {
+    pb[h][0] = movmatrix_trans(pack_operand2<C::VT>(pv[h][0], pv[h][1]));
+    pb[h][1] = movmatrix_trans(pack_operand2<C::VT>(pv[h][2], pv[h][3]));
+  }
+}
+
+// The value product of one sub-step: O^T += V^T P^T, value rows vw read by mma_slot::read_values.
+template <class C>
+__device__ __forceinline__ void mma_step_values(const std::uint32_t (&vw)[4][C::VC::value_words],
+                                                const std::uint32_t (&pb)[2], const mma_smem& sm,
+                                                int qg, const mma_warp_state<C>& ws) {
+  using VC = typename C::VC;
+  const std::uint32_t table = VC::value_table(sm.table);
+#pragma unroll
+  for (int wi = 0; wi < VC::value_eff_words; ++wi) {
+    constexpr int MPW = VC::value_mtiles_per_word;
+    std::uint32_t lo[MPW][2], hi[MPW][2];
+    VC::template value_pairs<C::value_bias>(VC::value_word(vw[0], qg, wi),
+                                            VC::value_word(vw[1], qg, wi), lo,
+                                            table);  // tokens 2qc, 2qc + 1
+    VC::template value_pairs<C::value_bias>(VC::value_word(vw[2], qg, wi),
+                                            VC::value_word(vw[3], qg, wi), hi,
+                                            table);  // 2qc + 8, 2qc + 9
+#pragma unroll
+    for (int k = 0; k < MPW; ++k) {
+      const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
+      mma_16816_of<C::VT>(ws.o[wi * MPW + k], a, pb[0], pb[1]);
+    }
+  }
+  if constexpr (C::value_bias) mma_16816_uniform_a(ws.ob, VC::value_bias_pair, pb[0], pb[1]);
+}
+
+// One step's log2 mass per query head (relative to nothing: m + log2 of its tokens' sum of
+// p) in the slot of its first 16 tokens (logical page, P x step) of the mass workspace
+// (mass_slots_per_page a page), -inf in its other sub-steps' slots; the page-mass kernel
+// adds the slots. Per step, because a page's steps may be split between two warps.
+template <class C>
+__device__ __forceinline__ void mma_step_mass(const decode_plan& plan, float* mass_ws, int b,
+                                              int kvh, std::int32_t logical, int step,
+                                              float (&ps)[2], const mma_warp_state<C>& ws,
+                                              const mma_lane& at, int* err) {
+  constexpr int G = C::G, P = C::P;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) ps[j] = quad_col_sum(ps[j]);
+  if (logical < plan.max_pages) {
+    if (at.qg == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int h = 2 * at.qc + j;
+        if (h < G) {
+          const std::size_t row = std::size_t(b) * C::S::qh + std::size_t(kvh) * G + std::size_t(h);
+          float* slots = mass_ws +
+                         (row * std::size_t(plan.max_pages) + std::size_t(logical)) *
+                             std::size_t(mass_slots_per_page<typename C::geometry>) +
+                         std::size_t(P * step);
+          slots[0] = ws.m[j] + fast_log2(ps[j]);
+#pragma unroll
+          for (int k = 1; k < P; ++k) slots[k] = -INFINITY;
+        }
+      }
+    }
+  } else if (at.lane == 0) {
+    report_error(err, errc::out_of_range);
+  }
+}
+
+// the chunk's new running max of head h: previous tiers and every warp with mass
+__device__ __forceinline__ float mma_chunk_max(const mma_smem& sm, int h) {
+  float x = sm.m[h];
+  for (int w = 0; w < mma_warps; ++w)
+    if (sm.wstate[w * 24 + 16 + h] > 0.f) x = fmaxf(x, sm.wstate[w * 24 + h]);
+  return x;
+}
+
+// One tier's pages of this chunk on the tensor cores: the warp's first step in flight, the query
+// prologue, then per step its key rows, scores, one online-softmax update and value product,
+// then the warps' states folded into the chunk's. Local: the launch has a soft-cap or a sliding
+// window (decode() picks the instantiation, so the plain kernel carries none of their registers:
+// bench/results/decode/ab/ for the A/B).
+//
+// The query fragments, the column scales, a page's token count and the epilogue stay in this
+// body: moved into functions of their own, each changed the code of the kernels checked (the
+// clamp of j_end below compiled to another, equivalent sequence; a page's token count, other
+// registers; per-function SASS, bench/gpu/sass_compare.py).
+template <class Geometry, class Tier, int N, bool Local>
+__device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
+                               int kvh, int e_begin, int e_end, bool sole, const mma_smem& sm,
+                               float* mass_ws, int* err) {
+  using C = mma_tier_config<Geometry, Tier>;
+  using KC = typename C::KC;
+  using VC = typename C::VC;
+  constexpr int D = C::D, G = C::G, ST = C::ST, P = C::P, RT = C::RT, SL = C::SL;
+  constexpr int KS = C::KS, QP = C::QP;
+  const mma_lane at;
+  const int tid = at.tid, warp = at.warp, lane = at.lane, qg = at.qg, qc = at.qc;
+  const codec_context kctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
+  __syncthreads();
+
+  // ---- the warp's steps (mma_page_stream) through its staging slot (mma_slot). Small chunks (<
+  // 4 pages per warp): the steps of the tier's pages in this chunk split into 4 contiguous
+  // ranges, balanced to a step (whole pages per warp left up to a page of 4 steps idle per warp
+  // on the critical path of small batches; part of
+  // bench/results/decode/ab/ab-h200-2026-11-30-run9.txt: B = 1 -10..-18% at d = 256). Larger
+  // chunks: whole pages round robin (stride 4 pages), as before; contiguous ranges there
+  // measured the same (+-1%). The ranges split the steps as if every page were full, so the
+  // first step's address needs no index load but its slot; the sequence's last page may be
+  // partial, and j_end is clamped to its tokens once that step is in flight. Step indices are
+  // unsigned: j / SL and j % SL are shifts for the usual page sizes.
+  const format_pages_view fv = in.index.formats[f];
+  const pool_view pool = in.pools[f];
+  const mma_slot<C> slot(sm.ring, kvh, at);
+  const int pages = e_end - e_begin;
+  const bool ranges = pages < 4 * mma_warps;
+  const int stride = ranges ? 1 : mma_warps;
+  const unsigned nominal = unsigned(pages) * SL;
+  unsigned j_end = ranges ? nominal * unsigned(warp + 1) / mma_warps : nominal;
+  const mma_page_stream<C> stream{fv, pool, e_begin, stride, j_end, err};
+  // The warp's first step is copied before the query prologue, which hides its memory round
+  // trip (B = 1: 1-2 us of a chunk, per-CTA %clock64 trace). The last page's index and the
+  // sequence's length load alongside the first step's slot (used after that step is issued).
+  const std::int32_t last = pages > 0 ? __ldg(fv.logical + e_end - 1) : -1;
+  const int length = __ldg(in.index.seq_len + b);
+  unsigned j =
+      stream.valid_from(ranges ? nominal * unsigned(warp) / mma_warps : unsigned(warp) * SL);
+  const std::uint8_t* page = stream.page_at(j);
+  slot.issue_keys(page, int(j % SL));
+  slot.issue_values(page, int(j % SL));
+  if (pages > 0) {  // every page has SL steps but the last (a step past a page's tokens is masked)
+    const int last_tok = last >= 0 ? in.index.tokens_in_page_of(length, last, Geometry::page_tokens)
+                                   : Geometry::page_tokens;
+    const unsigned total_steps =
+        unsigned(pages - 1) * SL + unsigned(std::max(1, (last_tok + RT - 1) / RT));
+    if (j_end > total_steps) j_end = total_steps;
+  }
+
+  // ---- the query prologue: queries in the key codec's domain, per head scaled by 2^-e (max |q|
+  // < 1) and split into hi + lo B fragments (f16, or int8 digits for int8 keys): column n = head
+  // qg, k slots of lane qc.
+  group_prepare_query<typename C::K, G>(sm.q_raw, sm.acc_part, kctx);
+  // group_prepare_query gives head h to warp h % 4, as mma_query_exponents does: a warp reads
+  // only what it wrote (no block barrier; at B = 1 the per-chunk prologue and epilogue are
+  // about half of the split kernel's stall samples, ncu; docs/history/gpu-runs.md).
+  static_assert(mma_warps == decode_warps, "decode: the prologue's head-to-warp map");
+  __syncwarp();
+  mma_query_exponents<C>(sm, at);
   __syncthreads();
   {
     // The block builds the fragments item by item, reading the prepared query as 16-byte
@@ -356,14 +711,14 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     // coordinates lie a multiple of 32 words apart across qg and qc, so the per-lane loop of
     // scalar loads (before bench/results/decode/ab/ab-h200-2026-11-30-fold-prologue.txt) was 16- to
     // 32-way conflicted (~1.7 us of a chunk at d = 256).
-    if constexpr (s8_keys) {
+    if constexpr (C::s8_keys) {
       // item (lane, k step s), s fastest: the 8 coordinates [key_coord_s8(qc, s, 0), +8) of head qg
       uint2* qf = reinterpret_cast<uint2*>(sm.qfrag);
       for (unsigned t = tid; t < KS * 32; t += decode_threads) {
         const unsigned s = t % KS, ln = t / KS, g = ln / 4, c = ln % 4;
         std::uint32_t dg[QP][2] = {};
         if (g < unsigned(G)) {
-          const float qs = exp2f(float(s8_query_bits) - sm.qexp[g]);
+          const float qs = exp2f(float(C::s8_query_bits) - sm.qexp[g]);
           const float4* src =
               reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord_s8(c, s, 0));
           const float4 a = src[0], b = src[1];
@@ -397,7 +752,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t fr[4];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if constexpr (KT == operand_type::f16) {
+          if constexpr (C::KT == operand_type::f16) {
             const __half2 hh = __floats2half2_rn(x[2 * r], x[2 * r + 1]);
             const float2 back = __half22float2(hh);
             fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
@@ -422,8 +777,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     const int h = 2 * qc + j;
     colscale[j] = 0.f;
     if (h < G) {
-      if constexpr (s8_keys) {
-        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h] - float(s8_query_bits)) *
+      if constexpr (C::s8_keys) {
+        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h] - float(C::s8_query_bits)) *
                       KC::key_level_scale;
       } else {
         colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h]);
@@ -431,252 +786,27 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     }
   }
   float koff[2] = {0.f, 0.f};
-  if constexpr (key_offset) {
+  if constexpr (C::key_offset) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       koff[j] = 2 * qc + j < G ? KC::key_level_offset * sm.qsum[2 * qc + j] : 0.f;
   }
 
+  // ---- the warp's state (mma_warp_state)
   float o[ST][4];
 #pragma unroll
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
-  // Biased value fragments (TQ3) where the step is phased (H200 A/B,
-  // bench/results/decode/ab/ab-h200-2026-11-30-value-bias.txt: phased TQ3 / TQ4-key tiers -0.5..-4%
-  // at B = 32; the unphased TQ3 steps at d <= 128 +0..+2%): the bias's share of o, the same in
-  // every row (o's columns)
-  constexpr bool value_bias = VC::value_bias_pair != 0u && staging::phased;
   float ob[2] = {0.f, 0.f};
-  constexpr float value_log2_unit = VC::value_log2_unit(value_bias);
   float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const mma_warp_state<C> ws{o, ob, m, mv, l};
+  const mma_columns cols{{colscale[0], colscale[1]}, {koff[0], koff[1]}};
 
-  // One step of P 16-token sub-steps; sub-step h: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]),
-  // value rows 16h + 2qc, +1, +8, +9 (vw[h]), log2 value scales lvs[h]; rows at or past ntok
-  // are masked in the scores (read_values below says which value codes must be zeroed there),
-  // and so are the rows before the window's first token t_lo of the page: t0 and ntok come
-  // relative to t_lo (0 without a window), so one unsigned compare a row does both.
-  // Scores and one online-softmax update for the step's 16 P tokens; returns P^T of each
-  // sub-step as the value product's B fragments.
-  auto step_scores = [&](const std::uint32_t(&kw)[P][2][KC::key_words], const float(&ks)[P][2],
-                         const float(&lvs)[P][2], int t0, int ntok, float(&ps)[2],
-                         std::uint32_t(&pb)[P][2]) {
-    // ---- scores S^T (rows tokens qg, qg + 8 of each sub-step; columns heads 2qc, 2qc + 1)
-    // Query hi and lo parts in two independent accumulator chains (summed at the end) where
-    // it measured faster: one chain of 2 x d/16 dependent mma was the step's critical path at
-    // d = 256 (ncu: 6.3 cycles per issued instruction per warp, 3 warps per scheduler).
-    float sc[P][4];
-    if constexpr (s8_keys) {  // int8 levels x int8 query digits: one chain per digit and sub-step
-      int acc[P][QP][4] = {};
-      const uint2* qf = reinterpret_cast<const uint2*>(sm.qfrag);
-#pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        uint2 q[QP];  // one shared load per k step serves every sub-step
-#pragma unroll
-        for (int p = 0; p < QP; ++p) q[p] = qf[(s * QP + p) * 32 + lane];
-#pragma unroll
-        for (int h = 0; h < P; ++h) {
-          std::uint32_t a[4];
-          KC::key_frag_s8(kw[h][0], qc, s, a[0], a[2]);
-          KC::key_frag_s8(kw[h][1], qc, s, a[1], a[3]);
-#pragma unroll
-          for (int p = 0; p < QP; ++p) mma_16832_s8<KC::key_unsigned>(acc[h][p], a, q[p].x, q[p].y);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < P; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // |acc| <= 64 x 127 x 512 < 2^23: exact in f32
-          float x = float(acc[h][QP - 1][i]);
-#pragma unroll
-          for (int p = QP - 2; p >= 0; --p) x = fmaf(x, 128.f, float(acc[h][p][i]));
-          sc[h][i] = x;
-        }
-    } else {
-      // f16 keys (FP8): query hi and lo parts, one shared load per k step for every sub-step
-      float lo[P][4];
-#pragma unroll
-      for (int h = 0; h < P; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sc[h][i] = lo[h][i] = 0.f;
-#pragma unroll
-      for (int s = 0; s < ST; ++s) {
-        const uint4 q = sm.qfrag[s * 32 + lane];
-#pragma unroll
-        for (int h = 0; h < P; ++h) {
-          std::uint32_t a[4];
-          KC::key_frag(kw[h][0], qc, s, a[0], a[2]);
-          KC::key_frag(kw[h][1], qc, s, a[1], a[3]);
-          mma_16816_of<KT>(sc[h], a, q.x, q.y);
-          mma_16816_of<KT>(S::score_chains == 2 ? lo[h] : sc[h], a, q.z, q.w);
-        }
-      }
-      if constexpr (S::score_chains == 2) {
-#pragma unroll
-        for (int h = 0; h < P; ++h)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sc[h][i] += lo[h][i];
-      }
-    }
-    // rows at or past ntok: -inf (their key and value metas may be anything, NaN included); rows
-    // before the window's first token too
-    float sv[P][4];  // log2 of p x value scale, up to the running max
-#pragma unroll
-    for (int h = 0; h < P; ++h)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (key_offset) sc[h][i] -= koff[i % 2];
-        const int r = i / 2;
-        const bool live = Local ? unsigned(t0 + 16 * h + qg + 8 * r) < unsigned(ntok)
-                                : t0 + 16 * h + qg + 8 * r < ntok;
-        sc[h][i] = live ? sc[h][i] * ks[h][r] * colscale[i % 2] : -INFINITY;
-        sv[h][i] = live ? sc[h][i] + lvs[h][r] : -INFINITY;
-      }
-    if (Local && in.soft_cap > 0.f) {  // uniform (a launch parameter): masked scores stay -inf
-      // in log2 units, s -> c tanh(s / c) with c = cap log2(e), as c - 2 c / (e^(2 s / c) + 1) =
-      // c - 2 c / (2^(2 s / cap) + 1) on the MUFU unit: absolute error ~2^-21 c, under the f16
-      // probabilities' 2^-11. (tanhf, or the cap before the mask, spilled registers in the step
-      // loop at the launch bounds, ptxas -v.)
-      const float c2 = in.soft_cap * log2e, k = 2.f / in.soft_cap;
-#pragma unroll
-      for (int h = 0; h < P; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const bool masked = sc[h][i] == -INFINITY;
-          const float z = fmaf(-2.f * c2, fast_rcp(fast_exp2(sc[h][i] * k) + 1.f), c2);
-          sc[h][i] = masked ? sc[h][i] : z;
-          sv[h][i] = masked ? sv[h][i] : z + lvs[h][i / 2];
-        }
-    }
-    // ---- online softmax per column over the step's tokens; p for l, pv = p x value scale for
-    // the value product
-    float pv[P][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      float smax = -INFINITY, vmax = -INFINITY;
-#pragma unroll
-      for (int h = 0; h < P; ++h) {
-        smax = fmaxf(smax, fmaxf(sc[h][j], sc[h][j + 2]));
-        vmax = fmaxf(vmax, fmaxf(sv[h][j], sv[h][j + 2]));
-      }
-      const float mn = fmaxf(m[j], quad_col_max(smax));
-      const float mvn = fmaxf(mv[j], quad_col_max(vmax));
-      const float alpha = exp2_rel(m[j], mn);
-      float psum = 0.f;
-#pragma unroll
-      for (int h = 0; h < P; ++h) {
-        psum += exp2_rel(sc[h][j], mn) + exp2_rel(sc[h][j + 2], mn);
-        pv[h][j] = exp2_rel(sv[h][j], mvn);
-        pv[h][j + 2] = exp2_rel(sv[h][j + 2], mvn);
-      }
-      l[j] = l[j] * alpha + psum;
-      ps[j] = psum;  // relative to mn: the step's log2 mass is mn + log2 of its column sum
-      m[j] = mn;
-      const float av = exp2_rel(mv[j], mvn);
-      mv[j] = mvn;
-      if (__any_sync(0xffffffffu, av != 1.f)) {
-#pragma unroll
-        for (int mt = 0; mt < ST; ++mt) {
-          o[mt][j] *= av;
-          o[mt][j + 2] *= av;
-        }
-        if constexpr (value_bias) ob[j] *= av;
-      }
-    }
-    // ---- P^T as B fragments (k = tokens, n = head qg) by two 8x8 transposes per sub-step
-#pragma unroll
-    for (int h = 0; h < P; ++h) {
-      pb[h][0] = movmatrix_trans(pack_operand2<VT>(pv[h][0], pv[h][1]));
-      pb[h][1] = movmatrix_trans(pack_operand2<VT>(pv[h][2], pv[h][3]));
-    }
-  };
-  // ---- values O^T += V^T P^T, sub-step by sub-step
-  auto step_values = [&](const std::uint32_t(&vw)[4][VC::value_words],
-                         const std::uint32_t(&pb)[2]) {
-    const std::uint32_t table = VC::value_table(sm.table);
-#pragma unroll
-    for (int wi = 0; wi < VC::value_eff_words; ++wi) {
-      constexpr int MPW = VC::value_mtiles_per_word;
-      std::uint32_t lo[MPW][2], hi[MPW][2];
-      VC::template value_pairs<value_bias>(VC::value_word(vw[0], qg, wi),
-                                           VC::value_word(vw[1], qg, wi), lo,
-                                           table);  // tokens 2qc, 2qc + 1
-      VC::template value_pairs<value_bias>(VC::value_word(vw[2], qg, wi),
-                                           VC::value_word(vw[3], qg, wi), hi,
-                                           table);  // 2qc + 8, 2qc + 9
-#pragma unroll
-      for (int k = 0; k < MPW; ++k) {
-        const std::uint32_t a[4] = {lo[k][0], lo[k][1], hi[k][0], hi[k][1]};
-        mma_16816_of<VT>(o[wi * MPW + k], a, pb[0], pb[1]);
-      }
-    }
-    if constexpr (value_bias) mma_16816_uniform_a(ob, VC::value_bias_pair, pb[0], pb[1]);
-  };
-  // One step's log2 mass per query head (relative to nothing: m + log2 of its tokens' sum of
-  // p) in the slot of its first 16 tokens (logical page, P x step) of the mass workspace
-  // (mass_slots_per_page a page), -inf in its other sub-steps' slots; the page-mass kernel
-  // adds the slots. Per step, because a page's steps may be split between two warps.
-  auto write_step_mass = [&](std::int32_t logical, int step, float(&ps)[2]) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) ps[j] = quad_col_sum(ps[j]);
-    if (logical < plan.max_pages) {
-      if (qg == 0) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int h = 2 * qc + j;
-          if (h < G) {
-            const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(h);
-            float* slots = mass_ws +
-                           (row * std::size_t(plan.max_pages) + std::size_t(logical)) *
-                               std::size_t(mass_slots_per_page<Geometry>) +
-                           std::size_t(P * step);
-            slots[0] = m[j] + fast_log2(ps[j]);
-#pragma unroll
-            for (int k = 1; k < P; ++k) slots[k] = -INFINITY;
-          }
-        }
-      }
-    } else if (lane == 0) {
-      report_error(err, errc::out_of_range);
-    }
-  };
-
-  // Value rows past ntok hold whatever the page holds there. Their probabilities are 0, so
-  // only codes that can decode to NaN / Inf (FP8 E4M3 0x7F, 0xFF; bf16) must be zeroed.
-  constexpr bool zero_tail_values = !VC::value_codes_finite;
-  // Key rows and metas of sub-step h (rows 16h + qg, 16h + qg + 8). Rows past the page's
-  // tokens are read as staged (step_scores masks them): at fixed offsets from one base, the
-  // loads take immediates (clamping the row to a real token cost ~6 instructions a row).
-  auto read_keys = [&](int h, std::uint32_t(&kw)[2][KC::key_words], float(&ks)[2], float(&lvs)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = 16 * h + qg + 8 * r;
-      KC::template load_key<true>(kst + std::size_t(row) * K::payload_bytes, qc, kw[r]);
-      ks[r] = token_scaled<K> ? bf16_bits_to_float(kms[row]) : 1.f;
-      lvs[r] = token_scaled<V> ? fast_log2(bf16_bits_to_float(vms[row])) : 0.f;
-      if constexpr (value_log2_unit != 0.f) lvs[r] += value_log2_unit;  // (x + 0 is not x for -0)
-    }
-  };
-  // Value rows of sub-step h
-  auto read_values = [&](int h, int t0, int ntok, std::uint32_t(&vw)[4][VC::value_words]) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const int row = 16 * h + 2 * qc + (v & 1) + 8 * (v >> 1);
-      VC::template load_value<true>(vst + std::size_t(row) * staging::value_stride, qg, vw[v]);
-    }
-    if constexpr (zero_tail_values) {
-      if (t0 + 16 * (h + 1) >
-          ntok) {  // the last step of a partial page only (uniform across the warp)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const bool tail = t0 + 16 * h + 2 * qc + (v & 1) + 8 * (v >> 1) >= ntok;
-#pragma unroll
-          for (int i = 0; i < VC::value_words; ++i) vw[v][i] = tail ? 0u : vw[v][i];
-        }
-      }
-    }
-  };
-  constexpr bool phased = staging::phased;
+  // ---- the steps. Sub-step h of a step: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]), value
+  // rows 16h + 2qc, +1, +8, +9 (vw[h]), log2 value scales lvs[h]. Phased steps (mma_staging)
+  // read and reissue the K group before the scores and the V group before the values; the others
+  // wait once per step.
   int ntok = 0, t_lo = 0;
   std::int32_t logical = -1;
   while (j < j_end) {
@@ -694,12 +824,12 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     }
     // the next step: in this page (same address), else the warp's next valid page
     const bool same_page = (j + 1) % SL != 0;
-    const unsigned nj = same_page ? j + 1 : valid_from((j / SL + stride) * SL);
-    const std::uint8_t* npage = same_page ? (nj < j_end ? page : nullptr) : page_at(nj);
+    const unsigned nj = same_page ? j + 1 : stream.valid_from((j / SL + stride) * SL);
+    const std::uint8_t* npage = same_page ? (nj < j_end ? page : nullptr) : stream.page_at(nj);
     const int ns = int(nj % SL);
     float ps[2] = {0.f, 0.f};
     const int t0 = RT * step;
-    if constexpr (phased) {
+    if constexpr (C::phased) {
       std::uint32_t pb[P][2];
       {
         cp_async_wait<1>();  // this step's K group (its V group may still be in flight)
@@ -707,10 +837,12 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
         std::uint32_t kw[P][2][KC::key_words];
         float ks[P][2], lvs[P][2];
 #pragma unroll
-        for (int h = 0; h < P; ++h) read_keys(h, kw[h], ks[h], lvs[h]);
+        for (int h = 0; h < P; ++h) slot.read_keys(h, kw[h], ks[h], lvs[h]);
         __syncwarp();  // every lane has read the key rows and metas before they are overwritten
-        issue_keys(npage, ns);
-        step_scores(kw, ks, lvs, t0 - t_lo, ntok - t_lo, ps, pb);
+        slot.issue_keys(npage, ns);
+        float sc[P][4];
+        mma_step_scores<C>(kw, sm, at, sc);
+        mma_step_softmax<C, Local>(in, sc, ks, lvs, t0 - t_lo, ntok - t_lo, cols, qg, ws, ps, pb);
       }
       cp_async_wait<1>();  // this step's V group (the next K group may still be in flight)
       __syncwarp();
@@ -719,12 +851,12 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
 #pragma unroll
       for (int h = 0; h < P; ++h) {
         std::uint32_t vw[4][VC::value_words];
-        read_values(h, t0, ntok, vw);
+        slot.read_values(h, t0, ntok, vw);
         if (h == P - 1) {
           __syncwarp();  // every lane has read the value rows before they are overwritten
-          issue_values(npage, ns);
+          slot.issue_values(npage, ns);
         }
-        step_values(vw, pb[h]);
+        mma_step_values<C>(vw, pb[h], sm, qg, ws);
       }
     } else {
       cp_async_wait<0>();
@@ -734,51 +866,46 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
       float ks[P][2], lvs[P][2];
 #pragma unroll
       for (int h = 0; h < P; ++h) {
-        read_keys(h, kw[h], ks[h], lvs[h]);
-        read_values(h, t0, ntok, vw[h]);
+        slot.read_keys(h, kw[h], ks[h], lvs[h]);
+        slot.read_values(h, t0, ntok, vw[h]);
       }
       __syncwarp();  // every lane has read the slot before the next step overwrites it
-      issue_keys(npage, ns);
-      issue_values(npage, ns);
+      slot.issue_keys(npage, ns);
+      slot.issue_values(npage, ns);
       std::uint32_t pb[P][2];
-      step_scores(kw, ks, lvs, t0 - t_lo, ntok - t_lo, ps, pb);
+      float sc[P][4];
+      mma_step_scores<C>(kw, sm, at, sc);
+      mma_step_softmax<C, Local>(in, sc, ks, lvs, t0 - t_lo, ntok - t_lo, cols, qg, ws, ps, pb);
 #pragma unroll
-      for (int h = 0; h < P; ++h) step_values(vw[h], pb[h]);
+      for (int h = 0; h < P; ++h) mma_step_values<C>(vw[h], pb[h], sm, qg, ws);
     }
-    if (mass_ws != nullptr) write_step_mass(logical, step, ps);
+    if (mass_ws != nullptr) mma_step_mass<C>(plan, mass_ws, b, kvh, logical, step, ps, ws, at, err);
     if (!same_page) logical = -1;
     page = npage;
     j = nj;
   }
   cp_async_wait<0>();  // the empty groups of the last step
 
-  // ---- the warps' states -> shared memory; rebase to the chunk's running max
+  // ---- the epilogue: the warps' states -> shared memory; rebase to the chunk's running max
 #pragma unroll
   for (int j = 0; j < 2; ++j) l[j] = quad_col_sum(l[j]);
   if (qg == 0) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float* ws = sm.wstate + warp * 24;
-      ws[2 * qc + j] = m[j];
-      ws[8 + 2 * qc + j] = mv[j];
-      ws[16 + 2 * qc + j] = l[j];
+      float* wst = sm.wstate + warp * 24;
+      wst[2 * qc + j] = m[j];
+      wst[8 + 2 * qc + j] = mv[j];
+      wst[16 + 2 * qc + j] = l[j];
     }
   }
   __syncthreads();
-  // the chunk's new running max of head h: previous tiers and every warp with mass
-  auto new_max = [&](int h) {
-    float x = sm.m[h];
-    for (int w = 0; w < mma_warps; ++w)
-      if (sm.wstate[w * 24 + 16 + h] > 0.f) x = fmaxf(x, sm.wstate[w * 24 + h]);
-    return x;
-  };
   float fac[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int h = 2 * qc + j;
-    fac[j] = h < G ? exp2_rel(mv[j], new_max(h)) : 0.f;
+    fac[j] = h < G ? exp2_rel(mv[j], mma_chunk_max(sm, h)) : 0.f;
   }
-  const float mnew_t = tid < G ? new_max(tid) : 0.f;
+  const float mnew_t = tid < G ? mma_chunk_max(sm, tid) : 0.f;
   // Each warp writes its rescaled accumulator to its own slice of the (now idle) staging
   // ring (mma_fold); one barrier, then the block sums the slices in a fixed warp order
   // (deterministic). Folding the warps one after another behind a barrier each put 4 x d/16
@@ -790,7 +917,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   for (int mt = 0; mt < ST; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float x = value_bias ? o[mt][i] - ob[i % 2] : o[mt][i];
+      const float x = C::value_bias ? o[mt][i] - ob[i % 2] : o[mt][i];
       fold[warp * fold_shape::slice + (4 * mt + i) * fold_shape::row + lane] = x * fac[i % 2];
     }
   __syncthreads();
@@ -818,7 +945,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     sm.m[tid] = mnew_t;
   }
   // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
-  group_finalize<V, G>(sm.acc_part, vctx);
+  group_finalize<typename C::V, G>(sm.acc_part, vctx);
   // The chunk's only tier: acc_part is the chunk's accumulator, relative to m (the split
   // kernel stores it after its barrier). Otherwise fold it into acc_total.
   if (sole) return;
