@@ -301,8 +301,10 @@ def test_tiered_cache_on_the_gpu_matches_the_host_cache():
     ids0 = torch.randint(0, 256, (2, 40))
     kw = dict(max_tokens=512, page_size=16, max_sequences=4, max_batch=4, **POLICY)
     # 8-bit pages only: the two paths hold the same codes, and no tier decision can differ
-    # (the GPU policy is fed a step later than the host's: end_step overlaps the next step)
-    eight = dict(recent="int8_rotated", cache_type_k="int8_rotated", cache_type_v="int8_rotated")
+    # (the GPU policy is fed a step later than the host's: end_step overlaps the next step).
+    # Uncentred: each device estimates the channel means in its own summation order, so a
+    # centred pair would round some codes apart (the centred GPU path: the centring test above).
+    eight = dict(recent="int8_rotated", cache_type_k="int8_rotated", cache_type_v="int8_rotated", center=False)
     gc = TieredCache(gpu.config, device="cuda", max_step_tokens=128, **eight, **kw)
     hc = TieredCache(cpu.config, **eight, **kw)
     tiered = TieredCache(gpu.config, device="cuda", max_step_tokens=128, **kw)  # TQ4/TQ3 Stale pages
