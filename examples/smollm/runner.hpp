@@ -2,12 +2,14 @@
 // The task runner (quick and full profiles) and the demo.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,7 @@ struct run_options {
   int first_item = 0;      // index of the first item (extend an earlier run with new items)
   bool ppl = true;         // false: needle items only (ppl fields stay 0)
   std::string lengths;     // e.g. "1024,4096"; empty = the profile's
+  std::string tasks;       // e.g. "multivalue,multiquery"; empty = the profile's
   std::string ppl_text = "/usr/share/common-licenses/GPL-3";
   std::uint64_t seed = 20261129;
 };
@@ -155,9 +158,14 @@ inline std::string json_escape(const std::string& s) {
 inline std::string len_label(int t) { return std::to_string(t / 1024) + "k"; }
 
 inline int run_tasks(engine& eng, const run_options& o) {
-  const std::vector<std::string> task_names =
-      o.quick ? std::vector<std::string>{"single", "multikey"}
-              : std::vector<std::string>{"single", "multikey", "multivalue", "multiquery"};
+  const std::vector<std::string> all_tasks{"single", "multikey", "multivalue", "multiquery"};
+  std::vector<std::string> task_names = split_csv(o.tasks);
+  for (const auto& t : task_names)
+    if (std::find(all_tasks.begin(), all_tasks.end(), t) == all_tasks.end())
+      throw std::invalid_argument("--tasks: unknown task '" + t +
+                                  "' (single, multikey, multivalue, multiquery)");
+  if (task_names.empty())
+    task_names = o.quick ? std::vector<std::string>{"single", "multikey"} : all_tasks;
   std::vector<int> lengths;
   for (const auto& s : split_csv(o.lengths)) lengths.push_back(std::stoi(s));
   if (lengths.empty())

@@ -68,7 +68,7 @@ void usage() {
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"
       "  tasks    [--quick] [--arms dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r] [--lengths "
-      "1024,4096] [--items N]\n"
+      "1024,4096] [--tasks single,multikey,multivalue,multiquery] [--items N]\n"
       "           [--first-item I] [--no-ppl] [--out FILE.json] [--dump-items FILE.jsonl] "
       "[--ppl-text FILE]\n"
       "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"
@@ -156,6 +156,7 @@ int main(int argc, char** argv) {
       o.first_item = a.get_int("--first-item", 0);
       o.ppl = !a.has("--no-ppl");
       o.lengths = a.get("--lengths", "");
+      o.tasks = a.get("--tasks", "");
       o.ppl_text = a.get("--ppl-text", o.ppl_text);
       return run_tasks(eng, o);
     }
