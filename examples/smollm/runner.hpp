@@ -161,9 +161,11 @@ inline int run_tasks(engine& eng, const run_options& o) {
   const std::vector<std::string> all_tasks{"single", "multikey", "multivalue", "multiquery"};
   std::vector<std::string> task_names = split_csv(o.tasks);
   for (const auto& t : task_names)
-    if (std::find(all_tasks.begin(), all_tasks.end(), t) == all_tasks.end())
-      throw std::invalid_argument("--tasks: unknown task '" + t +
-                                  "' (single, multikey, multivalue, multiquery)");
+    if (std::find(all_tasks.begin(), all_tasks.end(), t) == all_tasks.end()) {
+      std::string known;
+      for (const auto& k : all_tasks) known += (known.empty() ? "" : ", ") + k;
+      throw std::invalid_argument("--tasks: unknown task '" + t + "' (" + known + ")");
+    }
   if (task_names.empty())
     task_names = o.quick ? std::vector<std::string>{"single", "multikey"} : all_tasks;
   std::vector<int> lengths;
