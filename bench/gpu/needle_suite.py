@@ -96,8 +96,13 @@ def item_key(r):
 
 
 def score(answers, text):
-    """The fraction of the answers that appear in the output (tasks.hpp's niah_score)."""
-    return sum(1 for a in answers if a in text) / len(answers)
+    """The fraction of the answers that appear in the output, ignoring ASCII case (tasks.hpp's
+    niah_score)."""
+    low = text.translate(_ASCII_LOWER)
+    return sum(1 for a in answers if a.translate(_ASCII_LOWER) in low) / len(answers)
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 # ---- run (needs torch, transformers and a CUDA device) ---------------------------------------

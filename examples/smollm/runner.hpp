@@ -158,7 +158,7 @@ inline std::string json_escape(const std::string& s) {
 inline std::string len_label(int t) { return std::to_string(t / 1024) + "k"; }
 
 inline int run_tasks(engine& eng, const run_options& o) {
-  const std::vector<std::string> all_tasks{"single", "multikey", "multivalue", "multiquery"};
+  const std::vector<std::string>& all_tasks = niah_task_names();
   std::vector<std::string> task_names = split_csv(o.tasks);
   for (const auto& t : task_names)
     if (std::find(all_tasks.begin(), all_tasks.end(), t) == all_tasks.end()) {
@@ -167,21 +167,22 @@ inline int run_tasks(engine& eng, const run_options& o) {
       throw std::invalid_argument("--tasks: unknown task '" + t + "' (" + known + ")");
     }
   if (task_names.empty())
-    task_names = o.quick ? std::vector<std::string>{"single", "multikey"} : all_tasks;
+    task_names = o.quick ? std::vector<std::string>{"single", "multikey"}
+                         : std::vector<std::string>(all_tasks.begin(), all_tasks.begin() + 4);
   std::vector<int> lengths;
   for (const auto& s : split_csv(o.lengths)) lengths.push_back(std::stoi(s));
   if (lengths.empty())
     lengths = o.quick ? std::vector<int>{1024} : std::vector<int>{1024, 2048, 4096, 8192};
   const int per = o.items > 0 ? o.items : (o.quick ? 1 : 3);
   const int chunk = o.quick ? 256 : 512;
-  const int max_new = o.quick ? 24 : 64;  // quick: answers are 7 digits
+  const int max_new = o.quick ? 24 : 64;  // quick: answers are 7 digits; a task may ask more
 
   std::vector<niah_item> items;
   for (int L : lengths)
     for (const auto& t : task_names)
       for (int i = o.first_item; i < o.first_item + per; ++i) {
         items.push_back(make_niah_item(eng.tok, t, L, i, o.seed));
-        items.back().max_new = max_new;
+        items.back().max_new = std::max(items.back().max_new, max_new);
       }
   std::vector<std::int32_t> ppl_toks = eng.tok.encode(read_text_file(o.ppl_text), false);
   const int ppl_len = o.quick ? 512 : 8192 - 64;

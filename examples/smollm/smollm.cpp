@@ -68,7 +68,7 @@ void usage() {
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"
       "  tasks    [--quick] [--arms dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r] [--lengths "
-      "1024,4096] [--tasks single,multikey,multivalue,multiquery] [--items N]\n"
+      "1024,4096] [--tasks single,multikey,multivalue,multiquery,vartrack,cwe,qa] [--items N]\n"
       "           [--first-item I] [--no-ppl] [--out FILE.json] [--dump-items FILE.jsonl] "
       "[--ppl-text FILE]\n"
       "  tiered policy (tierkv::policy::recency_anchor; defaults are tierkv's):\n"

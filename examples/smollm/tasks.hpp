@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Deterministic tasks: RULER-style needle-in-a-haystack (single, multi-key, multi-value,
-// multi-query) over an essay-like haystack generated from word lists, perplexity over a
+// multi-query), variable tracking and common-word extraction, and questions about the haystack
+// (an essay-like text generated from word lists), perplexity over a
 // licence text Debian ships, and greedy agreement with the dense arm.
 #pragma once
 
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,7 +19,7 @@
 namespace smollm {
 
 struct niah_item {
-  std::string task;  // single, multikey, multivalue, multiquery
+  std::string task;  // one of niah_task_names()
   int target = 0;    // nominal length in tokens (1024, 2048, 4096, 8192)
   int index = 0;
   std::vector<std::int32_t> prompt;
@@ -79,20 +81,212 @@ std::string sentence(Rng& rng) {
 
 }  // namespace detail
 
+// The task names make_niah_item knows: the four needle tasks (the default profile), then
+// RULER's variable tracking and common-word extraction, and questions about the haystack itself.
+inline const std::vector<std::string>& niah_task_names() {
+  static const std::vector<std::string> names{"single",   "multikey", "multivalue", "multiquery",
+                                              "vartrack", "cwe",      "qa"};
+  return names;
+}
+
+namespace detail {
+
+// RULER's variable names: five capital letters.
+template <class Rng>
+std::string variable_name(Rng& rng) {
+  std::string v;
+  for (int i = 0; i < 5; ++i) v += char('A' + std::uniform_int_distribution<int>(0, 25)(rng));
+  return v;
+}
+
+// Pseudo-words for the word list (three consonant-vowel syllables: about 2-3 tokens each); a
+// list of 2000 entries needs far more distinct words than any fixed English list here holds.
+template <class Rng>
+std::string pseudo_word(Rng& rng) {
+  static const std::string consonants = "bdfgklmnprstvz", vowels = "aeiou";
+  std::string w;
+  for (int i = 0; i < 3; ++i) {
+    w += consonants[std::uniform_int_distribution<std::size_t>(0, consonants.size() - 1)(rng)];
+    w += vowels[std::uniform_int_distribution<std::size_t>(0, vowels.size() - 1)(rng)];
+  }
+  return w;
+}
+
+// "The old gardener" -> "old gardener": what a correct answer to a "who" question contains.
+inline std::string subject_core(const std::string& subject) {
+  for (const char* article : {"The ", "A ", "Our "}) {
+    const std::string a = article;
+    if (subject.rfind(a, 0) == 0) return subject.substr(a.size());
+  }
+  return subject;
+}
+
+// The text of a prompt: head, the haystack with `inserts` before the sentences `at` names, the
+// question. Grows the haystack sentence by sentence (token counts are additive to a few tokens)
+// until the prompt fills `budget` tokens, places the inserts (in their order) at sorted random
+// sentence positions, then trims until the whole prompt fits. `rejected` keeps a sentence out
+// of the haystack (one that would make a question ambiguous).
+template <class Rng, class Rejected>
+void fill_haystack(niah_item& item, const tokenizer& tok, Rng& rng, int budget,
+                   const std::string& head, const std::vector<std::string>& inserts,
+                   const std::string& question, Rejected rejected) {
+  auto build = [&](const std::vector<std::string>& hay, const std::vector<std::size_t>& at) {
+    std::string body;
+    std::size_t ni = 0;
+    for (std::size_t s = 0; s <= hay.size(); ++s) {
+      while (ni < at.size() && at[ni] == s) body += " " + inserts[ni++];
+      if (s < hay.size()) body += " " + hay[s];
+    }
+    item.user = head + body + "\n" + question;
+    return tok.encode(chat_prompt(item.user) + item.answer_prefix);
+  };
+  std::vector<std::string> hay;
+  int approx = int(build({}, {}).size());
+  while (approx < budget) {
+    std::string s = sentence(rng);
+    if (rejected(s)) continue;
+    hay.push_back(std::move(s));
+    approx += int(tok.encode(" " + hay.back(), false).size());
+  }
+  std::vector<std::size_t> at(inserts.size());
+  for (auto& a : at) a = std::uniform_int_distribution<std::size_t>(0, hay.size())(rng);
+  std::sort(at.begin(), at.end());
+  item.prompt = build(hay, at);
+  while (int(item.prompt.size()) > budget && !hay.empty()) {
+    const int over = int(item.prompt.size()) - budget;
+    const std::size_t drop = std::max<std::size_t>(1, std::size_t(over / 14));
+    hay.resize(hay.size() - std::min(drop, hay.size()));
+    for (auto& a : at) a = std::min(a, hay.size());
+    item.prompt = build(hay, at);
+  }
+}
+
+// Common-word extraction (RULER's cwe): a numbered list in which 10 words appear c times each
+// (c = 3% of the entries, at least 5) and every other word 1-3 times, so the 10 are strictly
+// the most frequent; the list is as long as the budget allows, and at least 100 entries.
+template <class Rng>
+void fill_word_list(niah_item& item, const tokenizer& tok, Rng& rng, int budget) {
+  const std::string head =
+      "Below is a numbered list of words. Some of the words appear more often than the others. "
+      "Memorize the ones that appear most often.\n";
+  const std::string question = "What are the 10 most common words in the list above?";
+  std::vector<std::string> common;
+  while (common.size() < 10) {
+    std::string w = pseudo_word(rng);
+    if (std::find(common.begin(), common.end(), w) == common.end()) common.push_back(w);
+  }
+  item.answers = common;
+  const Rng start = rng;  // every attempt at a length draws the same words
+  auto build = [&](int n) {
+    Rng r = start;
+    const int c = std::max(5, n * 3 / 100);
+    std::vector<std::string> entries;
+    if (n > 0)
+      for (const auto& w : common) entries.insert(entries.end(), std::size_t(c), w);
+    std::vector<std::string> rare;
+    while (int(entries.size()) < n) {
+      std::string w = pseudo_word(r);
+      if (std::find(common.begin(), common.end(), w) != common.end() ||
+          std::find(rare.begin(), rare.end(), w) != rare.end())
+        continue;
+      rare.push_back(w);
+      const int k = std::min(std::uniform_int_distribution<int>(1, 3)(r), n - int(entries.size()));
+      entries.insert(entries.end(), std::size_t(k), w);
+    }
+    std::shuffle(entries.begin(), entries.end(), r);
+    std::string body;
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      body += (i ? " " : "") + std::to_string(i + 1) + ". " + entries[i];
+    item.user = head + body + "\n" + question;
+    return tok.encode(chat_prompt(item.user) + item.answer_prefix);
+  };
+  // Entries cost about the same number of tokens each: a few secant steps on n towards the
+  // budget, then trim until the prompt fits.
+  const int fixed = int(build(0).size());  // head and question only
+  int n = 200;
+  for (int step = 0; step < 6; ++step) {
+    item.prompt = build(n);
+    const int size = int(item.prompt.size());
+    if (size <= budget && size > budget - 24) break;
+    n = std::max(100, int(double(n) * double(budget - fixed) / double(size - fixed)));
+  }
+  item.prompt = build(n);
+  while (int(item.prompt.size()) > budget && n > 100) {
+    n = std::max(100, n - std::max(1, (int(item.prompt.size()) - budget) / 6));
+    item.prompt = build(n);
+  }
+}
+
+}  // namespace detail
+
 // Items of one task at one length; generation depends only on (seed, task, target, index).
+// Throws std::invalid_argument for a task niah_task_names() does not hold.
 inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, int target,
                                 int index, std::uint64_t seed) {
+  const auto& names = niah_task_names();
+  if (std::find(names.begin(), names.end(), task) == names.end())
+    throw std::invalid_argument("make_niah_item: unknown task '" + task + "'");
   std::seed_seq ss{std::uint32_t(seed), std::uint32_t(seed >> 32), std::uint32_t(target),
                    std::uint32_t(index), std::uint32_t(std::hash<std::string>{}(task))};
   std::mt19937_64 rng(ss);
-  auto key = [&] {
-    return detail::pick(rng, detail::words(4)) + "-" + detail::pick(rng, detail::words(5));
-  };
   auto value = [&] {
     return std::to_string(std::uniform_int_distribution<int>(1000000, 9999999)(rng));
   };
+  niah_item item;
+  item.task = task;
+  item.target = target;
+  item.index = index;
+  auto never = [](const std::string&) { return false; };
 
-  // Needles: (key, value); queried keys.
+  if (task == "vartrack") {  // RULER's variable tracking: one chain of four hops
+    item.max_new = 64;
+    const std::string v = value();
+    std::vector<std::string> vars;
+    while (vars.size() < 5) {
+      std::string n = detail::variable_name(rng);
+      if (std::find(vars.begin(), vars.end(), n) == vars.end()) vars.push_back(n);
+    }
+    std::vector<std::string> inserts{"VAR " + vars[0] + " = " + v + "."};
+    for (std::size_t i = 1; i < vars.size(); ++i)
+      inserts.push_back("VAR " + vars[i] + " = " + vars[i - 1] + ".");
+    item.answers = vars;
+    item.answer_prefix =
+        "According to the chain of assignments in the text, the variables that "
+        "are assigned the value " +
+        v + " are:";
+    detail::fill_haystack(
+        item, tok, rng, target - item.max_new - 16,
+        "Memorize and track the chain of variable assignments hidden in the following text.\n",
+        inserts, "Find all variables that are assigned the value " + v + " in the text above.",
+        never);
+    return item;
+  }
+  if (task == "cwe") {
+    item.max_new = 96;  // ten 2-3 token words, possibly numbered
+    item.answer_prefix = "The 10 most common words in the list are:";
+    detail::fill_word_list(item, tok, rng, target - item.max_new - 16);
+    return item;
+  }
+  if (task == "qa") {  // a question about one sentence of the haystack, unique in it
+    item.max_new = 64;
+    const std::string subject = detail::pick(rng, detail::words(0));
+    const std::string deed = detail::pick(rng, detail::words(1)) + " " +
+                             detail::pick(rng, detail::words(2)) + " " +
+                             detail::pick(rng, detail::words(3));
+    item.answers = {detail::subject_core(subject)};
+    item.answer_prefix = "According to the text, the one who " + deed + " was";
+    detail::fill_haystack(
+        item, tok, rng, target - item.max_new - 16,
+        "Read the following text carefully. I will ask you a question about it afterwards.\n",
+        {subject + " " + deed + "."}, "According to the text, who " + deed + "?",
+        [&](const std::string& s) { return s.find(" " + deed + ".") != std::string::npos; });
+    return item;
+  }
+
+  // The needle tasks: (key, value) needles and the queried keys.
+  auto key = [&] {
+    return detail::pick(rng, detail::words(4)) + "-" + detail::pick(rng, detail::words(5));
+  };
   std::vector<std::pair<std::string, std::string>> needles;
   std::vector<std::string> queried;
   const int n_needles = task == "single" ? 1 : 4;
@@ -108,10 +302,6 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
     } while (std::any_of(needles.begin(), needles.end(), [&](auto& nv) { return nv.second == v; }));
     needles.push_back({task == "multivalue" ? keys[0] : keys[std::size_t(i)], v});
   }
-  niah_item item;
-  item.task = task;
-  item.target = target;
-  item.index = index;
   if (task == "single" || task == "multikey") {
     const std::size_t q =
         task == "single" ? 0 : std::uniform_int_distribution<std::size_t>(0, 3)(rng);
@@ -126,74 +316,45 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
     queried = {needles[idx[0]].first, needles[idx[1]].first};
     item.answers = {needles[idx[0]].second, needles[idx[1]].second};
   }
-  std::string question, answer_prefix;
+  std::string question;
   if (task == "single" || task == "multikey") {
     question =
         "What is the special magic number for " + queried[0] + " mentioned in the provided text?";
-    answer_prefix =
+    item.answer_prefix =
         "The special magic number for " + queried[0] + " mentioned in the provided text is";
   } else if (task == "multivalue") {
     question = "What are all the special magic numbers for " + queried[0] +
                " mentioned in the provided text?";
-    answer_prefix =
+    item.answer_prefix =
         "The special magic numbers for " + queried[0] + " mentioned in the provided text are";
   } else {
     question = "What are all the special magic numbers for " + queried[0] + " and " + queried[1] +
                " mentioned in the provided text?";
-    answer_prefix = "The special magic numbers for " + queried[0] + " and " + queried[1] +
-                    " mentioned in the provided text are";
+    item.answer_prefix = "The special magic numbers for " + queried[0] + " and " + queried[1] +
+                         " mentioned in the provided text are";
   }
   item.max_new = task == "single" || task == "multikey" ? 16 : 48;
-  item.answer_prefix = answer_prefix;
-
-  const std::string head =
-      "A special magic number is hidden within the following text. Make sure to memorize it. I "
-      "will quiz you "
-      "about the number afterwards.\n";
-  auto build = [&](const std::vector<std::string>& hay, const std::vector<std::size_t>& at) {
-    std::string body;
-    std::size_t ni = 0;
-    for (std::size_t s = 0; s <= hay.size(); ++s) {
-      while (ni < at.size() && at[ni] == s) {
-        body += " One of the special magic numbers for " + needles[ni].first +
-                " is: " + needles[ni].second + ".";
-        ++ni;
-      }
-      if (s < hay.size()) body += " " + hay[s];
-    }
-    item.user = head + body + "\n" + question;
-    return tok.encode(chat_prompt(item.user) + answer_prefix);
-  };
-  // Grow the haystack sentence by sentence (token counts are additive to a few tokens),
-  // then trim until the whole prompt plus the answer fits the target.
-  const int budget = target - item.max_new - 16;
-  std::vector<std::string> hay;
-  int approx = int(build({}, {}).size());
-  while (approx < budget) {
-    hay.push_back(detail::sentence(rng));
-    approx += int(tok.encode(" " + hay.back(), false).size());
-  }
-  std::vector<std::size_t> at(needles.size());
-  auto place = [&] {
-    for (auto& a : at) a = std::uniform_int_distribution<std::size_t>(0, hay.size())(rng);
-    std::sort(at.begin(), at.end());
-  };
-  place();
-  item.prompt = build(hay, at);
-  while (int(item.prompt.size()) > budget && !hay.empty()) {
-    const int over = int(item.prompt.size()) - budget;
-    const std::size_t drop = std::max<std::size_t>(1, std::size_t(over / 14));
-    hay.resize(hay.size() - std::min(drop, hay.size()));
-    for (auto& a : at) a = std::min(a, hay.size());
-    item.prompt = build(hay, at);
-  }
+  std::vector<std::string> inserts;
+  for (const auto& [k, v] : needles)
+    inserts.push_back("One of the special magic numbers for " + k + " is: " + v + ".");
+  detail::fill_haystack(item, tok, rng, target - item.max_new - 16,
+                        "A special magic number is hidden within the following text. Make sure "
+                        "to memorize it. I will quiz you about the number afterwards.\n",
+                        inserts, question, never);
   return item;
 }
 
-// Every answer string appears in the output.
+// The fraction of the answers that appear in the output, ignoring ASCII case ("Old gardener"
+// answers "old gardener"; digits are unaffected). bench/gpu/needle_suite.py's score() agrees.
 inline double niah_score(const niah_item& item, const std::string& output) {
+  auto lower = [](std::string s) {
+    for (char& c : s)
+      if (c >= 'A' && c <= 'Z') c = char(c - 'A' + 'a');
+    return s;
+  };
+  const std::string out = lower(output);
   int found = 0;
-  for (const auto& a : item.answers) found += output.find(a) != std::string::npos ? 1 : 0;
+  for (const auto& a : item.answers) found += out.find(lower(a)) != std::string::npos ? 1 : 0;
   return double(found) / double(item.answers.size());
 }
 

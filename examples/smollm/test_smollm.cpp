@@ -2,10 +2,12 @@
 // Tests of the SmolLM2 engine: GGUF parsing and dequantization against hand-made
 // blocks, the tokenizer and the dense engine's logits against llama.cpp (golden
 // fixture in tests/data), and the KV backends against a float64 attention reference.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -530,4 +532,78 @@ TEST_CASE("dense engine logits and greedy tokens match llama.cpp (f32 KV)", "[mo
     e.net.forward(&t, 1, kv3, last, false);
   }
   CHECK(out == std::vector<std::int32_t>(g.greedy.begin(), g.greedy.begin() + 16));
+}
+
+TEST_CASE("tasks: every kind is deterministic, fits its length and holds its answers", "[model]") {
+  const tokenizer& tok = shared_engine().tok;
+  auto count = [](const std::string& text, const std::string& what) {
+    int n = 0;
+    for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  for (const auto& task : niah_task_names())
+    for (int target : {1024, 4096})
+      for (int index : {0, 7}) {
+        INFO(task << " " << target << " " << index);
+        const niah_item a = make_niah_item(tok, task, target, index, 20261129);
+        const niah_item b = make_niah_item(tok, task, target, index, 20261129);
+        CHECK(a.prompt == b.prompt);
+        CHECK(a.answers == b.answers);
+        CHECK(make_niah_item(tok, task, target, index + 1, 20261129).prompt != a.prompt);
+        CHECK(int(a.prompt.size()) + a.max_new <= target);
+        CHECK(int(a.prompt.size()) > target * 3 / 4);
+        CHECK(a.prompt == tok.encode(chat_prompt(a.user) + a.answer_prefix));
+        REQUIRE(!a.answers.empty());
+        for (const auto& ans : a.answers) CHECK(count(a.user, ans) >= 1);
+        if (task == "vartrack") {  // a chain: each variable assigned after the one it copies
+          REQUIRE(a.answers.size() == 5);
+          for (std::size_t i = 1; i < a.answers.size(); ++i) {
+            const auto def = a.user.find("VAR " + a.answers[i - 1] + " = ");
+            const auto use = a.user.find("VAR " + a.answers[i] + " = " + a.answers[i - 1] + ".");
+            CHECK(def != std::string::npos);
+            CHECK(use != std::string::npos);
+            CHECK(def < use);
+          }
+        } else if (task == "cwe") {  // the 10 answers are strictly the most frequent entries
+          REQUIRE(a.answers.size() == 10);
+          std::map<std::string, int> freq;
+          const auto begin = a.user.find("\n1. "), end = a.user.find("\nWhat are the 10");
+          REQUIRE(begin < end);
+          std::istringstream list(a.user.substr(begin, end - begin));
+          std::string tokn;
+          while (list >> tokn)
+            if (tokn.back() != '.') ++freq[tokn];  // not the entry numbers
+          int least_common = 1 << 30, most_rare = 0;
+          for (const auto& [w, n] : freq) {
+            const bool common = std::find(a.answers.begin(), a.answers.end(), w) != a.answers.end();
+            if (common)
+              least_common = std::min(least_common, n);
+            else
+              most_rare = std::max(most_rare, n);
+          }
+          CHECK(least_common >= 5);
+          CHECK(most_rare <= 3);
+          CHECK(most_rare >= 1);
+        } else if (task == "qa") {  // the asked deed happens exactly once, by the answer
+          const auto q = a.user.rfind("who ");
+          REQUIRE(q != std::string::npos);
+          const std::string deed = a.user.substr(q + 4, a.user.size() - q - 5);
+          CHECK(count(a.user, " " + deed + ".") == 1);
+          CHECK(count(a.user, a.answers[0] + " " + deed + ".") == 1);
+        } else {
+          CHECK(count(a.user, "special magic number") >= 2);
+        }
+      }
+  CHECK_THROWS_WITH(make_niah_item(tok, "sorting", 1024, 0, 1),
+                    tierkv_test::contains("unknown task 'sorting'"));
+}
+
+TEST_CASE("niah_score: the fraction of answers found, ignoring ASCII case") {
+  niah_item item;
+  item.answers = {"old gardener", "1234567"};
+  CHECK(niah_score(item, "The Old Gardener did it.") == 0.5);
+  CHECK(niah_score(item, "the old gardener, 1234567") == 1.0);
+  CHECK(niah_score(item, "123456 and a gardener") == 0.0);
+  item.answers = {"ABCDE"};
+  CHECK(niah_score(item, "abcde") == 1.0);
 }
