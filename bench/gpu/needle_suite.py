@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """SmolLM2-135M's needle suite on the GPU, every arm on the same items, with paired statistics.
 
-The items are examples/smollm's RULER-style needles (single, multi-key, multi-value, multi-query:
-tasks.hpp, generated from a seed), written as token ids by the C++ engine, so the GPU run scores
-exactly the prompts the CPU records scored:
+The items are examples/smollm's RULER-style tasks (single, multi-key, multi-value, multi-query
+needles, variable tracking, common-word extraction, questions about the haystack: tasks.hpp,
+generated from a seed), written as token ids by the C++ engine, so the GPU run scores exactly the
+prompts the CPU records scored:
 
     smollm tasks --items 50 --lengths 1024,2048,4096,8192 --no-ppl --arms "" --dump-items ITEMS.jsonl
 
@@ -13,6 +14,8 @@ prefilled in the item's chunks and decoded greedily to a stop token or max_new, 
 (transformers' own cache, SDPA) and tierkv arms through tierkv.transformers.TieredCache on the GPU
 (tierkv.CudaCache: GPU prefill over mixed pages, decode, retier on the GPU). One JSON line per
 (item, arm) is appended to --out; a run that stops (--time-limit) is resumed by running it again.
+--device cpu runs the model and the tierkv arms' host cache (tierkv.Cache) on the CPU instead:
+the same library code as the CPU engine's arms, under transformers' model and step order.
 
     python3 bench/gpu/needle_suite.py run --items ITEMS.jsonl --gguf MODEL.gguf --out RESULTS.jsonl
     python3 bench/gpu/needle_suite.py summarize RESULTS.jsonl [...] [--arms dense,rec,seed] --out quality.json
@@ -105,7 +108,7 @@ def score(answers, text):
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
-# ---- run (needs torch, transformers and a CUDA device) ---------------------------------------
+# ---- run (needs torch, transformers and a CUDA device, or --device cpu) --------------------
 
 
 def generate(model, prompt, chunk, max_new, stop, cache, done=None):
@@ -115,14 +118,15 @@ def generate(model, prompt, chunk, max_new, stop, cache, done=None):
     import torch
 
     dev = model.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     ids = torch.tensor(prompt, dtype=torch.long, device=dev)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for start in range(0, ids.numel(), chunk):
         x = ids[start : start + chunk].view(1, -1)
         pos = torch.arange(start, start + x.shape[1], device=dev).view(1, -1)
         logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1]
-    torch.cuda.synchronize()
+    sync()
     t1 = time.perf_counter()
     out, p = [], ids.numel()
     tok = int(logits.argmax())
@@ -134,7 +138,7 @@ def generate(model, prompt, chunk, max_new, stop, cache, done=None):
         logits = model(input_ids=x, position_ids=torch.tensor([[p]], device=dev), past_key_values=cache, use_cache=True).logits[0, -1]
         p += 1
         tok = int(logits.argmax())
-    torch.cuda.synchronize()
+    sync()
     return out, t1 - t0, time.perf_counter() - t1
 
 
@@ -189,7 +193,8 @@ def finish(cache, layers):
     and every planned conversion finished and published: end_step publishes a batch only once
     the side stream is done with it, so without the drain they would depend on timing."""
     cache.end_step()
-    cache.tierkv.drain()
+    if hasattr(cache.tierkv, "drain"):  # the GPU cache; the host cache's steps are synchronous
+        cache.tierkv.drain()
     seq = int(cache.seqs[0])
     tiers = sorted({t for layer in range(layers) for t in cache.tierkv.page_tiers(seq, layer)})
     return cache.tierkv.report()["bits_per_scalar"], tiers
@@ -226,8 +231,8 @@ def run(a):
             it["prompt"], it["stop"] = retokenize(it, tok, a.template), sorted(stops)
         lens = [len(it["prompt"]) for it in items]
         log(f"needle_suite: re-tokenized ({a.template}): prompts of {min(lens)}-{max(lens)} tokens, stop {sorted(stops)}")
-    model = load_model(a.gguf)
-    device = torch.cuda.get_device_name(0)
+    model = load_model(a.gguf, a.device)
+    device = torch.cuda.get_device_name(0) if a.device == "cuda" else a.device_name
     commit = os.environ.get("TIERKV_COMMIT", "unknown")
     ran = 0
     with open(a.out, "a") as out, torch.inference_mode():
@@ -237,7 +242,7 @@ def run(a):
                 break
             prompt, chunk, max_new = it["prompt"], int(it["chunk"]), int(it["max_new"])
             stop = set(int(s) for s in it["stop"])
-            cache = make_cache(model, arm, len(prompt) + max_new + 16, chunk, a.codec_seed)
+            cache = make_cache(model, arm, len(prompt) + max_new + 16, chunk, a.codec_seed, a.device)
             found = lambda t, ans=it["answers"]: score(ans, tok.decode(t, skip_special_tokens=True)) == 1.0  # noqa: E731
             toks, pre_s, dec_s = generate(model, prompt, chunk, max_new, stop, cache, found)
             bits, tiers = (16.0, [0]) if arm == "dense" else finish(cache, model.config.num_hidden_layers)
@@ -394,6 +399,9 @@ def main():
     r.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="chat template with --retokenize")
     r.add_argument("--time-limit", type=float, default=1e9, help="seconds; stop between items after this")
     r.add_argument("--verbose", action="store_true")
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: the model and tierkv's host Cache (tierkv.Cache) on the CPU")
+    r.add_argument("--device-name", default="CPU (python/ tierkv.Cache, transformers)", help="the records' device with --device cpu")
     r.add_argument("--tokenizer", help="a folder from tokenizer.save_pretrained() instead of the GGUF's tokenizer")
     s = sub.add_parser("summarize")
     s.add_argument("results", nargs="+")

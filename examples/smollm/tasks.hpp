@@ -62,6 +62,13 @@ inline const std::vector<std::string>& words(int which) {
        "bright", "velvet", "distant", "shy", "rapid", "marble", "copper"},
       {"falcon", "meadow", "harbor", "lantern", "orchard", "canyon", "willow", "comet", "garden",
        "river", "tower", "forest", "island", "valley", "beacon", "glacier"},
+      // names and things of the question-answering facts (never in a haystack sentence)
+      {"Ortega", "Ingrid", "Mateo", "Priya", "Tomasz", "Aiko", "Bruno", "Leila", "Yusuf", "Greta",
+       "Nikolai", "Amara", "Dmitri", "Sofia", "Kwame", "Elena"},
+      {"the copper weathervane", "the lighthouse ledger", "the velvet curtain",
+       "the brass telescope", "the glass harmonica", "the silver compass", "the marble chessboard",
+       "the oak cabinet", "the porcelain teapot", "the iron kettle", "the silk banner",
+       "the clay oven", "the tin whistle", "the linen map", "the walnut desk", "the pewter jug"},
   };
   return lists[which];
 }
@@ -112,24 +119,14 @@ std::string pseudo_word(Rng& rng) {
   return w;
 }
 
-// "The old gardener" -> "old gardener": what a correct answer to a "who" question contains.
-inline std::string subject_core(const std::string& subject) {
-  for (const char* article : {"The ", "A ", "Our "}) {
-    const std::string a = article;
-    if (subject.rfind(a, 0) == 0) return subject.substr(a.size());
-  }
-  return subject;
-}
-
 // The text of a prompt: head, the haystack with `inserts` before the sentences `at` names, the
 // question. Grows the haystack sentence by sentence (token counts are additive to a few tokens)
 // until the prompt fills `budget` tokens, places the inserts (in their order) at sorted random
-// sentence positions, then trims until the whole prompt fits. `rejected` keeps a sentence out
-// of the haystack (one that would make a question ambiguous).
-template <class Rng, class Rejected>
+// sentence positions, then trims until the whole prompt fits.
+template <class Rng>
 void fill_haystack(niah_item& item, const tokenizer& tok, Rng& rng, int budget,
                    const std::string& head, const std::vector<std::string>& inserts,
-                   const std::string& question, Rejected rejected) {
+                   const std::string& question) {
   auto build = [&](const std::vector<std::string>& hay, const std::vector<std::size_t>& at) {
     std::string body;
     std::size_t ni = 0;
@@ -143,9 +140,7 @@ void fill_haystack(niah_item& item, const tokenizer& tok, Rng& rng, int budget,
   std::vector<std::string> hay;
   int approx = int(build({}, {}).size());
   while (approx < budget) {
-    std::string s = sentence(rng);
-    if (rejected(s)) continue;
-    hay.push_back(std::move(s));
+    hay.push_back(sentence(rng));
     approx += int(tok.encode(" " + hay.back(), false).size());
   }
   std::vector<std::size_t> at(inserts.size());
@@ -223,8 +218,8 @@ void fill_word_list(niah_item& item, const tokenizer& tok, Rng& rng, int budget)
 // Throws std::invalid_argument for a task niah_task_names() does not hold.
 inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, int target,
                                 int index, std::uint64_t seed) {
-  const auto& names = niah_task_names();
-  if (std::find(names.begin(), names.end(), task) == names.end())
+  const auto& known = niah_task_names();
+  if (std::find(known.begin(), known.end(), task) == known.end())
     throw std::invalid_argument("make_niah_item: unknown task '" + task + "'");
   std::seed_seq ss{std::uint32_t(seed), std::uint32_t(seed >> 32), std::uint32_t(target),
                    std::uint32_t(index), std::uint32_t(std::hash<std::string>{}(task))};
@@ -236,7 +231,6 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
   item.task = task;
   item.target = target;
   item.index = index;
-  auto never = [](const std::string&) { return false; };
 
   if (task == "vartrack") {  // RULER's variable tracking: one chain of four hops
     item.max_new = 64;
@@ -257,8 +251,7 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
     detail::fill_haystack(
         item, tok, rng, target - item.max_new - 16,
         "Memorize and track the chain of variable assignments hidden in the following text.\n",
-        inserts, "Find all variables that are assigned the value " + v + " in the text above.",
-        never);
+        inserts, "Find all variables that are assigned the value " + v + " in the text above.");
     return item;
   }
   if (task == "cwe") {
@@ -267,19 +260,31 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
     detail::fill_word_list(item, tok, rng, target - item.max_new - 16);
     return item;
   }
-  if (task == "qa") {  // a question about one sentence of the haystack, unique in it
+  if (task == "qa") {  // four facts (a name did a thing) in the haystack, one asked
     item.max_new = 64;
-    const std::string subject = detail::pick(rng, detail::words(0));
-    const std::string deed = detail::pick(rng, detail::words(1)) + " " +
-                             detail::pick(rng, detail::words(2)) + " " +
-                             detail::pick(rng, detail::words(3));
-    item.answers = {detail::subject_core(subject)};
-    item.answer_prefix = "According to the text, the one who " + deed + " was";
+    std::vector<std::string> names, things, inserts;
+    auto distinct = [&](std::vector<std::string>& v, int list) {
+      std::string w;
+      do {
+        w = detail::pick(rng, detail::words(list));
+      } while (std::find(v.begin(), v.end(), w) != v.end());
+      v.push_back(w);
+    };
+    for (int i = 0; i < 4; ++i) {
+      distinct(names, 6);
+      distinct(things, 7);
+      inserts.push_back(names.back() + " " + detail::pick(rng, detail::words(1)) + " " +
+                        things.back() + ".");
+    }
+    const std::size_t q = std::uniform_int_distribution<std::size_t>(0, 3)(rng);
+    const std::string deed =
+        inserts[q].substr(names[q].size() + 1, inserts[q].size() - names[q].size() - 2);
+    item.answers = {names[q]};
+    item.answer_prefix = "The name of the person who " + deed + " is";
     detail::fill_haystack(
         item, tok, rng, target - item.max_new - 16,
         "Read the following text carefully. I will ask you a question about it afterwards.\n",
-        {subject + " " + deed + "."}, "According to the text, who " + deed + "?",
-        [&](const std::string& s) { return s.find(" " + deed + ".") != std::string::npos; });
+        inserts, "What is the name of the person who " + deed + " in the provided text?");
     return item;
   }
 
@@ -340,7 +345,7 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
   detail::fill_haystack(item, tok, rng, target - item.max_new - 16,
                         "A special magic number is hidden within the following text. Make sure "
                         "to memorize it. I will quiz you about the number afterwards.\n",
-                        inserts, question, never);
+                        inserts, question);
   return item;
 }
 
