@@ -221,6 +221,7 @@ inline int run_tasks(engine& eng, const run_options& o) {
        << ",\"keep_first_layers\":" << eng.tiering.policy.keep_first_layers
        << ",\"keep_last_layers\":" << eng.tiering.policy.keep_last_layers
        << ",\"use_mass\":" << eng.tiering.use_mass << ",\"center\":" << eng.tiering.center
+       << ",\"retier_in_prefill\":" << eng.tiering.retier_in_prefill
        << ",\"enter_mass\":" << eng.tiering.policy.enter_mass
        << ",\"leave_mass\":" << eng.tiering.policy.leave_mass << "},\"arms\":{";
 

@@ -75,6 +75,7 @@ void usage() {
       "           [--recent-pages 4] [--sink-pages 1] [--keep-first-layers 1] [--keep-last-layers "
       "1]\n"
       "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] "
+      "[--retier-in-prefill 1] "
       "[--codec-seed N]\n"
       "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE] [--nll-out "
       "FILE.json]\n"
@@ -112,6 +113,7 @@ int main(int argc, char** argv) {
         float(std::atof(a.get("--leave-mass", std::to_string(pol.leave_mass)).c_str()));
     eng.tiering.use_mass = a.get_int("--use-mass", 1) != 0;
     eng.tiering.center = a.get_int("--center", 1) != 0;
+    eng.tiering.retier_in_prefill = a.get_int("--retier-in-prefill", 1) != 0;
     eng.tiering.threads = unsigned(a.get_int("--threads", 2));
     if (a.kv.count("--codec-seed")) eng.tiering.seed = std::stoull(a.get("--codec-seed"));
     if (cmd == "tokenize") {

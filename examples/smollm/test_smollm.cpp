@@ -389,6 +389,22 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
     auto nm = make_tierkv_backend("tiered", s, no_mass, 200);
     backend_error(*nm, s, 160, 16, 5, 30.f);
     CHECK(nm->memory().fp8_fraction == Approx(0.3));
+    // retier_in_prefill = false: the chunks of 32 (a prompt) leave every page FP8; the first
+    // decode step (one token) moves them as the default would have (3 of 11 pages FP8).
+    tiering_options hold = opt;
+    hold.retier_in_prefill = false;
+    auto h = make_tierkv_backend("tiered", s, hold, 200);
+    backend_error(*h, s, 160, 32, 4, 0.f);
+    CHECK(h->memory().fp8_fraction == Approx(1.0));
+    const std::vector<float> kv1(std::size_t(s.kv_heads * s.head_dim), 0.5f);
+    const std::vector<float> q1(std::size_t(s.q_heads * s.head_dim), 0.25f);
+    std::vector<float> o1(q1.size());
+    for (int l = 0; l < s.layers; ++l) {
+      h->append(l, 1, kv1.data(), kv1.data());
+      h->attend(l, 1, q1.data(), o1.data());
+    }
+    h->commit(1);
+    CHECK(h->memory().fp8_fraction == Approx(3.0 / 11.0));
   }
   SECTION("the recommended mix and the other arms build and attend; bad input is refused") {
     for (const char* arm : {"int8r", "tiered_int8r", "tiered_k4", "tiered_k8"}) {

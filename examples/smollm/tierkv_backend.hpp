@@ -42,6 +42,12 @@ struct tiering_options {
   // attention (keys carry offset channels; a per-vector TQ3 code spreads an offset's energy
   // over every coordinate).
   bool center = true;
+  // Retier after every committed chunk, a prompt's prefill chunks included (the default), or
+  // only after decode steps (one token): a prompt then prefills over 8-bit pages and its pages
+  // move at the first decode step. At 1K, demoting between a prompt's chunks cost the
+  // recommended cache multi-key retrievals that the GPU path (which publishes conversions a
+  // step later) keeps (docs/model.md, "Retiering inside the prompt").
+  bool retier_in_prefill = true;
   std::uint64_t seed = 0x7469657221ull;  // cache-wide seed of the codecs' rotations
   unsigned threads = 1;                  // host attention workers (the caller included)
 };
@@ -87,6 +93,7 @@ class library_backend final : public kv_backend {
     opt_.max_pages = pages;
     opt_.threads = opt.threads;
     opt_.center = opt.center;
+    retier_in_prefill_ = opt.retier_in_prefill;
     reset();
   }
 
@@ -111,7 +118,8 @@ class library_backend final : public kv_backend {
   }
   void commit(int n) override {
     check(cache_->commit(seq_, n));
-    if constexpr (num_tiers > 1) (void)cache_->retier(++step_);
+    if constexpr (num_tiers > 1)
+      if (n == 1 || retier_in_prefill_) (void)cache_->retier(++step_);
   }
 
   kv_memory memory() const override {
@@ -155,6 +163,7 @@ class library_backend final : public kv_backend {
   std::unique_ptr<cache_type> cache_;
   tierkv::seq_id seq_{};
   std::uint64_t step_ = 0;
+  bool retier_in_prefill_ = true;
 };
 
 // Arms by name: paged_f32 (the paging and tile machinery over lossless pages), the single
