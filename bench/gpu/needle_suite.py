@@ -193,7 +193,7 @@ def finish(cache, layers):
     and every planned conversion finished and published: end_step publishes a batch only once
     the side stream is done with it, so without the drain they would depend on timing."""
     cache.end_step()
-    if hasattr(cache.tierkv, "drain"):  # the GPU cache; the host cache's steps are synchronous
+    if cache.on_gpu:  # the host cache's steps are synchronous
         cache.tierkv.drain()
     seq = int(cache.seqs[0])
     tiers = sorted({t for layer in range(layers) for t in cache.tierkv.page_tiers(seq, layer)})

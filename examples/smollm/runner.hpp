@@ -168,7 +168,8 @@ inline int run_tasks(engine& eng, const run_options& o) {
     }
   if (task_names.empty())
     task_names = o.quick ? std::vector<std::string>{"single", "multikey"}
-                         : std::vector<std::string>(all_tasks.begin(), all_tasks.begin() + 4);
+                         : std::vector<std::string>(all_tasks.begin(),
+                                                    all_tasks.begin() + niah_default_tasks);
   std::vector<int> lengths;
   for (const auto& s : split_csv(o.lengths)) lengths.push_back(std::stoi(s));
   if (lengths.empty())

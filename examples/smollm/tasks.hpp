@@ -6,12 +6,14 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <fstream>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tokenizer.hpp"
@@ -78,6 +80,16 @@ const std::string& pick(Rng& rng, const std::vector<std::string>& v) {
   return v[std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(rng)];
 }
 
+// Appends draw()'s first result that v does not hold yet.
+template <class Draw>
+void push_distinct(std::vector<std::string>& v, Draw draw) {
+  std::string w;
+  do {
+    w = draw();
+  } while (std::find(v.begin(), v.end(), w) != v.end());
+  v.push_back(std::move(w));
+}
+
 template <class Rng>
 std::string sentence(Rng& rng) {
   std::string s = pick(rng, words(0)) + " " + pick(rng, words(1)) + " " + pick(rng, words(2)) +
@@ -95,6 +107,8 @@ inline const std::vector<std::string>& niah_task_names() {
                                               "vartrack", "cwe",      "qa"};
   return names;
 }
+// The default profile's tasks: the first ones of niah_task_names() (the four needle tasks).
+inline constexpr std::ptrdiff_t niah_default_tasks = 4;
 
 namespace detail {
 
@@ -166,10 +180,7 @@ void fill_word_list(niah_item& item, const tokenizer& tok, Rng& rng, int budget)
       "Memorize the ones that appear most often.\n";
   const std::string question = "What are the 10 most common words in the list above?";
   std::vector<std::string> common;
-  while (common.size() < 10) {
-    std::string w = pseudo_word(rng);
-    if (std::find(common.begin(), common.end(), w) == common.end()) common.push_back(w);
-  }
+  while (common.size() < 10) push_distinct(common, [&] { return pseudo_word(rng); });
   item.answers = common;
   const Rng start = rng;  // every attempt at a length draws the same words
   auto build = [&](int n) {
@@ -236,10 +247,7 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
     item.max_new = 64;
     const std::string v = value();
     std::vector<std::string> vars;
-    while (vars.size() < 5) {
-      std::string n = detail::variable_name(rng);
-      if (std::find(vars.begin(), vars.end(), n) == vars.end()) vars.push_back(n);
-    }
+    while (vars.size() < 5) detail::push_distinct(vars, [&] { return detail::variable_name(rng); });
     std::vector<std::string> inserts{"VAR " + vars[0] + " = " + v + "."};
     for (std::size_t i = 1; i < vars.size(); ++i)
       inserts.push_back("VAR " + vars[i] + " = " + vars[i - 1] + ".");
@@ -262,23 +270,15 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
   }
   if (task == "qa") {  // four facts (a name did a thing) in the haystack, one asked
     item.max_new = 64;
-    std::vector<std::string> names, things, inserts;
-    auto distinct = [&](std::vector<std::string>& v, int list) {
-      std::string w;
-      do {
-        w = detail::pick(rng, detail::words(list));
-      } while (std::find(v.begin(), v.end(), w) != v.end());
-      v.push_back(w);
-    };
+    std::vector<std::string> names, things, deeds, inserts;
     for (int i = 0; i < 4; ++i) {
-      distinct(names, 6);
-      distinct(things, 7);
-      inserts.push_back(names.back() + " " + detail::pick(rng, detail::words(1)) + " " +
-                        things.back() + ".");
+      detail::push_distinct(names, [&] { return detail::pick(rng, detail::words(6)); });
+      detail::push_distinct(things, [&] { return detail::pick(rng, detail::words(7)); });
+      deeds.push_back(detail::pick(rng, detail::words(1)) + " " + things.back());
+      inserts.push_back(names.back() + " " + deeds.back() + ".");
     }
     const std::size_t q = std::uniform_int_distribution<std::size_t>(0, 3)(rng);
-    const std::string deed =
-        inserts[q].substr(names[q].size() + 1, inserts[q].size() - names[q].size() - 2);
+    const std::string& deed = deeds[q];
     item.answers = {names[q]};
     item.answer_prefix = "The name of the person who " + deed + " is";
     detail::fill_haystack(
@@ -296,10 +296,8 @@ inline niah_item make_niah_item(const tokenizer& tok, const std::string& task, i
   std::vector<std::string> queried;
   const int n_needles = task == "single" ? 1 : 4;
   std::vector<std::string> keys;
-  while (int(keys.size()) < (task == "multivalue" ? 1 : n_needles)) {
-    std::string k = key();
-    if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
-  }
+  while (int(keys.size()) < (task == "multivalue" ? 1 : n_needles))
+    detail::push_distinct(keys, key);
   for (int i = 0; i < n_needles; ++i) {
     std::string v;
     do {
