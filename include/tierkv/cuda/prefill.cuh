@@ -78,14 +78,13 @@ status prefill(const prefill_plan& plan, const prefill_inputs<TierList::size>& i
   std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
   const dim3 grid{unsigned(plan.row_blocks) * unsigned(plan.kv_splits),
                   unsigned(Geometry::kv_heads), unsigned(in.index.batch)};
-  kernel<<<grid, K::threads, smem, stream>>>(in, plan, ws);
+  kernel<<<grid, detail::prefill_threads, smem, stream>>>(in, plan, ws);
   TIERKV_CUDA_TRY(cudaGetLastError());
   if (plan.kv_splits > 1) {
     const std::size_t rows = std::size_t(plan.max_total_q) * Geometry::q_heads;
-    constexpr int merge_warps = detail::prefill_merge_warps;
-    const unsigned blocks = unsigned((rows + merge_warps - 1) / merge_warps);
+    const unsigned blocks = unsigned((rows + detail::prefill_warps - 1) / detail::prefill_warps);
     detail::prefill_merge_kernel<Geometry, TierList>
-        <<<blocks, 32 * merge_warps, 0, stream>>>(in, plan, ws);
+        <<<blocks, detail::prefill_threads, 0, stream>>>(in, plan, ws);
     TIERKV_CUDA_TRY(cudaGetLastError());
   }
   return status::ok();

@@ -1,10 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The chunked-prefill kernels over mixed pages on the tensor cores (design: docs/gpu-prefill.md).
 // A block is 128 (query, head) rows of one sequence and KV head (row r: query r / group, head
-// r % group, so a GQA group shares every K/V tile) and one of the plan's KV splits: 8 groups of
-// 16 rows, each taken by one warp, or at head_dim 256 by a warp pair splitting the columns. Per
-// tier (value-rotated tiers first) the block walks its share of the tier's 64-token tiles, trimmed
-// to the rows' causal (and sliding-window) range: the next tile's raw bytes and index entries are
+// r % group, so a GQA group shares every K/V tile) and one of the plan's KV splits. Per tier
+// (value-rotated tiers first) the block walks its share of the tier's 64-token tiles, trimmed to
+// the rows' causal (and sliding-window) range: the next tile's raw bytes and index entries are
 // fetched by cp.async while the current one computes; all threads decode a landed tile once
 // through the format's slice reader into shared memory (keys f16, values bf16: every format's
 // codes are exact in both); then each warp runs its 16 rows FA2-style: S = Q K^T on mma.sync f16
@@ -29,7 +28,6 @@
 #include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/status.hpp"
-#include "tierkv/cuda/arch/barrier.cuh"
 #include "tierkv/cuda/arch/convert.cuh"
 #include "tierkv/cuda/arch/cp_async.cuh"
 #include "tierkv/cuda/arch/ldmatrix.cuh"
@@ -42,16 +40,10 @@
 #include "tierkv/cuda/warp/rotation.cuh"
 namespace tierkv::cuda::detail {
 
+inline constexpr int prefill_warps = 8;
+inline constexpr int prefill_threads = 32 * prefill_warps;
 inline constexpr int prefill_rows = prefill_block_rows;  // (query, head) rows of a block
-inline constexpr int prefill_row_groups = 8;             // 16-row groups of a block
-static_assert(prefill_rows == 16 * prefill_row_groups, "prefill: 16 rows a group");
-// Warps that share a row group's columns. One warp holding a 16 x 256 O takes 128 registers for
-// it, so 8 warps of 255 registers fill an SM and each scheduler has 2 warps to issue from (ncu:
-// no eligible warp 68% of cycles, docs/gpu-prefill.md); a warp pair (64 O registers each, Q K^T
-// halves summed through shared memory, the softmax done by both) gives 16 warps of <= 128.
-template <int D>
-inline constexpr int prefill_column_split = D == 256 ? 2 : 1;
-inline constexpr int prefill_merge_warps = 8;  // rows of a merge block
+static_assert(prefill_rows == 16 * prefill_warps, "prefill: 16 rows a warp");
 // Tokens of a K/V tile: two decoded tiles (and two staged ones) must fit beside the queries, so
 // head_dim 256 takes 32-token tiles.
 template <int D>
@@ -68,7 +60,6 @@ template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload>
 struct prefill_smem {
   static constexpr int D = Geometry::head_dim;
   static constexpr int tile = prefill_tile<D>;
-  static constexpr int column_split = prefill_column_split<D>;
   static constexpr int pitch = D + 8;    // halves per Q / K / V row
   static constexpr int o_pitch = D + 8;  // floats per output scratch row
   static constexpr std::size_t kv_bytes = std::size_t(tile) * pitch * 2;  // one K or V tile
@@ -86,12 +77,7 @@ struct prefill_smem {
   static constexpr std::size_t kpos_off = vscale_off + 2 * tile * 4;
   static constexpr std::size_t rscale_off = kpos_off + 2 * tile * 4;
   static constexpr std::size_t rbad_off = rscale_off + prefill_rows * 4;
-  // a warp pair's Q K^T halves: [warp][8-token n-tile][lane] float4 (none without a split)
-  static constexpr std::size_t xch_off = rbad_off + prefill_rows * 4;
-  static constexpr std::size_t xch_bytes =
-      column_split > 1 ? std::size_t(prefill_row_groups) * column_split*(tile / 8) * 32 * 16 : 0;
-  static constexpr std::size_t bytes = xch_off + xch_bytes;
-  static_assert(xch_off % 16 == 0, "prefill: the exchange area is float4-aligned");
+  static constexpr std::size_t bytes = rbad_off + prefill_rows * 4;
   static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= stage_off,
                 "prefill: the output scratch must fit over Q, K and V");
   static_assert(stage_k_bytes % 16 == 0 && stage_v_bytes % 16 == 0 && tile * 2 % 16 == 0,
@@ -134,18 +120,12 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static constexpr int N = int(sizeof...(Tiers));
   static constexpr int D = Geometry::head_dim, G = Geometry::group_size;
   static constexpr int T = Geometry::page_tokens, QH = Geometry::q_heads;
-  static constexpr int TL = prefill_tile<D>;          // tokens of a K / V tile
-  static constexpr int P = D / 32;                    // coordinates per lane of a row
-  static constexpr int NT = D / 8;                    // 8-column n-tiles of a row of O
-  static constexpr int ST = TL / 8;                   // 8-token n-tiles of a score row
-  static constexpr int TE = T < TL ? T : TL;          // tokens of an entry in a tile
-  static constexpr int EPT = TL / TE;                 // entries of a tile
-  static constexpr int CS = prefill_column_split<D>;  // warps of a 16-row group
-  static constexpr int W = prefill_row_groups * CS;   // warps of a block
-  static constexpr int threads = 32 * W;
-  static constexpr int DW = D / CS;    // Q K^T dimensions and O columns of a warp
-  static constexpr int NTW = NT / CS;  // 8-column n-tiles of a warp's O
-  static_assert(CS == 1 || CS == 2, "prefill: a row group of one warp or a warp pair");
+  static constexpr int TL = prefill_tile<D>;  // tokens of a K / V tile
+  static constexpr int P = D / 32;            // coordinates per lane of a row
+  static constexpr int NT = D / 8;            // 8-column n-tiles of a row of O
+  static constexpr int ST = TL / 8;           // 8-token n-tiles of a score row
+  static constexpr int TE = T < TL ? T : TL;  // tokens of an entry in a tile
+  static constexpr int EPT = TL / TE;         // entries of a tile
   using SM = prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>>;
   static_assert(D == 64 || D == 128 || D == 256, "prefill: head_dim 64, 128 or 256");
   static_assert(G >= 1 && G <= 8, "prefill: group_size 1..8");
@@ -175,7 +155,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     float* rscale;
     int* rbad;
     float* scratch;  // over q, k and v
-    float4* xch;     // Q K^T halves of the warp pairs
     __device__ __half* k(int kv) const {
       return reinterpret_cast<__half*>(base + SM::k_off + kv * SM::kv_bytes);
     }
@@ -205,39 +184,28 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   };
   // One warp's running state of its 16 rows: lane l holds rows l / 4 and l / 4 + 8 (index 0, 1),
-  // O columns h DW + 8 nt + 2 (l % 4) + {0, 1} (h: the warp's column half); l is this lane's
-  // partial sum (its quad adds them last). A warp pair keeps identical m and l.
+  // O columns 8 nt + 2 (l % 4) + {0, 1}; l is this lane's partial sum (its quad adds them last).
   struct warp_state {
-    float o[NTW][4];
+    float o[NT][4];
     float m[2], l[2];
     float rq[2];  // row scale: the query's power-of-two factor x softmax_scale
     int rpos[2];
   };
 
-  // The warps of a 16-row group meet (barrier 1 + group; 0 is __syncthreads').
-  static __device__ void group_sync(int warp) {
-    if constexpr (CS == 1)
-      __syncwarp();
-    else
-      named_barrier_sync(1 + warp / CS, 32 * CS);
-  }
-
-  // The warp's share of its group's 16 query rows in the key domain (rotated: H_un D q / d, the
-  // codecs' prepare_query), each scaled by 2^-e to |x| < 1 and stored as f16; rscale <- 2^e (0 for
-  // a row with a NaN or an infinity, whose output is NaN: rbad).
+  // The warp's 16 query rows in the key domain (rotated: H_un D q / d, the codecs'
+  // prepare_query), each scaled by 2^-e to |x| < 1 and stored as f16; rscale <- 2^e (0 for a row
+  // with a NaN or an infinity, whose output is NaN: rbad).
   template <bool Rotated>
   static __device__ void prepare_queries(const prefill_inputs<N>& in, const block& bk,
                                          std::uint64_t key_seed, const smem& sm, int warp,
                                          int lane) {
-    constexpr int RB = 4 / CS;  // rows with loads in flight (a warp pair: half the registers)
-    constexpr int rows = 16 / CS;
+    constexpr int RB = 4;  // rows with loads in flight
     const bool bf16 = in.queries_type == query_type::bf16;
-    const int first = (warp / CS) * 16 + (warp % CS) * rows;  // block row of the share
-    for (int r0 = 0; r0 < rows; r0 += RB) {
+    for (int r0 = 0; r0 < 16; r0 += RB) {
       float x[RB][P];
 #pragma unroll
       for (int u = 0; u < RB; ++u) {
-        const int r = bk.row0 + first + r0 + u;
+        const int r = bk.row0 + warp * 16 + r0 + u;
         if (r < bk.rows_total) {
           const std::size_t at =
               (std::size_t(bk.q0 + r / G) * QH + std::size_t(bk.kvh * G + r % G)) * D +
@@ -254,7 +222,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       }
 #pragma unroll
       for (int u = 0; u < RB; ++u) {
-        const int rl = first + r0 + u;
+        const int rl = warp * 16 + r0 + u;
         bool bad = false;
 #pragma unroll
         for (int i = 0; i < P; ++i) bad |= !isfinite(x[u][i]);
@@ -293,7 +261,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         }
       }
     }
-    group_sync(warp);
+    __syncwarp();
   }
 
   // Position of token v of tier F's entries (from entry e_begin), through the index.
@@ -306,7 +274,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static __device__ int tile_search(int n, Pred pred) {
     int lo = 0, hi = n;
     while (hi > lo) {
-      const int step = (hi - lo + threads - 1) / threads;
+      const int step = (hi - lo + prefill_threads - 1) / prefill_threads;
       const int t = lo + int(threadIdx.x) * step;
       const int below = __syncthreads_count(t < hi && !pred(t));  // probes lo, lo + step, ..
       if (below == 0) break;                                      // pred(lo)
@@ -362,7 +330,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     auto copy = [&](std::uint8_t* dst, std::size_t row_bytes, auto region) {
       constexpr int entry_bytes_unit = 16;
       const int units = int(TL * row_bytes / entry_bytes_unit);
-      for (int u = int(threadIdx.x); u < units; u += threads) {
+      for (int u = int(threadIdx.x); u < units; u += prefill_threads) {
         const int byte = u * entry_bytes_unit;
         const int j = byte / int(TE * row_bytes);
         const std::int32_t slot = sm.slots(buf)[j];
@@ -399,7 +367,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         "codes (dense_bf16 pages are decode-only on the GPU: a bf16 key has no exact f16)");
     constexpr int S = D / 16;  // 16-coordinate slices of a token
     const int t0 = T > TL ? (tile * TL) % T : 0;
-    for (int idx = int(threadIdx.x); idx < TL * S; idx += threads) {
+    for (int idx = int(threadIdx.x); idx < TL * S; idx += prefill_threads) {
       const int i = idx / S, s = idx % S;
       const int j = i / TE;
       const std::int32_t slot = sm.slots(buf)[j], logical = sm.logicals(buf)[j];
@@ -450,22 +418,18 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   }
 
-  // The warp's 16 rows over decoded tile buffer `kv` (a warp pair: Q K^T over its half of the
-  // dimensions, the halves summed through shared memory, P V into its half of the columns).
-  // Masked = false: every token of the tile is valid and visible to every row of the warp (no
-  // position compare per logit).
+  // The warp's 16 rows over decoded tile buffer `kv`. Masked = false: every token of the tile
+  // is valid and visible to every row of the warp (no position compare per logit).
   template <bool Masked>
   static __device__ void compute_tile(const prefill_inputs<N>& in, const smem& sm, int kv,
                                       warp_state& st, int warp, int lane) {
     float s[ST][4];
 #pragma unroll
     for (int j = 0; j < ST; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const int col0 = (warp % CS) * DW;
-    const __half* qrow = sm.q + ((warp / CS) * 16 + lane % 16) * SM::pitch + (lane / 16) * 8 + col0;
-    const __half* krow =
-        sm.k(kv) + ((lane / 16) * 8 + lane % 8) * SM::pitch + ((lane / 8) % 2) * 8 + col0;
+    const __half* qrow = sm.q + (warp * 16 + lane % 16) * SM::pitch + (lane / 16) * 8;
+    const __half* krow = sm.k(kv) + ((lane / 16) * 8 + lane % 8) * SM::pitch + ((lane / 8) % 2) * 8;
 #pragma unroll
-    for (int ks = 0; ks < DW / 16; ++ks) {
+    for (int ks = 0; ks < D / 16; ++ks) {
       std::uint32_t a[4];
       ldmatrix_x4(a, qrow + ks * 16);
 #pragma unroll
@@ -474,21 +438,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         ldmatrix_x4(bb, krow + np * 16 * SM::pitch + ks * 16);
         mma_16816(s[2 * np], a, bb[0], bb[1]);
         mma_16816(s[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
-    if constexpr (CS > 1) {  // the pair's halves (x + y on one warp, y + x on the other: equal)
-      float4* mine = sm.xch + warp * ST * 32 + lane;
-#pragma unroll
-      for (int j = 0; j < ST; ++j) mine[j * 32] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
-      group_sync(warp);
-      const float4* other = sm.xch + (warp ^ 1) * ST * 32 + lane;
-#pragma unroll
-      for (int j = 0; j < ST; ++j) {
-        const float4 y = other[j * 32];
-        s[j][0] += y.x;
-        s[j][1] += y.y;
-        s[j][2] += y.z;
-        s[j][3] += y.w;
       }
     }
     // logits in log2 units (masked by position)
@@ -542,7 +491,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     // once the rows' maxima settle, alpha is 1 for the whole warp: skip D / 2 multiplies
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int nt = 0; nt < NTW; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
         st.o[nt][0] *= alpha[0];
         st.o[nt][1] *= alpha[0];
         st.o[nt][2] *= alpha[1];
@@ -550,13 +499,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       }
     }
     const __nv_bfloat16* vrow =
-        sm.v(kv) + (lane % 8 + ((lane / 8) % 2) * 8) * SM::pitch + (lane / 16) * 8 + col0;
+        sm.v(kv) + (lane % 8 + ((lane / 8) % 2) * 8) * SM::pitch + (lane / 16) * 8;
 #pragma unroll
     for (int kt = 0; kt < TL / 16; ++kt) {
       const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
                                   pa[2 * kt + 1][1]};
 #pragma unroll
-      for (int dp = 0; dp < NTW / 2; ++dp) {
+      for (int dp = 0; dp < NT / 2; ++dp) {
         std::uint32_t bb[4];
         ldmatrix_x4_trans(bb, vrow + kt * 16 * SM::pitch + dp * 16);
         mma_16816_bf16(st.o[2 * dp], a, bb[0], bb[1]);
@@ -565,21 +514,21 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   }
 
-  // O fragments <-> the warp's columns of its group's 16-row f32 slab of the scratch.
-  static __device__ void o_store(const warp_state& st, float* slab, int warp, int lane) {
-    const int g = lane / 4, c = 2 * (lane % 4) + (warp % CS) * DW;
+  // O fragments <-> the warp's 16-row f32 slab of the scratch.
+  static __device__ void o_store(const warp_state& st, float* slab, int lane) {
+    const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
       *reinterpret_cast<float2*>(slab + g * SM::o_pitch + 8 * nt + c) =
           make_float2(st.o[nt][0], st.o[nt][1]);
       *reinterpret_cast<float2*>(slab + (g + 8) * SM::o_pitch + 8 * nt + c) =
           make_float2(st.o[nt][2], st.o[nt][3]);
     }
   }
-  static __device__ void o_load(warp_state& st, const float* slab, int warp, int lane) {
-    const int g = lane / 4, c = 2 * (lane % 4) + (warp % CS) * DW;
+  static __device__ void o_load(warp_state& st, const float* slab, int lane) {
+    const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
       const float2 a = *reinterpret_cast<const float2*>(slab + g * SM::o_pitch + 8 * nt + c);
       const float2 b = *reinterpret_cast<const float2*>(slab + (g + 8) * SM::o_pitch + 8 * nt + c);
       st.o[nt][0] = a.x;
@@ -588,17 +537,16 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       st.o[nt][3] = b.y;
     }
   }
-  // The slab's 16 rows <- D H_un row / D (the rotated value codecs' finalize, warp/rotation.cuh),
-  // by the group's warps (every warp's columns stored before, read back after).
-  static __device__ void unrotate_slab(float* slab, std::uint64_t value_seed, int warp, int lane) {
-    group_sync(warp);
-    for (int r = warp % CS; r < 16; r += CS) {
+  // The slab's 16 rows <- D H_un row / D (the rotated value codecs' finalize, warp/rotation.cuh).
+  static __device__ void unrotate_slab(float* slab, std::uint64_t value_seed, int lane) {
+    __syncwarp();
+    for (int r = 0; r < 16; ++r) {
       float x[P];
       load_lane_floats<P>(slab + r * SM::o_pitch + lane * P, x);
       warp_inverse_rotation<D, P>(x, value_seed, lane);
       store_lane_floats<P>(slab + r * SM::o_pitch + lane * P, x);
     }
-    group_sync(warp);
+    __syncwarp();
   }
 
   // Tier F's tiles [a, b) of this block, a three-stage pipeline with one barrier a tile: while
@@ -621,7 +569,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
       wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
     }
-    const bool decode_first = warp >= W / 2;  // a warp pair stays in one half
+    const bool decode_first = warp >= prefill_warps / 2;
     constexpr int EB = prefill_entry_buffers;
     auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
     auto decode = [&](int t) {
@@ -672,10 +620,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
             make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::value);
         if (o_rotated && !value_rotated<F>) {  // O back to the raw domain before raw values
           __syncthreads();                     // the scratch lies over Q, K and V
-          float* slab = sm.scratch + (warp / CS) * 16 * SM::o_pitch;
-          o_store(st, slab, warp, lane);
-          unrotate_slab(slab, vctx.seed, warp, lane);
-          o_load(st, slab, warp, lane);
+          float* slab = sm.scratch + warp * 16 * SM::o_pitch;
+          o_store(st, slab, lane);
+          unrotate_slab(slab, vctx.seed, lane);
+          o_load(st, slab, lane);
           o_rotated = false;
           q_domain = -1;  // Q was overwritten
           __syncthreads();
@@ -685,7 +633,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           q_domain = int(key_rotated<F>);
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            st.rq[r] = sm.rscale[(warp / CS) * 16 + lane / 4 + 8 * r] * in.softmax_scale * log2e;
+            st.rq[r] = sm.rscale[warp * 16 + lane / 4 + 8 * r] * in.softmax_scale * log2e;
         }
         tier_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
                       in.index.formats[F].indptr[bk.b + 1], a, b, sm, st, warp, lane);
@@ -732,7 +680,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     sm.rscale = reinterpret_cast<float*>(base + SM::rscale_off);
     sm.rbad = reinterpret_cast<int*>(base + SM::rbad_off);
     sm.scratch = reinterpret_cast<float*>(base + SM::q_off);
-    sm.xch = reinterpret_cast<float4*>(base + SM::xch_off);
 
     // every tier's tiles that the block's rows see, and this split's share of them
     int lo[N], hi[N], total = 0;
@@ -750,10 +697,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
     warp_state st;
 #pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = bk.row0 + (warp / CS) * 16 + lane / 4 + 8 * r;
+      const int row = bk.row0 + warp * 16 + lane / 4 + 8 * r;
       st.m[r] = -INFINITY;
       st.l[r] = 0.f;
       st.rq[r] = 0.f;
@@ -813,33 +760,31 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       lse2[r] = st.l[r] > 0.f ? st.m[r] + log2f(st.l[r]) : -INFINITY;
     }
 #pragma unroll
-    for (int nt = 0; nt < NTW; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
       st.o[nt][0] *= inv[0];
       st.o[nt][1] *= inv[0];
       st.o[nt][2] *= inv[1];
       st.o[nt][3] *= inv[1];
     }
     __syncthreads();  // Q, K and V are no longer read
-    const int group = warp / CS;
-    float* slab = sm.scratch + group * 16 * SM::o_pitch;
-    o_store(st, slab, warp, lane);
+    float* slab = sm.scratch + warp * 16 * SM::o_pitch;
+    o_store(st, slab, lane);
     if (o_rotated)
       unrotate_slab(
           slab,
           make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::value).seed,
-          warp, lane);
-    else
-      group_sync(warp);
+          lane);
+    __syncwarp();
     const bool partial = plan.kv_splits > 1;
     const std::size_t max_rows = std::size_t(plan.max_total_q) * QH;
     float* part_o = reinterpret_cast<float*>(workspace + plan.partial_offset) +
                     std::size_t(bk.split) * max_rows * D;
     float* part_lse = reinterpret_cast<float*>(workspace + plan.partial_lse_offset) +
                       std::size_t(bk.split) * max_rows;
-    for (int r = warp % CS; r < 16; r += CS) {
-      const int row = bk.row0 + group * 16 + r;
+    for (int r = 0; r < 16; ++r) {
+      const int row = bk.row0 + warp * 16 + r;
       if (row >= bk.rows_total) break;
-      const bool bad = sm.rbad[group * 16 + r] != 0;
+      const bool bad = sm.rbad[warp * 16 + r] != 0;
       const std::size_t grow =
           std::size_t(bk.q0 + row / G) * QH + std::size_t(bk.kvh * G + row % G);
       float x[P];
@@ -849,10 +794,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       else
         store_output(in, grow, lane, x, bad);
     }
-    if (warp % CS == 0 && lane % 4 == 0) {
+    if (lane % 4 == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int rl = group * 16 + lane / 4 + 8 * r, row = bk.row0 + rl;
+        const int rl = warp * 16 + lane / 4 + 8 * r, row = bk.row0 + rl;
         if (row >= bk.rows_total) continue;
         const bool bad = sm.rbad[rl] != 0;
         const std::size_t grow =
@@ -871,7 +816,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static __device__ void merge(const prefill_inputs<N>& in, const prefill_plan& plan,
                                const std::uint8_t* workspace) {
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-    const std::size_t row = std::size_t(blockIdx.x) * prefill_merge_warps + std::size_t(warp);
+    const std::size_t row = std::size_t(blockIdx.x) * prefill_warps + std::size_t(warp);
     const std::int32_t total_q = in.q_indptr[in.index.batch];
     if (total_q < 0 || total_q > plan.max_total_q || row >= std::size_t(total_q) * QH) return;
     const std::size_t max_rows = std::size_t(plan.max_total_q) * QH;
@@ -912,13 +857,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 };
 
 template <class Geometry, class TierList>
-__global__ void __launch_bounds__(prefill_kernel<Geometry, TierList>::threads, 1)
+__global__ void __launch_bounds__(prefill_threads, 1)
     prefill_kernel_entry(prefill_inputs<TierList::size> in, prefill_plan plan,
                          std::uint8_t* workspace) {
   prefill_kernel<Geometry, TierList>::run(in, plan, workspace);
 }
 template <class Geometry, class TierList>
-__global__ void __launch_bounds__(32 * prefill_merge_warps)
+__global__ void __launch_bounds__(prefill_threads)
     prefill_merge_kernel(prefill_inputs<TierList::size> in, prefill_plan plan,
                          const std::uint8_t* workspace) {
   prefill_kernel<Geometry, TierList>::merge(in, plan, workspace);
