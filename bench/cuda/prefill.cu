@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// gpubench_prefill [--out FILE.json] [--commit SHA] [--quick] [--mix M] [--chunk C]
+// gpubench_prefill [--out FILE.json] [--commit SHA] [--quick] [--mix M] [--chunk C] [--d128]
 //                  [--benchmark_* flags]
 // The chunked prefill over mixed pages (cuda/prefill.cuh), one sequence: a chunk of C queries,
 // causal inside itself, over P cached tokens (kv_len = P + C: the chunk's K/V appended first), as
 // bench/gpu/flashinfer_prefill.py times FlashInfer. Shape (24, 4, 256) (Qwen3-like), pages of 16
 // and 64 tokens; mixes: all FP8, all TQ3, tiered (page 0 and the newest ~27% FP8, the rest TQ3)
 // and int8_rotated + TQ4-key / TQ3-value tiered; chunks 512 and 2048 at P = 32K, and the short
-// chunks of speculative verification (1, 4, 8). Google Benchmark: one benchmark per case, e.g.
+// chunks of speculative verification (1, 4, 8); --d128 adds shape (32, 8, 128) (Llama-3-8B-like,
+// pages of 16, chunks 512 and 2048), where a warp's 16 x 128 O takes half the registers. Google
+// Benchmark: one benchmark per case, e.g.
 // prefill/shape:24x4x256/page_tokens:16/mix:tiered/prefix:32768/chunk:512, 30 repetitions of one
 // timed call after 3 warm-up calls, the median reported (bench_support.cuh: L2 flushed before
 // each call, the call behind a spin kernel, CUDA-event manual time). Counters: flop (4 C kv d hq
@@ -41,8 +43,9 @@ using namespace tierkv::bench;
 
 struct options {
   bool quick = false;
-  std::string mix;  // --mix M: one mix
-  int chunk = 0;    // --chunk C: one chunk length
+  std::string mix;    // --mix M: one mix
+  int chunk = 0;      // --chunk C: one chunk length
+  bool d128 = false;  // --d128: shape (32, 8, 128) too
 };
 options opt;
 
@@ -163,6 +166,7 @@ using k4_tier = tier<tq4_key, tq3_value>;
 
 template <int T>
 using qwen = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<T>>;
+using llama = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<16>>;
 
 template <class G, class Recent, class Stale>
 void register_mix(const char* mix, int prefix, int chunk) {
@@ -190,21 +194,24 @@ void register_mix(const char* mix, int prefix, int chunk) {
   gpu_bench(b, reps)->Args({prefix, chunk})->ArgNames({"prefix", "chunk"});
 }
 
-template <int T>
+template <class G>
 void register_pages(const std::vector<int>& chunks, int prefix) {
   for (int c : chunks) {
-    register_mix<qwen<T>, fp8_tier, tq3_tier>("fp8", prefix, c);
-    register_mix<qwen<T>, fp8_tier, tq3_tier>("tq3", prefix, c);
-    register_mix<qwen<T>, fp8_tier, tq3_tier>("tiered", prefix, c);
-    register_mix<qwen<T>, int8r_tier, k4_tier>("int8r", prefix, c);
-    register_mix<qwen<T>, int8r_tier, k4_tier>("tiered_int8r", prefix, c);
+    register_mix<G, fp8_tier, tq3_tier>("fp8", prefix, c);
+    register_mix<G, fp8_tier, tq3_tier>("tq3", prefix, c);
+    register_mix<G, fp8_tier, tq3_tier>("tiered", prefix, c);
+    register_mix<G, int8r_tier, k4_tier>("int8r", prefix, c);
+    register_mix<G, int8r_tier, k4_tier>("tiered_int8r", prefix, c);
   }
 }
 
 void register_all() {
-  register_pages<16>(opt.quick ? std::vector<int>{512} : std::vector<int>{512, 2048, 1, 4, 8},
-                     prefix_tokens);
-  if (!opt.quick) register_pages<64>({512, 2048}, prefix_tokens);
+  register_pages<qwen<16>>(opt.quick ? std::vector<int>{512} : std::vector<int>{512, 2048, 1, 4, 8},
+                           prefix_tokens);
+  if (!opt.quick) register_pages<qwen<64>>({512, 2048}, prefix_tokens);
+  if (opt.d128)
+    register_pages<llama>(opt.quick ? std::vector<int>{512} : std::vector<int>{512, 2048},
+                          prefix_tokens);
 }
 
 void setup(const device_facts& f) {
@@ -225,7 +232,8 @@ int main(int argc, char** argv) {
   program p;
   p.name = "gpubench_prefill";
   p.summary =
-      "Chunked prefill over mixed pages (one sequence, (24, 4, 256)) on Google Benchmark "
+      "Chunked prefill over mixed pages (one sequence, (24, 4, 256); --d128 adds (32, 8, 128)) on "
+      "Google Benchmark "
       "(docs/gpu-prefill.md).";
   p.flags = {
       {"--quick", "", "chunk 512 on 16-token pages only",
@@ -234,6 +242,8 @@ int main(int argc, char** argv) {
        [](const std::string& s) { opt.mix = s; }},
       {"--chunk", "C", "only chunk length C (512 2048 1 4 8)",
        [](const std::string& s) { opt.chunk = to_int("--chunk", s); }},
+      {"--d128", "", "shape (32, 8, 128) too (pages of 16, chunks 512 and 2048)",
+       [](const std::string&) { opt.d128 = true; }},
   };
   p.setup = setup;
   p.register_benchmarks = register_all;

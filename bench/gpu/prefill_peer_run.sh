@@ -12,13 +12,17 @@ grep -E "^e2e:|passed|failed" "$OUT/tiered_cache_test.txt"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # Google Benchmark's JSON to prefill.gbench.json; gbench_record.py writes the old record and
 # prints the old "prefill <mix> ... chunk C: T us  F TFLOP/s" lines
-./build/cuda/bench/gpubench_prefill --out "$OUT/prefill.gbench.json" --commit "$commit" > "$OUT/prefill_bench.txt" 2>&1
+./build/cuda/bench/gpubench_prefill --d128 --out "$OUT/prefill.gbench.json" --commit "$commit" > "$OUT/prefill_bench.txt" 2>&1
 python3 bench/gpu/gbench_record.py "$OUT/prefill.gbench.json" -o "$OUT/prefill.json" >> "$OUT/prefill_bench.txt"
 grep -E "chunk +(512|2048|8):" "$OUT/prefill_bench.txt" | grep p16
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
   PYTHONPATH=/tmp/site:bench/gpu PYTHONUNBUFFERED=1 timeout "${FI_TIMEOUT:-420}" \
     python3 bench/gpu/flashinfer_prefill.py --out "$OUT/flashinfer_prefill.json" 2>&1 | grep -v Warning | tail -8
+  # the same at head_dim 128 ((32, 8, 128), gpubench_prefill --d128's shape)
+  PYTHONPATH=/tmp/site:bench/gpu PYTHONUNBUFFERED=1 timeout "${FI_TIMEOUT:-420}" \
+    python3 bench/gpu/flashinfer_prefill.py --shape 32 8 128 --out "$OUT/flashinfer_prefill_d128.json" 2>&1 |
+    grep -v Warning | tail -8
   ./build/cuda/bench/gpubench_prefill --mix fp8 --out "$OUT/prefill_after_fi.gbench.json" --commit "$commit" > /dev/null
   python3 bench/gpu/gbench_record.py "$OUT/prefill_after_fi.gbench.json" -o "$OUT/prefill_after_fi.json" | grep -E "chunk +(512|2048):"
 fi
