@@ -124,7 +124,8 @@ TEST_CASE("wgmma: O = P V (m64n256k16 bf16, P in registers) equals float64", "[c
   for (std::uint64_t seed : {4u, 5u, 6u}) {
     std::mt19937_64 rng(seed);
     std::vector<std::uint16_t> p(M * N), v(N * D);
-    for (int i = 0; i < M * N; ++i) p[std::size_t(i)] = bf16_bits(std::abs(draw(rng, i, 1e18f, 1e-38f)));
+    for (int i = 0; i < M * N; ++i)
+      p[std::size_t(i)] = bf16_bits(std::abs(draw(rng, i, 1e18f, 1e-38f)));
     for (int i = 0; i < N * D; ++i) v[std::size_t(i)] = bf16_bits(draw(rng, i + 3, 1e18f, 1e-38f));
     device_buffer<std::uint16_t> dp(p), dv(v);
     device_buffer<float> d_o(M * D);

@@ -18,9 +18,8 @@ __device__ std::uint64_t descriptor(const std::uint8_t* at, std::uint32_t lbo, s
   return swapped ? wgmma_descriptor(at, sbo, lbo) : wgmma_descriptor(at, lbo, sbo);
 }
 
-__global__ void __launch_bounds__(128) scores_kernel(const std::uint16_t* q,
-                                                     const std::uint16_t* k, float* s,
-                                                     bool swapped) {
+__global__ void __launch_bounds__(128)
+    scores_kernel(const std::uint16_t* q, const std::uint16_t* k, float* s, bool swapped) {
   extern __shared__ __align__(128) std::uint8_t smem[];
   std::uint8_t* qs = smem;
   std::uint8_t* ks = smem + M * D * 2;
@@ -53,9 +52,8 @@ __global__ void __launch_bounds__(128) scores_kernel(const std::uint16_t* q,
   }
 }
 
-__global__ void __launch_bounds__(128) values_kernel(const std::uint16_t* p,
-                                                     const std::uint16_t* v, float* o,
-                                                     bool swapped) {
+__global__ void __launch_bounds__(128)
+    values_kernel(const std::uint16_t* p, const std::uint16_t* v, float* o, bool swapped) {
   extern __shared__ __align__(128) std::uint8_t smem[];
   const int t = int(threadIdx.x);
   // B = V (K = tokens, N = dims) K-major: V^T's rows are the dims, the tokens contiguous
@@ -75,8 +73,8 @@ __global__ void __launch_bounds__(128) values_kernel(const std::uint16_t* p,
     const std::uint32_t a[4] = {pair(row, k0 + 2 * c), pair(row + 8, k0 + 2 * c),
                                 pair(row, k0 + 2 * c + 8), pair(row + 8, k0 + 2 * c + 8)};
     wgmma_fence();
-    wgmma_m64n256k16_bf16_rs(d, a, descriptor(smem + step * 2 * wgmma_core_bytes, lbo, sbo, swapped),
-                             step > 0);
+    wgmma_m64n256k16_bf16_rs(
+        d, a, descriptor(smem + step * 2 * wgmma_core_bytes, lbo, sbo, swapped), step > 0);
     wgmma_commit();
     wgmma_wait<0>();
   }
