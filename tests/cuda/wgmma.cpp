@@ -78,6 +78,23 @@ double worst_relative(const std::vector<float>& got, int rows, int cols, Ref ref
   return worst;
 }
 
+// Runs the product into a fresh buffer and checks it against ref (about 2^-23 x K relative to
+// the terms' magnitudes, so 1e-5 for K <= 256); on a mismatch the run with the descriptors'
+// byte offsets exchanged says whether the layout was read the other way round.
+template <class Run, class Ref>
+void check_product(Run run, Ref ref, int rows, int cols, std::uint64_t seed) {
+  device_buffer<float> out(std::size_t(rows) * cols);
+  run(out.p, false);
+  const double err = worst_relative(out.get(), rows, cols, ref);
+  double exchanged = -1;  // the diagnostic, run on a mismatch only
+  if (err > 1e-5) {
+    run(out.p, true);
+    exchanged = worst_relative(out.get(), rows, cols, ref);
+  }
+  INFO("seed " << seed << ": with the byte offsets exchanged " << exchanged << " (-1: not run)");
+  CHECK(err <= 1e-5);
+}
+
 }  // namespace
 
 TEST_CASE("wgmma: S = Q K^T (m64n32k16 f16, shared-memory descriptors) equals float64",
@@ -94,8 +111,6 @@ TEST_CASE("wgmma: S = Q K^T (m64n32k16 f16, shared-memory descriptors) equals fl
     for (int i = 0; i < M * D; ++i) q[std::size_t(i)] = half_bits(draw(rng, i, 6e4f, 6e-8f));
     for (int i = 0; i < N * D; ++i) k[std::size_t(i)] = half_bits(draw(rng, i + 5, 6e4f, 6e-8f));
     device_buffer<std::uint16_t> dq(q), dk(k);
-    device_buffer<float> ds(M * N);
-    cuda_test::wgmma_scores(dq.p, dk.p, ds.p, false);
     auto ref = [&](int r, int c, double& want, double& scale) {
       for (int i = 0; i < D; ++i) {
         const double a = half_value(q[std::size_t(r) * D + i]);
@@ -104,14 +119,9 @@ TEST_CASE("wgmma: S = Q K^T (m64n32k16 f16, shared-memory descriptors) equals fl
         scale += std::abs(a * b);
       }
     };
-    const double err = worst_relative(ds.get(), M, N, ref);
-    double exchanged = -1;  // the diagnostic, run on a mismatch only
-    if (err > 1e-5) {
-      cuda_test::wgmma_scores(dq.p, dk.p, ds.p, true);
-      exchanged = worst_relative(ds.get(), M, N, ref);
-    }
-    INFO("seed " << seed << ": with the byte offsets exchanged " << exchanged << " (-1: not run)");
-    CHECK(err <= 1e-5);
+    check_product(
+        [&](float* s, bool exchanged) { cuda_test::wgmma_scores(dq.p, dk.p, s, exchanged); }, ref,
+        M, N, seed);
   }
 }
 
@@ -128,8 +138,6 @@ TEST_CASE("wgmma: O = P V (m64n256k16 bf16, P in registers) equals float64", "[c
       p[std::size_t(i)] = bf16_bits(std::abs(draw(rng, i, 1e18f, 1e-38f)));
     for (int i = 0; i < N * D; ++i) v[std::size_t(i)] = bf16_bits(draw(rng, i + 3, 1e18f, 1e-38f));
     device_buffer<std::uint16_t> dp(p), dv(v);
-    device_buffer<float> d_o(M * D);
-    cuda_test::wgmma_values(dp.p, dv.p, d_o.p, false);
     auto ref = [&](int r, int c, double& want, double& scale) {
       for (int i = 0; i < N; ++i) {
         const double a = bf16_value(p[std::size_t(r) * N + i]);
@@ -138,13 +146,8 @@ TEST_CASE("wgmma: O = P V (m64n256k16 bf16, P in registers) equals float64", "[c
         scale += std::abs(a * b);
       }
     };
-    const double err = worst_relative(d_o.get(), M, D, ref);
-    double exchanged = -1;  // the diagnostic, run on a mismatch only
-    if (err > 1e-5) {
-      cuda_test::wgmma_values(dp.p, dv.p, d_o.p, true);
-      exchanged = worst_relative(d_o.get(), M, D, ref);
-    }
-    INFO("seed " << seed << ": with the byte offsets exchanged " << exchanged << " (-1: not run)");
-    CHECK(err <= 1e-5);
+    check_product(
+        [&](float* o, bool exchanged) { cuda_test::wgmma_values(dp.p, dv.p, o, exchanged); }, ref,
+        M, D, seed);
   }
 }
