@@ -17,12 +17,12 @@ python3 bench/gpu/gbench_record.py "$OUT/prefill.gbench.json" -o "$OUT/prefill.j
 grep -E "chunk +(512|2048|8):" "$OUT/prefill_bench.txt" | grep p16
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /dev/null 2>&1
-  PYTHONPATH=/tmp/site:bench/gpu PYTHONUNBUFFERED=1 timeout "${FI_TIMEOUT:-420}" \
-    python3 bench/gpu/flashinfer_prefill.py --out "$OUT/flashinfer_prefill.json" 2>&1 | grep -v Warning | tail -8
-  # the same at head_dim 128 ((32, 8, 128), gpubench_prefill --d128's shape)
-  PYTHONPATH=/tmp/site:bench/gpu PYTHONUNBUFFERED=1 timeout "${FI_TIMEOUT:-420}" \
-    python3 bench/gpu/flashinfer_prefill.py --shape 32 8 128 --out "$OUT/flashinfer_prefill_d128.json" 2>&1 |
-    grep -v Warning | tail -8
+  # both of gpubench_prefill's shapes: (24, 4, 256) and --d128's (32, 8, 128)
+  for shape in "24 4 256:" "32 8 128:_d128"; do
+    PYTHONPATH=/tmp/site:bench/gpu PYTHONUNBUFFERED=1 timeout "${FI_TIMEOUT:-420}" \
+      python3 bench/gpu/flashinfer_prefill.py --shape ${shape%%:*} \
+      --out "$OUT/flashinfer_prefill${shape#*:}.json" 2>&1 | grep -v Warning | tail -8
+  done
   ./build/cuda/bench/gpubench_prefill --mix fp8 --out "$OUT/prefill_after_fi.gbench.json" --commit "$commit" > /dev/null
   python3 bench/gpu/gbench_record.py "$OUT/prefill_after_fi.gbench.json" -o "$OUT/prefill_after_fi.json" | grep -E "chunk +(512|2048):"
 fi

@@ -11,11 +11,11 @@
 #include <random>
 #include <vector>
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include "cuda_test.hpp"
+#include "tierkv/codec/bf16.hpp"
 #include "wgmma_kernels.hpp"
 
 namespace {
@@ -37,13 +37,6 @@ std::uint16_t half_bits(float x) {
   return *reinterpret_cast<const std::uint16_t*>(&h);
 }
 double half_value(std::uint16_t b) { return double(__half2float(*reinterpret_cast<__half*>(&b))); }
-std::uint16_t bf16_bits(float x) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(x);
-  return *reinterpret_cast<const std::uint16_t*>(&h);
-}
-double bf16_value(std::uint16_t b) {
-  return double(__bfloat162float(*reinterpret_cast<__nv_bfloat16*>(&b)));
-}
 
 // Values for element i: mostly N(0, 1) scaled, with zeros, huge and tiny magnitudes mixed in.
 float draw(std::mt19937_64& rng, int i, float huge, float tiny) {
@@ -135,13 +128,14 @@ TEST_CASE("wgmma: O = P V (m64n256k16 bf16, P in registers) equals float64", "[c
     std::mt19937_64 rng(seed);
     std::vector<std::uint16_t> p(M * N), v(N * D);
     for (int i = 0; i < M * N; ++i)
-      p[std::size_t(i)] = bf16_bits(std::abs(draw(rng, i, 1e18f, 1e-38f)));
-    for (int i = 0; i < N * D; ++i) v[std::size_t(i)] = bf16_bits(draw(rng, i + 3, 1e18f, 1e-38f));
+      p[std::size_t(i)] = tierkv::float_to_bf16(std::abs(draw(rng, i, 1e18f, 1e-38f)));
+    for (int i = 0; i < N * D; ++i)
+      v[std::size_t(i)] = tierkv::float_to_bf16(draw(rng, i + 3, 1e18f, 1e-38f));
     device_buffer<std::uint16_t> dp(p), dv(v);
     auto ref = [&](int r, int c, double& want, double& scale) {
       for (int i = 0; i < N; ++i) {
-        const double a = bf16_value(p[std::size_t(r) * N + i]);
-        const double b = bf16_value(v[std::size_t(i) * D + c]);
+        const double a = tierkv::bf16_to_float(p[std::size_t(r) * N + i]);
+        const double b = tierkv::bf16_to_float(v[std::size_t(i) * D + c]);
         want += a * b;
         scale += std::abs(a * b);
       }
