@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The warpgroup MMA primitives (cuda/arch/wgmma.cuh) against float64: S = Q K^T on f16 operands
-// from shared memory and O = P V with P in bf16 registers, over the no-swizzle K-major layout and
-// descriptors, on random and adversarial values (zeros, the formats' largest finite values and
-// subnormals, signs alternating). On a mismatch the test also runs the descriptors with the two
-// byte offsets exchanged and says whether that reading matched.
+// from shared memory and O = P V with P in bf16 registers, over the no-swizzle K-major layout (and
+// the MN-major one for V) and descriptors, on random and adversarial values (zeros, the formats'
+// largest finite values and subnormals, signs alternating). On a mismatch the test also runs the
+// descriptors with the two byte offsets exchanged and says whether that reading matched.
 #include "catch.hpp"
 
 #include <cmath>
@@ -124,6 +124,8 @@ TEST_CASE("wgmma: O = P V (m64n256k16 bf16, P in registers) equals float64", "[c
     return;
   }
   REQUIRE(cuda_test::wgmma_built());
+  const bool mn_major = GENERATE(false, true);  // V transposed (K-major) or as token rows
+  INFO("V " << (mn_major ? "MN-major (transpose flag)" : "K-major"));
   for (std::uint64_t seed : {4u, 5u, 6u}) {
     std::mt19937_64 rng(seed);
     std::vector<std::uint16_t> p(M * N), v(N * D);
@@ -141,7 +143,9 @@ TEST_CASE("wgmma: O = P V (m64n256k16 bf16, P in registers) equals float64", "[c
       }
     };
     check_product(
-        [&](float* o, bool exchanged) { cuda_test::wgmma_values(dp.p, dv.p, o, exchanged); }, ref,
-        M, D, seed);
+        [&](float* o, bool exchanged) {
+          cuda_test::wgmma_values(dp.p, dv.p, o, exchanged, mn_major);
+        },
+        ref, M, D, seed);
   }
 }

@@ -52,13 +52,16 @@ __global__ void __launch_bounds__(128)
   }
 }
 
+template <bool MnMajor>
 __global__ void __launch_bounds__(128)
     values_kernel(const std::uint16_t* p, const std::uint16_t* v, float* o, bool swapped) {
   extern __shared__ __align__(128) std::uint8_t smem[];
   const int t = int(threadIdx.x);
-  // B = V (K = tokens, N = dims) K-major: V^T's rows are the dims, the tokens contiguous
+  // B = V (K = tokens, N = dims): K-major, V^T's rows are the dims with the tokens contiguous;
+  // MN-major, V's token rows with 8 dims contiguous (the transpose flag)
   for (int i = t; i < N * D; i += 128)
-    *reinterpret_cast<std::uint16_t*>(smem + kmajor_offset(i % D, i / D, N)) = v[i];
+    *reinterpret_cast<std::uint16_t*>(
+        smem + (MnMajor ? mnmajor_offset(i / D, i % D, N) : kmajor_offset(i % D, i / D, N))) = v[i];
   fence_proxy_async_shared();
   __syncthreads();
   const int warp = t / 32, lane = t % 32, g = lane / 4, c = lane % 4, row = 16 * warp + g;
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(128)
     const std::uint32_t a[4] = {pair(row, k0 + 2 * c), pair(row + 8, k0 + 2 * c),
                                 pair(row, k0 + 2 * c + 8), pair(row + 8, k0 + 2 * c + 8)};
     wgmma_fence();
-    wgmma_m64n256k16_bf16_rs(
+    wgmma_m64n256k16_bf16_rs<MnMajor>(
         d, a, descriptor(smem + step * 2 * wgmma_core_bytes, lbo, sbo, swapped), step > 0);
     wgmma_commit();
     wgmma_wait<0>();
@@ -112,8 +115,12 @@ void wgmma_scores(const std::uint16_t* q, const std::uint16_t* k, float* s, bool
   launch(scores_kernel, (M + N) * D * 2, q, k, s, swapped);
 }
 
-void wgmma_values(const std::uint16_t* p, const std::uint16_t* v, float* o, bool swapped) {
-  launch(values_kernel, N * D * 2, p, v, o, swapped);
+void wgmma_values(const std::uint16_t* p, const std::uint16_t* v, float* o, bool swapped,
+                  bool mn_major) {
+  if (mn_major)
+    launch(values_kernel<true>, N * D * 2, p, v, o, swapped);
+  else
+    launch(values_kernel<false>, N * D * 2, p, v, o, swapped);
 }
 
 }  // namespace cuda_test

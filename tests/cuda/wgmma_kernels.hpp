@@ -13,7 +13,9 @@ bool wgmma_built();
 // leading and stride byte offsets exchanged (a diagnostic of the layout reading).
 void wgmma_scores(const std::uint16_t* q, const std::uint16_t* k, float* s, bool swapped);
 // One warpgroup: o (64 x 256, f32) = p (64 x 32) v (32 x 256), bf16 bit patterns, row-major; p
-// as register fragments, v transposed into K-major shared memory, 2 k-steps of m64n256k16.
-void wgmma_values(const std::uint16_t* p, const std::uint16_t* v, float* o, bool swapped);
+// as register fragments, v in shared memory transposed into the K-major layout or, mn_major, as
+// token rows in the MN-major layout (the transpose flag), 2 k-steps of m64n256k16.
+void wgmma_values(const std::uint16_t* p, const std::uint16_t* v, float* o, bool swapped,
+                  bool mn_major);
 
 }  // namespace cuda_test

@@ -2,7 +2,8 @@
 // Hopper warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors for the
 // no-swizzle K-major layout, the fence / commit / wait protocol, and the two shapes a
 // warpgroup-per-64-rows attention needs: S = Q K^T (m64n32k16, f16 operands from shared memory)
-// and O += P V (m64n256k16, P in bf16 registers, V from shared memory), f32 accumulators.
+// and O += P V (m64n256k16, P in bf16 registers, V from shared memory K- or MN-major), f32
+// accumulators.
 // Layouts (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): a core matrix is
 // 8 rows x 16 bytes stored as 128 contiguous bytes; kmajor_offset() places element (row, k) of a
 // rows x K tile so that K-adjacent core matrices are 128 bytes apart (the leading byte offset)
@@ -35,6 +36,16 @@ __host__ __device__ constexpr std::uint32_t kmajor_offset(int row, int k, int k_
                        (k % 8) * 2);
 }
 
+// Byte offset of element (k, n) of a `k_elems` x N tile of 2-byte elements in the no-swizzle
+// MN-major layout (a B operand read with its transpose flag set): a core matrix is 8 k-rows of 8
+// n-adjacent elements; K-adjacent core matrices are 128 bytes apart (the leading byte offset),
+// 8-column groups k_elems / 8 x 128 bytes apart (the stride byte offset). A token-major V tile
+// (k = token, n = dimension) is this layout with 16-byte rows of 8 dimensions.
+__host__ __device__ constexpr std::uint32_t mnmajor_offset(int k, int n, int k_elems) {
+  return std::uint32_t(((n / 8) * (k_elems / 8) + k / 8) * wgmma_core_bytes + (k % 8) * 16 +
+                       (n % 8) * 2);
+}
+
 // The 64-bit shared-memory descriptor of a no-swizzle operand starting at `smem` (16-byte
 // aligned): start address, leading byte offset (K-adjacent core matrices) and stride byte offset
 // (8-row groups), each in 16-byte units.
@@ -43,6 +54,14 @@ __device__ __forceinline__ std::uint64_t wgmma_descriptor(const void* smem, std:
   const auto addr = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
   return std::uint64_t((addr & 0x3FFFFu) >> 4) | (std::uint64_t((lbo_bytes >> 4) & 0x3FFFu) << 16) |
          (std::uint64_t((sbo_bytes >> 4) & 0x3FFFu) << 32);
+}
+
+// Keeps the compiler from moving reads or writes of an accumulator register across the
+// asynchronous region (wgmma_fence ... wgmma_wait): each register is "written" here.
+template <int R>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
@@ -99,7 +118,10 @@ __device__ __forceinline__ void wgmma_m64n32k16_f16(float (&d)[16], std::uint64_
 }
 
 // d (64 x 256, f32) += A (64 x 16, bf16 in registers: mma.sync's m16n8k16 A fragment of the
-// warp's 16 rows) B (16 x 256, bf16, K-major in shared memory: B^T's rows are the 256 columns).
+// warp's 16 rows) B (16 x 256, bf16 in shared memory): K-major (B^T's rows are the 256 columns,
+// kmajor_offset) or, with MnMajor, MN-major (B's 16 rows of 256 columns, mnmajor_offset; the
+// transpose flag).
+template <bool MnMajor = false>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16_rs(float (&d)[128],
                                                          const std::uint32_t (&a)[4],
                                                          std::uint64_t b_desc, bool accumulate) {
@@ -114,7 +136,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_rs(float (&d)[128],
       "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, "
       "%99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, "
       "%114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, "
-      "%129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      "%129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -134,7 +156,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_rs(float (&d)[128],
         "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
         "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)),
+        "n"(int(MnMajor)));
 #else
   (void)d, (void)a, (void)b_desc, (void)accumulate;
   __trap();

@@ -9,8 +9,10 @@
 // codes are exact in both); then each warp runs its 16 rows FA2-style: S = Q K^T on mma.sync f16
 // (queries in the key codec's domain, each row scaled by a power of two to |q| < 1), masked by
 // position, online softmax in log2 units (ex2.approx), O += (P x value scale) V on mma.sync bf16.
-// Value-rotated tiers' O is un-rotated once, through shared memory. One split writes the output;
-// several write partial states that prefill_merge_kernel combines by log-sum-exp.
+// Built for sm_90a, head_dim 256 runs both products on wgmma instead, a warpgroup per 64 rows,
+// with the next tile's decode issued while they run. Value-rotated tiers' O is un-rotated once,
+// through shared memory. One split writes the output; several write partial states that
+// prefill_merge_kernel combines by log-sum-exp.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -33,6 +35,7 @@
 #include "tierkv/cuda/arch/ldmatrix.cuh"
 #include "tierkv/cuda/arch/math.cuh"
 #include "tierkv/cuda/arch/mma.cuh"
+#include "tierkv/cuda/arch/wgmma.cuh"
 #include "tierkv/cuda/codec/formats.cuh"
 #include "tierkv/cuda/decode/common.cuh"
 #include "tierkv/cuda/prefill/inputs.cuh"
@@ -51,25 +54,27 @@ inline constexpr int prefill_tile = D == 256 ? 32 : 64;
 inline constexpr int prefill_max_entries = 4;    // index entries of a tile (pages of 16 tokens)
 inline constexpr int prefill_entry_buffers = 4;  // tiles t + 1 (unpack), t + 2 (fetch), t + 3
 
-// Shared memory of a block (bytes). Q / K / V rows are padded by 16 bytes so the 8 row addresses
-// of an ldmatrix hit 8 different 16-byte bank groups; the output scratch (f32, one 16-row slab
-// per warp, padded by 8 floats: the fragment stores take 2 wavefronts) lies over Q and both K / V
-// buffers. Two decoded tiles (one computed while the next is decoded) and two staging areas (the
-// raw payloads and metas cp.async lands, one tile ahead of the decode).
+// Shared memory of a block (bytes). Q, K and V are in the no-swizzle core-matrix layouts that
+// wgmma reads (cuda/arch/wgmma.cuh): Q and K K-major (rows of head_dim), V MN-major (token rows of
+// 8 dimensions a core matrix). A core matrix is 8 rows of 16 bytes in 128 contiguous bytes, so an
+// ldmatrix's 8 row addresses hit 8 different 16-byte bank groups with no padding. The output
+// scratch (f32, one 16-row slab per warp, padded by 8 floats: the fragment stores take 2
+// wavefronts) lies over Q, both K / V buffers and the staging areas (all free when it is used).
+// Two decoded tiles (one computed while the next is decoded) and two staging areas (the raw
+// payloads and metas cp.async lands, one tile ahead of the decode).
 template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload>
 struct prefill_smem {
   static constexpr int D = Geometry::head_dim;
   static constexpr int tile = prefill_tile<D>;
-  static constexpr int pitch = D + 8;    // halves per Q / K / V row
   static constexpr int o_pitch = D + 8;  // floats per output scratch row
-  static constexpr std::size_t kv_bytes = std::size_t(tile) * pitch * 2;  // one K or V tile
+  static constexpr std::size_t kv_bytes = std::size_t(tile) * D * 2;  // one K or V tile
   static constexpr std::size_t stage_k_bytes = tile * KeyPayload;
   static constexpr std::size_t stage_v_bytes = tile * ValuePayload;
   static constexpr std::size_t stage_bytes = stage_k_bytes + stage_v_bytes + 2 * tile * 2;
   static constexpr std::size_t q_off = 0;
-  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * pitch * 2;  // [2]
-  static constexpr std::size_t v_off = k_off + 2 * kv_bytes;                           // [2]
-  static constexpr std::size_t stage_off = v_off + 2 * kv_bytes;                       // [2]
+  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * D * 2;  // [2]
+  static constexpr std::size_t v_off = k_off + 2 * kv_bytes;                       // [2]
+  static constexpr std::size_t stage_off = v_off + 2 * kv_bytes;                   // [2]
   static constexpr std::size_t ent_off = stage_off + 2 * stage_bytes;  // [4][slot, logical][4]
   static constexpr std::size_t kscale_off =
       ent_off + prefill_entry_buffers * 2 * prefill_max_entries * 4;  // [2][tile]
@@ -78,8 +83,18 @@ struct prefill_smem {
   static constexpr std::size_t rscale_off = kpos_off + 2 * tile * 4;
   static constexpr std::size_t rbad_off = rscale_off + prefill_rows * 4;
   static constexpr std::size_t bytes = rbad_off + prefill_rows * 4;
-  static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= stage_off,
-                "prefill: the output scratch must fit over Q, K and V");
+  static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= ent_off,
+                "prefill: the output scratch must fit over Q, K, V and the staging areas");
+  // byte offsets of element (row, d) of Q, (token, d) of a K tile and (token, d) of a V tile
+  static __host__ __device__ constexpr std::uint32_t q_at(int row, int d) {
+    return kmajor_offset(row, d, D);
+  }
+  static __host__ __device__ constexpr std::uint32_t k_at(int token, int d) {
+    return kmajor_offset(token, d, D);
+  }
+  static __host__ __device__ constexpr std::uint32_t v_at(int token, int d) {
+    return mnmajor_offset(token, d, tile);
+  }
   static_assert(stage_k_bytes % 16 == 0 && stage_v_bytes % 16 == 0 && tile * 2 % 16 == 0,
                 "prefill: staged tiles are whole 16-byte units");
   static_assert(bytes <= 227 * 1024, "prefill: shared memory beyond the H100 / H200 limit");
@@ -140,6 +155,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   template <int F>
   static constexpr bool key_rotated = rotated_format<typename tier_t<F>::template key_codec<D>>;
   static constexpr prefill_pass_order<N> order = make_prefill_pass_order<D, Tiers...>();
+  // Built for sm_90a, head_dim 256 runs its products on wgmma (compute_tile_wgmma): one
+  // warpgroup a 64-row half of the block, the next tile's decode issued while they run.
+#if TIERKV_HAS_WGMMA
+  static constexpr bool wgmma_path = D == 256;
+#else
+  static constexpr bool wgmma_path = false;
+#endif
 
   struct block {
     int b, kvh, row0, rows_total, n, len, q0;
@@ -150,16 +172,16 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   // Shared-memory views; the double buffers are addressed from their first (kv, st: 0 or 1).
   struct smem {
     std::uint8_t* base;
-    __half* q;
+    std::uint8_t* q;    // SM::q_at
     std::int32_t* ent;  // [buffer][slot, logical][prefill_max_entries]
     float* rscale;
     int* rbad;
-    float* scratch;  // over q, k and v
-    __device__ __half* k(int kv) const {
-      return reinterpret_cast<__half*>(base + SM::k_off + kv * SM::kv_bytes);
+    float* scratch;                             // over q, k, v and the staging areas
+    __device__ std::uint8_t* k(int kv) const {  // f16, SM::k_at
+      return base + SM::k_off + kv * SM::kv_bytes;
     }
-    __device__ __nv_bfloat16* v(int kv) const {
-      return reinterpret_cast<__nv_bfloat16*>(base + SM::v_off + kv * SM::kv_bytes);
+    __device__ std::uint8_t* v(int kv) const {  // bf16, SM::v_at
+      return base + SM::v_off + kv * SM::kv_bytes;
     }
     __device__ float* kscale(int kv) const {
       return reinterpret_cast<float*>(base + SM::kscale_off) + kv * TL;
@@ -196,9 +218,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   // prepare_query), each scaled by 2^-e to |x| < 1 and stored as f16; rscale <- 2^e (0 for a row
   // with a NaN or an infinity, whose output is NaN: rbad).
   template <bool Rotated>
-  static __device__ void prepare_queries(const prefill_inputs<N>& in, const block& bk,
-                                         std::uint64_t key_seed, const smem& sm, int warp,
-                                         int lane) {
+  static __device__ __forceinline__ void prepare_queries(const prefill_inputs<N>& in,
+                                                         const block& bk, std::uint64_t key_seed,
+                                                         const smem& sm, int warp, int lane) {
     constexpr int RB = 4;  // rows with loads in flight
     const bool bf16 = in.queries_type == query_type::bf16;
     for (int r0 = 0; r0 < 16; r0 += RB) {
@@ -247,7 +269,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         __half h[P];
 #pragma unroll
         for (int i = 0; i < P; ++i) h[i] = __float2half_rn(ldexpf(x[u][i], -e));
-        __half* dst = sm.q + rl * SM::pitch + lane * P;
+        __half* dst = reinterpret_cast<__half*>(sm.q + SM::q_at(rl, lane * P));
         if constexpr (P == 8) {
           *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(h);
         } else if constexpr (P == 4) {
@@ -261,6 +283,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         }
       }
     }
+    if constexpr (wgmma_path) fence_proxy_async_shared();  // Q is read by wgmma
     __syncwarp();
   }
 
@@ -303,8 +326,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 
   // cp.async of tile `tile`'s index entries (slot, logical) into buffer `buf` (-1: past the
   // tier's entries).
-  static __device__ void fetch_entries(const format_pages_view& fv, int e_begin, int e_end,
-                                       int tile, int buf, const smem& sm) {
+  static __device__ __forceinline__ void fetch_entries(const format_pages_view& fv, int e_begin,
+                                                       int e_end, int tile, int buf,
+                                                       const smem& sm) {
     const int i = int(threadIdx.x);
     if (i < EPT) {
       const int e = e_begin + (tile * TL) / T + i;
@@ -320,8 +344,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   // cp.async of tile `tile`'s key / value payloads and metas of the block's KV head (entries in
   // buffer `buf`) into staging area `stage`; a bad or absent entry's bytes are not fetched.
   template <int F>
-  static __device__ void fetch_tile(const prefill_inputs<N>& in, const block& bk, int tile, int buf,
-                                    int stage, const smem& sm) {
+  static __device__ __forceinline__ void fetch_tile(const prefill_inputs<N>& in, const block& bk,
+                                                    int tile, int buf, int stage, const smem& sm) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using layout = page_layout<Geometry, K, V>;
@@ -351,12 +375,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   }
 
   // The landed tile (staging area `st`, entries in `buf`) -> decoded buffer `kv`: K (f16) / V
-  // (bf16), scales and positions, by all threads. A token past the sequence, past the entries or
-  // of a bad entry gets position INT_MAX (masked for every row) and zero K / V (0 x poison stays
-  // out of P V).
+  // (bf16), scales and positions, by all threads (share `part` of `parts`). A token past the
+  // sequence, past the entries or of a bad entry gets position INT_MAX (masked for every row) and
+  // zero K / V (0 x poison stays out of P V).
   template <int F>
-  static __device__ void unpack_tile(const block& bk, int tile, int present, int buf, int st,
-                                     int kv, const pool_view& pool, const smem& sm) {
+  static __device__ __forceinline__ void unpack_tile(const block& bk, int tile, int present,
+                                                     int buf, int st, int kv, const pool_view& pool,
+                                                     const smem& sm, int part = 0, int parts = 1) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using KR = slice_reader<K>;
@@ -367,8 +392,11 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         "codes (dense_bf16 pages are decode-only on the GPU: a bf16 key has no exact f16)");
     constexpr int S = D / 16;  // 16-coordinate slices of a token
     const int t0 = T > TL ? (tile * TL) % T : 0;
-    for (int idx = int(threadIdx.x); idx < TL * S; idx += prefill_threads) {
-      const int i = idx / S, s = idx % S;
+    // 8 consecutive threads take 8 consecutive tokens of one slice: their 16-byte stores land in
+    // 8 different rows of a core matrix (8 different bank groups)
+    for (int idx = int(threadIdx.x) + part * prefill_threads; idx < TL * S;
+         idx += parts * prefill_threads) {
+      const int i = (idx / (8 * S)) * 8 + idx % 8, s = (idx / 8) % S;
       const int j = i / TE;
       const std::int32_t slot = sm.slots(buf)[j], logical = sm.logicals(buf)[j];
       int pos = INT_MAX;
@@ -380,8 +408,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           if (p < bk.len) pos = int(p);
         }
       }
-      uint4* kd = reinterpret_cast<uint4*>(sm.k(kv) + i * SM::pitch + s * 16);
-      uint4* vd = reinterpret_cast<uint4*>(sm.v(kv) + i * SM::pitch + s * 16);
+      uint4* kd0 = reinterpret_cast<uint4*>(sm.k(kv) + SM::k_at(i, 16 * s));
+      uint4* kd1 = reinterpret_cast<uint4*>(sm.k(kv) + SM::k_at(i, 16 * s + 8));
+      uint4* vd0 = reinterpret_cast<uint4*>(sm.v(kv) + SM::v_at(i, 16 * s));
+      uint4* vd1 = reinterpret_cast<uint4*>(sm.v(kv) + SM::v_at(i, 16 * s + 8));
       if (pos != INT_MAX) {
         const typename KR::raw kr =
             KR::template load<true>(sm.stage_k(st) + std::size_t(i) * K::payload_bytes, s);
@@ -396,51 +426,61 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 #pragma unroll
           for (int c = 0; c < 8; ++c) w[c] = pack_half2(x[2 * c], x[2 * c + 1]);
         }
-        kd[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        kd[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        *kd0 = make_uint4(w[0], w[1], w[2], w[3]);
+        *kd1 = make_uint4(w[4], w[5], w[6], w[7]);
         VR::unpack(vr, s, x);
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * c], x[2 * c + 1]);
           w[c] = *reinterpret_cast<const std::uint32_t*>(&h);
         }
-        vd[0] = make_uint4(w[0], w[1], w[2], w[3]);
-        vd[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        *vd0 = make_uint4(w[0], w[1], w[2], w[3]);
+        *vd1 = make_uint4(w[4], w[5], w[6], w[7]);
         if (s == 0) {
           sm.kscale(kv)[i] = bf16_bits_to_float(sm.stage_kmeta(st)[i]) * KR::code_scale;
           sm.vscale(kv)[i] = bf16_bits_to_float(sm.stage_vmeta(st)[i]) * VR::code_scale;
         }
       } else {
-        kd[0] = kd[1] = vd[0] = vd[1] = make_uint4(0u, 0u, 0u, 0u);
+        *kd0 = *kd1 = *vd0 = *vd1 = make_uint4(0u, 0u, 0u, 0u);
         if (s == 0) sm.kscale(kv)[i] = sm.vscale(kv)[i] = 0.f;
       }
       if (s == 0) sm.kpos(kv)[i] = pos;
     }
   }
 
-  // The warp's 16 rows over decoded tile buffer `kv`. Masked = false: every token of the tile
-  // is valid and visible to every row of the warp (no position compare per logit).
-  template <bool Masked>
-  static __device__ void compute_tile(const prefill_inputs<N>& in, const smem& sm, int kv,
-                                      warp_state& st, int warp, int lane) {
-    float s[ST][4];
+  // S = Q K^T of the warp's 16 rows over decoded tile buffer `kv` (mma.sync f16): s[j] is the
+  // m16n8 C fragment of tokens 8 j .. 8 j + 7.
+  static __device__ __forceinline__ void scores_mma(const smem& sm, int kv, float (&s)[ST][4],
+                                                    int warp, int lane) {
 #pragma unroll
     for (int j = 0; j < ST; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const __half* qrow = sm.q + (warp * 16 + lane % 16) * SM::pitch + (lane / 16) * 8;
-    const __half* krow = sm.k(kv) + ((lane / 16) * 8 + lane % 8) * SM::pitch + ((lane / 8) % 2) * 8;
+    // lanes 0-15 address rows 0-15 at the k-step's first 8 dimensions, lanes 16-31 the next 8;
+    // a k-step is 16 dimensions, two K-adjacent core matrices (+256 bytes)
+    const std::uint8_t* qrow = sm.q + SM::q_at(warp * 16 + lane % 16, (lane / 16) * 8);
+    const std::uint8_t* krow =
+        sm.k(kv) + SM::k_at((lane / 16) * 8 + lane % 8, ((lane / 8) % 2) * 8);
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       std::uint32_t a[4];
-      ldmatrix_x4(a, qrow + ks * 16);
+      ldmatrix_x4(a, qrow + ks * 2 * wgmma_core_bytes);
 #pragma unroll
       for (int np = 0; np < ST / 2; ++np) {
         std::uint32_t bb[4];
-        ldmatrix_x4(bb, krow + np * 16 * SM::pitch + ks * 16);
+        ldmatrix_x4(bb, krow + SM::k_at(16 * np, 16 * ks));
         mma_16816(s[2 * np], a, bb[0], bb[1]);
         mma_16816(s[2 * np + 1], a, bb[2], bb[3]);
       }
     }
-    // logits in log2 units (masked by position)
+  }
+
+  // The online softmax of a tile's scores: logits in log2 units (key scale x row scale, the
+  // optional soft-cap, masked by position unless Masked is false: every token of the tile valid
+  // and visible to every row), the running max / sum, O rescaled, and P x value scale as bf16
+  // pairs (pa[j][r]: rows g and g + 8 of tokens 8 j + 2 (l % 4) + {0, 1}, mma's A fragments).
+  template <bool Masked>
+  static __device__ __forceinline__ void online_softmax(const prefill_inputs<N>& in, const smem& sm,
+                                                        int kv, warp_state& st, float (&s)[ST][4],
+                                                        std::uint32_t (&pa)[ST][2], int lane) {
     const int cb = 2 * (lane % 4);
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -474,7 +514,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       st.m[r] = m_new;
     }
     float sum[2] = {0.f, 0.f};
-    std::uint32_t pa[ST][2];  // bf16 pairs of p x value scale: rows g (0) and g + 8 (1)
 #pragma unroll
     for (int j = 0; j < ST; ++j) {
       const float2 vsc = *reinterpret_cast<const float2*>(sm.vscale(kv) + 8 * j + cb);
@@ -498,8 +537,14 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         st.o[nt][3] *= alpha[1];
       }
     }
-    const __nv_bfloat16* vrow =
-        sm.v(kv) + (lane % 8 + ((lane / 8) % 2) * 8) * SM::pitch + (lane / 16) * 8;
+  }
+
+  // O += P V of the warp's 16 rows (mma.sync bf16, V by transposing ldmatrix).
+  static __device__ __forceinline__ void values_mma(const smem& sm, int kv, warp_state& st,
+                                                    const std::uint32_t (&pa)[ST][2], int lane) {
+    // lanes 8i..8i+7 address tokens 8 (i % 2) + 0..7 at dimensions 8 (i / 2) of a 16 x 16 block
+    const std::uint8_t* vrow =
+        sm.v(kv) + SM::v_at(lane % 8 + ((lane / 8) % 2) * 8, (lane / 16) * 8);
 #pragma unroll
     for (int kt = 0; kt < TL / 16; ++kt) {
       const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
@@ -507,10 +552,76 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 #pragma unroll
       for (int dp = 0; dp < NT / 2; ++dp) {
         std::uint32_t bb[4];
-        ldmatrix_x4_trans(bb, vrow + kt * 16 * SM::pitch + dp * 16);
+        ldmatrix_x4_trans(bb, vrow + SM::v_at(16 * kt, 16 * dp));
         mma_16816_bf16(st.o[2 * dp], a, bb[0], bb[1]);
         mma_16816_bf16(st.o[2 * dp + 1], a, bb[2], bb[3]);
       }
+    }
+  }
+
+  // The warp's 16 rows over decoded tile buffer `kv` on mma.sync.
+  template <bool Masked>
+  static __device__ void compute_tile(const prefill_inputs<N>& in, const smem& sm, int kv,
+                                      warp_state& st, int warp, int lane) {
+    float s[ST][4];
+    std::uint32_t pa[ST][2];
+    scores_mma(sm, kv, s, warp, lane);
+    online_softmax<Masked>(in, sm, kv, st, s, pa, lane);
+    values_mma(sm, kv, st, pa, lane);
+  }
+
+  // The warpgroup's 64 rows (warps 4 wg .. 4 wg + 3) over decoded tile buffer `kv` on wgmma
+  // (sm_90a, head_dim 256, 32-token tiles): S = Q K^T by 16 m64n32k16 steps from shared memory,
+  // the softmax as compute_tile's, O += P V by 2 m64n256k16 steps with P in registers. Each
+  // product runs asynchronously while `overlap` (a share of the next tile's decode) issues on the
+  // same warps. With Compute false only overlap runs (the tile is past every row of the group).
+  template <bool Masked, bool Compute, class Overlap>
+  static __device__ __forceinline__ void compute_tile_wgmma(const prefill_inputs<N>& in,
+                                                            const smem& sm, int kv, warp_state& st,
+                                                            int warp, int lane, Overlap overlap) {
+    if constexpr (!Compute) {
+      overlap(0);
+      overlap(1);
+    } else {
+      static_assert(D == 256 && TL == 32, "prefill: the wgmma path is head_dim 256's");
+      float s[ST][4];
+      float(&sv)[4 * ST] = reinterpret_cast<float(&)[4 * ST]>(s);
+      float(&ov)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st.o);
+      const int wg = warp / 4;
+      // K-major Q / K: K-adjacent core matrices 128 bytes apart, 8-row groups D / 8 x 128
+      constexpr std::uint32_t qk_lbo = wgmma_core_bytes, qk_sbo = D / 8 * wgmma_core_bytes;
+      // MN-major V: K-adjacent (token) core matrices 128 bytes apart, 8-dimension groups TL / 8 x
+      // 128
+      constexpr std::uint32_t v_lbo = wgmma_core_bytes, v_sbo = TL / 8 * wgmma_core_bytes;
+      const std::uint8_t* q = sm.q + SM::q_at(64 * wg, 0);
+      const std::uint8_t* k = sm.k(kv);
+#pragma unroll
+      for (int i = 0; i < 4 * ST; ++i) sv[i] = 0.f;
+      wgmma_fence_operands(sv);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks)
+        wgmma_m64n32k16_f16(sv, wgmma_descriptor(q + SM::q_at(0, 16 * ks), qk_lbo, qk_sbo),
+                            wgmma_descriptor(k + SM::k_at(0, 16 * ks), qk_lbo, qk_sbo), ks > 0);
+      wgmma_commit();
+      overlap(0);
+      wgmma_wait<0>();
+      wgmma_fence_operands(sv);
+      std::uint32_t pa[ST][2];
+      online_softmax<Masked>(in, sm, kv, st, s, pa, lane);
+      wgmma_fence_operands(ov);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < TL / 16; ++kt) {
+        const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
+                                    pa[2 * kt + 1][1]};
+        wgmma_m64n256k16_bf16_rs<true>(
+            ov, a, wgmma_descriptor(sm.v(kv) + SM::v_at(16 * kt, 0), v_lbo, v_sbo), true);
+      }
+      wgmma_commit();
+      overlap(1);
+      wgmma_wait<0>();
+      wgmma_fence_operands(ov);
     }
   }
 
@@ -553,12 +664,14 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   // tile t is computed from one decoded buffer, tile t + 1 is decoded from its staging area into
   // the other and tile t + 2's bytes land by cp.async in the staging area t's bytes left (the
   // index entries run one tile further ahead). The decode is ALU work and the compute tensor-core
-  // work: the block's two warp halves take them in opposite orders, so each scheduler (warps w
-  // and w + 4) has one warp of each kind to issue from.
+  // work: on mma.sync the block's two warp halves take them in opposite orders, so each scheduler
+  // (warps w and w + 4) has one warp of each kind to issue from; on wgmma each warp issues its
+  // share of the decode while its group's asynchronous products run.
   template <int F>
-  static __device__ void tier_tiles(const prefill_inputs<N>& in, const block& bk, int e_begin,
-                                    int e_end, int a, int b, const smem& sm, warp_state& st,
-                                    int warp, int lane) {
+  static __device__ __forceinline__ void tier_tiles(const prefill_inputs<N>& in, const block& bk,
+                                                    int e_begin, int e_end, int a, int b,
+                                                    const smem& sm, warp_state& st, int warp,
+                                                    int lane) {
     const format_pages_view fv = in.index.formats[F];
     const pool_view pool = in.pools[F];
     // the warp's row positions: a tile past the largest needs no compute from the warp; one
@@ -570,10 +683,15 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
     }
     const bool decode_first = warp >= prefill_warps / 2;
+    // the warpgroup's (wgmma path) positions: its first and last real rows (-1: none)
+    const int g_first = bk.row0 + 64 * (warp / 4), g_last = min(bk.rows_total, g_first + 64) - 1;
+    const int gmin = g_last >= g_first ? bk.len - bk.n + g_first / G : -1;
+    const int gmax = g_last >= g_first ? bk.len - bk.n + g_last / G : -1;
     constexpr int EB = prefill_entry_buffers;
     auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
-    auto decode = [&](int t) {
-      unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) & 1, (t - a) & 1, pool, sm);
+    auto decode = [&](int t, int part = 0, int parts = 1) {
+      unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) & 1, (t - a) & 1, pool, sm, part,
+                     parts);
     };
     __syncthreads();  // the staging areas, entry and decoded buffers are free
     for (int t = a; t < a + 3 && t < b; ++t) fetch_entries(fv, e_begin, e_end, t, t - a, sm);
@@ -585,19 +703,34 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     cp_async_wait<0>();
     __syncthreads();
     decode(a);
+    if constexpr (wgmma_path) fence_proxy_async_shared();  // decoded tiles are read by wgmma
     __syncthreads();
     for (int t = a; t < b; ++t) {
       const int kv = (t - a) & 1;
       if (t + 2 < b) fetch_tile<F>(in, bk, t + 2, (t + 2 - a) % EB, kv, sm);
       if (t + 3 < b) fetch_entries(fv, e_begin, e_end, t + 3, (t + 3 - a) % EB, sm);
       cp_async_commit();
-      if (decode_first && t + 1 < b) decode(t + 1);
       const int first = sm.kpos(kv)[0], last = sm.kpos(kv)[TL - 1];  // positions grow in a tile
-      if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
-        compute_tile<false>(in, sm, kv, st, warp, lane);
-      else if (first <= wmax)
-        compute_tile<true>(in, sm, kv, st, warp, lane);
-      if (!decode_first && t + 1 < b) decode(t + 1);
+      if constexpr (wgmma_path) {
+        // the next tile's decode in two shares, each while one of the products runs
+        auto overlap = [&](int part) {
+          if (t + 1 < b) decode(t + 1, part, 2);
+        };
+        if (last <= gmin && (in.window <= 0 || first > gmax - in.window))
+          compute_tile_wgmma<false, true>(in, sm, kv, st, warp, lane, overlap);
+        else if (first <= gmax)
+          compute_tile_wgmma<true, true>(in, sm, kv, st, warp, lane, overlap);
+        else
+          compute_tile_wgmma<false, false>(in, sm, kv, st, warp, lane, overlap);
+        fence_proxy_async_shared();
+      } else {
+        if (decode_first && t + 1 < b) decode(t + 1);
+        if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
+          compute_tile<false>(in, sm, kv, st, warp, lane);
+        else if (first <= wmax)
+          compute_tile<true>(in, sm, kv, st, warp, lane);
+        if (!decode_first && t + 1 < b) decode(t + 1);
+      }
       cp_async_wait<0>();
       __syncthreads();  // tile t + 1 decoded, t + 2 landed; tile t's buffers are free
     }
@@ -606,10 +739,11 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   // Pass I (tier order.at[I]) over this split's share [lo, hi) of the tiers' concatenated tile
   // line (skip: tiles of the passes before it).
   template <int I>
-  static __device__ void passes(const prefill_inputs<N>& in, const block& bk, const smem& sm,
-                                warp_state& st, const int (&lo)[N], const int (&hi)[N],
-                                int split_lo, int split_hi, int skip, int& q_domain,
-                                bool& o_rotated, int warp, int lane) {
+  static __device__ __forceinline__ void passes(const prefill_inputs<N>& in, const block& bk,
+                                                const smem& sm, warp_state& st, const int (&lo)[N],
+                                                const int (&hi)[N], int split_lo, int split_hi,
+                                                int skip, int& q_domain, bool& o_rotated, int warp,
+                                                int lane) {
     if constexpr (I < N) {
       constexpr int F = order.at[I];
       const int a = max(lo[F], lo[F] + split_lo - skip), b = min(hi[F], lo[F] + split_hi - skip);
@@ -644,8 +778,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   }
 
-  static __device__ void run(const prefill_inputs<N>& in, const prefill_plan& plan,
-                             std::uint8_t* workspace) {
+  static __device__ __forceinline__ void run(const prefill_inputs<N>& in, const prefill_plan& plan,
+                                             std::uint8_t* workspace) {
     extern __shared__ __align__(16) std::uint8_t prefill_shared[];
     const int b = int(blockIdx.z), kvh = int(blockIdx.y);
     const int splits = plan.kv_splits;
@@ -675,7 +809,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     smem sm;
     std::uint8_t* base = prefill_shared;
     sm.base = base;
-    sm.q = reinterpret_cast<__half*>(base + SM::q_off);
+    sm.q = base + SM::q_off;
     sm.ent = reinterpret_cast<std::int32_t*>(base + SM::ent_off);
     sm.rscale = reinterpret_cast<float*>(base + SM::rscale_off);
     sm.rbad = reinterpret_cast<int*>(base + SM::rbad_off);
@@ -748,9 +882,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 
   // O / l through the scratch (un-rotated if its last values were rotated) to the output, or to
   // the split's partial state (O / l and lse in log2 units) for prefill_merge_kernel.
-  static __device__ void epilogue(const prefill_inputs<N>& in, const prefill_plan& plan,
-                                  std::uint8_t* workspace, const block& bk, const smem& sm,
-                                  warp_state& st, bool o_rotated, int warp, int lane) {
+  static __device__ __forceinline__ void epilogue(const prefill_inputs<N>& in,
+                                                  const prefill_plan& plan, std::uint8_t* workspace,
+                                                  const block& bk, const smem& sm, warp_state& st,
+                                                  bool o_rotated, int warp, int lane) {
     float inv[2], lse2[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
