@@ -71,7 +71,7 @@ status prefill(const prefill_plan& plan, const prefill_inputs<TierList::size>& i
   if (plan.kv_splits < 1 || plan.kv_splits > prefill_max_splits || plan.row_blocks < 1)
     return status::make(errc::invalid_argument, "prefill: the plan is not one of plan_prefill");
   using K = detail::prefill_kernel<Geometry, TierList>;
-  constexpr std::size_t smem = K::SM::bytes;
+  constexpr std::size_t smem = K::smem_bytes;
   auto* kernel = detail::prefill_kernel_entry<Geometry, TierList>;
   TIERKV_CUDA_TRY(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

@@ -51,31 +51,39 @@ static_assert(prefill_rows == 16 * prefill_warps, "prefill: 16 rows a warp");
 // head_dim 256 takes 32-token tiles.
 template <int D>
 inline constexpr int prefill_tile = D == 256 ? 32 : 64;
-inline constexpr int prefill_max_entries = 4;    // index entries of a tile (pages of 16 tokens)
-inline constexpr int prefill_entry_buffers = 4;  // tiles t + 1 (unpack), t + 2 (fetch), t + 3
+inline constexpr int prefill_max_entries = 4;  // index entries of a tile (pages of 16 tokens)
+// Staging areas: tile t + 1 is decoded while tiles t + 2 .. t + stages are in flight (cp.async),
+// so a gathered page has stages - 1 tiles' time to land. Index entries run stages - 1 tiles
+// further ahead (tiles t + 1 .. t + 2 stages - 1 live).
+inline constexpr int prefill_stages = 4;
+inline constexpr int prefill_entry_buffers = 2 * prefill_stages;
 
-// Shared memory of a block (bytes). Q, K and V are in the no-swizzle core-matrix layouts that
-// wgmma reads (cuda/arch/wgmma.cuh): Q and K K-major (rows of head_dim), V MN-major (token rows of
-// 8 dimensions a core matrix). A core matrix is 8 rows of 16 bytes in 128 contiguous bytes, so an
-// ldmatrix's 8 row addresses hit 8 different 16-byte bank groups with no padding. The output
+// Shared memory of a block (bytes). Q / K / V rows: with Core, in the no-swizzle core-matrix
+// layouts that wgmma reads (cuda/arch/wgmma.cuh: Q and K K-major, V MN-major, a core matrix 8 rows
+// of 16 bytes in 128 contiguous bytes); otherwise row-major, padded by 16 bytes so the 8 row
+// addresses of an ldmatrix hit 8 different 16-byte bank groups (the portable path: the padded
+// rows, with the decode's token-major thread order, time 5-9% faster there, record
+// bench/results/prefill/prefill-wgmma-2026-12-05.json). The output
 // scratch (f32, one 16-row slab per warp, padded by 8 floats: the fragment stores take 2
 // wavefronts) lies over Q, both K / V buffers and the staging areas (all free when it is used).
 // Two decoded tiles (one computed while the next is decoded) and two staging areas (the raw
 // payloads and metas cp.async lands, one tile ahead of the decode).
-template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload>
+template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload, bool Core>
 struct prefill_smem {
   static constexpr int D = Geometry::head_dim;
   static constexpr int tile = prefill_tile<D>;
-  static constexpr int o_pitch = D + 8;  // floats per output scratch row
-  static constexpr std::size_t kv_bytes = std::size_t(tile) * D * 2;  // one K or V tile
+  static constexpr int pitch = Core ? D : D + 8;  // halves per Q / K / V row (row-major)
+  static constexpr int o_pitch = D + 8;           // floats per output scratch row
+  static constexpr std::size_t kv_bytes = std::size_t(tile) * pitch * 2;  // one K or V tile
   static constexpr std::size_t stage_k_bytes = tile * KeyPayload;
   static constexpr std::size_t stage_v_bytes = tile * ValuePayload;
   static constexpr std::size_t stage_bytes = stage_k_bytes + stage_v_bytes + 2 * tile * 2;
   static constexpr std::size_t q_off = 0;
-  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * D * 2;  // [2]
-  static constexpr std::size_t v_off = k_off + 2 * kv_bytes;                       // [2]
-  static constexpr std::size_t stage_off = v_off + 2 * kv_bytes;                   // [2]
-  static constexpr std::size_t ent_off = stage_off + 2 * stage_bytes;  // [4][slot, logical][4]
+  static constexpr std::size_t k_off = q_off + std::size_t(prefill_rows) * pitch * 2;  // [2]
+  static constexpr std::size_t v_off = k_off + 2 * kv_bytes;                           // [2]
+  static constexpr std::size_t stage_off = v_off + 2 * kv_bytes;                       // [stages]
+  // [entry buffers][slot, logical][max entries]
+  static constexpr std::size_t ent_off = stage_off + prefill_stages * stage_bytes;
   static constexpr std::size_t kscale_off =
       ent_off + prefill_entry_buffers * 2 * prefill_max_entries * 4;  // [2][tile]
   static constexpr std::size_t vscale_off = kscale_off + 2 * tile * 4;
@@ -87,13 +95,13 @@ struct prefill_smem {
                 "prefill: the output scratch must fit over Q, K, V and the staging areas");
   // byte offsets of element (row, d) of Q, (token, d) of a K tile and (token, d) of a V tile
   static __host__ __device__ constexpr std::uint32_t q_at(int row, int d) {
-    return kmajor_offset(row, d, D);
+    return Core ? kmajor_offset(row, d, D) : std::uint32_t(row * pitch + d) * 2;
   }
   static __host__ __device__ constexpr std::uint32_t k_at(int token, int d) {
-    return kmajor_offset(token, d, D);
+    return Core ? kmajor_offset(token, d, D) : std::uint32_t(token * pitch + d) * 2;
   }
   static __host__ __device__ constexpr std::uint32_t v_at(int token, int d) {
-    return mnmajor_offset(token, d, tile);
+    return Core ? mnmajor_offset(token, d, tile) : std::uint32_t(token * pitch + d) * 2;
   }
   static_assert(stage_k_bytes % 16 == 0 && stage_v_bytes % 16 == 0 && tile * 2 % 16 == 0,
                 "prefill: staged tiles are whole 16-byte units");
@@ -141,7 +149,20 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static constexpr int ST = TL / 8;           // 8-token n-tiles of a score row
   static constexpr int TE = T < TL ? T : TL;  // tokens of an entry in a tile
   static constexpr int EPT = TL / TE;         // entries of a tile
-  using SM = prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>>;
+  // Built for sm_90a, head_dim 256 runs its products on wgmma (compute_tile_wgmma): one
+  // warpgroup a 64-row half of the block, the next tile's decode issued while they run.
+#if TIERKV_HAS_WGMMA
+  static constexpr bool wgmma_path = D == 256;
+#else
+  static constexpr bool wgmma_path = false;
+#endif
+  template <bool Core>
+  using smem_layout =
+      prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>, Core>;
+  using SM = smem_layout<wgmma_path>;  // the device pass's layout
+  // what a launch reserves: the larger layout (the host pass does not know the device's path)
+  static constexpr std::size_t smem_bytes =
+      std::max(smem_layout<false>::bytes, smem_layout<true>::bytes);
   static_assert(D == 64 || D == 128 || D == 256, "prefill: head_dim 64, 128 or 256");
   static_assert(G >= 1 && G <= 8, "prefill: group_size 1..8");
   static_assert(TL % T == 0 || T % TL == 0,
@@ -155,13 +176,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   template <int F>
   static constexpr bool key_rotated = rotated_format<typename tier_t<F>::template key_codec<D>>;
   static constexpr prefill_pass_order<N> order = make_prefill_pass_order<D, Tiers...>();
-  // Built for sm_90a, head_dim 256 runs its products on wgmma (compute_tile_wgmma): one
-  // warpgroup a 64-row half of the block, the next tile's decode issued while they run.
-#if TIERKV_HAS_WGMMA
-  static constexpr bool wgmma_path = D == 256;
-#else
-  static constexpr bool wgmma_path = false;
-#endif
 
   struct block {
     int b, kvh, row0, rows_total, n, len, q0;
@@ -392,11 +406,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         "codes (dense_bf16 pages are decode-only on the GPU: a bf16 key has no exact f16)");
     constexpr int S = D / 16;  // 16-coordinate slices of a token
     const int t0 = T > TL ? (tile * TL) % T : 0;
-    // 8 consecutive threads take 8 consecutive tokens of one slice: their 16-byte stores land in
-    // 8 different rows of a core matrix (8 different bank groups)
     for (int idx = int(threadIdx.x) + part * prefill_threads; idx < TL * S;
          idx += parts * prefill_threads) {
-      const int i = (idx / (8 * S)) * 8 + idx % 8, s = (idx / 8) % S;
+      // core-matrix layout: 8 consecutive threads take 8 consecutive tokens of one slice, so
+      // their 16-byte stores land in 8 different rows of a core matrix (8 bank groups); padded
+      // rows: consecutive threads take consecutive slices of a token (contiguous loads)
+      const int i = wgmma_path ? (idx / (8 * S)) * 8 + idx % 8 : idx / S;
+      const int s = wgmma_path ? (idx / 8) % S : idx % S;
       const int j = i / TE;
       const std::int32_t slot = sm.slots(buf)[j], logical = sm.logicals(buf)[j];
       int pos = INT_MAX;
@@ -660,13 +676,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     __syncwarp();
   }
 
-  // Tier F's tiles [a, b) of this block, a three-stage pipeline with one barrier a tile: while
-  // tile t is computed from one decoded buffer, tile t + 1 is decoded from its staging area into
-  // the other and tile t + 2's bytes land by cp.async in the staging area t's bytes left (the
-  // index entries run one tile further ahead). The decode is ALU work and the compute tensor-core
-  // work: on mma.sync the block's two warp halves take them in opposite orders, so each scheduler
-  // (warps w and w + 4) has one warp of each kind to issue from; on wgmma each warp issues its
-  // share of the decode while its group's asynchronous products run.
+  // Tier F's tiles [a, b) of this block, a pipeline with one barrier a tile: while tile t is
+  // computed from one decoded buffer, tile t + 1 is decoded from its staging area into the other
+  // and tiles t + 2 .. t + stages are in flight by cp.async (tile t + stages into the staging
+  // area t's bytes left; the index entries run further ahead). The decode is ALU work and the
+  // compute tensor-core work: on mma.sync the block's two warp halves take them in opposite orders,
+  // so each scheduler (warps w and w + 4) has one warp of each kind to issue from; on wgmma each
+  // warp issues its share of the decode while its group's asynchronous products run.
   template <int F>
   static __device__ __forceinline__ void tier_tiles(const prefill_inputs<N>& in, const block& bk,
                                                     int e_begin, int e_end, int a, int b,
@@ -687,28 +703,36 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const int g_first = bk.row0 + 64 * (warp / 4), g_last = min(bk.rows_total, g_first + 64) - 1;
     const int gmin = g_last >= g_first ? bk.len - bk.n + g_first / G : -1;
     const int gmax = g_last >= g_first ? bk.len - bk.n + g_last / G : -1;
-    constexpr int EB = prefill_entry_buffers;
+    constexpr int NS = prefill_stages, EB = prefill_entry_buffers;
+    constexpr int ahead =
+        2 * NS - 1;  // iteration t fetches tile t + NS's bytes, t + ahead's entries
     auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
     auto decode = [&](int t, int part = 0, int parts = 1) {
-      unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) & 1, (t - a) & 1, pool, sm, part,
+      unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) % NS, (t - a) & 1, pool, sm, part,
                      parts);
     };
     __syncthreads();  // the staging areas, entry and decoded buffers are free
-    for (int t = a; t < a + 3 && t < b; ++t) fetch_entries(fv, e_begin, e_end, t, t - a, sm);
+    for (int t = a; t < a + ahead && t < b; ++t)
+      fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    for (int t = a; t < a + 2 && t < b; ++t) fetch_tile<F>(in, bk, t, t - a, t - a, sm);
-    cp_async_commit();
-    cp_async_wait<0>();
+    // tiles a .. a + NS - 1, a commit group each: the groups iterations a - NS .. a - 1 would
+    // have made, so every iteration's wait counts alike
+    for (int t = a; t < a + NS; ++t) {
+      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm);
+      cp_async_commit();
+    }
+    cp_async_wait<NS - 1>();  // tile a landed
     __syncthreads();
     decode(a);
     if constexpr (wgmma_path) fence_proxy_async_shared();  // decoded tiles are read by wgmma
+    cp_async_wait<NS - 2>();                               // tile a + 1 landed
     __syncthreads();
     for (int t = a; t < b; ++t) {
       const int kv = (t - a) & 1;
-      if (t + 2 < b) fetch_tile<F>(in, bk, t + 2, (t + 2 - a) % EB, kv, sm);
-      if (t + 3 < b) fetch_entries(fv, e_begin, e_end, t + 3, (t + 3 - a) % EB, sm);
+      if (t + NS < b) fetch_tile<F>(in, bk, t + NS, (t + NS - a) % EB, (t - a) % NS, sm);
+      if (t + ahead < b) fetch_entries(fv, e_begin, e_end, t + ahead, (t + ahead - a) % EB, sm);
       cp_async_commit();
       const int first = sm.kpos(kv)[0], last = sm.kpos(kv)[TL - 1];  // positions grow in a tile
       if constexpr (wgmma_path) {
@@ -731,9 +755,12 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           compute_tile<true>(in, sm, kv, st, warp, lane);
         if (!decode_first && t + 1 < b) decode(t + 1);
       }
-      cp_async_wait<0>();
-      __syncthreads();  // tile t + 1 decoded, t + 2 landed; tile t's buffers are free
+      // tile t + 2's bytes and tile t + NS + 1's entries landed (the groups of iterations up to
+      // t + 2 - NS); tile t + 1 decoded; tile t's buffers free
+      cp_async_wait<NS - 2>();
+      __syncthreads();
     }
+    cp_async_wait<0>();  // the groups left are empty: nothing lands in the scratch after this
   }
 
   // Pass I (tier order.at[I]) over this split's share [lo, hi) of the tiers' concatenated tile
