@@ -52,28 +52,30 @@ static_assert(prefill_rows == 16 * prefill_warps, "prefill: 16 rows a warp");
 template <int D>
 inline constexpr int prefill_tile = D == 256 ? 32 : 64;
 inline constexpr int prefill_max_entries = 4;  // index entries of a tile (pages of 16 tokens)
-// Staging areas: tile t + 1 is decoded while tiles t + 2 .. t + stages are in flight (cp.async),
-// so a gathered page has stages - 1 tiles' time to land. Index entries run stages - 1 tiles
-// further ahead (tiles t + 1 .. t + 2 stages - 1 live).
-inline constexpr int prefill_stages = 4;
-inline constexpr int prefill_entry_buffers = 2 * prefill_stages;
 
-// Shared memory of a block (bytes). Q / K / V rows: with Core, in the no-swizzle core-matrix
-// layouts that wgmma reads (cuda/arch/wgmma.cuh: Q and K K-major, V MN-major, a core matrix 8 rows
-// of 16 bytes in 128 contiguous bytes); otherwise row-major, padded by 16 bytes so the 8 row
-// addresses of an ldmatrix hit 8 different 16-byte bank groups (the portable path: the padded
-// rows, with the decode's token-major thread order, time 5-9% faster there, record
-// bench/results/prefill/prefill-wgmma-2026-12-05.json). The output
-// scratch (f32, one 16-row slab per warp, padded by 8 floats: the fragment stores take 2
-// wavefronts) lies over Q, both K / V buffers and the staging areas (all free when it is used).
-// Two decoded tiles (one computed while the next is decoded) and two staging areas (the raw
-// payloads and metas cp.async lands, one tile ahead of the decode).
+// Shared memory of a block (bytes). Q / K / V rows: with Core (the wgmma path), in the no-swizzle
+// core-matrix layouts that wgmma reads (cuda/arch/wgmma.cuh: Q and K K-major, V MN-major, a core
+// matrix 8 rows of 16 bytes in 128 contiguous bytes); otherwise row-major, padded by 16 bytes so
+// the 8 row addresses of an ldmatrix hit 8 different 16-byte bank groups (on the portable path
+// the core layout, with its decode thread order, timed 1-9% slower, record
+// bench/results/prefill/prefill-wgmma-2026-12-05.json). The output scratch (f32, one 16-row slab
+// per warp, padded by 8 floats: the fragment stores take 2 wavefronts) lies over Q, both K / V
+// buffers and the staging areas (all free when it is used). Two decoded tiles (one computed while
+// the next is decoded) and the staging areas (the raw payloads and metas cp.async lands).
 template <class Geometry, std::size_t KeyPayload, std::size_t ValuePayload, bool Core>
 struct prefill_smem {
   static constexpr int D = Geometry::head_dim;
   static constexpr int tile = prefill_tile<D>;
   static constexpr int pitch = Core ? D : D + 8;  // halves per Q / K / V row (row-major)
   static constexpr int o_pitch = D + 8;           // floats per output scratch row
+  // Staging areas: tile t + 1 is decoded while tiles t + 2 .. t + stages are in flight
+  // (cp.async), so a gathered page has stages - 1 tiles' time to land; index entries run
+  // stages - 1 tiles further ahead (entry buffers for tiles t + 1 .. t + 2 stages - 1). Four on
+  // the wgmma path (against the same base, the tiered int8_rotated mix gained 3-5% over two and
+  // the other mixes stayed within 1%: record bench/results/prefill/prefill-wgmma-2026-12-05.json),
+  // two on the portable path (as before the wgmma path; four there is not yet timed).
+  static constexpr int stages = Core ? 4 : 2;
+  static constexpr int entry_buffers = 2 * stages;
   static constexpr std::size_t kv_bytes = std::size_t(tile) * pitch * 2;  // one K or V tile
   static constexpr std::size_t stage_k_bytes = tile * KeyPayload;
   static constexpr std::size_t stage_v_bytes = tile * ValuePayload;
@@ -83,9 +85,9 @@ struct prefill_smem {
   static constexpr std::size_t v_off = k_off + 2 * kv_bytes;                           // [2]
   static constexpr std::size_t stage_off = v_off + 2 * kv_bytes;                       // [stages]
   // [entry buffers][slot, logical][max entries]
-  static constexpr std::size_t ent_off = stage_off + prefill_stages * stage_bytes;
+  static constexpr std::size_t ent_off = stage_off + stages * stage_bytes;
   static constexpr std::size_t kscale_off =
-      ent_off + prefill_entry_buffers * 2 * prefill_max_entries * 4;  // [2][tile]
+      ent_off + entry_buffers * 2 * prefill_max_entries * 4;  // [2][tile]
   static constexpr std::size_t vscale_off = kscale_off + 2 * tile * 4;
   static constexpr std::size_t kpos_off = vscale_off + 2 * tile * 4;
   static constexpr std::size_t rscale_off = kpos_off + 2 * tile * 4;
@@ -478,7 +480,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       std::uint32_t a[4];
-      ldmatrix_x4(a, qrow + ks * 2 * wgmma_core_bytes);
+      ldmatrix_x4(a, qrow + SM::q_at(0, 16 * ks));
 #pragma unroll
       for (int np = 0; np < ST / 2; ++np) {
         std::uint32_t bb[4];
@@ -703,7 +705,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const int g_first = bk.row0 + 64 * (warp / 4), g_last = min(bk.rows_total, g_first + 64) - 1;
     const int gmin = g_last >= g_first ? bk.len - bk.n + g_first / G : -1;
     const int gmax = g_last >= g_first ? bk.len - bk.n + g_last / G : -1;
-    constexpr int NS = prefill_stages, EB = prefill_entry_buffers;
+    constexpr int NS = SM::stages, EB = SM::entry_buffers;
     constexpr int ahead =
         2 * NS - 1;  // iteration t fetches tile t + NS's bytes, t + ahead's entries
     auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
