@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "tierkv/cuda/arch/bulk_copy.cuh"  // fence_proxy_async_shared: wgmma reads the async proxy
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TIERKV_HAS_WGMMA 1
 #else
@@ -64,15 +66,6 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
-// that wgmma reads through; then a barrier among the writers and the warpgroup.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if TIERKV_HAS_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#else
-  __trap();
-#endif
-}
 // Orders the warpgroup's register writes (accumulators, A fragments) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() {
 #if TIERKV_HAS_WGMMA

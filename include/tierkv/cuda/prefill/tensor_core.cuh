@@ -30,6 +30,7 @@
 #include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/status.hpp"
+#include "tierkv/cuda/arch/bulk_copy.cuh"
 #include "tierkv/cuda/arch/convert.cuh"
 #include "tierkv/cuda/arch/cp_async.cuh"
 #include "tierkv/cuda/arch/ldmatrix.cuh"
@@ -92,7 +93,8 @@ struct prefill_smem {
   static constexpr std::size_t kpos_off = vscale_off + 2 * tile * 4;
   static constexpr std::size_t rscale_off = kpos_off + 2 * tile * 4;
   static constexpr std::size_t rbad_off = rscale_off + prefill_rows * 4;
-  static constexpr std::size_t bytes = rbad_off + prefill_rows * 4;
+  static constexpr std::size_t bar_off = (rbad_off + prefill_rows * 4 + 7) / 8 * 8;  // [stages]
+  static constexpr std::size_t bytes = bar_off + stages * 8;
   static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= ent_off,
                 "prefill: the output scratch must fit over Q, K, V and the staging areas");
   // byte offsets of element (row, d) of Q, (token, d) of a K tile and (token, d) of a V tile
@@ -212,6 +214,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       return base + SM::stage_off + st * SM::stage_bytes;
     }
     __device__ std::uint8_t* stage_v(int st) const { return stage_k(st) + SM::stage_k_bytes; }
+    __device__ std::uint64_t* bar(int st) const {  // staging area st's mbarrier
+      return reinterpret_cast<std::uint64_t*>(base + SM::bar_off) + st;
+    }
     __device__ std::uint16_t* stage_kmeta(int st) const {
       return reinterpret_cast<std::uint16_t*>(stage_v(st) + SM::stage_v_bytes);
     }
@@ -228,6 +233,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     float m[2], l[2];
     float rq[2];  // row scale: the query's power-of-two factor x softmax_scale
     int rpos[2];
+    unsigned phases;  // bit s: the parity of staging area s's next mbarrier phase
   };
 
   // The warp's 16 query rows in the key domain (rotated: H_un D q / d, the codecs'
@@ -357,37 +363,54 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       }
     }
   }
-  // cp.async of tile `tile`'s key / value payloads and metas of the block's KV head (entries in
-  // buffer `buf`) into staging area `stage`; a bad or absent entry's bytes are not fetched.
+  // Tile `tile`'s key / value payloads and metas of the block's KV head (entries in buffer
+  // `buf`) into staging area `stage` by bulk copies, completing on the area's mbarrier: each is
+  // one contiguous range of a page (codec/page_layout.hpp), one copy per entry and region by lanes
+  // of warp 0, which first arrive with the tile's byte count. A bad or absent entry's bytes are not
+  // fetched (its tokens are decoded as absent).
   template <int F>
   static __device__ __forceinline__ void fetch_tile(const prefill_inputs<N>& in, const block& bk,
                                                     int tile, int buf, int stage, const smem& sm) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using layout = page_layout<Geometry, K, V>;
+    static_assert(
+        TE * K::payload_bytes % 16 == 0 && TE * V::payload_bytes % 16 == 0 && TE * 2 % 16 == 0,
+        "prefill: an entry's ranges must be whole 16-byte units for bulk copies");
+    const int lane = int(threadIdx.x);
+    if (lane >= 32) return;
     const pool_view pool = in.pools[F];
     const int t0 = T > TL ? (tile * TL) % T : 0;  // first token in its page
-    auto copy = [&](std::uint8_t* dst, std::size_t row_bytes, auto region) {
-      constexpr int entry_bytes_unit = 16;
-      const int units = int(TL * row_bytes / entry_bytes_unit);
-      for (int u = int(threadIdx.x); u < units; u += prefill_threads) {
-        const int byte = u * entry_bytes_unit;
-        const int j = byte / int(TE * row_bytes);
-        const std::int32_t slot = sm.slots(buf)[j];
-        if (slot < 0 || std::uint32_t(slot) >= pool.capacity) continue;
-        const std::uint8_t* src =
-            pool.page(std::uint32_t(slot)) + region(t0) + (byte - j * int(TE * row_bytes));
-        cp_async_16(dst + byte, src);
+    const int j = lane / 4, region = lane % 4;    // entry, and K / V / K meta / V meta
+    std::int32_t slot = -1;
+    if (j < EPT) slot = sm.slots(buf)[j];
+    const bool valid = j < EPT && slot >= 0 && std::uint32_t(slot) < pool.capacity;
+    constexpr unsigned kb = TE * K::payload_bytes, vb = TE * V::payload_bytes, mb = TE * 2;
+    const unsigned bytes = !valid ? 0u : region == 0 ? kb : region == 1 ? vb : mb;
+    unsigned total = bytes;
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (lane == 0) mbarrier_arrive_expect_tx(sm.bar(stage), total);
+    __syncwarp();
+    if (bytes != 0) {
+      const std::uint8_t* page = pool.page(std::uint32_t(slot));
+      std::uint8_t* dst;
+      std::size_t src;
+      if (region == 0) {
+        dst = sm.stage_k(stage) + j * kb;
+        src = layout::key_payload(bk.kvh, t0);
+      } else if (region == 1) {
+        dst = sm.stage_v(stage) + j * vb;
+        src = layout::value_payload(bk.kvh, t0);
+      } else if (region == 2) {
+        dst = reinterpret_cast<std::uint8_t*>(sm.stage_kmeta(stage)) + j * mb;
+        src = layout::key_meta(bk.kvh, t0);
+      } else {
+        dst = reinterpret_cast<std::uint8_t*>(sm.stage_vmeta(stage)) + j * mb;
+        src = layout::value_meta(bk.kvh, t0);
       }
-    };
-    copy(sm.stage_k(stage), K::payload_bytes,
-         [&](int t) { return layout::key_payload(bk.kvh, t); });
-    copy(sm.stage_v(stage), V::payload_bytes,
-         [&](int t) { return layout::value_payload(bk.kvh, t); });
-    copy(reinterpret_cast<std::uint8_t*>(sm.stage_kmeta(stage)), 2,
-         [&](int t) { return layout::key_meta(bk.kvh, t); });
-    copy(reinterpret_cast<std::uint8_t*>(sm.stage_vmeta(stage)), 2,
-         [&](int t) { return layout::value_meta(bk.kvh, t); });
+      cp_async_bulk(dst, page + src, bytes, sm.bar(stage));
+    }
   }
 
   // The landed tile (staging area `st`, entries in `buf`) -> decoded buffer `kv`: K (f16) / V
@@ -709,27 +732,33 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     constexpr int ahead =
         2 * NS - 1;  // iteration t fetches tile t + NS's bytes, t + ahead's entries
     auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
+    // tile t's bytes are the ((t - a) / NS)-th use of staging area (t - a) % NS this pass, whose
+    // barrier's phases carry on from the passes before (st.phases)
     auto decode = [&](int t, int part = 0, int parts = 1) {
+      if (part == 0)
+        mbarrier_wait_parity(sm.bar((t - a) % NS),
+                             ((st.phases >> ((t - a) % NS)) ^ unsigned((t - a) / NS)) & 1u);
       unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) % NS, (t - a) & 1, pool, sm, part,
                      parts);
     };
-    __syncthreads();  // the staging areas, entry and decoded buffers are free
+    // the staging areas, entry and decoded buffers are free; the generic accesses to them (the
+    // passes before, the output scratch over them) ordered before the bulk copies refill them
+    fence_proxy_async_shared();
+    __syncthreads();
     for (int t = a; t < a + ahead && t < b; ++t)
       fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    // tiles a .. a + NS - 1, a commit group each: the groups iterations a - NS .. a - 1 would
-    // have made, so every iteration's wait counts alike
+    // tiles a .. a + NS - 1, and a commit group each (empty: the bytes come by bulk copies, the
+    // groups carry the entries): the groups iterations a - NS .. a - 1 would have made, so every
+    // iteration's wait counts alike
     for (int t = a; t < a + NS; ++t) {
       if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm);
       cp_async_commit();
     }
-    cp_async_wait<NS - 1>();  // tile a landed
-    __syncthreads();
     decode(a);
-    if constexpr (wgmma_path) fence_proxy_async_shared();  // decoded tiles are read by wgmma
-    cp_async_wait<NS - 2>();                               // tile a + 1 landed
+    fence_proxy_async_shared();  // decoded tiles are read by wgmma; staging refilled by bulk copies
     __syncthreads();
     for (int t = a; t < b; ++t) {
       const int kv = (t - a) & 1;
@@ -748,7 +777,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           compute_tile_wgmma<true, true>(in, sm, kv, st, warp, lane, overlap);
         else
           compute_tile_wgmma<false, false>(in, sm, kv, st, warp, lane, overlap);
-        fence_proxy_async_shared();
       } else {
         if (decode_first && t + 1 < b) decode(t + 1);
         if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
@@ -757,12 +785,19 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           compute_tile<true>(in, sm, kv, st, warp, lane);
         if (!decode_first && t + 1 < b) decode(t + 1);
       }
-      // tile t + 2's bytes and tile t + NS + 1's entries landed (the groups of iterations up to
-      // t + 2 - NS); tile t + 1 decoded; tile t's buffers free
+      // tile t + NS + 1's entries landed (the groups of iterations up to t + 2 - NS); tile t + 1
+      // decoded; tile t's buffers free (its staging area's reads fenced before bulk copies refill
+      // it)
+      fence_proxy_async_shared();
       cp_async_wait<NS - 2>();
       __syncthreads();
     }
     cp_async_wait<0>();  // the groups left are empty: nothing lands in the scratch after this
+    // every fetched tile was decoded, so every bulk copy has landed; area s served
+    // ceil((b - a - s) / NS) tiles, each one phase
+#pragma unroll
+    for (int s = 0; s < NS; ++s)
+      if (b - a > s) st.phases ^= unsigned(((b - a - s + NS - 1) / NS) & 1) << s;
   }
 
   // Pass I (tier order.at[I]) over this split's share [lo, hi) of the tiers' concatenated tile
@@ -868,6 +903,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       st.l[r] = 0.f;
       st.rq[r] = 0.f;
       st.rpos[r] = row < bk.rows_total ? bk.len - bk.n + row / G : -1;  // padding: all masked
+    }
+    st.phases = 0;
+    if (threadIdx.x == 0) {  // the staging areas' barriers, one arrival a phase (warp 0's, with
+                             // the tile's byte count); the passes' first barrier publishes them
+#pragma unroll
+      for (int s = 0; s < SM::stages; ++s) mbarrier_init(sm.bar(s), 1);
+      fence_mbarrier_init();
     }
     int q_domain = -1;
     bool o_rotated = false;
