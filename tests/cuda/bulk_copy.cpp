@@ -12,21 +12,12 @@
 #include <random>
 #include <vector>
 
-#include <cuda_runtime_api.h>
-
 #include "bulk_copy_kernels.hpp"
 #include "cuda_test.hpp"
 
 namespace {
 
 using cuda_test::device_buffer;
-
-bool sm90_or_newer() {
-  int dev = 0, major = 0;
-  CUDA_OK(cudaGetDevice(&dev));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return major >= 9;
-}
 
 struct plan {
   int ranges = 0, tiles = 0, area_bytes = 0;
@@ -77,7 +68,7 @@ std::vector<std::uint8_t> expected(const plan& p, const std::vector<std::uint8_t
 
 TEST_CASE("bulk_copy: tiles of ranges through reused staging areas land exactly",
           "[cuda][bulk_copy]") {
-  if (!sm90_or_newer()) {
+  if (cuda_test::compute_capability() < 90) {
     WARN("not run: bulk copies need an sm_90 GPU");
     return;
   }

@@ -34,10 +34,7 @@ __global__ void __launch_bounds__(threads)
     if (lane >= 32) return;
     const int i = t * ranges + lane;
     const unsigned b = lane < ranges ? unsigned(bytes[i]) : 0u;
-    unsigned total = b;
-    for (int o = 16; o >= 1; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (lane == 0) mbarrier_arrive_expect_tx(bar(s), total);
-    __syncwarp();
+    warp_expect_bytes(bar(s), b, lane);
     if (b != 0) cp_async_bulk(area(s) + dst_off[i], src + src_off[i], b, bar(s));
   };
   unsigned phases = 0;  // bit s: the parity of area s's next phase, carried across passes

@@ -21,6 +21,17 @@ inline void cuda_ok(cudaError_t err, const char* call, const char* file, int lin
                            cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
+// The current device's compute capability as 10 x major + minor (90: an H100 / H200).
+inline int compute_capability() {
+  int dev = 0, major = 0, minor = 0;
+  cuda_ok(cudaGetDevice(&dev), "cudaGetDevice", __FILE__, __LINE__);
+  cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+          "cudaDeviceGetAttribute", __FILE__, __LINE__);
+  cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev),
+          "cudaDeviceGetAttribute", __FILE__, __LINE__);
+  return 10 * major + minor;
+}
+
 // `n` elements of T in device memory, freed with the buffer; put/get copy synchronously. New
 // memory is poisoned with 0xFF bytes (NaN floats, NaN FP8 codes and bf16 metas, slot -1): a kernel
 // that reads what nobody wrote gets NaN into the test's comparison, and a capacity tail that get()

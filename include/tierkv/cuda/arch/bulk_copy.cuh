@@ -63,4 +63,15 @@ __device__ __forceinline__ void cp_async_bulk(void* dst, const void* src, unsign
       : "memory");
 }
 
+// A warp about to fill one phase of `bar`, each lane with its own copies of `bytes` bytes in all
+// (0: none): lane 0 arrives expecting the whole warp's bytes, so the phase completes when every
+// lane's copies have landed. All 32 lanes of one warp call it, with their lane id, before copying.
+__device__ __forceinline__ void warp_expect_bytes(std::uint64_t* bar, unsigned bytes, int lane) {
+  unsigned total = bytes;
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (lane == 0) mbarrier_arrive_expect_tx(bar, total);
+  __syncwarp();
+}
+
 }  // namespace tierkv::cuda::detail

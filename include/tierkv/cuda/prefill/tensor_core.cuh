@@ -387,11 +387,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const bool valid = j < EPT && slot >= 0 && std::uint32_t(slot) < pool.capacity;
     constexpr unsigned kb = TE * K::payload_bytes, vb = TE * V::payload_bytes, mb = TE * 2;
     const unsigned bytes = !valid ? 0u : region == 0 ? kb : region == 1 ? vb : mb;
-    unsigned total = bytes;
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (lane == 0) mbarrier_arrive_expect_tx(sm.bar(stage), total);
-    __syncwarp();
+    warp_expect_bytes(sm.bar(stage), bytes, lane);
     if (bytes != 0) {
       const std::uint8_t* page = pool.page(std::uint32_t(slot));
       std::uint8_t* dst;
