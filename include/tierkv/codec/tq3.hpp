@@ -53,6 +53,15 @@ constexpr std::uint32_t tq3_f16_bits(int code) {
   const std::uint32_t mant = std::uint32_t(m - (1 << e)) << (10 - e);
   return (l < 0 ? 0x8000u : 0u) | (std::uint32_t(e + 9) << 10) | mant;  // exponent e - 6 + 15
 }
+/// bf16 levels: bits of L/64 (|L| < 2^7 fits bf16's 8 significant bits: exact), the value tiles'
+/// lookup on the tensor-core prefill (cuda/codec/tq3.cuh).
+constexpr std::uint32_t tq3_bf16_bits(int code) {
+  const int l = tq3_level_int(code), m = l < 0 ? -l : l;
+  int e = 0;
+  while ((2 << e) <= m) ++e;  // 2^e <= m < 2^(e+1)
+  const std::uint32_t mant = std::uint32_t(m - (1 << e)) << (7 - e);
+  return (l < 0 ? 0x8000u : 0u) | (std::uint32_t(e + 121) << 7) | mant;  // exponent e - 6 + 127
+}
 template <class F>
 constexpr std::uint32_t tq3_table_word(int first_code, F byte_of) {
   std::uint32_t w = 0;
@@ -67,6 +76,14 @@ inline constexpr std::uint32_t tq3_f16_hi0 =
     tq3_table_word(0, [](int c) { return tq3_f16_bits(c) >> 8; });
 inline constexpr std::uint32_t tq3_f16_hi1 =
     tq3_table_word(4, [](int c) { return tq3_f16_bits(c) >> 8; });
+inline constexpr std::uint32_t tq3_bf16_lo0 =
+    tq3_table_word(0, [](int c) { return tq3_bf16_bits(c); });
+inline constexpr std::uint32_t tq3_bf16_lo1 =
+    tq3_table_word(4, [](int c) { return tq3_bf16_bits(c); });
+inline constexpr std::uint32_t tq3_bf16_hi0 =
+    tq3_table_word(0, [](int c) { return tq3_bf16_bits(c) >> 8; });
+inline constexpr std::uint32_t tq3_bf16_hi1 =
+    tq3_table_word(4, [](int c) { return tq3_bf16_bits(c) >> 8; });
 inline constexpr std::uint32_t tq3_s8_0 =
     tq3_table_word(0, [](int c) { return std::uint32_t(tq3_level_int(c)); });
 inline constexpr std::uint32_t tq3_s8_1 =
@@ -78,6 +95,9 @@ inline constexpr std::uint32_t tq3_u8_1 = tq3_s8_1 ^ 0x80808080u;
 static_assert(tq3_f16_bits(0) == 0xBFF0u && tq3_f16_bits(4) == 0x3300u &&
                   tq3_f16_bits(6) == 0x3CF0u,
               "tq3: f16 level bits");
+static_assert(tq3_bf16_bits(0) == 0xBFFEu && tq3_bf16_bits(4) == 0x3E60u &&
+                  tq3_bf16_bits(6) == 0x3F9Eu,
+              "tq3: bf16 level bits");
 static_assert(tq3_s8_0 == 0xF2D4B181u && tq3_s8_1 == 0x7F4F2C0Eu, "tq3: int8 level table");
 /// Nearest-level thresholds for N(0, 1): the midpoints of adjacent int8 levels (29, 61.5, 103)
 /// times a = 0.0169736, the unit scale of the levels that minimizes the Gaussian MSE.

@@ -78,7 +78,11 @@ status prefill(const prefill_plan& plan, const prefill_inputs<TierList::size>& i
   std::uint8_t* ws = static_cast<std::uint8_t*>(workspace);
   const dim3 grid{unsigned(plan.row_blocks) * unsigned(plan.kv_splits),
                   unsigned(Geometry::kv_heads), unsigned(in.index.batch)};
-  kernel<<<grid, detail::prefill_threads, smem, stream>>>(in, plan, ws);
+  // the device code's block size, which its __launch_bounds__ report: 384 where it was built for
+  // sm_90a at head_dim 256 (a producer warpgroup beside the two of rows), 256 otherwise
+  cudaFuncAttributes attr{};
+  TIERKV_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel));
+  kernel<<<grid, unsigned(attr.maxThreadsPerBlock), smem, stream>>>(in, plan, ws);
   TIERKV_CUDA_TRY(cudaGetLastError());
   if (plan.kv_splits > 1) {
     const std::size_t rows = std::size_t(plan.max_total_q) * Geometry::q_heads;

@@ -43,6 +43,12 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(std::uint64_t* bar, un
       "r"(bytes)
       : "memory");
 }
+// One arrival on a shared-memory mbarrier (release: the thread's earlier accesses are ordered
+// before a waiter's later ones).
+__device__ __forceinline__ void mbarrier_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(bar)) : "memory");
+}
+
 // Spins until the phase of parity `parity` has completed (its arrivals and bytes all in).
 __device__ __forceinline__ void mbarrier_wait_parity(std::uint64_t* bar, unsigned parity) {
   asm volatile(

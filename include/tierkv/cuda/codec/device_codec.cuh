@@ -8,8 +8,8 @@
 //   slice_reader   the CUDA-core inner loop: raw, load<Shared = false>(payload, slice) (global
 //                  memory through the read-only path, or shared), unpack(raw, slice, x[16]) (16
 //                  scalars of the codec's own domain: coordinates 16 slice ..), code_scale;
-//                  optionally unpack_h2(raw, slice, h[8]): the same as exact f16 pairs (the
-//                  prefill's keys)
+//                  optionally unpack_h2(raw, slice, h[8]) / unpack_bf16x2(..): the same as
+//                  exact f16 / bf16 pairs (the prefill's keys / values)
 //   fragments      the tensor-core operand builders (decode/tensor_core.cuh's interface:
 //                  key_words, load_key, key_frag / key_frag_s8, value_words, load_value,
 //                  value_pairs, value_codes_finite, ...; derived from fragment_defaults)

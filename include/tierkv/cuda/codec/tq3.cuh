@@ -123,14 +123,22 @@ struct tq3_slice_reader {
     x[2] = b.x;
     x[3] = b.y;
   }
-  // The same 4 levels as two f16 pairs (codes 0, 1 and 2, 3 of the selector).
-  __device__ __forceinline__ static void lookup4_h2(std::uint32_t sel, std::uint32_t* h) {
-    const std::uint32_t lo =
-        __byte_perm(tierkv::detail::tq3_f16_lo0, tierkv::detail::tq3_f16_lo1, sel);
-    const std::uint32_t hi =
-        __byte_perm(tierkv::detail::tq3_f16_hi0, tierkv::detail::tq3_f16_hi1, sel);
+  // The same 4 levels as two 16-bit pairs (codes 0, 1 and 2, 3 of the selector) from byte tables
+  // (low bytes of codes 0-3 / 4-7, high bytes): f16 or bf16 levels.
+  template <std::uint32_t Lo0, std::uint32_t Lo1, std::uint32_t Hi0, std::uint32_t Hi1>
+  __device__ __forceinline__ static void lookup4_pairs(std::uint32_t sel, std::uint32_t* h) {
+    const std::uint32_t lo = __byte_perm(Lo0, Lo1, sel);
+    const std::uint32_t hi = __byte_perm(Hi0, Hi1, sel);
     h[0] = __byte_perm(lo, hi, 0x5140);
     h[1] = __byte_perm(lo, hi, 0x7362);
+  }
+  __device__ __forceinline__ static void lookup4_h2(std::uint32_t sel, std::uint32_t* h) {
+    using namespace tierkv::detail;
+    lookup4_pairs<tq3_f16_lo0, tq3_f16_lo1, tq3_f16_hi0, tq3_f16_hi1>(sel, h);
+  }
+  __device__ __forceinline__ static void lookup4_bf16x2(std::uint32_t sel, std::uint32_t* h) {
+    using namespace tierkv::detail;
+    lookup4_pairs<tq3_bf16_lo0, tq3_bf16_lo1, tq3_bf16_hi0, tq3_bf16_hi1>(sel, h);
   }
   __device__ __forceinline__ static void lookup8(std::uint32_t nibbles, float* x) {
     lookup4(nibbles & 0x7777u, x);
@@ -147,17 +155,32 @@ struct tq3_slice_reader {
       lookup8(r.y, x + 8);
     }
   }
-  // The same 16 levels as f16 pairs (x[2c], x[2c + 1]) in h[c], exact (no float round trip).
-  __device__ __forceinline__ static void unpack_h2(const raw& r, int slice, std::uint32_t (&h)[8]) {
+  // The same 16 levels as f16 (unpack_h2) or bf16 (unpack_bf16x2) pairs (x[2c], x[2c + 1]) in
+  // h[c], exact (no float round trip).
+  template <bool Bf16>
+  __device__ __forceinline__ static void unpack_pairs(const raw& r, int slice,
+                                                      std::uint32_t (&h)[8]) {
     std::uint32_t a = r.x, b = r.y;
     if (slice & 1) {
       a = r.z;
       b = ((r.x >> 3) & 0x11111111u) | ((r.y >> 2) & 0x22222222u) | ((r.z >> 1) & 0x44444444u);
     }
-    lookup4_h2(a & 0x7777u, h);
-    lookup4_h2((a >> 16) & 0x7777u, h + 2);
-    lookup4_h2(b & 0x7777u, h + 4);
-    lookup4_h2((b >> 16) & 0x7777u, h + 6);
+    const std::uint32_t sel[4] = {a & 0x7777u, (a >> 16) & 0x7777u, b & 0x7777u,
+                                  (b >> 16) & 0x7777u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (Bf16)
+        lookup4_bf16x2(sel[i], h + 2 * i);
+      else
+        lookup4_h2(sel[i], h + 2 * i);
+    }
+  }
+  __device__ __forceinline__ static void unpack_h2(const raw& r, int slice, std::uint32_t (&h)[8]) {
+    unpack_pairs<false>(r, slice, h);
+  }
+  __device__ __forceinline__ static void unpack_bf16x2(const raw& r, int slice,
+                                                       std::uint32_t (&h)[8]) {
+    unpack_pairs<true>(r, slice, h);
   }
 };
 

@@ -5,6 +5,8 @@
 
 #include "tierkv/core/config.hpp"
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "tierkv/codec/tq4.hpp"
@@ -34,6 +36,21 @@ struct tq4_slice_reader {
   __device__ __forceinline__ static void unpack(const raw& r, int, float (&x)[16]) {
     unpack8(r.x, x);
     unpack8(r.y, x + 8);
+  }
+  // The same 16 levels as exact f16 pairs: the bits 0x6000 | 2c are the f16 512 + c (spacing 1/2
+  // in [512, 1024)), and 512 + offset is an f16 too, so their difference c - offset is exact.
+  static constexpr float biased_offset = 512.f + C::grid::offset;
+  static_assert(C::grid::offset * 2 == float(int(C::grid::offset * 2)) && C::grid::offset < 256,
+                "tq4 reader: the offset must be a multiple of 1/2 below 256 (exact in f16)");
+  __device__ __forceinline__ static void unpack_h2(const raw& r, int, std::uint32_t (&h)[8]) {
+    const __half2 bias = __float2half2_rn(biased_offset);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const std::uint32_t b = (i < 4 ? r.x : r.y) >> (8 * (i % 4));  // codes 2i, 2i + 1
+      const std::uint32_t bits = ((b << 1) & 0x1Eu) | ((b << 13) & 0x1E0000u) | 0x60006000u;
+      const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&bits), bias);
+      h[i] = *reinterpret_cast<const std::uint32_t*>(&v);
+    }
   }
 };
 

@@ -3,16 +3,16 @@
 // A block is 128 (query, head) rows of one sequence and KV head (row r: query r / group, head
 // r % group, so a GQA group shares every K/V tile) and one of the plan's KV splits. Per tier
 // (value-rotated tiers first) the block walks its share of the tier's 64-token tiles, trimmed to
-// the rows' causal (and sliding-window) range: the next tile's raw bytes and index entries are
-// fetched by cp.async while the current one computes; all threads decode a landed tile once
+// the rows' causal (and sliding-window) range: the next tiles' raw bytes come by bulk copies and
+// their index entries by cp.async while the current one computes; a landed tile is decoded once
 // through the format's slice reader into shared memory (keys f16, values bf16: every format's
 // codes are exact in both); then each warp runs its 16 rows FA2-style: S = Q K^T on mma.sync f16
 // (queries in the key codec's domain, each row scaled by a power of two to |q| < 1), masked by
 // position, online softmax in log2 units (ex2.approx), O += (P x value scale) V on mma.sync bf16.
 // Built for sm_90a, head_dim 256 runs both products on wgmma instead, a warpgroup per 64 rows,
-// with the next tile's decode issued while they run. Value-rotated tiers' O is un-rotated once,
-// through shared memory. One split writes the output; several write partial states that
-// prefill_merge_kernel combines by log-sum-exp.
+// and a third (producer) warpgroup fetches and decodes the tiles into two buffers handed over by
+// mbarriers. Value-rotated tiers' O is un-rotated once, through shared memory. One split writes the
+// output; several write partial states that prefill_merge_kernel combines by log-sum-exp.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -36,6 +36,7 @@
 #include "tierkv/cuda/arch/ldmatrix.cuh"
 #include "tierkv/cuda/arch/math.cuh"
 #include "tierkv/cuda/arch/mma.cuh"
+#include "tierkv/cuda/arch/warp_roles.cuh"
 #include "tierkv/cuda/arch/wgmma.cuh"
 #include "tierkv/cuda/codec/formats.cuh"
 #include "tierkv/cuda/decode/common.cuh"
@@ -93,8 +94,10 @@ struct prefill_smem {
   static constexpr std::size_t kpos_off = vscale_off + 2 * tile * 4;
   static constexpr std::size_t rscale_off = kpos_off + 2 * tile * 4;
   static constexpr std::size_t rbad_off = rscale_off + prefill_rows * 4;
-  static constexpr std::size_t bar_off = (rbad_off + prefill_rows * 4 + 7) / 8 * 8;  // [stages]
-  static constexpr std::size_t bytes = bar_off + stages * 8;
+  // mbarriers: [stages] staging areas, then (Core) [2] decoded tile full and [2] decoded tile free
+  static constexpr int barriers = Core ? stages + 4 : stages;
+  static constexpr std::size_t bar_off = (rbad_off + prefill_rows * 4 + 7) / 8 * 8;
+  static constexpr std::size_t bytes = bar_off + barriers * 8;
   static_assert(std::size_t(prefill_rows) * o_pitch * 4 <= ent_off,
                 "prefill: the output scratch must fit over Q, K, V and the staging areas");
   // byte offsets of element (row, d) of Q, (token, d) of a K tile and (token, d) of a V tile
@@ -160,6 +163,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 #else
   static constexpr bool wgmma_path = false;
 #endif
+  // Threads of a block. The wgmma path adds a producer warpgroup (warps 8-11) that fetches and
+  // decodes the tiles while the two consumer warpgroups (warps 0-7, the block's rows) compute; the
+  // producer gives registers to the consumers, whose 64 x 256 O takes 128 a thread.
+  static constexpr int threads = wgmma_path ? prefill_threads + 128 : prefill_threads;
+  static constexpr int producer_regs = 56, consumer_regs = 224;
+  static_assert(!wgmma_path || 128 * producer_regs + prefill_threads * consumer_regs <= 65536,
+                "prefill: the warpgroups' registers exceed the register file");
   template <bool Core>
   using smem_layout =
       prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>, Core>;
@@ -217,6 +227,10 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     __device__ std::uint64_t* bar(int st) const {  // staging area st's mbarrier
       return reinterpret_cast<std::uint64_t*>(base + SM::bar_off) + st;
     }
+    // wgmma path: decoded buffer kv holds a tile (producer -> consumers), is free again
+    // (consumers -> producer)
+    __device__ std::uint64_t* full(int kv) const { return bar(SM::stages + kv); }
+    __device__ std::uint64_t* vacant(int kv) const { return bar(SM::stages + 2 + kv); }
     __device__ std::uint16_t* stage_kmeta(int st) const {
       return reinterpret_cast<std::uint16_t*>(stage_v(st) + SM::stage_v_bytes);
     }
@@ -233,7 +247,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     float m[2], l[2];
     float rq[2];  // row scale: the query's power-of-two factor x softmax_scale
     int rpos[2];
-    unsigned phases;  // bit s: the parity of staging area s's next mbarrier phase
+    unsigned phases;     // bit s: the parity of staging area s's next mbarrier phase (portable)
+    unsigned kv_phases;  // wgmma path: pipe_phases::kv
   };
 
   // The warp's 16 query rows in the key domain (rotated: H_un D q / d, the codecs'
@@ -319,7 +334,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static __device__ int tile_search(int n, Pred pred) {
     int lo = 0, hi = n;
     while (hi > lo) {
-      const int step = (hi - lo + prefill_threads - 1) / prefill_threads;
+      const int step = (hi - lo + threads - 1) / threads;
       const int t = lo + int(threadIdx.x) * step;
       const int below = __syncthreads_count(t < hi && !pred(t));  // probes lo, lo + step, ..
       if (below == 0) break;                                      // pred(lo)
@@ -347,12 +362,11 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   }
 
   // cp.async of tile `tile`'s index entries (slot, logical) into buffer `buf` (-1: past the
-  // tier's entries).
+  // tier's entries), by the callers with i in [0, EPT).
   static __device__ __forceinline__ void fetch_entries(const format_pages_view& fv, int e_begin,
-                                                       int e_end, int tile, int buf,
-                                                       const smem& sm) {
-    const int i = int(threadIdx.x);
-    if (i < EPT) {
+                                                       int e_end, int tile, int buf, const smem& sm,
+                                                       int i) {
+    if (i >= 0 && i < EPT) {
       const int e = e_begin + (tile * TL) / T + i;
       if (e < e_end) {
         cp_async_4(sm.slots(buf) + i, fv.slot + e);
@@ -366,19 +380,19 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   // Tile `tile`'s key / value payloads and metas of the block's KV head (entries in buffer
   // `buf`) into staging area `stage` by bulk copies, completing on the area's mbarrier: each is
   // one contiguous range of a page (codec/page_layout.hpp), one copy per entry and region by lanes
-  // of warp 0, which first arrive with the tile's byte count. A bad or absent entry's bytes are not
-  // fetched (its tokens are decoded as absent).
+  // of one warp (callers with lane in [0, 32)), which first arrive with the tile's byte count. A
+  // bad or absent entry's bytes are not fetched (its tokens are decoded as absent).
   template <int F>
   static __device__ __forceinline__ void fetch_tile(const prefill_inputs<N>& in, const block& bk,
-                                                    int tile, int buf, int stage, const smem& sm) {
+                                                    int tile, int buf, int stage, const smem& sm,
+                                                    int lane) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using layout = page_layout<Geometry, K, V>;
     static_assert(
         TE * K::payload_bytes % 16 == 0 && TE * V::payload_bytes % 16 == 0 && TE * 2 % 16 == 0,
         "prefill: an entry's ranges must be whole 16-byte units for bulk copies");
-    const int lane = int(threadIdx.x);
-    if (lane >= 32) return;
+    if (lane < 0 || lane >= 32) return;
     const pool_view pool = in.pools[F];
     const int t0 = T > TL ? (tile * TL) % T : 0;  // first token in its page
     const int j = lane / 4, region = lane % 4;    // entry, and K / V / K meta / V meta
@@ -409,14 +423,28 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   }
 
+  // Whether a slice reader unpacks straight to exact f16 / bf16 pairs. (A requires-expression
+  // over unpack_tile's locals tested false under nvcc 13.0 although the call compiles: the float
+  // round trip ran instead, record bench/results/prefill/prefill-producer-2026-12-05.json.)
+  template <class R>
+  static constexpr bool has_unpack_h2 = requires(const typename R::raw& r, int s,
+                                                 std::uint32_t (&h)[8]) {
+    R::unpack_h2(r, s, h);
+  };
+  template <class R>
+  static constexpr bool has_unpack_bf16x2 = requires(const typename R::raw& r, int s,
+                                                     std::uint32_t (&h)[8]) {
+    R::unpack_bf16x2(r, s, h);
+  };
+
   // The landed tile (staging area `st`, entries in `buf`) -> decoded buffer `kv`: K (f16) / V
   // (bf16), scales and positions, by all threads (share `part` of `parts`). A token past the
   // sequence, past the entries or of a bad entry gets position INT_MAX (masked for every row) and
-  // zero K / V (0 x poison stays out of P V).
-  template <int F>
+  // zero K / V (0 x poison stays out of P V). By `nthreads` threads (this one `thread` of them).
+  template <int F, int NThreads>
   static __device__ __forceinline__ void unpack_tile(const block& bk, int tile, int present,
                                                      int buf, int st, int kv, const pool_view& pool,
-                                                     const smem& sm, int part = 0, int parts = 1) {
+                                                     const smem& sm, int thread) {
     using K = typename tier_t<F>::template key_codec<D>;
     using V = typename tier_t<F>::template value_codec<D>;
     using KR = slice_reader<K>;
@@ -427,8 +455,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         "codes (dense_bf16 pages are decode-only on the GPU: a bf16 key has no exact f16)");
     constexpr int S = D / 16;  // 16-coordinate slices of a token
     const int t0 = T > TL ? (tile * TL) % T : 0;
-    for (int idx = int(threadIdx.x) + part * prefill_threads; idx < TL * S;
-         idx += parts * prefill_threads) {
+    for (int idx = thread; idx < TL * S; idx += NThreads) {
       // core-matrix layout: 8 consecutive threads take 8 consecutive tokens of one slice, so
       // their 16-byte stores land in 8 different rows of a core matrix (8 bank groups); padded
       // rows: consecutive threads take consecutive slices of a token (contiguous loads)
@@ -456,7 +483,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
             VR::template load<true>(sm.stage_v(st) + std::size_t(i) * V::payload_bytes, s);
         float x[16];
         std::uint32_t w[8];
-        if constexpr (requires { KR::unpack_h2(kr, s, w); }) {
+        if constexpr (has_unpack_h2<KR>) {
           KR::unpack_h2(kr, s, w);
         } else {
           KR::unpack(kr, s, x);
@@ -465,11 +492,15 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         }
         *kd0 = make_uint4(w[0], w[1], w[2], w[3]);
         *kd1 = make_uint4(w[4], w[5], w[6], w[7]);
-        VR::unpack(vr, s, x);
+        if constexpr (has_unpack_bf16x2<VR>) {
+          VR::unpack_bf16x2(vr, s, w);
+        } else {
+          VR::unpack(vr, s, x);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * c], x[2 * c + 1]);
-          w[c] = *reinterpret_cast<const std::uint32_t*>(&h);
+          for (int c = 0; c < 8; ++c) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * c], x[2 * c + 1]);
+            w[c] = *reinterpret_cast<const std::uint32_t*>(&h);
+          }
         }
         *vd0 = make_uint4(w[0], w[1], w[2], w[3]);
         *vd1 = make_uint4(w[4], w[5], w[6], w[7]);
@@ -609,17 +640,12 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 
   // The warpgroup's 64 rows (warps 4 wg .. 4 wg + 3) over decoded tile buffer `kv` on wgmma
   // (sm_90a, head_dim 256, 32-token tiles): S = Q K^T by 16 m64n32k16 steps from shared memory,
-  // the softmax as compute_tile's, O += P V by 2 m64n256k16 steps with P in registers. Each
-  // product runs asynchronously while `overlap` (a share of the next tile's decode) issues on the
-  // same warps. With Compute false only overlap runs (the tile is past every row of the group).
-  template <bool Masked, bool Compute, class Overlap>
+  // the softmax as compute_tile's, O += P V by 2 m64n256k16 steps with P in registers.
+  template <bool Masked>
   static __device__ __forceinline__ void compute_tile_wgmma(const prefill_inputs<N>& in,
                                                             const smem& sm, int kv, warp_state& st,
-                                                            int warp, int lane, Overlap overlap) {
-    if constexpr (!Compute) {
-      overlap(0);
-      overlap(1);
-    } else {
+                                                            int warp, int lane) {
+    {
       static_assert(D == 256 && TL == 32, "prefill: the wgmma path is head_dim 256's");
       float s[ST][4];
       float(&sv)[4 * ST] = reinterpret_cast<float(&)[4 * ST]>(s);
@@ -641,7 +667,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         wgmma_m64n32k16_f16(sv, wgmma_descriptor(q + SM::q_at(0, 16 * ks), qk_lbo, qk_sbo),
                             wgmma_descriptor(k + SM::k_at(0, 16 * ks), qk_lbo, qk_sbo), ks > 0);
       wgmma_commit();
-      overlap(0);
       wgmma_wait<0>();
       wgmma_fence_operands(sv);
       std::uint32_t pa[ST][2];
@@ -656,7 +681,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
             ov, a, wgmma_descriptor(sm.v(kv) + SM::v_at(16 * kt, 0), v_lbo, v_sbo), true);
       }
       wgmma_commit();
-      overlap(1);
       wgmma_wait<0>();
       wgmma_fence_operands(ov);
     }
@@ -697,13 +721,12 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     __syncwarp();
   }
 
-  // Tier F's tiles [a, b) of this block, a pipeline with one barrier a tile: while tile t is
-  // computed from one decoded buffer, tile t + 1 is decoded from its staging area into the other
-  // and tiles t + 2 .. t + stages are in flight by cp.async (tile t + stages into the staging
-  // area t's bytes left; the index entries run further ahead). The decode is ALU work and the
-  // compute tensor-core work: on mma.sync the block's two warp halves take them in opposite orders,
-  // so each scheduler (warps w and w + 4) has one warp of each kind to issue from; on wgmma each
-  // warp issues its share of the decode while its group's asynchronous products run.
+  // Tier F's tiles [a, b) of this block on mma.sync (the portable path), a pipeline with one
+  // barrier a tile: while tile t is computed from one decoded buffer, tile t + 1 is decoded from
+  // its staging area into the other and tiles t + 2 .. t + stages are in flight by bulk copies
+  // (tile t + stages into the staging area tile t left; the index entries run further ahead). The
+  // decode is ALU work and the compute tensor-core work, so the block's two warp halves take them
+  // in opposite orders: each scheduler (warps w and w + 4) has one warp of each kind to issue from.
   template <int F>
   static __device__ __forceinline__ void tier_tiles(const prefill_inputs<N>& in, const block& bk,
                                                     int e_begin, int e_end, int a, int b,
@@ -720,29 +743,24 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
     }
     const bool decode_first = warp >= prefill_warps / 2;
-    // the warpgroup's (wgmma path) positions: its first and last real rows (-1: none)
-    const int g_first = bk.row0 + 64 * (warp / 4), g_last = min(bk.rows_total, g_first + 64) - 1;
-    const int gmin = g_last >= g_first ? bk.len - bk.n + g_first / G : -1;
-    const int gmax = g_last >= g_first ? bk.len - bk.n + g_last / G : -1;
+    const int tid = int(threadIdx.x);
     constexpr int NS = SM::stages, EB = SM::entry_buffers;
     constexpr int ahead =
         2 * NS - 1;  // iteration t fetches tile t + NS's bytes, t + ahead's entries
-    auto present = [&](int t) { return min(EPT, e_end - (e_begin + (t * TL) / T)); };
     // tile t's bytes are the ((t - a) / NS)-th use of staging area (t - a) % NS this pass, whose
     // barrier's phases carry on from the passes before (st.phases)
-    auto decode = [&](int t, int part = 0, int parts = 1) {
-      if (part == 0)
-        mbarrier_wait_parity(sm.bar((t - a) % NS),
-                             ((st.phases >> ((t - a) % NS)) ^ unsigned((t - a) / NS)) & 1u);
-      unpack_tile<F>(bk, t, present(t), (t - a) % EB, (t - a) % NS, (t - a) & 1, pool, sm, part,
-                     parts);
+    auto decode = [&](int t) {
+      mbarrier_wait_parity(sm.bar((t - a) % NS),
+                           ((st.phases >> ((t - a) % NS)) ^ unsigned((t - a) / NS)) & 1u);
+      unpack_tile<F, prefill_threads>(bk, t, present(e_begin, e_end, t), (t - a) % EB, (t - a) % NS,
+                                      (t - a) & 1, pool, sm, tid);
     };
     // the staging areas, entry and decoded buffers are free; the generic accesses to them (the
     // passes before, the output scratch over them) ordered before the bulk copies refill them
     fence_proxy_async_shared();
     __syncthreads();
     for (int t = a; t < a + ahead && t < b; ++t)
-      fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm);
+      fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -750,37 +768,25 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     // groups carry the entries): the groups iterations a - NS .. a - 1 would have made, so every
     // iteration's wait counts alike
     for (int t = a; t < a + NS; ++t) {
-      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm);
+      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm, tid);
       cp_async_commit();
     }
     decode(a);
-    fence_proxy_async_shared();  // decoded tiles are read by wgmma; staging refilled by bulk copies
+    fence_proxy_async_shared();  // staging refilled by bulk copies
     __syncthreads();
     for (int t = a; t < b; ++t) {
       const int kv = (t - a) & 1;
-      if (t + NS < b) fetch_tile<F>(in, bk, t + NS, (t + NS - a) % EB, (t - a) % NS, sm);
-      if (t + ahead < b) fetch_entries(fv, e_begin, e_end, t + ahead, (t + ahead - a) % EB, sm);
+      if (t + NS < b) fetch_tile<F>(in, bk, t + NS, (t + NS - a) % EB, (t - a) % NS, sm, tid);
+      if (t + ahead < b)
+        fetch_entries(fv, e_begin, e_end, t + ahead, (t + ahead - a) % EB, sm, tid);
       cp_async_commit();
       const int first = sm.kpos(kv)[0], last = sm.kpos(kv)[TL - 1];  // positions grow in a tile
-      if constexpr (wgmma_path) {
-        // the next tile's decode in two shares, each while one of the products runs
-        auto overlap = [&](int part) {
-          if (t + 1 < b) decode(t + 1, part, 2);
-        };
-        if (last <= gmin && (in.window <= 0 || first > gmax - in.window))
-          compute_tile_wgmma<false, true>(in, sm, kv, st, warp, lane, overlap);
-        else if (first <= gmax)
-          compute_tile_wgmma<true, true>(in, sm, kv, st, warp, lane, overlap);
-        else
-          compute_tile_wgmma<false, false>(in, sm, kv, st, warp, lane, overlap);
-      } else {
-        if (decode_first && t + 1 < b) decode(t + 1);
-        if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
-          compute_tile<false>(in, sm, kv, st, warp, lane);
-        else if (first <= wmax)
-          compute_tile<true>(in, sm, kv, st, warp, lane);
-        if (!decode_first && t + 1 < b) decode(t + 1);
-      }
+      if (decode_first && t + 1 < b) decode(t + 1);
+      if (last <= wmin && (in.window <= 0 || first > wmax - in.window))
+        compute_tile<false>(in, sm, kv, st, warp, lane);
+      else if (first <= wmax)
+        compute_tile<true>(in, sm, kv, st, warp, lane);
+      if (!decode_first && t + 1 < b) decode(t + 1);
       // tile t + NS + 1's entries landed (the groups of iterations up to t + 2 - NS); tile t + 1
       // decoded; tile t's buffers free (its staging area's reads fenced before bulk copies refill
       // it)
@@ -789,11 +795,125 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       __syncthreads();
     }
     cp_async_wait<0>();  // the groups left are empty: nothing lands in the scratch after this
-    // every fetched tile was decoded, so every bulk copy has landed; area s served
-    // ceil((b - a - s) / NS) tiles, each one phase
+    advance_stage_phases(st.phases, b - a);
+  }
+
+  // Entries of tier F's tile t that belong to the tier (the rest of the tile is past them).
+  static __device__ __forceinline__ int present(int e_begin, int e_end, int t) {
+    return min(EPT, e_end - (e_begin + (t * TL) / T));
+  }
+  // Every fetched tile of a pass is decoded, so every bulk copy has landed: staging area s served
+  // ceil((n - s) / stages) of the pass's n tiles, each one phase of its barrier.
+  static __device__ __forceinline__ void advance_stage_phases(unsigned& phases, int n) {
 #pragma unroll
-    for (int s = 0; s < NS; ++s)
-      if (b - a > s) st.phases ^= unsigned(((b - a - s + NS - 1) / NS) & 1) << s;
+    for (int s = 0; s < SM::stages; ++s)
+      if (n > s) phases ^= unsigned(((n - s + SM::stages - 1) / SM::stages) & 1) << s;
+  }
+  // The wgmma path's barrier phases, carried from pass to pass (both roles count alike): bit s of
+  // stage, the parity of staging area s's next phase (producer); bit k of kv, the parity of the
+  // uses decoded buffer k has served (tile t of a pass is buffer (t - a) % 2).
+  struct pipe_phases {
+    unsigned stage = 0, kv = 0;
+  };
+  static __device__ __forceinline__ void advance_kv_phases(unsigned& kv, int n) {
+    kv ^= unsigned(((n + 1) / 2) & 1) | (unsigned((n / 2) & 1) << 1);
+  }
+  static constexpr int consumer_barrier = 1, producer_barrier = 2;  // named barrier ids
+  // A barrier among the threads that hold rows: the consumer warpgroups on the wgmma path, the
+  // whole block otherwise.
+  static __device__ __forceinline__ void rows_sync() {
+    if constexpr (wgmma_path)
+      named_barrier_sync(consumer_barrier, prefill_threads);
+    else
+      __syncthreads();
+  }
+
+  // The wgmma path's producer warpgroup over tier F's tiles [a, b) (thread `pt` of its 128): the
+  // entries (cp.async) and bytes (bulk copies) by its first warp, stages - 1 tiles ahead; tile t
+  // decoded into buffer (t - a) % 2 once the consumers have freed it, then marked full. One
+  // barrier a tile among the producer's warps (a staging area is refilled once every thread has
+  // decoded from it).
+  template <int F>
+  static __device__ __forceinline__ void producer_tiles(const prefill_inputs<N>& in,
+                                                        const block& bk, int e_begin, int e_end,
+                                                        int a, int b, const smem& sm,
+                                                        pipe_phases& ph, int pt) {
+    const format_pages_view fv = in.index.formats[F];
+    const pool_view pool = in.pools[F];
+    constexpr int NS = SM::stages, EB = SM::entry_buffers, ahead = 2 * NS - 1;
+    const int lane = pt < 32 ? pt : -1;  // the fetching warp's lanes
+    for (int t = a; t < a + ahead && t < b; ++t)
+      fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm, lane);
+    cp_async_commit();
+    cp_async_wait<0>();
+    named_barrier_sync(producer_barrier, 128);
+    for (int t = a; t < a + NS; ++t) {  // a commit group each, as in tier_tiles
+      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm, lane);
+      cp_async_commit();
+    }
+    for (int t = a; t < b; ++t) {
+      const int i = t - a, kv = i & 1, stage = i % NS;
+      mbarrier_wait_parity(sm.bar(stage), ((ph.stage >> stage) ^ unsigned(i / NS)) & 1u);
+      // the (u = uses so far)-th fill of buffer kv waits for the consumers' u-th release: on a
+      // fresh barrier the phase before the first (parity 1) counts as complete
+      mbarrier_wait_parity(sm.vacant(kv), ((ph.kv >> kv) ^ unsigned(i / 2) ^ 1u) & 1u);
+      unpack_tile<F, 128>(bk, t, present(e_begin, e_end, t), i % EB, stage, kv, pool, sm, pt);
+      fence_proxy_async_shared();  // the tile is read by wgmma; the staging area refilled by copies
+      mbarrier_arrive(sm.full(kv));
+      cp_async_wait<NS - 2>();  // tile t + NS's entries landed (as in tier_tiles)
+      named_barrier_sync(producer_barrier, 128);
+      if (t + NS < b) fetch_tile<F>(in, bk, t + NS, (i + NS) % EB, stage, sm, lane);
+      if (t + ahead < b) fetch_entries(fv, e_begin, e_end, t + ahead, (i + ahead) % EB, sm, lane);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+    advance_stage_phases(ph.stage, b - a);
+    advance_kv_phases(ph.kv, b - a);
+  }
+
+  // The wgmma path's consumer warpgroups over tier F's tiles [a, b): each tile once its buffer is
+  // full (the warpgroup's 64 rows, compute_tile_wgmma, skipped past them), then the buffer freed.
+  template <int F>
+  static __device__ __forceinline__ void consumer_tiles(const prefill_inputs<N>& in,
+                                                        const block& bk, int a, int b,
+                                                        const smem& sm, warp_state& st, int warp,
+                                                        int lane) {
+    // the warpgroup's positions: its first and last real rows (-1: none)
+    const int g_first = bk.row0 + 64 * (warp / 4), g_last = min(bk.rows_total, g_first + 64) - 1;
+    const int gmin = g_last >= g_first ? bk.len - bk.n + g_first / G : -1;
+    const int gmax = g_last >= g_first ? bk.len - bk.n + g_last / G : -1;
+    for (int t = a; t < b; ++t) {
+      const int i = t - a, kv = i & 1;
+      mbarrier_wait_parity(sm.full(kv), ((st.kv_phases >> kv) ^ unsigned(i / 2)) & 1u);
+      const int first = sm.kpos(kv)[0], last = sm.kpos(kv)[TL - 1];  // positions grow in a tile
+      if (last <= gmin && (in.window <= 0 || first > gmax - in.window))
+        compute_tile_wgmma<false>(in, sm, kv, st, warp, lane);
+      else if (first <= gmax)
+        compute_tile_wgmma<true>(in, sm, kv, st, warp, lane);
+      mbarrier_arrive(sm.vacant(kv));  // its wgmma reads are complete (wgmma_wait)
+    }
+    advance_kv_phases(st.kv_phases, b - a);
+  }
+
+  // The producer's side of passes: the same tiles in the same order, each pass opened by the
+  // block barrier that follows the consumers' preparation of it.
+  template <int I>
+  static __device__ __forceinline__ void producer_passes(const prefill_inputs<N>& in,
+                                                         const block& bk, const smem& sm,
+                                                         const int (&lo)[N], const int (&hi)[N],
+                                                         int split_lo, int split_hi, int skip,
+                                                         pipe_phases& ph, int pt) {
+    if constexpr (I < N) {
+      constexpr int F = order.at[I];
+      const int a = max(lo[F], lo[F] + split_lo - skip), b = min(hi[F], lo[F] + split_hi - skip);
+      if (a < b) {
+        __syncthreads();
+        producer_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
+                          in.index.formats[F].indptr[bk.b + 1], a, b, sm, ph, pt);
+      }
+      producer_passes<I + 1>(in, bk, sm, lo, hi, split_lo, split_hi, skip + (hi[F] - lo[F]), ph,
+                             pt);
+    }
   }
 
   // Pass I (tier order.at[I]) over this split's share [lo, hi) of the tiers' concatenated tile
@@ -813,14 +933,14 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         const codec_context vctx =
             make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::value);
         if (o_rotated && !value_rotated<F>) {  // O back to the raw domain before raw values
-          __syncthreads();                     // the scratch lies over Q, K and V
+          rows_sync();                         // the scratch lies over Q, K and V
           float* slab = sm.scratch + warp * 16 * SM::o_pitch;
           o_store(st, slab, lane);
           unrotate_slab(slab, vctx.seed, lane);
           o_load(st, slab, lane);
           o_rotated = false;
           q_domain = -1;  // Q was overwritten
-          __syncthreads();
+          rows_sync();
         }
         if (q_domain != int(key_rotated<F>)) {
           prepare_queries<key_rotated<F>>(in, bk, kctx.seed, sm, warp, lane);
@@ -829,8 +949,16 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           for (int r = 0; r < 2; ++r)
             st.rq[r] = sm.rscale[warp * 16 + lane / 4 + 8 * r] * in.softmax_scale * log2e;
         }
-        tier_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
-                      in.index.formats[F].indptr[bk.b + 1], a, b, sm, st, warp, lane);
+        if constexpr (wgmma_path) {
+          // the scratch's and Q's generic writes ordered before the producer's bulk copies (and
+          // Q published to the warpgroups' wgmma), then the producer starts the pass
+          fence_proxy_async_shared();
+          __syncthreads();
+          consumer_tiles<F>(in, bk, a, b, sm, st, warp, lane);
+        } else {
+          tier_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
+                        in.index.formats[F].indptr[bk.b + 1], a, b, sm, st, warp, lane);
+        }
         if (value_rotated<F>) o_rotated = true;
       }
       passes<I + 1>(in, bk, sm, st, lo, hi, split_lo, split_hi, skip + (hi[F] - lo[F]), q_domain,
@@ -841,6 +969,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static __device__ __forceinline__ void run(const prefill_inputs<N>& in, const prefill_plan& plan,
                                              std::uint8_t* workspace) {
     extern __shared__ __align__(16) std::uint8_t prefill_shared[];
+    if (blockDim.x != unsigned(threads)) __trap();  // the launch reads it from __launch_bounds__
     const int b = int(blockIdx.z), kvh = int(blockIdx.y);
     const int splits = plan.kv_splits;
     const int rb = plan.row_blocks - 1 - int(blockIdx.x) / splits;  // the longest rows first
@@ -889,6 +1018,29 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const int split_hi = int(std::int64_t(total) * (bk.split + 1) / splits);
 
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    if (threadIdx.x == 0) {  // the staging areas' barriers, one arrival a phase (the fetching
+                             // warp's, with the tile's byte count); on the wgmma path the decoded
+                             // buffers' (full: the producer's 128 threads; free: the consumers')
+#pragma unroll
+      for (int s = 0; s < SM::stages; ++s) mbarrier_init(sm.bar(s), 1);
+      if constexpr (wgmma_path) {
+        for (int k = 0; k < 2; ++k) {
+          mbarrier_init(sm.full(k), 128);
+          mbarrier_init(sm.vacant(k), prefill_threads);
+        }
+      }
+      fence_mbarrier_init();  // published by the passes' first block barrier
+    }
+    if constexpr (wgmma_path) {
+      if (warp >= prefill_warps) {
+        warpgroup_release_registers<producer_regs>();
+        pipe_phases ph;
+        producer_passes<0>(in, bk, sm, lo, hi, split_lo, split_hi, 0, ph,
+                           int(threadIdx.x) - prefill_threads);
+        return;
+      }
+      warpgroup_take_registers<consumer_regs>();
+    }
     warp_state st;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
@@ -901,18 +1053,13 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       st.rpos[r] = row < bk.rows_total ? bk.len - bk.n + row / G : -1;  // padding: all masked
     }
     st.phases = 0;
-    if (threadIdx.x == 0) {  // the staging areas' barriers, one arrival a phase (warp 0's, with
-                             // the tile's byte count); the passes' first barrier publishes them
-#pragma unroll
-      for (int s = 0; s < SM::stages; ++s) mbarrier_init(sm.bar(s), 1);
-      fence_mbarrier_init();
-    }
+    st.kv_phases = 0;
     int q_domain = -1;
     bool o_rotated = false;
     passes<0>(in, bk, sm, st, lo, hi, split_lo, split_hi, 0, q_domain, o_rotated, warp, lane);
     // A split that computed nothing still checks its queries (a NaN row is NaN in every split).
     if (q_domain < 0) {
-      __syncthreads();
+      rows_sync();
       prepare_queries<false>(in, bk, 0, sm, warp, lane);
     }
     epilogue(in, plan, workspace, bk, sm, st, o_rotated, warp, lane);
@@ -968,7 +1115,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       st.o[nt][2] *= inv[1];
       st.o[nt][3] *= inv[1];
     }
-    __syncthreads();  // Q, K and V are no longer read
+    rows_sync();  // Q, K and V are no longer read (on the wgmma path the producer is done: every
+                  // tile it decoded was consumed)
     float* slab = sm.scratch + warp * 16 * SM::o_pitch;
     o_store(st, slab, lane);
     if (o_rotated)
@@ -1059,7 +1207,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 };
 
 template <class Geometry, class TierList>
-__global__ void __launch_bounds__(prefill_threads, 1)
+__global__ void __launch_bounds__((prefill_kernel<Geometry, TierList>::threads), 1)
     prefill_kernel_entry(prefill_inputs<TierList::size> in, prefill_plan plan,
                          std::uint8_t* workspace) {
   prefill_kernel<Geometry, TierList>::run(in, plan, workspace);
