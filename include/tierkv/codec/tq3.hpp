@@ -44,24 +44,23 @@ TIERKV_HD_INLINE tq3_level_table tq3_levels() {
 }
 
 /// Byte tables of the GPU lookups (one byte-permute maps the 4 code nibbles of a selector to 4
-/// table bytes): word 0 holds codes 0-3, word 1 codes 4-7. f16 levels: bits of L/64 (1 <= |L|
-/// <= 127, normal and exact), split into low and high bytes; s8: the int8 levels themselves.
-constexpr std::uint32_t tq3_f16_bits(int code) {
+/// table bytes): word 0 holds codes 0-3, word 1 codes 4-7. f16 and bf16 levels: bits of L/64,
+/// split into low and high bytes; s8: the int8 levels themselves.
+///
+/// The bits of level L/64 in a binary float format of `mant_bits` fraction bits and exponent bias
+/// `bias` (1 <= |L| <= 127: normal and exact in f16 and in bf16, whose 8 significant bits hold
+/// |L| < 2^7).
+constexpr std::uint32_t tq3_level_bits(int code, int mant_bits, int bias) {
   const int l = tq3_level_int(code), m = l < 0 ? -l : l;
   int e = 0;
   while ((2 << e) <= m) ++e;  // 2^e <= m < 2^(e+1)
-  const std::uint32_t mant = std::uint32_t(m - (1 << e)) << (10 - e);
-  return (l < 0 ? 0x8000u : 0u) | (std::uint32_t(e + 9) << 10) | mant;  // exponent e - 6 + 15
+  const std::uint32_t mant = std::uint32_t(m - (1 << e)) << (mant_bits - e);
+  return (l < 0 ? 0x8000u : 0u) | (std::uint32_t(e - 6 + bias) << mant_bits) | mant;
 }
-/// bf16 levels: bits of L/64 (|L| < 2^7 fits bf16's 8 significant bits: exact), the value tiles'
-/// lookup on the tensor-core prefill (cuda/codec/tq3.cuh).
-constexpr std::uint32_t tq3_bf16_bits(int code) {
-  const int l = tq3_level_int(code), m = l < 0 ? -l : l;
-  int e = 0;
-  while ((2 << e) <= m) ++e;  // 2^e <= m < 2^(e+1)
-  const std::uint32_t mant = std::uint32_t(m - (1 << e)) << (7 - e);
-  return (l < 0 ? 0x8000u : 0u) | (std::uint32_t(e + 121) << 7) | mant;  // exponent e - 6 + 127
-}
+/// f16 levels: the CUDA-core and tensor-core decodes' lookups.
+constexpr std::uint32_t tq3_f16_bits(int code) { return tq3_level_bits(code, 10, 15); }
+/// bf16 levels: the value tiles' lookup on the tensor-core prefill (cuda/codec/tq3.cuh).
+constexpr std::uint32_t tq3_bf16_bits(int code) { return tq3_level_bits(code, 7, 127); }
 template <class F>
 constexpr std::uint32_t tq3_table_word(int first_code, F byte_of) {
   std::uint32_t w = 0;

@@ -645,45 +645,43 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   static __device__ __forceinline__ void compute_tile_wgmma(const prefill_inputs<N>& in,
                                                             const smem& sm, int kv, warp_state& st,
                                                             int warp, int lane) {
-    {
-      static_assert(D == 256 && TL == 32, "prefill: the wgmma path is head_dim 256's");
-      float s[ST][4];
-      float(&sv)[4 * ST] = reinterpret_cast<float(&)[4 * ST]>(s);
-      float(&ov)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st.o);
-      const int wg = warp / 4;
-      // K-major Q / K: K-adjacent core matrices 128 bytes apart, 8-row groups D / 8 x 128
-      constexpr std::uint32_t qk_lbo = wgmma_core_bytes, qk_sbo = D / 8 * wgmma_core_bytes;
-      // MN-major V: K-adjacent (token) core matrices 128 bytes apart, 8-dimension groups TL / 8 x
-      // 128
-      constexpr std::uint32_t v_lbo = wgmma_core_bytes, v_sbo = TL / 8 * wgmma_core_bytes;
-      const std::uint8_t* q = sm.q + SM::q_at(64 * wg, 0);
-      const std::uint8_t* k = sm.k(kv);
+    static_assert(D == 256 && TL == 32, "prefill: the wgmma path is head_dim 256's");
+    float s[ST][4];
+    float(&sv)[4 * ST] = reinterpret_cast<float(&)[4 * ST]>(s);
+    float(&ov)[4 * NT] = reinterpret_cast<float(&)[4 * NT]>(st.o);
+    const int wg = warp / 4;
+    // K-major Q / K: K-adjacent core matrices 128 bytes apart, 8-row groups D / 8 x 128
+    constexpr std::uint32_t qk_lbo = wgmma_core_bytes, qk_sbo = D / 8 * wgmma_core_bytes;
+    // MN-major V: K-adjacent (token) core matrices 128 bytes apart, 8-dimension groups TL / 8 x
+    // 128
+    constexpr std::uint32_t v_lbo = wgmma_core_bytes, v_sbo = TL / 8 * wgmma_core_bytes;
+    const std::uint8_t* q = sm.q + SM::q_at(64 * wg, 0);
+    const std::uint8_t* k = sm.k(kv);
 #pragma unroll
-      for (int i = 0; i < 4 * ST; ++i) sv[i] = 0.f;
-      wgmma_fence_operands(sv);
-      wgmma_fence();
+    for (int i = 0; i < 4 * ST; ++i) sv[i] = 0.f;
+    wgmma_fence_operands(sv);
+    wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks)
-        wgmma_m64n32k16_f16(sv, wgmma_descriptor(q + SM::q_at(0, 16 * ks), qk_lbo, qk_sbo),
-                            wgmma_descriptor(k + SM::k_at(0, 16 * ks), qk_lbo, qk_sbo), ks > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(sv);
-      std::uint32_t pa[ST][2];
-      online_softmax<Masked>(in, sm, kv, st, s, pa, lane);
-      wgmma_fence_operands(ov);
-      wgmma_fence();
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma_m64n32k16_f16(sv, wgmma_descriptor(q + SM::q_at(0, 16 * ks), qk_lbo, qk_sbo),
+                          wgmma_descriptor(k + SM::k_at(0, 16 * ks), qk_lbo, qk_sbo), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(sv);
+    std::uint32_t pa[ST][2];
+    online_softmax<Masked>(in, sm, kv, st, s, pa, lane);
+    wgmma_fence_operands(ov);
+    wgmma_fence();
 #pragma unroll
-      for (int kt = 0; kt < TL / 16; ++kt) {
-        const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
-                                    pa[2 * kt + 1][1]};
-        wgmma_m64n256k16_bf16_rs<true>(
-            ov, a, wgmma_descriptor(sm.v(kv) + SM::v_at(16 * kt, 0), v_lbo, v_sbo), true);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(ov);
+    for (int kt = 0; kt < TL / 16; ++kt) {
+      const std::uint32_t a[4] = {pa[2 * kt][0], pa[2 * kt][1], pa[2 * kt + 1][0],
+                                  pa[2 * kt + 1][1]};
+      wgmma_m64n256k16_bf16_rs<true>(
+          ov, a, wgmma_descriptor(sm.v(kv) + SM::v_at(16 * kt, 0), v_lbo, v_sbo), true);
     }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(ov);
   }
 
   // O fragments <-> the warp's 16-row f32 slab of the scratch.
@@ -759,18 +757,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     // passes before, the output scratch over them) ordered before the bulk copies refill them
     fence_proxy_async_shared();
     __syncthreads();
-    for (int t = a; t < a + ahead && t < b; ++t)
-      fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    // tiles a .. a + NS - 1, and a commit group each (empty: the bytes come by bulk copies, the
-    // groups carry the entries): the groups iterations a - NS .. a - 1 would have made, so every
-    // iteration's wait counts alike
-    for (int t = a; t < a + NS; ++t) {
-      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm, tid);
-      cp_async_commit();
-    }
+    pipeline_prologue<F>(in, bk, e_begin, e_end, a, b, sm, tid, [] { __syncthreads(); });
     decode(a);
     fence_proxy_async_shared();  // staging refilled by bulk copies
     __syncthreads();
@@ -796,6 +783,28 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
     cp_async_wait<0>();  // the groups left are empty: nothing lands in the scratch after this
     advance_stage_phases(st.phases, b - a);
+  }
+
+  // A pass's pipeline fill by the fetching threads (`fetcher`: the thread's index among them, -1
+  // for none; `sync`: a barrier over the threads that decode): the index entries of tiles
+  // a .. a + 2 stages - 2, landed and published, then tiles a .. a + stages - 1's bytes, and a
+  // commit group each (empty: the bytes come by bulk copies, the groups carry the entries): the
+  // groups iterations a - stages .. a - 1 would have made, so every iteration's wait counts alike.
+  template <int F, class Sync>
+  static __device__ __forceinline__ void pipeline_prologue(const prefill_inputs<N>& in,
+                                                           const block& bk, int e_begin, int e_end,
+                                                           int a, int b, const smem& sm,
+                                                           int fetcher, Sync sync) {
+    constexpr int NS = SM::stages, EB = SM::entry_buffers;
+    for (int t = a; t < a + 2 * NS - 1 && t < b; ++t)
+      fetch_entries(in.index.formats[F], e_begin, e_end, t, (t - a) % EB, sm, fetcher);
+    cp_async_commit();
+    cp_async_wait<0>();
+    sync();
+    for (int t = a; t < a + NS; ++t) {
+      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm, fetcher);
+      cp_async_commit();
+    }
   }
 
   // Entries of tier F's tile t that belong to the tier (the rest of the tile is past them).
@@ -842,15 +851,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     const pool_view pool = in.pools[F];
     constexpr int NS = SM::stages, EB = SM::entry_buffers, ahead = 2 * NS - 1;
     const int lane = pt < 32 ? pt : -1;  // the fetching warp's lanes
-    for (int t = a; t < a + ahead && t < b; ++t)
-      fetch_entries(fv, e_begin, e_end, t, (t - a) % EB, sm, lane);
-    cp_async_commit();
-    cp_async_wait<0>();
-    named_barrier_sync(producer_barrier, 128);
-    for (int t = a; t < a + NS; ++t) {  // a commit group each, as in tier_tiles
-      if (t < b) fetch_tile<F>(in, bk, t, (t - a) % EB, (t - a) % NS, sm, lane);
-      cp_async_commit();
-    }
+    pipeline_prologue<F>(in, bk, e_begin, e_end, a, b, sm, lane,
+                         [] { named_barrier_sync(producer_barrier, 128); });
     for (int t = a; t < b; ++t) {
       const int i = t - a, kv = i & 1, stage = i % NS;
       mbarrier_wait_parity(sm.bar(stage), ((ph.stage >> stage) ^ unsigned(i / NS)) & 1u);
@@ -895,6 +897,18 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     advance_kv_phases(st.kv_phases, b - a);
   }
 
+  // Pass I's tiles of tier F: this split's share [split_lo, split_hi) of the tiers' concatenated
+  // tile line, less the `skip` tiles of the passes before it, within the tier's [lo, hi).
+  template <int F>
+  static __device__ __forceinline__ int pass_begin(const int (&lo)[N], int split_lo, int skip) {
+    return max(lo[F], lo[F] + split_lo - skip);
+  }
+  template <int F>
+  static __device__ __forceinline__ int pass_end(const int (&lo)[N], const int (&hi)[N],
+                                                 int split_hi, int skip) {
+    return min(hi[F], lo[F] + split_hi - skip);
+  }
+
   // The producer's side of passes: the same tiles in the same order, each pass opened by the
   // block barrier that follows the consumers' preparation of it.
   template <int I>
@@ -905,7 +919,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                                          pipe_phases& ph, int pt) {
     if constexpr (I < N) {
       constexpr int F = order.at[I];
-      const int a = max(lo[F], lo[F] + split_lo - skip), b = min(hi[F], lo[F] + split_hi - skip);
+      const int a = pass_begin<F>(lo, split_lo, skip), b = pass_end<F>(lo, hi, split_hi, skip);
       if (a < b) {
         __syncthreads();
         producer_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
@@ -926,7 +940,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                                 int lane) {
     if constexpr (I < N) {
       constexpr int F = order.at[I];
-      const int a = max(lo[F], lo[F] + split_lo - skip), b = min(hi[F], lo[F] + split_hi - skip);
+      const int a = pass_begin<F>(lo, split_lo, skip), b = pass_end<F>(lo, hi, split_hi, skip);
       if (a < b) {  // uniform over the block
         const codec_context kctx =
             make_codec_context(in.cache_seed, in.layer, in.head_base + bk.kvh, kv_role::key);
