@@ -2,7 +2,8 @@
 // On the device: (1) the FP8 conversions equal cuda_fp8.h's __nv_cvt_float_to_fp8 for all
 // 2^32 float bit patterns, and the host conversion equals the device one on a sampled set;
 // (2) the warp encode/decode kernels produce the host encoder's codes, meta and status
-// bit for bit over >= 10^6 random vectors plus special vectors.
+// bit for bit over >= 10^6 random vectors plus special vectors; (3) the slice readers' f16 /
+// bf16 pair unpacks (the prefill's tile decode) give their float unpack's values exactly.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/error_traits.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 
@@ -212,4 +214,50 @@ TEST_CASE("cuda codecs: device codes equal host codes bit for bit", "[cuda][code
   check_codec_exact<tq4_key::bind<64>>(1 << 17);
   check_codec_exact<tq4_value::bind<128>>(1 << 16);
   check_codec_exact<tq4_key::bind<256>>(1 << 15);
+}
+
+namespace {
+
+// Every byte value at every payload offset (256 vectors of a counting pattern), all-zero and
+// all-0xFF vectors, and random vectors.
+template <class Codec>
+void check_pair_unpacks(bool want_h2, bool want_bf16x2, int random_vectors = 4096) {
+  constexpr std::size_t pb = Codec::payload_bytes;
+  std::vector<std::uint8_t> p;
+  for (std::size_t i = 0; i < 256 * pb; ++i) p.push_back(std::uint8_t(i + i / 256));
+  p.insert(p.end(), pb, 0x00);
+  p.insert(p.end(), pb, 0xFF);
+  std::uint64_t z = 0x9E3779B97F4A7C15ull ^ pb;
+  for (std::size_t i = 0; i < std::size_t(random_vectors) * pb; ++i) {
+    z = z * 6364136223846793005ull + 1442695040888963407ull;
+    p.push_back(std::uint8_t(z >> 56));
+  }
+  const cuda_test::pair_unpack_result r = cuda_test::pair_unpacks_on_device<Codec>(p);
+  std::printf(
+      "pair unpacks %s (head_dim %d): %llu slices, f16 pairs %s (%llu differ), bf16 "
+      "pairs %s (%llu differ)\n",
+      Codec::name, Codec::head_dim, r.slices, r.has_h2 ? "yes" : "no", r.h2_mismatch,
+      r.has_bf16x2 ? "yes" : "no", r.bf16x2_mismatch);
+  INFO(Codec::name << " head_dim " << Codec::head_dim << ", first differing slice " << r.first_bad);
+  CHECK(r.has_h2 == want_h2);
+  CHECK(r.has_bf16x2 == want_bf16x2);
+  CHECK(r.slices == (256 + 2 + std::size_t(random_vectors)) * (Codec::head_dim / 16));
+  CHECK(r.h2_mismatch == 0);
+  CHECK(r.bf16x2_mismatch == 0);
+}
+
+}  // namespace
+
+TEST_CASE("cuda slice readers: f16 / bf16 pair unpacks equal the float unpack exactly",
+          "[cuda][codec]") {
+  // want_h2, want_bf16x2: which exact paths the prefill's tile decode takes for the format
+  check_pair_unpacks<fp8_e4m3::bind<128>>(true, false);
+  check_pair_unpacks<int8_rotated::bind<128>>(true, true);
+  check_pair_unpacks<int8_rotated::bind<256>>(true, true);
+  check_pair_unpacks<tq3_key::bind<256>>(true, true);
+  check_pair_unpacks<tq3_value::bind<128>>(true, true);
+  check_pair_unpacks<tq3_value::bind<256>>(true, true);
+  check_pair_unpacks<tq4_key::bind<256>>(true, false);
+  check_pair_unpacks<tq4_value::bind<64>>(true, false);
+  check_pair_unpacks<dense_bf16::bind<128>>(false, false);
 }

@@ -8,7 +8,9 @@
 
 #include "cuda_test.hpp"
 #include "tierkv/codec/dense_bf16.hpp"
+#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq4.hpp"
+#include "tierkv/cuda/codec/formats.cuh"
 #include "tierkv/cuda/codec_kernels.cuh"
 
 using namespace tierkv;
@@ -106,6 +108,74 @@ cudaError_t launch_decode(const codec_batch<Codec>& c) {
   db.out = c.out;
   return cuda::launch_decode(db);
 }
+
+namespace {
+
+__device__ bool pair_value_differs(float pair, float x) {
+  return !(pair == x || (isnan(pair) && isnan(x)));
+}
+
+// One thread a (vector, slice): the float unpack against each pair unpack the reader has.
+template <class Codec>
+__global__ void pair_unpack_kernel(const std::uint8_t* payloads, int vectors,
+                                   pair_unpack_result* r) {
+  using R = cuda::detail::slice_reader<Codec>;
+  constexpr int per_vector = Codec::head_dim / 16;
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= (long long)vectors * per_vector) return;
+  const int v = int(i / per_vector), s = int(i % per_vector);
+  const typename R::raw raw = R::load(payloads + std::size_t(v) * Codec::payload_bytes, s);
+  float x[16];
+  R::unpack(raw, s, x);
+  std::uint32_t h[8];
+  bool h2_bad = false, bf_bad = false;
+  if constexpr (cuda::detail::has_unpack_h2<R>) {
+    R::unpack_h2(raw, s, h);
+    for (int c = 0; c < 8; ++c) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[c]));
+      h2_bad |= pair_value_differs(f.x, x[2 * c]) || pair_value_differs(f.y, x[2 * c + 1]);
+    }
+  }
+  if constexpr (cuda::detail::has_unpack_bf16x2<R>) {
+    R::unpack_bf16x2(raw, s, h);
+    for (int c = 0; c < 8; ++c) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
+      bf_bad |= pair_value_differs(f.x, x[2 * c]) || pair_value_differs(f.y, x[2 * c + 1]);
+    }
+  }
+  if (h2_bad) atomicAdd(&r->h2_mismatch, 1ull);
+  if (bf_bad) atomicAdd(&r->bf16x2_mismatch, 1ull);
+  if (h2_bad || bf_bad) atomicMin(&r->first_bad, (unsigned long long)i);
+}
+
+}  // namespace
+
+template <class Codec>
+pair_unpack_result pair_unpacks_on_device(const std::vector<std::uint8_t>& payloads) {
+  using R = cuda::detail::slice_reader<Codec>;
+  const int vectors = int(payloads.size() / Codec::payload_bytes);
+  pair_unpack_result h{};
+  h.has_h2 = cuda::detail::has_unpack_h2<R>;
+  h.has_bf16x2 = cuda::detail::has_unpack_bf16x2<R>;
+  h.slices = (unsigned long long)vectors * (Codec::head_dim / 16);
+  const device_buffer<std::uint8_t> dp(payloads);
+  device_buffer<pair_unpack_result> dr(std::vector<pair_unpack_result>{h});
+  pair_unpack_kernel<Codec><<<unsigned((h.slices + 255) / 256), 256>>>(dp.p, vectors, dr.p);
+  CUDA_OK(cudaGetLastError());
+  return dr.get()[0];
+}
+
+#define CUDA_TEST_PAIR_UNPACK(...) \
+  template pair_unpack_result pair_unpacks_on_device<__VA_ARGS__>(const std::vector<std::uint8_t>&);
+CUDA_TEST_PAIR_UNPACK(fp8_e4m3::bind<128>)
+CUDA_TEST_PAIR_UNPACK(int8_rotated::bind<128>)
+CUDA_TEST_PAIR_UNPACK(int8_rotated::bind<256>)
+CUDA_TEST_PAIR_UNPACK(tq3_key::bind<256>)
+CUDA_TEST_PAIR_UNPACK(tq3_value::bind<128>)
+CUDA_TEST_PAIR_UNPACK(tq3_value::bind<256>)
+CUDA_TEST_PAIR_UNPACK(tq4_key::bind<256>)
+CUDA_TEST_PAIR_UNPACK(tq4_value::bind<64>)
+CUDA_TEST_PAIR_UNPACK(dense_bf16::bind<128>)
 
 #define CUDA_TEST_CODEC(...)                                                              \
   template cudaError_t launch_encode<__VA_ARGS__>(const codec_batch<__VA_ARGS__>&, bool); \

@@ -52,4 +52,15 @@ cudaError_t launch_encode(const codec_batch<Codec>& b, bool reference);
 template <class Codec>
 cudaError_t launch_decode(const codec_batch<Codec>& b);
 
+// Every slice of `payloads` (payload_bytes each) read by Codec's slice reader and unpacked to
+// floats, and to f16 / bf16 pairs where the reader has them (unpack_h2 / unpack_bf16x2); a pair
+// value that is not the float's (equal, or both NaN) is a mismatch.
+struct pair_unpack_result {
+  bool has_h2 = false, has_bf16x2 = false;
+  unsigned long long slices = 0, h2_mismatch = 0, bf16x2_mismatch = 0;
+  unsigned long long first_bad = ~0ull;  // vector * slices_per_vector + slice
+};
+template <class Codec>
+pair_unpack_result pair_unpacks_on_device(const std::vector<std::uint8_t>& payloads);
+
 }  // namespace cuda_test

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Register-level conversions of packed codes: f16x2 from two floats, two E4M3 codes or two
-// int8 bytes (exact), and bf16 bits to float. One or two instructions each.
+// int8 bytes (exact), bf16x2 from two int8 bytes (exact), and bf16 bits to float. One to four
+// instructions each.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -53,6 +54,18 @@ __device__ __forceinline__ std::uint32_t s8x2_to_h2(std::uint32_t w) {
   const std::uint32_t h = __byte_perm(w ^ 0x80808080u, 0x64646464u, Sel);
   const __half2 r =
       __hsub2(*reinterpret_cast<const __half2*>(&h), __half2(__half(1152.f), __half(1152.f)));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+
+// int8 x2 (Sel as s8x2_to_h2) -> bf16x2, exact without a float: a byte c = l - 128 s (l its low
+// 7 bits, s its sign bit) under the bf16 exponent of 128 is 0x4300 | l = 128 + l; minus
+// 0x4300 | (c & 0x80), that is 128 or 256, it is c (an integer of at most 8 bits, exact in bf16).
+template <unsigned Sel>
+__device__ __forceinline__ std::uint32_t s8x2_to_bf16x2(std::uint32_t w) {
+  const std::uint32_t t = __byte_perm(w, 0x43434343u, Sel);
+  const std::uint32_t a = t & 0xff7fff7fu, b = (t & 0x00800080u) | 0x43004300u;
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
   return *reinterpret_cast<const std::uint32_t*>(&r);
 }
 

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Warp specialization: barriers among a subset of a block's warps (named barriers), and the
-// register-file split between warpgroups of different roles (setmaxnreg, sm_90a only): a
-// producer warpgroup that only decodes gives registers to the consumer warpgroups that hold the
-// attention accumulators.
+// Warp specialization: barriers among a subset of a block's warps (named barriers) or across
+// roles, and the register-file split between warpgroups of different roles (setmaxnreg, sm_90a
+// only): a producer warpgroup that only decodes gives registers to the consumer warpgroups that
+// hold the attention accumulators.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -15,6 +15,14 @@ namespace tierkv::cuda::detail {
 // every warp taking part calls it with the same id and count.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A barrier of the whole block that warps of different roles reach from different code, each
+// role its own call site. __syncthreads() is `bar.sync 0`, the .aligned form, which requires
+// every thread of the block at that same instruction (compute-sanitizer synccheck: "Divergent
+// thread(s) in block"); `barrier.sync 0` is the form without .aligned.
+__device__ __forceinline__ void block_sync_across_roles() {
+  asm volatile("barrier.sync 0;\n" ::: "memory");
 }
 
 // The calling warpgroup's registers per thread become `Regs` (a multiple of 8 in [24, 256]);

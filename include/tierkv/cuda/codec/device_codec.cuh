@@ -67,6 +67,21 @@ struct fragment_defaults {
   static constexpr int long_steps_max_head_dim = 0;
 };
 
+// Whether a slice reader unpacks straight to exact f16 / bf16 pairs (unpack_h2 / unpack_bf16x2).
+// Asked of the type: a requires-expression over a kernel's locals tested false under nvcc 13.0
+// although the call compiles, and the float round trip ran instead (record
+// bench/results/prefill/prefill-producer-2026-12-05.json).
+template <class R>
+inline constexpr bool has_unpack_h2 = requires(const typename R::raw& r, int s,
+                                               std::uint32_t (&h)[8]) {
+  R::unpack_h2(r, s, h);
+};
+template <class R>
+inline constexpr bool has_unpack_bf16x2 = requires(const typename R::raw& r, int s,
+                                                   std::uint32_t (&h)[8]) {
+  R::unpack_bf16x2(r, s, h);
+};
+
 // What a specialization must provide, checked where a kernel first uses one.
 template <class C>
 consteval bool check_device_codec() {

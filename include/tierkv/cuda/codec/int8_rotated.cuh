@@ -108,14 +108,22 @@ struct int8_rotated_slice_reader {
     unpack4(r.z, x + 8);
     unpack4(r.w, x + 12);
   }
-  // The same 16 codes as f16 pairs (x[2c], x[2c + 1]) in h[c], exact.
-  __device__ __forceinline__ static void unpack_h2(const raw& r, int, std::uint32_t (&h)[8]) {
+  // The same 16 codes as f16 (unpack_h2: the prefill's keys) or bf16 (unpack_bf16x2: its values)
+  // pairs (x[2c], x[2c + 1]) in h[c], exact.
+  template <bool Bf16>
+  __device__ __forceinline__ static void unpack_pairs(const raw& r, std::uint32_t (&h)[8]) {
     const std::uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      h[2 * j] = s8x2_to_h2<0x4140>(w[j]);
-      h[2 * j + 1] = s8x2_to_h2<0x4342>(w[j]);
+      h[2 * j] = Bf16 ? s8x2_to_bf16x2<0x4140>(w[j]) : s8x2_to_h2<0x4140>(w[j]);
+      h[2 * j + 1] = Bf16 ? s8x2_to_bf16x2<0x4342>(w[j]) : s8x2_to_h2<0x4342>(w[j]);
     }
+  }
+  __device__ __forceinline__ static void unpack_h2(const raw& r, int, std::uint32_t (&h)[8]) {
+    unpack_pairs<false>(r, h);
+  }
+  __device__ __forceinline__ static void unpack_bf16x2(const raw& r, int, std::uint32_t (&h)[8]) {
+    unpack_pairs<true>(r, h);
   }
 };
 

@@ -423,20 +423,6 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
   }
 
-  // Whether a slice reader unpacks straight to exact f16 / bf16 pairs. (A requires-expression
-  // over unpack_tile's locals tested false under nvcc 13.0 although the call compiles: the float
-  // round trip ran instead, record bench/results/prefill/prefill-producer-2026-12-05.json.)
-  template <class R>
-  static constexpr bool has_unpack_h2 = requires(const typename R::raw& r, int s,
-                                                 std::uint32_t (&h)[8]) {
-    R::unpack_h2(r, s, h);
-  };
-  template <class R>
-  static constexpr bool has_unpack_bf16x2 = requires(const typename R::raw& r, int s,
-                                                     std::uint32_t (&h)[8]) {
-    R::unpack_bf16x2(r, s, h);
-  };
-
   // The landed tile (staging area `st`, entries in `buf`) -> decoded buffer `kv`: K (f16) / V
   // (bf16), scales and positions, by all threads (share `part` of `parts`). A token past the
   // sequence, past the entries or of a bad entry gets position INT_MAX (masked for every row) and
@@ -921,7 +907,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       constexpr int F = order.at[I];
       const int a = pass_begin<F>(lo, split_lo, skip), b = pass_end<F>(lo, hi, split_hi, skip);
       if (a < b) {
-        __syncthreads();
+        block_sync_across_roles();  // the consumers' at the pass's opening in passes<I>
         producer_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
                           in.index.formats[F].indptr[bk.b + 1], a, b, sm, ph, pt);
       }
@@ -967,7 +953,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
           // the scratch's and Q's generic writes ordered before the producer's bulk copies (and
           // Q published to the warpgroups' wgmma), then the producer starts the pass
           fence_proxy_async_shared();
-          __syncthreads();
+          block_sync_across_roles();  // the producer's in producer_passes<I>
           consumer_tiles<F>(in, bk, a, b, sm, st, warp, lane);
         } else {
           tier_tiles<F>(in, bk, in.index.formats[F].indptr[bk.b],
