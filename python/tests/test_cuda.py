@@ -61,6 +61,49 @@ def twins(tier_set, lengths, num_layers=2, seed=0, **host_kw):
     return g, h, sg, sh
 
 
+def test_prefill_at_head_dim_256_equals_the_host_path():
+    """(24, 4, 256), int8_rotated + TQ4 / TQ3: built for sm_90a (the package's H100 / H200 cubin),
+    this prefill runs on wgmma with a producer warpgroup (docs/gpu-prefill.md); the host path is the
+    reference. Skipped unless both libraries were built with that combination (scripts/gpu-check's
+    python mode builds it)."""
+    combo = dict(recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", head_dim=256, kv_heads=4,
+                 group_size=6, page_size=16)  # fmt: skip
+    if combo not in tkv_cuda.built() or combo not in tierkv.built():
+        pytest.skip("the (256, 4, 6, 16) int8r+tq4k/tq3v combination is not built")
+    geo = (256, 4, 6, 16)
+    g = tierkv.CudaCache(head_dim=256, kv_heads=4, group_size=6, page_size=16, num_layers=1, recent="int8_rotated",
+                         cache_type_k="tq4", cache_type_v="tq3", max_tokens=4096, max_sequences=4, max_batch=4,
+                         max_pages=512, max_step_tokens=2048, mass_layers_per_step=0, **POLICY)  # fmt: skip
+    h = make_cache(geo, "int8r+tq4k/tq3v", num_layers=1, **POLICY)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [700, 129]  # many Stale TQ4 / TQ3 pages after end_step's retier
+    sg = [g.create_sequence() for _ in lengths]
+    sh = [h.create_sequence() for _ in lengths]
+    g.begin_step(sg, lengths)
+    h.reserve(sh, lengths)
+    k, v = torch.randn(sum(lengths), 4, 256, generator=gen), torch.randn(sum(lengths), 4, 256, generator=gen)
+    g.append(0, k.cuda(), v.cuda())
+    h.write(0, sh, k, v)
+    h.commit(sh)
+    g.end_step(1, wait=True)
+    h.retier(1)
+    assert g.page_tiers(sg[0], 0) == h.page_tiers(sh[0], 0)
+    assert 1 in g.page_tiers(sg[0], 0)  # the prefill reads both tiers
+    chunk = [200, 65]
+    g.begin_step(sg, chunk)
+    h.reserve(sh, chunk)
+    k, v = torch.randn(sum(chunk), 4, 256, generator=gen), torch.randn(sum(chunk), 4, 256, generator=gen)
+    q = torch.randn(sum(chunk), 24, 256, generator=gen)
+    g.append(0, k.cuda(), v.cuda())
+    h.write(0, sh, k, v)
+    out_g, lse_g = g.prefill(0, q.cuda(), return_lse=True)
+    out_h, lse_h = h.prefill(0, sh, q, torch.tensor([0, chunk[0], sum(chunk)], dtype=torch.int32))
+    assert rel(out_g.cpu(), out_h) < 4e-3
+    assert (lse_g.cpu() - lse_h).abs().max() < 1e-2
+    h.commit(sh)
+    g.end_step(2, wait=True)
+
+
 @pytest.mark.parametrize("tier_set", list(SETS))
 def test_decode_and_prefill_equal_the_host_path(tier_set):
     g, h, sg, sh = twins(tier_set, [1, 40, 133])
