@@ -27,12 +27,13 @@ SETS = {
 POLICY = dict(keep_first_layers=0, keep_last_layers=0, min_dwell_steps=0, recent_pages=2)
 
 
-def gpu_cache(tier_set="int8r+tq4k/tq3v", num_layers=2, **kw):
+def gpu_cache(tier_set="int8r+tq4k/tq3v", num_layers=2, geo=GEO, **kw):
+    d, kvh, g, p = geo
     recent, k, v = SETS[tier_set]
     opts = dict(max_tokens=4096, max_sequences=16, max_batch=16, max_pages=512, max_step_tokens=2048,
                 mass_layers_per_step=0, **POLICY)  # fmt: skip
     opts.update(kw)
-    return tierkv.CudaCache(head_dim=D, kv_heads=KVH, group_size=G, page_size=P, num_layers=num_layers,
+    return tierkv.CudaCache(head_dim=d, kv_heads=kvh, group_size=g, page_size=p, num_layers=num_layers,
                             recent=recent, cache_type_k=k, cache_type_v=v, **opts)  # fmt: skip
 
 
@@ -40,10 +41,11 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def twins(tier_set, lengths, num_layers=2, seed=0, **host_kw):
+def twins(tier_set, lengths, num_layers=2, seed=0, geo=GEO, **host_kw):
     """A GPU cache and a host cache holding the same tokens (f32 K/V) in the same sequences."""
-    g = gpu_cache(tier_set, num_layers)
-    h = make_cache(GEO, tier_set, num_layers=num_layers, **POLICY, **host_kw)
+    d, kvh = geo[0], geo[1]
+    g = gpu_cache(tier_set, num_layers, geo=geo)
+    h = make_cache(geo, tier_set, num_layers=num_layers, **POLICY, **host_kw)
     sg = [g.create_sequence() for _ in lengths]
     sh = [h.create_sequence() for _ in lengths]
     gen = torch.Generator().manual_seed(seed)
@@ -51,8 +53,8 @@ def twins(tier_set, lengths, num_layers=2, seed=0, **host_kw):
     g.begin_step(sg, lengths)
     h.reserve(sh, lengths)
     for layer in range(num_layers):
-        k = torch.randn(n, KVH, D, generator=gen)
-        v = torch.randn(n, KVH, D, generator=gen)
+        k = torch.randn(n, kvh, d, generator=gen)
+        v = torch.randn(n, kvh, d, generator=gen)
         g.append(layer, k.cuda(), v.cuda())
         h.write(layer, sh, k, v)
     h.commit(sh)
@@ -70,25 +72,11 @@ def test_prefill_at_head_dim_256_equals_the_host_path():
                  group_size=6, page_size=16)  # fmt: skip
     if combo not in tkv_cuda.built() or combo not in tierkv.built():
         pytest.skip("the (256, 4, 6, 16) int8r+tq4k/tq3v combination is not built")
-    geo = (256, 4, 6, 16)
-    g = tierkv.CudaCache(head_dim=256, kv_heads=4, group_size=6, page_size=16, num_layers=1, recent="int8_rotated",
-                         cache_type_k="tq4", cache_type_v="tq3", max_tokens=4096, max_sequences=4, max_batch=4,
-                         max_pages=512, max_step_tokens=2048, mass_layers_per_step=0, **POLICY)  # fmt: skip
-    h = make_cache(geo, "int8r+tq4k/tq3v", num_layers=1, **POLICY)
-    gen = torch.Generator().manual_seed(3)
-    lengths = [700, 129]  # many Stale TQ4 / TQ3 pages after end_step's retier
-    sg = [g.create_sequence() for _ in lengths]
-    sh = [h.create_sequence() for _ in lengths]
-    g.begin_step(sg, lengths)
-    h.reserve(sh, lengths)
-    k, v = torch.randn(sum(lengths), 4, 256, generator=gen), torch.randn(sum(lengths), 4, 256, generator=gen)
-    g.append(0, k.cuda(), v.cuda())
-    h.write(0, sh, k, v)
-    h.commit(sh)
-    g.end_step(1, wait=True)
-    h.retier(1)
+    # two sequences of 700 and 129 tokens, retiered: many Stale TQ4 / TQ3 pages
+    g, h, sg, sh = twins("int8r+tq4k/tq3v", [700, 129], num_layers=1, seed=3, geo=(256, 4, 6, 16))
     assert g.page_tiers(sg[0], 0) == h.page_tiers(sh[0], 0)
     assert 1 in g.page_tiers(sg[0], 0)  # the prefill reads both tiers
+    gen = torch.Generator().manual_seed(4)
     chunk = [200, 65]
     g.begin_step(sg, chunk)
     h.reserve(sh, chunk)

@@ -227,11 +227,8 @@ void check_pair_unpacks(bool want_h2, bool want_bf16x2, int random_vectors = 409
   for (std::size_t i = 0; i < 256 * pb; ++i) p.push_back(std::uint8_t(i + i / 256));
   p.insert(p.end(), pb, 0x00);
   p.insert(p.end(), pb, 0xFF);
-  std::uint64_t z = 0x9E3779B97F4A7C15ull ^ pb;
-  for (std::size_t i = 0; i < std::size_t(random_vectors) * pb; ++i) {
-    z = z * 6364136223846793005ull + 1442695040888963407ull;
-    p.push_back(std::uint8_t(z >> 56));
-  }
+  for (std::size_t i = 0; i < std::size_t(random_vectors) * pb; ++i)
+    p.push_back(std::uint8_t(mix64((std::uint64_t(pb) << 32) + i) >> 56));
   const cuda_test::pair_unpack_result r = cuda_test::pair_unpacks_on_device<Codec>(p);
   std::printf(
       "pair unpacks %s (head_dim %d): %llu slices, f16 pairs %s (%llu differ), bf16 "

@@ -111,8 +111,20 @@ cudaError_t launch_decode(const codec_batch<Codec>& c) {
 
 namespace {
 
-__device__ bool pair_value_differs(float pair, float x) {
-  return !(pair == x || (isnan(pair) && isnan(x)));
+// Whether any of the 8 pairs (Pair: __half2 or __nv_bfloat162) is not its two floats of x (equal,
+// or both NaN).
+template <class Pair>
+__device__ bool pairs_differ(const std::uint32_t (&h)[8], const float (&x)[16]) {
+  bool bad = false;
+  for (int c = 0; c < 8; ++c) {
+    const Pair p = *reinterpret_cast<const Pair*>(&h[c]);
+    const float f[2] = {__low2float(p), __high2float(p)};
+    for (int j = 0; j < 2; ++j) {
+      const float y = x[2 * c + j];
+      bad |= !(f[j] == y || (isnan(f[j]) && isnan(y)));
+    }
+  }
+  return bad;
 }
 
 // One thread a (vector, slice): the float unpack against each pair unpack the reader has.
@@ -131,17 +143,11 @@ __global__ void pair_unpack_kernel(const std::uint8_t* payloads, int vectors,
   bool h2_bad = false, bf_bad = false;
   if constexpr (cuda::detail::has_unpack_h2<R>) {
     R::unpack_h2(raw, s, h);
-    for (int c = 0; c < 8; ++c) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[c]));
-      h2_bad |= pair_value_differs(f.x, x[2 * c]) || pair_value_differs(f.y, x[2 * c + 1]);
-    }
+    h2_bad = pairs_differ<__half2>(h, x);
   }
   if constexpr (cuda::detail::has_unpack_bf16x2<R>) {
     R::unpack_bf16x2(raw, s, h);
-    for (int c = 0; c < 8; ++c) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h[c]));
-      bf_bad |= pair_value_differs(f.x, x[2 * c]) || pair_value_differs(f.y, x[2 * c + 1]);
-    }
+    bf_bad = pairs_differ<__nv_bfloat162>(h, x);
   }
   if (h2_bad) atomicAdd(&r->h2_mismatch, 1ull);
   if (bf_bad) atomicAdd(&r->bf16x2_mismatch, 1ull);

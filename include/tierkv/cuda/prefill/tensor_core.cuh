@@ -174,6 +174,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
   using smem_layout =
       prefill_smem<Geometry, max_key_payload<D, Tiers...>, max_value_payload<D, Tiers...>, Core>;
   using SM = smem_layout<wgmma_path>;  // the device pass's layout
+  // A pass's iteration t fetches tile t + stages's bytes and tile t + entries_ahead's index
+  // entries.
+  static constexpr int entries_ahead = 2 * SM::stages - 1;
   // what a launch reserves: the larger layout (the host pass does not know the device's path)
   static constexpr std::size_t smem_bytes =
       std::max(smem_layout<false>::bytes, smem_layout<true>::bytes);
@@ -728,9 +731,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     }
     const bool decode_first = warp >= prefill_warps / 2;
     const int tid = int(threadIdx.x);
-    constexpr int NS = SM::stages, EB = SM::entry_buffers;
-    constexpr int ahead =
-        2 * NS - 1;  // iteration t fetches tile t + NS's bytes, t + ahead's entries
+    constexpr int NS = SM::stages, EB = SM::entry_buffers, ahead = entries_ahead;
     // tile t's bytes are the ((t - a) / NS)-th use of staging area (t - a) % NS this pass, whose
     // barrier's phases carry on from the passes before (st.phases)
     auto decode = [&](int t) {
@@ -773,7 +774,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 
   // A pass's pipeline fill by the fetching threads (`fetcher`: the thread's index among them, -1
   // for none; `sync`: a barrier over the threads that decode): the index entries of tiles
-  // a .. a + 2 stages - 2, landed and published, then tiles a .. a + stages - 1's bytes, and a
+  // a .. a + entries_ahead - 1, landed and published, then tiles a .. a + stages - 1's bytes, and a
   // commit group each (empty: the bytes come by bulk copies, the groups carry the entries): the
   // groups iterations a - stages .. a - 1 would have made, so every iteration's wait counts alike.
   template <int F, class Sync>
@@ -782,7 +783,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                                            int a, int b, const smem& sm,
                                                            int fetcher, Sync sync) {
     constexpr int NS = SM::stages, EB = SM::entry_buffers;
-    for (int t = a; t < a + 2 * NS - 1 && t < b; ++t)
+    for (int t = a; t < a + entries_ahead && t < b; ++t)
       fetch_entries(in.index.formats[F], e_begin, e_end, t, (t - a) % EB, sm, fetcher);
     cp_async_commit();
     cp_async_wait<0>();
@@ -835,7 +836,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                                         pipe_phases& ph, int pt) {
     const format_pages_view fv = in.index.formats[F];
     const pool_view pool = in.pools[F];
-    constexpr int NS = SM::stages, EB = SM::entry_buffers, ahead = 2 * NS - 1;
+    constexpr int NS = SM::stages, EB = SM::entry_buffers, ahead = entries_ahead;
     const int lane = pt < 32 ? pt : -1;  // the fetching warp's lanes
     pipeline_prologue<F>(in, bk, e_begin, e_end, a, b, sm, lane,
                          [] { named_barrier_sync(producer_barrier, 128); });
