@@ -2,7 +2,7 @@
 // gpubench_decode [--out FILE.json] [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
 //                 [--dim D] [--mix M] [--no-retier] [--retier-only] [--max-chunks N]
 //                 [--min-chunk-kb N] [--resident N] [--int8r | --int8r-only] [--k4 | --k4-only]
-//                 [--balance bytes|work] [--tq3-work N] [--waves N] [--shared]
+//                 [--balance bytes|work] [--unpack-work N] [--waves N] [--shared]
 //                 [--benchmark_* flags]
 // Mixed-format paged decode on the GPU (docs/gpu.md) over the benchmark shapes, contexts,
 // batches and mixes, stream launch and CUDA-graph replay; retier throughput both ways and
@@ -60,7 +60,7 @@ struct options {
   std::int64_t min_chunk_kb = cuda::decode_default_min_chunk_bytes / 1024;
   int resident = 0;  // plan_decode's resident_blocks; 0: its default (decode_blocks_per_sm)
   cuda::balance balance_by = cuda::balance::work;
-  int tq3_work = cuda::decode_default_tq3_work_percent;
+  int unpack_work = 0;  // 0: each codec's decode_work_percent
   int waves = cuda::decode_default_waves;
   bool shared = false;  // every sequence reads the same pages (a prefix shared by the batch)
 };
@@ -184,7 +184,7 @@ struct decode_case {
     plan = take(cuda::plan_decode<G, TL>(
         cap, table.counts.data(), B, dev.sms, opt.waves, opt.min_chunk_kb * 1024, opt.balance_by,
         cuda::decode_default_min_chunk_pages,
-        opt.resident > 0 ? opt.resident : cuda::decode_blocks_per_sm<G>, opt.tq3_work));
+        opt.resident > 0 ? opt.resident : cuda::decode_blocks_per_sm<G>, opt.unpack_work));
     ws = device_array<std::uint8_t>(plan.workspace_bytes);
     die_if(cuda::decode_workspace_init(plan, ws.get(), plan.workspace_bytes, s));
     // the chunk count the device computes for these sequences
@@ -494,7 +494,7 @@ void setup(const device_facts& f) {
   add_context("min_chunk_kb", std::to_string(opt.min_chunk_kb));
   add_context("resident", std::to_string(opt.resident));
   add_context("balance", opt.balance_by == cuda::balance::bytes ? "bytes" : "work");
-  add_context("tq3_work", std::to_string(opt.tq3_work));
+  add_context("unpack_work", std::to_string(opt.unpack_work));
   add_context("waves", std::to_string(opt.waves));
   say("gpubench_decode: " + f.name + ", " + std::to_string(f.sms) + " SMs, copy " +
       std::to_string(int(dev.copy_gbps)) + " GB/s (read + write), empty split + merge pair " +
@@ -563,8 +563,9 @@ int main(int argc, char** argv) {
            std::exit(2);
          }
        }},
-      {"--tq3-work", "N", "plan: a TQ3 role's work in percent of an 8-bit one's",
-       num("--tq3-work", opt.tq3_work)},
+      {"--unpack-work", "N",
+       "plan: an unpack-bound role's (TQ3's) work in percent of an 8-bit one's (0: the codecs')",
+       num("--unpack-work", opt.unpack_work)},
       {"--waves", "N", "plan: waves of blocks", num("--waves", opt.waves)},
       {"--shared", "", "every sequence of a batch reads the same pages (a shared prefix)",
        on(opt.shared)},

@@ -11,6 +11,7 @@
 
 #include "measure_common.hpp"
 #include "tierkv/codec/error_traits.hpp"
+#include "tierkv/formats.hpp"
 
 using namespace tierkv;
 

@@ -9,14 +9,8 @@
 #include "tierkv/core/status.hpp"
 
 #include "tierkv/codec/codec.hpp"
-#include "tierkv/codec/dense.hpp"
-#include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/error_traits.hpp"
-#include "tierkv/codec/fp8.hpp"
-#include "tierkv/codec/int8_rotated.hpp"
-#include "tierkv/codec/tier.hpp"
-#include "tierkv/codec/tq3.hpp"
-#include "tierkv/codec/tq4.hpp"
+#include "tierkv/formats.hpp"
 
 #include "tierkv/codec/page_layout.hpp"
 #include "tierkv/memory/allocators.hpp"

@@ -20,6 +20,7 @@
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
+#include "tierkv/formats.hpp"
 
 using namespace tierkv;
 using cuda_test::device_buffer;

@@ -107,13 +107,10 @@ requires(C::meta_bytes == 0) struct token_scalar<C> {
   TIERKV_HD_INLINE static typename C::meta_type unit() { return typename C::meta_type{}; }
 };
 template <vector_codec C>
-requires((C::format == storage_format::fp8_e4m3 || C::format == storage_format::fp8_e5m2 ||
-          C::format == storage_format::tq3 || C::format == storage_format::tq4 ||
-          C::format == storage_format::int8_rotated) &&
-         std::is_same_v<typename C::meta_type, bf16_bits>) struct token_scalar<C> {
+requires(C::meta_bytes != 0 && codec_token_scaled<C>) struct token_scalar<C> {
   static constexpr bool known = true;
-  TIERKV_HD_INLINE static float of(const typename C::meta_type& m) { return bf16_to_float(m); }
-  TIERKV_HD_INLINE static typename C::meta_type unit() { return bf16_bits(0x3F80); }  // 1.0
+  TIERKV_HD_INLINE static float of(const typename C::meta_type& m) { return C::token_scale(m); }
+  TIERKV_HD_INLINE static typename C::meta_type unit() { return C::unit_meta(); }
 };
 
 /// Dot product with 8 independent partial sums: the compiler vectorizes it without

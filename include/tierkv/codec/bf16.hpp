@@ -16,6 +16,7 @@ using bf16_bits = std::uint16_t;
 
 inline constexpr bf16_bits bf16_max_finite = 0x7F7F;  ///< 3.3895e38
 inline constexpr bf16_bits bf16_quiet_nan = 0x7FC0;   ///< a quiet NaN (poisoned metadata)
+inline constexpr bf16_bits bf16_one = 0x3F80;         ///< 1.0
 
 /// The float value of bf16 bits (exact).
 TIERKV_HD_INLINE float bf16_to_float(bf16_bits b) {

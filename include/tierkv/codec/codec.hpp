@@ -91,6 +91,55 @@ concept vector_codec = requires(const float* x, float* y, std::uint8_t* payload,
   { C::finalize(y, ctx) } -> std::same_as<void>;
 };
 
+/// Optional members of a vector_codec, read through the traits below (absent = the default):
+///   static constexpr bool uses_context = true     decode depends on the codec context (the
+///                                                 rotation seed of its layer, KV head and role):
+///                                                 a page moves only to a cache that derives the
+///                                                 same context (paging/page_transfer.hpp)
+///   static float token_scale(const meta_type&)    the vector is linear in a per-token scalar kept
+///   static meta_type unit_meta()                  in its meta (FP8's scale, TQ's alpha): a tile
+///                                                 unpacks a token once under unit_meta() and puts
+///                                                 the scalar on the score and the probability
+///                                                 (attention/tile.hpp); without it, every row
+///                                                 decodes the token itself.
+///   static constexpr int decode_work_percent      its GPU decode time per scalar in percent of
+///                                                 an 8-bit format's in the present kernels (the
+///                                                 decode planner balances chunks by it); a
+///                                                 format the GPU reads must declare it
+///                                                 (cuda/codec/device_codec.cuh checks)
+template <class C>
+consteval bool codec_uses_context() {
+  if constexpr (requires { C::uses_context; })
+    return bool(C::uses_context);
+  else
+    return false;
+}
+
+/// codec C's decode_work_percent (100, an 8-bit format's, when it declares none).
+template <class C>
+consteval int codec_decode_work_percent() {
+  if constexpr (requires { C::decode_work_percent; })
+    return int(C::decode_work_percent);
+  else
+    return 100;
+}
+
+/// Whether codec C declares a per-token scale (see above); codecs without meta have scale 1.
+template <class C>
+inline constexpr bool codec_token_scaled = requires(const typename C::meta_type& m) {
+  { C::token_scale(m) } -> std::same_as<float>;
+  { C::unit_meta() } -> std::same_as<typename C::meta_type>;
+};
+
+/// A codec family's expected error on N(0, 1) vectors (codec/error_traits.hpp measures it;
+/// docs/codecs.md has the runs). A family declares them as
+/// `static constexpr error_figures expected_error`.
+struct error_figures {
+  double rel_mse = 0;        ///< relative MSE (value role), head_dim independent
+  double ip_rms_sqrt_d = 0;  ///< inner-product rms times sqrt(head_dim) (key role)
+  double ip_bias = 0;        ///< mean inner-product error (key role)
+};
+
 /// A codec family (e.g. tierkv::fp8_e4m3) is a tag that binds to a head_dim:
 ///   typename Family::template bind<128> is a vector_codec.
 template <class F>

@@ -58,7 +58,19 @@ struct dense_f32_codec {
 struct dense_f32 {
   template <int HeadDim>
   using bind = dense_f32_codec<HeadDim>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): Exact: no error.
+  static constexpr error_figures expected_error{0.0, 0.0, 0.0};
 };
+
+namespace formats {
+/// Dense float32 by name (tierkv/formats.hpp registers it).
+struct f32 {
+  static constexpr const char* name =
+      "f32";                             ///< its run-time name (Python: recent, cache_type_k / _v)
+  using key_family = tierkv::dense_f32;  ///< the codec family of its keys
+  using value_family = tierkv::dense_f32;  ///< the codec family of its values
+};
+}  // namespace formats
 
 static_assert(vector_codec<dense_f32_codec<128>>);
 static_assert(codec_family<dense_f32>);

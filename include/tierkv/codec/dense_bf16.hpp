@@ -24,6 +24,8 @@ struct dense_bf16_codec {
       sizeof(bf16_bits) * std::size_t(HeadDim);      ///< the bf16 values
   static constexpr std::size_t meta_bytes = 0;       ///< no metadata
   static constexpr const char* name = "dense_bf16";  ///< the format's name
+  /// GPU decode work per scalar against an 8-bit format (codec.hpp): not measured apart from FP8.
+  static constexpr int decode_work_percent = 100;
 
   /// The bf16 bits of scalar i of a payload.
   TIERKV_HD static bf16_bits load(const std::uint8_t* p, int i) {
@@ -88,7 +90,20 @@ struct dense_bf16_codec {
 struct dense_bf16 {
   template <int HeadDim>
   using bind = dense_bf16_codec<HeadDim>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): Measured at head_dim 128, 20000 vectors
+  /// (docs/codecs.md, scripts/measure codec).
+  static constexpr error_figures expected_error{2.9e-6, 0.00234, 0.0};
 };
+
+namespace formats {
+/// Dense bf16 by name (the BF16 control) (tierkv/formats.hpp registers it).
+struct bf16 {
+  static constexpr const char* name =
+      "bf16";                             ///< its run-time name (Python: recent, cache_type_k / _v)
+  using key_family = tierkv::dense_bf16;  ///< the codec family of its keys
+  using value_family = tierkv::dense_bf16;  ///< the codec family of its values
+};
+}  // namespace formats
 
 static_assert(vector_codec<dense_bf16_codec<128>>);
 static_assert(codec_family<dense_bf16>);

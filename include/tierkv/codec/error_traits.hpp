@@ -14,13 +14,7 @@
 #include <vector>
 
 #include "tierkv/codec/codec.hpp"
-#include "tierkv/codec/dense.hpp"
-#include "tierkv/codec/dense_bf16.hpp"
-#include "tierkv/codec/fp8.hpp"
-#include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
-#include "tierkv/codec/tq3.hpp"
-#include "tierkv/codec/tq4.hpp"
 
 namespace tierkv {
 
@@ -147,118 +141,24 @@ mse_error measure_relative_mse(int vectors, std::uint64_t seed) {
   return r;
 }
 
-/// Expected figures per codec family on N(0,1) vectors (docs/codecs.md has the runs):
-///   rel_mse            expected relative MSE (value role), head_dim independent here;
-///   ip_rms_sqrt_d      expected inner-product rms times sqrt(head_dim) (key role):
-///                      the rms shrinks as 1/sqrt(d) for these codecs;
-///   ip_bias            expected mean inner-product error (key role).
+/// Expected figures of a codec family on N(0,1) vectors (docs/codecs.md has the runs): its
+/// `expected_error` (codec.hpp's error_figures), declared beside the family.
 template <class Family>
 struct codec_error_traits {
   static_assert(detail::dependent_false<Family>,
-                "codec_error_traits: no expected figures recorded for this codec family");
+                "codec_error_traits: the codec family declares no `static constexpr "
+                "error_figures expected_error` (its measured figures, codec/codec.hpp)");
 };
-/// Exact: no error.
-template <>
-struct codec_error_traits<dense_f32> {
+/// The figures a family declares.
+template <class Family>
+requires requires { Family::expected_error; }
+struct codec_error_traits<Family> {
   /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.0, ip_rms_sqrt_d = 0.0, ip_bias = 0.0;
-  /// \var ip_rms_sqrt_d
+  static constexpr double rel_mse = Family::expected_error.rel_mse;
   /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
+  static constexpr double ip_rms_sqrt_d = Family::expected_error.ip_rms_sqrt_d;
   /// Expected mean inner-product error (key role).
-};
-/// Measured at head_dim 128, 20000 vectors (docs/codecs.md, scripts/measure codec).
-template <>
-struct codec_error_traits<dense_bf16> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 2.9e-6, ip_rms_sqrt_d = 0.00234, ip_bias = 0.0;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// FP8 E4M3 per scalar (docs/codecs.md).
-template <>
-struct codec_error_traits<fp8_e4m3> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.00066, ip_rms_sqrt_d = 0.0343, ip_bias = -0.00026;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// FP8 E5M2 per scalar: fewer mantissa bits, about 4x the E4M3 MSE.
-template <>
-struct codec_error_traits<fp8_e5m2> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.00263, ip_rms_sqrt_d = 0.0705, ip_bias = -0.0014;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// Uniform 8-bit codes of the rotated vector: 16x lower MSE than E4M3, 5x lower inner-product
-/// rms, unbiased (gain 1.0000).
-template <>
-struct codec_error_traits<int8_rotated> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 4.24e-5, ip_rms_sqrt_d = 0.00653, ip_bias = 0.0;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// Keys: alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain 1.000) and halves the rms
-/// against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340 at d = 128).
-template <>
-struct codec_error_traits<tq3_key> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.0348, ip_rms_sqrt_d = 0.1336, ip_bias = 0.0;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// Values: least-squares alpha gives the lowest MSE; inner products shrink by 0.966.
-template <>
-struct codec_error_traits<tq3_value> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.0336, ip_rms_sqrt_d = 0.302, ip_bias = -0.0237;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// TQ4 (16 uniform levels of the rotated vector): 1.75x lower key inner-product rms than TQ3
-/// (3.1x lower variance), MSE 0.011 (d = 128, 20000 vectors; docs/codecs.md).
-template <>
-struct codec_error_traits<tq4_key> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.01124, ip_rms_sqrt_d = 0.0760, ip_bias = 0.0;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// TQ4 values: least-squares alpha, the lowest MSE; inner products shrink slightly.
-template <>
-struct codec_error_traits<tq4_value> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.01111, ip_rms_sqrt_d = 0.1196, ip_bias = -0.0079;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
-};
-/// TQ3 with the plain norm as scale (neither key nor value correction), for reference.
-template <>
-struct codec_error_traits<tq3_plain> {
-  /// Expected relative MSE (value role).
-  static constexpr double rel_mse = 0.0340, ip_rms_sqrt_d = 0.353, ip_bias = -0.0234;
-  /// \var ip_rms_sqrt_d
-  /// Expected inner-product rms times sqrt(head_dim) (key role).
-  /// \var ip_bias
-  /// Expected mean inner-product error (key role).
+  static constexpr double ip_bias = Family::expected_error.ip_bias;
 };
 
 /// Exact storage cost of a family at a head_dim: payload + per-vector metadata.

@@ -40,6 +40,13 @@ struct fp8_codec {
   /// Written on non-finite input: codes 0 and a NaN scale, so a slot that is read by
   /// mistake yields NaN (loud) rather than a plausible vector.
   static constexpr meta_type poison_meta = bf16_quiet_nan;
+  /// GPU decode work per scalar against an 8-bit format (codec.hpp): one byte a scalar, the
+  /// reference.
+  static constexpr int decode_work_percent = 100;
+  /// The per-token scale in meta (codec.hpp: a tile unpacks under unit_meta() once a token).
+  TIERKV_HD static float token_scale(const meta_type& m) { return bf16_to_float(m); }
+  /// The meta of scale 1.
+  TIERKV_HD static meta_type unit_meta() { return bf16_one; }
 
   /// The scale encode() stores for a vector whose largest clipped magnitude is amax.
   TIERKV_HD static meta_type scale_for(float amax) {
@@ -131,12 +138,34 @@ struct fp8_codec {
 struct fp8_e4m3 {
   template <int HeadDim>
   using bind = fp8_codec<HeadDim, fp8_kind::e4m3>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): FP8 E4M3 per scalar (docs/codecs.md).
+  static constexpr error_figures expected_error{0.00066, 0.0343, -0.00026};
 };
 /// Codec family: FP8 E5M2 with a bf16 scale per vector.
 struct fp8_e5m2 {
   template <int HeadDim>
   using bind = fp8_codec<HeadDim, fp8_kind::e5m2>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): FP8 E5M2 per scalar: fewer mantissa bits, about 4x
+  /// the E4M3 MSE.
+  static constexpr error_figures expected_error{0.00263, 0.0705, -0.0014};
 };
+
+namespace formats {
+/// The FP8 E4M3 format by name (tierkv/formats.hpp registers it).
+struct fp8 {
+  static constexpr const char* name =
+      "fp8";                              ///< its run-time name (Python: recent, cache_type_k / _v)
+  using key_family = tierkv::fp8_e4m3;    ///< the codec family of its keys
+  using value_family = tierkv::fp8_e4m3;  ///< the codec family of its values
+};
+/// The FP8 E5M2 format by name (tierkv/formats.hpp registers it).
+struct fp8_e5m2 {
+  static constexpr const char* name =
+      "fp8_e5m2";                         ///< its run-time name (Python: recent, cache_type_k / _v)
+  using key_family = tierkv::fp8_e5m2;    ///< the codec family of its keys
+  using value_family = tierkv::fp8_e5m2;  ///< the codec family of its values
+};
+}  // namespace formats
 
 static_assert(vector_codec<fp8_codec<128, fp8_kind::e4m3>>);
 static_assert(codec_family<fp8_e4m3>);

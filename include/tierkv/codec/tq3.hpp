@@ -149,7 +149,11 @@ struct tq3_grid {
   static constexpr const char* key_name = "tq3_key";  ///< name of tq3_key
   static constexpr const char* value_name = "tq3_value";  ///< name of tq3_value
   static constexpr const char* plain_name = "tq3_plain";  ///< name of tq3_plain
-  using bounds = detail::tq3_bounds;                      ///< decision thresholds for one vector
+  /// GPU decode work per scalar against an 8-bit page: a TQ3 page (2.6x fewer bytes) is
+  /// instruction-bound and takes about 3/4 of an FP8 page's time (H200 sweep of tiered and
+  /// tiered_k4 batches, 75 against 108: B = 1 -4.7%, B = 8 -1.3%, B = 32 -1.2%; docs/gpu.md).
+  static constexpr int decode_work_percent = 75;
+  using bounds = detail::tq3_bounds;  ///< decision thresholds for one vector
 
   /// The thresholds for coordinates ~ N(0, n^2).
   TIERKV_HD_INLINE static bounds make_bounds(float n) { return detail::tq3_make_bounds(n); }
@@ -222,17 +226,38 @@ using tq3_codec = tq_codec<HeadDim, Norm, tq3_grid>;
 struct tq3_key {
   template <int HeadDim>
   using bind = tq3_codec<HeadDim, tq_norm::unbiased_inner_product>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): alpha = |x|/<u,u_hat> makes q·k_hat unbiased (gain
+  /// 1.000) and halves the rms against the plain norm, at a slightly higher MSE (0.0348 vs 0.0340
+  /// at d = 128).
+  static constexpr error_figures expected_error{0.0348, 0.1336, 0.0};
 };
 /// Codec family: TQ3 values (alpha minimizes the squared error).
 struct tq3_value {
   template <int HeadDim>
   using bind = tq3_codec<HeadDim, tq_norm::least_squares>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): Least-squares alpha gives the lowest MSE; inner
+  /// products shrink by 0.966.
+  static constexpr error_figures expected_error{0.0336, 0.302, -0.0237};
 };
 /// Not a tier codec: |x| uncorrected, kept to measure the corrections against.
 struct tq3_plain {
   template <int HeadDim>
   using bind = tq3_codec<HeadDim, tq_norm::plain>;  ///< the codec at HeadDim
+  /// Expected error (codec/error_traits.hpp): The plain norm as scale (neither key nor value
+  /// correction), for reference.
+  static constexpr error_figures expected_error{0.0340, 0.353, -0.0234};
 };
+
+namespace formats {
+/// TQ3 by name: keys unbiased (tq3_key), values least-squares (tq3_value) (tierkv/formats.hpp
+/// registers it).
+struct tq3 {
+  static constexpr const char* name =
+      "tq3";                           ///< its run-time name (Python: recent, cache_type_k / _v)
+  using key_family = tierkv::tq3_key;  ///< the codec family of its keys
+  using value_family = tierkv::tq3_value;  ///< the codec family of its values
+};
+}  // namespace formats
 
 static_assert(vector_codec<tq3_codec<128, tq_norm::unbiased_inner_product>>);
 static_assert(codec_family<tq3_key>);

@@ -136,6 +136,14 @@ struct tq_codec {
   /// Written on non-finite input: codes 0 and a NaN alpha, so a slot read by mistake
   /// yields NaN (loud) rather than a plausible vector.
   static constexpr meta_type poison_meta = bf16_quiet_nan;
+  /// Codes live in the seeded rotation's domain (codec.hpp).
+  static constexpr bool uses_context = true;
+  /// GPU decode work per scalar against an 8-bit format (codec.hpp): the grid's.
+  static constexpr int decode_work_percent = Grid::decode_work_percent;
+  /// The per-token scale in meta (codec.hpp: a tile unpacks under unit_meta() once a token).
+  TIERKV_HD static float token_scale(const meta_type& m) { return bf16_to_float(m); }
+  /// The meta of scale 1.
+  TIERKV_HD static meta_type unit_meta() { return bf16_one; }
   static constexpr int zero_code = Grid::zero_code;  ///< codes stored for an all-zero vector
 
   /// Rotates x (seeded by ctx), quantizes every coordinate on the grid and stores alpha;

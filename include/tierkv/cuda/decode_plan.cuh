@@ -115,29 +115,35 @@ struct page_costs<Geometry, tiers<Tiers...>> {
 }  // namespace detail
 
 /// What a chunk is balanced by. `bytes`: the bytes a page costs to read (right for a kernel at
-/// the bandwidth roofline). `work`: the time a page costs in the present kernels, where TQ3
-/// pages are instruction-bound per scalar, so a TQ3 page (2.6x fewer bytes) takes about 3/4 of
-/// an FP8 page's time (docs/gpu.md); balancing by bytes left the TQ3 chunks of a tiered batch
-/// much longer than the FP8 ones. A TQ3 role's weight in percent of an 8-bit one is
-/// plan_decode's tq3_work_percent.
+/// the bandwidth roofline). `work`: the time a page costs in the present kernels: scalars x
+/// each codec's decode_work_percent (codec/codec.hpp), where TQ3 pages are instruction-bound
+/// per scalar, so a TQ3 page (2.6x fewer bytes) takes about 3/4 of an FP8 page's time
+/// (docs/gpu.md); balancing by bytes left the TQ3 chunks of a tiered batch much longer than
+/// the FP8 ones. plan_decode's unpack_work_percent, when > 0, replaces the figure of every
+/// codec that declares one below 100 (a benchmark sweeps it).
 enum class balance : std::uint8_t { bytes = 0, work = 1 };
 
 namespace detail {
+template <class C>
+constexpr int role_work_percent(int unpack_percent) {
+  constexpr int declared = codec_decode_work_percent<C>();
+  return declared < 100 && unpack_percent > 0 ? unpack_percent : declared;
+}
 template <class Geometry, class Tier>
-constexpr std::int64_t tier_page_work(int tq3_percent) {
+constexpr std::int64_t tier_page_work(int unpack_percent) {
   using K = typename Tier::template key_codec<Geometry::head_dim>;
   using V = typename Tier::template value_codec<Geometry::head_dim>;
-  // scalars per page and head, x tq3_percent / 100 per TQ3 role: see `balance`
+  // scalars per page and head, x each role's work percent / 100: see `balance`
   const std::int64_t per_role = std::int64_t(Geometry::page_tokens) * Geometry::head_dim * 100;
-  return per_role * (K::format == storage_format::tq3 ? tq3_percent : 100) / 100 +
-         per_role * (V::format == storage_format::tq3 ? tq3_percent : 100) / 100;
+  return per_role * role_work_percent<K>(unpack_percent) / 100 +
+         per_role * role_work_percent<V>(unpack_percent) / 100;
 }
 template <class Geometry, class TierList>
 struct page_works;
 template <class Geometry, class... Tiers>
 struct page_works<Geometry, tiers<Tiers...>> {
-  static constexpr std::array<std::int64_t, sizeof...(Tiers)> of(int tq3_percent) {
-    return {tier_page_work<Geometry, Tiers>(tq3_percent)...};
+  static constexpr std::array<std::int64_t, sizeof...(Tiers)> of(int unpack_percent) {
+    return {tier_page_work<Geometry, Tiers>(unpack_percent)...};
   }
 };
 }  // namespace detail
@@ -148,8 +154,6 @@ inline constexpr int decode_default_waves = 12;
 inline constexpr std::int64_t decode_default_min_chunk_bytes = 16 * 1024;
 /// Default `min_chunk_pages`: no chunk gets fewer average pages.
 inline constexpr int decode_default_min_chunk_pages = 16;
-/// Default `tq3_work_percent`: a TQ3 role's page work in percent of an 8-bit one.
-inline constexpr int decode_default_tq3_work_percent = 75;
 
 /// Plans a decode for `capacity`, sized by a representative step: pages_per_format[b*N + f]
 /// is the number of pages sequence b holds in tier f (host memory, batch rows). The chunk
@@ -166,21 +170,17 @@ inline constexpr int decode_default_tq3_work_percent = 75;
 /// cost about as much as reading ~16 KB; with 64 KB, the earlier default, TQ3 pages at d = 64 got
 /// 26 chunks per sequence where FP8 got 64
 /// (bench/results/decode/ab/ab-h200-2026-11-30-min-chunk.txt): H200 A/B at B = 1, 8K-32K: -16%
-/// geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by > 2%). `tq3_work_percent` weighs
-/// a TQ3 role against an 8-bit one (75: H200 sweep of tiered and tiered_k4 batches with 32-token
-/// TQ3 steps, 75 against 108: B = 1 -4.7%, B = 8 -1.3%, B = 32 -1.2%; 60 and 90 in between).
-/// docs/gpu.md has the H200 measurements behind these defaults.
+/// geometric mean, TQ3 at d = 64 34.5 -> 21.9 us, no row slower by > 2%). Under balance::work a
+/// role weighs its codec's decode_work_percent (`balance`; unpack_work_percent > 0 overrides the
+/// unpack-bound ones). docs/gpu.md has the H200 measurements behind these defaults.
 template <class Geometry, class TierList>
-result<decode_plan> plan_decode(const decode_capacity& capacity,
-                                const std::int32_t* pages_per_format, int batch, int sm_count,
-                                int waves = decode_default_waves,
-                                std::int64_t min_chunk_bytes = decode_default_min_chunk_bytes,
-                                balance by = balance::work,
-                                int min_chunk_pages = decode_default_min_chunk_pages,
-                                int resident_blocks = decode_blocks_per_sm<Geometry>,
-                                int tq3_work_percent = decode_default_tq3_work_percent) {
+result<decode_plan> plan_decode(
+    const decode_capacity& capacity, const std::int32_t* pages_per_format, int batch, int sm_count,
+    int waves = decode_default_waves, std::int64_t min_chunk_bytes = decode_default_min_chunk_bytes,
+    balance by = balance::work, int min_chunk_pages = decode_default_min_chunk_pages,
+    int resident_blocks = decode_blocks_per_sm<Geometry>, int unpack_work_percent = 0) {
   using costs = detail::page_costs<Geometry, TierList>;
-  const auto works = detail::page_works<Geometry, TierList>::of(tq3_work_percent);
+  const auto works = detail::page_works<Geometry, TierList>::of(unpack_work_percent);
   constexpr int n = costs::n;
   static_assert(n <= decode_plan::max_formats, "plan_decode: at most 8 tiers");
   if (capacity.max_batch < 1)
@@ -198,12 +198,12 @@ result<decode_plan> plan_decode(const decode_capacity& capacity,
                         "plan_decode: page_mass needs capacity.max_pages_per_seq >= 1, got ",
                         capacity.max_pages_per_seq);
   if (sm_count < 1 || waves < 1 || min_chunk_bytes < 1 || min_chunk_pages < 1 ||
-      resident_blocks < 1 || tq3_work_percent < 1)
-    return status::make(errc::invalid_argument, "plan_decode: sm_count = ", sm_count,
-                        ", waves = ", waves, ", min_chunk_bytes = ", min_chunk_bytes,
-                        ", min_chunk_pages = ", min_chunk_pages,
-                        ", resident_blocks = ", resident_blocks,
-                        ", tq3_work_percent = ", tq3_work_percent, " must all be positive");
+      resident_blocks < 1 || unpack_work_percent < 0)
+    return status::make(
+        errc::invalid_argument, "plan_decode: sm_count = ", sm_count, ", waves = ", waves,
+        ", min_chunk_bytes = ", min_chunk_bytes, ", min_chunk_pages = ", min_chunk_pages,
+        ", resident_blocks = ", resident_blocks, ", unpack_work_percent = ", unpack_work_percent,
+        " must all be positive (unpack_work_percent >= 0: 0 = the codecs' own)");
   if (batch > 0 && pages_per_format == nullptr)
     return status::make(errc::invalid_argument, "plan_decode: pages_per_format is null");
 

@@ -46,14 +46,6 @@ inline constexpr std::size_t page_transfer_tier_entry_bytes = 8;  ///< bytes per
 inline constexpr std::size_t page_transfer_record_bytes = 16;     ///< bytes per page record
 inline constexpr std::size_t page_transfer_checksum_bytes = 8;  ///< bytes of the trailing checksum
 
-/// Formats whose decoding depends on the codec context (the rotation seed derived from
-/// cache seed, layer, global KV head index and role). Pages in these formats decode
-/// correctly only in a storage that gives them the same global head index, i.e. whose
-/// head_base is the slice's first global head (see verify_import).
-constexpr bool format_uses_codec_context(storage_format f) noexcept {
-  return f == storage_format::tq3 || f == storage_format::tq4 || f == storage_format::int8_rotated;
-}
-
 /// A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
 struct head_slice {
   int begin = 0;   ///< first KV head
@@ -163,6 +155,18 @@ storage_format key_format_of(int tier) {
   storage_format f{};
   with_index<Storage::num_tiers>(tier, [&](auto I) { f = Storage::template key_codec<I>::format; });
   return f;
+}
+/// Whether tier's pages decode only under this storage's codec context (codec.hpp's
+/// uses_context: the rotation seed of cache seed, layer, global KV head and role), so they
+/// import only into a storage with the same global head index (verify_import).
+template <class Storage>
+bool tier_uses_codec_context(int tier) {
+  bool uses = false;
+  with_index<Storage::num_tiers>(tier, [&](auto I) {
+    uses = codec_uses_context<typename Storage::template key_codec<I>>() ||
+           codec_uses_context<typename Storage::template value_codec<I>>();
+  });
+  return uses;
 }
 template <class Storage>
 storage_format value_format_of(int tier) {
@@ -504,9 +508,8 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
   const int head_base = s.config().head_base;
   if (t.head_begin != std::uint32_t(head_base))
     for (int i = 0; i < Storage::num_tiers; ++i) {
-      const transfer_tier_info& ti = t.tiers[std::size_t(i)];
-      if (t.pages_per_tier[std::size_t(i)] != 0 &&
-          (format_uses_codec_context(ti.key_format) || format_uses_codec_context(ti.value_format)))
+      // the tier formats equal this storage's (checked above)
+      if (t.pages_per_tier[std::size_t(i)] != 0 && detail::tier_uses_codec_context<Storage>(i))
         return status::make(
             errc::geometry_mismatch, "page transfer: ", t.pages_per_tier[std::size_t(i)],
             " pages of tier ", i,

@@ -4,6 +4,7 @@
 
 #include "catch.hpp"
 #include "tierkv/codec/error_traits.hpp"
+#include "tierkv/formats.hpp"
 
 using namespace tierkv;
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tierkv/codec/error_traits.hpp"
+#include "tierkv/formats.hpp"
 
 namespace codec_test {
 

@@ -44,7 +44,7 @@ TEST_CASE("plan_decode: bad arguments are refused with a status", "[decode_plan]
   CHECK(cuda::plan_decode<G, fp8_tq3>(cap, nullptr, 2, 132).code() == errc::invalid_argument);
   CHECK(cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 2, 0).code() == errc::invalid_argument);
   CHECK(cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 2, 132, 12, 16 * 1024, cuda::balance::work, 16,
-                                      3, 0)
+                                      3, -1)
             .code() == errc::invalid_argument);
   const auto neg = counts(1, -1, 3);
   CHECK(cuda::plan_decode<G, fp8_tq3>(cap, neg.data(), 1, 132).code() == errc::invalid_argument);
@@ -82,6 +82,14 @@ TEST_CASE("plan_decode: page weights by bytes or by work, and the TQ3 work weigh
   // bytes: a page's payload and meta of both roles, per KV head
   CHECK(bytes->page_cost[0] == std::int64_t(G::page_tokens) * (2 * G::head_dim + 2 + 2));
   CHECK(bytes->page_cost[0] > 2 * bytes->page_cost[1]);  // TQ3 reads ~2.6x fewer bytes
+  // by default each role weighs its codec's decode_work_percent (TQ3: 75)
+  const std::int64_t scalars = std::int64_t(G::page_tokens) * G::head_dim * 100;
+  auto declared = cuda::plan_decode<G, fp8_tq3>(cap, c.data(), 1, 132);
+  REQUIRE(declared.has_value());
+  CHECK(declared->page_cost[0] == 2 * scalars);
+  CHECK(declared->page_cost[1] ==
+        2 * (scalars * tq3_key::bind<G::head_dim>::decode_work_percent / 100));
+  CHECK(tq3_key::bind<G::head_dim>::decode_work_percent == 75);
   std::int64_t prev_tq3 = 0;
   for (int pct : {50, 108, 200}) {
     auto w = cuda::plan_decode<G, fp8_tq3>(
@@ -89,7 +97,6 @@ TEST_CASE("plan_decode: page weights by bytes or by work, and the TQ3 work weigh
         cuda::balance::work, cuda::decode_default_min_chunk_pages, cuda::decode_blocks_per_sm<G>,
         pct);
     REQUIRE(w.has_value());
-    const std::int64_t scalars = std::int64_t(G::page_tokens) * G::head_dim * 100;
     CHECK(w->page_cost[0] == 2 * scalars);                // FP8 roles weigh 100%
     CHECK(w->page_cost[1] == 2 * (scalars * pct / 100));  // TQ3 roles weigh pct%
     CHECK(w->page_cost[1] > prev_tq3);

@@ -14,6 +14,7 @@
 #include "tierkv/codec/error_traits.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
+#include "tierkv/formats.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/tiering/conversion.hpp"

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The seam between the kernels and the storage formats: device_codec<C> is everything the
 // kernels know of host codec C's format, one specialization per format, each in its own file
-// of this folder and registered in codec/formats.cuh. A new format is that file, its host
-// codec (codec/) and one include line. A specialization provides:
+// of this folder. A new format is that file, its host codec (codec/) and its line in the
+// format registry (tierkv/formats.hpp, which includes the device file under nvcc). A
+// specialization provides:
 //   rotated        the format stores vectors in the seeded rotation's domain: decode prepares
 //                  queries and finalizes outputs there, retier flips or skips the signs
 //   slice_reader   the CUDA-core inner loop: raw, load<Shared = false>(payload, slice) (global
@@ -36,9 +37,8 @@ struct device_codec {
   static_assert(
       tierkv::detail::dependent_false<C>,
       "tierkv::cuda: no device codec for this codec's storage_format (the supported ones are "
-      "registered in cuda/codec/formats.cuh). A new format needs a device_codec specialization in "
-      "a file of "
-      "cuda/codec/, included from cuda/codec/formats.cuh");
+      "registered in tierkv/formats.hpp). A new format needs a device_codec specialization in a "
+      "file of cuda/codec/, registered in tierkv/formats.hpp");
 };
 
 // The policy traits' defaults: a specialization derives from device_codec_defaults and its
@@ -99,6 +99,11 @@ consteval bool check_device_codec() {
       "device_codec<C>: missing `fragments` (the tensor-core decode's operand builders)");
   static_assert(C::meta_bytes == 0 || C::meta_bytes == 2,
                 "device_codec<C>: the per-token meta must be a bf16 scale or nothing");
+  static_assert(
+      requires { C::decode_work_percent; },
+      "device_codec<C>: the host codec must declare `static constexpr int "
+      "decode_work_percent` (its decode time per scalar against an 8-bit format's: the "
+      "decode planner balances chunks by it; codec/codec.hpp)");
   return true;
 }
 
