@@ -3,8 +3,8 @@
 """Per-function SASS comparison of two CUDA object files or executables (a refactor's proof
 that the machine code did not move). Runs `cuobjdump -sass` on both (cuobjdump and nvdisasm on
 PATH: the CUDA toolkit's, or PyPI's nvidia-cuda-cuobjdump + nvidia-cuda-nvdisasm wheels), splits
-the listings by function, drops addresses, blank lines and path-derived anonymous-namespace
-hashes, and reports every function whose instructions differ or that exists on one side only.
+the listings by function, drops addresses, column padding, blank lines, source-path identifiers and
+path-derived anonymous-namespace hashes, and reports every function whose instructions differ or that exists on one side only.
 
   bench/gpu/sass_compare.py BASE.o NEW.o [BASE2.o NEW2.o ...] [--json OUT]
 Exit status 1 when any function differs."""
@@ -24,8 +24,10 @@ def functions(path):
                 out[name] = body
             name = re.sub(r"_GLOBAL__N__[0-9a-f]+_", "_GLOBAL__N__X_", line.split("Function :")[1].strip())
             body = []
-        elif name is not None and line.strip():
-            body.append(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).strip())
+        elif name is not None and line.strip() and not line.strip().startswith("identifier ="):
+            # (identifier = the source path: differs between two checkouts of the same code)
+            # addresses out, whitespace runs as one space (the listing pads columns by their width)
+            body.append(" ".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line).split()))
     if name:
         out[name] = body
     return out

@@ -10,25 +10,13 @@
 #include <limits>
 #include <type_traits>
 
+#include "tierkv/attention/logits.hpp"
 #include "tierkv/attention/partial_state.hpp"
 #include "tierkv/codec/bf16.hpp"
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/core/config.hpp"
 
 namespace tierkv {
-
-/// How a raw dot product becomes a logit: s = softmax_scale * (q . k), then, when
-/// soft_cap > 0, s = soft_cap * tanh(s / soft_cap) (Gemma-2-style logit capping).
-struct logit_params {
-  float softmax_scale = 1.f;  ///< multiplies q . k
-  float soft_cap = 0.f;       ///< logit soft cap (0 = off)
-
-  /// The logit of a raw dot product.
-  TIERKV_HD float apply(float dot) const {
-    const float s = softmax_scale * dot;
-    return soft_cap > 0.f ? soft_cap * std::tanh(s / soft_cap) : s;
-  }
-};
 
 /// {m, l} of one row over the tokens of one tile alone (before merging into the row's
 /// state): the per-page statistics behind the attention mass l_page * exp(m_page - lse).

@@ -25,6 +25,20 @@ __device__ __forceinline__ float fast_log2(float x) {
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+// 1 / x on the MUFU unit (rcp.approx.ftz: ~1 ulp; 1 / inf = 0).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// The MUFU forms as function objects, for the shared math that takes its 2^x and 1 / x
+// (attention/logits.hpp's soft_cap).
+struct mufu_exp2 {
+  __device__ __forceinline__ float operator()(float x) const { return fast_exp2(x); }
+};
+struct mufu_rcp {
+  __device__ __forceinline__ float operator()(float x) const { return fast_rcp(x); }
+};
 // 2^(x - ref) for ref >= x (a running max); 0 when ref is -inf (then x is too) or x is -inf.
 __device__ __forceinline__ float exp2_rel(float x, float ref) {
   return ref == -INFINITY ? 0.f : fast_exp2(x - ref);

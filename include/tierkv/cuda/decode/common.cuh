@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tierkv/attention/logits.hpp"
+#include "tierkv/attention/partial_state.hpp"
 #include "tierkv/codec/codec.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/status.hpp"
@@ -24,7 +26,6 @@ namespace tierkv::cuda::detail {
 
 inline constexpr int decode_threads = 128;
 inline constexpr int decode_warps = decode_threads / 32;
-inline constexpr float log2e = 1.4426950408889634f;
 
 // Per-sequence chunking shared by the decode and merge kernels (same arithmetic, so the
 // merge knows which chunk states exist without any extra buffer). When a sequence gets at
@@ -492,7 +493,7 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
     for (int k0 = warp;;) {
 #pragma unroll
       for (int j = 0; j < U; ++j) {
-        const float w = st[j].y > 0.f ? exp2f(st[j].x - mx) : 0.f;
+        const float w = softmax_merge::state_weight<log_base::two>(st[j].x, st[j].y, mx);
         l = fmaf(st[j].y, w, l);
         o.x = w != 0.f ? fmaf(a[j].x, w, o.x)
                        : o.x;  // a select: an unused chunk's slot may hold anything
@@ -524,7 +525,11 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
               ? query_mean_logit<D>(in.queries, in.queries_type, row,
                                     in.key_mean + (h / Geometry::group_size) * D, in.softmax_scale)
               : 0.f;
-      in.lse[row] = poisoned ? NAN : lt > 0.f ? (mx + log2f(lt)) / log2e + shift : -INFINITY;
+      in.lse[row] = poisoned   ? NAN
+                    : lt > 0.f ? softmax_merge::to_natural<log_base::two>(
+                                     softmax_merge::state_lse<log_base::two>(mx, lt)) +
+                                     shift
+                               : -INFINITY;
     }
   }
 

@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <utility>
 
+#include "tierkv/attention/logits.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/geometry.hpp"
+#include "tierkv/cuda/arch/math.cuh"
 #include "tierkv/cuda/decode/common.cuh"
 namespace tierkv::cuda::detail {
 
@@ -92,7 +94,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
   const codec_context vctx =
       make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
   const float score_scale = in.softmax_scale * log2e * KR::code_scale;
-  const bool capped = in.soft_cap > 0.f;  // uniform: the cap's code runs only when it is on
+  // uniform: the cap's code runs only when it is on
+  const soft_cap cap = soft_cap::make<log_base::two>(in.soft_cap);
   const int first = window_first(in, b);  // the window's first position (0 without one)
 
   // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
@@ -181,10 +184,9 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
             float z[G];
 #pragma unroll
             for (int h = 0; h < G; ++h) z[h] = dot[h] * km[uu] * score_scale;
-            if (capped) {  // in log2 units: cap log2(e) tanh(z / (cap log2(e)))
-              const float c2 = in.soft_cap * log2e;
+            if (cap.on()) {  // in log2 units, on the MUFU unit
 #pragma unroll
-              for (int h = 0; h < G; ++h) z[h] = c2 * tanhf(z[h] / c2);
+              for (int h = 0; h < G; ++h) z[h] = cap.apply(z[h], mufu_exp2{}, mufu_rcp{});
             }
             // in the window as well: t_lo <= t < ntok (one unsigned compare)
             const bool seen = unsigned(t0 + tl - t_lo) < unsigned(ntok - t_lo);

@@ -169,13 +169,6 @@ struct mma_smem {
   uint4* qfrag;
 };
 
-// 1 / x on the MUFU unit (rcp.approx.ftz: ~1 ulp; 1 / inf = 0).
-__device__ __forceinline__ float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // The compile-time shape of one tier's pages on the tensor cores, in one place so the pieces of
 // mma_tier_pages below cannot disagree on a step.
 template <class Geometry, class Tier>
@@ -504,17 +497,13 @@ __device__ __forceinline__ void mma_step_softmax(const decode_inputs<N>& in, flo
       sv[h][i] = live ? sc[h][i] + lvs[h][r] : -INFINITY;
     }
   if (Local && in.soft_cap > 0.f) {  // uniform (a launch parameter): masked scores stay -inf
-    // in log2 units, s -> c tanh(s / c) with c = cap log2(e), as c - 2 c / (e^(2 s / c) + 1) =
-    // c - 2 c / (2^(2 s / cap) + 1) on the MUFU unit: absolute error ~2^-21 c, under the f16
-    // probabilities' 2^-11. (tanhf, or the cap before the mask, spilled registers in the step
-    // loop at the launch bounds, ptxas -v.)
-    const float c2 = in.soft_cap * log2e, k = 2.f / in.soft_cap;
+    const soft_cap cap = soft_cap::make<log_base::two>(in.soft_cap);  // on the MUFU unit
 #pragma unroll
     for (int h = 0; h < P; ++h)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const bool masked = sc[h][i] == -INFINITY;
-        const float z = fmaf(-2.f * c2, fast_rcp(fast_exp2(sc[h][i] * k) + 1.f), c2);
+        const float z = cap.apply(sc[h][i], mufu_exp2{}, mufu_rcp{});
         sc[h][i] = masked ? sc[h][i] : z;
         sv[h][i] = masked ? sv[h][i] : z + lvs[h][i / 2];
       }

@@ -539,6 +539,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
                                                         int kv, warp_state& st, float (&s)[ST][4],
                                                         std::uint32_t (&pa)[ST][2], int lane) {
     const int cb = 2 * (lane % 4);
+    const soft_cap cap = soft_cap::make<log_base::two>(in.soft_cap);  // on the MUFU unit
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < ST; ++j) {
@@ -550,7 +551,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float z = s[j][2 * r + c] * (c ? ksc.y : ksc.x) * st.rq[r];  // rq: x log2 e
-          if (in.soft_cap > 0.f) z = in.soft_cap * log2e * tanhf(z / (in.soft_cap * log2e));
+          if (cap.on()) z = cap.apply(z, mufu_exp2{}, mufu_rcp{});
           if constexpr (Masked) {
             const int p = c ? kp.y : kp.x;
             const bool masked = p > st.rpos[r] || (in.window > 0 && p <= st.rpos[r] - in.window);
@@ -1107,7 +1108,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
       st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 1);
       st.l[r] += __shfl_xor_sync(0xffffffffu, st.l[r], 2);
       inv[r] = st.l[r] > 0.f ? 1.f / st.l[r] : 0.f;
-      lse2[r] = st.l[r] > 0.f ? st.m[r] + log2f(st.l[r]) : -INFINITY;
+      lse2[r] = softmax_merge::state_lse<log_base::two>(st.m[r], st.l[r]);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -1156,7 +1157,8 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
         if (partial)
           part_lse[grow] = bad ? NAN : lse2[r];
         else if (in.lse != nullptr)
-          in.lse[grow] = bad ? NAN : lse2[r] / log2e + lse_shift(in, grow);
+          in.lse[grow] =
+              bad ? NAN : softmax_merge::to_natural<log_base::two>(lse2[r]) + lse_shift(in, grow);
       }
     }
   }
@@ -1188,7 +1190,7 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     for (int s = 0; s < S; ++s) {
       const float l = part_lse[std::size_t(s) * max_rows + row];
       if (!(l > -INFINITY)) continue;  // an empty split (or NaN, handled above)
-      const float w = exp2f(l - mx);
+      const float w = softmax_merge::lse_weight<log_base::two>(l, mx);
       float x[P];
       load_lane_floats<P>(part_o + (std::size_t(s) * max_rows + row) * D + std::size_t(lane * P),
                           x);
@@ -1202,7 +1204,9 @@ struct prefill_kernel<Geometry, tiers<Tiers...>> {
     store_output(in, row, lane, acc, nan);
     if (lane == 0 && in.lse != nullptr)
       in.lse[row] = nan          ? NAN
-                    : wsum > 0.f ? (mx + log2f(wsum)) / log2e + lse_shift(in, row)
+                    : wsum > 0.f ? softmax_merge::to_natural<log_base::two>(
+                                       softmax_merge::state_lse<log_base::two>(mx, wsum)) +
+                                       lse_shift(in, row)
                                  : -INFINITY;
   }
 };
