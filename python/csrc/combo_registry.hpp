@@ -18,7 +18,7 @@ namespace tierkv_py {
 
 // A prebuilt combination: tier set and geometry.
 struct combo {
-  int tier_set = 0;  // index into formats.hpp's tier_sets
+  int tier_set = 0;  // formats.hpp's tier_set_index of the three format names
   int head_dim = 0, kv_heads = 0, group_size = 0, page_size = 0;
   friend auto operator<=>(const combo&, const combo&) = default;
 };
@@ -29,24 +29,6 @@ std::string join(const C& values) {
   const char* sep = "";
   for (const auto& v : values) out << sep << v, sep = ", ";
   return out.str();
-}
-
-// The tier set named recent / cache_type_k / cache_type_v (-1 when no set has these three);
-// a name no set uses is refused.
-inline int resolve_tier_set(const std::string& recent, const std::string& k, const std::string& v) {
-  for (const std::string* name : {&recent, &k, &v}) {
-    bool known = false;
-    for (auto n : format_names) known = known || n == *name;
-    if (!known)
-      throw tierkv::error(tierkv::status::make(
-          tierkv::errc::invalid_argument, "unknown cache format name \"", *name,
-          "\" (recent / cache_type_k / cache_type_v); known names: ", join(format_names)));
-  }
-  for (std::size_t i = 0; i < tier_set_names.size(); ++i) {
-    const auto& n = tier_set_names[i];
-    if (n.recent == recent && n.k == k && n.v == v) return int(i);
-  }
-  return -1;
 }
 
 template <class Factory>
@@ -64,8 +46,7 @@ class combo_registry {
   Factory find(const std::string& recent, const std::string& k, const std::string& v, int head_dim,
                int kv_heads, int group_size, int page_size, const char* rebuild) const {
     const int set = resolve_tier_set(recent, k, v);
-    const auto it =
-        set < 0 ? table_.end() : table_.find(combo{set, head_dim, kv_heads, group_size, page_size});
+    const auto it = table_.find(combo{set, head_dim, kv_heads, group_size, page_size});
     if (it == table_.end())
       throw tierkv::error(tierkv::status::make(
           tierkv::errc::invalid_argument, "no prebuilt tierkv cache for recent=", recent,
@@ -85,8 +66,7 @@ class combo_registry {
     out << table_.size() << " combinations; tier sets (recent/cache_type_k/cache_type_v) {";
     const char* sep = "";
     for (int s : sets) {
-      const auto& n = tier_set_names[std::size_t(s)];
-      out << sep << n.recent << "/" << n.k << "/" << n.v;
+      out << sep << tier_set_name(s);
       sep = ", ";
     }
     out << "}, head_dim {" << join(d) << "}, kv_heads {" << join(kv) << "}, group_size {" << join(g)

@@ -14,17 +14,17 @@ using kv_list = kv_heads_default;
 #endif
 }  // namespace tierkv_py
 
-#define TIERKV_PY_INSTANTIATE(SET, HEAD_DIM, PAGE)                                           \
-  namespace {                                                                                \
-  [[maybe_unused]] const bool registered =                                                   \
-      (tierkv_py::register_product<tierkv_py::SET, HEAD_DIM, PAGE>(tierkv_py::kv_list{},     \
-                                                                   tierkv_py::group_list{}), \
-       true);                                                                                \
+// SET: TIERKV_PY_SET("recent", "k", "v") (formats.hpp).
+#define TIERKV_PY_INSTANTIATE(SET, HEAD_DIM, PAGE)                                              \
+  namespace {                                                                                   \
+  [[maybe_unused]] const bool registered = (tierkv_py::register_product<SET, HEAD_DIM, PAGE>(   \
+                                                tierkv_py::kv_list{}, tierkv_py::group_list{}), \
+                                            true);                                              \
   }
 
 // One combination (setup.py's TIERKV_PYTHON_EXTRA units).
-#define TIERKV_PY_INSTANTIATE_ONE(SET, HEAD_DIM, KV_HEADS, GROUP, PAGE)                   \
-  namespace {                                                                             \
-  [[maybe_unused]] const bool registered =                                                \
-      (tierkv_py::register_one<tierkv_py::SET, HEAD_DIM, KV_HEADS, GROUP, PAGE>(), true); \
+#define TIERKV_PY_INSTANTIATE_ONE(SET, HEAD_DIM, KV_HEADS, GROUP, PAGE)        \
+  namespace {                                                                  \
+  [[maybe_unused]] const bool registered =                                     \
+      (tierkv_py::register_one<SET, HEAD_DIM, KV_HEADS, GROUP, PAGE>(), true); \
   }

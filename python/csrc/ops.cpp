@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -182,12 +183,10 @@ at::Tensor built() {
   return t;
 }
 
-// "recent/cache_type_k/cache_type_v" of each tier set index.
-std::vector<std::string> tier_set_names_op() {
-  std::vector<std::string> v;
-  for (const auto& n : tier_set_names)
-    v.push_back(std::string(n.recent) + "/" + std::string(n.k) + "/" + std::string(n.v));
-  return v;
+// "recent/cache_type_k/cache_type_v" of a tier set index (built()'s first column).
+std::string tier_set_name_op(std::int64_t index) {
+  return index < 0 || index > std::numeric_limits<int>::max() ? std::string()
+                                                              : tier_set_name(int(index));
 }
 
 // ---- sequences ------------------------------------------------------------------------------
@@ -488,7 +487,7 @@ TORCH_LIBRARY(tierkv, m) {
       "int codec_seed, int[] policy, bool center=False) -> Tensor");
   m.def("destroy(Tensor(a!) state) -> ()");
   m.def("built() -> Tensor");
-  m.def("tier_set_names() -> str[]");
+  m.def("tier_set_name(int index) -> str");
   m.def("create_sequence(Tensor(a!) state) -> int");
   m.def("fork(Tensor(a!) state, int parent) -> int");
   m.def("release(Tensor(a!) state, int seq) -> ()");
@@ -524,7 +523,7 @@ TORCH_LIBRARY(tierkv, m) {
 TORCH_LIBRARY_IMPL(tierkv, CompositeExplicitAutograd, m) {
   m.impl("create", &tierkv_py::create);
   m.impl("built", &tierkv_py::built);
-  m.impl("tier_set_names", &tierkv_py::tier_set_names_op);
+  m.impl("tier_set_name", &tierkv_py::tier_set_name_op);
 }
 
 TORCH_LIBRARY_IMPL(tierkv, CPU, m) {

@@ -49,10 +49,9 @@ _INT_FIELDS = set(_REPORT_FIELDS[:8]) | set(_TIER_FIELDS[:6])
 
 def built() -> list[dict]:
     """The prebuilt combinations this package was compiled with."""
-    names = ops.tier_set_names()
     rows = []
     for s, d, kv, g, p in ops.built().tolist():
-        recent, k, v = names[s].split("/")
+        recent, k, v = ops.tier_set_name(s).split("/")
         rows.append(
             dict(recent=recent, cache_type_k=k, cache_type_v=v, head_dim=d, kv_heads=kv, group_size=g, page_size=p)
         )

@@ -136,13 +136,9 @@ int tkv_cuda_built(int32_t* rows, int capacity) {
 }
 
 const char* tkv_cuda_tier_set_name(int i) {
-  static const std::vector<std::string> names = [] {
-    std::vector<std::string> v;
-    for (const auto& n : tier_set_names)
-      v.push_back(std::string(n.recent) + "/" + std::string(n.k) + "/" + std::string(n.v));
-    return v;
-  }();
-  return i >= 0 && std::size_t(i) < names.size() ? names[std::size_t(i)].c_str() : nullptr;
+  static thread_local std::string name;  // valid until this thread's next call
+  name = tier_set_name(i);
+  return name.empty() ? nullptr : name.c_str();
 }
 
 int tkv_cuda_create(const tkv_cuda_config* cfg, void* stream, void** cache) {
