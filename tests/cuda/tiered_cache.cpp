@@ -17,9 +17,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -533,6 +535,85 @@ TEST_CASE("cuda::tiered_cache refuses bad steps without changing anything", "[cu
     REQUIRE(gpu->end_step(1, true).has_value());
     CHECK(*gpu->storage().length(a) == 1);
   }
+}
+
+TEST_CASE("cuda::tiered_cache: a NaN in appended K/V is reported, never a silent output",
+          "[cuda][cache][nan]") {
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  o.max_step_tokens = 1024;
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  const seq_id a = gpu->create_sequence().value();
+  const seq_id b = gpu->create_sequence().value();
+  std::vector<seq_id> batch{a, b};
+  std::vector<std::int32_t> counts{4, 4};
+  // a prefill of 4 tokens each: one NaN in a's token 1, layer 1, KV head 0, dim 3 (key)
+  REQUIRE(gpu->begin_step(batch, counts).is_ok());
+  std::vector<float> q(2 * std::size_t(QH) * D, 0.25f), out;
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> k(8 * std::size_t(KVH) * D), v(k.size());
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k[i] = 0.01f * float(int(i % 97) - 48);
+      v[i] = 0.02f * float(int(i % 89) - 44);
+    }
+    if (l == 1) k[(1 * std::size_t(KVH) + 0) * D + 3] = std::numeric_limits<float>::quiet_NaN();
+    REQUIRE(gpu->append(l, k, v).is_ok());  // enqueued: the device finds the NaN
+  }
+  REQUIRE(gpu->end_step(1, true).error_status().code() == errc::non_finite_input);
+  counts = {1, 1};
+  REQUIRE(gpu->begin_step(std::vector<seq_id>{b}, std::vector<std::int32_t>{1}).is_ok());
+  std::vector<float> qb(std::size_t(QH) * D, 0.25f), kb(std::size_t(KVH) * D, 0.1f), ob;
+  for (int l = 0; l < layers; ++l) {
+    REQUIRE(gpu->append(l, kb, kb).is_ok());
+    REQUIRE(gpu->decode(l, qb, ob).is_ok());
+    for (float x : ob) CHECK(std::isfinite(x));  // the clean sequence decodes as before
+  }
+  REQUIRE(gpu->end_step(2, true).has_value());
+  // a is refused from now on (every operation that would read or share its pages), until released
+  const status refused = gpu->begin_step(batch, counts);
+  CHECK(refused.code() == errc::non_finite_input);
+  CHECK(std::string(refused.message()).find("position 1, layer 1") != std::string::npos);
+  CHECK(gpu->fork(a).error_status().code() == errc::non_finite_input);
+  CHECK(*gpu->storage().length(a) == 4);
+  REQUIRE(gpu->release(a).is_ok());
+  const seq_id c = gpu->create_sequence().value();
+  REQUIRE(gpu->begin_step(std::vector<seq_id>{b, c}, counts).is_ok());
+  for (int l = 0; l < layers; ++l) REQUIRE(gpu->append(l, q, q).is_ok());
+  REQUIRE(gpu->end_step(3, true).has_value());
+  REQUIRE(gpu->check_invariants().is_ok());
+}
+
+TEST_CASE("cuda::tiered_cache: a NaN key gives NaN outputs for the heads that read it",
+          "[cuda][cache][nan]") {
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  o.max_step_tokens = 1024;
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  const seq_id a = gpu->create_sequence().value();
+  const seq_id b = gpu->create_sequence().value();
+  std::vector<seq_id> batch{a, b};
+  REQUIRE(gpu->begin_step(batch, std::vector<std::int32_t>{1, 1}).is_ok());
+  std::vector<float> kv(2 * std::size_t(KVH) * D, 0.1f), q(2 * std::size_t(QH) * D, 0.3f), out;
+  std::vector<float> lse;
+  kv[3] = std::numeric_limits<float>::infinity();  // a's token, KV head 0, key dim 3
+  for (int l = 0; l < layers; ++l) {
+    REQUIRE(gpu->append(l, kv, kv).is_ok());
+    REQUIRE(gpu->decode(l, q, out, 0.f, 0, &lse).is_ok());
+    for (int h = 0; h < QH; ++h) {
+      const bool reads_it = h / G::group_size == 0;  // a's query heads of KV head 0
+      for (int i = 0; i < D; ++i) {
+        const float x = out[std::size_t(h) * D + std::size_t(i)];
+        CHECK((reads_it ? std::isnan(x) : std::isfinite(x)));
+      }
+      CHECK((reads_it ? std::isnan(lse[std::size_t(h)]) : std::isfinite(lse[std::size_t(h)])));
+      for (int i = 0; i < D; ++i)  // b is clean
+        CHECK(std::isfinite(out[std::size_t(QH + h) * D + std::size_t(i)]));
+    }
+  }
+  CHECK(gpu->device_error().code() == errc::non_finite_input);
+  REQUIRE(gpu->end_step(1, true).error_status().code() == errc::non_finite_input);
 }
 
 TEST_CASE("cuda::tiered_cache: a step captured in a CUDA graph replays as eager steps run",

@@ -21,7 +21,9 @@ inline constexpr float log2e = 1.4426950408889634f;
 /// The merge arithmetic every path shares (the host tiles' partial_state, the GPU decode's
 /// chunk merge, the GPU prefill's split merge): a state {m, l, acc} over a set of tokens, or a
 /// normalized one {lse, acc / l}, joins others under their common maximum mx by a weight
-/// b^(m - mx); empty states weigh 0 and never evaluate -inf - -inf.
+/// b^(m - mx); empty states (l = 0) weigh 0 and never evaluate -inf - -inf. A NaN l (a NaN
+/// logit: a non-finite key or query) is not empty: it makes the merged l, lse and output NaN,
+/// never a silent zero.
 namespace softmax_merge {
 
 /// b^x.
@@ -33,10 +35,10 @@ TIERKV_HD_INLINE float exp_b(float x) {
     return std::exp(x);
 }
 
-/// The weight of state {m, l} under the merge maximum mx >= m: b^(m - mx), 0 when empty (l <= 0).
+/// The weight of state {m, l} under the merge maximum mx >= m: b^(m - mx), 0 when empty (l = 0).
 template <log_base B>
 TIERKV_HD_INLINE float state_weight(float m, float l, float mx) {
-  return l > 0.f ? exp_b<B>(m - mx) : 0.f;
+  return l != 0.f ? exp_b<B>(m - mx) : 0.f;
 }
 
 /// The weight of a normalized state known by its lse under the merge maximum mx >= lse:
@@ -46,10 +48,11 @@ TIERKV_HD_INLINE float lse_weight(float lse, float mx) {
   return lse > -std::numeric_limits<float>::infinity() ? exp_b<B>(lse - mx) : 0.f;
 }
 
-/// The log-sum-exp of a state {m, l} in base-B units: m + log_b(l); -inf when empty.
+/// The log-sum-exp of a state {m, l} in base-B units: m + log_b(l); -inf when empty; NaN for a
+/// NaN l.
 template <log_base B>
 TIERKV_HD_INLINE float state_lse(float m, float l) {
-  if (!(l > 0.f)) return -std::numeric_limits<float>::infinity();
+  if (l == 0.f) return -std::numeric_limits<float>::infinity();
   if constexpr (B == log_base::two)
     return m + log2f(l);
   else
@@ -106,8 +109,8 @@ struct partial_state {
   }
 
   /// Empty means "no token contributed". l > 0 whenever a finite logit was seen,
-  /// because exp(m - m) = 1.
-  TIERKV_HD bool empty() const { return !(l > 0.f); }
+  /// because exp(m - m) = 1; a NaN l (a NaN logit) is not empty: it poisons what it merges into.
+  TIERKV_HD bool empty() const { return l == 0.f; }
 
   /// Rescales this state to the running max `new_m` >= m (keeps empty states empty).
   TIERKV_HD void rescale_to(float new_m) {

@@ -53,6 +53,9 @@ struct append_inputs {
   /// pool or an offset beyond page_tokens (nothing written for that token), non_finite_input
   /// for NaN/Inf (the codec's poison is written: zero codes, NaN scale).
   int* error = nullptr;
+  /// Optional, with `error`: where the first error was, written by the warp that set it:
+  /// {layer (layer_base + l), token n, kv head, role (0 key, 1 value)}.
+  int* error_at = nullptr;
   /// Optional centring means (tierkv/centering.hpp), [layers][kv_heads][head_dim] floats from
   /// k's layer 0 on, mean_layer_stride apart: subtracted from each key (value) before it is
   /// encoded. A difference that overflows is non-finite and reported as such.
@@ -75,7 +78,7 @@ template <class Geometry, class Codec>
 struct append_target {
   using layout = page_layout<Geometry, Codec, Codec>;
   bool valid = false;
-  int role = 0, h = 0, layer = 0;
+  int role = 0, h = 0, layer = 0, token = 0;
   const void* src = nullptr;
   std::int64_t base = 0;        // first element of the vector in src
   const float* mean = nullptr;  // the vector's centring mean (head_dim floats), or none
@@ -88,11 +91,12 @@ struct append_target {
     role = warp % 2;
     h = (warp / 2) % H;
     const int n = warp / (2 * H);
+    token = n;
     const std::int32_t slot = in.slot[std::int64_t(layer) * in.slot_layer_stride + n];
     const std::int32_t off = in.offset[n];
     if (slot < 0 || std::uint32_t(slot) >= in.pool.capacity || off < 0 ||
         off >= Geometry::page_tokens) {
-      if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
+      if (lane == 0) report(in, errc::out_of_range);
       return;
     }
     valid = true;
@@ -105,11 +109,21 @@ struct append_target {
     meta = reinterpret_cast<typename Codec::meta_type*>(
         page + (role == 0 ? layout::key_meta(h, off) : layout::value_meta(h, off)));
   }
+  // The first error of the launch, and where it was (append_inputs::error_at).
+  __device__ void report(const append_inputs& in, errc e) const {
+    if (in.error == nullptr || atomicCAS(in.error, 0, int(e)) != 0 || in.error_at == nullptr)
+      return;
+    in.error_at[0] = in.layer_base + layer;
+    in.error_at[1] = token;
+    in.error_at[2] = h;
+    in.error_at[3] = role;
+  }
 };
 
 // One warp encodes one token vector: lane l loads coordinates N l .. N l + N - 1 (minus their
 // centring means), the append tier's device codec encodes them (append_encode, in its
-// cuda/codec/ file).
+// cuda/codec/ file: false on non-finite input, its poison written), and a failure is reported
+// with where it was.
 template <class Geometry, class Codec>
 __global__ void __launch_bounds__(256) append_kernel(append_inputs in) {
   constexpr int D = Geometry::head_dim, H = Geometry::kv_heads, N = (D + 31) / 32;
@@ -130,7 +144,9 @@ __global__ void __launch_bounds__(256) append_kernel(append_inputs in) {
       make_codec_context(in.cache_seed, in.layer_base + at.layer, in.head_base + at.h,
                          at.role == 0 ? kv_role::key : kv_role::value)
           .seed;
-  device_codec<Codec>::template append_encode<N>(x, at.payload, at.meta, seed, lane, in.error);
+  if (!device_codec<Codec>::template append_encode<N>(x, at.payload, at.meta, seed, lane) &&
+      lane == 0)
+    at.report(in, errc::non_finite_input);
 }
 
 // grid (ceil(kv_heads * head_dim / 128), 2): thread i of role blockIdx.y is channel i; its mean

@@ -230,6 +230,7 @@ class tiered_cache {
   result<seq_id> fork(seq_id parent) {
     if (stepping_)
       return status(errc::invalid_argument, "fork: not between begin_step and end_step");
+    if (auto st = refuse_poisoned(parent, "fork"); !st) return st;
     auto s = storage_->fork(parent, room());
     if (!s) return s;
     open_row(*s);
@@ -243,6 +244,7 @@ class tiered_cache {
       return status(errc::invalid_argument, "release: not between begin_step and end_step");
     if (auto st = storage_->release(s); !st) return st;
     close_row(s);
+    poisoned_.erase(s.value);
     return {};
   }
   /// Committed tokens of s.
@@ -255,6 +257,7 @@ class tiered_cache {
                                     std::span<const std::int32_t> tokens) {
     if (stepping_)
       return status(errc::invalid_argument, "insert_prefix: not between begin_step and end_step");
+    if (auto st = refuse_poisoned(s, "insert_prefix"); !st) return st;
     return prefixes_->insert(s, salt, tokens);
   }
   /// A new sequence holding the longest cached prefix of tokens (whole pages) under `salt`; the
@@ -424,6 +427,7 @@ class tiered_cache {
                             "] = ", new_tokens[b], " is negative");
       auto len = storage_->length(batch[b]);
       if (!len) return len.error_status();
+      if (auto st = refuse_poisoned(batch[b], "begin_step"); !st) return st;
       constexpr std::int64_t T = storage_type::page_tokens;
       if ((*len + new_tokens[b] + T - 1) / T > opt_.max_pages)
         return status::make(errc::out_of_range, "begin_step: ", batch[b], " would have ",
@@ -439,7 +443,13 @@ class tiered_cache {
                              opt_.max_step_tokens);
     // Publish a finished retier batch first: the index arrays below name its pages.
     if (auto st = collect_retier(/*wait=*/false); !st) return st;
+    step_tokens_of_.assign(new_tokens.begin(), new_tokens.end());
+    step_first_pos_.resize(batch.size());
+    for (std::size_t b = 0; b < batch.size(); ++b) step_first_pos_[b] = *storage_->length(batch[b]);
     if (auto st = reserve_all(batch, new_tokens, total); !st) return st;
+    // the appends' error record, for this step's tokens (append_error_where)
+    TIERKV_CUDA_TRY(cudaMemsetAsync(slots_dev_ + append_error_offset(), 0,
+                                    append_error_ints * sizeof(std::int32_t), stream_));
     // the step's query offsets (prefill's q_indptr): sequence b's chunk is its new tokens
     std::int32_t* qo = slots_host_ + qo_offset();
     qo[0] = 0;
@@ -525,6 +535,8 @@ class tiered_cache {
     in.cache_seed = storage_->config().codec_seed;
     in.head_base = storage_->config().head_base;
     in.layer_base = layer;
+    in.error = slots_dev_ + append_error_offset();
+    in.error_at = in.error + 1;
     if (opt_.center) {
       in.key_mean = key_mean(layer);
       in.value_mean = value_mean(layer);
@@ -674,6 +686,7 @@ class tiered_cache {
     st.add(last_batch_);
     last_batch_ = retier_stats{};
     totals_.add(st);
+    if (!append_report_.is_ok()) return std::exchange(append_report_, status{});
     return st;
   }
 
@@ -701,6 +714,12 @@ class tiered_cache {
   /// The device check of the last begin_step's index build and decodes (synchronizes).
   status device_error() {
     if (auto st = mirror_->error(stream_); !st) return st;
+    std::int32_t rec[append_error_ints];
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(rec, slots_dev_ + append_error_offset(), sizeof rec,
+                                    cudaMemcpyDeviceToHost, stream_));
+    TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+    if (rec[0] != 0)
+      return append_error_where(rec, batch_, step_tokens_of_, step_first_pos_, false);
     auto e = decode_device_error(plan_, workspace_, stream_);
     if (!e) return e.error_status();
     if (*e != errc::ok)
@@ -746,6 +765,11 @@ class tiered_cache {
   struct mass_copy {
     std::vector<seq_id> batch;  // the step's batch
     std::vector<int> layers;    // per host slot: the layer sampled
+    // the step's appends: its error record (pinned, after the masses), new tokens and first
+    // positions per sequence
+    std::int32_t* append_error = nullptr;
+    std::vector<std::int32_t> new_tokens;
+    std::vector<std::int64_t> first_pos;
     float* host = nullptr;
     cudaEvent_t ready = nullptr;
     bool pending = false;  // queued, not fed yet
@@ -811,7 +835,10 @@ class tiered_cache {
         opt_.mass_layers_per_step == 0 ? layers() : std::min(opt_.mass_layers_per_step, layers());
     TIERKV_CUDA_TRY(cudaMalloc(&mass_dev_, mass_offset(layers()) * sizeof(float)));
     for (mass_copy& m : mass_copies_) {
-      TIERKV_CUDA_TRY(cudaMallocHost(&m.host, mass_offset(mass_layers_) * sizeof(float)));
+      const std::size_t floats = mass_offset(mass_layers_);
+      TIERKV_CUDA_TRY(cudaMallocHost(
+          &m.host, floats * sizeof(float) + append_error_ints * sizeof(std::int32_t)));
+      m.append_error = reinterpret_cast<std::int32_t*>(m.host + floats);
       TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
     }
     TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
@@ -822,7 +849,7 @@ class tiered_cache {
       means_known_.assign(std::size_t(layers()), 0);
     }
     mass_layer_.assign(std::size_t(mass_layers_), -1);
-    const std::size_t slot_ints = mass_on_offset() + std::size_t(layers());
+    const std::size_t slot_ints = append_error_offset() + append_error_ints;
     TIERKV_CUDA_TRY(cudaMalloc(&slots_dev_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaMallocHost(&slots_host_, slot_ints * sizeof(std::int32_t)));
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&handoff_, cudaEventDisableTiming));
@@ -882,11 +909,46 @@ class tiered_cache {
   float* value_mean(int layer) const { return key_mean(layer) + mean_floats; }
 
   // The slot buffer: [layers][max_step_tokens] slots, [max_step_tokens] offsets, the step's
-  // query offsets [max_batch + 1], then the layers' page-mass flags [layers].
+  // query offsets [max_batch + 1], the layers' page-mass flags [layers], then the appends' error
+  // record (append_inputs::error, error_at).
   std::size_t qo_offset() const {
     return (std::size_t(layers()) + 1) * std::size_t(opt_.max_step_tokens);
   }
   std::size_t mass_on_offset() const { return qo_offset() + std::size_t(opt_.max_batch) + 1; }
+  std::size_t append_error_offset() const { return mass_on_offset() + std::size_t(layers()); }
+  static constexpr int append_error_ints = 5;  // errc, then layer, token, kv head, role
+
+  // A step's append error record as a status naming the sequence, layer, position, head and
+  // role; the sequence is poisoned (refused until released) when `poison`.
+  status append_error_where(const std::int32_t* rec, std::span<const seq_id> batch,
+                            std::span<const std::int32_t> new_tokens,
+                            std::span<const std::int64_t> first_pos, bool poison) {
+    const errc code = static_cast<errc>(rec[0]);
+    std::int64_t n = rec[2];
+    std::size_t b = 0;
+    while (b < new_tokens.size() && n >= new_tokens[b]) n -= new_tokens[b++];
+    if (b >= batch.size())  // a token beyond the step's: a bad slot (out_of_range)
+      return status::make(code, "append: layer ", rec[1], ", token ", rec[2],
+                          " of the step: ", to_string(code));
+    const std::int64_t pos = first_pos[b] + n;
+    if (poison && code == errc::non_finite_input && storage_->length(batch[b]))
+      poisoned_.emplace(batch[b].value, poisoned_at{rec[1], pos});
+    return status::make(code, "append: ", batch[b], " position ", pos, ", layer ", rec[1],
+                        ", KV head ", rec[3], ", ", rec[4] == 0 ? "key" : "value", ": ",
+                        to_string(code),
+                        code == errc::non_finite_input
+                            ? " (the K/V given held NaN or Inf; its attention outputs are NaN; "
+                              "the sequence is refused until released)"
+                            : "");
+  }
+  // A sequence holding non-finite K/V (append_error_where) is refused by `op`.
+  status refuse_poisoned(seq_id s, const char* op) const {
+    const auto it = poisoned_.find(s.value);
+    if (it == poisoned_.end()) return {};
+    return status::make(errc::non_finite_input, op, ": ", s,
+                        " holds non-finite K/V appended at position ", it->second.position,
+                        ", layer ", it->second.layer, "; release it");
+  }
   std::size_t retier_list_bytes() const {
     return 3 * std::size_t(opt_.max_retier_pages) * sizeof(std::int32_t) + sizeof(int);
   }
@@ -1068,10 +1130,16 @@ class tiered_cache {
       TIERKV_CUDA_TRY(cudaMemcpyAsync(m.host + mass_offset(j),
                                       mass_dev_ + mass_offset(mass_layer_[std::size_t(j)]), bytes,
                                       cudaMemcpyDeviceToHost, stream_));
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(m.append_error, slots_dev_ + append_error_offset(),
+                                    append_error_ints * sizeof(std::int32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
     TIERKV_CUDA_TRY(cudaEventRecord(m.ready, stream_));
-    counters_.d2h_metadata_bytes += std::uint64_t(mass_layers_) * bytes;
+    counters_.d2h_metadata_bytes +=
+        std::uint64_t(mass_layers_) * bytes + append_error_ints * sizeof(std::int32_t);
     m.batch = batch_;
     m.layers = mass_layer_;
+    m.new_tokens = step_tokens_of_;
+    m.first_pos = step_first_pos_;
     m.pending = true;
     return {};
   }
@@ -1085,6 +1153,8 @@ class tiered_cache {
       TIERKV_CUDA_TRY(cudaEventSynchronize(m.ready));
     }
     const scoped_time fold_timed{times_.mass_fold_ns};
+    if (m.append_error[0] != 0 && append_report_.is_ok())  // end_step returns the first
+      append_report_ = append_error_where(m.append_error, m.batch, m.new_tokens, m.first_pos, true);
     for (std::size_t j = 0; j < m.layers.size(); ++j) {
       const int l = m.layers[j];
       for (std::size_t b = 0; b < m.batch.size(); ++b) {
@@ -1148,6 +1218,16 @@ class tiered_cache {
   std::int64_t step_tokens_ = 0;
   std::vector<seq_id> batch_;
   std::vector<std::int32_t> rows_, pages_, lens_;
+  std::vector<std::int32_t> step_tokens_of_;  // the step's new tokens per sequence
+  std::vector<std::int64_t> step_first_pos_;  // and the position of its first
+  // Sequences whose appended K/V held NaN / Inf (append_error_where), by id: refused until
+  // released.
+  struct poisoned_at {
+    int layer = 0;
+    std::int64_t position = 0;
+  };
+  std::unordered_map<std::uint32_t, poisoned_at> poisoned_;
+  status append_report_;  // the first append error a feed found, for end_step to return
   // Page mass: every layer's on the device, [layer][max_batch][max_pages]; the mass_layers_
   // layers sampled a step are copied to the host, [slot][max_batch][max_pages], two steps'
   // copies in turn (end_step feeds the previous step's).

@@ -221,3 +221,35 @@ TEST_CASE("tile: rows with causal limits match float64 per row; -inf logits give
   CHECK(!std::isnan(s2.l));
   CHECK(t2.l == 0.f);
 }
+
+TEST_CASE("partial_state: a NaN state poisons every merge it joins, never a silent zero",
+          "[attention][state]") {
+  // A NaN logit (a non-finite key the GPU append reported) gives l = NaN: not empty.
+  std::mt19937_64 rng(17);
+  state bad = make_state(rng, 8, 1.f);
+  bad.l = std::numeric_limits<float>::quiet_NaN();
+  CHECK(!bad.empty());
+  CHECK(std::isnan(bad.lse()));
+  for (const bool bad_first : {true, false}) {
+    state a = make_state(rng, 40, 2.f), b = bad;
+    if (bad_first) std::swap(a, b);
+    a.merge(b);
+    CHECK(std::isnan(a.l));
+    CHECK(std::isnan(a.lse()));
+    float out[D];
+    a.normalize(out);
+    for (float x : out) CHECK(std::isnan(x));
+  }
+  state e = state::empty_state();
+  e.merge(bad);
+  CHECK(std::isnan(e.lse()));
+  // the shared arithmetic: empty weighs 0, NaN weighs like a state and poisons the sum
+  CHECK(softmax_merge::state_weight<log_base::natural>(-INFINITY, 0.f, -INFINITY) == 0.f);
+  CHECK(softmax_merge::state_weight<log_base::two>(1.f, 2.f, 1.f) == 1.f);
+  CHECK(std::isnan(softmax_merge::state_lse<log_base::two>(0.f, NAN)));
+  CHECK(softmax_merge::state_lse<log_base::two>(-INFINITY, 0.f) == -INFINITY);
+  CHECK(softmax_merge::state_lse<log_base::two>(3.f, 4.f) == 5.f);
+  CHECK(softmax_merge::lse_weight<log_base::two>(-INFINITY, 2.f) == 0.f);
+  CHECK(softmax_merge::lse_weight<log_base::two>(1.f, 2.f) == 0.5f);
+  CHECK(softmax_merge::to_natural<log_base::two>(log2e) == 1.f);
+}

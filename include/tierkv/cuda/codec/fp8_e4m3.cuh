@@ -296,11 +296,11 @@ struct device_codec<C, storage_format::fp8_e4m3> : device_codec_defaults {
   // A new token's vector (cuda/append.cuh), lane l holding coordinates N l .. N l + N - 1 (zeros
   // past head_dim), exactly as fp8_codec::encode: the maximum a warp reduction (order-free, so
   // exact), the scale scale_for(), each element converted on its own as encode_with_scale does.
-  // Non-finite input: zero codes, the poison meta and errc::non_finite_input in *error.
+  // Non-finite input: zero codes, the poison meta, and false.
   template <int N>
-  __device__ __forceinline__ static void append_encode(const float (&x)[N], std::uint8_t* payload,
+  __device__ __forceinline__ static bool append_encode(const float (&x)[N], std::uint8_t* payload,
                                                        typename C::meta_type* meta, std::uint64_t,
-                                                       int lane, int* error) {
+                                                       int lane) {
     constexpr int D = C::head_dim;
     float amax = 0.f;
     bool finite = true;
@@ -316,11 +316,8 @@ struct device_codec<C, storage_format::fp8_e4m3> : device_codec_defaults {
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if (!finite) {
       for (int i = lane; i < D; i += 32) payload[i] = 0;
-      if (lane == 0) {
-        *meta = C::poison_meta;
-        if (error) atomicCAS(error, 0, int(errc::non_finite_input));
-      }
-      return;
+      if (lane == 0) *meta = C::poison_meta;
+      return false;
     }
     const typename C::meta_type scale = C::scale_for(amax);
     const float s = bf16_to_float(scale);
@@ -334,6 +331,7 @@ struct device_codec<C, storage_format::fp8_e4m3> : device_codec_defaults {
       payload[i] = scale == 0 ? std::uint8_t(0) : float_to_fp8<fp8_kind::e4m3>(val / s);
     }
     if (lane == 0) *meta = scale;
+    return true;
   }
 };
 

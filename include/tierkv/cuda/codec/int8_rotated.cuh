@@ -155,16 +155,15 @@ struct device_codec<C, storage_format::int8_rotated> : device_codec_defaults {
   }
   // A new token's vector (cuda/append.cuh), lane l holding coordinates N l .. N l + N - 1:
   // warp_encode_int8r (the rotation needs the whole vector in the warp); non-finite input: its
-  // poison and errc::non_finite_input in *error.
+  // poison and false.
   template <int N>
-  __device__ __forceinline__ static void append_encode(const float (&x)[N], std::uint8_t* payload,
+  __device__ __forceinline__ static bool append_encode(const float (&x)[N], std::uint8_t* payload,
                                                        typename C::meta_type* meta,
-                                                       std::uint64_t seed, int lane, int* error) {
+                                                       std::uint64_t seed, int lane) {
     static_assert(
         N * 32 == C::head_dim,
         "cuda::append: int8_rotated needs head_dim a multiple of 32 (one warp per vector)");
-    const bool ok = warp_encode_int8r<C, N>(x, payload, meta, seed, lane);
-    if (!ok && lane == 0 && error) atomicCAS(error, 0, int(errc::non_finite_input));
+    return warp_encode_int8r<C, N>(x, payload, meta, seed, lane);
   }
 };
 

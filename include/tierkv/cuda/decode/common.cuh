@@ -511,13 +511,16 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
 #pragma unroll
     for (int w = 1; w < decode_warps; ++w) lt += part[w][merge_slice];
     const float inv = lt > 0.f ? 1.f / lt : 0.f;
+    // a NaN chunk state (a non-finite key or value, appended and reported by the cache) makes
+    // the head's output NaN: dropping it would leave a plausible wrong output
+    const bool nan_state = lt != lt;
     if (tid < merge_slice && slice * merge_slice + tid < D) {
       float x = part[0][tid];
 #pragma unroll
       for (int w = 1; w < decode_warps; ++w) x += part[w][tid];
       const int d = slice * merge_slice + tid;
       const float mean = in.value_mean ? in.value_mean[(h / Geometry::group_size) * D + d] : 0.f;
-      store_out(in, row * D + std::size_t(d), poisoned ? NAN : x * inv + mean);
+      store_out(in, row * D + std::size_t(d), poisoned || nan_state ? NAN : x * inv + mean);
     }
     if (tid == 0 && slice == 0 && in.lse != nullptr) {
       const float shift =
@@ -525,8 +528,8 @@ struct decode_finish<Geometry, tiers<Tiers...>> {
               ? query_mean_logit<D>(in.queries, in.queries_type, row,
                                     in.key_mean + (h / Geometry::group_size) * D, in.softmax_scale)
               : 0.f;
-      in.lse[row] = poisoned   ? NAN
-                    : lt > 0.f ? softmax_merge::to_natural<log_base::two>(
+      in.lse[row] = poisoned || nan_state ? NAN
+                    : lt > 0.f            ? softmax_merge::to_natural<log_base::two>(
                                      softmax_merge::state_lse<log_base::two>(mx, lt)) +
                                      shift
                                : -INFINITY;
