@@ -15,6 +15,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 

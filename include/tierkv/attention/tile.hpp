@@ -109,7 +109,7 @@ requires(C::meta_bytes == 0) struct token_scalar<C> {
 template <vector_codec C>
 requires((C::format == storage_format::fp8_e4m3 || C::format == storage_format::fp8_e5m2 ||
           C::format == storage_format::tq3 || C::format == storage_format::tq4 ||
-          C::format == storage_format::int8_rotated) &&
+          C::format == storage_format::tq2 || C::format == storage_format::int8_rotated) &&
          std::is_same_v<typename C::meta_type, bf16_bits>) struct token_scalar<C> {
   static constexpr bool known = true;
   TIERKV_HD_INLINE static float of(const typename C::meta_type& m) { return bf16_to_float(m); }

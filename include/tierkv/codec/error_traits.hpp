@@ -19,6 +19,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 
@@ -245,6 +246,28 @@ template <>
 struct codec_error_traits<tq4_value> {
   /// Expected relative MSE (value role).
   static constexpr double rel_mse = 0.01111, ip_rms_sqrt_d = 0.1196, ip_bias = -0.0079;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
+};
+/// TQ2 (4 uniform levels of the rotated vector, the Cold tier): unbiased, 1.95x TQ3's key
+/// inner-product rms (3.8x the variance), MSE 0.132 (d = 128, 20000 vectors; docs/codecs.md).
+template <>
+struct codec_error_traits<tq2_key> {
+  /// Expected relative MSE (value role).
+  static constexpr double rel_mse = 0.1324, ip_rms_sqrt_d = 0.2589, ip_bias = 0.0;
+  /// \var ip_rms_sqrt_d
+  /// Expected inner-product rms times sqrt(head_dim) (key role).
+  /// \var ip_bias
+  /// Expected mean inner-product error (key role).
+};
+/// TQ2 values: least-squares alpha, MSE 0.117 (the 4-level uniform optimum for N(0,1) is
+/// 0.1188 per coordinate); inner products shrink by 0.92.
+template <>
+struct codec_error_traits<tq2_value> {
+  /// Expected relative MSE (value role).
+  static constexpr double rel_mse = 0.1166, ip_rms_sqrt_d = 0.970, ip_bias = -0.0824;
   /// \var ip_rms_sqrt_d
   /// Expected inner-product rms times sqrt(head_dim) (key role).
   /// \var ip_bias

@@ -51,7 +51,8 @@ inline constexpr std::size_t page_transfer_checksum_bytes = 8;  ///< bytes of th
 /// correctly only in a storage that gives them the same global head index, i.e. whose
 /// head_base is the slice's first global head (see verify_import).
 constexpr bool format_uses_codec_context(storage_format f) noexcept {
-  return f == storage_format::tq3 || f == storage_format::tq4 || f == storage_format::int8_rotated;
+  return f == storage_format::tq3 || f == storage_format::tq4 || f == storage_format::tq2 ||
+         f == storage_format::int8_rotated;
 }
 
 /// A contiguous slice of KV heads [begin, begin + count); count < 0 means "to the end".
