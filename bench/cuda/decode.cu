@@ -2,6 +2,7 @@
 // gpubench_decode [--out FILE.json] [--commit SHA] [--quick] [--compare] [--ctx L] [--batch B]
 //                 [--dim D] [--mix M] [--no-retier] [--retier-only] [--max-chunks N]
 //                 [--min-chunk-kb N] [--resident N] [--int8r | --int8r-only] [--k4 | --k4-only]
+//                 [--cold | --cold-only]
 //                 [--balance bytes|work] [--unpack-work N] [--waves N] [--shared]
 //                 [--benchmark_* flags]
 // Mixed-format paged decode on the GPU (docs/gpu.md) over the benchmark shapes, contexts,
@@ -29,6 +30,7 @@
 #include "tierkv/codec/dense_bf16.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/cuda/append.cuh"
@@ -44,6 +46,8 @@ using stale = tier<tq3_key, tq3_value>;
 using recent_int8r = tier<int8_rotated, int8_rotated>;
 using stale_k4 = tier<tq4_key, tq3_value>;
 using recent_dense = tier<dense_bf16, dense_bf16>;  // the BF16 control arm
+using cold_v2 = tier<tq3_key, tq2_value>;           // the Cold tier: 2-bit values
+using cold = tier<tq2_key, tq2_value>;              // the Cold tier: 2-bit keys and values
 using g256 = geometry<head_dim<256>, kv_heads<4>, group_size<6>, page_tokens<64>>;
 using g128 = geometry<head_dim<128>, kv_heads<8>, group_size<4>, page_tokens<64>>;
 using g64 = geometry<head_dim<64>, kv_heads<3>, group_size<3>, page_tokens<64>>;
@@ -53,6 +57,7 @@ struct options {
   bool with_int8r = false, int8r_only = false;  // also / only the int8_rotated recent tier
   bool with_k4 = false, k4_only = false;        // also / only int8_rotated + TQ4-key Stale tiers
   bool with_dense = false;                      // also dense bf16 recent pages (the control arm)
+  bool with_cold = false, cold_only = false;    // also / only int8_rotated + TQ2 (Cold) tiers
   std::vector<int> ctx, batch;                  // empty: the defaults
   int dim = 0;                                  // 0: all shapes
   std::string mix;                              // empty: every mix
@@ -263,14 +268,22 @@ void register_decode(const std::vector<int>& contexts, const std::vector<int>& b
   constexpr bool int8r = C::KF::format == storage_format::int8_rotated;
   constexpr bool dense = C::KF::format == storage_format::dense_bf16;
   constexpr bool k4 = C::KT::format == storage_format::tq4;  // Stale: TQ4 keys, TQ3 values
+  constexpr bool v2 = C::VT::format == storage_format::tq2;  // Cold: TQ2 values
+  constexpr bool k2 = C::KT::format == storage_format::tq2;  // Cold: TQ2 keys too
+  constexpr bool own_stale = k4 || v2;  // the mixes of its own Stale (or Cold) tier
   const char* mixes[] = {dense   ? "bf16"
                          : int8r ? "int8r"
                                  : "fp8",
-                         k4 ? "tq4k" : "tq3",
-                         k4 ? (int8r ? "tiered_k4" : "tiered_fp8_k4")
-                            : (dense   ? "tiered_bf16"
-                               : int8r ? "tiered_int8r"
-                                       : "tiered")};
+                         k2   ? "tq2"
+                         : v2 ? "tq3k_tq2v"
+                         : k4 ? "tq4k"
+                              : "tq3",
+                         k2   ? "tiered_cold"
+                         : v2 ? "tiered_cold_v2"
+                         : k4 ? (int8r ? "tiered_k4" : "tiered_fp8_k4")
+                              : (dense   ? "tiered_bf16"
+                                 : int8r ? "tiered_int8r"
+                                         : "tiered")};
   std::vector<path> paths{path::stream, path::graph};
   if (opt.compare)
     paths.insert(paths.end(), {path::cuda_core_stream, path::cuda_core_graph, path::waves3_stream});
@@ -279,8 +292,8 @@ void register_decode(const std::vector<int>& contexts, const std::vector<int>& b
     for (int B : batches)
       for (int mi = 0; mi < 3; ++mi) {
         if (!opt.mix.empty() && opt.mix != mixes[mi]) continue;
-        if (k4 && mi == 0) continue;  // all-recent pages do not depend on the Stale tier
-        if ((int8r || dense) && !k4 && mi == 1) continue;  // all-Stale: not the recent tier's
+        if (own_stale && mi == 0) continue;  // all-recent pages do not depend on the Stale tier
+        if ((int8r || dense) && !own_stale && mi == 1) continue;  // all-Stale: not the recent's
         if (C::page_bytes(L, B, mi) > 40e9) continue;
         const std::string key = bench_name("decode")
                                     .add("shape", sh)
@@ -432,7 +445,7 @@ void register_all() {
   std::vector<int> bat = opt.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 8, 32};
   if (!opt.ctx.empty()) ctx = opt.ctx;
   if (!opt.batch.empty()) bat = opt.batch;
-  const bool base = !opt.int8r_only && !opt.k4_only;
+  const bool base = !opt.int8r_only && !opt.k4_only && !opt.cold_only;
   if (opt.decode && base) {
     register_decode<g256>(ctx, bat);
     register_decode<g128>(ctx, bat);
@@ -448,6 +461,14 @@ void register_all() {
     register_decode<g128, recent_int8r>(ctx, bat);
     register_decode<g64, recent_int8r>(ctx, bat);
   }
+  if (opt.decode && opt.with_cold) {
+    register_decode<g256, recent_int8r, cold_v2>(ctx, bat);
+    register_decode<g256, recent_int8r, cold>(ctx, bat);
+    register_decode<g128, recent_int8r, cold_v2>(ctx, bat);
+    register_decode<g128, recent_int8r, cold>(ctx, bat);
+    register_decode<g64, recent_int8r, cold_v2>(ctx, bat);
+    register_decode<g64, recent_int8r, cold>(ctx, bat);
+  }
   if (opt.decode && opt.with_dense) {
     register_decode<g256, recent_dense>(ctx, bat);
     register_decode<g128, recent_dense>(ctx, bat);
@@ -462,6 +483,11 @@ void register_all() {
     register_retier_append<g256, recent_int8r>();
     register_retier_append<g128, recent_int8r>();
     register_retier_append<g64, recent_int8r>();
+  }
+  if (opt.retier && opt.with_cold) {
+    register_retier_append<g256, recent_int8r, cold>();
+    register_retier_append<g128, recent_int8r, cold>();
+    register_retier_append<g64, recent_int8r, cold>();
   }
   if (opt.retier && opt.with_k4) {
     register_retier_append<g256, recent_int8r, stale_k4>();
@@ -532,7 +558,7 @@ int main(int argc, char** argv) {
       {"--dim", "D", "only the shape of head_dim D (256, 128, 64)", num("--dim", opt.dim)},
       {"--mix", "M",
        "only mix M: fp8 tq3 tiered | int8r tiered_int8r (--int8r) | tq4k tiered_k4 (--k4) | bf16 "
-       "tiered_bf16 (--dense)",
+       "tiered_bf16 (--dense) | tq3k_tq2v tiered_cold_v2 tq2 tiered_cold (--cold)",
        [](const std::string& s) { opt.mix = s; }},
       {"--no-retier", "", "no retier / append benchmarks",
        [](const std::string&) { opt.retier = false; }},
@@ -548,6 +574,10 @@ int main(int argc, char** argv) {
       {"--int8r-only", "", "only the int8_rotated recent tier",
        [](const std::string&) { opt.with_int8r = opt.int8r_only = true; }},
       {"--k4", "", "also int8_rotated + TQ4-key / TQ3-value tiers", on(opt.with_k4)},
+      {"--cold", "", "also int8_rotated + TQ2 (Cold) tiers: TQ3 keys / TQ2 values, TQ2 both",
+       on(opt.with_cold)},
+      {"--cold-only", "", "only the int8_rotated + TQ2 (Cold) tiers",
+       [](const std::string&) { opt.with_cold = opt.cold_only = true; }},
       {"--dense", "", "also dense bf16 recent pages, the control arm (mixes bf16, tiered_bf16)",
        on(opt.with_dense)},
       {"--k4-only", "", "only int8_rotated + TQ4-key / TQ3-value tiers",

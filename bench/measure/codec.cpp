@@ -90,6 +90,12 @@ int main() {
   small_row<tq4_key, 128>(rep, "tq4_key");
   small_row<tq4_key, 256>(rep, "tq4_key");
   small_row<tq4_value, 128>(rep, "tq4_value");
+  small_row<tq2_key, 64>(rep, "tq2_key");
+  small_row<tq2_key, 128>(rep, "tq2_key");
+  small_row<tq2_key, 256>(rep, "tq2_key");
+  small_row<tq2_value, 64>(rep, "tq2_value");
+  small_row<tq2_value, 128>(rep, "tq2_value");
+  small_row<tq2_value, 256>(rep, "tq2_value");
 
   const double e4 = fp8_max_rel_err<fp8_kind::e4m3>();
   const double e5 = fp8_max_rel_err<fp8_kind::e5m2>();

@@ -20,6 +20,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 
@@ -27,6 +28,7 @@
 #include "tierkv/cuda/codec/dense_bf16.cuh"
 #include "tierkv/cuda/codec/fp8_e4m3.cuh"
 #include "tierkv/cuda/codec/int8_rotated.cuh"
+#include "tierkv/cuda/codec/tq2.cuh"
 #include "tierkv/cuda/codec/tq3.cuh"
 #include "tierkv/cuda/codec/tq4.cuh"
 #endif
@@ -43,7 +45,7 @@ struct format_list {
 /// Every registered format; a descriptor's index here is its run-time index.
 using registered_formats =
     format_list<formats::fp8, formats::int8_rotated, formats::tq3, formats::tq4, formats::bf16,
-                formats::f32, formats::fp8_e5m2>;
+                formats::f32, formats::fp8_e5m2, formats::tq2>;
 
 namespace detail {
 template <class F>

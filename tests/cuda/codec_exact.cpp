@@ -18,6 +18,7 @@
 #include "tierkv/codec/error_traits.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/formats.hpp"
@@ -215,6 +216,10 @@ TEST_CASE("cuda codecs: device codes equal host codes bit for bit", "[cuda][code
   check_codec_exact<tq4_key::bind<64>>(1 << 17);
   check_codec_exact<tq4_value::bind<128>>(1 << 16);
   check_codec_exact<tq4_key::bind<256>>(1 << 15);
+  // TQ2 (the Cold tier) likewise
+  check_codec_exact<tq2_key::bind<64>>(1 << 17);
+  check_codec_exact<tq2_value::bind<128>>(1 << 16);
+  check_codec_exact<tq2_key::bind<256>>(1 << 15);
 }
 
 namespace {
@@ -258,4 +263,6 @@ TEST_CASE("cuda slice readers: f16 / bf16 pair unpacks equal the float unpack ex
   check_pair_unpacks<tq4_key::bind<256>>(true, false);
   check_pair_unpacks<tq4_value::bind<64>>(true, false);
   check_pair_unpacks<dense_bf16::bind<128>>(false, false);
+  check_pair_unpacks<tq2_key::bind<64>>(true, true);
+  check_pair_unpacks<tq2_value::bind<256>>(true, true);
 }

@@ -182,6 +182,8 @@ CUDA_TEST_PAIR_UNPACK(tq3_value::bind<256>)
 CUDA_TEST_PAIR_UNPACK(tq4_key::bind<256>)
 CUDA_TEST_PAIR_UNPACK(tq4_value::bind<64>)
 CUDA_TEST_PAIR_UNPACK(dense_bf16::bind<128>)
+CUDA_TEST_PAIR_UNPACK(tq2_key::bind<64>)
+CUDA_TEST_PAIR_UNPACK(tq2_value::bind<256>)
 
 #define CUDA_TEST_CODEC(...)                                                              \
   template cudaError_t launch_encode<__VA_ARGS__>(const codec_batch<__VA_ARGS__>&, bool); \
@@ -199,5 +201,8 @@ CUDA_TEST_CODEC(dense_bf16::bind<128>)
 CUDA_TEST_CODEC(tq4_key::bind<64>)
 CUDA_TEST_CODEC(tq4_value::bind<128>)
 CUDA_TEST_CODEC(tq4_key::bind<256>)
+CUDA_TEST_CODEC(tq2_key::bind<64>)
+CUDA_TEST_CODEC(tq2_value::bind<128>)
+CUDA_TEST_CODEC(tq2_key::bind<256>)
 
 }  // namespace cuda_test

@@ -330,6 +330,26 @@ TEST_CASE("gpu decode: TQ4 keys with TQ3 values in the Stale tier", "[cuda][deco
   check_case<g_smol, recent, stale_k4>({1500, 3}, mix::all_tq3, 194, 4, 32 * 1024, 0.f, 0, 30.f);
 }
 
+TEST_CASE("gpu decode: TQ2 pages (the Cold tier's 2-bit values, and keys)", "[cuda][decode][tq2]") {
+  using recent_int8r = cuda_test::decode_int8r;
+  using cold_v2 = cuda_test::decode_cold_v2;
+  using cold = cuda_test::decode_cold;
+  const std::vector<int> lens = {3000, 1, 700, 64, 129};
+  for (mix m : {mix::all_tq3, mix::tiered, mix::interleaved}) {  // all_tq3: every page 2-bit
+    check_case<g_qwen, recent_int8r, cold_v2>(lens, m, 401 + int(m));
+    check_case<g_llama, recent, cold_v2>(lens, m, 411 + int(m));
+    check_case<g_smol, recent_int8r, cold_v2>(lens, m, 421 + int(m));
+    check_case<g_qwen, recent, cold>(lens, m, 431 + int(m));
+    check_case<g_llama, recent_int8r, cold>(lens, m, 441 + int(m));
+    check_case<g_smol, recent_int8r, cold>(lens, m, 451 + int(m));
+  }
+  check_case<g_small_pages, recent_int8r, cold>({1000, 17, 16, 1}, mix::tiered, 461, 8, 256);
+  check_case<g_pages32, recent, cold>({777, 48, 15}, mix::interleaved, 462, 8, 1024);
+  // a key offset channel (the 1.5 x query-sum fold sees large sums) and value spread
+  check_case<g_llama, recent_int8r, cold>({2000, 500}, mix::all_tq3, 463, 4, 32 * 1024, 8.f, 40);
+  check_case<g_smol, recent_int8r, cold>({1500, 3}, mix::all_tq3, 464, 4, 32 * 1024, 0.f, 0, 30.f);
+}
+
 TEST_CASE("gpu decode: edge shapes", "[cuda][decode]") {
   SECTION("single-token sequences") { check_case<g_llama>({1, 1, 1}, mix::tiered, 41); }
   SECTION("partial last pages and an empty sequence") {

@@ -265,6 +265,8 @@ using g_small = cuda_test::decode_small_pages;
 using g_p32 = cuda_test::decode_pages32;
 using int8r = cuda_test::decode_int8r;
 using stale_k4 = cuda_test::decode_stale_k4;
+using cold_v2 = cuda_test::decode_cold_v2;
+using cold = cuda_test::decode_cold;
 
 }  // namespace
 
@@ -289,6 +291,17 @@ TEST_CASE("gpu prefill: int8_rotated Recent pages, TQ4 Stale keys", "[cuda][pref
     check_prefill<g_llama, int8r, stale_k4>(lens, chunks, m, 71 + int(m));
     check_prefill<g_small, int8r, stale_k4>(lens, chunks, m, 81 + int(m));
     check_prefill<g_qwen, cuda_test::decode_recent, stale_k4>(lens, chunks, m, 91 + int(m));
+  }
+}
+
+TEST_CASE("gpu prefill: TQ2 pages (the Cold tier)", "[cuda][prefill][tq2]") {
+  const std::vector<int> lens = {520, 200, 33};
+  const std::vector<int> chunks = {77, 200, 5};
+  for (mix m : {mix::all_tq3, mix::tiered, mix::interleaved}) {  // all_tq3: every page 2-bit
+    check_prefill<g_qwen, int8r, cold_v2>(lens, chunks, m, 101 + int(m));
+    check_prefill<g_llama, cuda_test::decode_recent, cold>(lens, chunks, m, 111 + int(m));
+    check_prefill<g_small, int8r, cold>(lens, chunks, m, 121 + int(m));
+    check_prefill<g_qwen, cuda_test::decode_recent, cold>(lens, chunks, m, 131 + int(m));
   }
 }
 

@@ -207,6 +207,22 @@ TEST_CASE("gpu retier to and from TQ4-key Stale pages equals the host codecs bit
   check_retier<g_qwen, stale, stale_k4>(8, 26);  // TQ3 keys -> TQ4 keys (decode, re-encode)
 }
 
+TEST_CASE("gpu retier to and from TQ2 (Cold tier) pages equals the host codecs bit for bit",
+          "[cuda][retier][tq2]") {
+  using recent_int8r = cuda_test::retier_int8r;
+  using stale_k4 = cuda_test::retier_stale_k4;
+  using cold_v2 = cuda_test::retier_cold_v2;
+  using cold = cuda_test::retier_cold;
+  check_retier<g_qwen, recent_int8r, cold>(12, 31);
+  check_retier<g_llama, recent, cold>(10, 32, 8);
+  check_retier<g_smol, recent_int8r, cold>(20, 33);
+  check_retier<g_smol, cold, recent_int8r>(20, 34);
+  check_retier<g_llama, cold, recent>(10, 35);
+  check_retier<g_qwen, stale, cold_v2>(8, 36);    // Stale -> Cold: TQ3 values re-coded in 2 bits
+  check_retier<g_smol, stale_k4, cold>(12, 37);   // TQ4 keys -> TQ2
+  check_retier<g_llama, cold_v2, stale>(10, 38);  // Cold -> Stale (attention mass came back)
+}
+
 TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {
   using G = g_smol;
   cuda_test::retier_args in;

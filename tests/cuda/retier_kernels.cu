@@ -43,5 +43,13 @@ CUDA_TEST_RETIER(retier_smol, retier_int8r, retier_stale_k4)
 CUDA_TEST_RETIER(retier_smol, retier_stale_k4, retier_int8r)
 CUDA_TEST_RETIER(retier_llama, retier_stale_k4, retier_recent)
 CUDA_TEST_RETIER(retier_qwen, retier_stale, retier_stale_k4)
+CUDA_TEST_RETIER(retier_qwen, retier_int8r, retier_cold)
+CUDA_TEST_RETIER(retier_llama, retier_recent, retier_cold)
+CUDA_TEST_RETIER(retier_smol, retier_int8r, retier_cold)
+CUDA_TEST_RETIER(retier_smol, retier_cold, retier_int8r)
+CUDA_TEST_RETIER(retier_llama, retier_cold, retier_recent)
+CUDA_TEST_RETIER(retier_qwen, retier_stale, retier_cold_v2)
+CUDA_TEST_RETIER(retier_smol, retier_stale_k4, retier_cold)
+CUDA_TEST_RETIER(retier_llama, retier_cold_v2, retier_stale)
 
 }  // namespace cuda_test

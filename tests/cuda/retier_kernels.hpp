@@ -10,6 +10,7 @@
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/core/geometry.hpp"
@@ -21,6 +22,8 @@ using retier_recent = tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>;
 using retier_int8r = tierkv::tier<tierkv::int8_rotated, tierkv::int8_rotated>;
 using retier_stale = tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>;
 using retier_stale_k4 = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
+using retier_cold_v2 = tierkv::tier<tierkv::tq3_key, tierkv::tq2_value>;
+using retier_cold = tierkv::tier<tierkv::tq2_key, tierkv::tq2_value>;
 using retier_qwen = tierkv::geometry<tierkv::head_dim<256>, tierkv::kv_heads<4>,
                                      tierkv::group_size<6>, tierkv::page_tokens<64>>;
 using retier_llama = tierkv::geometry<tierkv::head_dim<128>, tierkv::kv_heads<8>,

@@ -6,6 +6,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/core/geometry.hpp"
@@ -18,6 +19,9 @@ using decode_dense = tierkv::tier<tierkv::dense_bf16, tierkv::dense_bf16>;
 using decode_int8r = tierkv::tier<tierkv::int8_rotated, tierkv::int8_rotated>;
 using decode_stale = tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>;
 using decode_stale_k4 = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
+// the Cold tier's 2-bit codes: values alone, and keys and values
+using decode_cold_v2 = tierkv::tier<tierkv::tq3_key, tierkv::tq2_value>;
+using decode_cold = tierkv::tier<tierkv::tq2_key, tierkv::tq2_value>;
 using decode_qwen = tierkv::geometry<tierkv::head_dim<256>, tierkv::kv_heads<4>,
                                      tierkv::group_size<6>, tierkv::page_tokens<64>>;
 using decode_llama = tierkv::geometry<tierkv::head_dim<128>, tierkv::kv_heads<8>,

@@ -22,6 +22,7 @@ enum class storage_format : std::uint8_t {
   tq3 = 4,
   int8_rotated = 5,
   tq4 = 6,
+  tq2 = 7,  ///< 2-bit rotated codes (codec/tq2.hpp): the Cold tier
 };
 
 /// Whether a vector is a key or a value (codec contexts and error measures differ per role).

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The default tier policy: Recent = the newest pages of a sequence, Anchor = attention
 // sinks, pinned pages, sensitive layers and pages whose smoothed attention mass stays
-// high, Stale = everything else.
+// high, Cold (off by default) = old pages whose smoothed attention mass stays low, Stale =
+// everything else.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -31,6 +32,13 @@ struct recency_anchor_options {
   /// the network (public TurboQuant deployments kept them in FP8): their pages are Anchor.
   int keep_first_layers = 1;
   int keep_last_layers = 1;  ///< the last layers whose pages are Anchor
+  /// The Cold role (issue 52; off by default: cold_enter_mass = 0, which no EMA is below). A
+  /// page that would be Stale is Cold when its EMA fell below cold_enter_mass (and has not
+  /// risen above cold_leave_mass since: hysteresis, as for anchors) and it is at least
+  /// cold_after_pages pages old. A page never observed stays Stale: no mass, no evidence.
+  float cold_enter_mass = 0.0f;
+  float cold_leave_mass = 0.0f;  ///< EMA above which a Cold page is Stale again
+  int cold_after_pages = 0;      ///< the newest cold_after_pages pages are never Cold
 };
 
 /// The default tier policy: Recent = the newest pages of a sequence, Anchor = sinks, pinned
@@ -42,6 +50,7 @@ class recency_anchor {
   struct page_state {
     float ema = 0.0f;       ///< smoothed relative attention mass
     bool anchored = false;  ///< above enter_mass, not yet below leave_mass
+    bool cold = false;      ///< below cold_enter_mass, not yet above cold_leave_mass
     bool observed = false;  ///< at least one mass observation
   };
 
@@ -68,6 +77,17 @@ class recency_anchor {
     if (opt_.keep_first_layers < 0 || opt_.keep_last_layers < 0)
       return status::make(errc::invalid_argument, "keep_first_layers = ", opt_.keep_first_layers,
                           ", keep_last_layers = ", opt_.keep_last_layers, ": must be >= 0");
+    if (!std::isfinite(opt_.cold_enter_mass) || !std::isfinite(opt_.cold_leave_mass) ||
+        !(opt_.cold_enter_mass >= 0.0f) || !(opt_.cold_leave_mass >= opt_.cold_enter_mass) ||
+        !(opt_.cold_leave_mass <= opt_.leave_mass))
+      return status::make(errc::invalid_argument, "cold_enter_mass = ", opt_.cold_enter_mass,
+                          ", cold_leave_mass = ", opt_.cold_leave_mass,
+                          ", leave_mass = ", opt_.leave_mass,
+                          ": need finite 0 <= cold_enter_mass <= cold_leave_mass <= leave_mass "
+                          "(a Cold page is never an anchor)");
+    if (opt_.cold_after_pages < 0)
+      return status::make(errc::invalid_argument, "cold_after_pages = ", opt_.cold_after_pages,
+                          " < 0");
     return {};
   }
 
@@ -81,7 +101,14 @@ class recency_anchor {
       s.anchored = true;
     else if (s.anchored && s.ema < opt_.leave_mass)
       s.anchored = false;
+    if (!s.cold && s.ema < opt_.cold_enter_mass)
+      s.cold = true;
+    else if (s.cold && s.ema > opt_.cold_leave_mass)
+      s.cold = false;
   }
+
+  /// Whether the knobs can make a page Cold (cold_enter_mass > 0).
+  bool cold_enabled() const noexcept { return opt_.cold_enter_mass > 0.0f; }
 
   /// Whether layer is one of the first keep_first_layers or last keep_last_layers.
   bool sensitive_layer(int layer, int num_layers) const {
@@ -89,12 +116,14 @@ class recency_anchor {
   }
 
   /// Recent if among the newest recent_pages; else Anchor if pinned, in a sensitive layer,
-  /// a sink or anchored by mass; else Stale.
+  /// a sink or anchored by mass; else Cold if its mass stays low and it is old enough; else
+  /// Stale.
   tier_role choose(const page_state& s, const page_facts& f) const {
     if (f.age < opt_.recent_pages) return tier_role::recent;
     if (f.pinned || sensitive_layer(f.layer, f.num_layers)) return tier_role::anchor;
     if (f.position < opt_.sink_pages) return tier_role::anchor;
-    return s.anchored ? tier_role::anchor : tier_role::stale;
+    if (s.anchored) return tier_role::anchor;
+    return s.cold && f.age >= opt_.cold_after_pages ? tier_role::cold : tier_role::stale;
   }
 
   /// options::min_dwell_steps
@@ -104,13 +133,15 @@ class recency_anchor {
   /// incremental plan skips the pages whose facts moved only in ways choose() does not read).
   bool same_choice(const page_facts& a, const page_facts& b) const {
     return (a.age < opt_.recent_pages) == (b.age < opt_.recent_pages) &&
-           (a.position < opt_.sink_pages) == (b.position < opt_.sink_pages) && a.pinned == b.pinned;
+           (a.position < opt_.sink_pages) == (b.position < opt_.sink_pages) &&
+           (a.age < opt_.cold_after_pages) == (b.age < opt_.cold_after_pages) &&
+           a.pinned == b.pinned;
   }
 
-  /// Whether choose() gives the same role for two states (only `anchored` is read): the
-  /// controller re-evaluates an observed page only when its anchoring flipped.
+  /// Whether choose() gives the same role for two states (only `anchored` and `cold` are read):
+  /// the controller re-evaluates an observed page only when one of them flipped.
   bool same_state_choice(const page_state& a, const page_state& b) const {
-    return a.anchored == b.anchored;
+    return a.anchored == b.anchored && a.cold == b.cold;
   }
 
   /// Demotion order under pressure: plain pages by smoothed mass, then anchors by mass,

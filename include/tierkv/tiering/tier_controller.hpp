@@ -385,7 +385,8 @@ class tier_controller {
   }
 
   /// Makes `pages` tier-0 pages free (before an append): drops shadows, then demotes the
-  /// sealed tier-0 pages of lowest keep value to the Stale tier. All or nothing, so a refused
+  /// sealed tier-0 pages of lowest keep value to the Stale tier, or to the Cold tier once the
+  /// Stale tier's pool is full (when Cold has a tier of its own). All or nothing, so a refused
   /// append or fork changes nothing: every demotion it needs is reserved, filled and checked
   /// for publishing first (a candidate failing there, say by an injected fault, is given back
   /// and the next one tried); only when all of them are staged are shadows dropped and the
@@ -402,9 +403,11 @@ class tier_controller {
     retier_stats st;
     std::uint64_t saturated = 0;
     staged_->clear();  // capacity: every tier-0 page, reserved at create
-    for (const conversion& c : *todo) {
+    for (conversion c : *todo) {
       if (staged_->size() == need) break;
       if (held_elsewhere(c)) continue;
+      // Stale while its pool has room (reserving a page takes it), then Cold.
+      c.to = spill_target(storage_->free_pages(Roles::stale), storage_->free_pages(Roles::cold));
       ++st.planned;
       auto r = reserve_conversion(*storage_, c.block, c.layer, c.to, faults);
       if (!r) {
@@ -462,11 +465,19 @@ class tier_controller {
     auto todo = pressure_candidates(pages);
     if (!todo) return todo.error_status();
     std::size_t n = 0;  // in place: todo views plan_
+    std::uint32_t stale_left = storage_->free_pages(Roles::stale);
+    std::uint32_t cold_left = storage_->free_pages(Roles::cold);
     for (const conversion& c : *todo)
-      if (!held_elsewhere(c)) (*plan_)[n++] = c;
+      if (!held_elsewhere(c)) {
+        conversion d = c;  // as make_room: Stale while its pool has room, then Cold
+        d.to = spill_target(stale_left, cold_left);
+        if (d.to == Roles::stale && stale_left > 0) --stale_left;
+        if (d.to == Roles::cold && Roles::cold != Roles::stale && cold_left > 0) --cold_left;
+        (*plan_)[n++] = d;
+      }
     plan_->resize(n);
     const std::uint32_t short0 = pages - storage_->free_pages(append_tier);
-    const std::uint64_t demotable = std::min<std::uint64_t>(n, storage_->free_pages(Roles::stale));
+    const std::uint64_t demotable = std::min<std::uint64_t>(n, demotion_room());
     if (std::uint64_t(shadows_) + demotable < short0)
       return status::make(errc::capacity_exhausted, "pressure_plan: tier 0 is ", short0,
                           " pages short; ", shadows_, " shadow copies and ", demotable,
@@ -835,16 +846,37 @@ class tier_controller {
     return f;
   }
 
-  /// make_room's candidates (sealed tier-0 pages the policy lets go, lowest keep value first),
-  /// or capacity_exhausted when shadows and every possible demotion cannot free `pages`.
+  /// Where a pressure demotion goes: the Stale tier while it has free pages (stale_free > 0),
+  /// else the Cold tier when Cold has a tier of its own (neither tier 0 nor Stale's) with free
+  /// pages; else Stale (its reservation then fails: capacity, counted as such).
+  static constexpr bool cold_spill = Roles::cold != Roles::stale && Roles::cold != append_tier;
+  static int spill_target(std::uint32_t stale_free, std::uint32_t cold_free) {
+    if constexpr (Roles::stale == append_tier) {
+      return cold_spill ? Roles::cold : Roles::stale;
+    } else {
+      if (cold_spill && stale_free == 0 && cold_free > 0) return Roles::cold;
+      return Roles::stale;
+    }
+  }
+  /// Free pages pressure demotions can go to: the Stale tier's, and the Cold tier's when it has
+  /// one of its own; none in tier 0.
+  std::uint64_t demotion_room() const {
+    std::uint64_t n = Roles::stale == append_tier ? 0 : storage_->free_pages(Roles::stale);
+    if constexpr (cold_spill) n += storage_->free_pages(Roles::cold);
+    return n;
+  }
+
+  /// make_room's candidates (sealed tier-0 pages the policy lets go, lowest keep value first;
+  /// `to` is the Stale tier, make_room and pressure_plan move it to Cold once Stale is full), or
+  /// capacity_exhausted when shadows and every possible demotion cannot free `pages`.
   result<std::span<const conversion>> pressure_candidates(std::uint32_t pages) {
     refresh();
     const std::uint32_t free0 = storage_->free_pages(append_tier);
     const std::uint32_t deficit = pages - free0;
     constexpr int stale = Roles::stale;
-    if (stale == append_tier)
+    if (stale == append_tier && !cold_spill)
       return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages, ", pages,
-                          " needed, and the Stale role maps to tier 0 too");
+                          " needed, and the Stale and Cold roles map to tier 0 too");
     plan_->clear();
     const int layers = storage_->num_layers();
     for (std::uint32_t bi = 0; bi < storage_->block_capacity(); ++bi) {
@@ -861,14 +893,13 @@ class tier_controller {
         plan_->push_back(conversion{ref, l, append_tier, stale, v});
       }
     }
-    const std::uint64_t demotable =
-        std::min<std::uint64_t>(plan_->size(), storage_->free_pages(stale));
+    const std::uint64_t demotable = std::min<std::uint64_t>(plan_->size(), demotion_room());
     if (std::uint64_t(shadows_) + demotable < deficit)
       return status::make(errc::capacity_exhausted, "tier 0 has ", free0, " free pages and ", pages,
                           " are needed; dropping ", shadows_, " shadow copies and demoting ",
-                          demotable, " pages (of ", plan_->size(), " demotable, ",
-                          storage_->free_pages(stale), " free in the Stale tier) cannot free ",
-                          deficit, "; nothing was changed");
+                          demotable, " pages (of ", plan_->size(), " demotable, ", demotion_room(),
+                          " free in the Stale", cold_spill ? " and Cold" : "",
+                          " tiers) cannot free ", deficit, "; nothing was changed");
     std::sort(plan_->begin(), plan_->end(), [](const conversion& a, const conversion& b) {
       if (a.value != b.value) return a.value < b.value;
       if (a.block.index != b.block.index) return a.block.index < b.block.index;

@@ -74,7 +74,7 @@ struct tq2_slice_reader {
 // TQ2 values on f16 mma: the 2-bit codes of a word, shifted by 0 or 2 and masked to
 // 0x33333333, are eight byte-permute selectors (the "effective words" of TQ3's values) into a
 // 4-entry table of biased levels u = L + 128, L = 2c - 3 (level = L / 2): TQ3's widening and
-// bias handling (codec/tq3.cuh) then apply as they are.
+// bias handling (widen_biased_levels, codec/turboquant.cuh) then apply as they are.
 template <class C>
 struct tq2_fragments : fragment_defaults {
   static constexpr int D = C::head_dim;
@@ -140,12 +140,12 @@ struct tq2_fragments : fragment_defaults {
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       const std::uint32_t u = __byte_perm(table, 0u, sels[b] & 0x3333u);
-      out[b][0] = tq3_widen<0x4240, Biased>(u);
-      out[b][1] = tq3_widen<0x4341, Biased>(u);
+      out[b][0] = widen_biased_levels<0x4240, Biased>(u);
+      out[b][1] = widen_biased_levels<0x4341, Biased>(u);
     }
   }
   // L / 1024 = level / 512 (+ 9), or biased (L + 128) 2^-24 = level 2^-23 (+ 23) plus the bias
-  // pair (codec/tq3.cuh's tq3_fragments says how the tier's loop removes it).
+  // pair, which the tier's loop accumulates alone and subtracts at its end (as TQ3's).
   static constexpr float value_log2_unit(bool biased) { return biased ? 23.f : 9.f; }
   static constexpr std::uint32_t value_bias_pair = 0x00800080u;  // f16 subnormals 128 2^-24
   static constexpr int value_mtiles_per_word = 4;

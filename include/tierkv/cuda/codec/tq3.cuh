@@ -21,20 +21,6 @@ namespace tierkv::cuda::detail {
 __device__ __forceinline__ std::uint32_t tq3_lookup_u8(std::uint32_t sel) {
   return prmt(tierkv::detail::tq3_u8_0, tierkv::detail::tq3_u8_1, sel);
 }
-// Bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased levels -> a half2: each byte becomes an
-// f16 subnormal u 2^-24 (high byte 0), exact. Biased: the tensor cores take it as is, and the
-// tier's loop subtracts the bias 128 2^-24 x (the sum of its probabilities) once, at its end
-// (tq3_fragments::value_bias_pair). Otherwise one fma makes it L / 1024 exactly (u 2^-24 x
-// 2^14 - 2^-3): an hfma2 per pair of codes, 128 of a d = 256 32-token step's 1245 instructions.
-template <unsigned Sel, bool Biased>
-__device__ __forceinline__ std::uint32_t tq3_widen(std::uint32_t u) {
-  const std::uint32_t h = __byte_perm(u, 0u, Sel);
-  if constexpr (Biased) return h;
-  const __half2 r =
-      __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
-              __half2(__half(-0.125f), __half(-0.125f)));
-  return *reinterpret_cast<const std::uint32_t*>(&r);
-}
 // TQ3 keys: the same nibbles -> their int8 levels, one byte each (the A register of an int8 mma).
 __device__ __forceinline__ std::uint32_t tq3_lookup_s8(std::uint32_t sel) {
   return prmt(tierkv::detail::tq3_s8_0, tierkv::detail::tq3_s8_1, sel);
@@ -254,8 +240,8 @@ struct tq3_fragments : fragment_defaults {
     for (int b = 0; b < 4; ++b) {
       const std::uint32_t u =
           prmt(table, tierkv::detail::tq3_u8_1, sels[b]);  // t0 n_2b, t0 n_2b+1, t1 n_2b, t1 n_2b+1
-      out[b][0] = tq3_widen<0x4240, Biased>(u);
-      out[b][1] = tq3_widen<0x4341, Biased>(u);
+      out[b][0] = widen_biased_levels<0x4240, Biased>(u);
+      out[b][1] = widen_biased_levels<0x4341, Biased>(u);
     }
   }
   // The fragments hold L / 1024, 1/16 of the levels L / 64 (the value scale's log2 takes + 4),

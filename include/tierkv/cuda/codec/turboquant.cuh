@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
-// The TurboQuant family on the device (TQ3, TQ4): code packing, quantization against the grid
-// bounds, the warp encoder and decoder (bit-exact with tq_codec). The format-specific readers
-// and fragments are in codec/tq3.cuh and codec/tq4.cuh.
+// The TurboQuant family on the device (TQ3, TQ4, TQ2): code packing, quantization against the
+// grid bounds, the warp encoder and decoder (bit-exact with tq_codec). The format-specific
+// readers and fragments are in codec/tq3.cuh, codec/tq4.cuh and codec/tq2.cuh.
 #pragma once
 
 #include "tierkv/core/config.hpp"
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/codec/turboquant.hpp"
@@ -19,6 +21,21 @@
 #include "tierkv/cuda/warp/scaling.cuh"
 namespace tierkv::cuda::detail {
 
+// Values on the tensor cores (TQ3, TQ2): bytes 0, 2 (Sel = 0x4240) or 1, 3 (0x4341) of biased
+// int8 levels u = L + 128 -> a half2: each byte becomes an f16 subnormal u 2^-24 (high byte 0),
+// exact. Biased: the tensor cores take it as is, and the tier's loop subtracts the bias
+// 128 2^-24 x (the sum of its probabilities) once, at its end (the fragments' value_bias_pair).
+// Otherwise one fma makes it L / 1024 exactly (u 2^-24 x 2^14 - 2^-3): an hfma2 per pair of codes,
+// 128 of a d = 256 32-token step's 1245 instructions.
+template <unsigned Sel, bool Biased>
+__device__ __forceinline__ std::uint32_t widen_biased_levels(std::uint32_t u) {
+  const std::uint32_t h = __byte_perm(u, 0u, Sel);
+  if constexpr (Biased) return h;
+  const __half2 r =
+      __hfma2(*reinterpret_cast<const __half2*>(&h), __half2(__half(16384.f), __half(16384.f)),
+              __half2(__half(-0.125f), __half(-0.125f)));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
 // ---- TQ3 / TQ4 -----------------------------------------------------------------------------
 
 // A lane's N TQ3 / TQ4 codes (coordinates [gl*N, gl*N + N)) packed into payload words as they
@@ -31,22 +48,29 @@ namespace tierkv::cuda::detail {
 // biases its eight codes bring. With N >= 32 the lane's coordinates are whole groups, stored
 // by the lane alone; with N < 32 each lane ORs its codes into the three words of its group, the
 // 32 / N lanes of the group OR-reduce by shuffles and lanes store whole words. TQ4: nibbles,
-// coordinate 2b in the low nibble of byte b, plain codes in [0, 15].
+// coordinate 2b in the low nibble of byte b, plain codes in [0, 15]. TQ2: word w holds
+// coordinates 16w..16w+15 at tq2_grid::code_shift; with N < 16 the 16 / N lanes of a word
+// OR-reduce it by shuffles and its first lane stores it.
 inline constexpr std::uint32_t tq_packer_bias = 0x4B000000u;
 template <class Codec, int N>
 struct tq_packer {
   static constexpr int D = Codec::head_dim;
   static constexpr bool tq3 = Codec::format == storage_format::tq3;
-  static_assert(tq3 || Codec::format == storage_format::tq4, "tq_packer: a TQ3 or TQ4 codec");
+  static constexpr bool tq2 = Codec::format == storage_format::tq2;
+  static_assert(tq3 || tq2 || Codec::format == storage_format::tq4,
+                "tq_packer: a TQ3, TQ4 or TQ2 codec");
+  static_assert(!tq2 || N % 16 == 0 || 16 % N == 0,
+                "tq_packer: a lane's TQ2 coordinates are whole words or lie in one");
   static_assert(!tq3 || N % 32 == 0 || 32 % N == 0,
                 "tq_packer: a lane's coordinates are whole TQ3 groups or lie in one");
-  static_assert(tq3 || N % 2 == 0, "tq_packer: TQ4 needs whole bytes per lane (head_dim >= 64)");
+  static_assert(tq3 || tq2 || N % 2 == 0,
+                "tq_packer: TQ4 needs whole bytes per lane (head_dim >= 64)");
   static constexpr std::uint32_t bias = tq3 ? tq_packer_bias : 0u;  // the bits of 2^23
   // minus the biases of eight codes added at nibbles 0..7 (bias << 4k vanishes from k = 2 on)
   static constexpr std::uint32_t word_start = 0u - (bias + (bias << 4));
-  static constexpr bool whole = !tq3 || N >= 32;  // words of this lane only
+  static constexpr bool whole = tq3 ? N >= 32 : tq2 ? N >= 16 : true;  // words of this lane only
   static constexpr int groups = N >= 32 ? N / 32 : 1;
-  static constexpr int words = tq3 ? 3 * groups : (N + 7) / 8;
+  static constexpr int words = tq3 ? 3 * groups : tq2 ? (N >= 16 ? N / 16 : 1) : (N + 7) / 8;
   std::uint32_t w[words];
   std::uint32_t high[tq3 && whole ? groups : 1];  // TQ3: codes 24..31 of each group, as nibbles
 
@@ -58,7 +82,9 @@ struct tq_packer {
   }
   // The code of the lane's coordinate r (TQ3: biased; gl: the lane's index in its group).
   __device__ __forceinline__ void add(int r, std::uint32_t code, int gl) {
-    if constexpr (!tq3) {
+    if constexpr (tq2) {
+      w[whole ? r / 16 : 0] |= code << tq2_grid::code_shift((gl * N + r) % 16);
+    } else if constexpr (!tq3) {
       w[r / 8] += code << (4 * (r % 8));
     } else if constexpr (whole) {
       const int j = r % 32;
@@ -98,7 +124,14 @@ struct tq_packer {
   }
   __device__ __forceinline__ void store(std::uint8_t* payload, int lane) {
     const int gl = lane_group<D, N>::index(lane);
-    if constexpr (!tq3) {
+    if constexpr (tq2 && whole) {
+      store_words<lane_alignment(Codec::payload_bytes, N / 4)>(payload + gl * (N / 4), w);
+    } else if constexpr (tq2) {
+      constexpr int lanes_per_word = 16 / N;
+#pragma unroll
+      for (int o = 1; o < lanes_per_word; o <<= 1) w[0] |= __shfl_xor_sync(full_warp, w[0], o);
+      if (gl % lanes_per_word == 0) reinterpret_cast<std::uint32_t*>(payload)[(gl * N) / 16] = w[0];
+    } else if constexpr (!tq3) {
       constexpr int A = lane_alignment(Codec::payload_bytes, N / 2);
       if constexpr (N % 8 == 0) {
         store_words<A>(payload + gl * (N / 2), w);
@@ -388,8 +421,8 @@ __device__ __forceinline__ void tq3_lane_nibbles(const std::uint8_t* payload, in
   }
 }
 
-// The integer levels L_r of the lane's TQ3 / TQ4 codes as floats (TQ3: level = L / 64; TQ4:
-// level = L = code - 7.5), and the level unit u (1/64 or 1): exact.
+// The integer levels L_r of the lane's TQ3 / TQ4 / TQ2 codes as floats (TQ3: level = L / 64;
+// TQ4 / TQ2: level = L = code - 7.5 / 1.5), and the level unit u (1/64 or 1): exact.
 template <class Codec, int N>
 __device__ __forceinline__ float decode_levels(const std::uint8_t* payload, float (&x)[N],
                                                int lane) {
@@ -405,8 +438,23 @@ __device__ __forceinline__ float decode_levels(const std::uint8_t* payload, floa
       for (int u = 0; u < 4 && r + u < N; ++u) x[r + u] = biased_byte_value(bytes, u);
     }
     return tierkv::detail::tq3_level_scale;
+  } else if constexpr (Codec::format == storage_format::tq2) {
+    static_assert(N % 16 == 0 || 16 % N == 0,
+                  "TQ2: a lane's coordinates are whole words or lie in one");
+    constexpr int W = N >= 16 ? N / 16 : 1;
+    const int first = lane_group<Codec::head_dim, N>::index(lane) * N;
+    std::uint32_t words[W];
+    load_words<lane_alignment(Codec::payload_bytes, 4 * W)>(payload + 4 * (first / 16), words);
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      // 2^21 + code (the float at 2^21 steps by 1/4), minus 2^21 + 1.5: code - 1.5, exact
+      const std::uint32_t code =
+          (words[N >= 16 ? r / 16 : 0] >> tq2_grid::code_shift((first + r) % 16)) & 3u;
+      x[r] = __uint_as_float(0x4A000000u | (code << 2)) - (2097152.0f + tq2_grid::offset);
+    }
+    return 1.0f;
   } else {
-    static_assert(Codec::format == storage_format::tq4, "decode_levels: a TQ3 or TQ4 codec");
+    static_assert(Codec::format == storage_format::tq4, "decode_levels: a TQ codec");
     static_assert(N % 2 == 0, "TQ4 needs whole bytes per lane (head_dim >= 64)");
     std::uint8_t b[N / 2];
     load_bytes<lane_alignment(Codec::payload_bytes, N / 2)>(
