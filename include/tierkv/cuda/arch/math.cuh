@@ -39,6 +39,15 @@ struct mufu_exp2 {
 struct mufu_rcp {
   __device__ __forceinline__ float operator()(float x) const { return fast_rcp(x); }
 };
+// max(a, b), NaN if either is NaN (max.NaN: the same FMNMX instruction as fmaxf, which returns the
+// other operand). The online softmax's running maxima use it, so that a NaN score or value scale
+// (a poisoned slot: a non-finite key or value was appended) makes its head's state NaN even when
+// it is the only live token, instead of being dropped as a masked one.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
 // 2^(x - ref) for ref >= x (a running max); 0 when ref is -inf (then x is too) or x is -inf.
 __device__ __forceinline__ float exp2_rel(float x, float ref) {
   return ref == -INFINITY ? 0.f : fast_exp2(x - ref);

@@ -516,11 +516,11 @@ __device__ __forceinline__ void mma_step_softmax(const decode_inputs<N>& in, flo
     float smax = -INFINITY, vmax = -INFINITY;
 #pragma unroll
     for (int h = 0; h < P; ++h) {
-      smax = fmaxf(smax, fmaxf(sc[h][j], sc[h][j + 2]));
-      vmax = fmaxf(vmax, fmaxf(sv[h][j], sv[h][j + 2]));
+      smax = fmax_nan(smax, fmax_nan(sc[h][j], sc[h][j + 2]));
+      vmax = fmax_nan(vmax, fmax_nan(sv[h][j], sv[h][j + 2]));
     }
-    const float mn = fmaxf(ws.m[j], quad_col_max(smax));
-    const float mvn = fmaxf(ws.mv[j], quad_col_max(vmax));
+    const float mn = fmax_nan(ws.m[j], quad_col_max(smax));
+    const float mvn = fmax_nan(ws.mv[j], quad_col_max(vmax));
     const float alpha = exp2_rel(ws.m[j], mn);
     float psum = 0.f;
 #pragma unroll

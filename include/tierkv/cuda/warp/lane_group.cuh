@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "tierkv/codec/float_bits.hpp"
+#include "tierkv/cuda/arch/math.cuh"
 namespace tierkv::cuda::detail {
 
 inline constexpr unsigned full_warp = 0xffffffffu;
@@ -139,10 +140,11 @@ __device__ __forceinline__ float group_dot_canonical(const float (&a)[N], const 
   return group_sum_canonical<lg::G>(part);
 }
 
+// (NaN-propagating: arch/math.cuh's fmax_nan)
 __device__ __forceinline__ float quad_col_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+  x = fmax_nan(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmax_nan(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmax_nan(x, __shfl_xor_sync(0xffffffffu, x, 16));
 }
 __device__ __forceinline__ float quad_col_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 4);
