@@ -173,7 +173,8 @@ class tiered_cache {
 
   /// Appends n tokens ([layer][token][kv_head][dim] floats) to every layer. When tier 0
   /// is short, first demotes the pages the policy values least (tiering/tier_controller).
-  /// A sequence never grows past max_pages logical pages (out_of_range).
+  /// A sequence never grows past max_pages logical pages (out_of_range). Buffers whose sizes
+  /// disagree with n are refused (invalid_argument), n = 0 with non-empty buffers included.
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values) {
     if (auto st = check_max_pages(s, n, "append", "appended"); !st) return st;

@@ -239,7 +239,8 @@ class paged_storage {
   /// and bookkeeping memory are checked and reserved first, then make_room is called
   /// (room_hook), then the tier-0 pool's free pages are checked, then the first write.
   /// The same pages and bytes as reserve + write_layer for every layer + commit (tested);
-  /// refused while the sequence has a reservation outstanding.
+  /// refused while the sequence has a reservation outstanding. n = 0 with empty buffers
+  /// appends nothing; n = 0 with data is a size mismatch (invalid_argument).
   template <room_hook MakeRoom = no_room>
   status append(seq_id s, std::int64_t n, std::span<const float> keys,
                 std::span<const float> values,
@@ -248,17 +249,15 @@ class paged_storage {
     if (r == nullptr) return bad_seq(s);
     if (n < 0)
       return status::make(errc::invalid_argument, "append: token count = ", n, " is negative");
-    if (n == 0) return {};
+    // Zero tokens with empty buffers is a no-op; with data, the count disagrees with the
+    // buffers (a caller's bug), refused as any other size mismatch.
+    if (n == 0) return check_append_sizes(0, keys, values);
     if (r->reserved != 0) return reservation_outstanding(s, *r, "append");
     if (n > max_sequence_tokens - r->length)
       return status::exceeds(errc::out_of_range, "append: sequence length after append",
                              r->length + n, max_sequence_tokens);
     const std::size_t per_layer = std::size_t(n) * kv_heads * head_dim;
-    const std::size_t expect = per_layer * std::size_t(layers_);
-    if (keys.size() != expect || values.size() != expect)
-      return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
-                          " floats for keys and for values ([layer][token][kv_head][dim]), got ",
-                          keys.size(), " and ", values.size());
+    if (auto st = check_append_sizes(n, keys, values); !st) return st;
     if (auto st = check_finite(keys, "keys", n, "append", 0, "appended"); !st) return st;
     if (auto st = check_finite(values, "values", n, "append", 0, "appended"); !st) return st;
     if (auto st = open_pages(*r, n, make_room); !st) return st;
@@ -974,6 +973,17 @@ class paged_storage {
     return pages_for(r.length + (scope == index_scope::readable ? r.reserved : 0));
   }
 
+  // append's buffers hold n * num_layers * kv_heads * head_dim floats each (n bounded by
+  // max_sequence_tokens, so the product does not overflow).
+  status check_append_sizes(std::int64_t n, std::span<const float> keys,
+                            std::span<const float> values) const {
+    const std::size_t expect = std::size_t(n) * std::size_t(layers_) * kv_heads * head_dim;
+    if (keys.size() != expect || values.size() != expect)
+      return status::make(errc::invalid_argument, "append: ", n, " tokens need ", expect,
+                          " floats for keys and for values ([layer][token][kv_head][dim]), got ",
+                          keys.size(), " and ", values.size());
+    return {};
+  }
   static status reservation_outstanding(seq_id s, const seq_record& r, const char* op) {
     return status::make(errc::invalid_argument, op, ": ", s, " has a reservation of ", r.reserved,
                         " tokens outstanding; commit or cancel it first");

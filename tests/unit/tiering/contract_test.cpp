@@ -9,6 +9,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "catch.hpp"
 #include "tiering_test_support.hpp"
@@ -155,6 +156,38 @@ TEST_CASE("a refused append changes nothing, even where it would have had to mak
   REQUIRE(append_tokens(*c, a, 65, 1));
   CHECK(c->controller().totals().pressure_demoted > 0);
   REQUIRE(c->check_invariants());
+}
+
+TEST_CASE("append with a zero count and non-empty buffers is refused, naming the count and sizes",
+          "[tiering][cache][contract]") {
+  // issue 56: the count is the caller's word for how many tokens its buffers hold; 0 tokens
+  // with data disagrees with them (a caller's bug), refused like any other size mismatch.
+  // 0 tokens with empty buffers stays a no-op (an engine may append an empty chunk).
+  for (const bool center : {false, true}) {
+    INFO("center = " << center);
+    cache_t::options opt = pressure_options();
+    opt.center = center;
+    auto c = cache_t::create(opt).value();
+    const seq_id s = c->create_sequence().value();
+    REQUIRE(append_tokens(*c, s, 1, 3));
+    const std::string before = cache_snapshot(*c);
+    std::vector<float> k, v;
+    make_kv<cache_t::storage_type>(opt.storage.num_layers, seeds_from(50, 2), k, v);
+    const status st = c->append(s, 0, k, v);
+    INFO(st);
+    CHECK(st.code() == errc::invalid_argument);
+    CHECK(st.message().find("append: 0 tokens") != std::string::npos);
+    CHECK(st.message().find(std::to_string(k.size())) != std::string::npos);
+    CHECK(c->append(s, 0, k, {}).code() == errc::invalid_argument);  // one buffer with data
+    CHECK(c->append(s, 0, {}, v).code() == errc::invalid_argument);
+    CHECK(cache_snapshot(*c) == before);
+    CHECK(c->append(s, 0, {}, {}));  // empty: accepted, nothing changes
+    CHECK(
+        c->append(s, 0, std::span<const float>(k.data(), 0), std::span<const float>(v.data(), 0)));
+    CHECK(cache_snapshot(*c) == before);
+    CHECK(c->length(s).value() == 3);
+    REQUIRE(c->check_invariants());
+  }
 }
 
 TEST_CASE("max_pages is enforced at append: a sequence never grows past what attend reads",
