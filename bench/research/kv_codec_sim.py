@@ -182,7 +182,7 @@ def quant_alpha(alpha, mode, page):
     raise ValueError(mode)
 
 
-def scalar_transform_code(W, sigma, bits, role, grid_kind="tq", meta="bf16", page=PAGE, scale_mode="norm"):
+def scalar_transform_code(W, sigma, bits, role, grid_kind="tq", meta="bf16", page=PAGE, scale_mode="norm", info=None):
     """Generic per-vector-scaled scalar coding of coefficients W (T x n), coefficient i on a
     2^bits[i]-level unit-variance grid in units of sigma[i] * s (s = the vector's rms normalized
     coefficient), then one stored scale alpha per vector: keys the inner-product-unbiased
@@ -213,6 +213,8 @@ def scalar_transform_code(W, sigma, bits, role, grid_kind="tq", meta="bf16", pag
         alpha = np.where(cc > 0, zc / np.where(cc > 0, cc, 1.0), 0.0)
     alpha = np.maximum(alpha, 0.0)
     a_q, vb, pb = quant_alpha(alpha, meta, page)
+    if info is not None:
+        info["alpha"] = a_q
     return C * a_q[:, None], vb, pb
 
 
@@ -238,15 +240,19 @@ def token_signs(ctx, T, nrot):
 _KAPPA = {}
 
 
-def tq_kappa(bits, grid_kind, role):
+def tq_kappa(bits, grid_kind, role, per_alpha=False):
     """E|x - x_hat|^2 / E|x_hat|^2 of TQ on Gaussian vectors: the decoder's estimate of a token's
-    error energy is kappa |x_hat|^2 (|x_hat|^2 = alpha^2 sum c_i^2 / d, known at decode)."""
-    k = (bits, grid_kind, role)
+    error energy is kappa |x_hat|^2 (|x_hat|^2 = alpha^2 sum c_i^2, known at decode after a sum
+    of squared levels). per_alpha: E|x - x_hat|^2 / E[alpha^2] instead, so that the estimate is
+    kappa' alpha^2 (no per-token sum: one multiply-add on the score)."""
+    k = (bits, grid_kind, role, per_alpha)
     if k not in _KAPPA:
         G = np.random.default_rng(5).standard_normal((20000, D))
         Y = G @ H64.T
-        Yh = scalar_transform_code(Y, np.ones(D), np.full(D, bits), role, grid_kind, "bf16", PAGE)[0]
-        _KAPPA[k] = float(((Yh - Y) ** 2).sum() / (Yh**2).sum())
+        info = {}
+        Yh = scalar_transform_code(Y, np.ones(D), np.full(D, bits), role, grid_kind, "bf16", PAGE, info=info)[0]
+        den = (info["alpha"] ** 2).sum() if per_alpha else (Yh**2).sum()
+        _KAPPA[k] = float(((Yh - Y) ** 2).sum() / den)
     return _KAPPA[k]
 
 
@@ -255,16 +261,21 @@ def iso(eps):
     return [(np.eye(D) / D, eps)]
 
 
-def tq(bits, meta="bf16", grid_kind="tq", page=PAGE, nrot=1):
+def tq(bits, meta="bf16", grid_kind="tq", page=PAGE, nrot=1, noise_model="norm"):
     """TurboQuant: rotate (H D, D = token_signs), bits per rotated coordinate in units of
-    |x|/sqrt(d), one alpha per vector."""
+    |x|/sqrt(d), one alpha per vector. noise_model: the decoder's per-token error energy,
+    kappa |x_hat|^2 ('norm') or kappa' alpha^2 ('alpha')."""
 
     def f(X, ctx):
         T = X.shape[0]
         Sg = token_signs(ctx, T, nrot)
         Y = (X * Sg) @ H64.T
-        Yh, vb, pb = scalar_transform_code(Y, np.ones(D), np.full(D, bits), ctx["role"], grid_kind, meta, page)
-        noise = iso(tq_kappa(bits, grid_kind, ctx["role"]) * (Yh**2).sum(1))
+        info = {}
+        Yh, vb, pb = scalar_transform_code(Y, np.ones(D), np.full(D, bits), ctx["role"], grid_kind, meta, page, info=info)
+        if noise_model == "alpha":
+            noise = iso(tq_kappa(bits, grid_kind, ctx["role"], per_alpha=True) * info["alpha"] ** 2)
+        else:
+            noise = iso(tq_kappa(bits, grid_kind, ctx["role"]) * (Yh**2).sum(1))
         return (Yh @ H64) * Sg, T * (bits * D + vb) + pages_of(T, page) * pb, noise
 
     return f
@@ -808,6 +819,28 @@ def final_list():
     return C
 
 
+def followup_list():
+    """Third round: the logit correction's zero-cost form (kappa' alpha^2, no per-token sum of
+    squared levels) against the exact-norm form, on the library's designs and the recommended
+    low tier; run it in the cold setting and in --setting all (every token coded: a uniform
+    inflation of the coded mass is then harmless)."""
+    C = []
+
+    def add(name, k, v, group, mass=False, lc=False):
+        C.append((name, k, v, group, mass, lc))
+
+    c = centered
+    for b in (2, 3, 4):
+        add(f"c-tq{b}", c(tq(b)), c(tq(b)), "b")
+        add(f"c-tq{b}-lc", c(tq(b)), c(tq(b)), "f-lc", lc=True)
+        add(f"c-tq{b}-lca", c(tq(b, noise_model="alpha")), c(tq(b)), "f-lc", lc=True)
+    add("c-k2pa6lc-v2p", c(tq(2, nrot=-8, meta="log6")), tq(2, nrot=-8, meta="log6"), "f-rot", lc=True)
+    add("c-k2pa6lca-v2p", c(tq(2, nrot=-8, meta="log6", noise_model="alpha")), tq(2, nrot=-8, meta="log6"), "f-rot", lc=True)
+    add("c-k4v3", c(tq(4)), c(tq(3)), "b")
+    add("c-k4v3-lca", c(tq(4, noise_model="alpha")), c(tq(3)), "f-lc", lc=True)
+    return C
+
+
 # ----------------------------------------------------------------------------- calibration
 
 
@@ -879,7 +912,8 @@ def run(args):
     assert h0["head_dim"] == D
     group = QH // KVH
     layers = parse_layers(args.layers, L)
-    cands = [c for c in (final_list() if args.set == "final" else candidate_list()) if re.search(args.candidates, c[0])]
+    sets = {"screen": candidate_list, "final": final_list, "followup": followup_list}
+    cands = [c for c in sets[args.set]() if re.search(args.candidates, c[0])]
     print(f"{len(cands)} candidates, layers {layers[0]}..{layers[-1]}, texts {dumps}", flush=True)
     cals = []  # each text's statistics calibrate the other text's transform coders
     if any(c[3] in ("d", "f-klt", "c+f", "e+f") for c in cands):
@@ -1049,7 +1083,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dumps", required=True, help="comma-separated dump prefixes (PREFIX.json ...); 2 texts: each calibrates the other")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--set", choices=("screen", "final"), default="final", help="candidate set: the first-round screen or the final list")
+    ap.add_argument("--set", choices=("screen", "final", "followup"), default="final", help="candidate set: the first-round screen, the final list, the follow-up")
     ap.add_argument("--candidates", default=".", help="regex over candidate names")
     ap.add_argument("--layers", default="", help="e.g. 0-29 or 1,5,9 (default: all)")
     ap.add_argument("--tokens", type=int, default=4096)
