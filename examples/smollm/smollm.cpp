@@ -6,6 +6,7 @@
 //   tasks     [--quick] [--arms a,b,..] [--out FILE.json]   needle + perplexity + agreement
 //   demo                                                     4K needle, dense vs tiered
 //   compaction --out-dir DIR [...]                           AM compaction arms (issue 27)
+//   dump      --out PREFIX [--ppl-text FILE] [--tokens N]     real K/V/Q for codec studies
 #include <cblas.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "compaction_eval.hpp"
+#include "kv_dump.hpp"
 #include "runner.hpp"
 
 using namespace smollm;
@@ -83,7 +85,8 @@ void usage() {
       "  compaction --out-dir DIR [--docs FILE[+FILE]@OFFSET,...,needle:I] [--doc-tokens 4096]\n"
       "           [--cont-tokens 256] [--greedy 32] [--ref repeat|self] [--ref-stride 2]\n"
       "           [--budgets 0.1,0.05]"
-      " [--remedies 1] [--quant 1] [--text-dir /usr/share/common-licenses]\n");
+      " [--remedies 1] [--quant 1] [--text-dir /usr/share/common-licenses]\n"
+      "  dump     --out PREFIX [--ppl-text FILE] [--tokens 4096] [--chunk 512]   (kv_dump.hpp)\n");
 }
 
 }  // namespace
@@ -184,6 +187,20 @@ int main(int argc, char** argv) {
         o << "]}\n";
         if (!o) throw std::runtime_error("ppl: cannot write " + f);
       }
+      return 0;
+    }
+    if (cmd == "dump") {  // dense-cache K/V/Q of every layer for offline codec studies
+      const std::string text = a.get("--ppl-text", "/usr/share/common-licenses/GPL-3");
+      const std::string out = a.get("--out", "");
+      if (out.empty()) {
+        usage();
+        return 2;
+      }
+      auto toks = eng.tok.encode(read_text_file(text), false);
+      toks.resize(std::min<std::size_t>(toks.size(), std::size_t(a.get_int("--tokens", 4096))));
+      dump_kv(eng, toks, a.get_int("--chunk", 512), text, out);
+      std::printf("dump: %zu tokens of %s -> %s.{json,k.f32,v.f32,q.f32}\n", toks.size(),
+                  text.c_str(), out.c_str());
       return 0;
     }
     if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 4096));
