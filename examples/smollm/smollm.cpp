@@ -67,6 +67,13 @@ void usage() {
       "  generate --prompt TEXT [--chat] [--arm dense|rec|seed|fp8|tq3|int8r|tiered|tiered_int8r|"
       "tiered_k4|tiered_k8] "
       "[--max-new N]\n"
+      "           issue 52's arms: "
+      "stale_k4v2|stale_k3v2|stale_k2v2|stale_k3v2u|stale_k3v3u|rec_u|cold_k3v2u|"
+      "cold_u4_k3v2u|cold_u3_k3v2u|"
+      "uniform_k4v4|uniform_k3v3|"
+      "uniform_k4v2|uniform_k3v2|uniform_k2v2|uniform_k8v4|cold_k4v2|cold_k3v2|cold_k2v2|"
+      "a4_k3v2_k2v2|a4_k4v2_k3v2|a4_k3v2|a44_k3v2|a84_k3v2|a48_k3v2|a4_cold_k3v2,\n"
+      "           each with optional knobs ARM+rp=4+cm=0.5 (tierkv_backend.hpp)\n"
       "  logits   --prompt TEXT [--arm A]\n"
       "  tokenize --prompt TEXT\n"
       "  tasks    [--quick] [--arms dense,tiered,tiered_k4,tiered_int8r,tq3,fp8,int8r] [--lengths "
@@ -79,6 +86,7 @@ void usage() {
       "           [--use-mass 1] [--enter-mass 4] [--leave-mass 2] [--center 1] "
       "[--retier-in-prefill 1] "
       "[--codec-seed N]\n"
+      "           Cold arms: [--cold-mass 0.5] [--cold-leave-mass 1] [--cold-after-pages 8]\n"
       "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE] [--nll-out "
       "FILE.json]\n"
       "  demo     [--tokens 4096]\n"
@@ -115,6 +123,11 @@ int main(int argc, char** argv) {
     pol.leave_mass =
         float(std::atof(a.get("--leave-mass", std::to_string(pol.leave_mass)).c_str()));
     eng.tiering.use_mass = a.get_int("--use-mass", 1) != 0;
+    if (a.kv.count("--cold-mass"))
+      eng.tiering.cold_enter_mass = float(std::atof(a.get("--cold-mass").c_str()));
+    if (a.kv.count("--cold-leave-mass"))
+      eng.tiering.cold_leave_mass = float(std::atof(a.get("--cold-leave-mass").c_str()));
+    eng.tiering.cold_after_pages = a.get_int("--cold-after-pages", -1);
     eng.tiering.center = a.get_int("--center", 1) != 0;
     eng.tiering.retier_in_prefill = a.get_int("--retier-in-prefill", 1) != 0;
     eng.tiering.threads = unsigned(a.get_int("--threads", 2));
@@ -172,16 +185,17 @@ int main(int argc, char** argv) {
       auto kv = eng.make_backend(a.get("--arm", "dense"), int(toks.size()) + 80);
       const ppl_result p = run_ppl(eng, *kv, toks, a.get_int("--chunk", 512), 0);
       std::printf(
-          "%s ppl %.4f over %d tokens, %.3f bits per scalar, %.2f KiB/token, fp8 share %.3f\n",
+          "%s ppl %.4f over %d tokens, %.3f bits per scalar, %.2f KiB/token, fp8 share %.3f%s%s\n",
           a.get("--arm", "dense").c_str(), p.ppl, p.scored, p.mem.bits_per_scalar(),
-          p.mem.kib_per_token(), p.mem.fp8_fraction);
+          p.mem.kib_per_token(), p.mem.fp8_fraction, p.mem.tier_shares.empty() ? "" : ", pages ",
+          p.mem.tier_shares.c_str());
       if (const std::string f = a.get("--nll-out", ""); !f.empty()) {
         // per-token NLL for paired intervals (scripts/measure ppl-texts)
         std::ofstream o(f);
         o << "{\"arm\":\"" << a.get("--arm", "dense") << "\",\"tokens\":" << toks.size()
           << ",\"scored\":" << p.scored << ",\"ppl\":" << p.ppl
-          << ",\"bits_per_scalar\":" << p.mem.bits_per_scalar() << ",\"seconds\":" << p.seconds
-          << ",\"nll\":[";
+          << ",\"bits_per_scalar\":" << p.mem.bits_per_scalar() << ",\"tier_shares\":\""
+          << p.mem.tier_shares << "\",\"seconds\":" << p.seconds << ",\"nll\":[";
         o.precision(9);
         for (std::size_t i = 0; i < p.nll.size(); ++i) o << (i ? "," : "") << p.nll[i];
         o << "]}\n";

@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -417,6 +418,65 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
                       tierkv_test::contains("differs from the compiled geometry"));
     auto small = make_tierkv_backend("tq3", s, opt, 20);  // two pages per layer
     CHECK_THROWS_WITH(backend_error(*small, s, 40, 8, 7, 0.f), tierkv_test::contains("max_pages"));
+  }
+  SECTION("issue 52's arms: build, attend, exact bits; policy knobs after '+'") {
+    for (const char* arm :
+         {"stale_k4v2",   "stale_k3v2",   "stale_k2v2",    "stale_k3v2u",   "stale_k3v3u",
+          "rec_u",        "cold_k3v2u",   "cold_u4_k3v2u", "cold_u3_k3v2u", "uniform_k4v4",
+          "uniform_k3v3", "uniform_k4v2", "uniform_k3v2",  "uniform_k2v2",  "uniform_k8v4",
+          "cold_k4v2",    "cold_k3v2",    "cold_k2v2",     "a4_k3v2_k2v2",  "a4_k4v2_k3v2",
+          "a4_k3v2",      "a44_k3v2",     "a84_k3v2",      "a48_k3v2",      "a4_cold_k3v2"}) {
+      INFO(arm);
+      auto p = make_tierkv_backend(arm, s, opt, 200);
+      CHECK(backend_error(*p, s, 100, 25, 6, 0.f) < 0.6);  // the worst case: all-TQ2 pages
+    }
+    // Uniform presets: every page in one format, the centring means on top (c=0: none).
+    const std::pair<const char*, double> uniform[] = {
+        {"uniform_k4v4", 4.25}, {"uniform_k4v2", 3.25}, {"uniform_k3v2", 2.75},
+        {"uniform_k2v2", 2.25}, {"uniform_k8v4", 6.25}, {"uniform_k3v3", 3.25}};
+    for (const auto& [arm, bits] : uniform) {
+      INFO(arm);
+      auto p = make_tierkv_backend(arm, s, opt, 200);
+      backend_error(*p, s, 96, 32, 4, 0.f);
+      CHECK(p->memory().bits_per_scalar() == Approx(bits + mean_bits(96)));
+      auto plain = make_tierkv_backend(std::string(arm) + "+c=0", s, opt, 200);
+      backend_error(*plain, s, 96, 32, 4, 0.f);
+      CHECK(plain->memory().bits_per_scalar() == Approx(bits));
+    }
+    // rp=4: sink 1 + recent 4 of 10 pages in int8_rotated, 5 in TQ3 keys + TQ2 values.
+    auto r4 = make_tierkv_backend("stale_k3v2+rp=4", s, opt, 200);
+    backend_error(*r4, s, 160, 32, 4, 0.f);
+    CHECK(r4->memory().fp8_fraction == Approx(0.5));
+    CHECK(r4->memory().bits_per_scalar() == Approx((5 * 8.25 + 5 * 2.75) / 10 + mean_bits(160)));
+    CHECK(r4->memory().tier_shares == "t0 0.500 t1 0.500");
+    // A Cold arm with the mass signal: page 2 takes the attention (an anchor), the other old
+    // pages fall below half a uniform share and go Cold (tier 2, TQ3 keys + TQ2 values);
+    // with the cold knobs off (cm=0, cl=0) the Cold tier stays empty.
+    tiering_options mass = opt;
+    mass.use_mass = true;
+    mass.policy.enter_mass = 2.f;
+    mass.policy.leave_mass = 1.f;
+    auto c = make_tierkv_backend("cold_k3v2+cm=0.5+cl=1+ca=0", s, mass, 200);
+    backend_error(*c, s, 160, 16, 5, 30.f);
+    const std::string shares = c->memory().tier_shares;
+    INFO(shares);
+    REQUIRE(shares.find("t2 ") != std::string::npos);
+    CHECK(std::stod(shares.substr(shares.find("t2 ") + 3)) >= 0.5);
+    CHECK(c->memory().fp8_fraction == Approx(0.4));  // sink, page 2, recent 2
+    auto off = make_tierkv_backend("cold_k3v2+cm=0+cl=0", s, mass, 200);
+    backend_error(*off, s, 160, 16, 5, 30.f);
+    CHECK(off->memory().tier_shares.find("t2 0.000") != std::string::npos);
+    // Bad knobs name themselves.
+    CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm", s, opt, 200),
+                      tierkv_test::contains("is not NAME=VALUE"));
+    CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+zz=1", s, opt, 200),
+                      tierkv_test::contains("unknown knob 'zz'"));
+    CHECK_THROWS_WITH(make_tierkv_backend("stale_k3v2+rp=1.5", s, opt, 200),
+                      tierkv_test::contains("must be an integer"));
+    CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=abc", s, opt, 200),
+                      tierkv_test::contains("is not a number"));
+    CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=3+cl=3", s, mass, 200),
+                      tierkv_test::contains("cold_enter_mass = 3"));
   }
 }
 

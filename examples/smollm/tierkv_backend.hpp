@@ -10,16 +10,26 @@
 //
 // The tiered arms' policy is tierkv's default, tierkv::policy::recency_anchor: Recent = the
 // newest pages, Anchor = attention sinks (first pages), the first / last layers, and pages
-// whose smoothed attention mass stays high; Stale = the rest.
+// whose smoothed attention mass stays high; Cold (the cold_* arms, issue 52) = old pages whose
+// smoothed attention mass stays low; Stale = the rest.
+//
+// An arm name may carry policy knobs after '+' (no ',' or '-', so the name stays one field of
+// scripts/measure ppl-texts's run files): e.g. cold_k3v2+cm=0.5+cl=1+ca=8. Knobs: rp
+// recent_pages, sp sink_pages, kf / kl keep_first / keep_last_layers, em / lm enter / leave
+// mass, cm / cl cold enter / leave mass, ca cold_after_pages, c centring (0/1), um use_mass
+// (0/1). They override the command line's.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "kv_backend.hpp"
 #include "tierkv/cache.hpp"
@@ -27,6 +37,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/int8_rotated.hpp"
 #include "tierkv/codec/tier.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
 #include "tierkv/core/geometry.hpp"
@@ -37,6 +48,11 @@ namespace smollm {
 struct tiering_options {
   tierkv::policy::recency_anchor_options policy{};  // tierkv's defaults unless overridden
   bool use_mass = true;                             // attention-mass anchors on / off
+  // The Cold role's knobs for the arms with a Cold tier (cold_*): < 0 takes the arm's default
+  // (cold_arm_defaults); the other arms keep tierkv's (Cold off).
+  float cold_enter_mass = -1.0f;
+  float cold_leave_mass = -1.0f;
+  int cold_after_pages = -1;
   // Centring (tierkv/centering.hpp): each layer's per-KV-head channel means of keys and values,
   // taken from the first chunk, are subtracted before encoding and added back exactly after
   // attention (keys carry offset channels; a per-vector TQ3 code spreads an offset's energy
@@ -56,10 +72,27 @@ struct tiering_options {
 using smol_geometry = tierkv::geometry<tierkv::head_dim<64>, tierkv::kv_heads<3>,
                                        tierkv::group_size<3>, tierkv::page_tokens<16>>;
 
-template <class Geometry, class... Tiers>
+// Which tier each role lives in (tierkv::tier_roles): -1 keeps tier_roles' default (Anchor 0,
+// Stale the last tier, Cold Stale's).
+template <int Anchor = -1, int Stale = -1, int Cold = -1>
+struct role_map {};
+
+template <class TierList, class Map>
+struct roles_for;
+template <class TierList, int A, int S, int C>
+struct roles_for<TierList, role_map<A, S, C>> {
+  static constexpr int anchor = A < 0 ? 0 : A;
+  static constexpr int stale = S < 0 ? TierList::size - 1 : S;
+  static constexpr int cold = C < 0 ? stale : C;
+  using type = tierkv::tier_roles<TierList, 0, anchor, stale, cold>;
+};
+
+template <class Geometry, class Map, class... Tiers>
 class library_backend final : public kv_backend {
   using tier_list = tierkv::tiers<Tiers...>;
-  using cache_type = tierkv::tiered_cache<Geometry, tier_list>;
+  using roles = typename roles_for<tier_list, Map>::type;
+  using cache_type = tierkv::tiered_cache<Geometry, tier_list, tierkv::policy::recency_anchor,
+                                          tierkv::host_allocator, tierkv::host_allocator, roles>;
   static constexpr int HD = Geometry::head_dim;
   static constexpr int H = Geometry::kv_heads;
   static constexpr int QH = Geometry::q_heads;
@@ -86,8 +119,10 @@ class library_backend final : public kv_backend {
     opt_.storage.pages_per_tier.fill(std::uint32_t(pages) * std::uint32_t(s.layers));
     opt_.storage.codec_seed = opt.seed;
     tierkv::policy::recency_anchor_options po = opt.policy;
-    if (!opt.use_mass)  // no page ever reaches the anchor threshold by its attention mass
+    if (!opt.use_mass) {  // no page ever reaches the anchor threshold by its attention mass
       po.enter_mass = po.leave_mass = std::numeric_limits<float>::max();
+      po.cold_enter_mass = po.cold_leave_mass = 0.0f;  // nor the cold one
+    }
     opt_.policy = tierkv::policy::recency_anchor(po);
     opt_.max_batch = 1;
     opt_.max_pages = pages;
@@ -129,12 +164,20 @@ class library_backend final : public kv_backend {
     m.scalars = 2.0 * m.tokens * s_.layers * H * HD;
     m.bytes = double(r.live_page_bytes() + r.scratch);  // pages and the centring means
     double pages = 0, high = 0;
+    double per_tier[num_tiers] = {};
     for (int l = 0; l < s_.layers; ++l)
       cache_->storage().for_each_page(seq_, l, [&](std::int64_t, tierkv::page_id p) {
         pages += 1;
         high += is_8bit(p.format) ? 1 : 0;
+        per_tier[p.format] += 1;
       });
     m.fp8_fraction = pages > 0 ? high / pages : 0;
+    for (int t = 0; t < num_tiers; ++t) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%st%d %.3f", t ? " " : "", t,
+                    pages > 0 ? per_tier[t] / pages : 0.0);
+      m.tier_shares += buf;
+    }
     return m;
   }
 
@@ -166,47 +209,198 @@ class library_backend final : public kv_backend {
   bool retier_in_prefill_ = true;
 };
 
+// An arm name and its '+'-separated knobs (see the header comment) applied to opt.
+inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt) {
+  std::vector<std::string> parts;
+  for (std::size_t at = 0;;) {
+    const std::size_t plus = full.find('+', at);
+    parts.push_back(full.substr(at, plus == std::string::npos ? std::string::npos : plus - at));
+    if (plus == std::string::npos) break;
+    at = plus + 1;
+  }
+  auto& p = opt.policy;
+  for (std::size_t i = 1; i < parts.size(); ++i) {
+    const std::string& kv = parts[i];
+    const std::size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq + 1 == kv.size())
+      throw std::runtime_error("arm '" + full + "': knob '" + kv + "' is not NAME=VALUE");
+    const std::string k = kv.substr(0, eq);
+    const char* text = kv.c_str() + eq + 1;
+    char* end = nullptr;
+    const double v = std::strtod(text, &end);
+    if (end == text || *end != '\0')
+      throw std::runtime_error("arm '" + full + "': knob " + k + " = '" + text +
+                               "' is not a number");
+    const auto as_int = [&] {
+      if (v != double(int(v)))
+        throw std::runtime_error("arm '" + full + "': knob " + k + " = " + text +
+                                 " must be an integer");
+      return int(v);
+    };
+    if (k == "rp")
+      p.recent_pages = as_int();
+    else if (k == "sp")
+      p.sink_pages = as_int();
+    else if (k == "kf")
+      p.keep_first_layers = as_int();
+    else if (k == "kl")
+      p.keep_last_layers = as_int();
+    else if (k == "em")
+      p.enter_mass = float(v);
+    else if (k == "lm")
+      p.leave_mass = float(v);
+    else if (k == "cm")
+      opt.cold_enter_mass = float(v);
+    else if (k == "cl")
+      opt.cold_leave_mass = float(v);
+    else if (k == "ca")
+      opt.cold_after_pages = as_int();
+    else if (k == "c")
+      opt.center = as_int() != 0;
+    else if (k == "um")
+      opt.use_mass = as_int() != 0;
+    else
+      throw std::runtime_error("arm '" + full + "': unknown knob '" + k +
+                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um)");
+  }
+  return parts[0];
+}
+
+// The Cold arms' defaults when neither the command line nor the arm name sets them: a page
+// whose smoothed attention mass falls below half a uniform share is Cold, back to Stale above
+// one share; the newest 8 pages are never Cold (bench/results/cold/ has the sweep).
+inline void cold_arm_defaults(tiering_options& o) {
+  if (o.cold_enter_mass < 0) o.cold_enter_mass = 0.5f;
+  if (o.cold_leave_mass < 0) o.cold_leave_mass = std::max(1.0f, o.cold_enter_mass);
+  if (o.cold_after_pages < 0) o.cold_after_pages = 8;
+}
+
 // Arms by name: paged_f32 (the paging and tile machinery over lossless pages), the single
-// formats fp8, tq3 and int8r, and the tiered mixes (Recent + Anchor pages in tier 0, Stale
-// pages in tier 1). capacity: the most tokens a request holds.
-inline std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& arm, kv_shape s,
-                                                       const tiering_options& opt, int capacity) {
+// formats fp8, tq3 and int8r, the tiered mixes (Recent + Anchor pages in tier 0, Stale
+// pages in tier 1), and the sub-3-bit candidates of issue 52 (stale_*, uniform_*, cold_*,
+// a4_*). capacity: the most tokens a request holds.
+inline std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& full_arm, kv_shape s,
+                                                       const tiering_options& base, int capacity) {
+  tiering_options opt = base;
+  const std::string arm = apply_arm_knobs(full_arm, opt);
+  using tierkv::int8_rotated;
+  using tierkv::tq2_key;
+  using tierkv::tq2_value;
+  using tierkv::tq3_key;
+  using tierkv::tq3_value;
+  using tierkv::tq4_key;
+  using tierkv::tq4_value;
   using dense_tier = tierkv::tier<tierkv::dense_f32, tierkv::dense_f32>;
   using fp8_tier = tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>;
-  using tq3_tier = tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>;
-  using int8r_tier = tierkv::tier<tierkv::int8_rotated, tierkv::int8_rotated>;
+  using tq3_tier = tierkv::tier<tq3_key, tq3_value>;
+  using int8r_tier = tierkv::tier<int8_rotated, int8_rotated>;
   // Stale keys int8_rotated, values TQ3: a diagnostic over the bit budget (Stale pages cost
   // 5.75 bits) that tells key (routing) error from value error.
-  using stale_k8_tier = tierkv::tier<tierkv::int8_rotated, tierkv::tq3_value>;
+  using stale_k8_tier = tierkv::tier<int8_rotated, tq3_value>;
   // Stale keys TQ4 (routing precision for multi-needle retrieval), values TQ3: the
   // recommended Stale tier.
-  using stale_k4_tier = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
-  const auto make = [&]<class... T>() -> std::unique_ptr<kv_backend> {
-    return std::make_unique<library_backend<smol_geometry, T...>>(arm, s, opt, capacity);
+  using stale_k4_tier = tierkv::tier<tq4_key, tq3_value>;
+  // Issue 52's candidates: key and value codecs apart (key error moves routing, value error
+  // only the content read); bits per scalar at head_dim 64 in the comments.
+  using k4v4 = tierkv::tier<tq4_key, tq4_value>;       // 4.25
+  using k4v2 = tierkv::tier<tq4_key, tq2_value>;       // 3.25
+  using k3v2 = tierkv::tier<tq3_key, tq2_value>;       // 2.75
+  using k2v2 = tierkv::tier<tq2_key, tq2_value>;       // 2.25
+  using k8v4 = tierkv::tier<int8_rotated, tq4_value>;  // 6.25 (vLLM-like K8V4)
+  using k4v8 = tierkv::tier<tq4_key, int8_rotated>;    // 6.25
+  // Values with the keys' alpha (unbiased inner products: attention averages values, and the
+  // least-squares alpha shrinks each by ~cos^2 of its error angle, 0.88 at 2 bits): *u arms.
+  using k3v2u = tierkv::tier<tq3_key, tq2_key>;  // 2.75
+  using k4v3u = tierkv::tier<tq4_key, tq3_key>;  // 3.75
+  using k3v3u = tierkv::tier<tq3_key, tq3_key>;  // 3.25
+  using default_roles = role_map<>;
+  const auto make = [&]<class Map, class... T>(const tiering_options& o) {
+    return std::unique_ptr<kv_backend>(
+        std::make_unique<library_backend<smol_geometry, Map, T...>>(full_arm, s, o, capacity));
   };
-  if (arm == "paged_f32") return make.template operator()<dense_tier>();
-  if (arm == "fp8") return make.template operator()<fp8_tier>();
-  if (arm == "tq3") return make.template operator()<tq3_tier>();
-  if (arm == "int8r") return make.template operator()<int8r_tier>();
-  if (arm == "tiered") return make.template operator()<fp8_tier, tq3_tier>();
-  if (arm == "tiered_int8r") return make.template operator()<int8r_tier, tq3_tier>();
-  if (arm == "tiered_k8") return make.template operator()<int8r_tier, stale_k8_tier>();
-  if (arm == "tiered_k4") return make.template operator()<int8r_tier, stale_k4_tier>();
+  // rec's pages and policy (centred), the Stale tier swapped.
+  const auto rec_like = [&]<class Stale>() {
+    return make.template operator()<default_roles, int8r_tier, Stale>(opt);
+  };
+  // Every page in one tier, written in it (centred unless c=0).
+  const auto uniform = [&]<class T>() { return make.template operator()<default_roles, T>(opt); };
+  // rec's tiers plus a Cold tier: Recent / Anchor int8_rotated, Stale TQ4 keys + TQ3 values,
+  // Cold the given tier.
+  tiering_options cold_opt = opt;
+  cold_arm_defaults(cold_opt);
+  cold_opt.policy.cold_enter_mass = cold_opt.cold_enter_mass;
+  cold_opt.policy.cold_leave_mass = cold_opt.cold_leave_mass;
+  cold_opt.policy.cold_after_pages = cold_opt.cold_after_pages;
+  const auto with_cold = [&]<class Stale, class Cold>() {
+    return make.template operator()<role_map<0, 1, 2>, int8r_tier, Stale, Cold>(cold_opt);
+  };
+  // Anchors (sinks, sensitive layers, high-mass pages) in a 4-bit tier instead of 8 bits: only
+  // Recent pages stay int8_rotated.
+  const auto anchors4 = [&]<class Anchor, class Stale, class Cold>() {
+    return make.template operator()<role_map<1, 2, 3>, int8r_tier, Anchor, Stale, Cold>(cold_opt);
+  };
+  if (arm == "paged_f32") return uniform.template operator()<dense_tier>();
+  if (arm == "fp8") return uniform.template operator()<fp8_tier>();
+  if (arm == "tq3" || arm == "uniform_k3v3") return uniform.template operator()<tq3_tier>();
+  if (arm == "int8r") return uniform.template operator()<int8r_tier>();
+  if (arm == "uniform_k4v4") return uniform.template operator()<k4v4>();
+  if (arm == "uniform_k4v2") return uniform.template operator()<k4v2>();
+  if (arm == "uniform_k3v2") return uniform.template operator()<k3v2>();
+  if (arm == "uniform_k2v2") return uniform.template operator()<k2v2>();
+  if (arm == "uniform_k8v4") return uniform.template operator()<k8v4>();
+  if (arm == "tiered") return make.template operator()<default_roles, fp8_tier, tq3_tier>(opt);
+  if (arm == "tiered_int8r") return rec_like.template operator()<tq3_tier>();
+  if (arm == "tiered_k8") return rec_like.template operator()<stale_k8_tier>();
+  if (arm == "tiered_k4") return rec_like.template operator()<stale_k4_tier>();
+  if (arm == "stale_k4v2") return rec_like.template operator()<k4v2>();
+  if (arm == "stale_k3v2") return rec_like.template operator()<k3v2>();
+  if (arm == "stale_k2v2") return rec_like.template operator()<k2v2>();
+  if (arm == "stale_k3v2u") return rec_like.template operator()<k3v2u>();
+  if (arm == "rec_u") return rec_like.template operator()<k4v3u>();
+  if (arm == "stale_k3v3u") return rec_like.template operator()<k3v3u>();
+  if (arm == "cold_k4v2") return with_cold.template operator()<stale_k4_tier, k4v2>();
+  if (arm == "cold_k3v2") return with_cold.template operator()<stale_k4_tier, k3v2>();
+  if (arm == "cold_k2v2") return with_cold.template operator()<stale_k4_tier, k2v2>();
+  if (arm == "cold_k3v2u") return with_cold.template operator()<stale_k4_tier, k3v2u>();
+  // Unbiased values in both compressed tiers: Stale TQ4 (u4) or TQ3 (u3) keys + TQ3 values.
+  if (arm == "cold_u4_k3v2u") return with_cold.template operator()<k4v3u, k3v2u>();
+  if (arm == "cold_u3_k3v2u") return with_cold.template operator()<k3v3u, k3v2u>();
+  // Anchors (tier 1) TQ4 keys + TQ3 values; a4_S_C: Stale S, Cold C.
+  if (arm == "a4_k3v2_k2v2") return anchors4.template operator()<stale_k4_tier, k3v2, k2v2>();
+  if (arm == "a4_k4v2_k3v2") return anchors4.template operator()<stale_k4_tier, k4v2, k3v2>();
+  // Anchors TQ4 keys + TQ3 (a4) or TQ4 (a44) values, Stale = Cold TQ3 keys + TQ2 values.
+  if (arm == "a4_k3v2")
+    return make.template operator()<role_map<1, 2, 2>, int8r_tier, stale_k4_tier, k3v2>(opt);
+  if (arm == "a44_k3v2")
+    return make.template operator()<role_map<1, 2, 2>, int8r_tier, k4v4, k3v2>(opt);
+  // Anchors with one role at 8 bits: int8_rotated keys + TQ4 values (a84), or TQ4 keys +
+  // int8_rotated values (a48), 6.25 bits; Stale = Cold TQ3 keys + TQ2 values.
+  if (arm == "a84_k3v2")
+    return make.template operator()<role_map<1, 2, 2>, int8r_tier, k8v4, k3v2>(opt);
+  if (arm == "a48_k3v2")
+    return make.template operator()<role_map<1, 2, 2>, int8r_tier, k4v8, k3v2>(opt);
+  // Anchors and Stale TQ4 keys + TQ3 values (one tier), Cold TQ3 keys + TQ2 values.
+  if (arm == "a4_cold_k3v2")
+    return make.template operator()<role_map<1, 1, 2>, int8r_tier, stale_k4_tier, k3v2>(cold_opt);
   // The two configurations the quality records compare (bench/gpu/needle_suite.py's arms),
   // centring fixed: rec = tiered_k4 centred (the recommended cache), seed = the seed paper's
   // FP8 + TQ3 cache, not centred.
   if (arm == "rec" || arm == "seed") {
     tiering_options o = opt;
     o.center = arm == "rec";
-    if (arm == "rec")
-      return std::make_unique<library_backend<smol_geometry, int8r_tier, stale_k4_tier>>(arm, s, o,
-                                                                                         capacity);
-    return std::make_unique<library_backend<smol_geometry, fp8_tier, tq3_tier>>(arm, s, o,
-                                                                                capacity);
+    if (arm == "rec") return make.template operator()<default_roles, int8r_tier, stale_k4_tier>(o);
+    return make.template operator()<default_roles, fp8_tier, tq3_tier>(o);
   }
-  throw std::runtime_error("unknown KV arm '" + arm +
-                           "' (dense, paged_f32, fp8, tq3, int8r, tiered, tiered_int8r, "
-                           "tiered_k4, tiered_k8, rec, seed)");
+  throw std::runtime_error(
+      "unknown KV arm '" + arm +
+      "' (dense, paged_f32, fp8, tq3, int8r, tiered, tiered_int8r, tiered_k4, tiered_k8, rec, "
+      "seed; issue 52: stale_k4v2, stale_k3v2, stale_k2v2, stale_k3v2u, stale_k3v3u, rec_u, "
+      "cold_k3v2u, cold_u4_k3v2u, cold_u3_k3v2u, "
+      "uniform_k4v4, uniform_k3v3, "
+      "uniform_k4v2, uniform_k3v2, uniform_k2v2, uniform_k8v4, cold_k4v2, cold_k3v2, cold_k2v2, "
+      "a4_k3v2_k2v2, a4_k4v2_k3v2, a4_k3v2, a44_k3v2, a84_k3v2, a48_k3v2, a4_cold_k3v2; knobs "
+      "after '+', e.g. "
+      "cold_k3v2+cm=0.5)");
 }
 
 }  // namespace smollm
