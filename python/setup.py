@@ -16,13 +16,27 @@ Environment:
   TIERKV_PYTHON_CUDA_SET=entry;... its prebuilt set (csrc/cuda/CMakeLists.txt has the default)
 """
 
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import setup
+
+# pip builds a wheel: setuptools before 70.1 needs the `wheel` package for that, and without build
+# isolation nothing installs it (pip's own error is "invalid command 'bdist_wheel'").
+if "bdist_wheel" in sys.argv and importlib.util.find_spec("wheel") is None:
+    version = tuple(int(x) for x in re.findall(r"\d+", setuptools.__version__)[:2])
+    if version < (70, 1):
+        raise SystemExit(
+            f"tierkv: building a wheel with setuptools {setuptools.__version__} needs the 'wheel' "
+            "package, which this environment lacks: pip install wheel ninja, then rerun "
+            "pip install --no-build-isolation ./python (docs/python.md)"
+        )
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 here = Path(__file__).resolve().parent

@@ -42,9 +42,12 @@ class combo_registry {
     return v;
   }
 
-  // The factory of the named combination; `rebuild` says how to build one that is missing.
+  // The factory of the named combination. A missing one is refused with the exact entry that
+  // builds it: `variable` (TIERKV_PYTHON_EXTRA, TIERKV_PYTHON_CUDA_SET) = recent+k+v:d:kv:g:p,
+  // the form setup.py reads, and `how` (the rest of the command).
   Factory find(const std::string& recent, const std::string& k, const std::string& v, int head_dim,
-               int kv_heads, int group_size, int page_size, const char* rebuild) const {
+               int kv_heads, int group_size, int page_size, const char* variable,
+               const char* how) const {
     const int set = resolve_tier_set(recent, k, v);
     const auto it = table_.find(combo{set, head_dim, kv_heads, group_size, page_size});
     if (it == table_.end())
@@ -52,7 +55,8 @@ class combo_registry {
           tierkv::errc::invalid_argument, "no prebuilt tierkv cache for recent=", recent,
           ", cache_type_k=", k, ", cache_type_v=", v, ", head_dim=", head_dim, ", kv_heads=",
           kv_heads, ", group_size=", group_size, ", page_size=", page_size, ". Built: ", describe(),
-          ". Other combinations: ", rebuild, ", or compose tierkv's templates in C++"));
+          ". To build it: ", variable, "=", recent, "+", k, "+", v, ":", head_dim, ":", kv_heads,
+          ":", group_size, ":", page_size, " ", how, " (docs/python.md)"));
     return it->second;
   }
 

@@ -283,6 +283,10 @@ def test_unknown_format_and_combination_not_built():
         tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=16, recent="q8_0")
     with pytest.raises(ValueError, match="no prebuilt tierkv cache.*kv_heads=3.*Built: .*kv_heads \\{"):
         tierkv.Cache(head_dim=64, kv_heads=3, group_size=2, num_layers=1, max_tokens=16)
+    # the refusal names the exact build entry (a first-hour trap: it used to suggest a set that
+    # would not contain the shape)
+    with pytest.raises(ValueError, match=r"To build it: TIERKV_PYTHON_EXTRA=int8_rotated\+tq4\+tq3:64:3:2:16 pip"):
+        tierkv.Cache(head_dim=64, kv_heads=3, group_size=2, num_layers=1, max_tokens=16)
     with pytest.raises(ValueError, match="recent=fp8, cache_type_k=tq4"):  # names known, set not built
         tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=16, recent="fp8")
     with pytest.raises(ValueError, match="pages_per_tier has 1 entries; this tier set has 2 tiers"):

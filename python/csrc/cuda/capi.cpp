@@ -148,7 +148,7 @@ int tkv_cuda_create(const tkv_cuda_config* cfg, void* stream, void** cache) {
     const gpu_cache_config g = to_config(*cfg);
     const gpu_factory f = table().find(
         g.recent, g.cache_type_k, g.cache_type_v, g.head_dim, g.kv_heads, g.group_size, g.page_size,
-        "rebuild the CUDA library with TIERKV_PYTHON_CUDA_SET (docs/python.md)");
+        "TIERKV_PYTHON_CUDA_SET", "TIERKV_PYTHON_CUDA=1 pip install --no-build-isolation ./python");
     *cache = f(g, stream_of(stream)).release();
   });
 }
