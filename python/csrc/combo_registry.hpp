@@ -53,10 +53,10 @@ class combo_registry {
     if (it == table_.end())
       throw tierkv::error(tierkv::status::make(
           tierkv::errc::invalid_argument, "no prebuilt tierkv cache for recent=", recent,
-          ", cache_type_k=", k, ", cache_type_v=", v, ", head_dim=", head_dim, ", kv_heads=",
-          kv_heads, ", group_size=", group_size, ", page_size=", page_size, ". Built: ", describe(),
-          ". To build it: ", variable, "=", recent, "+", k, "+", v, ":", head_dim, ":", kv_heads,
-          ":", group_size, ":", page_size, " ", how, " (docs/python.md)"));
+          ", cache_type_k=", k, ", cache_type_v=", v, ", head_dim=", head_dim,
+          ", kv_heads=", kv_heads, ", group_size=", group_size, ", page_size=", page_size,
+          ". Built: ", describe(), ". To build it: ", variable, "=", recent, "+", k, "+", v, ":",
+          head_dim, ":", kv_heads, ":", group_size, ":", page_size, " ", how, " (docs/python.md)"));
     return it->second;
   }
 

@@ -5,7 +5,9 @@
 
 #include "tierkv/core/config.hpp"
 
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <ostream>
 #include <string_view>
 
@@ -66,16 +68,10 @@ struct tier_roles {
 
   /// The tier index role r lives in.
   static constexpr int tier_of(tier_role r) noexcept {
-    switch (r) {
-      case tier_role::recent:
-        return Recent;
-      case tier_role::anchor:
-        return Anchor;
-      case tier_role::stale:
-        return Stale;
-      case tier_role::cold:
-        return Cold;
-    }
+    // a table, not a switch: roles sharing a tier would be identical branches
+    constexpr int tiers[] = {Recent, Anchor, Stale, Cold};
+    const auto i = static_cast<std::size_t>(r);
+    if (i < std::size(tiers)) return tiers[i];
     return Stale;  // not a tier_role value: the compressed tier, as before Cold existed
   }
 };
