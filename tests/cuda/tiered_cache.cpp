@@ -616,6 +616,43 @@ TEST_CASE("cuda::tiered_cache: a NaN key gives NaN outputs for the heads that re
   REQUIRE(gpu->end_step(1, true).error_status().code() == errc::non_finite_input);
 }
 
+TEST_CASE("cuda::tiered_cache: a NaN key gives NaN prefill outputs for the rows that read it",
+          "[cuda][cache][nan]") {
+  // A prefill of 4 tokens each into a and b; a's token 1 has a NaN key (KV head 0, dim 3). Causal:
+  // a's token 0 does not read it, a's tokens 1-3 do (query heads of KV head 0 only); b is clean.
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = knobs();
+  o.max_step_tokens = 1024;
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  const seq_id a = gpu->create_sequence().value();
+  const seq_id b = gpu->create_sequence().value();
+  REQUIRE(gpu->begin_step(std::vector<seq_id>{a, b}, std::vector<std::int32_t>{4, 4}).is_ok());
+  std::vector<float> q(8 * std::size_t(QH) * D, 0.3f), out, lse;
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> k(8 * std::size_t(KVH) * D), v(k.size());
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      k[i] = 0.01f * float(int(i % 97) - 48);
+      v[i] = 0.02f * float(int(i % 89) - 44);
+    }
+    k[(1 * std::size_t(KVH) + 0) * D + 3] = std::numeric_limits<float>::quiet_NaN();
+    REQUIRE(gpu->append(l, k, v).is_ok());
+    REQUIRE(gpu->prefill(l, q, out, &lse).is_ok());
+    for (int t = 0; t < 8; ++t)
+      for (int h = 0; h < QH; ++h) {
+        const bool reads_it = t >= 1 && t < 4 && h / G::group_size == 0;
+        INFO("layer " << l << ", step row " << t << ", query head " << h);
+        const std::size_t r = std::size_t(t) * QH + std::size_t(h);
+        for (int i = 0; i < D; ++i) {
+          const float x = out[r * D + std::size_t(i)];
+          CHECK((reads_it ? std::isnan(x) : std::isfinite(x)));
+        }
+        CHECK((reads_it ? std::isnan(lse[r]) : std::isfinite(lse[r])));
+      }
+  }
+  REQUIRE(gpu->end_step(1, true).error_status().code() == errc::non_finite_input);
+}
+
 TEST_CASE("cuda::tiered_cache: a step captured in a CUDA graph replays as eager steps run",
           "[cuda][cache][graph]") {
   // Twins on the GPU: `eager` calls append/decode every step; `graphed` captures one step's
