@@ -537,13 +537,31 @@ TEST_CASE("cuda::tiered_cache refuses bad steps without changing anything", "[cu
   }
 }
 
-TEST_CASE("cuda::tiered_cache: a NaN in appended K/V is reported, never a silent output",
-          "[cuda][cache][nan]") {
+namespace {
+
+// The [nan] cases' cache (room for a prefill burst) and K/V rows of `tokens` tokens with
+// distinct finite values.
+std::unique_ptr<cuda_test::e2e_cache> nan_test_cache() {
   cuda_test::e2e_options o;
   o.storage = storage_opts();
   o.policy = knobs();
   o.max_step_tokens = 1024;
-  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  return std::move(cuda_test::e2e_cache::create(o).value());
+}
+std::pair<std::vector<float>, std::vector<float>> distinct_kv(int tokens) {
+  std::vector<float> k(std::size_t(tokens) * KVH * D), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = 0.01f * float(int(i % 97) - 48);
+    v[i] = 0.02f * float(int(i % 89) - 44);
+  }
+  return {std::move(k), std::move(v)};
+}
+
+}  // namespace
+
+TEST_CASE("cuda::tiered_cache: a NaN in appended K/V is reported, never a silent output",
+          "[cuda][cache][nan]") {
+  auto gpu = nan_test_cache();
   const seq_id a = gpu->create_sequence().value();
   const seq_id b = gpu->create_sequence().value();
   std::vector<seq_id> batch{a, b};
@@ -552,11 +570,7 @@ TEST_CASE("cuda::tiered_cache: a NaN in appended K/V is reported, never a silent
   REQUIRE(gpu->begin_step(batch, counts).is_ok());
   std::vector<float> q(2 * std::size_t(QH) * D, 0.25f), out;
   for (int l = 0; l < layers; ++l) {
-    std::vector<float> k(8 * std::size_t(KVH) * D), v(k.size());
-    for (std::size_t i = 0; i < k.size(); ++i) {
-      k[i] = 0.01f * float(int(i % 97) - 48);
-      v[i] = 0.02f * float(int(i % 89) - 44);
-    }
+    auto [k, v] = distinct_kv(8);
     if (l == 1) k[(1 * std::size_t(KVH) + 0) * D + 3] = std::numeric_limits<float>::quiet_NaN();
     REQUIRE(gpu->append(l, k, v).is_ok());  // enqueued: the device finds the NaN
   }
@@ -586,11 +600,7 @@ TEST_CASE("cuda::tiered_cache: a NaN in appended K/V is reported, never a silent
 
 TEST_CASE("cuda::tiered_cache: a NaN key gives NaN outputs for the heads that read it",
           "[cuda][cache][nan]") {
-  cuda_test::e2e_options o;
-  o.storage = storage_opts();
-  o.policy = knobs();
-  o.max_step_tokens = 1024;
-  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  auto gpu = nan_test_cache();
   const seq_id a = gpu->create_sequence().value();
   const seq_id b = gpu->create_sequence().value();
   std::vector<seq_id> batch{a, b};
@@ -620,21 +630,13 @@ TEST_CASE("cuda::tiered_cache: a NaN key gives NaN prefill outputs for the rows 
           "[cuda][cache][nan]") {
   // A prefill of 4 tokens each into a and b; a's token 1 has a NaN key (KV head 0, dim 3). Causal:
   // a's token 0 does not read it, a's tokens 1-3 do (query heads of KV head 0 only); b is clean.
-  cuda_test::e2e_options o;
-  o.storage = storage_opts();
-  o.policy = knobs();
-  o.max_step_tokens = 1024;
-  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());
+  auto gpu = nan_test_cache();
   const seq_id a = gpu->create_sequence().value();
   const seq_id b = gpu->create_sequence().value();
   REQUIRE(gpu->begin_step(std::vector<seq_id>{a, b}, std::vector<std::int32_t>{4, 4}).is_ok());
   std::vector<float> q(8 * std::size_t(QH) * D, 0.3f), out, lse;
   for (int l = 0; l < layers; ++l) {
-    std::vector<float> k(8 * std::size_t(KVH) * D), v(k.size());
-    for (std::size_t i = 0; i < k.size(); ++i) {
-      k[i] = 0.01f * float(int(i % 97) - 48);
-      v[i] = 0.02f * float(int(i % 89) - 44);
-    }
+    auto [k, v] = distinct_kv(8);
     k[(1 * std::size_t(KVH) + 0) * D + 3] = std::numeric_limits<float>::quiet_NaN();
     REQUIRE(gpu->append(l, k, v).is_ok());
     REQUIRE(gpu->prefill(l, q, out, &lse).is_ok());
