@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Float64 references of the rotated codecs (TQ3, TQ4, int8_rotated): the rotation H D x and
+// Float64 references of the rotated codecs (TQ2, TQ3, TQ4, int8_rotated): the rotation H D x and
 // the decode D H (alpha c) / N, written from the definitions (no fast transform).
 #pragma once
 
@@ -173,6 +173,111 @@ std::vector<std::uint8_t> check_tq_edge_inputs(const tierkv::codec_context& ctx,
     CHECK(double(y[std::size_t(i)]) == Approx(-3.0).epsilon(one_hot_rel));
   }
   return zero_payload;
+}
+
+// The uniform grids of the rotated scalar codec (TQ2, TQ4): 2^bits levels (c - (2^bits - 1) / 2)
+// step standard deviations of the rotated coordinate.
+struct uniform_grid {
+  int levels;                 // 4 (TQ2), 16 (TQ4)
+  double step;                // in standard deviations
+  std::uint64_t context_mul;  // the test's codec-context seeds: mix64(v * context_mul + N + seed)
+  int clip_checked_from_dim;  // from this head_dim on, some coordinate must clip
+  constexpr int half() const { return levels / 2; }
+  constexpr double center() const { return (levels - 1) / 2.0; }
+};
+
+struct uniform_reference {
+  std::vector<int> codes;
+  std::vector<double> t;  // sqrt(d) * y_i, in standard deviations
+  double alpha_key = 0, alpha_value = 0;
+};
+
+// The definition: t_i = (H D x)_i / |x| ~ N(0, 1); code = clamp(floor(t / step) + levels / 2, 0,
+// levels - 1); the alphas from <u, u_hat> = zc / N and |u_hat|^2 = cc / N with u_hat = D H c / N
+// (t = sqrt(N) y, y = H_norm D u).
+template <int N>
+uniform_reference uniform_encode64(const std::vector<float>& x, std::uint64_t seed,
+                                   const uniform_grid& g) {
+  std::vector<double> xd(x.begin(), x.end());
+  double n2 = 0;
+  for (double v : xd) n2 += v * v;
+  const double n = std::sqrt(n2);
+  const auto z = hd64<N>(xd, seed);
+  uniform_reference r;
+  double zc = 0, cc = 0;
+  for (int i = 0; i < N; ++i) {
+    const double t = z[std::size_t(i)] / n;
+    const int code = std::clamp(int(std::floor(t / g.step)) + g.half(), 0, g.levels - 1);
+    const double c = code - g.center();
+    r.codes.push_back(code);
+    r.t.push_back(t);
+    zc += t * c;
+    cc += c * c;
+  }
+  const double uuh = zc / N, uh2 = cc / N;
+  r.alpha_key = n / uuh;
+  r.alpha_value = n * uuh / uh2;
+  return r;
+}
+
+template <int N>
+std::vector<double> uniform_decode64(const std::vector<std::uint8_t>& codes, double alpha,
+                                     const uniform_grid& g, std::uint64_t seed) {
+  std::vector<double> levels(N);
+  for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * (codes[std::size_t(j)] - g.center());
+  return rotated_decode64<N>(levels, seed);
+}
+
+// Codec C (a uniform-grid TQ codec) against the float64 reference: codes (only coordinates on a
+// decision boundary may differ), alpha, decode and the attention path's q·k_hat.
+template <class C>
+void check_uniform_against_reference(const uniform_grid& g, double input_scale,
+                                     std::uint64_t seed) {
+  using namespace tierkv;
+  constexpr int N = C::head_dim;
+  gaussian_source rng(seed + N);
+  int boundary_mismatches = 0, far_mismatches = 0, clipped = 0;
+  for (int v = 0; v < 40; ++v) {
+    const codec_context ctx{mix64(std::uint64_t(v) * g.context_mul + N + seed)};
+    auto x = gaussian(rng, N, input_scale);
+    if (v % 5 == 0) x[std::size_t(v) % N] += float(8 * input_scale);  // an offset channel
+    std::vector<std::uint8_t> payload(C::payload_bytes);
+    bf16_bits meta = 0;
+    REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
+    std::vector<std::uint8_t> codes(N);
+    C::unpack(payload.data(), codes.data());
+    const auto ref = uniform_encode64<N>(x, ctx.seed, g);
+    for (int i = 0; i < N; ++i) {
+      const double q = ref.t[std::size_t(i)] / g.step;
+      clipped += q < -g.half() || q >= g.half();
+      if (codes[std::size_t(i)] == ref.codes[std::size_t(i)]) continue;
+      // float rounding may only move a coordinate across a decision boundary it touches
+      const bool at_boundary = std::fabs(q - std::round(q)) < 1e-4;
+      (at_boundary ? boundary_mismatches : far_mismatches) += 1;
+    }
+    const double want_alpha =
+        C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key : ref.alpha_value;
+    CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
+    const auto yref = uniform_decode64<N>(codes, double(bf16_to_float(meta)), g, ctx.seed);
+    std::vector<float> y(N);
+    C::decode(payload.data(), meta, y.data(), ctx);
+    const double xn = std::sqrt(dot64(x.data(), x.data(), N));
+    for (int i = 0; i < N; ++i)
+      CHECK(double(y[std::size_t(i)]) ==
+            Approx(yref[std::size_t(i)]).margin(1e-5 * xn / std::sqrt(double(N))));
+    // The attention path: q·k_hat through prepare_query + dot.
+    auto q = gaussian(rng, N);
+    std::vector<float> qp(N);
+    C::prepare_query(q.data(), qp.data(), ctx);
+    double want_dot = 0;
+    for (int i = 0; i < N; ++i) want_dot += double(q[std::size_t(i)]) * yref[std::size_t(i)];
+    const double qn = std::sqrt(dot64(q.data(), q.data(), N));
+    CHECK(double(C::dot(qp.data(), payload.data(), meta)) ==
+          Approx(want_dot).margin(2e-6 * qn * xn));
+  }
+  CHECK(far_mismatches == 0);
+  CHECK(boundary_mismatches <= 2);
+  if (N >= g.clip_checked_from_dim) CHECK(clipped > 0);  // the clip region is exercised
 }
 
 }  // namespace codec_test

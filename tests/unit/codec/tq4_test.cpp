@@ -19,94 +19,12 @@ namespace {
 
 constexpr double kStep = 0.3352;  // levels (c - 7.5) * step standard deviations
 
-struct reference_result {
-  std::vector<int> codes;
-  std::vector<double> t;  // sqrt(d) * y_i, in standard deviations
-  double alpha_key = 0, alpha_value = 0;
-};
-
-// The definition: t_i = (H D x)_i / |x| ~ N(0, 1); code = clamp(floor(t / step) + 8, 0, 15);
-// the alphas from <u, u_hat> and |u_hat|^2 with u_hat = D H c / N (any scale of c).
-template <int N>
-reference_result reference_encode(const std::vector<float>& x, std::uint64_t seed) {
-  std::vector<double> xd(x.begin(), x.end());
-  double n2 = 0;
-  for (double v : xd) n2 += v * v;
-  const double n = std::sqrt(n2);
-  const auto z = codec_test::hd64<N>(xd, seed);
-  reference_result r;
-  double zc = 0, cc = 0;
-  for (int i = 0; i < N; ++i) {
-    const double t = z[std::size_t(i)] / n;
-    const int code = std::clamp(int(std::floor(t / kStep)) + 8, 0, 15);
-    const double c = code - 7.5;
-    r.codes.push_back(code);
-    r.t.push_back(t);
-    zc += t * c;
-    cc += c * c;
-  }
-  // <u, u_hat> = zc / (N |u_hat|'s scale ...): with u_hat = D H c / N, <u, u_hat> = zc / N
-  // and |u_hat|^2 = cc / N (t = sqrt(N) y, y = H_norm D u).
-  const double uuh = zc / N, uh2 = cc / N;
-  r.alpha_key = n / uuh;
-  r.alpha_value = n * uuh / uh2;
-  return r;
-}
-
-template <int N>
-std::vector<double> reference_decode(const std::vector<std::uint8_t>& codes, double alpha,
-                                     std::uint64_t seed) {
-  std::vector<double> levels(N);
-  for (int j = 0; j < N; ++j) levels[std::size_t(j)] = alpha * (codes[std::size_t(j)] - 7.5);
-  return codec_test::rotated_decode64<N>(levels, seed);
-}
+// the grid the tests check the codec against (codec_test::check_uniform_against_reference)
+constexpr codec_test::uniform_grid kGrid{16, kStep, 91, 128};
 
 template <class C>
 void check_against_reference(double input_scale, std::uint64_t seed) {
-  constexpr int N = C::head_dim;
-  codec_test::gaussian_source rng(seed + N);
-  int boundary_mismatches = 0, far_mismatches = 0, clipped = 0;
-  for (int v = 0; v < 40; ++v) {
-    const codec_context ctx{mix64(std::uint64_t(v) * 91 + N + seed)};
-    auto x = codec_test::gaussian(rng, N, input_scale);
-    if (v % 5 == 0) x[std::size_t(v) % N] += float(8 * input_scale);  // an offset channel
-    std::vector<std::uint8_t> payload(C::payload_bytes);
-    bf16_bits meta = 0;
-    REQUIRE(C::encode(x.data(), payload.data(), meta, ctx, nullptr) == errc::ok);
-    std::vector<std::uint8_t> codes(N);
-    C::unpack(payload.data(), codes.data());
-    const auto ref = reference_encode<N>(x, ctx.seed);
-    for (int i = 0; i < N; ++i) {
-      const double q = ref.t[std::size_t(i)] / kStep;
-      clipped += q < -8 || q >= 8;
-      if (codes[std::size_t(i)] == ref.codes[std::size_t(i)]) continue;
-      // float rounding may only move a coordinate across a decision boundary it touches
-      const bool at_boundary = std::fabs(q - std::round(q)) < 1e-4;
-      (at_boundary ? boundary_mismatches : far_mismatches) += 1;
-    }
-    const double want_alpha =
-        C::norm == tq_norm::unbiased_inner_product ? ref.alpha_key : ref.alpha_value;
-    CHECK(double(bf16_to_float(meta)) == Approx(want_alpha).epsilon(0x1p-8));
-    const auto yref = reference_decode<N>(codes, double(bf16_to_float(meta)), ctx.seed);
-    std::vector<float> y(N);
-    C::decode(payload.data(), meta, y.data(), ctx);
-    const double xn = std::sqrt(codec_test::dot64(x.data(), x.data(), N));
-    for (int i = 0; i < N; ++i)
-      CHECK(double(y[std::size_t(i)]) ==
-            Approx(yref[std::size_t(i)]).margin(1e-5 * xn / std::sqrt(double(N))));
-    // The attention path: q·k_hat through prepare_query + dot.
-    auto q = codec_test::gaussian(rng, N);
-    std::vector<float> qp(N);
-    C::prepare_query(q.data(), qp.data(), ctx);
-    double want_dot = 0;
-    for (int i = 0; i < N; ++i) want_dot += double(q[std::size_t(i)]) * yref[std::size_t(i)];
-    const double qn = std::sqrt(codec_test::dot64(q.data(), q.data(), N));
-    CHECK(double(C::dot(qp.data(), payload.data(), meta)) ==
-          Approx(want_dot).margin(2e-6 * qn * xn));
-  }
-  CHECK(far_mismatches == 0);
-  CHECK(boundary_mismatches <= 2);
-  if (N >= 128) CHECK(clipped > 0);  // the clip region is exercised (2 * 0.4% of coordinates)
+  codec_test::check_uniform_against_reference<C>(kGrid, input_scale, seed);
 }
 
 }  // namespace
