@@ -7,10 +7,13 @@
 // corrupted source page fails its batch on the device: nothing is published, nothing lost.
 // The ordering is checked with spin kernels: nothing is published while the batch waits for
 // the main stream, and no replaced slot returns to its pool before the decodes' event.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -167,7 +170,7 @@ TEST_CASE("retier_driver: GPU batches equal the host controller step by step",
   CHECK(promoted > 0);
 }
 
-TEST_CASE("retier_driver: ordering against the main stream, and a failed batch publishes nothing",
+TEST_CASE("retier_driver: ordering against the main stream, and a non-finite page quarantined",
           "[cuda][retier][driver]") {
   auto gs = make_storage<gpu_storage>();
   auto gc = std::move(gpu_ctl::create(*gs, knobs(0)).value());
@@ -222,38 +225,78 @@ TEST_CASE("retier_driver: ordering against the main stream, and a failed batch p
     CHECK(*back == *staged);
     CHECK(gs->check_invariants().is_ok());
   }
-  SECTION("a non-finite source vector fails the batch; every page stays at its old id") {
-    // Poison one key scale of a page the plan demotes (the storage is host-visible).
-    const auto plan = gc->plan(1);
+  // Poisons one key scale of the page plan[0] demotes (the storage is host-visible).
+  const auto poison_first = [&](std::span<const conversion> plan) {
     REQUIRE(!plan.empty());
-    const conversion c = plan[0];
-    REQUIRE(c.from == 0);
-    const page_id victim = gs->block_page(c.block, c.layer);
+    REQUIRE(plan[0].from == 0);
+    const page_id victim = gs->block_page(plan[0].block, plan[0].layer);
     using L = gpu_storage::layout<0>;
     auto bytes = gs->page_bytes(victim).value();
     const std::uint16_t nan_bits = 0x7FC0;
     std::memcpy(bytes.data() + L::key_meta(1, 3), &nan_bits, 2);
+    return victim;
+  };
+  const auto planned = [](std::span<const conversion> plan, const conversion& c) {
+    return std::any_of(plan.begin(), plan.end(), [&](const conversion& x) {
+      return x.block == c.block && x.layer == c.layer;
+    });
+  };
+  SECTION("a non-finite page fails alone: the rest is published, it is quarantined") {
+    const auto plan = gc->plan(1);
+    const conversion c = plan[0];
+    const page_id victim = poison_first(plan);
+    retier_stats st;
+    auto staged = drv->enqueue(*gc, plan, main, st);
+    REQUIRE(staged);
+    REQUIRE(*staged > 1);
+    CUDA_OK(cudaStreamSynchronize(fx.side));
+    auto pub = drv->try_publish(*gc, st);
+    REQUIRE(pub);
+    REQUIRE(*pub);
+    CHECK(st.converted == *staged - 1);  // one bad page holds no other conversion back
+    CHECK(st.failed == 1);
+    CHECK(st.quarantined == 1);
+    CHECK(st.first_error.code() == errc::non_finite_input);
+    INFO(st.first_error.message());
+    CHECK(std::string(st.first_error.message()).find("quarantined") != std::string::npos);
+    CHECK(gs->block_page(c.block, c.layer) == victim);  // still published, still in tier 0
+    CHECK(drv->pages_held() == *staged - 1);
+    CHECK(gs->check_invariants(std::uint32_t(drv->pages_held())).is_ok());
+    REQUIRE(drv->mark_decodes_enqueued(main).is_ok());
+    CUDA_OK(cudaStreamSynchronize(main));
+    REQUIRE(drv->reclaim());
+    // never planned again, so it is never retried (and never reported again)
+    CHECK(!planned(gc->plan(2), c));
+    CHECK(gc->totals().quarantined == 1);
+    CHECK(gs->check_invariants().is_ok());
+  }
+  SECTION("all or none: a non-finite page fails the whole batch, and is quarantined") {
+    const auto plan = gc->plan(1);
+    const conversion c = plan[0];
+    poison_first(plan);
     std::vector<page_id> before;
     for (int l = 0; l < gs->num_layers(); ++l)
       for (int p = 0; p < 8; ++p) before.push_back(gs->page(s, l, p).value());
     const std::uint32_t free0 = gs->free_pages(0), free1 = gs->free_pages(1);
     retier_stats st;
-    auto staged = drv->enqueue(*gc, plan, main, st);
+    auto staged = drv->enqueue(*gc, plan, main, st, no_faults{}, true);
     REQUIRE(staged);
     REQUIRE(*staged > 0);
     CUDA_OK(cudaStreamSynchronize(fx.side));
     auto pub = drv->try_publish(*gc, st);
-    REQUIRE(pub);
-    REQUIRE(*pub);
+    REQUIRE(!pub);
+    CHECK(pub.error_status().code() == errc::non_finite_input);
     CHECK(st.converted == 0);
-    CHECK(st.failed == *staged);
-    CHECK(st.first_error.code() == errc::non_finite_input);
+    CHECK(st.quarantined == 1);
     CHECK(drv->pages_held() == 0);
     std::size_t i = 0;
     for (int l = 0; l < gs->num_layers(); ++l)
       for (int p = 0; p < 8; ++p) CHECK(gs->page(s, l, p).value() == before[i++]);
     CHECK(gs->free_pages(0) == free0);
     CHECK(gs->free_pages(1) == free1);
+    const auto again = gc->plan(2);
+    CHECK(!planned(again, c));
+    CHECK(again.size() + 1 == plan.size());  // the rest is planned again
     CHECK(gs->check_invariants().is_ok());
   }
 }

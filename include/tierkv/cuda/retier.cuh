@@ -48,9 +48,18 @@ struct retier_inputs {
   /// Global index of KV head 0: contexts use head_base + head (tensor parallel)
   int head_base = 0;
   int* error = nullptr;  ///< optional: first device errc (0 = ok)
+  /// optional device [pages]: each page's first errc (0 = ok; a nonzero value on entry stays),
+  /// so a caller can fail one page of a list and keep the rest (cuda/retier_driver.cuh)
+  int* page_error = nullptr;
 };
 
 namespace detail {
+
+// A page's failure: the list's first error, and the page's own.
+__device__ inline void report_page_error(const retier_inputs& in, unsigned page, errc e) {
+  if (in.error) atomicCAS(in.error, 0, int(e));
+  if (in.page_error) atomicCAS(in.page_error + page, 0, int(e));
+}
 
 // Whether a row's vectors take the rotation's D on sign-coded (FP8) codes: such a source's for a
 // rotated destination (warp_decode_fp8), such a destination's for a rotated source
@@ -241,7 +250,7 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks)
     const std::int32_t s = in.src_slot[i], d = in.dst_slot[i];
     if (s < 0 || std::uint32_t(s) >= in.src.capacity || d < 0 ||
         std::uint32_t(d) >= in.dst.capacity) {
-      if (lane == 0 && in.error) atomicCAS(in.error, 0, int(errc::out_of_range));
+      if (lane == 0) detail::report_page_error(in, i, errc::out_of_range);
     } else {
       const int layer = in.layer_of ? in.layer_of[i] : in.layer;
       const int v = int(r) * W + lane / G;  // (role * H + h) * T + t
@@ -260,7 +269,7 @@ __global__ void __launch_bounds__(retier_warps * 32, retier_min_blocks)
                                                            mask_area, lane)
                        : retier_row<Geometry, From, To, 1>(sp, dp, h, t, true, seed, area,
                                                            mask_area, lane);
-      if (!ok && lane % G == 0 && in.error) atomicCAS(in.error, 0, int(errc::non_finite_input));
+      if (!ok && lane % G == 0) detail::report_page_error(in, i, errc::non_finite_input);
     }
     i += di;
     r += dr;

@@ -15,12 +15,15 @@
 //   ... enqueue this step's decodes on main (they read the old, still published pages) ...
 //   mark_decodes_enqueued(main);       // after the last decode whose index arrays predate
 //   publication
-// A failed batch (a device error flag: a non-finite source vector, a bad slot) publishes
-// nothing: every old page stays published at its old id and tier, the reserved pages go back.
-// Otherwise each conversion is published or given back on its own, or, for a batch enqueued
-// all_or_none (memory pressure: a refused step must change nothing), all or none of them.
-// A conversion_fault_hook sees every conversion at reserve (stage), fill (a failing fill
-// fails the batch as a device error does) and publish.
+// Each page of a batch has its own device error code: a page that fails (a non-finite source
+// vector, a bad slot) is not published (its old page stays published at its old id and tier,
+// its reserved page goes back), and the rest of the batch is published, so one bad page never
+// holds other pages' conversions back. A page whose fill found non-finite data is quarantined
+// (tier_controller::quarantine: never planned again, counted once in retier_stats::quarantined).
+// A batch enqueued all_or_none (memory pressure: a refused step must change nothing) is
+// published whole or not at all (its non-finite pages are still quarantined, so the next
+// make_room picks others). A conversion_fault_hook sees every conversion at reserve (stage),
+// fill (a failing fill fails that page as a device error does) and publish.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -76,10 +79,8 @@ class retier_driver {
     d.ev_ = std::move(*ev);
     const std::size_t n = std::size_t(max_batch_pages);
     TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&d.done_, cudaEventDisableTiming));
-    TIERKV_CUDA_TRY(cudaMallocHost(&d.h_lists_, 3 * n * sizeof(std::int32_t) + sizeof(int)));
-    TIERKV_CUDA_TRY(cudaMalloc(&d.d_lists_, 3 * n * sizeof(std::int32_t) + sizeof(int)));
-    d.h_error_ = reinterpret_cast<int*>(d.h_lists_ + 3 * n);
-    d.d_error_ = reinterpret_cast<int*>(d.d_lists_ + 3 * n);
+    TIERKV_CUDA_TRY(cudaMallocHost(&d.h_lists_, lists * n * sizeof(std::int32_t)));
+    TIERKV_CUDA_TRY(cudaMalloc(&d.d_lists_, lists * n * sizeof(std::int32_t)));
     d.staged_.resize(n);
     d.filled_.reset(new bool[n]);
     d.retained_.reserve(n);
@@ -91,6 +92,10 @@ class retier_driver {
   bool batch_in_flight() const noexcept { return in_flight_ > 0; }
   /// Target pages reserved by the batch in flight (allocated, not yet published).
   std::size_t pages_in_flight() const noexcept { return in_flight_; }
+  /// Bytes of the lists a batch copies to the device (slots, layers, fault codes).
+  std::size_t list_bytes() const noexcept {
+    return lists * std::size_t(max_) * sizeof(std::int32_t);
+  }
   /// Pages replaced but not yet back in their pools (their decodes may still run).
   std::size_t pages_held() const noexcept { return old_.size(); }
   /// The conversions of the last batch try_publish committed (published or given back: read
@@ -139,9 +144,9 @@ class retier_driver {
       hd[i] = std::int32_t(staged_[i].to.slot);
       hl[i] = staged_[i].layer;
     }
-    *h_error_ = 0;
-    for (std::size_t i = 0; i < n && *h_error_ == 0; ++i)  // set before the kernels' atomicCAS
-      *h_error_ = int(faults(conversion_step::fill, staged_[i].block, staged_[i].layer));
+    std::int32_t* he = h_lists_ + 3 * cap;  // set before the kernels' atomicCAS, which keeps it
+    for (std::size_t i = 0; i < n; ++i)
+      he[i] = std::int32_t(faults(conversion_step::fill, staged_[i].block, staged_[i].layer));
     status st = launch(n, main);
     if (!st) {
       // Nothing was published; the stream may hold part of the batch: let it finish before
@@ -158,8 +163,10 @@ class retier_driver {
 
   /// Publishes the batch in flight once it has completed (non-blocking: false while it runs).
   /// The replaced pages are held (retain_page) until mark_decodes_enqueued's event completes.
-  /// A batch enqueued all_or_none that cannot be published whole returns the failure, nothing
-  /// published and `stats` untouched.
+  /// Pages that failed on the device are given back (their old pages stay published), the
+  /// non-finite ones quarantined, and the first failure goes to stats.first_error. A batch
+  /// enqueued all_or_none that cannot be published whole returns the failure, nothing
+  /// published and `stats` untouched but for the pages it quarantined.
   template <class Controller, conversion_fault_hook Faults = no_faults>
   result<bool> try_publish(Controller& ctl, retier_stats& stats, Faults&& faults = {}) {
     if (in_flight_ == 0) return false;
@@ -169,19 +176,30 @@ class retier_driver {
     const std::size_t n = in_flight_;
     in_flight_ = 0;
     committed_ = n;
-    const bool ok = *h_error_ == 0;
+    const std::int32_t* he = h_lists_ + 3 * std::size_t(max_);
+    std::size_t bad = 0, first_bad = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      if (he[i] != 0 && bad++ == 0) first_bad = i;
     retained_.clear();
     for (std::size_t i = 0; i < n; ++i) {
-      filled_[i] = ok && storage_->retain_page(staged_[i].from).is_ok();
+      filled_[i] = he[i] == 0 && (all_or_none_ ? bad == 0 : true) &&
+                   storage_->retain_page(staged_[i].from).is_ok();
       retained_.push_back(filled_[i] ? staged_[i].from : page_id{});
+      if (static_cast<errc>(he[i]) == errc::non_finite_input)
+        ctl.quarantine(staged_[i].block, staged_[i].layer, stats);
     }
     const std::span<staged_conversion> batch(staged_.data(), n);
     const std::span<const bool> filled(filled_.get(), n);
     status failed;
-    if (!ok)
-      failed = status::make(static_cast<errc>(*h_error_), "retier_driver: the batch of ", n,
-                            " pages failed on the device (",
-                            to_string(static_cast<errc>(*h_error_)), "); nothing was published");
+    if (bad > 0) {
+      const staged_conversion& b = staged_[first_bad];
+      const auto e = static_cast<errc>(he[first_bad]);
+      failed = status::make(
+          e, "retier_driver: ", bad, " of ", n, " pages failed on the device (", to_string(e),
+          "; the first: block ", b.block.index, " layer ", b.layer, ")",
+          e == errc::non_finite_input ? ", quarantined" : "",
+          all_or_none_ ? "; nothing was published" : "; their old pages stay published");
+    }
     if (all_or_none_) {
       if (failed.is_ok()) {
         retier_stats st;
@@ -232,8 +250,7 @@ class retier_driver {
 
   status launch(std::size_t n, cudaStream_t main) {
     const std::size_t cap = std::size_t(max_);
-    TIERKV_CUDA_TRY(cudaMemcpyAsync(d_lists_, h_lists_,
-                                    3 * cap * sizeof(std::int32_t) + sizeof(int),
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(d_lists_, h_lists_, lists * cap * sizeof(std::int32_t),
                                     cudaMemcpyHostToDevice, side_));
     if (auto st = mark_sources_ready(ev_, main); !st) return st;
     const auto views = storage_->views();
@@ -251,7 +268,7 @@ class retier_driver {
       in.pages = int(j - i);
       in.cache_seed = storage_->config().codec_seed;
       in.head_base = storage_->config().head_base;
-      in.error = d_error_;
+      in.page_error = d_lists_ + 3 * cap + i;
       status st;
       tierkv::detail::with_index<N>(from, [&](auto F) {
         tierkv::detail::with_index<N>(to, [&](auto T) {
@@ -264,8 +281,8 @@ class retier_driver {
       if (!st) return st;
       i = j;
     }
-    TIERKV_CUDA_TRY(
-        cudaMemcpyAsync(h_error_, d_error_, sizeof(int), cudaMemcpyDeviceToHost, side_));
+    TIERKV_CUDA_TRY(cudaMemcpyAsync(h_lists_ + 3 * cap, d_lists_ + 3 * cap,
+                                    n * sizeof(std::int32_t), cudaMemcpyDeviceToHost, side_));
     return check(cudaEventRecord(done_, side_), "retier_driver: cudaEventRecord");
   }
 
@@ -282,11 +299,12 @@ class retier_driver {
   int max_ = 0;
   cudaStream_t side_ = nullptr;
   retier_async_events ev_;
-  cudaEvent_t done_ = nullptr;       // the batch and its error flag copy have completed
-  std::int32_t* h_lists_ = nullptr;  // pinned: src slots, dst slots, layers [max_ each], error flag
+  cudaEvent_t done_ = nullptr;  // the batch and its error flag copy have completed
+  // pinned: src slots, dst slots, layers, each page's errc (the fault hook's on the way in, the
+  // device's on the way back) [max_ each]
+  static constexpr std::size_t lists = 4;
+  std::int32_t* h_lists_ = nullptr;
   std::int32_t* d_lists_ = nullptr;  // their device copy
-  int* h_error_ = nullptr;
-  int* d_error_ = nullptr;
   std::vector<staged_conversion> staged_;
   std::unique_ptr<bool[]> filled_;
   std::vector<page_id> retained_;

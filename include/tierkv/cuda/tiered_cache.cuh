@@ -679,7 +679,7 @@ class tiered_cache {
       const std::size_t n = std::min(todo.size(), std::size_t(opt_.max_retier_pages));
       auto queued = driver_->enqueue(*controller_, todo.first(n), stream_, st, faults_);
       if (!queued) return queued.error_status();
-      if (*queued > 0) counters_.h2d_metadata_bytes += retier_list_bytes();
+      if (*queued > 0) counters_.h2d_metadata_bytes += driver_->list_bytes();
       if (wait)
         if (auto c = collect_retier(true); !c) return c;
     }
@@ -949,10 +949,6 @@ class tiered_cache {
                         " holds non-finite K/V appended at position ", it->second.position,
                         ", layer ", it->second.layer, "; release it");
   }
-  std::size_t retier_list_bytes() const {
-    return 3 * std::size_t(opt_.max_retier_pages) * sizeof(std::int32_t) + sizeof(int);
-  }
-
   // ---- the mirror's rows ---------------------------------------------------------------------
   void open_row(seq_id s) {
     const std::int32_t r = free_rows_.back();
@@ -1064,7 +1060,7 @@ class tiered_cache {
                                      /*all_or_none=*/true);
       if (!queued) return queued.error_status();
       if (*queued == 0) break;
-      counters_.h2d_metadata_bytes += retier_list_bytes();
+      counters_.h2d_metadata_bytes += driver_->list_bytes();
       if (auto c = collect_retier(true); !c) return c;
       st.add(last_batch_);
       last_batch_ = retier_stats{};

@@ -52,9 +52,13 @@ struct retier_stats {
   std::uint64_t pressure_demoted = 0;   ///< demotions made by make_room
   std::uint64_t shadow_promotions = 0;  ///< promotions served losslessly from a kept tier-0 copy
   /// Held back for capacity, not faults (the old page stays published; a later step retries):
-  std::uint64_t deferred = 0;         ///< promotions held back by the tier-0 reserve
-  std::uint64_t deferred_full = 0;    ///< conversions whose target tier's pool had no free page
-  std::uint64_t failed = 0;           ///< conversions that failed (old page kept)
+  std::uint64_t deferred = 0;       ///< promotions held back by the tier-0 reserve
+  std::uint64_t deferred_full = 0;  ///< conversions whose target tier's pool had no free page
+  std::uint64_t failed = 0;         ///< conversions that failed (old page kept)
+  /// Pages whose conversion found non-finite data (a NaN-poisoned page): each stays published
+  /// in its tier, is never planned or picked for pressure again until its block is freed, and
+  /// is counted here once, by the step that found it (also counted in failed).
+  std::uint64_t quarantined = 0;
   std::uint64_t injected_faults = 0;  ///< failures injected by the fault hook
   std::uint64_t shadows_made = 0;     ///< tier-0 copies kept at demotion (keep_shadows)
   std::uint64_t shadows_dropped = 0;  ///< tier-0 copies given back
@@ -72,6 +76,7 @@ struct retier_stats {
     deferred += o.deferred;
     deferred_full += o.deferred_full;
     failed += o.failed;
+    quarantined += o.quarantined;
     injected_faults += o.injected_faults;
     shadows_made += o.shadows_made;
     shadows_dropped += o.shadows_dropped;
@@ -375,6 +380,20 @@ class tier_controller {
   void abandon(std::span<staged_conversion> staged) {
     for (staged_conversion& sc : staged) abort_conversion(*storage_, sc);
   }
+  /// Quarantines the page (block, layer) whose conversion found non-finite data (apply() does
+  /// it itself; a caller running the fill elsewhere, cuda/retier_driver.cuh, calls this before
+  /// commit): it stays published in its tier and is never planned or picked by make_room
+  /// again, so a poisoned page cannot hold other pages' conversions back step after step.
+  /// Counted once in st.quarantined; ends when the block is freed. A stale block is ignored.
+  void quarantine(block_ref b, int layer, retier_stats& st) {
+    if (!storage_->check_block(b) || layer < 0 || layer >= storage_->num_layers()) return;
+    sync(b);
+    page_rec& r = page(b.index, layer);
+    if (r.quarantined) return;
+    r.quarantined = true;
+    r.want = -1;
+    ++st.quarantined;
+  }
 
   /// plan(step) + apply(): one retier step.
   template <conversion_fault_hook Faults = no_faults>
@@ -547,8 +566,9 @@ class tier_controller {
     /// block is open), the tier the page had then, and list memberships.
     std::int16_t want = -1;  // 16-bit: compared with page formats' unsigned 8-bit tiers
     std::int16_t want_from = -1;
-    bool dirty = false;    ///< in dirty_: inputs changed since the last plan
-    bool waiting = false;  ///< in waiting_: wants another tier
+    bool dirty = false;        ///< in dirty_: inputs changed since the last plan
+    bool quarantined = false;  ///< its conversion found non-finite data: never planned again
+    bool waiting = false;      ///< in waiting_: wants another tier
   };
   template <class T>
   using counted_vector = std::vector<T, counted_allocator<T, typename Storage::meta_allocator>>;
@@ -755,7 +775,7 @@ class tier_controller {
         page_rec& r = page(bi, l);
         if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
         r.pending = -1.0f;
-        if (!sealed) continue;
+        if (!sealed || r.quarantined) continue;
         const page_facts f = facts(bi, l, storage_->block_page(ref, l));
         const int to = Roles::tier_of(policy_.choose(r.state, f));
         if (to == f.tier || dwelling(r, f)) continue;
@@ -788,7 +808,7 @@ class tier_controller {
       const int l = int(i % std::uint32_t(layers));
       r.want = -1;
       const block_rec& b = (*blocks_)[bi];
-      if (!b.live || !b.sealed) continue;
+      if (!b.live || !b.sealed || r.quarantined) continue;
       evaluate(r, bi, l, storage_->block_page(block_ref{bi, b.generation}, l));
     }
     dirty_->clear();
@@ -800,6 +820,7 @@ class tier_controller {
       const block_rec& b = (*blocks_)[bi];
       const block_ref ref{bi, b.generation};
       const page_id p = b.live && b.sealed ? storage_->block_page(ref, l) : page_id{};
+      if (r.quarantined) r.want = -1;
       if (p.valid() && r.want >= 0 && int(p.format) != r.want_from) evaluate(r, bi, l, p);
       if (!p.valid() || r.want < 0 || int(p.format) == r.want) {
         r.waiting = false;
@@ -886,7 +907,7 @@ class tier_controller {
       if (!storage_->block_sealed(ref)) continue;
       for (int l = 0; l < layers; ++l) {
         const page_id p = storage_->block_page(ref, l);
-        if (p.format != append_tier) continue;
+        if (p.format != append_tier || page(bi, l).quarantined) continue;
         const page_facts f = facts(bi, l, p);
         const float v = policy_.keep_value(page(bi, l).state, f);
         if (std::isinf(v)) continue;
@@ -959,6 +980,7 @@ class tier_controller {
     conversion_counters counters;
     if (auto s = fill_conversion_on_host(*storage_, sc, counters, faults); !s) {
       abort_conversion(*storage_, sc);
+      if (s.code() == errc::non_finite_input) quarantine(c.block, c.layer, st);
       return note_failure(st, std::move(s));
     }
     st.saturated += counters.saturated;

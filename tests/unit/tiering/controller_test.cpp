@@ -2,6 +2,7 @@
 // The default policy and the tier controller: roles, hysteresis, dwell, planning order,
 // memory pressure, shadows, and bookkeeping allocation failures.
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <vector>
@@ -511,6 +512,53 @@ TEST_CASE("controller: faults at every conversion step of a retier keep every pa
   CHECK(injected == total_calls);
   CHECK(lost == 0);
   CHECK(kept == injected);
+}
+
+TEST_CASE("controller: a page whose data is non-finite is quarantined, so it stalls nothing",
+          "[tiering][controller][faults]") {
+  auto s = make_storage(64, 64);
+  auto c = controller2::create(*s, recency_anchor(plain_knobs())).value();
+  const seq_id q = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, q, seeds_from(1, 96)));
+  const auto first = c->plan(1);
+  const std::vector<conversion> plan(first.begin(), first.end());
+  REQUIRE(plan.size() > 1);
+  // A NaN value scale in the first planned page (memory corruption, or a bug upstream)
+  const conversion bad = plan[0];
+  const page_id victim = s->block_page(bad.block, bad.layer);
+  const bf16_bits nan = bf16_quiet_nan;
+  std::memcpy(s->page_bytes(victim).value().data() + storage2::layout<0>::value_meta(0, 3), &nan,
+              sizeof nan);
+  const auto planned = [&](std::span<const conversion> p) {
+    return std::any_of(p.begin(), p.end(), [&](const conversion& x) {
+      return x.block == bad.block && x.layer == bad.layer;
+    });
+  };
+  const retier_stats st = c->apply(plan);
+  CHECK(st.converted == plan.size() - 1);  // the rest of the plan went through
+  CHECK(st.failed == 1);
+  CHECK(st.quarantined == 1);
+  CHECK(st.first_error.code() == errc::non_finite_input);
+  CHECK(s->block_page(bad.block, bad.layer) == victim);  // kept, published, in its tier
+  CHECK(s->page_published(victim));
+  // Reported once: never planned again, so never retried, and never a pressure candidate.
+  for (std::uint64_t step = 2; step < 6; ++step) {
+    CHECK(!planned(c->plan(step)));
+    const retier_stats again = c->retier(step);
+    CHECK(again.failed == 0);
+    CHECK(again.quarantined == 0);
+  }
+  auto pressure = c->pressure_plan(s->free_pages(0) + 1);
+  REQUIRE(pressure);
+  CHECK(!planned(*pressure));
+  CHECK(c->totals().quarantined == 1);
+  REQUIRE(c->check_invariants());
+  // The quarantine ends with the page: a new sequence in the freed block slot plans as usual.
+  REQUIRE(s->release(q));
+  const seq_id r = s->create_sequence().value();
+  REQUIRE(append_seeds(*s, r, seeds_from(1, 96)));
+  CHECK(c->plan(7).size() == plan.size());
+  REQUIRE(c->check_invariants());
 }
 
 TEST_CASE("controller: bookkeeping allocation failures leak nothing",
