@@ -279,7 +279,7 @@ TEST_CASE("retier_driver: ordering against the main stream, and a non-finite pag
       for (int p = 0; p < 8; ++p) before.push_back(gs->page(s, l, p).value());
     const std::uint32_t free0 = gs->free_pages(0), free1 = gs->free_pages(1);
     retier_stats st;
-    auto staged = drv->enqueue(*gc, plan, main, st, no_faults{}, true);
+    auto staged = drv->enqueue(*gc, plan, main, st, true);
     REQUIRE(staged);
     REQUIRE(*staged > 0);
     CUDA_OK(cudaStreamSynchronize(fx.side));

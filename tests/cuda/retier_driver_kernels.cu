@@ -39,8 +39,9 @@ std::size_t retier_driver::pages_held() const noexcept { return impl_->d->pages_
 
 tierkv::result<std::size_t> retier_driver::enqueue(gpu_ctl& ctl,
                                                    std::span<const tierkv::conversion> plan,
-                                                   cudaStream_t main, tierkv::retier_stats& stats) {
-  return impl_->d->enqueue(ctl, plan, main, stats);
+                                                   cudaStream_t main, tierkv::retier_stats& stats,
+                                                   bool all_or_none) {
+  return impl_->d->enqueue(ctl, plan, main, stats, tierkv::no_faults{}, all_or_none);
 }
 
 tierkv::result<bool> retier_driver::try_publish(gpu_ctl& ctl, tierkv::retier_stats& stats) {

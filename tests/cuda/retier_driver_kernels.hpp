@@ -38,7 +38,8 @@ class retier_driver {
 
   std::size_t pages_held() const noexcept;
   tierkv::result<std::size_t> enqueue(gpu_ctl& ctl, std::span<const tierkv::conversion> plan,
-                                      cudaStream_t main, tierkv::retier_stats& stats);
+                                      cudaStream_t main, tierkv::retier_stats& stats,
+                                      bool all_or_none = false);
   tierkv::result<bool> try_publish(gpu_ctl& ctl, tierkv::retier_stats& stats);
   tierkv::status mark_decodes_enqueued(cudaStream_t main);
   tierkv::result<std::size_t> reclaim();
