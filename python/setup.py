@@ -15,6 +15,10 @@ Environment:
   TIERKV_PYTHON_CUDA=1             also build libtierkv_cuda.so (tierkv.CudaCache: the cache on the
                                    GPU) with CMake and nvcc into the package
   TIERKV_PYTHON_CUDA_SET=entry;... its prebuilt set (csrc/cuda/CMakeLists.txt has the default)
+  TIERKV_USER_FORMATS_HEADER=path  formats registered outside tierkv (tierkv/formats.hpp): the
+  TIERKV_USER_FORMATS=Type,...     header declaring them and their descriptor types; every unit
+                                   (and the CUDA library) is compiled with them, and their names
+                                   work in sets like tierkv's own
 """
 
 import importlib.util
@@ -121,6 +125,24 @@ for item in filter(None, os.environ.get("TIERKV_PYTHON_EXTRA", "").split(",")):
     units.append(unit(f"extra_{'_'.join(names)}_d{d}_kv{kv}_g{g}_p{p}.cpp",
                       f"TIERKV_PY_INSTANTIATE_ONE({set_macro(names)}, {d}, {kv}, {g}, {p})"))
 
+# User formats: one forced include that defines tierkv/formats.hpp's two macros for every unit
+# (a file rather than -D flags: the header's quotes would not survive the build's shell).
+user_header = os.environ.get("TIERKV_USER_FORMATS_HEADER", "")
+user_types = os.environ.get("TIERKV_USER_FORMATS", "")
+if bool(user_header) != bool(user_types):
+    raise RuntimeError("TIERKV_USER_FORMATS_HEADER and TIERKV_USER_FORMATS go together: set both or neither")
+user_config = None
+if user_header:
+    header = Path(user_header)
+    if not header.is_absolute() or not header.is_file():  # pip builds in a directory of its own
+        raise RuntimeError(f"TIERKV_USER_FORMATS_HEADER={user_header!r}: expected an absolute path to a file")
+    user_config = gen / "user_formats_config.hpp"
+    text = (f'#define TIERKV_USER_FORMATS_HEADER "{header}"\n'
+            f"#define TIERKV_USER_FORMATS {user_types}\n")
+    if not user_config.exists() or user_config.read_text() != text:
+        user_config.write_text(text)
+forced = ["-include", str(user_config)] if user_config else []
+
 # Paths relative to setup.py: setuptools refuses absolute source paths.
 sources = ["csrc/ops.cpp", "csrc/registry.cpp"] + units
 
@@ -140,6 +162,8 @@ class BuildExtAndCuda(BuildExtension):
                 f"-DTIERKV_PYTHON_CUDA_OUTPUT_DIR={out}"]
         if shutil.which("ninja"):
             args += ["-G", "Ninja"]
+        if user_config:
+            args.append(f"-DTIERKV_PYTHON_USER_FORMATS_CONFIG={user_config}")
         if "TIERKV_PYTHON_CUDA_SET" in os.environ:
             args.append(f"-DTIERKV_PYTHON_CUDA_SET={os.environ['TIERKV_PYTHON_CUDA_SET']}")
         subprocess.check_call(args)
@@ -157,7 +181,7 @@ setup(
             define_macros=[("TIERKV_PY_FULL", "1" if full == "full" else "0")],
             # -g0: debug info triples the objects and the link; -O2 (the default) like the C++
             # release preset.
-            extra_compile_args=["-std=c++20", f"-O{opt}", "-g0", "-fvisibility=hidden"],
+            extra_compile_args=["-std=c++20", f"-O{opt}", "-g0", "-fvisibility=hidden"] + forced,
         )
     ],
     cmdclass={"build_ext": BuildExtAndCuda},

@@ -33,6 +33,24 @@
 #include "tierkv/cuda/codec/tq4.cuh"
 #endif
 
+// Formats added without editing tierkv (an engine's own codec; tests/unit/user_format/): compile
+// every translation unit with TIERKV_USER_FORMATS_HEADER, a header (found on the include path)
+// that declares their codecs (codec_family, storage_format tags 128 and up: codec/codec.hpp), their
+// descriptors and, under nvcc, their device codecs (cuda/codec/device_codec.cuh), and with
+// TIERKV_USER_FORMATS, the descriptors' comma-separated types. They are then registered formats
+// like tierkv's own: named from Python (python/setup.py passes both through), in tier lists, in
+// transfers. One program, one definition: every unit must see the same two macros.
+#if defined(TIERKV_USER_FORMATS_HEADER) != defined(TIERKV_USER_FORMATS)
+#error \
+    "tierkv/formats.hpp: define both TIERKV_USER_FORMATS_HEADER and TIERKV_USER_FORMATS, or neither"
+#endif
+#ifdef TIERKV_USER_FORMATS_HEADER
+#include TIERKV_USER_FORMATS_HEADER
+#define TIERKV_DETAIL_USER_FORMATS , TIERKV_USER_FORMATS
+#else
+#define TIERKV_DETAIL_USER_FORMATS
+#endif
+
 namespace tierkv {
 
 /// A list of format descriptors (tierkv::formats::X beside each codec: name, key_family,
@@ -42,10 +60,23 @@ struct format_list {
   static constexpr int size = int(sizeof...(Formats));  ///< number of formats
 };
 
-/// Every registered format; a descriptor's index here is its run-time index.
+/// tierkv's own formats (tags below 128).
+using builtin_formats = format_list<formats::fp8, formats::int8_rotated, formats::tq3, formats::tq4,
+                                    formats::bf16, formats::f32, formats::fp8_e5m2, formats::tq2>;
+
+namespace detail {
+template <class List, class... More>
+struct append_formats;
+template <class... F, class... More>
+struct append_formats<format_list<F...>, More...> {
+  using type = format_list<F..., More...>;
+};
+}  // namespace detail
+
+/// Every registered format, tierkv's own then the user formats (above); a descriptor's index
+/// here is its run-time index.
 using registered_formats =
-    format_list<formats::fp8, formats::int8_rotated, formats::tq3, formats::tq4, formats::bf16,
-                formats::f32, formats::fp8_e5m2, formats::tq2>;
+    typename detail::append_formats<builtin_formats TIERKV_DETAIL_USER_FORMATS>::type;
 
 namespace detail {
 template <class F>
@@ -59,6 +90,7 @@ constexpr bool registry_consistent(format_list<F...>) {
                             codec_for<typename F::value_family, 64>::format)...};
   for (int i = 0; i < int(sizeof...(F)); ++i) {
     if (!same_tag[i] || names[i].empty()) return false;
+    if ((i < builtin_formats::size) != (int(tags[i]) < user_format_tags)) return false;
     for (int j = 0; j < i; ++j)
       if (names[i] == names[j] || tags[i] == tags[j]) return false;
   }
@@ -67,7 +99,8 @@ constexpr bool registry_consistent(format_list<F...>) {
 static_assert(
     registry_consistent(registered_formats{}),
     "tierkv/formats.hpp: every registered format needs a non-empty name and a storage_format "
-    "tag of its own, shared by its key and value codecs");
+    "tag of its own, shared by its key and value codecs (tierkv's below 128, user formats' "
+    "128 and up)");
 
 template <int I, class List>
 struct format_at_impl;

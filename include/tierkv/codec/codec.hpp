@@ -23,7 +23,10 @@ enum class storage_format : std::uint8_t {
   int8_rotated = 5,
   tq4 = 6,
   tq2 = 7,  ///< 2-bit rotated codes (codec/tq2.hpp): the Cold tier
+  // 128..255: formats registered outside tierkv, storage_format{N} (tierkv/formats.hpp)
 };
+/// The first tag of the formats registered outside tierkv (TIERKV_USER_FORMATS).
+inline constexpr int user_format_tags = 128;
 
 /// Whether a vector is a key or a value (codec contexts and error measures differ per role).
 enum class kv_role : std::uint8_t { key = 0, value = 1 };
