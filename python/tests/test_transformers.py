@@ -174,3 +174,9 @@ def test_geometry_not_built_is_refused():
     cfg = LlamaConfig(hidden_size=96, num_attention_heads=3, num_key_value_heads=3, head_dim=32, num_hidden_layers=1)
     with pytest.raises(ValueError, match="no prebuilt tierkv cache"):
         TieredCache(cfg)
+
+
+def test_sync_retier_is_for_the_gpu_cache():
+    # the host path's step is synchronous already: asking for it there is a mistake, said so
+    with pytest.raises(ValueError, match="sync_retier"):
+        tiered(tiny("llama", "tierkv"), sync_retier=True)

@@ -109,9 +109,10 @@ class _HostSteps:
 class _CudaSteps:
     """The GPU cache's step: begin_step (tokens committed), append per layer, end_step."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, wait: bool = False):
         self.c = cache
         self.open = False
+        self.wait = wait  # end_step finishes the step's retier (TieredCache's sync_retier)
 
     def begin(self, seqs, n: int, step: int) -> None:
         if self.open:
@@ -127,7 +128,7 @@ class _CudaSteps:
 
     def end(self, step: int) -> None:
         if self.open:
-            self.c.end_step(step)
+            self.c.end_step(step, wait=self.wait)
             self.open = False
 
     def attend(self, layer: int, seqs, q, n: int, window: int = 0, soft_cap: float = 0.0):
@@ -148,10 +149,14 @@ class TieredCache(Cache):
     max_tokens or pages_per_tier; device="cuda" keeps the cache on the GPU (tierkv.CudaCache,
     whose keywords pass through too). center (channel-mean centring, tierkv.Cache's) defaults
     to True unless the model has an attention logit soft-cap, which centring refuses.
+    sync_retier=True (GPU only) finishes each step's retier inside end_step, feeding that step's
+    page masses first, as the host path's synchronous step does: the same tiers step by step as
+    a host cache given the same masses (checks and tests; it gives up the side stream's overlap).
     from_cache() wraps a cache and sequences made elsewhere.
     """
 
-    def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", device=None, **kwargs):
+    def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", device=None,
+                 sync_retier=False, **kwargs):
         text = self._text_config(config)
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -174,10 +179,14 @@ class TieredCache(Cache):
             cache = CudaCache(**geometry, **names, device=device, **kwargs)
             cap = None  # the GPU attention takes the model's soft-cap per call
         else:
+            if sync_retier:
+                raise ValueError("TieredCache: sync_retier is for the GPU cache (the host path's step is synchronous)")
             kwargs.setdefault("soft_cap", cap)
             cache = HostCache(**geometry, **names, **kwargs)
             cap = float(kwargs["soft_cap"])
         self._setup(text, cache, None, float(kwargs["softmax_scale"]), cap)
+        if self.on_gpu:
+            self.steps.wait = bool(sync_retier)
 
     @classmethod
     def from_cache(cls, config, cache, seqs=None, softmax_scale=None) -> "TieredCache":
