@@ -33,9 +33,9 @@
 #include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/codec/tq4.hpp"
-#include "tierkv/cuda/append.cuh"
+#include "tierkv/cuda/append/append.cuh"
 #include "tierkv/cuda/decode.cuh"
-#include "tierkv/cuda/retier.cuh"
+#include "tierkv/cuda/retier/retier.cuh"
 
 namespace {
 

@@ -6,7 +6,7 @@
 //   retier      the retier batch alone;
 //   serial      decode then retier on one stream;
 //   overlap     decode on the main stream, the batch on a low-priority side stream through
-//               retier_async.cuh (events);
+//               cuda/retier/async.cuh (events);
 //   overlap_eq  the same with the side stream at the main stream's priority.
 // Google Benchmark: one benchmark per (shape, batch, layers[, pct], mode), e.g.
 // retier_overlap/shape:24x4x256/batch:8/layers:16/pct:5/mode:overlap, 25 repetitions of one step
@@ -35,8 +35,8 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/cuda/decode.cuh"
-#include "tierkv/cuda/retier.cuh"
-#include "tierkv/cuda/retier_async.cuh"
+#include "tierkv/cuda/retier/async.cuh"
+#include "tierkv/cuda/retier/retier.cuh"
 
 namespace {
 

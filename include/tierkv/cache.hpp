@@ -243,7 +243,7 @@ class tiered_cache {
     if (!means_)
       return status(errc::invalid_argument,
                     "set_centering: the cache was created with center = false");
-    if (auto st = check_no_pages_for_centring(*storage_); !st) return st;
+    if (auto st = check_no_pages_for_centering(*storage_); !st) return st;
     return means_->set(layer, mu_k, mu_v);
   }
   /// The centring means (nullptr when center = false): an engine moving pages to another cache
@@ -298,7 +298,7 @@ class tiered_cache {
     a.mass_stride = opt_.max_pages;
     if (auto st = host_decode<Geometry, Tiers>(workspace_, a); !st) return st;
     for (std::size_t b = 0; b < batch.size(); ++b)  // a sequence with no token keeps its zeros
-      if (*storage_->length(batch[b]) > 0) restore_centring(layer, b, b + 1, queries, out, lse);
+      if (*storage_->length(batch[b]) > 0) restore_centering(layer, b, b + 1, queries, out, lse);
     return observe(layer, batch, page_mass);
   }
 
@@ -388,7 +388,7 @@ class tiered_cache {
         });
     }
     if (!st) return st;
-    restore_centring(layer, 0, rows, queries, out, lse);  // every sequence holds tokens
+    restore_centering(layer, 0, rows, queries, out, lse);  // every sequence holds tokens
     return observe(layer, batch, {}, index_scope::readable);
   }
 
@@ -440,9 +440,9 @@ class tiered_cache {
 
   /// Adds back what centring took from query rows [first, last) of an attention pass (outputs
   /// + mu_v, LSE + scale q.mu_k); nothing without centring or before the layer has means.
-  void restore_centring(int layer, std::size_t first, std::size_t last,
-                        std::span<const float> queries, std::span<float> out,
-                        std::span<float> lse) const {
+  void restore_centering(int layer, std::size_t first, std::size_t last,
+                         std::span<const float> queries, std::span<float> out,
+                         std::span<float> lse) const {
     if (!means_ || !means_->known(layer)) return;
     constexpr std::size_t row = std::size_t(q_heads) * head_dim;
     for (std::size_t r = first; r < last; ++r)

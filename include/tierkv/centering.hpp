@@ -26,7 +26,7 @@ namespace tierkv {
 /// Refuses new means (invalid_argument, naming the tier and its pages) while any pool of
 /// `storage` holds a page: every page was encoded against the present means.
 template <class Storage>
-status check_no_pages_for_centring(const Storage& storage) {
+status check_no_pages_for_centering(const Storage& storage) {
   for (int t = 0; t < Storage::num_tiers; ++t) {
     const std::uint32_t cap = storage.config().pages_per_tier[std::size_t(t)];
     if (storage.free_pages(t) != cap)

@@ -150,8 +150,8 @@ class cache_impl final : public runtime_cache {
     a.window = window;
     check(tierkv::host_decode<Geometry, tier_list>(workspace_, a));
     for (std::size_t b = 0; b < seqs.size(); ++b)
-      restore_centring(layer, seqs[b], 1, queries + b * QH * D, out + b * QH * D,
-                       lse ? lse + b * QH : nullptr);
+      restore_centering(layer, seqs[b], 1, queries + b * QH * D, out + b * QH * D,
+                        lse ? lse + b * QH : nullptr);
     // Every readable page's mass feeds the policy, the reservation's too (as
     // tiered_cache::prefill and the GPU façade, whose step pages are committed at begin_step):
     // a step's own page can become an Anchor by the mass its last query gave it.
@@ -184,8 +184,8 @@ class cache_impl final : public runtime_cache {
     check(tierkv::host_prefill<Geometry, tier_list>(workspace_, a));
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const std::size_t r = std::size_t(q_indptr[b]);
-      restore_centring(layer, seqs[b], q_indptr[b + 1] - q_indptr[b], queries + r * QH * D,
-                       out + r * QH * D, lse ? lse + r * QH : nullptr);
+      restore_centering(layer, seqs[b], q_indptr[b + 1] - q_indptr[b], queries + r * QH * D,
+                        out + r * QH * D, lse ? lse + r * QH : nullptr);
     }
   }
 
@@ -286,8 +286,8 @@ class cache_impl final : public runtime_cache {
   // Centring (center = true): what the façade's write took from keys and values goes back into
   // `rows` query rows of sequence s (outputs + mu_v, lse + scale q.mu_k), as tiered_cache::attend
   // does; a sequence with no token, or a layer never written, keeps the kernels' result.
-  void restore_centring(int layer, std::int64_t s, std::int64_t rows, const float* q, float* out,
-                        float* lse) const {
+  void restore_centering(int layer, std::int64_t s, std::int64_t rows, const float* q, float* out,
+                         float* lse) const {
     const auto* means = cache_->centering();
     if (means == nullptr || !means->known(layer)) return;
     const tierkv::seq_id id = to_seq(s);

@@ -377,7 +377,7 @@ def test_generate_through_a_gpu_tiered_cache():
     assert (gpu.cpu()[:, 30:] == host[:, 30:]).float().mean() >= 0.9  # ties may flip (docs/python.md)
 
 
-def test_centring_removes_channel_offsets():
+def test_centering_removes_channel_offsets():
     """Keys with a per-channel offset 5x their spread and values with one 2x: center=True stores
     them minus the layer's channel means (estimated from the first append) and adds the means back
     exactly, so a Stale TQ3 tier's error is the spread's, not the offset's (docs/gpu-cache.md)."""

@@ -429,7 +429,7 @@ def test_compile_write_then_decode_keeps_order(rng):
     assert rel_l2(out[0], ref) < EXACT
 
 
-def test_centring_removes_channel_offsets(rng):
+def test_centering_removes_channel_offsets(rng):
     """Keys offset 5x their spread per channel, values 2x: center=True stores them minus the
     layer's channel means (estimated from the first write) and adds the means back exactly, in
     decode and in prefill over a reserved chunk; the Stale TQ3 tier's error is then the

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "append_kernels.hpp"
-#include "tierkv/cuda/append.cuh"
+#include "tierkv/cuda/append/append.cuh"
 
 namespace cuda_test {
 

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// test_cuda_append's device side (append_kernels.cu: append.cuh needs nvcc).
+// test_cuda_append's device side (append_kernels.cu: cuda/append/append.cuh needs nvcc).
 #pragma once
 
 #include <cuda_runtime_api.h>

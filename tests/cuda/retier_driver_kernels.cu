@@ -5,8 +5,8 @@
 
 #include <utility>
 
-#include "tierkv/cuda/retier_async.cuh"
-#include "tierkv/cuda/retier_driver.cuh"
+#include "tierkv/cuda/retier/async.cuh"
+#include "tierkv/cuda/retier/driver.cuh"
 
 namespace cuda_test {
 namespace {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// test_cuda_retier_driver's device side (retier_driver_kernels.cu: retier_driver.cuh needs
+// test_cuda_retier_driver's device side (retier_driver_kernels.cu: cuda/retier/driver.cuh needs
 // nvcc), for the test's storage over page-locked memory and its controller.
 #pragma once
 

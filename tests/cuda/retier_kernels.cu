@@ -2,7 +2,7 @@
 // test_cuda_retier's device side: cuda::retier behind retier_kernels.hpp (no Catch2 here).
 #include "retier_kernels.hpp"
 
-#include "tierkv/cuda/retier.cuh"
+#include "tierkv/cuda/retier/retier.cuh"
 
 namespace cuda_test {
 

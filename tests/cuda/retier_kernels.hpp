@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// test_cuda_retier's device side (retier_kernels.cu: retier.cuh needs nvcc).
+// test_cuda_retier's device side (retier_kernels.cu: cuda/retier/retier.cuh needs nvcc).
 #pragma once
 
 #include <cuda_runtime_api.h>

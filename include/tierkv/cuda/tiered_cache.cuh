@@ -48,15 +48,15 @@
 #include "tierkv/core/geometry.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
-#include "tierkv/cuda/append.cuh"
+#include "tierkv/cuda/append/append.cuh"
 #include "tierkv/cuda/check.cuh"
 #include "tierkv/cuda/decode.cuh"
 #include "tierkv/cuda/decode_plan.cuh"
 #include "tierkv/cuda/page_table_mirror.cuh"
 #include "tierkv/cuda/prefill.cuh"
 #include "tierkv/cuda/prefill_plan.cuh"
-#include "tierkv/cuda/retier_async.cuh"
-#include "tierkv/cuda/retier_driver.cuh"
+#include "tierkv/cuda/retier/async.cuh"
+#include "tierkv/cuda/retier/driver.cuh"
 #include "tierkv/memory/allocators.hpp"
 #include "tierkv/paging/page_transfer.hpp"
 #include "tierkv/paging/paged_storage.hpp"
@@ -569,7 +569,7 @@ class tiered_cache {
     if (stepping_)
       return status(errc::invalid_argument, "set_centering: not between begin_step and end_step");
     if (auto st = means_type::check(layer, layers(), mu_k, mu_v); !st) return st;
-    if (auto st = check_no_pages_for_centring(*storage_); !st) return st;
+    if (auto st = check_no_pages_for_centering(*storage_); !st) return st;
     constexpr std::size_t n = mean_floats;
     TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // no kernel reads the old means any more
     TIERKV_CUDA_TRY(

@@ -473,7 +473,7 @@ class paged_storage {
   }
   /// One more reference to a live page, owned by the caller until release_page. A device
   /// driver takes one on a page it is about to replace, so the slot is not handed out again
-  /// while decodes in flight may still read it (cuda/retier_driver.cuh).
+  /// while decodes in flight may still read it (cuda/retier/driver.cuh).
   status retain_page(page_id p) {
     return on_pool(p, [&](auto& pl) { return pl.retain(p); });
   }

@@ -293,7 +293,7 @@ class tier_controller {
     return st;
   }
 
-  /// Two-phase apply for a fill the caller runs elsewhere (a GPU batch, cuda/retier_driver.cuh).
+  /// Two-phase apply for a fill the caller runs elsewhere (a GPU batch, cuda/retier/driver.cuh).
   /// stage() reserves the target page of each conversion of `todo` that apply() would run
   /// (live, unmoved, not held back for capacity) into `out` and returns how many;
   /// nothing is published and the old pages stay readable. commit() then publishes staged[i]
@@ -381,7 +381,7 @@ class tier_controller {
     for (staged_conversion& sc : staged) abort_conversion(*storage_, sc);
   }
   /// Quarantines the page (block, layer) whose conversion found non-finite data (apply() does
-  /// it itself; a caller running the fill elsewhere, cuda/retier_driver.cuh, calls this before
+  /// it itself; a caller running the fill elsewhere, cuda/retier/driver.cuh, calls this before
   /// commit): it stays published in its tier and is never planned or picked by make_room
   /// again, so a poisoned page cannot hold other pages' conversions back step after step.
   /// Counted once in st.quarantined; ends when the block is freed. A stale block is ignored.

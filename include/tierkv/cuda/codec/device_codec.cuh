@@ -50,7 +50,7 @@ struct device_codec {
 //                    retier source decodes into them)
 //   exchange_encode  its warp encoder takes an unrotated source through a layout exchange, in
 //                    a retier whose roles share one path
-//   appends          an append tier's format (append_encode: cuda/append.cuh)
+//   appends          an append tier's format (append_encode: cuda/append/append.cuh)
 //   key_operand / value_operand   the 16-bit type of the f16 path's operands
 //   long_steps_with_s8_keys (values) / long_steps_max_head_dim (keys): the tensor-core decode's
 //                    tier takes 32-token steps

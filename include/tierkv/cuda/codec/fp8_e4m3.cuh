@@ -293,9 +293,9 @@ struct device_codec<C, storage_format::fp8_e4m3> : device_codec_defaults {
     (void)seed, (void)norm, (void)ex;
     return warp_encode_fp8<C, N>(v, payload, meta, lane, signs);
   }
-  // A new token's vector (cuda/append.cuh), lane l holding coordinates N l .. N l + N - 1 (zeros
-  // past head_dim), exactly as fp8_codec::encode: the maximum a warp reduction (order-free, so
-  // exact), the scale scale_for(), each element converted on its own as encode_with_scale does.
+  // A new token's vector (cuda/append/append.cuh), lane l holding coordinates N l .. N l + N - 1
+  // (zeros past head_dim), exactly as fp8_codec::encode: the maximum a warp reduction (order-free,
+  // so exact), the scale scale_for(), each element converted on its own as encode_with_scale does.
   // Non-finite input: zero codes, the poison meta, and false.
   template <int N>
   __device__ __forceinline__ static bool append_encode(const float (&x)[N], std::uint8_t* payload,

@@ -153,7 +153,7 @@ struct device_codec<C, storage_format::int8_rotated> : device_codec_defaults {
     (void)norm, (void)ex, (void)signs;
     return warp_encode_int8r<C, N>(v, payload, meta, seed, lane);
   }
-  // A new token's vector (cuda/append.cuh), lane l holding coordinates N l .. N l + N - 1:
+  // A new token's vector (cuda/append/append.cuh), lane l holding coordinates N l .. N l + N - 1:
   // warp_encode_int8r (the rotation needs the whole vector in the warp); non-finite input: its
   // poison and false.
   template <int N>

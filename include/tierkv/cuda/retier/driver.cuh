@@ -4,7 +4,7 @@
 // on a side stream (after the sources are immutable on the main stream), published only once
 // that batch has completed without a device error, and the replaced pages' slots go back to
 // their pools only once the decodes that could still read them have completed. It runs the
-// protocol of retier_async.cuh for a paged_storage whose pools the GPU can address (device
+// protocol of retier/async.cuh for a paged_storage whose pools the GPU can address (device
 // memory, or page-locked host memory through unified addressing).
 //
 // Per scheduler step, in this order (one batch in flight at a time):
@@ -39,8 +39,8 @@
 
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
-#include "tierkv/cuda/retier.cuh"
-#include "tierkv/cuda/retier_async.cuh"
+#include "tierkv/cuda/retier/async.cuh"
+#include "tierkv/cuda/retier/retier.cuh"
 #include "tierkv/tiering/conversion.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 

@@ -49,7 +49,7 @@ struct retier_inputs {
   int head_base = 0;
   int* error = nullptr;  ///< optional: first device errc (0 = ok)
   /// optional device [pages]: each page's first errc (0 = ok; a nonzero value on entry stays),
-  /// so a caller can fail one page of a list and keep the rest (cuda/retier_driver.cuh)
+  /// so a caller can fail one page of a list and keep the rest (cuda/retier/driver.cuh)
   int* page_error = nullptr;
 };
 

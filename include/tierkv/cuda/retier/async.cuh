@@ -35,7 +35,7 @@
 
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
-#include "tierkv/cuda/retier.cuh"
+#include "tierkv/cuda/retier/retier.cuh"
 
 namespace tierkv::cuda {
 
