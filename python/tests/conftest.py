@@ -64,6 +64,17 @@ def reference(q, K, V, limit, group, scale=None):
     return torch.einsum("hn,nhd->hd", p, Vh), lse
 
 
+def page_bits(cache):
+    """Bits per K/V scalar of a TieredCache's pages, counted page by page: each (sequence,
+    layer) page's tier (page_tiers) at that tier's page bytes, over every committed token."""
+    c = cache.tierkv
+    page_bytes = [t["page_bytes"] for t in c.report()["tiers"]]
+    seqs = cache.seqs.tolist()
+    stored = sum(page_bytes[t] for s in seqs for layer in range(c.num_layers) for t in c.page_tiers(s, layer))
+    tokens = sum(c.length(s) for s in seqs)
+    return 8.0 * stored / (tokens * c.num_layers * 2 * c.kv_heads * c.head_dim)
+
+
 def rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 

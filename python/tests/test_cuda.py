@@ -3,13 +3,16 @@
 inputs, in CUDA graphs and under torch.compile, and through TieredCache in a transformers model.
 Skipped without a CUDA device or without libtierkv_cuda.so (TIERKV_PYTHON_CUDA=1 builds it)."""
 
+import re
+import warnings
+
 import pytest
 import torch
 
 import tierkv
 from tierkv import cuda as tkv_cuda
 
-from conftest import make_cache
+from conftest import make_cache, page_bits
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -375,6 +378,53 @@ def test_generate_through_a_gpu_tiered_cache():
                              pad_token_id=0)  # fmt: skip
     assert gpu.shape == host.shape
     assert (gpu.cpu()[:, 30:] == host[:, 30:]).float().mean() >= 0.9  # ties may flip (docs/python.md)
+
+
+def test_tiered_cache_capacity_and_accounting_on_the_gpu():
+    """The GPU TieredCache shares the host's capacity check, warning and accounting
+    (transformers.py): a run past max_tokens fails at the first step past it with the same
+    message; a Stale pool too small for the run warns once; retier_stats() is the growth of
+    retier_totals() and bits_per_scalar() the report's, the bits counted page by page once the
+    conversions in flight are drained."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tierkv.transformers import TieredCache
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=64, max_position_embeddings=512, attn_implementation="tierkv")  # fmt: skip
+    torch.manual_seed(2)
+    model = Qwen3ForCausalLM(cfg).eval().cuda()
+    kw = dict(max_step_tokens=128, max_sequences=4, max_batch=4, **POLICY)
+
+    def generate(cache, n):
+        ids = torch.randint(1, 256, (1, n), generator=torch.Generator().manual_seed(n)).cuda()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=24,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+
+    limited = TieredCache(model.config, device="cuda", max_tokens=52, **kw)
+    msg = "TieredCache: 53 tokens needed (52 held + 1 x 1 new), max_tokens=52; pass max_tokens>=53"
+    with pytest.raises(RuntimeError, match=re.escape(msg)):
+        generate(limited, 40)
+    assert limited.get_seq_length() == 52
+
+    def run(stale_pages):
+        cache = TieredCache(model.config, device="cuda", pages_per_tier=[64 * 3, stale_pages], **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generate(cache, 96)
+            cache.end_step()
+            cache.tierkv.drain()
+        assert cache.retier_stats() == cache.tierkv.retier_totals()  # a fresh cache: from zero
+        assert cache.bits_per_scalar() == pytest.approx(page_bits(cache), rel=1e-12)
+        return cache, [str(w.message) for w in caught if "TieredCache" in str(w.message)]
+
+    full, warned = run(2 * 3)
+    assert full.retier_stats()["deferred_full"] > 0
+    assert len(warned) == 1 and "pages_per_tier=[192, 6]" in warned[0], warned
+    roomy, quiet = run(64 * 3)
+    assert quiet == [] and roomy.retier_stats()["deferred_full"] == 0
+    assert full.bits_per_scalar() > roomy.bits_per_scalar() + 0.5
 
 
 def test_centering_removes_channel_offsets():

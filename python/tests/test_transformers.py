@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """TieredCache in model.generate: tiny random-weight Llama and Qwen3 models on the CPU."""
 
+import warnings
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+import tierkv  # noqa: E402
+from conftest import page_bits  # noqa: E402
 from tierkv.transformers import TieredCache  # noqa: E402
 
 PROMPT_LEN, NEW = 40, 24
@@ -180,3 +184,117 @@ def test_sync_retier_is_for_the_gpu_cache():
     # the host path's step is synchronous already: asking for it there is a mistake, said so
     with pytest.raises(ValueError, match="sync_retier"):
         tiered(tiny("llama", "tierkv"), sync_retier=True)
+
+RECOMMENDED = dict(recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3")
+EIGHT_BIT = dict(recent="int8_rotated", cache_type_k="int8_rotated", cache_type_v="int8_rotated")
+# pages leave tier 0 as soon as they are out of the recent window (the tests' short runs)
+EAGER_POLICY = dict(recent_pages=2, keep_first_layers=0, keep_last_layers=0, min_dwell_steps=0)
+
+
+def counting_retier(cache):
+    """Sums what the cache's own retier op returns, beside TieredCache's bookkeeping."""
+    seen = dict.fromkeys(tierkv.RETIER_FIELDS, 0)
+    retier = cache.tierkv.retier
+
+    def wrapped(step):
+        stats = retier(step)
+        for k, v in stats.items():
+            seen[k] += v
+        return stats
+
+    cache.tierkv.retier = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("tiers", ["8-bit", "recommended"])
+def test_max_tokens_is_the_limit_in_every_tier_set(tiers, batch):
+    """A run longer than max_tokens (the batch's tokens together) fails at the first step past
+    it with an error naming max_tokens and the size needed, whatever the tier set: before, an
+    8-bit-only cache failed later with "block table has 0 free entries" and a tiered one ran on,
+    holding back demotions once its Stale pool was full. Up to the limit no demotion is held
+    back."""
+    model = tiny("llama", "tierkv")
+    ids = torch.randint(1, 256, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(10))
+    limit = batch * (PROMPT_LEN + 12)
+    formats = EIGHT_BIT if tiers == "8-bit" else RECOMMENDED
+    cache = TieredCache(model.config, max_tokens=limit, threads=2, **formats, **EAGER_POLICY)
+    need = limit + batch
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as err:
+        warnings.simplefilter("always")
+        greedy(model, ids, cache)
+    assert not [w for w in caught if "TieredCache" in str(w.message)]  # nothing held back
+    assert str(err.value) == (
+        f"TieredCache: {need} tokens needed ({limit} held + {batch} x 1 new), max_tokens={limit}; "
+        f"pass max_tokens>={need} (the tokens of every sequence of the batch together)"
+    )
+    assert cache.get_seq_length() == PROMPT_LEN + 12  # the refused step changed nothing
+    assert cache.max_tokens == limit
+    assert cache.tierkv.report()["live_tokens"] == limit
+    stats = cache.retier_stats()
+    assert stats["deferred_full"] == 0
+    if tiers == "recommended":  # pages did move to the Stale tier before the limit
+        assert stats["demoted"] > 0
+        assert any(1 in cache.tierkv.page_tiers(s, layer) for s in cache.seqs.tolist() for layer in range(3))
+    assert cache.bits_per_scalar() == pytest.approx(page_bits(cache), rel=1e-12)
+
+
+def test_pools_too_small_name_pages_per_tier():
+    """A cache sized by pages_per_tier (3 pages per layer: 48 tokens) that runs out of pages
+    says so, naming them, not only the library's "block table has 0 free entries"."""
+    model = tiny("llama", "tierkv")
+    ids = torch.randint(1, 256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(11))
+    cache = TieredCache(model.config, pages_per_tier=[9], threads=2, **EIGHT_BIT)
+    with pytest.raises(RuntimeError, match=r"^TieredCache: no room for 1 x 1 new tokens \(48 held\): the pools "
+                       r"hold pages_per_tier=\[9\] pages .*capacity_exhausted"):  # fmt: skip
+        greedy(model, ids, cache)
+    assert cache.get_seq_length() == 48
+    assert cache.max_tokens is None  # no default max_tokens beside the caller's pages
+
+
+def run_with_stale_pool(stale_pages):
+    """The recommended cache over a 96-token prompt and 24 greedy tokens, its Stale pool
+    stale_pages pages (one layer each): the cache, TieredCache's warnings, and the sums of what
+    the retier op returned."""
+    model = tiny("qwen3", "tierkv")
+    ids = torch.randint(1, 256, (1, 96), generator=torch.Generator().manual_seed(12))
+    cache = TieredCache(model.config, pages_per_tier=[64 * 3, stale_pages], threads=2, **RECOMMENDED, **EAGER_POLICY)
+    seen = counting_retier(cache)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        greedy(model, ids, cache)
+    return cache, [w for w in caught if "TieredCache" in str(w.message)], seen
+
+
+def test_held_back_demotions_warn_once():
+    """A Stale pool too small for the run (2 pages per layer; the policy wants ~5 of each
+    layer's 8 pages there) holds demotions back: TieredCache warns once, naming the counter and
+    the pools, and the run ends at more bits per scalar than the same run with room. With room
+    nothing warns. retier_stats() equals the sums of the retier op's returns, bits_per_scalar()
+    the bits counted page by page."""
+    full, warned, seen = run_with_stale_pool(2 * 3)
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert warned[0].category is RuntimeWarning
+    msg = str(warned[0].message)
+    assert "retier_stats()['deferred_full']" in msg and "pages_per_tier=[192, 6]" in msg, msg
+    stats = full.retier_stats()
+    assert stats == seen and stats["deferred_full"] > 0
+    roomy, quiet, roomy_seen = run_with_stale_pool(64 * 3)
+    assert quiet == []
+    assert roomy.retier_stats() == roomy_seen and roomy_seen["deferred_full"] == 0
+    for c in (full, roomy):
+        assert c.bits_per_scalar() == pytest.approx(page_bits(c), rel=1e-12)
+    assert roomy.retier_stats()["demoted"] > stats["demoted"]
+    assert full.bits_per_scalar() > roomy.bits_per_scalar() + 0.5, (full.bits_per_scalar(), roomy.bits_per_scalar())
+
+
+def test_bits_per_scalar_of_an_8_bit_cache():
+    """An 8-bit-only cache stores int8 codes plus per-vector metadata: a little over 8 bits per
+    scalar, and the same figure counted page by page."""
+    model = tiny("llama", "sdpa")
+    ids = torch.randint(1, 256, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(13))
+    cache = tiered(model)
+    greedy(model, ids, cache)
+    bits = cache.bits_per_scalar()
+    assert 8.0 < bits < 9.5, bits
+    assert bits == pytest.approx(page_bits(cache), rel=1e-12)

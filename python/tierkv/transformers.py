@@ -27,11 +27,13 @@ tensor; bench/gpu/torch_e2e.py does this).
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .cache import RETIER_FIELDS
 from .cache import Cache as HostCache
 
 ATTENTION_NAME = "tierkv"
@@ -74,14 +76,21 @@ class _HostSteps:
     def __init__(self, cache: HostCache):
         self.c = cache
         self.pending = 0  # tokens reserved and not committed (a forward pass cut short)
+        self.totals = dict.fromkeys(RETIER_FIELDS, 0)  # the host ops return each retier's only
 
     def begin(self, seqs, n: int, step: int) -> None:
         if self.pending:
             self.c.cancel(seqs)
+            self.pending = 0
         if step > 1:
-            self.c.retier(step - 1)  # between steps: no page of this step is read yet
+            # between steps: no page of this step is read yet
+            for k, v in self.c.retier(step - 1).items():
+                self.totals[k] += v
         self.c.reserve(seqs, [n] * len(seqs))
         self.pending = n
+
+    def retier_stats(self) -> dict:
+        return dict(self.totals)
 
     def write(self, layer: int, seqs, k, v) -> None:
         self.c.write(layer, seqs, k, v)
@@ -113,6 +122,12 @@ class _CudaSteps:
         self.c = cache
         self.open = False
         self.wait = wait  # end_step finishes the step's retier (TieredCache's sync_retier)
+        # the cache's totals count make_room's and drain's conversions too; from here on
+        self.base = cache.retier_totals()
+
+    def retier_stats(self) -> dict:
+        t = self.c.retier_totals()
+        return {k: t[k] - self.base[k] for k in RETIER_FIELDS}
 
     def begin(self, seqs, n: int, step: int) -> None:
         if self.open:
@@ -153,6 +168,12 @@ class TieredCache(Cache):
     page masses first, as the host path's synchronous step does: the same tiers step by step as
     a host cache given the same masses (checks and tests; it gives up the side stream's overlap).
     from_cache() wraps a cache and sequences made elsewhere.
+
+    Capacity: max_tokens (default 4096 unless pages_per_tier is given) is the tokens of every
+    sequence of the batch together; a step past it raises RuntimeError naming max_tokens and the
+    size needed, in every tier set. A step the pools cannot hold (pages_per_tier) raises naming
+    them, and conversions held back because a target pool is full warn once (RuntimeWarning).
+    retier_stats() and bits_per_scalar() say what the tiering did and what it stores.
     """
 
     def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", device=None,
@@ -163,7 +184,8 @@ class TieredCache(Cache):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         if heads % kv_heads:
             raise ValueError(f"TieredCache: {heads} attention heads are not a multiple of {kv_heads} KV heads")
-        kwargs.setdefault("max_tokens", 4096)
+        if kwargs.get("pages_per_tier") is None:
+            kwargs.setdefault("max_tokens", 4096)
         # Gemma-style models scale logits by query_pre_attn_scalar, not head_dim, and cap them
         kwargs.setdefault("softmax_scale", (getattr(text, "query_pre_attn_scalar", None) or head_dim) ** -0.5)
         cap = float(getattr(text, "attn_logit_softcapping", None) or 0.0)
@@ -184,7 +206,7 @@ class TieredCache(Cache):
             kwargs.setdefault("soft_cap", cap)
             cache = HostCache(**geometry, **names, **kwargs)
             cap = float(kwargs["soft_cap"])
-        self._setup(text, cache, None, float(kwargs["softmax_scale"]), cap)
+        self._setup(text, cache, None, float(kwargs["softmax_scale"]), cap, kwargs.get("max_tokens"))
         if self.on_gpu:
             self.steps.wait = bool(sync_retier)
 
@@ -210,7 +232,7 @@ class TieredCache(Cache):
             )
         return text
 
-    def _setup(self, text, cache, seqs, scale: float, soft_cap) -> None:
+    def _setup(self, text, cache, seqs, scale: float, soft_cap, max_tokens=None) -> None:
         self.config = text
         self.num_layers = text.num_hidden_layers
         self.tierkv = cache
@@ -222,6 +244,10 @@ class TieredCache(Cache):
         self.step = 0
         self._tokens = 0  # new tokens per sequence of the step in flight
         self._explicit = False  # a step begun by begin_step() (CUDA graphs)
+        # the tokens of every sequence together that a step may bring the cache to (None: the
+        # pools' own limit, for a cache made elsewhere); the pools are sized for it
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
+        self._warned_full = False
         super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
 
     # -- transformers' Cache interface
@@ -254,6 +280,18 @@ class TieredCache(Cache):
     def batch_select_indices(self, indices):
         raise NotImplementedError("TieredCache: batch selection is not supported")
 
+    # -- what the tiering did
+    def retier_stats(self) -> dict:
+        """The retier counters (tierkv.RETIER_FIELDS) summed over every step since this
+        TieredCache was made; deferred_full counts conversions held back because the target
+        tier's pool was full (those pages keep more bits than configured)."""
+        return self.steps.retier_stats()
+
+    def bits_per_scalar(self) -> float:
+        """Stored bits per key or value scalar of the live pages: their bytes over every
+        token's scalars (the cache's memory report; 0 while it holds no token)."""
+        return float(self.tierkv.report()["bits_per_scalar"])
+
     # -- explicit steps (CUDA graphs)
     def begin_step(self, new_tokens: int = 1, batch_size: int | None = None) -> None:
         """Starts a step of new_tokens per sequence before the forward pass (layer 0 then
@@ -265,6 +303,7 @@ class TieredCache(Cache):
         """Ends the step in flight (GPU: page mass to the policy, retier on the side stream)."""
         self.steps.end(self.step)
         self._explicit = False
+        self._warn_if_held_back()
 
     # -- the step
     def _begin(self, n: int, batch_size: int | None) -> None:
@@ -274,9 +313,51 @@ class TieredCache(Cache):
             self.seqs = torch.tensor([self.tierkv.create_sequence() for _ in range(batch_size)], dtype=torch.int64)
         elif batch_size is not None and batch_size != self.seqs.numel():
             raise ValueError(f"TieredCache: batch of {batch_size} rows, the cache holds {self.seqs.numel()} sequences")
+        B = self.seqs.numel()
+        held = sum(self.steps.length(s) for s in self.seqs.tolist())
+        # max_tokens is a limit, the same for every tier set: past it an 8-bit-only cache would
+        # fail later and a tiered one would first hold back demotions (its Stale pool full)
+        if self.max_tokens is not None and held + B * n > self.max_tokens:
+            raise RuntimeError(
+                f"TieredCache: {held + B * n} tokens needed ({held} held + {B} x {n} new), "
+                f"max_tokens={self.max_tokens}; pass max_tokens>={held + B * n} (the tokens of "
+                "every sequence of the batch together)"
+            )
         self.step += 1
-        self.steps.begin(self.seqs, n, self.step)
+        try:
+            self.steps.begin(self.seqs, n, self.step)
+        except RuntimeError as e:
+            if "capacity_exhausted" not in str(e):
+                raise
+            raise RuntimeError(
+                f"TieredCache: no room for {B} x {n} new tokens ({held} held): the pools hold "
+                f"pages_per_tier={self._pool_pages()} pages (one layer each); pass a larger "
+                f"pages_per_tier or max_tokens ({e})"
+            ) from e
         self._tokens = n
+        self._warn_if_held_back()
+
+    def _pool_pages(self) -> list[int]:
+        return [t["capacity_pages"] for t in self.tierkv.report()["tiers"]]
+
+    def _warn_if_held_back(self) -> None:
+        """Warns once when retier held back conversions for a full target pool: never silent
+        extra bits."""
+        if self._warned_full:
+            return
+        full = self.steps.retier_stats()["deferred_full"]
+        if full:
+            self._warned_full = True
+            sizing = "" if self.max_tokens is None else f", max_tokens={self.max_tokens}"
+            warnings.warn(
+                f"TieredCache: {full} page conversions held back because their target tier's pool "
+                f"was full (retier_stats()['deferred_full']): those pages keep more bits than "
+                f"configured ({self.bits_per_scalar():.2f} bits per scalar now). The pools hold "
+                f"pages_per_tier={self._pool_pages()}{sizing}; pass a larger pages_per_tier or "
+                "max_tokens. (Warned once per cache.)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _update(self, key_states, value_states, layer):
         B, kvh, n, d = key_states.shape
