@@ -237,6 +237,21 @@ class tiered_cache {
     return st;
   }
 
+  /// Estimates layer's centring means, when not yet known, from a step's keys and values of
+  /// every sequence together ([token][kv_head][dim]), so that write_layer, which takes one
+  /// sequence at a time and would estimate from the first alone, encodes the batch against the
+  /// means the GPU façade estimates from its first append (the whole batch). True when it set
+  /// them; false (nothing changed) with center = false, known means, a bad layer, or rows that
+  /// are empty, not whole tokens or not finite (write_layer refuses those).
+  bool estimate_centering(int layer, std::span<const float> keys, std::span<const float> values) {
+    if (!means_ || layer < 0 || layer >= storage_->num_layers() || means_->known(layer))
+      return false;
+    if (keys.empty() || keys.size() != values.size() || keys.size() % channel_floats != 0 ||
+        !all_finite(keys) || !all_finite(values))
+      return false;
+    return means_->estimate(layer, std::int64_t(keys.size() / channel_floats), keys.data(),
+                            values.data());
+  }
   /// Sets layer's centring means ([kv_head][head_dim] floats each), e.g. from a calibration
   /// pass, while the cache holds no page (its pages were encoded against the means they have).
   status set_centering(int layer, std::span<const float> mu_k, std::span<const float> mu_v) {

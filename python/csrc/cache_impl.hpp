@@ -103,6 +103,11 @@ class cache_impl final : public runtime_cache {
                                     " (token ", i / per_token, ", kv head ", i / D % KVH,
                                     ") is not finite; nothing written"));
     }
+    // Centring: a layer's first write estimates its means from the whole batch, as the GPU
+    // cache's first append does (the paths then hold the same codes; record
+    // bench/results/tests/gpu-tests-2026-12-06-logits.txt found them apart by 0.10 in logits).
+    const std::size_t all = std::size_t(tokens) * per_token;
+    (void)cache_->estimate_centering(layer, {keys, all}, {values, all});
     std::size_t at = 0;
     for (std::int64_t s : seqs) {
       const std::int64_t n = value(cache_->reserved(to_seq(s)));

@@ -185,6 +185,40 @@ TEST_CASE("centring through reserve / write_layer equals centring through append
   }
 }
 
+TEST_CASE("estimate_centering: a batch's first write estimates its means from every sequence",
+          "[tiering][centering]") {
+  // Two sequences whose keys and values sit at different offsets (3 and -1): the batch's means
+  // are those of both (what the GPU façade's first append of the batch estimates), not the first
+  // sequence's (what write_layer alone, one sequence at a time, would take).
+  const int n = 32;
+  const tokens t1 = make_tokens(1, n, 3.f, 5), t2 = make_tokens(1, n, -1.f, 9);
+  std::vector<float> k(t1.k), v(t1.v);
+  k.insert(k.end(), t2.k.begin(), t2.k.end());
+  v.insert(v.end(), t2.v.begin(), t2.v.end());
+  auto c = quant_cache::create(options<quant_cache>(true, 1)).value();
+  const seq_id a = c->create_sequence().value(), b = c->create_sequence().value();
+  REQUIRE(c->reserve(a, n));
+  REQUIRE(c->reserve(b, n));
+  REQUIRE(c->estimate_centering(0, k, v));
+  CHECK(!c->estimate_centering(0, k, v));  // known now: nothing changes
+  const std::size_t half = std::size_t(n) * D;
+  REQUIRE(c->write_layer(a, 0, std::span(k).first(half), std::span(v).first(half)));
+  REQUIRE(c->write_layer(b, 0, std::span(k).subspan(half), std::span(v).subspan(half)));
+  const auto mu = c->centering()->keys(0);
+  for (int d = 0; d < D; ++d) {
+    double sum = 0;
+    for (int i = 0; i < 2 * n; ++i) sum += double(k[std::size_t(i) * D + std::size_t(d)]);
+    CHECK(mu[std::size_t(d)] == float(sum / double(2 * n)));
+  }
+  // refused without centring, for a bad layer, and for rows that are not whole tokens
+  auto plain = quant_cache::create(options<quant_cache>(false, 1)).value();
+  CHECK(!plain->estimate_centering(0, k, v));
+  auto fresh = quant_cache::create(options<quant_cache>(true, 1)).value();
+  CHECK(!fresh->estimate_centering(1, k, v));
+  CHECK(!fresh->estimate_centering(0, std::span(k).first(D - 1), std::span(v).first(D - 1)));
+  CHECK(!fresh->centering()->known(0));
+}
+
 TEST_CASE("centring refusals change nothing", "[tiering][centering][contract]") {
   SECTION("with a soft-cap, at create") {
     auto o = options<quant_cache>(true);
