@@ -157,15 +157,7 @@ class cache_impl final : public runtime_cache {
     for (std::size_t b = 0; b < seqs.size(); ++b)
       restore_centering(layer, seqs[b], 1, queries + b * QH * D, out + b * QH * D,
                         lse ? lse + b * QH : nullptr);
-    // Every readable page's mass feeds the policy, the reservation's too (as
-    // tiered_cache::prefill and the GPU façade, whose step pages are committed at begin_step):
-    // a step's own page can become an Anchor by the mass its last query gave it.
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      const std::span<const float> row(mass_.data() + b * std::size_t(cfg_.max_pages),
-                                       std::size_t(cfg_.max_pages));
-      check(cache_->controller().observe_mass(to_seq(seqs[b]), layer, row,
-                                              tierkv::index_scope::readable));
-    }
+    observe_masses(layer, seqs);
   }
 
   void prefill(int layer, std::span<const std::int64_t> seqs,
@@ -187,11 +179,32 @@ class cache_impl final : public runtime_cache {
     a.lse = lse;
     a.window = window;
     check(tierkv::host_prefill<Geometry, tier_list>(workspace_, a));
+    // The page masses a chunk gives the policy, as tiered_cache::prefill: each sequence's last
+    // query row again as a decode step. Without them a run made of prefill chunks (a perplexity
+    // pass) never makes an Anchor by attention on this path, though the engine's does (issue 57).
+    // (A sequence with no row this call gets a zero query and observes nothing.)
+    const std::size_t row = std::size_t(QH) * D;
+    std::vector<float> q_last(seqs.size() * row, 0.f), o_last(q_last.size());
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      if (q_indptr[b + 1] > q_indptr[b])
+        std::copy_n(queries + std::size_t(q_indptr[b + 1] - 1) * row, row, q_last.data() + b * row);
+    tierkv::host_decode_args<N> d;
+    d.queries = q_last.data();
+    d.index = view;
+    d.pools = pools_.data();
+    d.source = source(layer);
+    d.logits = logits();
+    d.out = o_last.data();
+    d.page_mass = mass_.data();
+    d.mass_stride = cfg_.max_pages;
+    d.window = window;
+    check(tierkv::host_decode<Geometry, tier_list>(workspace_, d));
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const std::size_t r = std::size_t(q_indptr[b]);
       restore_centering(layer, seqs[b], q_indptr[b + 1] - q_indptr[b], queries + r * QH * D,
                         out + r * QH * D, lse ? lse + r * QH : nullptr);
     }
+    observe_masses(layer, seqs, q_indptr);
   }
 
   tierkv::retier_stats retier(std::uint64_t step) override { return cache_->retier(step); }
@@ -300,6 +313,21 @@ class cache_impl final : public runtime_cache {
     for (std::int64_t r = 0; r < rows; ++r)
       means->restore(layer, Geometry::group_size, logits().softmax_scale, q + r * QH * D,
                      out + r * QH * D, lse ? lse + r * QH : nullptr);
+  }
+  // Every readable page's mass (mass_, rows of a decode just run) feeds the policy, the
+  // reservation's too (as tiered_cache::prefill and the GPU façade, whose step pages are
+  // committed at begin_step): a step's own page can become an Anchor by the mass its last query
+  // gave it.
+  // With q_indptr (a prefill), only the sequences that had query rows.
+  void observe_masses(int layer, std::span<const std::int64_t> seqs,
+                      std::span<const std::int32_t> q_indptr = {}) {
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      if (!q_indptr.empty() && q_indptr[b + 1] == q_indptr[b]) continue;
+      const std::span<const float> row(mass_.data() + b * std::size_t(cfg_.max_pages),
+                                       std::size_t(cfg_.max_pages));
+      check(cache_->controller().observe_mass(to_seq(seqs[b]), layer, row,
+                                              tierkv::index_scope::readable));
+    }
   }
   tierkv::layer_source source(int layer) const {
     return tierkv::layer_source{cfg_.codec_seed, layer, 0};

@@ -625,3 +625,26 @@ def test_page_transfer_refusals_change_nothing(rng):
     centred.append(c, torch.randn(2, 5, 4, 64, generator=rng), torch.randn(2, 5, 4, 64, generator=rng))
     with pytest.raises(ValueError, match="center = true.*nothing exported"):
         centred.export_pages(c)
+
+
+def test_prefill_feeds_page_mass_to_the_policy(rng):
+    # A run made only of prefill chunks (a perplexity pass) whose queries all look at page 2: the
+    # page masses of each chunk reach the policy (its last row, as tiered_cache::prefill), so
+    # page 2 becomes an Anchor and stays 8-bit while the other old pages go Stale (issue 57:
+    # without them this path never made an Anchor by attention).
+    c = make_cache((64, 4, 2, 16), "int8r+tq4k/tq3v", num_layers=1, recent_pages=1, sink_pages=0)
+    u = torch.nn.functional.normalize(torch.randn(64, generator=rng), dim=0)
+    s = c.create_sequence()
+    K = torch.randn(1, 128, 4, 64, generator=rng)
+    K[0, 32:48] += 8 * u  # page 2 (tokens 32..47), every KV head
+    c.append(s, K, torch.randn(1, 128, 4, 64, generator=rng))
+    indptr = torch.tensor([0, 16], dtype=torch.int32)
+    for step in range(1, 5):
+        c.reserve([s], [16])
+        c.write(0, [s], torch.randn(16, 4, 64, generator=rng), torch.randn(16, 4, 64, generator=rng))
+        c.prefill(0, [s], (8 * u).expand(16, 8, 64).contiguous(), indptr)
+        c.commit([s])
+        c.retier(step)
+    tiers = c.page_tiers(s, 0)
+    assert tiers[2] == 0, tiers  # attended: kept in tier 0
+    assert tiers[4] == 1 and tiers[5] == 1, tiers  # old and unattended: Stale
