@@ -6,6 +6,7 @@
 
 #include "cuda_test.hpp"
 #include "int8_twin.hpp"
+#include "policy_knobs.hpp"
 #include "tierkv/cuda/tiered_cache.cuh"
 
 namespace cuda_test {
@@ -24,14 +25,8 @@ tierkv::result<user_format_run> run_with() {
   opt.storage.max_sequences = 2;
   opt.storage.pages_per_tier = {40, 40};
   opt.storage.codec_seed = 7;
-  opt.policy = tierkv::policy::recency_anchor({.recent_pages = 1,
-                                               .sink_pages = 0,
-                                               .ema_alpha = 0.5f,
-                                               .enter_mass = 3.0f,
-                                               .leave_mass = 1.5f,
-                                               .min_dwell_steps = 1,
-                                               .keep_first_layers = 0,
-                                               .keep_last_layers = 0});
+  opt.policy =
+      tierkv::policy::recency_anchor(tierkv_test::recency_knobs(1, 0, 0.5f, 3.0f, 1.5f, 1));
   opt.max_batch = 1;
   opt.max_pages = 16;
   opt.max_step_tokens = 96;

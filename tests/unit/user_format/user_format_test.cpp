@@ -10,6 +10,7 @@
 
 #include "catch.hpp"
 #include "int8_twin.hpp"
+#include "policy_knobs.hpp"
 #include "tierkv/cache.hpp"
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/formats.hpp"
@@ -34,14 +35,7 @@ std::unique_ptr<cache_of<Tiers>> make_cache() {
   opt.storage.max_sequences = 4;
   opt.storage.pages_per_tier = {40, 40};
   opt.storage.codec_seed = 7;
-  opt.policy = policy::recency_anchor({.recent_pages = 1,
-                                       .sink_pages = 0,
-                                       .ema_alpha = 0.5f,
-                                       .enter_mass = 3.0f,
-                                       .leave_mass = 1.5f,
-                                       .min_dwell_steps = 1,
-                                       .keep_first_layers = 0,
-                                       .keep_last_layers = 0});
+  opt.policy = policy::recency_anchor(tierkv_test::recency_knobs(1, 0, 0.5f, 3.0f, 1.5f, 1));
   opt.max_batch = 1;
   opt.max_pages = 16;
   return std::move(cache_of<Tiers>::create(opt).value());
