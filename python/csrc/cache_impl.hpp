@@ -184,7 +184,10 @@ class cache_impl final : public runtime_cache {
     // pass) never makes an Anchor by attention on this path, though the engine's does (issue 57).
     // (A sequence with no row this call gets a zero query and observes nothing.)
     const std::size_t row = std::size_t(QH) * D;
-    std::vector<float> q_last(seqs.size() * row, 0.f), o_last(q_last.size());
+    std::vector<float>& q_last = last_rows_;  // kept: a prefill per layer and step
+    q_last.assign(seqs.size() * row, 0.f);
+    std::vector<float>& o_last = last_out_;
+    o_last.resize(q_last.size());
     for (std::size_t b = 0; b < seqs.size(); ++b)
       if (q_indptr[b + 1] > q_indptr[b])
         std::copy_n(queries + std::size_t(q_indptr[b + 1] - 1) * row, row, q_last.data() + b * row);
@@ -352,6 +355,7 @@ class cache_impl final : public runtime_cache {
   std::unique_ptr<tierkv::prefix_index<storage_type>> prefixes_;  // destroyed before cache_
   std::optional<tierkv::index_arrays<storage_type>> index_;
   std::vector<float> mass_;
+  std::vector<float> last_rows_, last_out_;  // prefill's last query rows and their outputs
   std::array<tierkv::pool_view, N> pools_{};
   std::vector<tierkv::seq_id> ids_;  // build_index's batch
   tierkv::host_attention_workspace workspace_;

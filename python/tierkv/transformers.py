@@ -118,10 +118,10 @@ class _HostSteps:
 class _CudaSteps:
     """The GPU cache's step: begin_step (tokens committed), append per layer, end_step."""
 
-    def __init__(self, cache, wait: bool = False):
+    def __init__(self, cache):
         self.c = cache
         self.open = False
-        self.wait = wait  # end_step finishes the step's retier (TieredCache's sync_retier)
+        self.wait = False  # end_step finishes the step's retier (TieredCache's sync_retier)
         # the cache's totals count make_room's and drain's conversions too; from here on
         self.base = cache.retier_totals()
 

@@ -182,7 +182,7 @@ class retier_driver {
       if (he[i] != 0 && bad++ == 0) first_bad = i;
     retained_.clear();
     for (std::size_t i = 0; i < n; ++i) {
-      filled_[i] = he[i] == 0 && (all_or_none_ ? bad == 0 : true) &&
+      filled_[i] = he[i] == 0 && (!all_or_none_ || bad == 0) &&
                    storage_->retain_page(staged_[i].from).is_ok();
       retained_.push_back(filled_[i] ? staged_[i].from : page_id{});
       if (static_cast<errc>(he[i]) == errc::non_finite_input)
