@@ -169,10 +169,10 @@ def load_model(gguf, device="cuda"):
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).to(device).eval()
 
 
-def make_cache(model, arm, max_tokens, step_tokens, codec_seed, device="cuda"):
+def make_cache(model, arm, max_tokens, step_tokens, codec_seed, device="cuda", **cache_kw):
     """One sequence's cache for arm: transformers' own (SDPA) for dense, else a TieredCache on
-    `device` (tierkv.CudaCache on the GPU, tierkv.Cache on the CPU); sets the model's attention
-    to match."""
+    `device` (tierkv.CudaCache on the GPU, tierkv.Cache on the CPU; cache_kw passes through);
+    sets the model's attention to match."""
     from transformers import DynamicCache
 
     import tierkv  # noqa: F401  (registers the "tierkv" attention)
@@ -185,7 +185,7 @@ def make_cache(model, arm, max_tokens, step_tokens, codec_seed, device="cuda"):
     model.config._attn_implementation = "tierkv"
     gpu = dict(max_step_tokens=step_tokens) if str(device).startswith("cuda") else {}  # the GPU's step workspace
     return TieredCache(model.config, device=device, recent=recent, cache_type_k=k, cache_type_v=v, center=center,
-                       max_tokens=max_tokens, max_sequences=1, max_batch=1, codec_seed=codec_seed, **gpu)  # fmt: skip
+                       max_tokens=max_tokens, max_sequences=1, max_batch=1, codec_seed=codec_seed, **gpu, **cache_kw)  # fmt: skip
 
 
 def finish(cache, layers):

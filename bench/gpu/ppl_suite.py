@@ -24,6 +24,17 @@ run: teacher-forced chunked perplexity: each forward call is one chunk of --chun
 
 Because attention is causal, the first N scored tokens of a 32K run are exactly those of an
 N-token run (summarize_ppl.py --first).
+
+Paths (issue 57: one quality on every path): `run` writes each text's token ids beside its copy
+({work}/texts/NAME.ids); `run --device cpu` scores the same arms through the host TieredCache
+(tierkv.Cache); `engine` scores them through the C++ SmolLM2 engine (examples/smollm `smollm ppl
+--ppl-ids`: the same ids, the same arms: rec, rec_nocenter, seed, dense); --mass-layers sets the
+GPU cache's mass_layers_per_step (0: every layer's page mass feeds the policy, as the engine and the
+host path do). One --work folder per path, then summarize_paths.py compares them.
+
+    python3 bench/gpu/ppl_suite.py run --device cpu --gguf G --texts T --work W/host --tokens 8192
+    python3 bench/gpu/ppl_suite.py engine --smollm build/release/examples/smollm/smollm \
+        --gguf G --ids W/host/texts --work W/engine --tokens 8192 --jobs 2
 """
 
 import argparse
@@ -101,6 +112,62 @@ def nll_of(model, ids, chunk, cache):
     return torch.cat(out).cpu()
 
 
+# The engine's arm (and knobs) for each of needle_suite's arms (tierkv_backend.hpp: rec = tiered_k4
+# centred, seed = FP8 + TQ3 uncentred).
+ENGINE_ARMS = {"dense": ["--arm", "dense"], "rec": ["--arm", "rec"], "seed": ["--arm", "seed"],
+               "rec_nocenter": ["--arm", "tiered_k4", "--center", "0"]}
+
+
+def engine(a):
+    """Every (text, arm, seed) through the C++ engine over the token ids a `run` wrote, a.jobs at a
+    time (one thread each); files as run's."""
+    import concurrent.futures
+
+    arms = parse_arms(a.arms, "ppl_suite engine")
+    bad = [x for x in arms if x not in ENGINE_ARMS]
+    if bad:
+        sys.exit(f"ppl_suite engine: no engine arm for {bad} ({', '.join(ENGINE_ARMS)})")
+    os.makedirs(f"{a.work}/texts", exist_ok=True)
+    runs = []
+    for i, seed in enumerate(a.seeds.split(",")):
+        for text in a.text_names.split(","):
+            ids = f"{a.ids}/{text}.ids"
+            if not os.path.exists(ids):
+                sys.exit(f"ppl_suite engine: {ids} is missing (ppl_suite.py run writes it)")
+            for arm in arms:
+                s = DENSE_SEED if arm == "dense" else seed
+                if (arm == "dense" and i) or os.path.exists(f"{a.work}/{text}-{arm}-{s}.json"):
+                    continue
+                runs.append((text, arm, s, ids))
+    log(f"ppl_suite engine: {len(runs)} runs to do in {a.work}")
+
+    def one(r):
+        text, arm, seed, ids = r
+        path = f"{a.work}/{text}-{arm}-{seed}.json"
+        cmd = [a.smollm, "ppl", "--model", a.gguf, "--threads", "1", "--tokens", str(a.tokens), "--chunk",
+               str(a.chunk), "--codec-seed", seed, "--ppl-ids", ids, "--nll-out", path + ".tmp", *ENGINE_ARMS[arm]]  # fmt: skip
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()[-500:]}")
+        r = json.load(open(path + ".tmp"))
+        r.update(arm=arm, model=os.path.basename(a.gguf), chunk=a.chunk, device="CPU (examples/smollm engine)",
+                 commit=os.environ.get("TIERKV_COMMIT", "unknown"))  # fmt: skip
+        with open(path + ".tmp", "w") as f:
+            json.dump(r, f)
+        os.replace(path + ".tmp", path)
+        log(f"{text:8s} {arm:12s} seed {seed:9s} ppl {r['ppl']:9.4f} {r['bits_per_scalar']:5.2f} bits "
+            f"{time.perf_counter() - t0:6.1f} s")
+
+    for text in a.text_names.split(","):  # the texts' bytes, for summarize_ppl.py's sha256
+        src = f"{a.ids}/{text}.txt"
+        if os.path.exists(src):
+            open(f"{a.work}/texts/{text}.txt", "wb").write(open(src, "rb").read())
+    with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+        list(pool.map(one, runs))
+
+
 def run(a):
     import torch
 
@@ -123,17 +190,24 @@ def run(a):
     if not runs:
         return
     name = os.path.basename(a.gguf)
-    tok = load_tokenizer(a.gguf, a.tokenizer)
-    model = load_model(a.gguf)
+    tok = None if a.ids else load_tokenizer(a.gguf, a.tokenizer)
+    model = load_model(a.gguf, a.device)
+    gpu = a.device == "cuda"
+    extra = dict(mass_layers_per_step=a.mass_layers) if gpu and a.mass_layers is not None else {}
     os.makedirs(f"{a.work}/texts", exist_ok=True)
     ids = {}
     for text in names:
-        raw = open(f"{a.texts}/{text}.txt", "rb").read()
+        raw = open(f"{a.ids or a.texts}/{text}.txt", "rb").read()
         open(f"{a.work}/texts/{text}.txt", "wb").write(raw)  # summarize_ppl.py names each text's sha256
-        t = tok(raw.decode("utf-8", errors="replace"))["input_ids"]
+        if a.ids:  # another run's tokens (a device whose transformers tokenizes the GGUF differently)
+            t = [int(x) for x in open(f"{a.ids}/{text}.ids").read().split()]
+        else:
+            t = tok(raw.decode("utf-8", errors="replace"))["input_ids"]
         if len(t) < a.tokens:
             sys.exit(f"ppl_suite: {text} holds {len(t)} tokens, under --tokens {a.tokens}")
         ids[text] = torch.tensor(t[: a.tokens], dtype=torch.long)
+        with open(f"{a.work}/texts/{text}.ids", "w") as f:  # the same tokens for the engine (ppl_suite.py engine)
+            f.write(" ".join(map(str, t[: a.tokens])) + "\n")
         log(f"ppl_suite: {text}: {len(t)} tokens, the first {a.tokens} scored after the first chunk")
     layers = model.config.get_text_config().num_hidden_layers
     with torch.inference_mode():
@@ -142,13 +216,14 @@ def run(a):
                 log(f"ppl_suite: time limit ({a.time_limit:.0f} s) reached after {i} runs; run again to resume")
                 break
             t0 = time.perf_counter()
-            cache = make_cache(model, arm, a.tokens + 64, a.chunk, int(seed))
+            cache = make_cache(model, arm, a.tokens + 64, a.chunk, int(seed), a.device, **extra)
             nll = nll_of(model, ids[text], a.chunk, cache)
             bits, tiers = (16.0, []) if arm == "dense" else finish(cache, layers)
             secs = time.perf_counter() - t0
             ppl = float(torch.exp(nll.mean()))
             r = dict(arm=arm, tokens=int(ids[text].numel()), scored=int(nll.numel()), ppl=ppl, bits_per_scalar=bits,
-                     seconds=secs, tiers=tiers, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0),
+                     seconds=secs, tiers=tiers, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
+                     mass_layers_per_step=a.mass_layers if gpu else 0,
                      commit=os.environ.get("TIERKV_COMMIT", "unknown"), nll=[round(float(x), 6) for x in nll])  # fmt: skip
             with open(path + ".tmp", "w") as f:
                 json.dump(r, f)
@@ -166,7 +241,8 @@ def main():
     t.add_argument("--min-bytes", type=int, default=200000)
     r = sub.add_parser("run", help="score every (text, arm, seed)")
     r.add_argument("--gguf", required=True)
-    r.add_argument("--texts", required=True, help="folder of NAME.txt (ppl_suite.py texts)")
+    r.add_argument("--texts", help="folder of NAME.txt (ppl_suite.py texts)")
+    r.add_argument("--ids", help="instead of --texts: another run's WORK/texts (NAME.ids, NAME.txt)")
     r.add_argument("--text-names", default="licence,docs,source,debian")
     r.add_argument("--work", required=True)
     r.add_argument("--tokens", type=int, default=32768)
@@ -175,8 +251,24 @@ def main():
     r.add_argument("--seeds", default="20261129,11,23", help="codec seeds of the tierkv arms")
     r.add_argument("--time-limit", type=float, default=float("inf"))
     r.add_argument("--tokenizer", help="a folder from tokenizer.save_pretrained() instead of the GGUF's tokenizer")
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the host TieredCache (tierkv.Cache)")
+    r.add_argument("--device-name", default="CPU (python/ tierkv.Cache, transformers)", help="the files' device with --device cpu")
+    r.add_argument("--mass-layers", type=int, help="the GPU cache's mass_layers_per_step (default: tierkv.CudaCache's)")
+    e = sub.add_parser("engine", help="score every (text, arm, seed) through the C++ engine over run's token ids")
+    e.add_argument("--smollm", required=True, help="examples/smollm's binary (build/release/examples/smollm/smollm)")
+    e.add_argument("--gguf", required=True)
+    e.add_argument("--ids", required=True, help="a run's WORK/texts (NAME.ids, NAME.txt)")
+    e.add_argument("--text-names", default="licence,docs,source,debian")
+    e.add_argument("--work", required=True)
+    e.add_argument("--tokens", type=int, default=32768)
+    e.add_argument("--chunk", type=int, default=512)
+    e.add_argument("--arms", default="dense,rec,seed")
+    e.add_argument("--seeds", default="20261129,11,23")
+    e.add_argument("--jobs", type=int, default=os.cpu_count())
     a = ap.parse_args()
-    texts(a) if a.cmd == "texts" else run(a)
+    if a.cmd == "run" and not (a.texts or a.ids):
+        ap.error("run needs --texts or --ids")
+    {"texts": texts, "run": run, "engine": engine}[a.cmd](a)
 
 
 if __name__ == "__main__":

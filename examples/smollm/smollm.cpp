@@ -87,8 +87,8 @@ void usage() {
       "[--retier-in-prefill 1] "
       "[--codec-seed N]\n"
       "           Cold arms: [--cold-mass 0.5] [--cold-leave-mass 1] [--cold-after-pages 8]\n"
-      "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE] [--nll-out "
-      "FILE.json]\n"
+      "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE | --ppl-ids FILE] "
+      "[--nll-out FILE.json]\n"
       "  demo     [--tokens 4096]\n"
       "  compaction --out-dir DIR [--docs FILE[+FILE]@OFFSET,...,needle:I] [--doc-tokens 4096]\n"
       "           [--cont-tokens 256] [--greedy 32] [--ref repeat|self] [--ref-stride 2]\n"
@@ -179,8 +179,12 @@ int main(int argc, char** argv) {
       return run_tasks(eng, o);
     }
     if (cmd == "ppl") {  // one arm's chunked perplexity (policy sweeps)
-      auto toks = eng.tok.encode(
-          read_text_file(a.get("--ppl-text", "/usr/share/common-licenses/GPL-3")), false);
+      const std::string ids = a.get("--ppl-ids", "");
+      auto toks =
+          !ids.empty()
+              ? read_token_ids(ids, eng.net.config().vocab)
+              : eng.tok.encode(
+                    read_text_file(a.get("--ppl-text", "/usr/share/common-licenses/GPL-3")), false);
       toks.resize(std::min<std::size_t>(toks.size(), std::size_t(a.get_int("--tokens", 2048))));
       auto kv = eng.make_backend(a.get("--arm", "dense"), int(toks.size()) + 80);
       const ppl_result p = run_ppl(eng, *kv, toks, a.get_int("--chunk", 512), 0);

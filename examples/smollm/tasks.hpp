@@ -369,4 +369,28 @@ inline std::string read_text_file(const std::string& path) {
   return ss.str();
 }
 
+// Token ids written by another tokenizer (bench/gpu/ppl_suite.py ids: one decimal id per
+// whitespace-separated field), so that a cross-path check feeds every path the same tokens.
+inline std::vector<std::int32_t> read_token_ids(const std::string& path, std::int32_t vocab) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::vector<std::int32_t> ids;
+  std::string field;
+  while (in >> field) {
+    std::size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(field, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != field.size() || v < 0 || v >= vocab)
+      throw std::runtime_error(path + ": token id '" + field + "' is not an integer in [0, " +
+                               std::to_string(vocab) + ")");
+    ids.push_back(std::int32_t(v));
+  }
+  if (ids.empty()) throw std::runtime_error(path + ": no token ids");
+  return ids;
+}
+
 }  // namespace smollm
