@@ -655,6 +655,76 @@ TEST_CASE("cuda::tiered_cache: a NaN key gives NaN prefill outputs for the rows 
   REQUIRE(gpu->end_step(1, true).error_status().code() == errc::non_finite_input);
 }
 
+TEST_CASE("cuda::tiered_cache: a prefill step feeds the page mass of each chunk's last row",
+          "[cuda][cache][mass]") {
+  // As the host cache's prefill: a sampled layer's prefill decodes each sequence's last chunk row
+  // again, so prefill-only steps (a long prompt in chunks, a perplexity pass) give the policy
+  // attention mass before pages are demoted. What is fed equals the mass of a decode step (no
+  // new token) whose query is that row; a sequence with no new token in the step is not fed.
+  cuda_test::e2e_options o;
+  o.storage = storage_opts();
+  o.policy = policy::recency_anchor(tierkv_test::recency_knobs(64, 1, 1.0f, 3.0f, 1.5f, 2));
+  auto gpu = std::move(cuda_test::e2e_cache::create(o).value());    // every page stays in tier 0
+  std::map<std::pair<std::uint32_t, int>, std::vector<float>> fed;  // (sequence, layer) -> mass
+  gpu->set_mass_observer([&](seq_id s, int l, std::span<const float> m) {
+    REQUIRE(fed.emplace(std::pair{s.value, l}, std::vector<float>(m.begin(), m.end())).second);
+  });
+  std::mt19937_64 rng(20261206);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto randn = [&](std::size_t n) {
+    std::vector<float> x(n);
+    for (auto& e : x) e = normal(rng);
+    return x;
+  };
+  const std::size_t vec = std::size_t(KVH) * D, qvec = std::size_t(QH) * D;
+  std::vector<seq_id> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(gpu->create_sequence().value());
+  {  // the third sequence's prompt first, so that it has pages but no token in the next step
+    REQUIRE(gpu->begin_step(std::vector<seq_id>{seqs[2]}, std::vector<std::int32_t>{20}).is_ok());
+    for (int l = 0; l < layers; ++l)
+      REQUIRE(gpu->append(l, randn(20 * vec), randn(20 * vec)).is_ok());
+    REQUIRE(gpu->end_step(0, true).has_value());
+    fed.clear();
+  }
+  const std::vector<std::int32_t> counts{70, 37, 0};
+  REQUIRE(gpu->begin_step(seqs, counts).is_ok());
+  std::vector<std::vector<float>> last(layers);  // per layer: [batch][q_heads][head_dim]
+  for (int l = 0; l < layers; ++l) {
+    REQUIRE(gpu->append(l, randn(107 * vec), randn(107 * vec)).is_ok());
+    const auto q = randn(107 * qvec);
+    std::vector<float> out;
+    REQUIRE(gpu->prefill(l, q, out).is_ok());
+    last[std::size_t(l)].assign(3 * qvec, 0.f);
+    for (std::size_t b = 0, end = 0; b < 2; ++b) {
+      end += std::size_t(counts[b]);
+      std::copy_n(q.begin() + std::ptrdiff_t((end - 1) * qvec), qvec,
+                  last[std::size_t(l)].begin() + std::ptrdiff_t(b * qvec));
+    }
+  }
+  REQUIRE(gpu->end_step(1, true).has_value());
+  REQUIRE(fed.size() == std::size_t(2 * layers));  // not the sequence without new tokens
+  const auto from_prefill = std::exchange(fed, {});
+
+  REQUIRE(gpu->begin_step(seqs, std::vector<std::int32_t>{0, 0, 0}).is_ok());
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> out;
+    REQUIRE(gpu->decode(l, last[std::size_t(l)], out).is_ok());
+  }
+  REQUIRE(gpu->end_step(2, true).has_value());
+  for (const auto& [key, mass] : from_prefill) {
+    INFO("sequence " << key.first << " layer " << key.second);
+    const auto& want = fed.at(key);
+    REQUIRE(mass.size() == want.size());
+    REQUIRE(mass.size() == std::size_t(key.first == seqs[0].value ? 5 : 3));  // 70 and 37 tokens
+    double sum = 0;
+    for (std::size_t p = 0; p < mass.size(); ++p) {
+      REQUIRE(std::abs(mass[p] - want[p]) <= 1e-5f);
+      sum += mass[p];
+    }
+    REQUIRE(std::abs(sum - 1.0) < 1e-3);
+  }
+}
+
 TEST_CASE("cuda::tiered_cache: a step captured in a CUDA graph replays as eager steps run",
           "[cuda][cache][graph]") {
   // Twins on the GPU: `eager` calls append/decode every step; `graphed` captures one step's

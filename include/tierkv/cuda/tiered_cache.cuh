@@ -54,6 +54,7 @@
 #include "tierkv/cuda/decode_plan.cuh"
 #include "tierkv/cuda/page_table_mirror.cuh"
 #include "tierkv/cuda/prefill.cuh"
+#include "tierkv/cuda/prefill/last_rows.cuh"
 #include "tierkv/cuda/prefill_plan.cuh"
 #include "tierkv/cuda/retier/async.cuh"
 #include "tierkv/cuda/retier/driver.cuh"
@@ -165,7 +166,7 @@ class tiered_cache {
     storage_.reset();
     for (void* p : {workspace_, prefill_workspace_, static_cast<void*>(mass_dev_),
                     static_cast<void*>(lse_dev_), static_cast<void*>(slots_dev_),
-                    static_cast<void*>(means_dev_)})
+                    static_cast<void*>(means_dev_), static_cast<void*>(last_rows_)})
       cudaFree(p);
     for (mass_copy& m : mass_copies_) {
       if (m.host) cudaFreeHost(m.host);
@@ -625,8 +626,11 @@ class tiered_cache {
   /// begin_step new_tokens[b] tokens ([step tokens][q_heads][head_dim] in batch order, post-RoPE,
   /// device memory), each attending its whole sequence causally, pages of every tier where they
   /// lie (cuda/prefill.cuh); out has the queries' shape (f32 or bf16), lse [step tokens][q_heads]
-  /// (optional). A sequence with new_tokens 1 gets a decode step's answer; with 0, nothing. No
-  /// page mass is sampled here (decode's job).
+  /// (optional). A sequence with new_tokens 1 gets a decode step's answer; with 0, nothing.
+  /// When the layer is one of the step's sampled layers (begin_step), each sequence's last chunk
+  /// row is decoded again to sample its page mass, as the host cache's prefill does: a run of
+  /// prefill chunks (a long prompt, a perplexity pass) makes Anchors by attention before its
+  /// pages are demoted. The layer's last decode or prefill of the step gives its mass.
   status prefill(int layer, const void* queries, query_type qtype, void* out,
                  output_type otype = output_type::f32, float* lse = nullptr, float soft_cap = 0.f,
                  int window = 0, std::optional<cudaStream_t> on = std::nullopt) {
@@ -643,8 +647,17 @@ class tiered_cache {
     in.out = out;
     in.out_type = otype;
     in.lse = lse;
-    return cuda::prefill<Geometry, Tiers>(prefill_plan_, in, prefill_workspace_,
-                                          prefill_plan_.workspace_bytes, *stream);
+    if (auto st = cuda::prefill<Geometry, Tiers>(prefill_plan_, in, prefill_workspace_,
+                                                 prefill_plan_.workspace_bytes, *stream);
+        !st)
+      return st;
+    if (slots_host_[mass_on_offset() + std::size_t(layer)] == 0) return {};
+    if (auto st = gather_last_rows(queries, qtype, slots_dev_ + qo_offset(), int(batch_.size()),
+                                   Geometry::q_heads * Geometry::head_dim, last_rows_, *stream);
+        !st)
+      return st;
+    return decode(layer, last_rows_, query_type::f32, last_rows_out_, output_type::f32, nullptr,
+                  soft_cap, window, *stream);
   }
 
   /// Ends the step: queues the copy of this step's sampled page masses to the host, feeds the
@@ -842,6 +855,10 @@ class tiered_cache {
       TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
     }
     TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
+    const std::size_t row_bytes = std::size_t(opt_.max_batch) * std::size_t(Geometry::q_heads) *
+                                  std::size_t(Geometry::head_dim) * sizeof(float);
+    TIERKV_CUDA_TRY(cudaMalloc(&last_rows_, 2 * row_bytes));  // prefill's mass pass: in, out
+    last_rows_out_ = last_rows_ + row_bytes / sizeof(float);
     if (opt_.center) {  // zeros until set or estimated: a decode captured before that reads them
       const std::size_t bytes = 2 * std::size_t(layers()) * mean_floats * sizeof(float);
       TIERKV_CUDA_TRY(cudaMalloc(&means_dev_, bytes));
@@ -1104,9 +1121,10 @@ class tiered_cache {
     ++steps_;
   }
   // The sampled layers' masses start as NaN (all-ones bytes): a row that is still NaN at
-  // end_step was not decoded this step (a prefill-only step, a graph not replayed) or came from
-  // a non-finite query, and is not fed. The device says what ran, so a replayed graph that the
-  // host never saw call decode feeds the policy too.
+  // end_step was not decoded this step (no decode or prefill of the layer, a graph not
+  // replayed, a sequence with no new token) or came from a non-finite query, and is not fed. The
+  // device says what ran, so a replayed graph that the host never saw call decode feeds the policy
+  // too.
   status clear_sampled_masses() {
     for (int l : mass_layer_)
       TIERKV_CUDA_TRY(
@@ -1231,6 +1249,9 @@ class tiered_cache {
   std::vector<int> mass_layer_;  // per host slot: the layer sampled this step
   float* mass_dev_ = nullptr;
   float* lse_dev_ = nullptr;
+  // prefill's mass pass: the chunks' last rows [max_batch][q_heads][head_dim] and their outputs
+  float* last_rows_ = nullptr;
+  float* last_rows_out_ = nullptr;
   float* means_dev_ = nullptr;             // centring means (center only)
   std::vector<std::uint8_t> means_known_;  // per layer: set or estimated
   std::array<mass_copy, 2> mass_copies_;
