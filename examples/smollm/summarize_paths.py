@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# One quality on every path (issue 57): the same model, tokens and cache options scored through
+# several paths (bench/gpu/ppl_suite.py: the C++ engine, the transformers TieredCache on the host
+# and on the GPU), one --path NAME=WORK each, every WORK in summarize_ppl.py's layout with its own
+# dense run. Per path and arm: the relative perplexity exp(mean(nll_arm - nll_dense)) - 1 pooled
+# over the texts every path holds (texts weighted equally, codec seeds averaged), with
+# summarize_ppl.py's paired block-bootstrap interval; then, per arm, the largest difference
+# between two paths' relative changes in percentage points. Writes the record (--out); the last
+# line printed is {"name": "paths", "metrics": {...}}.
+#
+#   python3 examples/smollm/summarize_paths.py --path engine=W/engine --path host=W/host \
+#       --path gpu=W/gpu-sync-m0 --metric-paths engine,host,gpu --out RECORD.json
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from summarize_ppl import block_means, load  # noqa: E402  (one reading of the run files)
+
+
+def pooled(runs, texts, arm, block, boot, rng):
+    """(relative ppl, 95% interval, seeds, bits, per-text relative) of arm over texts."""
+    per_text, blocks, bits, seeds = {}, [], [], set()
+    for text in texts:
+        dense = np.asarray(runs[text]["dense"]["20261129"]["nll"], dtype=np.float64)
+        m = []
+        for seed, r in sorted(runs[text][arm].items()):
+            nll = np.asarray(r["nll"], dtype=np.float64)
+            if len(nll) != len(dense):
+                sys.exit(f"summarize_paths: {text} {arm} seed {seed} scored {len(nll)} tokens, dense {len(dense)}")
+            m.append(block_means(nll - dense, block))
+            bits.append(r["bits_per_scalar"])
+            seeds.add(seed)
+        m = np.stack(m)
+        blocks.append(m)
+        per_text[text] = float(np.exp(m.mean()) - 1)
+    acc = np.zeros(boot)
+    for m in blocks:
+        idx = rng.integers(0, m.shape[1], size=(boot, m.shape[1]))
+        acc += m[:, idx].mean(axis=(0, 2))
+    acc /= len(blocks)
+    rel = float(np.exp(np.mean([m.mean() for m in blocks])) - 1)
+    ci = [float(np.exp(np.percentile(acc, q)) - 1) for q in (2.5, 97.5)]
+    return rel, ci, sorted(seeds), float(np.mean(bits)), per_text
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--path", action="append", required=True, help="NAME=WORK (repeat)")
+    ap.add_argument("--metric-paths", default="", help="NAME=METRIC,... the issue's metric names of paths "
+                    "(e.g. engine=engine,host=transformers_host,gpu=transformers_gpu)")
+    ap.add_argument("--arms", default="rec,seed")
+    ap.add_argument("--out")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--command", default="")
+    ap.add_argument("--notes", default="")
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--boot", type=int, default=4000)
+    a = ap.parse_args()
+    paths = dict(p.split("=", 1) for p in a.path)
+    runs = {name: load(work) for name, work in paths.items()}
+    arms = a.arms.split(",")
+    texts = sorted(set.intersection(*[
+        {t for t in r if "dense" in r[t] and all(arm in r[t] for arm in arms)} for r in runs.values()]))
+    if not texts:
+        sys.exit("summarize_paths: no text has dense and every arm on every path")
+    rng = np.random.default_rng(20261206)
+    table, metrics = {}, {}
+    alias = dict(x.split("=", 1) for x in a.metric_paths.split(",") if x)
+    for arm in arms:
+        for name in paths:
+            rel, ci, seeds, bits, per_text = pooled(runs[name], texts, arm, a.block, a.boot, rng)
+            first = next(iter(runs[name][texts[0]][arm].values()))
+            table.setdefault(arm, {})[name] = dict(rel_ppl=rel, ci95=ci, seeds=seeds, bits_per_scalar=bits,
+                                                   per_text=per_text, device=first.get("device", ""))
+            if name in alias:
+                metrics[f"ppl_rel_{alias[name]}_{arm}"] = rel
+                metrics[f"bits_{alias[name]}_{arm}"] = bits
+        names = [n for n in paths if n in alias] or list(paths)
+        gaps = {f"{x}-{y}": 100 * (table[arm][x]["rel_ppl"] - table[arm][y]["rel_ppl"])
+                for x, y in itertools.combinations(names, 2)}
+        worst = max(gaps, key=lambda k: abs(gaps[k]))
+        metrics[f"max_path_gap_pct_{arm}" if arm != "rec" else "max_path_gap_pct"] = abs(gaps[worst])
+        table[arm]["gaps_pct"] = gaps
+    metrics["texts"] = len(texts)
+    metrics["seeds"] = min(len(table[arm][n]["seeds"]) for arm in arms for n in paths)
+    print("%-7s %-16s %9s %21s %6s" % ("arm", "path", "rel ppl", "95% interval", "bits"))
+    for arm in arms:
+        for name in paths:
+            r = table[arm][name]
+            print("%-7s %-16s %+8.3f%% [%+7.3f%%, %+7.3f%%] %6.3f" % (
+                arm, name, 100 * r["rel_ppl"], 100 * r["ci95"][0], 100 * r["ci95"][1], r["bits_per_scalar"]))
+        print("%-7s gaps (pct points): %s" % (arm, ", ".join("%s %+.3f" % kv for kv in table[arm]["gaps_pct"].items())))
+    rec = {"name": "paths", "date": datetime.date.today().isoformat(), "commit": a.commit, "command": a.command,
+           "notes": a.notes, "texts": texts, "paths": paths,
+           "method": "chunked perplexity (512-token chunks, the first unscored) over the same token ids on "
+                     "every path; relative perplexity exp(mean(nll_arm - nll_dense)) - 1 against the path's own "
+                     "dense run, pooled over the texts (equal weight) and codec seeds; paired block bootstrap "
+                     f"({a.block}-token blocks, {a.boot} resamples); gaps in percentage points",
+           "arms": table, "metrics": metrics}
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        json.dump(rec, open(a.out, "w"), indent=1)
+        print("wrote " + a.out)
+    print(json.dumps({"name": "paths", "metrics": metrics}))
+
+
+if __name__ == "__main__":
+    main()
