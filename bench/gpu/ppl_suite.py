@@ -222,10 +222,11 @@ def run(a):
             cache = make_cache(model, arm, a.tokens + 64, a.chunk, int(seed), a.device, **extra)
             nll = nll_of(model, ids[text], a.chunk, cache)
             bits, tiers = (16.0, []) if arm == "dense" else finish(cache, layers)
+            retier = {} if arm == "dense" else cache.retier_stats()  # held-back demotions show here
             secs = time.perf_counter() - t0
             ppl = float(torch.exp(nll.mean()))
             r = dict(arm=arm, tokens=int(ids[text].numel()), scored=int(nll.numel()), ppl=ppl, bits_per_scalar=bits,
-                     seconds=secs, tiers=tiers, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
+                     seconds=secs, tiers=tiers, retier=retier, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
                      mass_layers_per_step=a.mass_layers if gpu else 0, sync_retier=bool(gpu and a.sync_retier),
                      commit=os.environ.get("TIERKV_COMMIT", "unknown"), nll=[round(float(x), 6) for x in nll])  # fmt: skip
             with open(path + ".tmp", "w") as f:
