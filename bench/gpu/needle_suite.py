@@ -142,12 +142,18 @@ def generate(model, prompt, chunk, max_new, stop, cache, done=None):
     return out, t1 - t0, time.perf_counter() - t1
 
 
+# An arm name ending in SDPA_SUFFIX keeps the model's own attention (SDPA) over the pages the
+# cache decodes back to dense K/V: no tierkv attention runs, so no page mass reaches the policy.
+SDPA_SUFFIX = "_sdpa"
+
+
 def parse_arms(spec, prog):
     """The arms of a comma-separated list; exits naming an unknown one."""
     arms = spec.split(",")
     for arm in arms:
-        if arm != "dense" and arm not in ARMS:
-            sys.exit(f"{prog}: unknown arm {arm!r} (dense, {', '.join(ARMS)})")
+        base = arm[: -len(SDPA_SUFFIX)] if arm.endswith(SDPA_SUFFIX) else arm
+        if arm != "dense" and base not in ARMS:
+            sys.exit(f"{prog}: unknown arm {arm!r} (dense, {', '.join(ARMS)}, each also as NAME{SDPA_SUFFIX})")
     return arms
 
 
@@ -181,8 +187,9 @@ def make_cache(model, arm, max_tokens, step_tokens, codec_seed, device="cuda", *
     if arm == "dense":
         model.config._attn_implementation = "sdpa"
         return DynamicCache(config=model.config)
-    recent, k, v, center = ARMS[arm]
-    model.config._attn_implementation = "tierkv"
+    sdpa = arm.endswith(SDPA_SUFFIX)
+    recent, k, v, center = ARMS[arm[: -len(SDPA_SUFFIX)] if sdpa else arm]
+    model.config._attn_implementation = "sdpa" if sdpa else "tierkv"
     gpu = dict(max_step_tokens=step_tokens) if str(device).startswith("cuda") else {}  # the GPU's step workspace
     return TieredCache(model.config, device=device, recent=recent, cache_type_k=k, cache_type_v=v, center=center,
                        max_tokens=max_tokens, max_sequences=1, max_batch=1, codec_seed=codec_seed, **gpu, **cache_kw)  # fmt: skip
