@@ -9,8 +9,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
@@ -21,20 +22,25 @@ namespace tierkv::cuda {
 namespace detail {
 
 // Block b writes row b of out: the row q_indptr[b + 1] - 1 of queries as floats, or NaN for a
-// sequence with no new token this step (its page mass then reads NaN: not fed).
-__global__ void gather_last_rows_kernel(const void* queries, query_type qtype,
-                                        const std::int32_t* q_indptr, int row_floats, float* out) {
+// sequence with no new token this step (its page mass then reads NaN: not fed). A template (Q:
+// float or __nv_bfloat16), so that every unit including this header may define it.
+template <class Q>
+__global__ void gather_last_rows_kernel(const Q* queries, const std::int32_t* q_indptr,
+                                        int row_floats, float* out) {
   const int b = int(blockIdx.x);
   const std::int32_t first = q_indptr[b], end = q_indptr[b + 1];
   float* dst = out + std::size_t(b) * std::size_t(row_floats);
-  const std::size_t src = std::size_t(end - 1) * std::size_t(row_floats);
+  if (end == first) {
+    for (int i = int(threadIdx.x); i < row_floats; i += int(blockDim.x))
+      dst[i] = __int_as_float(0x7fc00000);  // quiet NaN
+    return;
+  }
+  const Q* src = queries + std::size_t(end - 1) * std::size_t(row_floats);
   for (int i = int(threadIdx.x); i < row_floats; i += int(blockDim.x)) {
-    float x = __int_as_float(0x7fc00000);  // quiet NaN
-    if (end > first)
-      x = qtype == query_type::bf16
-              ? __bfloat162float(static_cast<const __nv_bfloat16*>(queries)[src + std::size_t(i)])
-              : static_cast<const float*>(queries)[src + std::size_t(i)];
-    dst[i] = x;
+    if constexpr (std::is_same_v<Q, float>)
+      dst[i] = src[i];
+    else
+      dst[i] = __bfloat162float(src[i]);
   }
 }
 
@@ -47,8 +53,12 @@ inline status gather_last_rows(const void* queries, query_type qtype, const std:
   if (queries == nullptr || q_indptr == nullptr || out == nullptr)
     return status(errc::invalid_argument, "gather_last_rows: a null pointer");
   if (batch <= 0 || row_floats <= 0) return status::ok();
-  detail::gather_last_rows_kernel<<<unsigned(batch), 128, 0, stream>>>(queries, qtype, q_indptr,
-                                                                       row_floats, out);
+  if (qtype == query_type::bf16)
+    detail::gather_last_rows_kernel<<<unsigned(batch), 128, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(queries), q_indptr, row_floats, out);
+  else
+    detail::gather_last_rows_kernel<<<unsigned(batch), 128, 0, stream>>>(
+        static_cast<const float*>(queries), q_indptr, row_floats, out);
   TIERKV_CUDA_TRY(cudaGetLastError());
   return status::ok();
 }
