@@ -358,6 +358,44 @@ def test_tiered_cache_on_the_gpu_matches_the_host_cache():
     assert 1 in tiered.tierkv.page_tiers(int(tiered.seqs[0]), 1)  # Stale pages were read
 
 
+def test_tiered_cache_defaults_on_the_gpu_give_the_host_tiers():
+    """TieredCache(device="cuda")'s defaults (every layer's page mass a step, each step's retier
+    finished in its step) give the host cache's tier for every page, step by step, through a
+    chunked prefill (whose last rows' masses make Anchors) and decode steps; one layer's mass a
+    step, or the side stream's overlap, would not (bench/results/quality/paths-2026-12-06.json)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tierkv.transformers import TieredCache
+
+    cfg = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=64, max_position_embeddings=512, attn_implementation="tierkv")  # fmt: skip
+    torch.manual_seed(3)
+    cpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
+    gpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval().cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    # uncentred: each device estimates the channel means in its own summation order
+    kw = dict(max_tokens=512, page_size=16, max_sequences=4, max_batch=4, center=False, **POLICY)
+    gc = TieredCache(gpu.config, device="cuda", max_step_tokens=128, **kw)
+    hc = TieredCache(cpu.config, **kw)
+    ids = torch.randint(0, 256, (2, 192))
+    stale = 0
+    with torch.no_grad():
+        for start in range(0, 192, 48):  # the prompt in four chunks, then decode steps
+            gpu(input_ids=ids[:, start : start + 48].cuda(), past_key_values=gc)
+            cpu(input_ids=ids[:, start : start + 48], past_key_values=hc)
+        nxt = ids[:, -1:]
+        for _ in range(12):
+            gpu(input_ids=nxt.cuda(), past_key_values=gc)
+            nxt = cpu(input_ids=nxt, past_key_values=hc).logits[:, -1].argmax(-1, keepdim=True)
+    for b in range(2):  # both with the last step open (each ends a step at the next begin)
+        for layer in range(3):
+            g = gc.tierkv.page_tiers(int(gc.seqs[b]), layer)
+            h = hc.tierkv.page_tiers(int(hc.seqs[b]), layer)
+            assert list(g) == list(h), f"sequence {b} layer {layer}: GPU tiers {list(g)}, host {list(h)}"
+            stale += sum(1 for t in h if t == 1)
+    assert stale > 0  # some pages were demoted, and the same ones on both
+
+
 def test_generate_through_a_gpu_tiered_cache():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

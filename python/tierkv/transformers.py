@@ -164,9 +164,14 @@ class TieredCache(Cache):
     max_tokens or pages_per_tier; device="cuda" keeps the cache on the GPU (tierkv.CudaCache,
     whose keywords pass through too). center (channel-mean centring, tierkv.Cache's) defaults
     to True unless the model has an attention logit soft-cap, which centring refuses.
-    sync_retier=True (GPU only) finishes each step's retier inside end_step, feeding that step's
-    page masses first, as the host path's synchronous step does: the same tiers step by step as
-    a host cache given the same masses (checks and tests; it gives up the side stream's overlap).
+    On the GPU every layer's page mass feeds the policy each step (mass_layers_per_step=0) and
+    each step's retier finishes inside end_step after that step's masses (sync_retier, default
+    True): the tiers, step by step, of the host cache and the C++ engine, whose perplexity these
+    defaults match (bench/results/quality/paths-2026-12-06.json: one layer a step costs there,
+    and the side stream's overlap makes the tiers depend on timing). A serving
+    loop that wants the overlap passes sync_retier=False and mass_layers_per_step=1
+    (tierkv.CudaCache's own defaults; bench/gpu/torch_e2e.py). sync_retier=True on the host is
+    refused (its step is synchronous already).
     from_cache() wraps a cache and sequences made elsewhere.
 
     Capacity: max_tokens (default 4096 unless pages_per_tier is given) is the tokens of every
@@ -177,7 +182,7 @@ class TieredCache(Cache):
     """
 
     def __init__(self, config, *, recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", device=None,
-                 sync_retier=False, **kwargs):
+                 sync_retier=None, **kwargs):
         text = self._text_config(config)
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -198,6 +203,8 @@ class TieredCache(Cache):
         if device is not None and torch.device(device).type == "cuda":
             from .cuda import CudaCache
 
+            kwargs.setdefault("mass_layers_per_step", 0)  # every layer's mass, as the host path
+            sync_retier = True if sync_retier is None else sync_retier
             cache = CudaCache(**geometry, **names, device=device, **kwargs)
             cap = None  # the GPU attention takes the model's soft-cap per call
         else:
