@@ -298,3 +298,27 @@ def test_bits_per_scalar_of_an_8_bit_cache():
     bits = cache.bits_per_scalar()
     assert 8.0 < bits < 9.5, bits
     assert bits == pytest.approx(page_bits(cache), rel=1e-12)
+
+
+def test_end_step_runs_the_steps_retier_on_the_host():
+    """end_step() ends the step as on the GPU: the host cache's retier for that step runs then
+    (once: the next step's begin does not run it again), so what a run reports after its last
+    end_step (bits per scalar, tiers) is after its last retier. Before, the host's last step
+    waited for a next begin that never came: SmolLM2's 8K perplexity runs reported 4.72 bits
+    per scalar on the host against 4.49 on the GPU and in the C++ engine for the same tiers."""
+    model = tiny("qwen3", "tierkv")
+    ids = torch.randint(1, 256, (1, 96), generator=torch.Generator().manual_seed(14))
+    cache = TieredCache(model.config, max_tokens=256, threads=2, **RECOMMENDED, **EAGER_POLICY)
+    seen = counting_retier(cache)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)  # one prefill step: six pages a layer
+    before = cache.bits_per_scalar()
+    assert seen["planned"] == 0  # the step is still open
+    cache.end_step()
+    assert seen["demoted"] > 0 and cache.bits_per_scalar() < before - 1.0, (before, cache.bits_per_scalar())
+    planned = seen["planned"]
+    cache.end_step()  # ending it again runs nothing
+    with torch.no_grad():
+        model(input_ids=ids[:, -1:], past_key_values=cache)  # the next step's begin: no second retier
+    assert seen["planned"] == planned
+    assert cache.retier_stats() == seen

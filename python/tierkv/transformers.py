@@ -77,17 +77,22 @@ class _HostSteps:
         self.c = cache
         self.pending = 0  # tokens reserved and not committed (a forward pass cut short)
         self.totals = dict.fromkeys(RETIER_FIELDS, 0)  # the host ops return each retier's only
+        self.retiered = 0  # the last step whose retier ran
 
     def begin(self, seqs, n: int, step: int) -> None:
         if self.pending:
             self.c.cancel(seqs)
             self.pending = 0
-        if step > 1:
-            # between steps: no page of this step is read yet
-            for k, v in self.c.retier(step - 1).items():
-                self.totals[k] += v
+        self._retier(step - 1)  # the previous step's, unless end_step ran it
         self.c.reserve(seqs, [n] * len(seqs))
         self.pending = n
+
+    def _retier(self, step: int) -> None:
+        # between steps (no page of the next one is read yet), once a step
+        if step >= 1 and self.retiered < step:
+            for k, v in self.c.retier(step).items():
+                self.totals[k] += v
+            self.retiered = step
 
     def retier_stats(self) -> dict:
         return dict(self.totals)
@@ -101,7 +106,9 @@ class _HostSteps:
             self.pending = 0
 
     def end(self, step: int) -> None:
-        pass  # retier runs at the next begin (the host path's step is synchronous)
+        # the step's retier now, as the GPU's end_step (a forward pass cut short: at the next begin)
+        if not self.pending:
+            self._retier(step)
 
     def attend(self, layer: int, seqs, q, n: int, window: int = 0, soft_cap: float = 0.0):
         # soft_cap is the cache's own (HostCache(soft_cap=...)): TieredCache checks they agree
