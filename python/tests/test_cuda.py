@@ -321,17 +321,24 @@ def test_prefix_reuse_on_the_gpu():
         g.evict_prefixes(-1)
 
 
-def test_tiered_cache_on_the_gpu_matches_the_host_cache():
+def twin_models(seed):
+    """A small random Qwen3 (3 layers, 8 query heads on 4 KV heads, head_dim 64) on the CPU and
+    the same weights on the GPU, both with the "tierkv" attention."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from tierkv.transformers import TieredCache
 
     cfg = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
                num_key_value_heads=4, head_dim=64, max_position_embeddings=512, attn_implementation="tierkv")  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
     gpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval().cuda()
     gpu.load_state_dict(cpu.state_dict())
+    return cpu, gpu
+
+
+def test_tiered_cache_on_the_gpu_matches_the_host_cache():
+    from tierkv.transformers import TieredCache
+
+    cpu, gpu = twin_models(seed=0)
     ids0 = torch.randint(0, 256, (2, 40))
     kw = dict(max_tokens=512, page_size=16, max_sequences=4, max_batch=4, **POLICY)
     # 8-bit pages only: the two paths hold the same codes, and no tier decision can differ
@@ -363,16 +370,9 @@ def test_tiered_cache_defaults_on_the_gpu_give_the_host_tiers():
     finished in its step) give the host cache's tier for every page, step by step, through a
     chunked prefill (whose last rows' masses make Anchors) and decode steps; one layer's mass a
     step, or the side stream's overlap, would not (bench/results/quality/paths-2026-12-06.json)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from tierkv.transformers import TieredCache
 
-    cfg = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-               num_key_value_heads=4, head_dim=64, max_position_embeddings=512, attn_implementation="tierkv")  # fmt: skip
-    torch.manual_seed(3)
-    cpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval()
-    gpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval().cuda()
-    gpu.load_state_dict(cpu.state_dict())
+    cpu, gpu = twin_models(seed=3)
     # uncentred: each device estimates the channel means in its own summation order
     kw = dict(max_tokens=512, page_size=16, max_sequences=4, max_batch=4, center=False, **POLICY)
     gc = TieredCache(gpu.config, device="cuda", max_step_tokens=128, **kw)

@@ -93,6 +93,18 @@ bool same_page(const std::vector<std::uint8_t>& gpu_pool, page_id gp, host_stora
   return same_tokens<L, K, V>(a, b, tokens);
 }
 
+// n standard normal floats a call, from one seeded stream.
+struct normal_source {
+  explicit normal_source(std::uint64_t seed) : rng(seed) {}
+  std::vector<float> operator()(std::size_t n) {
+    std::vector<float> x(n);
+    for (auto& e : x) e = normal(rng);
+    return x;
+  }
+  std::mt19937_64 rng;
+  std::normal_distribution<float> normal{0.f, 1.f};
+};
+
 struct pair_seq {
   seq_id gpu, twin;
 };
@@ -669,13 +681,7 @@ TEST_CASE("cuda::tiered_cache: a prefill step feeds the page mass of each chunk'
   gpu->set_mass_observer([&](seq_id s, int l, std::span<const float> m) {
     REQUIRE(fed.emplace(std::pair{s.value, l}, std::vector<float>(m.begin(), m.end())).second);
   });
-  std::mt19937_64 rng(20261206);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto randn = [&](std::size_t n) {
-    std::vector<float> x(n);
-    for (auto& e : x) e = normal(rng);
-    return x;
-  };
+  normal_source randn(20261206);
   const std::size_t vec = std::size_t(KVH) * D, qvec = std::size_t(QH) * D;
   std::vector<seq_id> seqs;
   for (int i = 0; i < 3; ++i) seqs.push_back(gpu->create_sequence().value());
@@ -742,13 +748,7 @@ TEST_CASE("cuda::tiered_cache: a step captured in a CUDA graph replays as eager 
   eager->set_mass_observer([&](seq_id, int, std::span<const float>) { ++fed[0]; });
   graphed->set_mass_observer([&](seq_id, int, std::span<const float>) { ++fed[1]; });
 
-  std::mt19937_64 rng(20261203);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto randn = [&](std::size_t n) {
-    std::vector<float> x(n);
-    for (auto& e : x) e = normal(rng);
-    return x;
-  };
+  normal_source randn(20261203);
   const std::size_t vec = std::size_t(KVH) * D, qvec = std::size_t(QH) * D;
   std::vector<seq_id> se, sg;
   for (int i = 0; i < 3; ++i) {
