@@ -31,7 +31,7 @@ Paths (issue 57: one quality on every path): `run` writes each text's token ids 
 --ppl-ids`: the same ids, the same arms: rec, rec_nocenter, seed, dense); --mass-layers sets the
 GPU cache's mass_layers_per_step (0: every layer's page mass feeds the policy, as the engine and the
 host path do) and --sync-retier finishes each step's retier in that step (TieredCache's
-sync_retier). One --work folder per path, then summarize_paths.py compares them.
+sync_retier). One --work folder per path, then examples/smollm/summarize_paths.py compares them.
 
     python3 bench/gpu/ppl_suite.py run --device cpu --gguf G --texts T --work W/host --tokens 8192
     python3 bench/gpu/ppl_suite.py engine --smollm build/release/examples/smollm/smollm \

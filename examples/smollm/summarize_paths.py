@@ -5,12 +5,14 @@
 # and on the GPU), one --path NAME=WORK each, every WORK in summarize_ppl.py's layout with its own
 # dense run. Per path and arm: the relative perplexity exp(mean(nll_arm - nll_dense)) - 1 pooled
 # over the texts every path holds (texts weighted equally, codec seeds averaged), with
-# summarize_ppl.py's paired block-bootstrap interval; then, per arm, the largest difference
-# between two paths' relative changes in percentage points. Writes the record (--out); the last
+# summarize_ppl.py's paired block-bootstrap interval; then, per arm, every two paths' difference
+# in percentage points with its paired interval (the same blocks of the same tokens resampled for
+# both), and the largest difference among --metric-paths. Writes the record (--out); the last
 # line printed is {"name": "paths", "metrics": {...}}.
 #
 #   python3 examples/smollm/summarize_paths.py --path engine=W/engine --path host=W/host \
-#       --path gpu=W/gpu-sync-m0 --metric-paths engine,host,gpu --out RECORD.json
+#       --path gpu=W/gpu --metric-paths engine=engine,host=transformers_host,gpu=transformers_gpu \
+#       --out RECORD.json
 import argparse
 import datetime
 import itertools
@@ -25,7 +27,8 @@ from summarize_ppl import block_means, load  # noqa: E402  (one reading of the r
 
 
 def pooled(runs, texts, arm, block, boot, rng):
-    """(relative ppl, 95% interval, seeds, bits, per-text relative) of arm over texts."""
+    """(relative ppl, 95% interval, seeds, bits, per-text relative, per-text [seeds][blocks]
+    block means of nll_arm - nll_dense) of arm over texts."""
     per_text, blocks, bits, seeds = {}, [], [], set()
     for text in texts:
         dense = np.asarray(runs[text]["dense"]["20261129"]["nll"], dtype=np.float64)
@@ -47,14 +50,27 @@ def pooled(runs, texts, arm, block, boot, rng):
     acc /= len(blocks)
     rel = float(np.exp(np.mean([m.mean() for m in blocks])) - 1)
     ci = [float(np.exp(np.percentile(acc, q)) - 1) for q in (2.5, 97.5)]
-    return rel, ci, sorted(seeds), float(np.mean(bits)), per_text
+    return rel, ci, sorted(seeds), float(np.mean(bits)), per_text, blocks
+
+
+def gap_interval(bx, by, boot, rng):
+    """95% interval of the gap (percentage points) between two paths' pooled relative changes:
+    the same blocks of the same tokens resampled for both (paired), texts weighted equally."""
+    ax, ay = np.zeros(boot), np.zeros(boot)
+    for mx, my in zip(bx, by):
+        idx = rng.integers(0, mx.shape[1], size=(boot, mx.shape[1]))
+        ax += mx[:, idx].mean(axis=(0, 2))
+        ay += my[:, idx].mean(axis=(0, 2))
+    g = 100 * (np.exp(ax / len(bx)) - np.exp(ay / len(by)))
+    return [float(np.percentile(g, 2.5)), float(np.percentile(g, 97.5))]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", action="append", required=True, help="NAME=WORK (repeat)")
-    ap.add_argument("--metric-paths", default="", help="NAME=METRIC,... the issue's metric names of paths "
-                    "(e.g. engine=engine,host=transformers_host,gpu=transformers_gpu)")
+    ap.add_argument("--metric-paths", default="", help="NAME=METRIC[+METRIC],... the issue's metric names of "
+                    "paths (e.g. engine=engine,host=transformers_host+transformers_default,gpu=transformers_gpu); "
+                    "the largest gap is over these paths")
     ap.add_argument("--arms", default="rec,seed")
     ap.add_argument("--out")
     ap.add_argument("--commit", default="unknown")
@@ -74,20 +90,23 @@ def main():
     table, metrics = {}, {}
     alias = dict(x.split("=", 1) for x in a.metric_paths.split(",") if x)
     for arm in arms:
+        blocks = {}
         for name in paths:
-            rel, ci, seeds, bits, per_text = pooled(runs[name], texts, arm, a.block, a.boot, rng)
+            rel, ci, seeds, bits, per_text, blocks[name] = pooled(runs[name], texts, arm, a.block, a.boot, rng)
             first = next(iter(runs[name][texts[0]][arm].values()))
             table.setdefault(arm, {})[name] = dict(rel_ppl=rel, ci95=ci, seeds=seeds, bits_per_scalar=bits,
                                                    per_text=per_text, device=first.get("device", ""))
-            if name in alias:
-                metrics[f"ppl_rel_{alias[name]}_{arm}"] = rel
-                metrics[f"bits_{alias[name]}_{arm}"] = bits
+            for metric in alias.get(name, "").split("+") if name in alias else []:
+                metrics[f"ppl_rel_{metric}_{arm}"] = rel
+                metrics[f"bits_{metric}_{arm}"] = bits
         names = [n for n in paths if n in alias] or list(paths)
-        gaps = {f"{x}-{y}": 100 * (table[arm][x]["rel_ppl"] - table[arm][y]["rel_ppl"])
-                for x, y in itertools.combinations(names, 2)}
-        worst = max(gaps, key=lambda k: abs(gaps[k]))
+        pairs = list(itertools.combinations(list(paths), 2))
+        gaps = {f"{x}-{y}": 100 * (table[arm][x]["rel_ppl"] - table[arm][y]["rel_ppl"]) for x, y in pairs}
+        gap_ci = {f"{x}-{y}": gap_interval(blocks[x], blocks[y], a.boot, rng) for x, y in pairs}
+        worst = max((f"{x}-{y}" for x, y in itertools.combinations(names, 2)), key=lambda k: abs(gaps[k]))
         metrics[f"max_path_gap_pct_{arm}" if arm != "rec" else "max_path_gap_pct"] = abs(gaps[worst])
         table[arm]["gaps_pct"] = gaps
+        table[arm]["gaps_pct_ci95"] = gap_ci
     metrics["texts"] = len(texts)
     metrics["seeds"] = min(len(table[arm][n]["seeds"]) for arm in arms for n in paths)
     print("%-7s %-16s %9s %21s %6s" % ("arm", "path", "rel ppl", "95% interval", "bits"))
@@ -96,7 +115,9 @@ def main():
             r = table[arm][name]
             print("%-7s %-16s %+8.3f%% [%+7.3f%%, %+7.3f%%] %6.3f" % (
                 arm, name, 100 * r["rel_ppl"], 100 * r["ci95"][0], 100 * r["ci95"][1], r["bits_per_scalar"]))
-        print("%-7s gaps (pct points): %s" % (arm, ", ".join("%s %+.3f" % kv for kv in table[arm]["gaps_pct"].items())))
+        for k, g in table[arm]["gaps_pct"].items():
+            lo, hi = table[arm]["gaps_pct_ci95"][k]
+            print("%-7s gap %-28s %+.3f points [%+.3f, %+.3f]" % (arm, k, g, lo, hi))
     rec = {"name": "paths", "date": datetime.date.today().isoformat(), "commit": a.commit, "command": a.command,
            "notes": a.notes, "texts": texts, "paths": paths,
            "method": "chunked perplexity (512-token chunks, the first unscored) over the same token ids on "
