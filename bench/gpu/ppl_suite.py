@@ -29,9 +29,9 @@ Paths (issue 57: one quality on every path): `run` writes each text's token ids 
 ({work}/texts/NAME.ids); `run --device cpu` scores the same arms through the host TieredCache
 (tierkv.Cache); `engine` scores them through the C++ SmolLM2 engine (examples/smollm `smollm ppl
 --ppl-ids`: the same ids, the same arms: rec, rec_nocenter, seed, dense); --mass-layers sets the
-GPU cache's mass_layers_per_step (0: every layer's page mass feeds the policy, as the engine and the
-host path do) and --sync-retier finishes each step's retier in that step (TieredCache's
-sync_retier). One --work folder per path, then examples/smollm/summarize_paths.py compares them.
+GPU cache's mass_layers_per_step (0, TieredCache's default: every layer's page mass feeds the
+policy, as the engine and the host path do; 1: CudaCache's) and --sync-retier 1 / 0 finishes each
+step's retier in that step (TieredCache's default) or overlaps it (CudaCache's). One --work folder per path, then examples/smollm/summarize_paths.py compares them.
 
     python3 bench/gpu/ppl_suite.py run --device cpu --gguf G --texts T --work W/host --tokens 8192
     python3 bench/gpu/ppl_suite.py engine --smollm build/release/examples/smollm/smollm \
@@ -195,8 +195,8 @@ def run(a):
     model = load_model(a.gguf, a.device)
     gpu = a.device == "cuda"
     extra = dict(mass_layers_per_step=a.mass_layers) if gpu and a.mass_layers is not None else {}
-    if gpu and a.sync_retier:
-        extra["sync_retier"] = True
+    if gpu and a.sync_retier is not None:
+        extra["sync_retier"] = bool(a.sync_retier)
     os.makedirs(f"{a.work}/texts", exist_ok=True)
     ids = {}
     for text in names:
@@ -227,7 +227,7 @@ def run(a):
             ppl = float(torch.exp(nll.mean()))
             r = dict(arm=arm, tokens=int(ids[text].numel()), scored=int(nll.numel()), ppl=ppl, bits_per_scalar=bits,
                      seconds=secs, tiers=tiers, retier=retier, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
-                     mass_layers_per_step=a.mass_layers if gpu else 0, sync_retier=bool(gpu and a.sync_retier),
+                     mass_layers_per_step=a.mass_layers if gpu else 0, sync_retier=a.sync_retier if gpu else None,
                      commit=os.environ.get("TIERKV_COMMIT", "unknown"), nll=[round(float(x), 6) for x in nll])  # fmt: skip
             with open(path + ".tmp", "w") as f:
                 json.dump(r, f)
@@ -257,9 +257,9 @@ def main():
     r.add_argument("--tokenizer", help="a folder from tokenizer.save_pretrained() instead of the GGUF's tokenizer")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the host TieredCache (tierkv.Cache)")
     r.add_argument("--device-name", default="CPU (python/ tierkv.Cache, transformers)", help="the files' device with --device cpu")
-    r.add_argument("--mass-layers", type=int, help="the GPU cache's mass_layers_per_step (default: tierkv.CudaCache's)")
-    r.add_argument("--sync-retier", action="store_true", help="TieredCache(sync_retier=True): each step's retier finished "
-                   "in its end_step (tiers independent of timing, as the host path's)")
+    r.add_argument("--mass-layers", type=int, help="the GPU cache's mass_layers_per_step (default: TieredCache's, 0: every layer)")
+    r.add_argument("--sync-retier", type=int, choices=[0, 1], help="TieredCache(sync_retier=...) on the GPU: 1 finishes each "
+                   "step's retier in its end_step (TieredCache's default), 0 overlaps it with the next step (CudaCache's)")
     e = sub.add_parser("engine", help="score every (text, arm, seed) through the C++ engine over run's token ids")
     e.add_argument("--smollm", required=True, help="examples/smollm's binary (build/release/examples/smollm/smollm)")
     e.add_argument("--gguf", required=True)
