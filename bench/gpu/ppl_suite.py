@@ -113,6 +113,29 @@ def nll_of(model, ids, chunk, cache):
     return torch.cat(out).cpu()
 
 
+def pending_runs(work, names, arms, seeds):
+    """(text, arm, seed, path) of every run not yet in work, seed by seed over every (text, arm)
+    so that a run cut short covers the texts alike; dense once, under DENSE_SEED."""
+    runs = []
+    for i, seed in enumerate(seeds.split(",")):
+        for text in names:
+            for arm in arms:
+                if arm == "dense" and i:
+                    continue
+                s = DENSE_SEED if arm == "dense" else seed
+                path = f"{work}/{text}-{arm}-{s}.json"
+                if not os.path.exists(path):
+                    runs.append((text, arm, s, path))
+    return runs
+
+
+def write_run(path, r):
+    """A run's file, whole or not at all (a rerun skips the files present)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(r, f)
+    os.replace(path + ".tmp", path)
+
+
 # The engine's arm (and knobs) for each of needle_suite's arms (tierkv_backend.hpp: rec = tiered_k4
 # centred, seed = FP8 + TQ3 uncentred).
 ENGINE_ARMS = {"dense": ["--arm", "dense"], "rec": ["--arm", "rec"], "seed": ["--arm", "seed"],
@@ -129,24 +152,17 @@ def engine(a):
     if bad:
         sys.exit(f"ppl_suite engine: no engine arm for {bad} ({', '.join(ENGINE_ARMS)})")
     os.makedirs(f"{a.work}/texts", exist_ok=True)
-    runs = []
-    for i, seed in enumerate(a.seeds.split(",")):
-        for text in a.text_names.split(","):
-            ids = f"{a.ids}/{text}.ids"
-            if not os.path.exists(ids):
-                sys.exit(f"ppl_suite engine: {ids} is missing (ppl_suite.py run writes it)")
-            for arm in arms:
-                s = DENSE_SEED if arm == "dense" else seed
-                if (arm == "dense" and i) or os.path.exists(f"{a.work}/{text}-{arm}-{s}.json"):
-                    continue
-                runs.append((text, arm, s, ids))
+    names = a.text_names.split(",")
+    for text in names:
+        if not os.path.exists(f"{a.ids}/{text}.ids"):
+            sys.exit(f"ppl_suite engine: {a.ids}/{text}.ids is missing (ppl_suite.py run writes it)")
+    runs = pending_runs(a.work, names, arms, a.seeds)
     log(f"ppl_suite engine: {len(runs)} runs to do in {a.work}")
 
     def one(r):
-        text, arm, seed, ids = r
-        path = f"{a.work}/{text}-{arm}-{seed}.json"
-        cmd = [a.smollm, "ppl", "--model", a.gguf, "--threads", "1", "--tokens", str(a.tokens), "--chunk",
-               str(a.chunk), "--codec-seed", seed, "--ppl-ids", ids, "--nll-out", path + ".tmp", *ENGINE_ARMS[arm]]  # fmt: skip
+        text, arm, seed, path = r
+        cmd = [a.smollm, "ppl", "--model", a.gguf, "--threads", "1", "--tokens", str(a.tokens), "--chunk", str(a.chunk),
+               "--codec-seed", seed, "--ppl-ids", f"{a.ids}/{text}.ids", "--nll-out", path + ".tmp", *ENGINE_ARMS[arm]]  # fmt: skip
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         t0 = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -155,13 +171,11 @@ def engine(a):
         r = json.load(open(path + ".tmp"))
         r.update(arm=arm, model=os.path.basename(a.gguf), chunk=a.chunk, device="CPU (examples/smollm engine)",
                  commit=os.environ.get("TIERKV_COMMIT", "unknown"))  # fmt: skip
-        with open(path + ".tmp", "w") as f:
-            json.dump(r, f)
-        os.replace(path + ".tmp", path)
+        write_run(path, r)
         log(f"{text:8s} {arm:12s} seed {seed:9s} ppl {r['ppl']:9.4f} {r['bits_per_scalar']:5.2f} bits "
             f"{time.perf_counter() - t0:6.1f} s")
 
-    for text in a.text_names.split(","):  # the texts' bytes, for summarize_ppl.py's sha256
+    for text in names:  # the texts' bytes, for summarize_ppl.py's sha256
         src = f"{a.ids}/{text}.txt"
         if os.path.exists(src):
             open(f"{a.work}/texts/{text}.txt", "wb").write(open(src, "rb").read())
@@ -176,17 +190,7 @@ def run(a):
     arms = parse_arms(a.arms, "ppl_suite")
     os.makedirs(a.work, exist_ok=True)
     names = a.text_names.split(",")
-    # seed by seed over every (text, arm): a run cut short by --time-limit covers the texts alike
-    runs, seeds = [], a.seeds.split(",")
-    for i, seed in enumerate(seeds):
-        for text in names:
-            for arm in arms:
-                if arm == "dense" and i:
-                    continue
-                s = DENSE_SEED if arm == "dense" else seed
-                path = f"{a.work}/{text}-{arm}-{s}.json"
-                if not os.path.exists(path):
-                    runs.append((text, arm, s, path))
+    runs = pending_runs(a.work, names, arms, a.seeds)  # a --time-limit cut covers the texts alike
     log(f"ppl_suite: {len(runs)} runs to do in {a.work}")
     if not runs:
         return
@@ -229,9 +233,7 @@ def run(a):
                      seconds=secs, tiers=tiers, retier=retier, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
                      mass_layers_per_step=a.mass_layers if gpu else 0, sync_retier=a.sync_retier if gpu else None,
                      commit=os.environ.get("TIERKV_COMMIT", "unknown"), nll=[round(float(x), 6) for x in nll])  # fmt: skip
-            with open(path + ".tmp", "w") as f:
-                json.dump(r, f)
-            os.replace(path + ".tmp", path)
+            write_run(path, r)
             del cache
             log(f"{i + 1:3d}/{len(runs)} {text:8s} {arm:12s} seed {seed:9s} ppl {ppl:9.4f} {bits:5.2f} bits {secs:6.1f} s")
     log(f"ppl_suite: {time.perf_counter() - start:.0f} s")

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from summarize_ppl import block_means, load  # noqa: E402  (one reading of the run files)
+from summarize_ppl import arm_blocks, load, pooled_bootstrap  # noqa: E402  (one reading of the run files)
 
 
 def pooled(runs, texts, arm, block, boot, rng):
@@ -31,23 +31,12 @@ def pooled(runs, texts, arm, block, boot, rng):
     block means of nll_arm - nll_dense) of arm over texts."""
     per_text, blocks, bits, seeds = {}, [], [], set()
     for text in texts:
-        dense = np.asarray(runs[text]["dense"]["20261129"]["nll"], dtype=np.float64)
-        m = []
-        for seed, r in sorted(runs[text][arm].items()):
-            nll = np.asarray(r["nll"], dtype=np.float64)
-            if len(nll) != len(dense):
-                sys.exit(f"summarize_paths: {text} {arm} seed {seed} scored {len(nll)} tokens, dense {len(dense)}")
-            m.append(block_means(nll - dense, block))
-            bits.append(r["bits_per_scalar"])
-            seeds.add(seed)
-        m = np.stack(m)
+        m, per_seed = arm_blocks(runs, text, arm, block, "summarize_paths")
         blocks.append(m)
         per_text[text] = float(np.exp(m.mean()) - 1)
-    acc = np.zeros(boot)
-    for m in blocks:
-        idx = rng.integers(0, m.shape[1], size=(boot, m.shape[1]))
-        acc += m[:, idx].mean(axis=(0, 2))
-    acc /= len(blocks)
+        bits += [b for _, _, b in per_seed]
+        seeds.update(seed for seed, _, _ in per_seed)
+    acc = pooled_bootstrap(blocks, boot, rng)
     rel = float(np.exp(np.mean([m.mean() for m in blocks])) - 1)
     ci = [float(np.exp(np.percentile(acc, q)) - 1) for q in (2.5, 97.5)]
     return rel, ci, sorted(seeds), float(np.mean(bits)), per_text, blocks

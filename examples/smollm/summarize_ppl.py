@@ -39,6 +39,30 @@ def block_means(diff, block):
     return diff[:n].reshape(-1, block).mean(axis=1)
 
 
+def arm_blocks(runs, text, arm, block, prog="summarize_ppl"):
+    """One text's [seeds][blocks] block means of nll_arm - nll_dense (seeds in sorted order), with
+    each seed's name, mean difference and bits per scalar."""
+    dense = np.asarray(runs[text]["dense"]["20261129"]["nll"], dtype=np.float64)
+    rows, seeds = [], []
+    for seed, r in sorted(runs[text][arm].items()):
+        nll = np.asarray(r["nll"], dtype=np.float64)
+        if len(nll) != len(dense):
+            sys.exit("%s: %s %s seed %s scored %d tokens, dense %d" % (prog, text, arm, seed, len(nll), len(dense)))
+        rows.append(block_means(nll - dense, block))
+        seeds.append((seed, float(np.mean(nll - dense)), r["bits_per_scalar"]))
+    return np.stack(rows), seeds
+
+
+def pooled_bootstrap(blocks, boot, rng):
+    """Resampled pooled log-ratios: each text's blocks resampled within it (the same blocks for
+    every seed), the texts weighted equally."""
+    acc = np.zeros(boot)
+    for m in blocks:
+        idx = rng.integers(0, m.shape[1], size=(boot, m.shape[1]))
+        acc += m[:, idx].mean(axis=(0, 2))
+    return acc / len(blocks)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
@@ -66,17 +90,10 @@ def main():
         for text in texts:
             if arm not in runs[text]:
                 continue
-            dense = np.asarray(runs[text]["dense"]["20261129"]["nll"], dtype=np.float64)
-            per_seed = []
-            for seed, r in sorted(runs[text][arm].items()):
-                nll = np.asarray(r["nll"], dtype=np.float64)
-                if len(nll) != len(dense):
-                    sys.exit("summarize_ppl: %s %s seed %s scored %d tokens, dense %d"
-                             % (text, arm, seed, len(nll), len(dense)))
-                per_seed.append(block_means(nll - dense, a.block))
-                seed_rel.setdefault(seed, []).append(float(np.mean(nll - dense)))
-                bits.append(r["bits_per_scalar"])
-            m = np.stack(per_seed)  # [seeds][blocks]
+            m, per_seed = arm_blocks(runs, text, arm, a.block)  # [seeds][blocks]
+            for seed, diff, b in per_seed:
+                seed_rel.setdefault(seed, []).append(diff)
+                bits.append(b)
             pooled_blocks.append(m)
             nb = m.shape[1]
             idx = rng.integers(0, nb, size=(a.boot, nb))
@@ -86,16 +103,10 @@ def main():
             per_text.setdefault(text, {})[arm] = {
                 "rel_ppl": rel, "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
                 "seeds": len(per_seed), "seed_range": [min(seeds), max(seeds)],
-                "dense_ppl": runs[text]["dense"]["20261129"]["ppl"], "scored": int(len(dense))}
+                "dense_ppl": runs[text]["dense"]["20261129"]["ppl"], "scored": int(len(runs[text]["dense"]["20261129"]["nll"]))}
             rows.append((text, arm, rel, per_text[text][arm]["ci95"], min(seeds), max(seeds),
                          float(np.mean(bits[-len(per_seed):]))))
-        # pooled: the texts weighted equally, blocks resampled within each text
-        boots = np.zeros(a.boot)
-        for m in pooled_blocks:
-            nb = m.shape[1]
-            idx = rng.integers(0, nb, size=(a.boot, nb))
-            boots += m[:, idx].mean(axis=(0, 2))
-        boots /= len(pooled_blocks)
+        boots = pooled_bootstrap(pooled_blocks, a.boot, rng)
         pooled = float(np.mean([m.mean() for m in pooled_blocks]))
         rel = float(np.exp(pooled) - 1)
         lo, hi = (float(np.exp(np.percentile(boots, q)) - 1) for q in (2.5, 97.5))

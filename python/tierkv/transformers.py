@@ -174,8 +174,9 @@ class TieredCache(Cache):
     On the GPU every layer's page mass feeds the policy each step (mass_layers_per_step=0) and
     each step's retier finishes inside end_step after that step's masses (sync_retier, default
     True): the tiers, step by step, of the host cache and the C++ engine, whose perplexity these
-    defaults match (bench/results/quality/paths-2026-12-06.json: one layer a step costs there,
-    and the side stream's overlap makes the tiers depend on timing). A serving
+    defaults match (bench/results/quality/paths-2026-12-06.json; one layer a step costs +0.39
+    points and the side stream's overlap makes the tiers depend on timing:
+    paths-gpu-configs-2026-12-06.json). A serving
     loop that wants the overlap passes sync_retier=False and mass_layers_per_step=1
     (tierkv.CudaCache's own defaults; bench/gpu/torch_e2e.py). sync_retier=True on the host is
     refused (its step is synchronous already).

@@ -656,8 +656,9 @@ class tiered_cache {
                                    Geometry::q_heads * Geometry::head_dim, last_rows_, *stream);
         !st)
       return st;
-    return decode(layer, last_rows_, query_type::f32, last_rows_out_, output_type::f32, nullptr,
-                  soft_cap, window, *stream);
+    float* outputs = last_rows_ + last_rows_floats();  // the buffer's second half
+    return decode(layer, last_rows_, query_type::f32, outputs, output_type::f32, nullptr, soft_cap,
+                  window, *stream);
   }
 
   /// Ends the step: queues the copy of this step's sampled page masses to the host, feeds the
@@ -855,10 +856,7 @@ class tiered_cache {
       TIERKV_CUDA_TRY(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
     }
     TIERKV_CUDA_TRY(cudaMalloc(&lse_dev_, lse_offset(layers()) * sizeof(float)));
-    const std::size_t row_bytes = std::size_t(opt_.max_batch) * std::size_t(Geometry::q_heads) *
-                                  std::size_t(Geometry::head_dim) * sizeof(float);
-    TIERKV_CUDA_TRY(cudaMalloc(&last_rows_, 2 * row_bytes));  // prefill's mass pass: in, out
-    last_rows_out_ = last_rows_ + row_bytes / sizeof(float);
+    TIERKV_CUDA_TRY(cudaMalloc(&last_rows_, 2 * last_rows_floats() * sizeof(float)));
     if (opt_.center) {  // zeros until set or estimated: a decode captured before that reads them
       const std::size_t bytes = 2 * std::size_t(layers()) * mean_floats * sizeof(float);
       TIERKV_CUDA_TRY(cudaMalloc(&means_dev_, bytes));
@@ -883,6 +881,11 @@ class tiered_cache {
 
   // Page masses [layer or host slot][max_batch][max_pages]; decode's own lse [layer][max_batch]
   // [q_heads] when the caller passes none.
+  // One half of prefill's mass-pass buffer: a query row per batch slot.
+  std::size_t last_rows_floats() const {
+    return std::size_t(opt_.max_batch) * std::size_t(Geometry::q_heads) *
+           std::size_t(Geometry::head_dim);
+  }
   std::size_t mass_offset(int j) const {
     return std::size_t(j) * std::size_t(opt_.max_batch) * std::size_t(opt_.max_pages);
   }
@@ -1249,9 +1252,8 @@ class tiered_cache {
   std::vector<int> mass_layer_;  // per host slot: the layer sampled this step
   float* mass_dev_ = nullptr;
   float* lse_dev_ = nullptr;
-  // prefill's mass pass: the chunks' last rows [max_batch][q_heads][head_dim] and their outputs
+  // prefill's mass pass: the chunks' last rows [max_batch][q_heads][head_dim], then their outputs
   float* last_rows_ = nullptr;
-  float* last_rows_out_ = nullptr;
   float* means_dev_ = nullptr;             // centring means (center only)
   std::vector<std::uint8_t> means_known_;  // per layer: set or estimated
   std::array<mass_copy, 2> mass_copies_;
