@@ -13,6 +13,14 @@
 //   for (int l = 0; l < layers; ++l) c->attend(l, batch, queries, out);
 //   c->retier(step);                            // once per scheduler step
 //   std::cout << c->report();
+//
+// or a step in the GPU façade's verbs (cuda::tiered_cache), so an engine drives both alike:
+//   c->begin_step(batch, new_tokens);           // reserve, all or none
+//   for (int l = 0; l < layers; ++l) {
+//     c->append(l, k, v);                       // the step's tokens of layer l, batch order
+//     c->decode(l, q, out);                     // or c->prefill(l, q, out) for chunks
+//   }
+//   c->end_step(step);                          // commit, retier
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -407,6 +415,90 @@ class tiered_cache {
     return observe(layer, batch, {}, index_scope::readable);
   }
 
+  // ---- a step, in the GPU façade's verbs (cuda::tiered_cache) ---------------------------------
+  /// Opens a step: reserves new_tokens[b] tokens for batch[b], all or none (a refusal, e.g.
+  /// tier 0 full or max_pages, cancels the reservations made and names the sequence). Then
+  /// append each layer, decode / prefill it, and end_step. One step at a time.
+  status begin_step(std::span<const seq_id> batch, std::span<const std::int32_t> new_tokens) {
+    if (step_open_)
+      return status(errc::invalid_argument, "begin_step: a step is open (end_step first)");
+    if (new_tokens.size() != batch.size())
+      return status::make(errc::invalid_argument, "begin_step: ", batch.size(), " sequences but ",
+                          new_tokens.size(), " token counts");
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      for (std::size_t c = 0; c < b; ++c)
+        if (batch[c] == batch[b])
+          return status::make(errc::invalid_argument, "begin_step: sequence ", batch[b],
+                              " is in the batch twice (entries ", c, " and ", b, ")");
+      if (new_tokens[b] < 0)
+        return status::make(errc::invalid_argument, "begin_step: new_tokens[", b,
+                            "] = ", new_tokens[b], " is negative");
+    }
+    step_indptr_.assign(1, 0);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      if (status st = reserve(batch[b], new_tokens[b]); !st) {
+        for (std::size_t c = 0; c < b; ++c) (void)cancel(batch[c]);
+        return st;
+      }
+      step_indptr_.push_back(step_indptr_.back() + new_tokens[b]);
+    }
+    step_batch_.assign(batch.begin(), batch.end());
+    step_open_ = true;
+    return {};
+  }
+  /// One layer's keys and values of the step's new tokens, batch order
+  /// ([sum(new_tokens)][kv_head][dim]); a centred cache estimates a layer's means from the whole
+  /// batch's first write (as the GPU façade's first append does).
+  status append(int layer, std::span<const float> keys, std::span<const float> values) {
+    if (!step_open_) return status(errc::invalid_argument, "append: no step is open (begin_step)");
+    const std::size_t floats = std::size_t(step_indptr_.back()) * channel_floats;
+    if (keys.size() != floats || values.size() != floats)
+      return status::make(errc::invalid_argument, "append: the step's ", step_indptr_.back(),
+                          " new tokens need ", floats, " key and value floats, got ", keys.size(),
+                          " and ", values.size());
+    (void)estimate_centering(layer, keys, values);
+    for (std::size_t b = 0; b < step_batch_.size(); ++b) {
+      const std::size_t first = std::size_t(step_indptr_[b]) * channel_floats;
+      const std::size_t n = std::size_t(step_indptr_[b + 1] - step_indptr_[b]) * channel_floats;
+      if (n == 0) continue;
+      if (status st =
+              write_layer(step_batch_[b], layer, keys.subspan(first, n), values.subspan(first, n));
+          !st)
+        return st;
+    }
+    return {};
+  }
+  /// The step's decode of one layer: one query row per sequence (its newest token, which
+  /// attends every token up to itself), queries / out [batch][q_heads][head_dim], lse
+  /// [batch][q_heads] if given; page masses feed the policy. Every sequence must have added
+  /// exactly one token (prefill takes chunks).
+  status decode(int layer, std::span<const float> queries, std::span<float> out,
+                std::span<float> lse = {}, int window = 0) {
+    if (!step_open_) return status(errc::invalid_argument, "decode: no step is open (begin_step)");
+    for (std::size_t b = 0; b < step_batch_.size(); ++b)
+      if (step_indptr_[b + 1] - step_indptr_[b] != 1)
+        return status::make(errc::invalid_argument, "decode: sequence ", step_batch_[b], " added ",
+                            step_indptr_[b + 1] - step_indptr_[b],
+                            " tokens this step; decode takes one each (prefill takes chunks)");
+    return prefill(layer, step_batch_, step_indptr_, queries, out, lse, window);
+  }
+  /// The step's prefill of one layer: each sequence's new tokens as causal query rows (batch
+  /// order, [sum(new_tokens)][q_heads][head_dim]); the last row's page masses feed the policy.
+  status prefill(int layer, std::span<const float> queries, std::span<float> out,
+                 std::span<float> lse = {}, int window = 0) {
+    if (!step_open_) return status(errc::invalid_argument, "prefill: no step is open (begin_step)");
+    return prefill(layer, step_batch_, step_indptr_, queries, out, lse, window);
+  }
+  /// Closes the step: commits its tokens, then runs the step's retier (the policy's plan over
+  /// the masses this step observed).
+  result<retier_stats> end_step(std::uint64_t step) {
+    if (!step_open_) return status(errc::invalid_argument, "end_step: no step is open");
+    for (std::size_t b = 0; b < step_batch_.size(); ++b)
+      if (status st = commit(step_batch_[b], step_indptr_[b + 1] - step_indptr_[b]); !st) return st;
+    step_open_ = false;
+    return retier(step);
+  }
+
   // ---- tiering and accounting -----------------------------------------------------------------
   /// Once per scheduler step: asks the policy for each page's role and converts the pages
   /// whose tier changes (step: the caller's monotonically increasing step number).
@@ -512,6 +604,9 @@ class tiered_cache {
   }
 
   options opt_;
+  bool step_open_ = false;                 // begin_step ... end_step
+  std::vector<seq_id> step_batch_;         // the open step's sequences
+  std::vector<std::int32_t> step_indptr_;  // their new tokens' prefix sums (batch + 1)
   std::unique_ptr<storage_type> storage_;
   std::unique_ptr<controller_type> controller_;
   std::optional<index_arrays<storage_type>> index_;

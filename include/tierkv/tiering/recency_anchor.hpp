@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string_view>
 
 #include "tierkv/core/status.hpp"
 #include "tierkv/tiering/tier_policy.hpp"
@@ -45,7 +46,24 @@ struct recency_anchor_options {
 /// pages, sensitive layers and pages of persistently high attention mass, Stale = the rest.
 class recency_anchor {
  public:
-  using options = recency_anchor_options;  ///< its knobs
+  using options = recency_anchor_options;                     ///< its knobs
+  static constexpr std::string_view name = "recency_anchor";  ///< its run-time name (policies.hpp)
+  /// f(name, field) for every knob of o (o const or not): the names Python's policy_options and
+  /// the C ABI's knob names use.
+  template <class Options, class F>
+  static void knobs(Options& o, F&& f) {
+    f("recent_pages", o.recent_pages);
+    f("sink_pages", o.sink_pages);
+    f("ema_alpha", o.ema_alpha);
+    f("enter_mass", o.enter_mass);
+    f("leave_mass", o.leave_mass);
+    f("min_dwell_steps", o.min_dwell_steps);
+    f("keep_first_layers", o.keep_first_layers);
+    f("keep_last_layers", o.keep_last_layers);
+    f("cold_enter_mass", o.cold_enter_mass);
+    f("cold_leave_mass", o.cold_leave_mass);
+    f("cold_after_pages", o.cold_after_pages);
+  }
   /// What it remembers per page.
   struct page_state {
     float ema = 0.0f;       ///< smoothed relative attention mass

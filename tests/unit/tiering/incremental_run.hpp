@@ -15,10 +15,12 @@ namespace tiering_test {
 
 // Drives two identical storages through the same random run (appends, forks, releases, pins,
 // masses, pressure and part of every plan applied), c1 planning incrementally, c2 with the full
-// scan: every plan must be the same list in the same order. Returns the conversions planned.
-template <class Storage, class Controller>
-std::uint64_t incremental_equals_full_run(Storage& s1, Storage& s2, Controller& c1, Controller& c2,
-                                          std::uint64_t rng_seed) {
+// scan (or any two controllers that must agree, e.g. one policy chosen at compile time and the
+// same chosen by name): every plan must be the same list in the same order. Returns the
+// conversions planned.
+template <class Storage, class Controller1, class Controller2>
+std::uint64_t incremental_equals_full_run(Storage& s1, Storage& s2, Controller1& c1,
+                                          Controller2& c2, std::uint64_t rng_seed) {
   std::mt19937_64 rng(rng_seed);
   const int layers = s1.num_layers();
   std::vector<std::pair<seq_id, seq_id>> live;
