@@ -6,7 +6,7 @@ Environment:
                                    KV-head counts of the prebuilt set (csrc/formats.hpp);
                                    extra-only builds only TIERKV_PYTHON_EXTRA
   TIERKV_PYTHON_EXTRA=set:head_dim:kv_heads:group_size:page_size[,...]
-                                   extra combinations; set = recent+k+v, three names of the
+                                   extra combinations; set = recent+k+v[+cold_k+cold_v], names of the
                                    format registry (include/tierkv/formats.hpp: fp8, int8_rotated,
                                    tq3, tq4, bf16, ...), e.g. int8_rotated+tq4+tq3, or one of the
                                    aliases fp8_tq3, int8r_tq4, int8r_only
@@ -62,8 +62,8 @@ full = os.environ.get("TIERKV_PYTHON_SET", "default")
 if full not in ("default", "full", "extra-only"):
     raise RuntimeError(f"TIERKV_PYTHON_SET={full!r}: expected 'default', 'full' or 'extra-only'")
 
-# Tier sets by their three registry names (recent+cache_type_k+cache_type_v); the aliases are
-# the names of the first releases.
+# Tier sets by their three registry names (recent+cache_type_k+cache_type_v), or five with a Cold
+# tier (+cold_type_k+cold_type_v); the aliases are the names of the first releases.
 SET_ALIASES = {
     "fp8_tq3": "fp8+tq3+tq3",
     "int8r_tq4": "int8_rotated+tq4+tq3",
@@ -76,16 +76,17 @@ PREBUILT = [
     for s in ("fp8+tq3+tq3", "int8_rotated+tq4+tq3", "int8_rotated+int8_rotated+int8_rotated")
     for d in (64, 128, 256)
     for p in (16, 64)
-]
+] + [("int8_rotated+tq4+tq3+tq3+tq2", 64, 16)]  # a Cold tier set (issue 52), for its tests
 
 
 def tier_set(name, where):
-    """The three format names of a set entry (an alias or recent+k+v)."""
+    """The three or five format names of a set entry (an alias, recent+k+v or
+    recent+k+v+cold_k+cold_v)."""
     names = SET_ALIASES.get(name, name).split("+")
-    if len(names) != 3 or not all(re.fullmatch(r"[a-z][a-z0-9_]*", n) for n in names):
+    if len(names) not in (3, 5) or not all(re.fullmatch(r"[a-z][a-z0-9_]*", n) for n in names):
         raise RuntimeError(
-            f"{where}: tier set {name!r}: expected recent+k+v, three format names of "
-            f"include/tierkv/formats.hpp (e.g. int8_rotated+tq4+tq3), or one of {', '.join(SET_ALIASES)}"
+            f"{where}: tier set {name!r}: expected recent+k+v or recent+k+v+cold_k+cold_v, format names "
+            f"of include/tierkv/formats.hpp (e.g. int8_rotated+tq4+tq3), or one of {', '.join(SET_ALIASES)}"
         )
     return names
 
@@ -118,7 +119,7 @@ for item in filter(None, os.environ.get("TIERKV_PYTHON_EXTRA", "").split(",")):
     if not m:
         raise RuntimeError(
             f"TIERKV_PYTHON_EXTRA entry {item!r}: expected set:head_dim:kv_heads:group_size:page_size "
-            "with set recent+k+v (e.g. int8_rotated+tq4+tq3) or one of " + ", ".join(SET_ALIASES)
+            "with set recent+k+v[+cold_k+cold_v] (e.g. int8_rotated+tq4+tq3) or one of " + ", ".join(SET_ALIASES)
         )
     s, d, kv, g, p = m.groups()
     names = tier_set(s, "TIERKV_PYTHON_EXTRA")

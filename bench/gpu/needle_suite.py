@@ -46,15 +46,28 @@ import random
 import sys
 import time
 
-# Arms: (recent, Stale keys, Stale values, centring). "rec" is the recommended cache of
+# Arms: TieredCache keywords (formats, centring, policy knobs). "rec" is the recommended cache of
 # docs/model.md (int8_rotated Recent/Anchor pages, TQ4 Stale keys, TQ3 Stale values) with the
-# library's centring; "seed" the seed paper's FP8 + TQ3 pages, uncentred.
+# library's centring; "seed" the seed paper's FP8 + TQ3 pages, uncentred. --arm-file adds more.
 ARMS = {
-    "rec": ("int8_rotated", "tq4", "tq3", True),
-    "rec_nocenter": ("int8_rotated", "tq4", "tq3", False),
-    "seed": ("fp8", "tq3", "tq3", False),
-    "int8r": ("int8_rotated", "int8_rotated", "int8_rotated", False),
+    "rec": dict(recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", center=True),
+    "rec_nocenter": dict(recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", center=False),
+    "seed": dict(recent="fp8", cache_type_k="tq3", cache_type_v="tq3", center=False),
+    "int8r": dict(recent="int8_rotated", cache_type_k="int8_rotated", cache_type_v="int8_rotated", center=False),
 }
+
+
+def load_arm_file(path):
+    """Adds the arms of a JSON file {name: TieredCache keywords} (e.g. bench/gpu/arms/cold-sweep.json:
+    Cold tier sets and policy knobs) to ARMS; a name already taken is refused."""
+    import json
+
+    with open(path) as f:
+        arms = json.load(f)
+    for name, kw in arms.items():
+        if name in ARMS or name == "dense" or name.endswith(SDPA_SUFFIX) or not isinstance(kw, dict):
+            sys.exit(f"{path}: arm {name!r}: a new name (not dense, {', '.join(ARMS)}, or *{SDPA_SUFFIX}) with a dict of TieredCache keywords")
+        ARMS[name] = kw
 
 
 # end-of-turn tokens by name (Gemma, SmolLM2/ChatML, Llama 3): the ones the vocabulary holds stop decoding
@@ -188,11 +201,11 @@ def make_cache(model, arm, max_tokens, step_tokens, codec_seed, device="cuda", *
         model.config._attn_implementation = "sdpa"
         return DynamicCache(config=model.config)
     sdpa = arm.endswith(SDPA_SUFFIX)
-    recent, k, v, center = ARMS[arm[: -len(SDPA_SUFFIX)] if sdpa else arm]
+    kw = ARMS[arm[: -len(SDPA_SUFFIX)] if sdpa else arm]
     model.config._attn_implementation = "sdpa" if sdpa else "tierkv"
     gpu = dict(max_step_tokens=step_tokens) if str(device).startswith("cuda") else {}  # the GPU's step workspace
-    return TieredCache(model.config, device=device, recent=recent, cache_type_k=k, cache_type_v=v, center=center,
-                       max_tokens=max_tokens, max_sequences=1, max_batch=1, codec_seed=codec_seed, **gpu, **cache_kw)  # fmt: skip
+    return TieredCache(model.config, device=device, max_tokens=max_tokens, max_sequences=1, max_batch=1,
+                       codec_seed=codec_seed, **kw, **gpu, **cache_kw)  # fmt: skip
 
 
 def finish(cache, layers):

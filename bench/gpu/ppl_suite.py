@@ -49,7 +49,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from needle_suite import finish, load_model, load_tokenizer, make_cache, parse_arms  # noqa: E402  (the arms and their caches: one definition for both suites)
+from needle_suite import finish, load_arm_file, load_model, load_tokenizer, make_cache, parse_arms  # noqa: E402  (the arms and their caches: one definition for both suites)
 
 DENSE_SEED = "20261129"  # summarize_ppl.py reads the dense run under this seed name
 
@@ -187,6 +187,8 @@ def run(a):
     import torch
 
     start = time.perf_counter()
+    for path in a.arm_file or []:
+        load_arm_file(path)
     arms = parse_arms(a.arms, "ppl_suite")
     os.makedirs(a.work, exist_ok=True)
     names = a.text_names.split(",")
@@ -254,6 +256,7 @@ def main():
     r.add_argument("--tokens", type=int, default=32768)
     r.add_argument("--chunk", type=int, default=512)
     r.add_argument("--arms", default="dense,rec,seed")
+    r.add_argument("--arm-file", action="append", help="JSON {arm: TieredCache keywords} adding arms (bench/gpu/arms/)")
     r.add_argument("--seeds", default="20261129,11,23", help="codec seeds of the tierkv arms")
     r.add_argument("--time-limit", type=float, default=float("inf"))
     r.add_argument("--tokenizer", help="a folder from tokenizer.save_pretrained() instead of the GGUF's tokenizer")

@@ -37,7 +37,9 @@ template <class Geometry, class TierSet>
 class cache_impl final : public runtime_cache {
  public:
   using tier_list = typename TierSet::type;
-  using cache_type = tierkv::tiered_cache<Geometry, tier_list>;
+  using cache_type =
+      tierkv::tiered_cache<Geometry, tier_list, tierkv::registered_policy, tierkv::host_allocator,
+                           tierkv::host_allocator, typename TierSet::roles>;
   using storage_type = typename cache_type::storage_type;
   static constexpr int N = tier_list::size;
   static constexpr int D = Geometry::head_dim;

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -16,8 +17,8 @@
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/paging/storage_types.hpp"
+#include "tierkv/policies.hpp"
 #include "tierkv/report.hpp"
-#include "tierkv/tiering/recency_anchor.hpp"
 
 namespace tierkv_py {
 
@@ -63,10 +64,22 @@ inline tierkv::seq_id to_seq(std::int64_t s) {
   return tierkv::seq_id(std::uint32_t(s));
 }
 
-// The storage options (pools, layers, sequences, codec seed) and the recency_anchor policy of
-// `cfg`, for a tier set of N tiers. The cache's create() checks everything else.
+// The tier policy `cfg` names, with its knobs (tierkv/policies.hpp's registry).
+inline tierkv::registered_policy policy_of(const cache_config& cfg) {
+  if (cfg.policy_knob_names.size() != cfg.policy_knob_values.size())
+    fail(tierkv::status::make(tierkv::errc::invalid_argument,
+                              "policy knobs: ", cfg.policy_knob_names.size(), " names but ",
+                              cfg.policy_knob_values.size(), " values"));
+  std::vector<tierkv::policy_knob> knobs;
+  for (std::size_t i = 0; i < cfg.policy_knob_names.size(); ++i)
+    knobs.push_back({cfg.policy_knob_names[i], cfg.policy_knob_values[i]});
+  return value(tierkv::make_policy(cfg.policy, knobs));
+}
+
+// The storage options (pools, layers, sequences, codec seed) and the tier policy of `cfg`, for
+// a tier set of N tiers. The cache's create() checks everything else.
 template <int N>
-std::pair<tierkv::storage_options<N>, tierkv::policy::recency_anchor> common_options(
+std::pair<tierkv::storage_options<N>, tierkv::registered_policy> common_options(
     const cache_config& cfg) {
   if (cfg.pages_per_tier.size() != std::size_t(N))
     fail(tierkv::status::make(tierkv::errc::invalid_argument, "pages_per_tier has ",
@@ -83,19 +96,10 @@ std::pair<tierkv::storage_options<N>, tierkv::policy::recency_anchor> common_opt
   if (cfg.max_sequences < 1 || cfg.max_sequences > std::numeric_limits<std::int32_t>::max())
     fail(tierkv::status::make(tierkv::errc::invalid_argument, "max_sequences = ", cfg.max_sequences,
                               " must lie in [1, 2^31)"));
-  if (cfg.min_dwell_steps < 0)
-    fail(tierkv::status::make(tierkv::errc::invalid_argument,
-                              "min_dwell_steps = ", cfg.min_dwell_steps, " is negative"));
   storage.num_layers = cfg.num_layers;
   storage.max_sequences = std::uint32_t(cfg.max_sequences);
   storage.codec_seed = cfg.codec_seed;
-  tierkv::policy::recency_anchor_options po;
-  po.recent_pages = cfg.recent_pages;
-  po.sink_pages = cfg.sink_pages;
-  po.keep_first_layers = cfg.keep_first_layers;
-  po.keep_last_layers = cfg.keep_last_layers;
-  po.min_dwell_steps = std::uint64_t(cfg.min_dwell_steps);
-  return {storage, tierkv::policy::recency_anchor(po)};
+  return {storage, policy_of(cfg)};
 }
 
 // The report as numbers, in the order tierkv/cache.py names them (_REPORT_FIELDS, the tier

@@ -18,7 +18,7 @@ namespace tierkv_py {
 
 // A prebuilt combination: tier set and geometry.
 struct combo {
-  int tier_set = 0;  // formats.hpp's tier_set_index of the three format names
+  int tier_set = 0;  // formats.hpp's tier_set_index of the set's 3 or 5 format names
   int head_dim = 0, kv_heads = 0, group_size = 0, page_size = 0;
   friend auto operator<=>(const combo&, const combo&) = default;
 };
@@ -42,21 +42,27 @@ class combo_registry {
     return v;
   }
 
-  // The factory of the named combination. A missing one is refused with the exact entry that
-  // builds it: `variable` (TIERKV_PYTHON_EXTRA, TIERKV_PYTHON_CUDA_SET) = recent+k+v:d:kv:g:p,
-  // the form setup.py reads, and `how` (the rest of the command).
-  Factory find(const std::string& recent, const std::string& k, const std::string& v, int head_dim,
-               int kv_heads, int group_size, int page_size, const char* variable,
-               const char* how) const {
-    const int set = resolve_tier_set(recent, k, v);
-    const auto it = table_.find(combo{set, head_dim, kv_heads, group_size, page_size});
-    if (it == table_.end())
+  // The factory of the named combination (cfg's set names and geometry). A missing one is
+  // refused with the exact entry that builds it: `variable` (TIERKV_PYTHON_EXTRA,
+  // TIERKV_PYTHON_CUDA_SET) = recent+k+v[+cold_k+cold_v]:d:kv:g:p, the form setup.py reads, and
+  // `how` (the rest of the command).
+  template <class Config>
+  Factory find(const Config& cfg, const char* variable, const char* how) const {
+    const std::vector<std::string> names =
+        set_names(cfg.recent, cfg.cache_type_k, cfg.cache_type_v, cfg.cold_type_k, cfg.cold_type_v);
+    const int set = resolve_tier_set(names);
+    const auto it =
+        table_.find(combo{set, cfg.head_dim, cfg.kv_heads, cfg.group_size, cfg.page_size});
+    if (it == table_.end()) {
+      std::string entry;
+      for (const auto& n : names) (entry += entry.empty() ? "" : "+") += n;
       throw tierkv::error(tierkv::status::make(
-          tierkv::errc::invalid_argument, "no prebuilt tierkv cache for recent=", recent,
-          ", cache_type_k=", k, ", cache_type_v=", v, ", head_dim=", head_dim,
-          ", kv_heads=", kv_heads, ", group_size=", group_size, ", page_size=", page_size,
-          ". Built: ", describe(), ". To build it: ", variable, "=", recent, "+", k, "+", v, ":",
-          head_dim, ":", kv_heads, ":", group_size, ":", page_size, " ", how, " (docs/python.md)"));
+          tierkv::errc::invalid_argument, "no prebuilt tierkv cache for tier set ",
+          tier_set_name(set), ", head_dim=", cfg.head_dim, ", kv_heads=", cfg.kv_heads,
+          ", group_size=", cfg.group_size, ", page_size=", cfg.page_size, ". Built: ", describe(),
+          ". To build it: ", variable, "=", entry, ":", cfg.head_dim, ":", cfg.kv_heads, ":",
+          cfg.group_size, ":", cfg.page_size, " ", how, " (docs/python.md)"));
+    }
     return it->second;
   }
 
@@ -67,7 +73,9 @@ class combo_registry {
       d.insert(c.head_dim), kv.insert(c.kv_heads), g.insert(c.group_size), p.insert(c.page_size);
     }
     std::ostringstream out;
-    out << table_.size() << " combinations; tier sets (recent/cache_type_k/cache_type_v) {";
+    out << table_.size()
+        << " combinations; tier sets (recent/cache_type_k/cache_type_v[/cold_type_k/cold_type_v]) "
+           "{";
     const char* sep = "";
     for (int s : sets) {
       out << sep << tier_set_name(s);

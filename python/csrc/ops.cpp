@@ -118,20 +118,21 @@ int to_int(std::int64_t v, const char* name) {
 // ---- lifetime -------------------------------------------------------------------------------
 
 at::Tensor create(std::string recent, std::string cache_type_k, std::string cache_type_v,
-                  std::int64_t head_dim, std::int64_t kv_heads, std::int64_t group_size,
-                  std::int64_t page_size, std::int64_t num_layers, at::IntArrayRef pages_per_tier,
+                  std::string cold_type_k, std::string cold_type_v, std::int64_t head_dim,
+                  std::int64_t kv_heads, std::int64_t group_size, std::int64_t page_size,
+                  std::int64_t num_layers, at::IntArrayRef pages_per_tier,
                   std::int64_t max_sequences, std::int64_t max_batch, std::int64_t max_pages,
                   std::int64_t threads, double softmax_scale, double soft_cap,
-                  std::int64_t codec_seed, at::IntArrayRef policy, bool center) {
-  TORCH_CHECK_VALUE(policy.size() == 5,
-                    "tierkv.create: policy holds {recent_pages, sink_pages, keep_first_layers, "
-                    "keep_last_layers, min_dwell_steps}, got ",
-                    policy.size(), " values");
+                  std::int64_t codec_seed, std::string policy,
+                  std::vector<std::string> policy_knob_names,
+                  std::vector<double> policy_knob_values, bool center) {
   TORCH_CHECK_VALUE(codec_seed >= 0, "tierkv.create: codec_seed = ", codec_seed, " is negative");
   cache_config cfg;
   cfg.recent = std::move(recent);
   cfg.cache_type_k = std::move(cache_type_k);
   cfg.cache_type_v = std::move(cache_type_v);
+  cfg.cold_type_k = std::move(cold_type_k);
+  cfg.cold_type_v = std::move(cold_type_v);
   cfg.head_dim = to_int(head_dim, "head_dim");
   cfg.kv_heads = to_int(kv_heads, "kv_heads");
   cfg.group_size = to_int(group_size, "group_size");
@@ -145,11 +146,9 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
   cfg.softmax_scale = softmax_scale;
   cfg.soft_cap = soft_cap;
   cfg.codec_seed = std::uint64_t(codec_seed);
-  cfg.recent_pages = to_int(policy[0], "recent_pages");
-  cfg.sink_pages = to_int(policy[1], "sink_pages");
-  cfg.keep_first_layers = to_int(policy[2], "keep_first_layers");
-  cfg.keep_last_layers = to_int(policy[3], "keep_last_layers");
-  cfg.min_dwell_steps = policy[4];
+  cfg.policy = std::move(policy);
+  cfg.policy_knob_names = std::move(policy_knob_names);
+  cfg.policy_knob_values = std::move(policy_knob_values);
   cfg.center = center;
   std::shared_ptr<runtime_cache> c = guarded("create", [&] { return make_cache(cfg); });
   const std::int64_t h = next_handle++;
@@ -188,6 +187,9 @@ std::string tier_set_name_op(std::int64_t index) {
   return index < 0 || index > std::numeric_limits<int>::max() ? std::string()
                                                               : tier_set_name(int(index));
 }
+
+// The registered tier policies (tierkv/policies.hpp) as "name: knob=default, ...", one a line.
+std::string policies_op() { return tierkv::registered_policy_table(); }
 
 // ---- sequences ------------------------------------------------------------------------------
 
@@ -481,13 +483,16 @@ at::Tensor info(const at::Tensor& state) {
 
 TORCH_LIBRARY(tierkv, m) {
   m.def(
-      "create(str recent, str cache_type_k, str cache_type_v, int head_dim, int kv_heads, "
+      "create(str recent, str cache_type_k, str cache_type_v, str cold_type_k, str cold_type_v, "
+      "int head_dim, int kv_heads, "
       "int group_size, int page_size, int num_layers, int[] pages_per_tier, int max_sequences, "
       "int max_batch, int max_pages, int threads, float softmax_scale, float soft_cap, "
-      "int codec_seed, int[] policy, bool center=False) -> Tensor");
+      "int codec_seed, str policy, str[] policy_knob_names, float[] policy_knob_values, "
+      "bool center=False) -> Tensor");
   m.def("destroy(Tensor(a!) state) -> ()");
   m.def("built() -> Tensor");
   m.def("tier_set_name(int index) -> str");
+  m.def("policies() -> str");
   m.def("create_sequence(Tensor(a!) state) -> int");
   m.def("fork(Tensor(a!) state, int parent) -> int");
   m.def("release(Tensor(a!) state, int seq) -> ()");
@@ -524,6 +529,7 @@ TORCH_LIBRARY_IMPL(tierkv, CompositeExplicitAutograd, m) {
   m.impl("create", &tierkv_py::create);
   m.impl("built", &tierkv_py::built);
   m.impl("tier_set_name", &tierkv_py::tier_set_name_op);
+  m.impl("policies", &tierkv_py::policies_op);
 }
 
 TORCH_LIBRARY_IMPL(tierkv, CPU, m) {

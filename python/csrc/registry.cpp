@@ -19,9 +19,8 @@ void register_combo(const combo& c, factory f) { table().add(c, f); }
 std::vector<combo> built_combos() { return table().combos(); }
 
 std::unique_ptr<runtime_cache> make_cache(const cache_config& cfg) {
-  const factory f = table().find(cfg.recent, cfg.cache_type_k, cfg.cache_type_v, cfg.head_dim,
-                                 cfg.kv_heads, cfg.group_size, cfg.page_size, "TIERKV_PYTHON_EXTRA",
-                                 "pip install --no-build-isolation ./python");
+  const factory f =
+      table().find(cfg, "TIERKV_PYTHON_EXTRA", "pip install --no-build-isolation ./python");
   return f(cfg);
 }
 

@@ -23,6 +23,8 @@ struct cache_config {
   std::string recent = "int8_rotated";  // Recent / Anchor tier (tier 0)
   std::string cache_type_k = "tq4";     // Stale tier keys
   std::string cache_type_v = "tq3";     // Stale tier values
+  std::string cold_type_k;              // Cold tier keys and values (tier 2; issue 52), both
+  std::string cold_type_v;              // or neither: empty = no Cold tier
   int head_dim = 0;
   int kv_heads = 0;
   int group_size = 0;
@@ -36,12 +38,11 @@ struct cache_config {
   double softmax_scale = 0.0;  // 0: 1 / sqrt(head_dim)
   double soft_cap = 0.0;
   std::uint64_t codec_seed = 0;
-  // recency_anchor policy knobs (tiering/recency_anchor.hpp)
-  int recent_pages = 4;
-  int sink_pages = 1;
-  int keep_first_layers = 1;
-  int keep_last_layers = 1;
-  std::int64_t min_dwell_steps = 8;
+  // the tier policy by its registry name and the knobs changed from its defaults, by name
+  // (tierkv/policies.hpp: an unknown name or knob is refused naming what there is)
+  std::string policy = "recency_anchor";
+  std::vector<std::string> policy_knob_names;
+  std::vector<double> policy_knob_values;
   // channel means out before encoding, back into outputs and LSE (tierkv/centering.hpp)
   bool center = false;
 };

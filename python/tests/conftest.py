@@ -21,11 +21,20 @@ TIER_SETS = {  # name: (recent, cache_type_k, cache_type_v)
     "int8r+tq4k/tq3v": ("int8_rotated", "tq4", "tq3"),
     "int8r only": ("int8_rotated", "int8_rotated", "int8_rotated"),
 }
+# Sets with a Cold tier (cold_type_k, cold_type_v too), prebuilt at (64, 4, 2, 16) only.
+COLD_SETS = {"int8r+tq4k/tq3v+cold tq3k/tq2v": ("int8_rotated", "tq4", "tq3", "tq3", "tq2")}
+# Cold knobs that make pages of under half a uniform share of attention Cold at once.
+COLD_KNOBS = dict(ema_alpha=1.0, cold_enter_mass=0.5, cold_leave_mass=1.0)
+
+
+def set_kwargs(tier_set):
+    """recent, cache_type_k, cache_type_v[, cold_type_k, cold_type_v] of a named test set."""
+    names = {**TIER_SETS, **COLD_SETS}[tier_set]
+    return dict(zip(("recent", "cache_type_k", "cache_type_v", "cold_type_k", "cold_type_v"), names))
 
 
 def make_cache(geo=(64, 4, 2, 16), tier_set="int8r+tq4k/tq3v", num_layers=2, **kw):
     d, kv, g, p = geo
-    recent, k, v = TIER_SETS[tier_set]
     opts = dict(
         max_tokens=4096,
         max_sequences=16,
@@ -43,9 +52,7 @@ def make_cache(geo=(64, 4, 2, 16), tier_set="int8r+tq4k/tq3v", num_layers=2, **k
         group_size=g,
         page_size=p,
         num_layers=num_layers,
-        recent=recent,
-        cache_type_k=k,
-        cache_type_v=v,
+        **set_kwargs(tier_set),
         **opts,
     )
 

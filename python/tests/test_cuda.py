@@ -12,7 +12,7 @@ import torch
 import tierkv
 from tierkv import cuda as tkv_cuda
 
-from conftest import make_cache, page_bits
+from conftest import COLD_KNOBS, COLD_SETS, TIER_SETS, make_cache, page_bits, set_kwargs
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -22,33 +22,28 @@ if not tkv_cuda.library_path().is_file():
 GEO = (64, 4, 2, 16)  # (head_dim, kv_heads, group_size, page_size): in both prebuilt sets
 D, KVH, G, P = GEO
 QH = KVH * G
-SETS = {
-    "int8r+tq4k/tq3v": ("int8_rotated", "tq4", "tq3"),
-    "fp8+tq3": ("fp8", "tq3", "tq3"),
-    "int8r only": ("int8_rotated", "int8_rotated", "int8_rotated"),
-}
+SETS = TIER_SETS
 POLICY = dict(keep_first_layers=0, keep_last_layers=0, min_dwell_steps=0, recent_pages=2)
 
 
 def gpu_cache(tier_set="int8r+tq4k/tq3v", num_layers=2, geo=GEO, **kw):
     d, kvh, g, p = geo
-    recent, k, v = SETS[tier_set]
     opts = dict(max_tokens=4096, max_sequences=16, max_batch=16, max_pages=512, max_step_tokens=2048,
                 mass_layers_per_step=0, **POLICY)  # fmt: skip
     opts.update(kw)
     return tierkv.CudaCache(head_dim=d, kv_heads=kvh, group_size=g, page_size=p, num_layers=num_layers,
-                            recent=recent, cache_type_k=k, cache_type_v=v, **opts)  # fmt: skip
+                            **set_kwargs(tier_set), **opts)  # fmt: skip
 
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def twins(tier_set, lengths, num_layers=2, seed=0, geo=GEO, **host_kw):
+def twins(tier_set, lengths, num_layers=2, seed=0, geo=GEO, policy_options=None, **host_kw):
     """A GPU cache and a host cache holding the same tokens (f32 K/V) in the same sequences."""
     d, kvh = geo[0], geo[1]
-    g = gpu_cache(tier_set, num_layers, geo=geo)
-    h = make_cache(geo, tier_set, num_layers=num_layers, **POLICY, **host_kw)
+    g = gpu_cache(tier_set, num_layers, geo=geo, policy_options=policy_options)
+    h = make_cache(geo, tier_set, num_layers=num_layers, policy_options=policy_options, **POLICY, **host_kw)
     sg = [g.create_sequence() for _ in lengths]
     sh = [h.create_sequence() for _ in lengths]
     gen = torch.Generator().manual_seed(seed)
@@ -333,6 +328,33 @@ def twin_models(seed):
     gpu = Qwen3ForCausalLM(Qwen3Config(**cfg)).eval().cuda()
     gpu.load_state_dict(cpu.state_dict())
     return cpu, gpu
+
+
+def test_cold_tier_on_the_gpu_equals_the_host_path():
+    """A Cold tier set (issue 52: TQ3 keys / TQ2 values in tier 2) by name on the GPU: the same
+    pages go Cold as on the host, step by step, and decode over the three formats equals the host's."""
+    (name,) = COLD_SETS
+    g, h, sg, sh = twins(name, [150, 61], num_layers=1, seed=5, policy_options=COLD_KNOBS)
+    assert g.num_tiers == 3
+    gen = torch.Generator().manual_seed(6)
+    for step in range(2, 8):
+        g.begin_step(sg, [1, 1])
+        h.reserve(sh, [1, 1])
+        k, v = torch.randn(2, KVH, D, generator=gen), torch.randn(2, KVH, D, generator=gen)
+        q = torch.randn(2, QH, D, generator=gen)
+        g.append(0, k.cuda(), v.cuda())
+        h.write(0, sh, k, v)
+        out_g, lse_g = g.decode(0, q.cuda(), return_lse=True)
+        out_h, lse_h = h.decode(0, sh, q)
+        assert rel(out_g.cpu(), out_h) < 2e-3
+        assert (lse_g.cpu() - lse_h).abs().max() < 1e-3
+        h.commit(sh)
+        g.end_step(step, wait=True)
+        h.retier(step)
+        for a, b in zip(sg, sh):
+            assert g.page_tiers(a, 0) == h.page_tiers(b, 0)
+    assert 2 in g.page_tiers(sg[0], 0)  # pages went Cold on both
+    g.check_invariants()
 
 
 def test_tiered_cache_on_the_gpu_matches_the_host_cache():

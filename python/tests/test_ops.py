@@ -240,6 +240,71 @@ def test_retier_stats_and_pin(rng):
     assert tiers[:2] == [0, 0] and tiers[-2:] == [0, 0] and set(tiers[2:-2]) == {1}
 
 
+def test_policy_by_name_and_its_knobs(rng):
+    """policy= / policy_options= reach the registered policy (include/tierkv/policies.hpp): a
+    knob set in policy_options does what its keyword does, knobs that had no keyword (the Cold
+    role's) take effect, and bad names or values raise naming them."""
+    listed = tierkv.policies()
+    assert listed["recency_anchor"]["recent_pages"] == 4.0 and "cold_enter_mass" in listed["recency_anchor"]
+
+    def tiers_after(**kw):
+        c = make_cache((64, 4, 2, 16), "fp8+tq3", **kw)
+        s = c.create_sequence()
+        g = torch.Generator().manual_seed(3)
+        c.append(s, torch.randn(2, 160, 4, 64, generator=g), torch.randn(2, 160, 4, 64, generator=g))
+        c.retier(1)
+        return c.page_tiers(s, 0)
+
+    by_keyword = tiers_after(recent_pages=2, sink_pages=0)
+    assert by_keyword == [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # no sink page, two Recent ones
+    assert tiers_after(policy="recency_anchor", policy_options=dict(recent_pages=2, sink_pages=0)) == by_keyword
+    assert tiers_after(policy_options=dict(recent_pages=2), sink_pages=0) == by_keyword
+    # a knob without a keyword: three sink pages stay 8-bit
+    assert tiers_after(recent_pages=2, policy_options=dict(sink_pages=3)) == [0, 0, 0, 1, 1, 1, 1, 1, 0, 0]
+    with pytest.raises(ValueError, match=r'unknown tier policy "lru"; known policies: recency_anchor'):
+        make_cache((64, 4, 2, 16), "fp8+tq3", policy="lru")
+    with pytest.raises(ValueError, match=r'no knob "recent_page".*recent_pages=4'):
+        make_cache((64, 4, 2, 16), "fp8+tq3", policy_options=dict(recent_page=2))
+    with pytest.raises(ValueError, match=r"recent_pages = 2.5 must be an integer"):
+        make_cache((64, 4, 2, 16), "fp8+tq3", policy_options=dict(recent_pages=2.5))
+    with pytest.raises(ValueError, match=r"hysteresis"):
+        make_cache((64, 4, 2, 16), "fp8+tq3", policy_options=dict(enter_mass=1.0, leave_mass=2.0))
+    with pytest.raises(ValueError, match=r"recent_pages given both"):
+        make_cache((64, 4, 2, 16), "fp8+tq3", recent_pages=2, policy_options=dict(recent_pages=3))
+
+
+def test_cold_tier_set(rng):
+    """A five-name tier set (recent + Stale k/v + Cold k/v, issue 52) from Python: pages of little
+    attention mass go to the Cold tier (tier 2) by the policy's cold knobs, the high-mass page
+    stays 8-bit, and decode over the three formats equals float64 attention over the decoded
+    vectors."""
+    cold = dict(recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", cold_type_k="tq3", cold_type_v="tq2")
+    assert any({k: r[k] for k in cold if k in r} == cold for r in tierkv.built())
+    c = tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, page_size=16, num_layers=1, max_tokens=1024,
+                     max_sequences=4, threads=2, **cold, recent_pages=1, sink_pages=0, keep_first_layers=0,
+                     keep_last_layers=0, min_dwell_steps=0,
+                     policy_options=dict(ema_alpha=1.0, cold_enter_mass=0.5, cold_leave_mass=1.0))  # fmt: skip
+    assert c.num_tiers == 3 and "cold_type_v='tq2'" in repr(c)
+    s = c.create_sequence()
+    K = torch.randn(1, 160, 4, 64, generator=rng)
+    V = torch.randn(1, 160, 4, 64, generator=rng)
+    c.append(s, K, V)
+    q = 4.0 * K[0, 40].repeat_interleave(2, dim=0).unsqueeze(0)  # every head attends token 40 (page 2)
+    for step in range(3):
+        c.decode(0, [s], q)
+        c.retier(step)
+    tiers = c.page_tiers(s, 0)
+    assert tiers[2] == 0 and tiers[-1] == 0, tiers  # the attended page (Anchor) and the Recent page
+    assert 2 in tiers, tiers  # low-mass pages went Cold
+    out, lse = c.decode(0, [s], q)
+    Kd, Vd = c.read_layer(s, 0)
+    ref, ref_lse = reference(q[0], Kd, Vd, 160, 2)
+    for h in range(c.q_heads):
+        assert rel_l2(out[0, h], ref[h]) < EXACT
+    with pytest.raises(ValueError, match="both cold_type_k and cold_type_v"):
+        tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=64, cold_type_k="tq3")
+
+
 def test_mutating_ops_bump_the_state(rng):
     c = make_cache()
     before = int(c.state[1])

@@ -11,10 +11,10 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.tierkv)
 from . import _fake  # noqa: F401
-from .cache import RETIER_FIELDS, Cache, built, seq_tensor
+from .cache import RETIER_FIELDS, Cache, built, policies, seq_tensor
 from .cuda import CudaCache
 from .wrappers import BatchDecodeWrapper, BatchPrefillWrapper
 
 ops = torch.ops.tierkv
 
-__all__ = ["Cache", "CudaCache", "BatchDecodeWrapper", "BatchPrefillWrapper", "built", "ops", "seq_tensor", "RETIER_FIELDS"]
+__all__ = ["Cache", "CudaCache", "BatchDecodeWrapper", "BatchPrefillWrapper", "built", "ops", "policies", "seq_tensor", "RETIER_FIELDS"]

@@ -51,11 +51,56 @@ def built() -> list[dict]:
     """The prebuilt combinations this package was compiled with."""
     rows = []
     for s, d, kv, g, p in ops.built().tolist():
-        recent, k, v = ops.tier_set_name(s).split("/")
-        rows.append(
-            dict(recent=recent, cache_type_k=k, cache_type_v=v, head_dim=d, kv_heads=kv, group_size=g, page_size=p)
-        )
+        rows.append(dict(**set_names(ops.tier_set_name(s)), head_dim=d, kv_heads=kv, group_size=g, page_size=p))
     return rows
+
+
+_SET_KEYS = ("recent", "cache_type_k", "cache_type_v", "cold_type_k", "cold_type_v")
+
+
+def set_names(name: str) -> dict:
+    """A tier set's name ("recent/k/v" or "recent/k/v/cold_k/cold_v") as keyword arguments."""
+    return dict(zip(_SET_KEYS, name.split("/")))
+
+
+def tier_count(recent: str, cache_type_k: str, cache_type_v: str, cold_type_k, cold_type_v) -> int:
+    """Tiers of a set: 1 (one 8-bit format named three times), 2, or 3 with a Cold tier (both
+    cold_type_k and cold_type_v given)."""
+    if (cold_type_k is None) != (cold_type_v is None):
+        raise ValueError("tierkv: a Cold tier needs both cold_type_k and cold_type_v (or neither)")
+    if cold_type_k is not None:
+        return 3
+    return 1 if recent == cache_type_k == cache_type_v else 2
+
+
+def policies() -> dict[str, dict[str, float]]:
+    """The registered tier policies (include/tierkv/policies.hpp) and each one's knobs with their
+    defaults: what policy= and policy_options= of Cache, CudaCache and TieredCache accept."""
+    out = {}
+    for line in ops.policies().splitlines():
+        name, _, knobs = line.partition(": ")
+        out[name] = {k: float(v) for k, _, v in (kv.partition("=") for kv in knobs.split(", ")) if k}
+    return out
+
+
+# recency_anchor's knobs that are keywords of their own (the rest go in policy_options)
+_KNOB_KEYWORDS = ("recent_pages", "sink_pages", "keep_first_layers", "keep_last_layers", "min_dwell_steps")
+
+
+def policy_knobs(policy: str, policy_options: dict | None, keywords: dict) -> tuple[list[str], list[float]]:
+    """The knob names and values a cache is made with: policy_options plus the knob keywords
+    given (not None); a knob given both ways is refused. The library checks the names, the values
+    and the policy (an unknown one raises naming what there is)."""
+    knobs = dict(policy_options or {})
+    for k, v in keywords.items():
+        if v is None:
+            continue
+        if k in knobs:
+            raise ValueError(f"tierkv: policy knob {k} given both as a keyword and in policy_options")
+        knobs[k] = v
+    if not isinstance(policy, str):
+        raise TypeError(f"tierkv: policy must be a registered policy's name (str), got {policy!r}")
+    return list(knobs), [float(v) for v in knobs.values()]
 
 
 def parse_report(v: list) -> dict:
@@ -81,9 +126,9 @@ def pool_pages(max_tokens: int, page_size: int, max_sequences: int, num_layers: 
 
 def describe(name: str, cache, extra: str = "") -> str:
     """A cache's repr: its formats and geometry (the host and the GPU cache share it)."""
-    r, k, v = cache.formats
+    names = ", ".join(f"{k}={v!r}" for k, v in zip(_SET_KEYS, cache.formats))
     return (
-        f"{name}(recent={r!r}, cache_type_k={k!r}, cache_type_v={v!r}, head_dim={cache.head_dim}, "
+        f"{name}({names}, head_dim={cache.head_dim}, "
         f"kv_heads={cache.kv_heads}, group_size={cache.group_size}, page_size={cache.page_size}, "
         f"num_layers={cache.num_layers}{extra})"
     )
@@ -153,8 +198,16 @@ class Cache:
 
     recent: the Recent/Anchor tier's format ("fp8" or "int8_rotated"); cache_type_k /
     cache_type_v: the Stale tier's key / value formats ("tq3", "tq4" keys). Naming the recent
-    format three times gives an 8-bit-only cache. The combination must be prebuilt
-    (tierkv.built()); otherwise construction fails with a message naming what was built.
+    format three times gives an 8-bit-only cache. cold_type_k / cold_type_v (both or neither)
+    add a Cold tier (tier 2, issue 52: e.g. "tq3" / "tq2") for Stale pages of little attention
+    mass (the policy's cold knobs, policy_options=dict(cold_enter_mass=...)) and for demotions
+    once the Stale tier is full. The combination must be prebuilt (tierkv.built()); otherwise
+    construction fails with a message naming what was built.
+
+    policy: the tier policy by its registered name (tierkv.policies() lists them and their knobs
+    with defaults); policy_options: knobs changed from its defaults, by name. recent_pages,
+    sink_pages, keep_first_layers, keep_last_layers and min_dwell_steps are recency_anchor knobs
+    that may also be given as keywords.
 
     Capacity: pages_per_tier (physical pages, one layer each, per tier), or max_tokens, which
     sizes every tier to hold max_tokens tokens of every layer (plus one open page per sequence).
@@ -175,6 +228,8 @@ class Cache:
         recent: str = "int8_rotated",
         cache_type_k: str = "tq4",
         cache_type_v: str = "tq3",
+        cold_type_k: str | None = None,
+        cold_type_v: str | None = None,
         pages_per_tier: Sequence[int] | None = None,
         max_tokens: int | None = None,
         max_sequences: int = 64,
@@ -184,24 +239,32 @@ class Cache:
         softmax_scale: float = 0.0,
         soft_cap: float = 0.0,
         codec_seed: int = 0,
-        recent_pages: int = 4,
-        sink_pages: int = 1,
-        keep_first_layers: int = 1,
-        keep_last_layers: int = 1,
-        min_dwell_steps: int = 8,
+        policy: str = "recency_anchor",
+        policy_options: dict | None = None,
+        recent_pages: int | None = None,
+        sink_pages: int | None = None,
+        keep_first_layers: int | None = None,
+        keep_last_layers: int | None = None,
+        min_dwell_steps: int | None = None,
         center: bool = False,
     ):
-        tiers = 1 if recent == cache_type_k == cache_type_v else 2
+        tiers = tier_count(recent, cache_type_k, cache_type_v, cold_type_k, cold_type_v)
         if pages_per_tier is None:
             if max_tokens is None:
                 raise ValueError("tierkv.Cache: give pages_per_tier or max_tokens")
             pages_per_tier = pool_pages(max_tokens, page_size, max_sequences, num_layers, tiers)
         if threads == 0:
             threads = torch.get_num_threads()
+        knob_names, knob_values = policy_knobs(
+            policy, policy_options, dict(recent_pages=recent_pages, sink_pages=sink_pages,
+                                         keep_first_layers=keep_first_layers, keep_last_layers=keep_last_layers,
+                                         min_dwell_steps=min_dwell_steps))  # fmt: skip
         self.state = ops.create(
             recent,
             cache_type_k,
             cache_type_v,
+            cold_type_k or "",
+            cold_type_v or "",
             head_dim,
             kv_heads,
             group_size,
@@ -215,14 +278,17 @@ class Cache:
             float(softmax_scale),
             float(soft_cap),
             codec_seed,
-            [recent_pages, sink_pages, keep_first_layers, keep_last_layers, min_dwell_steps],
+            policy,
+            knob_names,
+            knob_values,
             bool(center),
         )
         self.head_dim, self.kv_heads, self.group_size = head_dim, kv_heads, group_size
         self.q_heads = kv_heads * group_size
         self.page_size, self.num_layers = page_size, num_layers
-        self.formats = (recent, cache_type_k, cache_type_v)
+        self.formats = (recent, cache_type_k, cache_type_v) + ((cold_type_k, cold_type_v) if tiers == 3 else ())
         self.center = bool(center)
+        self.policy = policy
         self.num_tiers = int(ops.info(self.state)[5])
         self._finalizer = weakref.finalize(self, ops.destroy, self.state)
 

@@ -36,8 +36,11 @@ from .cache import (
     _token_ids,
     describe,
     parse_report,
+    policy_knobs,
     pool_pages,
+    set_names,
     tensor_bytes,
+    tier_count,
     transfer_args,
     transfer_tensor,
 )
@@ -52,6 +55,8 @@ class _Config(ctypes.Structure):
         ("recent", ctypes.c_char_p),
         ("cache_type_k", ctypes.c_char_p),
         ("cache_type_v", ctypes.c_char_p),
+        ("cold_type_k", ctypes.c_char_p),
+        ("cold_type_v", ctypes.c_char_p),
         ("head_dim", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64),
         ("group_size", ctypes.c_int64),
@@ -68,11 +73,10 @@ class _Config(ctypes.Structure):
         ("mass_layers_per_step", ctypes.c_int64),
         ("softmax_scale", ctypes.c_double),
         ("codec_seed", ctypes.c_uint64),
-        ("recent_pages", ctypes.c_int64),
-        ("sink_pages", ctypes.c_int64),
-        ("keep_first_layers", ctypes.c_int64),
-        ("keep_last_layers", ctypes.c_int64),
-        ("min_dwell_steps", ctypes.c_int64),
+        ("policy", ctypes.c_char_p),
+        ("num_policy_knobs", ctypes.c_int64),
+        ("knob_names", ctypes.POINTER(ctypes.c_char_p)),
+        ("knob_values", ctypes.POINTER(ctypes.c_double)),
         ("center", ctypes.c_int64),
     ]
 
@@ -96,8 +100,8 @@ def _load():
             "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
         )
     lib = ctypes.CDLL(str(path))
-    if lib.tkv_cuda_abi_version() != 3:
-        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 3")
+    if lib.tkv_cuda_abi_version() != 4:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 4")
     vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     sig = {
         "tkv_cuda_last_error": ([], ctypes.c_char_p),
@@ -169,8 +173,8 @@ def built() -> list[dict]:
     out = []
     for i in range(n):
         s, d, kv, g, p = rows[5 * i : 5 * i + 5]
-        recent, k, v = lib.tkv_cuda_tier_set_name(s).decode().split("/")
-        out.append(dict(recent=recent, cache_type_k=k, cache_type_v=v, head_dim=d, kv_heads=kv, group_size=g, page_size=p))
+        names = set_names(lib.tkv_cuda_tier_set_name(s).decode())
+        out.append(dict(**names, head_dim=d, kv_heads=kv, group_size=g, page_size=p))
     return out
 
 
@@ -195,7 +199,8 @@ _caches: dict[int, "CudaCache"] = {}
 class CudaCache:
     """A tiered KV cache wholly in GPU memory (cuda::tiered_cache), chosen by run-time names.
 
-    Formats and capacity as tierkv.Cache (recent, cache_type_k, cache_type_v; pages_per_tier or
+    Formats, policy and capacity as tierkv.Cache (recent, cache_type_k, cache_type_v, cold_type_k,
+    cold_type_v; policy, policy_options and the knob keywords; pages_per_tier or
     max_tokens), plus the GPU façade's capacities: max_batch sequences and max_step_tokens new
     tokens per step, max_pages logical pages per sequence, max_retier_pages conversions per GPU
     batch, mass_layers_per_step layers whose page mass feeds the policy each step. The
@@ -216,6 +221,8 @@ class CudaCache:
         recent: str = "int8_rotated",
         cache_type_k: str = "tq4",
         cache_type_v: str = "tq3",
+        cold_type_k: str | None = None,
+        cold_type_v: str | None = None,
         pages_per_tier: Sequence[int] | None = None,
         max_tokens: int | None = None,
         max_sequences: int = 64,
@@ -227,11 +234,13 @@ class CudaCache:
         mass_layers_per_step: int = 1,
         softmax_scale: float = 0.0,
         codec_seed: int = 0,
-        recent_pages: int = 4,
-        sink_pages: int = 1,
-        keep_first_layers: int = 1,
-        keep_last_layers: int = 1,
-        min_dwell_steps: int = 8,
+        policy: str = "recency_anchor",
+        policy_options: dict | None = None,
+        recent_pages: int | None = None,
+        sink_pages: int | None = None,
+        keep_first_layers: int | None = None,
+        keep_last_layers: int | None = None,
+        min_dwell_steps: int | None = None,
         center: bool = False,
         device=None,
     ):
@@ -241,20 +250,28 @@ class CudaCache:
             raise ValueError(f"tierkv.CudaCache: device must be a CUDA device, got {device}")
         # an index always, so tensors' devices compare equal to it
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        tiers = 1 if recent == cache_type_k == cache_type_v else 2
+        tiers = tier_count(recent, cache_type_k, cache_type_v, cold_type_k, cold_type_v)
         if pages_per_tier is None:
             if max_tokens is None:
                 raise ValueError("tierkv.CudaCache: give pages_per_tier or max_tokens")
             pages_per_tier = pool_pages(max_tokens, page_size, max_sequences, num_layers, tiers)
         if not 1 <= len(pages_per_tier) <= 8:
             raise ValueError(f"tierkv.CudaCache: pages_per_tier has {len(pages_per_tier)} entries")
+        knob_names, knob_values = policy_knobs(
+            policy, policy_options, dict(recent_pages=recent_pages, sink_pages=sink_pages,
+                                         keep_first_layers=keep_first_layers, keep_last_layers=keep_last_layers,
+                                         min_dwell_steps=min_dwell_steps))  # fmt: skip
+        names_c = (ctypes.c_char_p * max(1, len(knob_names)))(*[n.encode() for n in knob_names])
+        values_c = (ctypes.c_double * max(1, len(knob_values)))(*knob_values)
         cfg = _Config(
             recent.encode(), cache_type_k.encode(), cache_type_v.encode(),
+            cold_type_k.encode() if cold_type_k is not None else None,
+            cold_type_v.encode() if cold_type_v is not None else None,
             head_dim, kv_heads, group_size, page_size, num_layers, len(pages_per_tier),
             (ctypes.c_int64 * 8)(*pages_per_tier), max_sequences, max_batch, max_pages,
             max_step_tokens, max_retier_pages, max_chunks_per_seq, mass_layers_per_step,
-            float(softmax_scale), codec_seed, recent_pages, sink_pages, keep_first_layers,
-            keep_last_layers, min_dwell_steps, int(bool(center)),
+            float(softmax_scale), codec_seed, policy.encode(), len(knob_names), names_c, values_c,
+            int(bool(center)),
         )  # fmt: skip
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):
@@ -267,8 +284,9 @@ class CudaCache:
         self.q_heads = kv_heads * group_size
         self.page_size, self.num_layers = page_size, num_layers
         self.max_batch, self.max_step_tokens = max_batch, max_step_tokens
-        self.formats = (recent, cache_type_k, cache_type_v)
+        self.formats = (recent, cache_type_k, cache_type_v) + ((cold_type_k, cold_type_v) if tiers == 3 else ())
         self.center = bool(center)
+        self.policy = policy
         # ops' state: {handle, mutation count} (the custom ops' ordering under torch.compile)
         self.state = torch.tensor([self._h, 0], dtype=torch.int64)
         self._batch: list[int] = []

@@ -80,6 +80,8 @@ gpu_cache_config to_config(const tkv_cuda_config& c) {
   g.recent = text(c.recent, "recent");
   g.cache_type_k = text(c.cache_type_k, "cache_type_k");
   g.cache_type_v = text(c.cache_type_v, "cache_type_v");
+  if (c.cold_type_k != nullptr) g.cold_type_k = c.cold_type_k;  // NULL: no Cold tier
+  if (c.cold_type_v != nullptr) g.cold_type_v = c.cold_type_v;
   g.head_dim = to_int(c.head_dim, "head_dim", 1);
   g.kv_heads = to_int(c.kv_heads, "kv_heads", 1);
   g.group_size = to_int(c.group_size, "group_size", 1);
@@ -98,11 +100,16 @@ gpu_cache_config to_config(const tkv_cuda_config& c) {
   g.mass_layers_per_step = to_int(c.mass_layers_per_step, "mass_layers_per_step");
   g.softmax_scale = c.softmax_scale;
   g.codec_seed = c.codec_seed;
-  g.recent_pages = to_int(c.recent_pages, "recent_pages");
-  g.sink_pages = to_int(c.sink_pages, "sink_pages");
-  g.keep_first_layers = to_int(c.keep_first_layers, "keep_first_layers");
-  g.keep_last_layers = to_int(c.keep_last_layers, "keep_last_layers");
-  g.min_dwell_steps = c.min_dwell_steps;
+  g.policy = text(c.policy, "policy");
+  if (c.num_policy_knobs < 0 || c.num_policy_knobs > 64 ||
+      (c.num_policy_knobs > 0 && (c.knob_names == nullptr || c.knob_values == nullptr)))
+    fail(tierkv::status::make(tierkv::errc::invalid_argument,
+                              "num_policy_knobs = ", c.num_policy_knobs,
+                              " must lie in [0, 64] with its names and values given"));
+  for (std::int64_t i = 0; i < c.num_policy_knobs; ++i) {
+    g.policy_knob_names.emplace_back(text(c.knob_names[i], "a policy knob name"));
+    g.policy_knob_values.push_back(c.knob_values[i]);
+  }
   if (c.center != 0 && c.center != 1)
     fail(tierkv::status::make(tierkv::errc::invalid_argument, "center = ", c.center,
                               " must be 0 or 1"));
@@ -146,9 +153,9 @@ int tkv_cuda_create(const tkv_cuda_config* cfg, void* stream, void** cache) {
     if (cfg == nullptr || cache == nullptr)
       fail(tierkv::status(tierkv::errc::invalid_argument, "cfg and cache must not be null"));
     const gpu_cache_config g = to_config(*cfg);
-    const gpu_factory f = table().find(
-        g.recent, g.cache_type_k, g.cache_type_v, g.head_dim, g.kv_heads, g.group_size, g.page_size,
-        "TIERKV_PYTHON_CUDA_SET", "TIERKV_PYTHON_CUDA=1 pip install --no-build-isolation ./python");
+    const gpu_factory f =
+        table().find(g, "TIERKV_PYTHON_CUDA_SET",
+                     "TIERKV_PYTHON_CUDA=1 pip install --no-build-isolation ./python");
     *cache = f(g, stream_of(stream)).release();
   });
 }

@@ -16,13 +16,15 @@
 extern "C" {
 #endif
 
-#define TKV_CUDA_ABI_VERSION 3
+#define TKV_CUDA_ABI_VERSION 4
 #define TKV_CUDA_API __attribute__((visibility("default")))
 
 typedef struct tkv_cuda_config {
   const char* recent;       /* Recent / Anchor tier format: "fp8" | "int8_rotated" */
   const char* cache_type_k; /* Stale keys: "tq3" | "tq4" (or the recent name: 8-bit only) */
   const char* cache_type_v; /* Stale values: "tq3" (or the recent name) */
+  const char* cold_type_k;  /* Cold tier keys, e.g. "tq3", and */
+  const char* cold_type_v;  /* values, e.g. "tq2": both NULL (no Cold tier) or both set */
   int64_t head_dim, kv_heads, group_size, page_size, num_layers;
   int64_t num_tiers;         /* entries of pages_per_tier that are set */
   int64_t pages_per_tier[8]; /* pool capacities, physical pages of one layer each */
@@ -30,7 +32,10 @@ typedef struct tkv_cuda_config {
   int64_t max_chunks_per_seq, mass_layers_per_step;
   double softmax_scale; /* 0: 1 / sqrt(head_dim) */
   uint64_t codec_seed;
-  int64_t recent_pages, sink_pages, keep_first_layers, keep_last_layers, min_dwell_steps;
+  const char* policy;            /* tier policy by registry name (tierkv/policies.hpp) */
+  int64_t num_policy_knobs;      /* knobs changed from the policy's defaults: */
+  const char* const* knob_names; /*   their names (num_policy_knobs of them) */
+  const double* knob_values;     /*   and values */
   int64_t center; /* 1: per-(layer, KV head) channel means subtracted before encoding, added back
                      exactly (cuda::tiered_cache options::center); 0: off */
 } tkv_cuda_config;
@@ -40,7 +45,7 @@ TKV_CUDA_API const char* tkv_cuda_last_error(void);
 /* The prebuilt set: rows of 5 int32 {tier set, head_dim, kv_heads, group_size, page_size};
  * writes at most `capacity` rows and returns how many there are. */
 TKV_CUDA_API int tkv_cuda_built(int32_t* rows, int capacity);
-/* "recent/cache_type_k/cache_type_v" of tier set i, or NULL. */
+/* "recent/cache_type_k/cache_type_v[/cold_type_k/cold_type_v]" of tier set i, or NULL. */
 TKV_CUDA_API const char* tkv_cuda_tier_set_name(int i);
 
 TKV_CUDA_API int tkv_cuda_create(const tkv_cuda_config* cfg, void* stream, void** cache);

@@ -22,7 +22,9 @@ template <class Geometry, class TierSet>
 class gpu_cache_impl final : public gpu_cache {
  public:
   using tier_list = typename TierSet::type;
-  using cache_type = tierkv::cuda::tiered_cache<Geometry, tier_list>;
+  using cache_type =
+      tierkv::cuda::tiered_cache<Geometry, tier_list, tierkv::registered_policy,
+                                 tierkv::cuda::decode_path::tensor_core, typename TierSet::roles>;
   static constexpr int N = tier_list::size;
 
   static std::unique_ptr<gpu_cache> make(const gpu_cache_config& cfg, cudaStream_t stream) {
