@@ -34,12 +34,18 @@ namespace tierkv {
 ///                                                a constructor P(const options&)
 ///   static void knobs(Options& o, F&& f);        calls f(knob name, o.field) for every knob
 ///                                                (int, float, double, bool or unsigned fields)
+namespace detail {
+struct knob_probe {  // a knobs() visitor that accepts any field (the concept's check)
+  template <class T>
+  void operator()(std::string_view, T&) const {}
+};
+}  // namespace detail
+
 template <class P>
-concept named_policy = tier_policy<P> && requires(typename P::options& o) {
-  { P::name } -> std::convertible_to<std::string_view>;
-  requires std::default_initializable<typename P::options>;
-  requires std::constructible_from<P, const typename P::options&>;
-  P::knobs(o, [](std::string_view, auto&) {});
+concept named_policy = tier_policy<P> && std::convertible_to<decltype(P::name), std::string_view> &&
+    std::default_initializable<typename P::options> &&
+    std::constructible_from<P, const typename P::options&> && requires(typename P::options& o) {
+  P::knobs(o, detail::knob_probe{});
 };
 
 /// One knob setting: a knob's name and its value (integer knobs take integral values).
