@@ -14,12 +14,16 @@
 #include "tierkv/attention/logits.hpp"
 #include "tierkv/attention/partial_state.hpp"
 #include "tierkv/codec/codec.hpp"
+#include "tierkv/codec/page_layout.hpp"
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/arch/pdl.cuh"
 #include "tierkv/cuda/codec/formats.cuh"
 #include "tierkv/cuda/decode/inputs.cuh"
 #include "tierkv/cuda/decode_plan.cuh"
+#include "tierkv/cuda/kernel/centring.cuh"
+#include "tierkv/cuda/kernel/error_flag.cuh"
+#include "tierkv/cuda/kernel/lane_floats.cuh"
 #include "tierkv/cuda/warp/payload.cuh"
 #include "tierkv/cuda/warp/rotation.cuh"
 namespace tierkv::cuda::detail {
@@ -208,6 +212,16 @@ __device__ __forceinline__ void run_split_block(const decode_inputs<N>& in, cons
   Kernels::chunk(in, plan, workspace, kvh, c, b, ch, cost, err, mass_ws);
 }
 
+// A tier's key and value codecs at the geometry's head_dim and its page layout: what both split
+// kernels' per-tier configurations start from.
+template <class Geometry, class Tier>
+struct tier_codecs {
+  using geometry = Geometry;
+  using K = typename Tier::template key_codec<Geometry::head_dim>;
+  using V = typename Tier::template value_codec<Geometry::head_dim>;
+  using layout = page_layout<Geometry, K, V>;
+};
+
 // One KV head's regions of a page: key / value payload rows and their bf16 metas.
 template <class Layout>
 struct head_regions {
@@ -221,10 +235,6 @@ struct head_regions {
         key_meta(reinterpret_cast<const std::uint16_t*>(page + Layout::key_meta(kvh, 0))),
         value_meta(reinterpret_cast<const std::uint16_t*>(page + Layout::value_meta(kvh, 0))) {}
 };
-
-__device__ __forceinline__ void report_error(int* flag, errc e) {
-  if (flag) atomicCAS(flag, 0, int(e));
-}
 
 // The group's G x D queries (bf16 or f32) -> q_raw, and acc_total <- 0, by the block. Whole
 // 16-byte units per thread, every load issued before the first store: one element per
@@ -302,28 +312,6 @@ __device__ __forceinline__ void store_chunk_state(const decode_plan& plan, std::
   }
 }
 
-// A lane's P consecutive floats of shared memory in the widest aligned vectors (warp/payload.cuh's
-// load_words): lanes P words apart make scalar accesses P-way bank conflicted (d = 256: 8-way;
-// ~0.7 us of a chunk for each of prepare_query and finalize at B = 1, per-CTA %clock64 trace,
-// docs/history/gpu-runs.md, run 12).
-template <int P>
-inline constexpr int lane_float_alignment = P % 4 == 0   ? 16
-                                            : P % 2 == 0 ? 8
-                                                         : 4;
-template <int P>
-__device__ __forceinline__ void load_lane_floats(const float* p, float (&x)[P]) {
-  std::uint32_t w[P];
-  load_words<lane_float_alignment<P>, P>(reinterpret_cast<const std::uint8_t*>(p), w);
-#pragma unroll
-  for (int r = 0; r < P; ++r) x[r] = __uint_as_float(w[r]);
-}
-template <int P>
-__device__ __forceinline__ void store_lane_floats(float* p, const float (&x)[P]) {
-  std::uint32_t w[P];
-#pragma unroll
-  for (int r = 0; r < P; ++r) w[r] = __float_as_uint(x[r]);
-  store_words<lane_float_alignment<P>, P>(reinterpret_cast<std::uint8_t*>(p), w);
-}
 // The codec's prepare_query / finalize over the group's heads, one warp per head (head h on
 // warp h % decode_warps). TQ3 uses the warp Walsh-Hadamard of warp/rotation.cuh, whose stage
 // order makes it bit-identical to the codec's serial functions (int8_rotated: the same
@@ -381,23 +369,6 @@ __device__ __forceinline__ bool query_has_non_finite(const Inputs& in, std::size
     bad |= (bits & 0x7f800000u) == 0x7f800000u;
   }
   return bad;
-}
-
-// Centring's lse term for query row `row` (D elements, f32 or bf16) against its KV head's key
-// mean: softmax_scale * q.mean, summed in a fixed order by one thread (the merge adds it to the
-// lse, the page mass takes it off again: both get the same float).
-template <int D>
-__device__ __forceinline__ float query_mean_logit(const void* queries, query_type type,
-                                                  std::size_t row, const float* mean, float scale) {
-  float s = 0.f;
-  for (int i = 0; i < D; ++i) {
-    const std::size_t at = row * D + std::size_t(i);
-    const float q = type == query_type::bf16
-                        ? __bfloat162float(static_cast<const __nv_bfloat16*>(queries)[at])
-                        : static_cast<const float*>(queries)[at];
-    s = fmaf(q, mean[i], s);
-  }
-  return scale * s;
 }
 
 // The second pass of a decode step, the same for both split kernels: the merge of the chunk

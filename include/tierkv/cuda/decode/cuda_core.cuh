@@ -7,6 +7,7 @@
 #include "tierkv/core/config.hpp"
 
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -69,37 +70,29 @@ struct decode_smem {
   float* page_l;
 };
 
-// One tier's pages of this chunk: keys with the key codec's loop, values with the value
-// codec's, every loaded slice used by all g query heads. The running max m continues
-// across tiers; the accumulator of each tier is finalized in its own domain and folded
-// into acc_total.
-template <class Geometry, class Tier, int N>
-__device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
-                                  int kvh, int e_begin, int e_end, const decode_smem& sm,
-                                  float* mass_ws, int* err) {
+// The compile-time shape of one tier's pages on the CUDA cores, in one place so the stages of
+// decode_tier_pages below agree on a tile.
+template <class Geometry, class Tier>
+struct cuda_core_tier : tier_codecs<Geometry, Tier> {
   using S = decode_shape<Geometry>;
-  using K = typename Tier::template key_codec<Geometry::head_dim>;
-  using V = typename Tier::template value_codec<Geometry::head_dim>;
-  using layout = page_layout<Geometry, K, V>;
-  using KR = slice_reader<K>;
-  using VR = slice_reader<V>;
-  constexpr int D = S::d, G = S::g, LPT = S::lanes_per_token, NTG = S::token_groups;
-  constexpr int TILE = S::tile, IT = S::iters, IB = IT < 4 ? IT : 4;
-  const int tid = int(threadIdx.x);
-  const int slice = tid % LPT;
-  const int tg = tid / LPT;
-  const int warp = tid / 32, lane = tid % 32;
-  const codec_context kctx =
-      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
-  const codec_context vctx =
-      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
-  const float score_scale = in.softmax_scale * log2e * KR::code_scale;
-  // uniform: the cap's code runs only when it is on
-  const soft_cap cap = soft_cap::make<log_base::two>(in.soft_cap);
-  const int first = window_first(in, b);  // the window's first position (0 without one)
+  using KR = slice_reader<typename tier_codecs<Geometry, Tier>::K>;
+  using VR = slice_reader<typename tier_codecs<Geometry, Tier>::V>;
+  static constexpr int D = S::d, G = S::g, LPT = S::lanes_per_token, NTG = S::token_groups;
+  static constexpr int TILE = S::tile, IT = S::iters, IB = std::min(IT, 4);
+};
 
-  // Prepare the queries in the key codec's domain (identity for FP8, rotation for TQ3),
-  // then lay them out so lane `slice` reads its 4 float4 without bank conflicts.
+// A thread's place: its 16-scalar slice of a token, its token group, its warp and lane.
+struct cuda_core_lane {
+  int tid, slice, tg, warp, lane;
+};
+
+// The queries in the key codec's domain (identity for FP8, rotation for TQ3), then laid out so
+// lane `slice` reads its 4 float4 without bank conflicts.
+template <class C>
+__device__ __forceinline__ void cuda_core_prepare_queries(const decode_smem& sm,
+                                                          const codec_context& kctx, int tid) {
+  using K = typename C::K;
+  constexpr int D = C::D, G = C::G, LPT = C::LPT;
   __syncthreads();
   group_prepare_query<K, G>(sm.q_raw, sm.acc_part, kctx);
   __syncthreads();
@@ -109,34 +102,147 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
     reinterpret_cast<float4*>(sm.q_prep + h * D)[(r % 4) * LPT + r / 4] = v;
   }
   __syncthreads();
+}
 
+// The online softmax of the tile, one warp per query head: m, l and the rescale alpha per head,
+// the probabilities (x the value scale) -> sm.probs, and the page's mass, tile by tile.
+template <class C>
+__device__ __forceinline__ void cuda_core_tile_softmax(const decode_smem& sm,
+                                                       const cuda_core_lane& at) {
+  constexpr int G = C::G, TILE = C::TILE;
+  const int warp = at.warp, lane = at.lane;
+  for (int h = warp; h < G; h += decode_warps) {
+    float tmax = -INFINITY;
+    for (int t = lane; t < TILE; t += 32) tmax = fmaxf(tmax, sm.scores[h * TILE + t]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+    const float m_old = sm.m[h];
+    const float m_new = fmaxf(m_old, tmax);
+    float sum = 0.f;
+    for (int t = lane; t < TILE; t += 32) {
+      const float s = sm.scores[h * TILE + t];
+      const float p = s == -INFINITY ? 0.f : exp2f(s - m_new);
+      sum += p;
+      sm.probs[h * TILE + t] = p * sm.vscale[t];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    __syncwarp();  // every lane has read m[h] / page state before lane 0 updates them
+    if (lane == 0) {
+      const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
+      sm.alpha[h] = alpha;
+      sm.m[h] = m_new;
+      sm.l[h] = sm.l[h] * alpha + sum;
+      // page mass in log2 units: page_m + log2(page_l), tile by tile
+      const float pm_old = sm.page_m[h];
+      const float pm_new = fmaxf(pm_old, m_new);
+      sm.page_l[h] = (pm_old == -INFINITY ? 0.f : sm.page_l[h] * exp2f(pm_old - pm_new)) +
+                     sum * exp2f(m_new - pm_new);
+      sm.page_m[h] = pm_new;
+    }
+  }
+}
+
+// The end of the tier: the token groups' accumulators folded into acc_part (inside a warp by
+// shuffles, then warp after warp: fixed order, deterministic), back to the model's domain
+// (identity for FP8, inverse rotation for TQ3), then folded into acc_total.
+template <class C>
+__device__ __forceinline__ void cuda_core_fold_tier(float (&acc)[C::G][16],
+                                                    const codec_context& vctx,
+                                                    const decode_smem& sm,
+                                                    const cuda_core_lane& at) {
+  using V = typename C::V;
+  using VR = typename C::VR;
+  constexpr int D = C::D, G = C::G, LPT = C::LPT;
+  const int tid = at.tid, slice = at.slice, warp = at.warp, lane = at.lane;
+#pragma unroll
+  for (int off = LPT; off < 32; off <<= 1)
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
+  __syncthreads();
+  for (int w = 0; w < decode_warps; ++w) {
+    if (warp == w && lane < LPT) {
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          float& dst = sm.acc_part[h * D + slice * 16 + i];
+          const float v = acc[h][i] * VR::code_scale;
+          dst = w == 0 ? v : dst + v;
+        }
+    }
+    __syncthreads();
+  }
+  // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
+  group_finalize<V, G>(sm.acc_part, vctx);
+  __syncthreads();
+  for (int i = tid; i < G * D; i += decode_threads) {
+    const int h = i / D;
+    const float ref = sm.m_ref[h];
+    const float scale = ref == -INFINITY ? 0.f : exp2f(ref - sm.m[h]);
+    sm.acc_total[i] = sm.acc_total[i] * scale + sm.acc_part[i];
+  }
+  __syncthreads();
+  if (tid < G) sm.m_ref[tid] = sm.m[tid];
+  __syncthreads();
+}
+
+// One tier's pages of this chunk: keys with the key codec's loop, values with the value
+// codec's, every loaded slice used by all g query heads. The running max m continues
+// across tiers; the accumulator of each tier is finalized in its own domain and folded
+// into acc_total. Per page, tokens [t_lo, ntok) are in the window: the tiles before t_lo's
+// are skipped, the rest of the tokens before it masked (t_lo = 0 without a window). Per tile,
+// the scores in batches of IB independent 16-byte (TQ3: 12-byte) loads in flight per thread (IB
+// bounded so acc + loads stay in registers at 3 blocks per SM), the online softmax, then the
+// values from the same slices (p already carries the per-token scale / norm). The cap's code
+// runs only when it is on (uniform). The key and value loops stay in this body: as functions of
+// their own they changed the kernels' code (per-function SASS, bench/gpu/sass_compare.py).
+template <class Geometry, class Tier, int N>
+__device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
+                                  int kvh, int e_begin, int e_end, const decode_smem& sm,
+                                  float* mass_ws, int* err) {
+  using C = cuda_core_tier<Geometry, Tier>;
+  using K = typename C::K;
+  using V = typename C::V;
+  using KR = typename C::KR;
+  using VR = typename C::VR;
+  constexpr int D = C::D, G = C::G, LPT = C::LPT, NTG = C::NTG;
+  constexpr int TILE = C::TILE, IT = C::IT, IB = C::IB;
+  const int tid = int(threadIdx.x), slice = tid % LPT, tg = tid / LPT;
+  const int warp = tid / 32, lane = tid % 32;
+  const codec_context kctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
+  const codec_context vctx =
+      make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::value);
+  const float score_scale = in.softmax_scale * log2e * KR::code_scale;
+  const soft_cap cap = soft_cap::make<log_base::two>(in.soft_cap);
+  const int first = window_first(in, b);  // the window's first position (0 without one)
+  const cuda_core_lane at{tid, slice, tg, warp, lane};
+  cuda_core_prepare_queries<C>(sm, kctx, tid);
   float acc[G][16];
 #pragma unroll
   for (int h = 0; h < G; ++h)
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[h][i] = 0.f;
-
   const format_pages_view fv = in.index.formats[f];
   const pool_view pool = in.pools[f];
   for (int e = e_begin; e < e_end; ++e) {
-    const std::int32_t slot = fv.slot[e];
-    const std::int32_t logical = fv.logical[e];
+    const std::int32_t slot = fv.slot[e], logical = fv.logical[e];
     if (slot < 0 || std::uint32_t(slot) >= pool.capacity || logical < 0) {
       report_error(err, errc::out_of_range);
       continue;  // uniform across the block: every thread reads the same entry
     }
     const int ntok = in.index.tokens_in_page(b, logical, Geometry::page_tokens);
-    const head_regions<layout> hr(pool.page(std::uint32_t(slot)), kvh);
-    // tokens [t_lo, ntok) are in the window: the tiles before t_lo's are skipped, the rest of
-    // the tokens before it masked (t_lo = 0 without a window)
+    const head_regions<typename C::layout> hr(pool.page(std::uint32_t(slot)), kvh);
     const int t_lo = first_in_page<Geometry::page_tokens>(logical, first, ntok);
     if (warp == 0 && lane < G) {
       sm.page_m[lane] = -INFINITY;
       sm.page_l[lane] = 0.f;
     }
     for (int t0 = t_lo / TILE * TILE; t0 < ntok; t0 += TILE) {
-      // ---- scores: batches of IB independent 16-byte (TQ3: 12-byte) loads in flight per
-      // thread (IB bounded so acc + loads stay in registers at 3 blocks per SM)
 #pragma unroll
       for (int u0 = 0; u0 < IT; u0 += IB) {
         typename KR::raw kr[IB];
@@ -188,7 +294,6 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
 #pragma unroll
               for (int h = 0; h < G; ++h) z[h] = cap.apply(z[h], mufu_exp2{}, mufu_rcp{});
             }
-            // in the window as well: t_lo <= t < ntok (one unsigned compare)
             const bool seen = unsigned(t0 + tl - t_lo) < unsigned(ntok - t_lo);
 #pragma unroll
             for (int h = 0; h < G; ++h) sm.scores[h * TILE + tl] = seen ? z[h] : -INFINITY;
@@ -197,40 +302,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
         }
       }
       __syncthreads();
-      // ---- online softmax of this tile, one warp per query head
-      for (int h = warp; h < G; h += decode_warps) {
-        float tmax = -INFINITY;
-        for (int t = lane; t < TILE; t += 32) tmax = fmaxf(tmax, sm.scores[h * TILE + t]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-          tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-        const float m_old = sm.m[h];
-        const float m_new = fmaxf(m_old, tmax);
-        float sum = 0.f;
-        for (int t = lane; t < TILE; t += 32) {
-          const float s = sm.scores[h * TILE + t];
-          const float p = s == -INFINITY ? 0.f : exp2f(s - m_new);
-          sum += p;
-          sm.probs[h * TILE + t] = p * sm.vscale[t];
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        __syncwarp();  // every lane has read m[h] / page state before lane 0 updates them
-        if (lane == 0) {
-          const float alpha = m_old == -INFINITY ? 0.f : exp2f(m_old - m_new);
-          sm.alpha[h] = alpha;
-          sm.m[h] = m_new;
-          sm.l[h] = sm.l[h] * alpha + sum;
-          // page mass in log2 units: page_m + log2(page_l), tile by tile
-          const float pm_old = sm.page_m[h];
-          const float pm_new = fmaxf(pm_old, m_new);
-          sm.page_l[h] = (pm_old == -INFINITY ? 0.f : sm.page_l[h] * exp2f(pm_old - pm_new)) +
-                         sum * exp2f(m_new - pm_new);
-          sm.page_m[h] = pm_new;
-        }
-      }
+      cuda_core_tile_softmax<C>(sm, at);
       __syncthreads();
-      // ---- values: the same slices, p already carries the per-token scale / norm
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         const float a = sm.alpha[h];
@@ -265,7 +338,8 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
     }
     if (mass_ws != nullptr && warp == 0 && lane < G) {
       if (logical < plan.max_pages) {
-        const std::size_t row = std::size_t(b) * S::qh + std::size_t(kvh) * G + std::size_t(lane);
+        const std::size_t row =
+            std::size_t(b) * C::S::qh + std::size_t(kvh) * G + std::size_t(lane);
         constexpr int SL = mass_slots_per_page<Geometry>;
         float* slots = mass_ws + (row * std::size_t(plan.max_pages) + std::size_t(logical)) * SL;
         slots[0] = sm.page_m[lane] + log2f(sm.page_l[lane]);  // the whole page in its first slot
@@ -275,41 +349,7 @@ __device__ void decode_tier_pages(const decode_inputs<N>& in, const decode_plan&
       }
     }
   }
-
-  // ---- fold the token groups' accumulators into acc_part: inside a warp by shuffles,
-  // then warp after warp (fixed order: deterministic).
-#pragma unroll
-  for (int off = LPT; off < 32; off <<= 1)
-#pragma unroll
-    for (int h = 0; h < G; ++h)
-#pragma unroll
-      for (int i = 0; i < 16; ++i) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
-  __syncthreads();
-  for (int w = 0; w < decode_warps; ++w) {
-    if (warp == w && lane < LPT) {
-#pragma unroll
-      for (int h = 0; h < G; ++h)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          float& dst = sm.acc_part[h * D + slice * 16 + i];
-          const float v = acc[h][i] * VR::code_scale;
-          dst = w == 0 ? v : dst + v;
-        }
-    }
-    __syncthreads();
-  }
-  // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
-  group_finalize<V, G>(sm.acc_part, vctx);
-  __syncthreads();
-  for (int i = tid; i < G * D; i += decode_threads) {
-    const int h = i / D;
-    const float ref = sm.m_ref[h];
-    const float scale = ref == -INFINITY ? 0.f : exp2f(ref - sm.m[h]);
-    sm.acc_total[i] = sm.acc_total[i] * scale + sm.acc_part[i];
-  }
-  __syncthreads();
-  if (tid < G) sm.m_ref[tid] = sm.m[tid];
-  __syncthreads();
+  cuda_core_fold_tier<C>(acc, vctx, sm, at);
 }
 
 // grid (kv_heads, max_chunks, batch); decode_finish (decode/common.cuh) merges the chunk states.

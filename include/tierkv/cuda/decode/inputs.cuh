@@ -11,12 +11,9 @@
 #include "tierkv/codec/tier.hpp"
 #include "tierkv/core/index_view.hpp"
 #include "tierkv/core/status.hpp"
+#include "tierkv/cuda/kernel/io_types.cuh"
+#include "tierkv/cuda/kernel/pool_check.cuh"
 namespace tierkv::cuda {
-
-/// Element type of the queries: f32 or bf16.
-enum class query_type : std::uint8_t { f32 = 0, bf16 = 1 };
-/// Attention outputs: f32, or bf16 as models consume them (rounded once, from the f32 result).
-enum class output_type : std::uint8_t { f32 = 0, bf16 = 1 };
 
 /// One layer's decode step. Device pointers; `index` and `pools` in the cache's tier order.
 template <int NumFormats>
@@ -53,29 +50,4 @@ struct decode_inputs {
   const float* value_mean = nullptr;
 };
 
-namespace detail {
-
-// Every pool must be set and hold pages of exactly its tier's layout (`what` names the caller).
-template <class Geometry, int N, class... Tiers>
-status check_pools(const char* what, const batch_index_view<N>& index, const pool_view (&pools)[N],
-                   tiers<Tiers...>*) {
-  static_assert(N == int(sizeof...(Tiers)), "check_pools: one pool per tier");
-  constexpr std::size_t expect[] = {
-      page_layout<Geometry, typename Tiers::template key_codec<Geometry::head_dim>,
-                  typename Tiers::template value_codec<Geometry::head_dim>>::page_bytes...};
-  for (int f = 0; f < N; ++f) {
-    const pool_view& p = pools[f];
-    if (p.capacity > 0 && p.base == nullptr)
-      return status::make(errc::invalid_argument, what, ": pools[", f, "].base is null");
-    if (p.page_bytes != expect[f])
-      return status::make(errc::geometry_mismatch, what, ": pools[", f,
-                          "].page_bytes = ", p.page_bytes, " but the tier's page_layout needs ",
-                          expect[f]);
-    if (index.batch > 0 && index.formats[f].indptr == nullptr)
-      return status::make(errc::invalid_argument, what, ": index.formats[", f, "].indptr is null");
-  }
-  return status::ok();
-}
-
-}  // namespace detail
 }  // namespace tierkv::cuda

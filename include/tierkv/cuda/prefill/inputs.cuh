@@ -9,7 +9,8 @@
 
 #include "tierkv/codec/page_layout.hpp"
 #include "tierkv/core/index_view.hpp"
-#include "tierkv/cuda/decode/inputs.cuh"
+#include "tierkv/cuda/kernel/io_types.cuh"
+#include "tierkv/cuda/kernel/pool_check.cuh"
 namespace tierkv::cuda {
 
 /// One layer's chunked prefill, host_prefill's semantics (attention/host_prefill.hpp): the engine

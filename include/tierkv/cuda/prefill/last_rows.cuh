@@ -15,7 +15,7 @@
 
 #include "tierkv/core/status.hpp"
 #include "tierkv/cuda/check.cuh"
-#include "tierkv/cuda/decode/inputs.cuh"
+#include "tierkv/cuda/kernel/io_types.cuh"
 
 namespace tierkv::cuda {
 
