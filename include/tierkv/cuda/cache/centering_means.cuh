@@ -53,8 +53,7 @@ class device_centering_means {
                           "'s centring means are not known yet and a graph capture would "
                           "estimate them at every replay; append once outside the capture "
                           "or call set_centering first");
-    if (auto st = estimate_means<Geometry>(in, keys(layer), values(layer), stream); !st)
-      return st;
+    if (auto st = estimate_means<Geometry>(in, keys(layer), values(layer), stream); !st) return st;
     auto st = cuda::append<Geometry, AppendTier>(in, stream);
     if (st) mark_known(layer);  // else the next append estimates again
     return st;

@@ -68,30 +68,29 @@ namespace detail {
 template <class Policy, int NumTiers>
 status validate_cache_limits(const tiered_cache_options<Policy, NumTiers>& opt, int layers_max,
                              std::uint32_t max_tier_pages) {
-    if (opt.storage.num_layers > layers_max)
-      return status::exceeds(errc::invalid_argument, "num_layers", opt.storage.num_layers,
-                             layers_max);
-    for (int f = 0; f < NumTiers; ++f)
-      if (opt.storage.pages_per_tier[std::size_t(f)] > max_tier_pages)
-        return status::exceeds(errc::invalid_argument, "pages_per_tier",
-                               opt.storage.pages_per_tier[std::size_t(f)], max_tier_pages);
-    const int values[] = {opt.max_batch, opt.max_pages, opt.max_step_tokens, opt.max_retier_pages,
-                          opt.max_chunks_per_seq};
-    const char* names[] = {"max_batch", "max_pages", "max_step_tokens", "max_retier_pages",
-                           "max_chunks_per_seq"};
-    for (int i = 0; i < 5; ++i)
-      if (values[i] < 1)
-        return status::make(errc::invalid_argument, names[i], " = ", values[i], " must be >= 1");
-    if (opt.max_pages > 65535)
-      return status::exceeds(errc::invalid_argument, "max_pages", opt.max_pages, 65535);
-    if (opt.mass_layers_per_step < 0)
-      return status::make(errc::invalid_argument,
-                          "mass_layers_per_step = ", opt.mass_layers_per_step,
-                          " must be >= 0 (0 = every layer)");
-    if (!(opt.softmax_scale >= 0.f) || !std::isfinite(opt.softmax_scale))
-      return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale,
-                          " must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
-    return {};
+  if (opt.storage.num_layers > layers_max)
+    return status::exceeds(errc::invalid_argument, "num_layers", opt.storage.num_layers,
+                           layers_max);
+  for (int f = 0; f < NumTiers; ++f)
+    if (opt.storage.pages_per_tier[std::size_t(f)] > max_tier_pages)
+      return status::exceeds(errc::invalid_argument, "pages_per_tier",
+                             opt.storage.pages_per_tier[std::size_t(f)], max_tier_pages);
+  const int values[] = {opt.max_batch, opt.max_pages, opt.max_step_tokens, opt.max_retier_pages,
+                        opt.max_chunks_per_seq};
+  const char* names[] = {"max_batch", "max_pages", "max_step_tokens", "max_retier_pages",
+                         "max_chunks_per_seq"};
+  for (int i = 0; i < 5; ++i)
+    if (values[i] < 1)
+      return status::make(errc::invalid_argument, names[i], " = ", values[i], " must be >= 1");
+  if (opt.max_pages > 65535)
+    return status::exceeds(errc::invalid_argument, "max_pages", opt.max_pages, 65535);
+  if (opt.mass_layers_per_step < 0)
+    return status::make(errc::invalid_argument, "mass_layers_per_step = ", opt.mass_layers_per_step,
+                        " must be >= 0 (0 = every layer)");
+  if (!(opt.softmax_scale >= 0.f) || !std::isfinite(opt.softmax_scale))
+    return status::make(errc::invalid_argument, "softmax_scale = ", opt.softmax_scale,
+                        " must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
+  return {};
 }
 
 // Adds the nanoseconds its scope lasted to a host_times field (every return path counts).

@@ -99,9 +99,9 @@ result<seq_id> copy_import(Storage& storage, const transfer_info& info,
   auto seq = tierkv::detail::import_verified(
       storage, info, buf, [&](page_id p, const std::uint8_t* src, std::size_t n) {
         moved += n;
-        return cuda::check(cudaMemcpyAsync(views[p.format].page(p.slot), src, n,
-                                           cudaMemcpyHostToDevice, stream),
-                           "import_pages: cudaMemcpyAsync (host to device)");
+        return cuda::check(
+            cudaMemcpyAsync(views[p.format].page(p.slot), src, n, cudaMemcpyHostToDevice, stream),
+            "import_pages: cudaMemcpyAsync (host to device)");
       });
   // The copies read `buf` and write pages of the sequence (or, after a rollback, of the
   // pools): they finish before the caller may free the one or anyone reuse the other.

@@ -35,8 +35,8 @@ class retier_loop {
   using driver_type = retier_driver<Storage>;
 
   // The side stream, then the driver of up to `max_batch_pages` conversions a batch.
-  status create(Storage& storage, Controller& controller, Index& index,
-                transfer_counters& counters, int max_batch_pages) {
+  status create(Storage& storage, Controller& controller, Index& index, transfer_counters& counters,
+                int max_batch_pages) {
     storage_ = &storage;
     controller_ = &controller;
     index_ = &index;

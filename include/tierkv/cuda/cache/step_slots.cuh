@@ -61,8 +61,8 @@ class step_slots {
     slot_mapping m;
     m.slot = std::span<std::int32_t>(host_.get() + at, (layers_ - 1) * tokens_ + std::size_t(k));
     m.layer_stride = std::int64_t(tokens_);
-    m.offset = std::span<std::int32_t>(host_.get() + layers_ * tokens_ + std::size_t(at),
-                                       std::size_t(k));
+    m.offset =
+        std::span<std::int32_t>(host_.get() + layers_ * tokens_ + std::size_t(at), std::size_t(k));
     return m;
   }
   // begin_step's reservations: n[b] tokens of batch[b] reserved in `storage` (`room`: its
@@ -111,8 +111,7 @@ class step_slots {
     return upload_query_offsets(new_tokens, stream, h2d_bytes);
   }
   // The sampled layers' page-mass flags, then the event wait_uploaded waits for.
-  status upload_flags(std::span<const int> sampled, cudaStream_t stream,
-                      std::uint64_t& h2d_bytes) {
+  status upload_flags(std::span<const int> sampled, cudaStream_t stream, std::uint64_t& h2d_bytes) {
     if (auto st = upload_mass_flags(sampled, stream, h2d_bytes); !st) return st;
     TIERKV_CUDA_TRY(cudaEventRecord(uploaded_.get(), stream));  // the whole buffer's copies
     return {};
@@ -121,8 +120,8 @@ class step_slots {
  private:
   // The appends' error record, cleared for this step's tokens (append_error_where).
   status clear_append_error(cudaStream_t stream) {
-    TIERKV_CUDA_TRY(cudaMemsetAsync(append_error(), 0, append_error_ints * sizeof(std::int32_t),
-                                    stream));
+    TIERKV_CUDA_TRY(
+        cudaMemsetAsync(append_error(), 0, append_error_ints * sizeof(std::int32_t), stream));
     return {};
   }
   // The step's query offsets (prefill's q_indptr): sequence b's chunk is its new tokens.
