@@ -54,14 +54,19 @@ class combo_registry {
     const auto it =
         table_.find(combo{set, cfg.head_dim, cfg.kv_heads, cfg.group_size, cfg.page_size});
     if (it == table_.end()) {
-      std::string entry;
-      for (const auto& n : names) (entry += entry.empty() ? "" : "+") += n;
+      static constexpr const char* keys[] = {"recent", "cache_type_k", "cache_type_v",
+                                             "cold_type_k", "cold_type_v"};
+      std::string named, entry;
+      for (std::size_t i = 0; i < names.size(); ++i) {
+        named += std::string(i ? ", " : "") + keys[i] + "=" + names[i];
+        entry += (i ? "+" : "") + names[i];
+      }
       throw tierkv::error(tierkv::status::make(
-          tierkv::errc::invalid_argument, "no prebuilt tierkv cache for tier set ",
-          tier_set_name(set), ", head_dim=", cfg.head_dim, ", kv_heads=", cfg.kv_heads,
-          ", group_size=", cfg.group_size, ", page_size=", cfg.page_size, ". Built: ", describe(),
-          ". To build it: ", variable, "=", entry, ":", cfg.head_dim, ":", cfg.kv_heads, ":",
-          cfg.group_size, ":", cfg.page_size, " ", how, " (docs/python.md)"));
+          tierkv::errc::invalid_argument, "no prebuilt tierkv cache for ", named,
+          ", head_dim=", cfg.head_dim, ", kv_heads=", cfg.kv_heads, ", group_size=", cfg.group_size,
+          ", page_size=", cfg.page_size, ". Built: ", describe(), ". To build it: ", variable, "=",
+          entry, ":", cfg.head_dim, ":", cfg.kv_heads, ":", cfg.group_size, ":", cfg.page_size, " ",
+          how, " (docs/python.md)"));
     }
     return it->second;
   }
