@@ -6,10 +6,10 @@
 // Exits 1 unless the error is within all-TQ3 pages' (kMaxError) and the report reconciles.
 //
 //   tierkv_example_01_host_quickstart [--tokens N] [--steps S]
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <iostream>
 #include <random>
 #include <vector>
@@ -95,13 +95,15 @@ int main(int argc, char** argv) {
     auto grow = [&](std::vector<float>& all, const std::vector<float>& add) {
       std::vector<float> next(std::size_t(kLayers) * std::size_t(old_len + n) * KV * D);
       const std::size_t row = std::size_t(KV) * D;
+      // std::copy_n, not memcpy: the first append copies 0 floats from an empty vector (a null
+      // pointer, which memcpy may not be given: UBSan, CI's sanitized example run).
       for (int l = 0; l < kLayers; ++l) {
-        std::memcpy(next.data() + std::size_t(l) * std::size_t(old_len + n) * row,
-                    all.data() + std::size_t(l) * std::size_t(old_len) * row,
-                    std::size_t(old_len) * row * 4);
-        std::memcpy(
-            next.data() + (std::size_t(l) * std::size_t(old_len + n) + std::size_t(old_len)) * row,
-            add.data() + std::size_t(l) * std::size_t(n) * row, std::size_t(n) * row * 4);
+        std::copy_n(all.data() + std::size_t(l) * std::size_t(old_len) * row,
+                    std::size_t(old_len) * row,
+                    next.data() + std::size_t(l) * std::size_t(old_len + n) * row);
+        std::copy_n(
+            add.data() + std::size_t(l) * std::size_t(n) * row, std::size_t(n) * row,
+            next.data() + (std::size_t(l) * std::size_t(old_len + n) + std::size_t(old_len)) * row);
       }
       all.swap(next);
     };

@@ -275,132 +275,68 @@ inline void cold_arm_defaults(tiering_options& o) {
   if (o.cold_after_pages < 0) o.cold_after_pages = 8;
 }
 
-// Arms by name: paged_f32 (the paging and tile machinery over lossless pages), the single
-// formats fp8, tq3 and int8r, the tiered mixes (Recent + Anchor pages in tier 0, Stale
-// pages in tier 1), and the sub-3-bit candidates of issue 52 (stale_*, uniform_*, cold_*,
-// a4_*). capacity: the most tokens a request holds.
-inline std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& full_arm, kv_shape s,
-                                                       const tiering_options& base, int capacity) {
-  tiering_options opt = base;
-  const std::string arm = apply_arm_knobs(full_arm, opt);
-  using tierkv::int8_rotated;
-  using tierkv::tq2_key;
-  using tierkv::tq2_value;
-  using tierkv::tq3_key;
-  using tierkv::tq3_value;
-  using tierkv::tq4_key;
-  using tierkv::tq4_value;
-  using dense_tier = tierkv::tier<tierkv::dense_f32, tierkv::dense_f32>;
-  using fp8_tier = tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>;
-  using tq3_tier = tierkv::tier<tq3_key, tq3_value>;
-  using int8r_tier = tierkv::tier<int8_rotated, int8_rotated>;
-  // Stale keys int8_rotated, values TQ3: a diagnostic over the bit budget (Stale pages cost
-  // 5.75 bits) that tells key (routing) error from value error.
-  using stale_k8_tier = tierkv::tier<int8_rotated, tq3_value>;
-  // Stale keys TQ4 (routing precision for multi-needle retrieval), values TQ3: the
-  // recommended Stale tier.
-  using stale_k4_tier = tierkv::tier<tq4_key, tq3_value>;
-  // Issue 52's candidates: key and value codecs apart (key error moves routing, value error
-  // only the content read); bits per scalar at head_dim 64 in the comments.
-  using k4v4 = tierkv::tier<tq4_key, tq4_value>;       // 4.25
-  using k4v2 = tierkv::tier<tq4_key, tq2_value>;       // 3.25
-  using k3v2 = tierkv::tier<tq3_key, tq2_value>;       // 2.75
-  using k2v2 = tierkv::tier<tq2_key, tq2_value>;       // 2.25
-  using k8v4 = tierkv::tier<int8_rotated, tq4_value>;  // 6.25 (vLLM-like K8V4)
-  using k4v8 = tierkv::tier<tq4_key, int8_rotated>;    // 6.25
-  // Values with the keys' alpha (unbiased inner products: attention averages values, and the
-  // least-squares alpha shrinks each by ~cos^2 of its error angle, 0.88 at 2 bits): *u arms.
-  using k3v2u = tierkv::tier<tq3_key, tq2_key>;  // 2.75
-  using k4v3u = tierkv::tier<tq4_key, tq3_key>;  // 3.75
-  using k3v3u = tierkv::tier<tq3_key, tq3_key>;  // 3.25
-  using default_roles = role_map<>;
-  const auto make = [&]<class Map, class... T>(const tiering_options& o) {
-    return std::unique_ptr<kv_backend>(
-        std::make_unique<library_backend<smol_geometry, Map, T...>>(full_arm, s, o, capacity));
-  };
-  // rec's pages and policy (centred), the Stale tier swapped.
-  const auto rec_like = [&]<class Stale>() {
-    return make.template operator()<default_roles, int8r_tier, Stale>(opt);
-  };
-  // Every page in one tier, written in it (centred unless c=0).
-  const auto uniform = [&]<class T>() { return make.template operator()<default_roles, T>(opt); };
-  // rec's tiers plus a Cold tier: Recent / Anchor int8_rotated, Stale TQ4 keys + TQ3 values,
-  // Cold the given tier.
-  tiering_options cold_opt = opt;
-  cold_arm_defaults(cold_opt);
-  cold_opt.policy.cold_enter_mass = cold_opt.cold_enter_mass;
-  cold_opt.policy.cold_leave_mass = cold_opt.cold_leave_mass;
-  cold_opt.policy.cold_after_pages = cold_opt.cold_after_pages;
-  const auto with_cold = [&]<class Stale, class Cold>() {
-    return make.template operator()<role_map<0, 1, 2>, int8r_tier, Stale, Cold>(cold_opt);
-  };
-  // Anchors (sinks, sensitive layers, high-mass pages) in a 4-bit tier instead of 8 bits: only
-  // Recent pages stay int8_rotated.
-  const auto anchors4 = [&]<class Anchor, class Stale, class Cold>() {
-    return make.template operator()<role_map<1, 2, 3>, int8r_tier, Anchor, Stale, Cold>(cold_opt);
-  };
-  if (arm == "paged_f32") return uniform.template operator()<dense_tier>();
-  if (arm == "fp8") return uniform.template operator()<fp8_tier>();
-  if (arm == "tq3" || arm == "uniform_k3v3") return uniform.template operator()<tq3_tier>();
-  if (arm == "int8r") return uniform.template operator()<int8r_tier>();
-  if (arm == "uniform_k4v4") return uniform.template operator()<k4v4>();
-  if (arm == "uniform_k4v2") return uniform.template operator()<k4v2>();
-  if (arm == "uniform_k3v2") return uniform.template operator()<k3v2>();
-  if (arm == "uniform_k2v2") return uniform.template operator()<k2v2>();
-  if (arm == "uniform_k8v4") return uniform.template operator()<k8v4>();
-  if (arm == "tiered") return make.template operator()<default_roles, fp8_tier, tq3_tier>(opt);
-  if (arm == "tiered_int8r") return rec_like.template operator()<tq3_tier>();
-  if (arm == "tiered_k8") return rec_like.template operator()<stale_k8_tier>();
-  if (arm == "tiered_k4") return rec_like.template operator()<stale_k4_tier>();
-  if (arm == "stale_k4v2") return rec_like.template operator()<k4v2>();
-  if (arm == "stale_k3v2") return rec_like.template operator()<k3v2>();
-  if (arm == "stale_k2v2") return rec_like.template operator()<k2v2>();
-  if (arm == "stale_k3v2u") return rec_like.template operator()<k3v2u>();
-  if (arm == "rec_u") return rec_like.template operator()<k4v3u>();
-  if (arm == "stale_k3v3u") return rec_like.template operator()<k3v3u>();
-  if (arm == "cold_k4v2") return with_cold.template operator()<stale_k4_tier, k4v2>();
-  if (arm == "cold_k3v2") return with_cold.template operator()<stale_k4_tier, k3v2>();
-  if (arm == "cold_k2v2") return with_cold.template operator()<stale_k4_tier, k2v2>();
-  if (arm == "cold_k3v2u") return with_cold.template operator()<stale_k4_tier, k3v2u>();
-  // Unbiased values in both compressed tiers: Stale TQ4 (u4) or TQ3 (u3) keys + TQ3 values.
-  if (arm == "cold_u4_k3v2u") return with_cold.template operator()<k4v3u, k3v2u>();
-  if (arm == "cold_u3_k3v2u") return with_cold.template operator()<k3v3u, k3v2u>();
-  // Anchors (tier 1) TQ4 keys + TQ3 values; a4_S_C: Stale S, Cold C.
-  if (arm == "a4_k3v2_k2v2") return anchors4.template operator()<stale_k4_tier, k3v2, k2v2>();
-  if (arm == "a4_k4v2_k3v2") return anchors4.template operator()<stale_k4_tier, k4v2, k3v2>();
-  // Anchors TQ4 keys + TQ3 (a4) or TQ4 (a44) values, Stale = Cold TQ3 keys + TQ2 values.
-  if (arm == "a4_k3v2")
-    return make.template operator()<role_map<1, 2, 2>, int8r_tier, stale_k4_tier, k3v2>(opt);
-  if (arm == "a44_k3v2")
-    return make.template operator()<role_map<1, 2, 2>, int8r_tier, k4v4, k3v2>(opt);
-  // Anchors with one role at 8 bits: int8_rotated keys + TQ4 values (a84), or TQ4 keys +
-  // int8_rotated values (a48), 6.25 bits; Stale = Cold TQ3 keys + TQ2 values.
-  if (arm == "a84_k3v2")
-    return make.template operator()<role_map<1, 2, 2>, int8r_tier, k8v4, k3v2>(opt);
-  if (arm == "a48_k3v2")
-    return make.template operator()<role_map<1, 2, 2>, int8r_tier, k4v8, k3v2>(opt);
-  // Anchors and Stale TQ4 keys + TQ3 values (one tier), Cold TQ3 keys + TQ2 values.
-  if (arm == "a4_cold_k3v2")
-    return make.template operator()<role_map<1, 1, 2>, int8r_tier, stale_k4_tier, k3v2>(cold_opt);
-  // The two configurations the quality records compare (bench/gpu/needle_suite.py's arms),
-  // centring fixed: rec = tiered_k4 centred (the recommended cache), seed = the seed paper's
-  // FP8 + TQ3 cache, not centred.
-  if (arm == "rec" || arm == "seed") {
-    tiering_options o = opt;
-    o.center = arm == "rec";
-    if (arm == "rec") return make.template operator()<default_roles, int8r_tier, stale_k4_tier>(o);
-    return make.template operator()<default_roles, fp8_tier, tq3_tier>(o);
-  }
-  throw std::runtime_error(
-      "unknown KV arm '" + arm +
-      "' (dense, paged_f32, fp8, tq3, int8r, tiered, tiered_int8r, tiered_k4, tiered_k8, rec, "
-      "seed; issue 52: stale_k4v2, stale_k3v2, stale_k2v2, stale_k3v2u, stale_k3v3u, rec_u, "
-      "cold_k3v2u, cold_u4_k3v2u, cold_u3_k3v2u, "
-      "uniform_k4v4, uniform_k3v3, "
-      "uniform_k4v2, uniform_k3v2, uniform_k2v2, uniform_k8v4, cold_k4v2, cold_k3v2, cold_k2v2, "
-      "a4_k3v2_k2v2, a4_k4v2_k3v2, a4_k3v2, a44_k3v2, a84_k3v2, a48_k3v2, a4_cold_k3v2; knobs "
-      "after '+', e.g. "
-      "cold_k3v2+cm=0.5)");
+// The tiers the arms are made of (arms_*.cpp), bits per scalar at head_dim 64 in the comments.
+namespace arm_tiers {
+using tierkv::int8_rotated;
+using tierkv::tq2_key;
+using tierkv::tq2_value;
+using tierkv::tq3_key;
+using tierkv::tq3_value;
+using tierkv::tq4_key;
+using tierkv::tq4_value;
+using dense_tier = tierkv::tier<tierkv::dense_f32, tierkv::dense_f32>;
+using fp8_tier = tierkv::tier<tierkv::fp8_e4m3, tierkv::fp8_e4m3>;
+using tq3_tier = tierkv::tier<tq3_key, tq3_value>;
+using int8r_tier = tierkv::tier<int8_rotated, int8_rotated>;
+// Stale keys int8_rotated, values TQ3: a diagnostic over the bit budget (Stale pages cost
+// 5.75 bits) that tells key (routing) error from value error.
+using stale_k8_tier = tierkv::tier<int8_rotated, tq3_value>;
+// Stale keys TQ4 (routing precision for multi-needle retrieval), values TQ3: the
+// recommended Stale tier.
+using stale_k4_tier = tierkv::tier<tq4_key, tq3_value>;
+// Issue 52's candidates: key and value codecs apart (key error moves routing, value error
+// only the content read).
+using k4v4 = tierkv::tier<tq4_key, tq4_value>;       // 4.25
+using k4v2 = tierkv::tier<tq4_key, tq2_value>;       // 3.25
+using k3v2 = tierkv::tier<tq3_key, tq2_value>;       // 2.75
+using k2v2 = tierkv::tier<tq2_key, tq2_value>;       // 2.25
+using k8v4 = tierkv::tier<int8_rotated, tq4_value>;  // 6.25 (vLLM-like K8V4)
+using k4v8 = tierkv::tier<tq4_key, int8_rotated>;    // 6.25
+// Values with the keys' alpha (unbiased inner products: attention averages values, and the
+// least-squares alpha shrinks each by ~cos^2 of its error angle, 0.88 at 2 bits): *u arms.
+using k3v2u = tierkv::tier<tq3_key, tq2_key>;  // 2.75
+using k4v3u = tierkv::tier<tq4_key, tq3_key>;  // 3.75
+using k3v3u = tierkv::tier<tq3_key, tq3_key>;  // 3.25
+using default_roles = role_map<>;
+}  // namespace arm_tiers
+
+// One arm: a library_backend over the tiers T... with the roles of Map.
+template <class Map, class... T>
+std::unique_ptr<kv_backend> make_arm(const std::string& full_arm, kv_shape s,
+                                     const tiering_options& o, int capacity) {
+  return std::make_unique<library_backend<smol_geometry, Map, T...>>(full_arm, s, o, capacity);
 }
+
+// Arms by name, one family a translation unit (~35 tiered_cache instantiations: apart, they
+// compile in parallel, and once for smollm and test_smollm):
+// - arms_core.cpp: paged_f32 (the paging and tile machinery over lossless pages), the single
+//   formats fp8, tq3 and int8r, the tiered mixes (Recent + Anchor pages in tier 0, Stale pages
+//   in tier 1), rec and seed; and make_tierkv_backend, which asks each family in turn;
+// - arms_sub3.cpp: issue 52's one- and two-tier candidates (uniform_*, stale_*, rec_u);
+// - arms_cold.cpp: issue 52's Cold and 4-bit-Anchor candidates (cold_*, a4*, a44_*, a84_*,
+//   a48_*).
+// capacity: the most tokens a request holds. An unknown arm or knob throws, naming them.
+std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& full_arm, kv_shape s,
+                                                const tiering_options& base, int capacity);
+
+namespace arm_family {
+// The family's arm `arm` (its knobs already applied to opt), nullptr for a name outside it.
+std::unique_ptr<kv_backend> core(const std::string& arm, const std::string& full_arm, kv_shape s,
+                                 const tiering_options& opt, int capacity);
+std::unique_ptr<kv_backend> sub3(const std::string& arm, const std::string& full_arm, kv_shape s,
+                                 const tiering_options& opt, int capacity);
+std::unique_ptr<kv_backend> cold(const std::string& arm, const std::string& full_arm, kv_shape s,
+                                 const tiering_options& opt, int capacity);
+}  // namespace arm_family
 
 }  // namespace smollm
