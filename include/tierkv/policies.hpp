@@ -74,14 +74,15 @@ status set_knob_field(T& field, std::string_view policy_name, std::string_view k
                           " must be 0 or 1");
     field = v != 0.0;
   } else if constexpr (std::is_integral_v<T>) {
-    // the bounds a double holds exactly: integers of magnitude below 2^53
-    const double lo =
-        std::is_signed_v<T> ? std::max(double(std::numeric_limits<T>::min()), -0x1p53) : 0.0;
-    const double hi = std::min(double(std::numeric_limits<T>::max()), 0x1p53);
-    if (!(v >= lo && v <= hi) || v != std::floor(v))
+    // the bounds T and a double both hold exactly: integers of magnitude up to 2^53
+    constexpr long long exact = 1LL << 53;
+    constexpr long long lo =
+        std::is_signed_v<T> ? std::max<long long>(std::numeric_limits<T>::min(), -exact) : 0;
+    constexpr long long hi =
+        static_cast<long long>(std::min<unsigned long long>(std::numeric_limits<T>::max(), exact));
+    if (!(v >= double(lo) && v <= double(hi)) || v != std::floor(v))
       return status::make(errc::invalid_argument, policy_name, " knob ", knob, " = ", v,
-                          " must be an integer in [", static_cast<long long>(lo), ", ",
-                          static_cast<long long>(hi), "]");
+                          " must be an integer in [", lo, ", ", hi, "]");
     field = T(v);
   } else {
     static_assert(std::is_floating_point_v<T>, "a policy knob is bool, integral or floating");
