@@ -44,8 +44,15 @@ std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& full_arm, kv_
   tiering_options opt = base;
   const std::string arm = apply_arm_knobs(full_arm, opt);
   if (auto kv = arm_family::core(arm, full_arm, s, opt, capacity)) return kv;
+#if defined(SMOLLM_CORE_ARMS_ONLY)
+  throw std::runtime_error(
+      "KV arm '" + arm +
+      "' is unknown or not in this build (SMOLLM_ALL_ARMS=OFF, scripts/demo's: "
+      "the core arms only; the dev and release presets' smollm has them all)");
+#else
   if (auto kv = arm_family::sub3(arm, full_arm, s, opt, capacity)) return kv;
   if (auto kv = arm_family::cold(arm, full_arm, s, opt, capacity)) return kv;
+#endif
   throw std::runtime_error(
       "unknown KV arm '" + arm +
       "' (dense, paged_f32, fp8, tq3, int8r, tiered, tiered_int8r, tiered_k4, tiered_k8, rec, "

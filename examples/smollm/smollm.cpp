@@ -4,7 +4,7 @@
 //   logits    --prompt TEXT            (top logits of the last position, for checks)
 //   tokenize  --prompt TEXT
 //   tasks     [--quick] [--arms a,b,..] [--out FILE.json]   needle + perplexity + agreement
-//   demo                                                     4K needle, dense vs tiered
+//   demo      [--tokens N]                                   2K needle, dense vs tiered
 //   compaction --out-dir DIR [...]                           AM compaction arms (issue 27)
 //   dump      --out PREFIX [--ppl-text FILE] [--tokens N]     real K/V/Q for codec studies
 #include <cblas.h>
@@ -89,7 +89,7 @@ void usage() {
       "           Cold arms: [--cold-mass 0.5] [--cold-leave-mass 1] [--cold-after-pages 8]\n"
       "  ppl      [--arm A] [--tokens 2048] [--chunk 512] [--ppl-text FILE | --ppl-ids FILE] "
       "[--nll-out FILE.json]\n"
-      "  demo     [--tokens 4096]\n"
+      "  demo     [--tokens 2048]\n"
       "  compaction --out-dir DIR [--docs FILE[+FILE]@OFFSET,...,needle:I] [--doc-tokens 4096]\n"
       "           [--cont-tokens 256] [--greedy 32] [--ref repeat|self] [--ref-stride 2]\n"
       "           [--budgets 0.1,0.05]"
@@ -221,7 +221,7 @@ int main(int argc, char** argv) {
                   text.c_str(), out.c_str());
       return 0;
     }
-    if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 4096));
+    if (cmd == "demo") return run_demo(eng, a.get_int("--tokens", 2048));
     if (cmd == "compaction") {  // docs/compaction.md; scripts/measure compaction-model
       compaction_eval_options o;
       o.out_dir = a.get("--out-dir", "");
