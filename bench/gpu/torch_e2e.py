@@ -15,7 +15,10 @@ model, each step one CUDA graph replay (an eager step measures the host, not the
             backend: the faster for this shape in bench/results/decode/flashinfer-h200-2026-11-30.json);
   tierkv    tierkv.CudaCache through tierkv.transformers.TieredCache (attn_implementation
             "tierkv"): int8_rotated Recent/Anchor pages, TQ4 keys / TQ3 values in Stale pages,
-            the library's default policy.
+            the library's default policy;
+  tierkv_sub3  the same with TQ3 keys / TQ2 values in Stale pages and no layer kept 8-bit
+            (issue 52's sub-3-bit mix; needs the package's CUDA set int8_rotated+tq3+tq2 at
+            this shape).
 
 Each arm runs at an equal batch (where all fit) and at the largest batch whose KV fits the budget
 (100 GiB); tokens/s = batch / wall time of a step (tierkv's begin_step and end_step host work
@@ -307,21 +310,25 @@ AttentionInterface.register("tkvbench_fp8_fi", FlashInferArm.attention)
 class TierkvArm:
     """tierkv.CudaCache: pools sized for the policy's steady state at context L (below)."""
 
-    name = "tierkv"
+    # arm name -> the Stale tier's key and value codecs, the layers kept wholly in tier 0 (first,
+    # last; the default policy keeps 1 and 1, 2 of 16 layers at 8 bits: ~1 bit per scalar)
+    STALE = {"tierkv": ("tq4", "tq3", 1, 1), "tierkv_sub3": ("tq3", "tq2", 0, 0)}
 
-    def __init__(self, L, budget, fill_step_tokens=65536, batch=None):
-        self.L = L
+    def __init__(self, L, budget, fill_step_tokens=65536, batch=None, name="tierkv"):
+        self.name, self.L = name, L
+        self.stale_k, self.stale_v, self.keep_first, self.keep_last = self.STALE[name]
         probe = tierkv.CudaCache(head_dim=D, kv_heads=HKV, group_size=HQ // HKV, num_layers=LAYERS,
-                                 page_size=TKV_PAGE, pages_per_tier=[64, 64], max_batch=1)  # fmt: skip
+                                 page_size=TKV_PAGE, recent="int8_rotated", cache_type_k=self.stale_k,
+                                 cache_type_v=self.stale_v, pages_per_tier=[64, 64], max_batch=1)  # fmt: skip
         self.page_bytes = [t["page_bytes"] for t in probe.report()["tiers"]]
         probe.close()
         self.pages_per_seq = math.ceil((L + 256) / TKV_PAGE)  # the context and the timed steps
-        # Steady state of the default policy (recency_anchor): layers 0 and 15 wholly in tier 0;
-        # in the 14 others the 4 Recent pages, 1 sink and anchors (2% allowed) in tier 0, the rest
+        # Steady state of the default policy (recency_anchor): the kept layers wholly in tier 0;
+        # in the others the 4 Recent pages, 1 sink and anchors (2% allowed) in tier 0, the rest
         # in tier 1 (sized as if every page of those layers could be Stale).
-        P = self.pages_per_seq
-        self.t0_per_seq = 2 * P + (LAYERS - 2) * (4 + 1 + 1 + math.ceil(0.02 * P))
-        self.t1_per_seq = (LAYERS - 2) * P
+        P, kept = self.pages_per_seq, self.keep_first + self.keep_last
+        self.t0_per_seq = kept * P + (LAYERS - kept) * (4 + 1 + 1 + math.ceil(0.02 * P))
+        self.t1_per_seq = (LAYERS - kept) * P
         self.per_seq = self.t0_per_seq * self.page_bytes[0] + self.t1_per_seq * self.page_bytes[1]
         self.B = int(budget // self.per_seq) if batch is None else batch
         self.fill_step_tokens = fill_step_tokens
@@ -330,10 +337,11 @@ class TierkvArm:
         B, L = self.B, self.L
         self.c = tierkv.CudaCache(
             head_dim=D, kv_heads=HKV, group_size=HQ // HKV, num_layers=LAYERS, page_size=TKV_PAGE,
-            recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3",
+            recent="int8_rotated", cache_type_k=self.stale_k, cache_type_v=self.stale_v,
             pages_per_tier=[B * self.t0_per_seq, B * self.t1_per_seq], max_sequences=B, max_batch=B,
             max_pages=self.pages_per_seq, max_step_tokens=self.fill_step_tokens, max_retier_pages=65536,
             mass_layers_per_step=1, softmax_scale=D**-0.5,
+            policy_options=dict(keep_first_layers=self.keep_first, keep_last_layers=self.keep_last),
         )  # fmt: skip
         self.seqs = [self.c.create_sequence() for _ in range(B)]
         chunk = max(TKV_PAGE, self.fill_step_tokens // B // TKV_PAGE * TKV_PAGE)
@@ -382,7 +390,7 @@ def run_arm(model, arm, batches, steps):
     for B in batches:
         row = dict(arm=arm.name, context=arm.L, batch=B)
         try:
-            if arm.name == "tierkv":
+            if arm.name in TierkvArm.STALE:
                 set_attention(model, "tierkv")
                 tc = TieredCache.from_cache(model.config, arm.c, arm.seqs[:B], softmax_scale=D**-0.5)
                 r = StepRunner(model, tc, B, arm.L - 1)
@@ -547,10 +555,10 @@ def main():
         for name in arms:
             t0 = time.perf_counter()
             only = equal.get(L, 8) if L in args.equal_only else None
-            if name == "tierkv":
-                arm = TierkvArm(L, budget, batch=only).fill()
+            if name in TierkvArm.STALE:
+                arm = TierkvArm(L, budget, batch=only, name=name).fill()
                 info = dict(fill_s=arm.fill_s, fill_stats=arm.fill_stats, fill_parts_s=arm.fill_parts_s, **arm.report())
-                log(f"tierkv L={L}: B_max {arm.B}, filled in {arm.fill_s:.1f} s, {info}")
+                log(f"{name} L={L}: B_max {arm.B}, filled in {arm.fill_s:.1f} s, {info}")
             else:
                 if jit is not None and name == "fp8_fi":
                     log("flashinfer jit: " + " | ".join(jit.communicate()[0].strip().splitlines()[-3:]))
@@ -566,7 +574,7 @@ def main():
                 r.update(b_max=arm.B, **info)
             out["rows"] += rows
             dump()
-            if name == "tierkv":
+            if name in TierkvArm.STALE:
                 arm.c.close()
             _active.clear()  # the arm's buffers go with it
             del arm
@@ -581,7 +589,8 @@ def main():
 
     m = {}
     for L, tag in [(131072, "128k"), (32768, "32k")]:
-        for arm, key in [("tierkv", "tierkv"), ("bf16", "bf16"), ("fp8_fi", "fp8_flashinfer")]:
+        for arm, key in [("tierkv", "tierkv"), ("tierkv_sub3", "tierkv_sub3"), ("bf16", "bf16"),
+                         ("fp8_fi", "fp8_flashinfer")]:
             r = get(arm, L) if L not in args.equal_only else {}
             if r.get("tokens_per_s"):
                 m[f"tokens_per_s_{key}_{tag}"] = r["tokens_per_s"]
@@ -591,6 +600,9 @@ def main():
                 m[f"tokens_per_s_{key}_{tag}_b{equal[L]}"] = re["tokens_per_s"]
         if m.get(f"tokens_per_s_bf16_{tag}") and m.get(f"tokens_per_s_tierkv_{tag}"):
             m[f"throughput_gain_{tag}"] = m[f"tokens_per_s_tierkv_{tag}"] / m[f"tokens_per_s_bf16_{tag}"]
+        if m.get(f"tokens_per_s_bf16_{tag}") and m.get(f"tokens_per_s_tierkv_sub3_{tag}"):
+            m[f"throughput_gain_{tag}_sub3"] = m[f"tokens_per_s_tierkv_sub3_{tag}"] / m[f"tokens_per_s_bf16_{tag}"]
+            m[f"bits_per_scalar_{tag}_sub3"] = get("tierkv_sub3", L).get("bits_per_scalar")
         e = equal[L]
         if m.get(f"tokens_per_s_bf16_{tag}_b{e}") and m.get(f"tokens_per_s_tierkv_{tag}_b{e}"):
             m[f"speedup_vs_bf16_equal_batch_{tag}"] = m[f"tokens_per_s_tierkv_{tag}_b{e}"] / m[f"tokens_per_s_bf16_{tag}_b{e}"]
@@ -604,7 +616,7 @@ def main():
     log("\narm      context batch  ms/step   tokens/s")
     for r in out["rows"]:
         if r.get("tokens_per_s"):
-            log(f"{r['arm']:8s} {r['context']:7d} {r['batch']:5d} {r['s_per_step'] * 1e3:8.2f} {r['tokens_per_s']:10.1f}")
+            log(f"{r['arm']:11s} {r['context']:7d} {r['batch']:5d} {r['s_per_step'] * 1e3:8.2f} {r['tokens_per_s']:10.1f}")
     log(json.dumps(m))
 
 
