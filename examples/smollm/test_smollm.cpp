@@ -466,6 +466,16 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
     auto off = make_tierkv_backend("cold_k3v2+cm=0+cl=0", s, mass, 200);
     backend_error(*off, s, 160, 16, 5, 30.f);
     CHECK(off->memory().tier_shares.find("t2 0.000") != std::string::npos);
+    // Per-layer budgets (clm, the policy's cold_layers mask): layer 1's old pages Cold, layer
+    // 0's Stale, with no mass signal at all: as many pages in tier 2 as in tier 1.
+    auto by_layer = make_tierkv_backend("cold_k3v2+um=0+cm=0+cl=0+ca=0+clm=2", s, opt, 200);
+    backend_error(*by_layer, s, 160, 16, 5, 0.f);
+    const std::string split = by_layer->memory().tier_shares;
+    INFO(split);
+    REQUIRE(split.find("t1 ") != std::string::npos);
+    REQUIRE(split.find("t2 ") != std::string::npos);
+    CHECK(std::stod(split.substr(split.find("t2 ") + 3)) > 0.25);
+    CHECK(split.substr(split.find("t1 ") + 3, 5) == split.substr(split.find("t2 ") + 3, 5));
     // Bad knobs name themselves.
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm", s, opt, 200),
                       tierkv_test::contains("is not NAME=VALUE"));
@@ -473,6 +483,8 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
                       tierkv_test::contains("unknown knob 'zz'"));
     CHECK_THROWS_WITH(make_tierkv_backend("stale_k3v2+rp=1.5", s, opt, 200),
                       tierkv_test::contains("must be an integer"));
+    CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+clm=0.5", s, opt, 200),
+                      tierkv_test::contains("must be an integer mask"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=abc", s, opt, 200),
                       tierkv_test::contains("is not a number"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=3+cl=3", s, mass, 200),

@@ -259,9 +259,14 @@ inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt
       opt.center = as_int() != 0;
     else if (k == "um")
       opt.use_mass = as_int() != 0;
-    else
+    else if (k == "clm") {  // Cold layers, a bit mask (bench/research/layer_profile.py)
+      if (!(v >= 0 && v < 0x1p53 && v == double(std::uint64_t(v))))
+        throw std::runtime_error("arm '" + full + "': knob clm = " + text +
+                                 " must be an integer mask in [0, 2^53)");
+      p.cold_layers = std::uint64_t(v);
+    } else
       throw std::runtime_error("arm '" + full + "': unknown knob '" + k +
-                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um)");
+                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um, clm)");
   }
   return parts[0];
 }

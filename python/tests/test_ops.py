@@ -303,6 +303,17 @@ def test_cold_tier_set(rng):
         assert rel_l2(out[0, h], ref[h]) < EXACT
     with pytest.raises(ValueError, match="both cold_type_k and cold_type_v"):
         tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=64, cold_type_k="tq3")
+    # Per-layer budgets (the cold_layers mask): layer 1's old pages Cold without any mass, layer 0's Stale.
+    c = tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, page_size=16, num_layers=2, max_tokens=1024,
+                     max_sequences=4, threads=2, **cold, recent_pages=1, sink_pages=0, keep_first_layers=0,
+                     keep_last_layers=0, min_dwell_steps=0, policy_options=dict(cold_layers=2))  # fmt: skip
+    s = c.create_sequence()
+    c.append(s, torch.randn(2, 160, 4, 64, generator=rng), torch.randn(2, 160, 4, 64, generator=rng))
+    c.retier(1)
+    assert c.page_tiers(s, 0) == [1] * 9 + [0] and c.page_tiers(s, 1) == [2] * 9 + [0]
+    with pytest.raises(ValueError, match="cold_layers"):
+        tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=64, **cold,
+                     policy_options=dict(cold_layers=2.0**53 + 2))  # fmt: skip
 
 
 def test_mutating_ops_bump_the_state(rng):

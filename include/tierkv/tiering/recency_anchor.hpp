@@ -40,6 +40,11 @@ struct recency_anchor_options {
   float cold_enter_mass = 0.0f;
   float cold_leave_mass = 0.0f;  ///< EMA above which a Cold page is Stale again
   int cold_after_pages = 0;      ///< the newest cold_after_pages pages are never Cold
+  /// Per-layer budgets (CompressKV's per-layer allocation, issue 52): bit l set = every page of
+  /// layer l that would be Stale is Cold, whatever its mass (after cold_after_pages). An offline
+  /// profile of each layer's error chooses the bits (bench/research/layer_profile.py); 0 = none.
+  /// Layers 0-63; from Python, whose knobs are doubles, layers 0-52.
+  std::uint64_t cold_layers = 0;
 };
 
 /// The default tier policy: Recent = the newest pages of a sequence, Anchor = sinks, pinned
@@ -63,6 +68,7 @@ class recency_anchor {
     f("cold_enter_mass", o.cold_enter_mass);
     f("cold_leave_mass", o.cold_leave_mass);
     f("cold_after_pages", o.cold_after_pages);
+    f("cold_layers", o.cold_layers);
   }
   /// What it remembers per page.
   struct page_state {
@@ -125,8 +131,15 @@ class recency_anchor {
       s.cold = false;
   }
 
-  /// Whether the knobs can make a page Cold (cold_enter_mass > 0).
-  bool cold_enabled() const noexcept { return opt_.cold_enter_mass > 0.0f; }
+  /// Whether the knobs can make a page Cold (cold_enter_mass > 0, or a Cold layer).
+  bool cold_enabled() const noexcept {
+    return opt_.cold_enter_mass > 0.0f || opt_.cold_layers != 0;
+  }
+
+  /// Whether layer's would-be Stale pages are all Cold (options::cold_layers).
+  bool cold_layer(int layer) const noexcept {
+    return layer >= 0 && layer < 64 && (opt_.cold_layers >> layer & 1u) != 0;
+  }
 
   /// Whether layer is one of the first keep_first_layers or last keep_last_layers.
   bool sensitive_layer(int layer, int num_layers) const {
@@ -134,14 +147,15 @@ class recency_anchor {
   }
 
   /// Recent if among the newest recent_pages; else Anchor if pinned, in a sensitive layer,
-  /// a sink or anchored by mass; else Cold if its mass stays low and it is old enough; else
-  /// Stale.
+  /// a sink or anchored by mass; else Cold if its mass stays low or its layer is a Cold layer,
+  /// and it is old enough; else Stale.
   tier_role choose(const page_state& s, const page_facts& f) const {
     if (f.age < opt_.recent_pages) return tier_role::recent;
     if (f.pinned || sensitive_layer(f.layer, f.num_layers)) return tier_role::anchor;
     if (f.position < opt_.sink_pages) return tier_role::anchor;
     if (s.anchored) return tier_role::anchor;
-    return s.cold && f.age >= opt_.cold_after_pages ? tier_role::cold : tier_role::stale;
+    return (s.cold || cold_layer(f.layer)) && f.age >= opt_.cold_after_pages ? tier_role::cold
+                                                                             : tier_role::stale;
   }
 
   /// options::min_dwell_steps

@@ -17,6 +17,7 @@
 #include "tiering_test_support.hpp"
 #include "tierkv/cache.hpp"
 #include "tierkv/codec/tq2.hpp"
+#include "tierkv/policies.hpp"
 
 using namespace tiering_test;
 using tierkv::policy::recency_anchor;
@@ -149,6 +150,44 @@ TEST_CASE("cold: recency_anchor's cold knobs: off by default, hysteresis, age, p
     CHECK(p.same_state_choice(s, t));
     t.cold = false;
     CHECK(!p.same_state_choice(s, t));
+  }
+  SECTION("cold_layers: a Cold layer's would-be Stale pages are Cold without mass") {
+    auto k = tierkv_test::recency_knobs(1, 1, 1.0f, 4.0f, 2.0f, 0);  // Cold by mass off
+    k.cold_layers = (std::uint64_t(1) << 1) | (std::uint64_t(1) << 63);
+    k.cold_after_pages = 6;
+    const recency_anchor p(k);
+    REQUIRE(p.validate());
+    CHECK(p.cold_enabled());
+    CHECK(p.cold_layer(1));
+    CHECK(p.cold_layer(63));
+    CHECK(!p.cold_layer(0));
+    CHECK(!p.cold_layer(2));
+    CHECK(!p.cold_layer(64));  // past the mask: never Cold, no undefined shift
+    CHECK(!p.cold_layer(-1));
+    recency_anchor::page_state s;  // never observed: Cold all the same (the layer decides)
+    CHECK(p.choose(s, f) == tier_role::cold);
+    page_facts g = f;
+    g.layer = 2;
+    CHECK(p.choose(s, g) == tier_role::stale);
+    g = f;
+    g.age = 5;  // younger than cold_after_pages
+    CHECK(p.choose(s, g) == tier_role::stale);
+    g = f;
+    g.position = 0;  // a sink: Anchor first
+    CHECK(p.choose(s, g) == tier_role::anchor);
+    g = f;
+    g.age = 0;
+    CHECK(p.choose(s, g) == tier_role::recent);
+    p.observe(s, 6.0f);  // an anchor by mass: Anchor first
+    CHECK(p.choose(s, f) == tier_role::anchor);
+    // The knob by name, as the bindings set it (a double: bits 0-52 exactly).
+    const std::vector<tierkv::policy_knob> ten = {{"cold_layers", 10.0}};
+    auto named = tierkv::make_named_policy<recency_anchor>(ten);
+    REQUIRE(named.has_value());
+    CHECK(named->knobs().cold_layers == 10u);
+    const std::vector<tierkv::policy_knob> half = {{"cold_layers", 0.5}};
+    CHECK(tierkv::make_named_policy<recency_anchor>(half).error_status().code() ==
+          errc::invalid_argument);
   }
   SECTION("bad knobs: invalid_argument naming the values") {
     auto k = cold_knobs();

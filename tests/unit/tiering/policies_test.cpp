@@ -43,7 +43,7 @@ TEST_CASE("policies: every recency_anchor knob set by name", "[tiering][policy]"
       {"recent_pages", 3},       {"sink_pages", 2},       {"ema_alpha", 0.5},
       {"enter_mass", 5},         {"leave_mass", 2.5},     {"min_dwell_steps", 12},
       {"keep_first_layers", 0},  {"keep_last_layers", 2}, {"cold_enter_mass", 0.25},
-      {"cold_leave_mass", 0.75}, {"cold_after_pages", 6}};
+      {"cold_leave_mass", 0.75}, {"cold_after_pages", 6}, {"cold_layers", 5}};
   auto p = make_policy("recency_anchor", knobs);
   REQUIRE(p.has_value());
   CHECK(p->name() == "recency_anchor");
@@ -60,6 +60,7 @@ TEST_CASE("policies: every recency_anchor knob set by name", "[tiering][policy]"
   CHECK(o.cold_enter_mass == 0.25f);
   CHECK(o.cold_leave_mass == 0.75f);
   CHECK(o.cold_after_pages == 6);
+  CHECK(o.cold_layers == 5u);
   CHECK(p->min_dwell_steps() == 12);
   // every knob the policy lists was given above: the listing and the test agree
   int listed = 0;
