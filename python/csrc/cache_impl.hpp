@@ -275,11 +275,9 @@ class cache_impl final : public runtime_cache {
   }
 
  private:
-  explicit cache_impl(const cache_config& cfg) : cfg_(cfg), workspace_(unsigned(cfg.threads)) {
+  explicit cache_impl(const cache_config& cfg)
+      : cfg_(cfg), workspace_(checked_threads(cfg.threads)) {
     typename cache_type::options o;
-    if (cfg.threads < 0 || cfg.threads > int(cache_type::max_threads))
-      fail(tierkv::status::make(tierkv::errc::invalid_argument, "threads = ", cfg.threads,
-                                " must lie in [0, ", cache_type::max_threads, "] (0 = all cores)"));
     std::tie(o.storage, o.policy) = common_options<N>(cfg);
     o.max_batch = cfg.max_batch;
     o.max_pages = cfg.max_pages;
@@ -293,6 +291,14 @@ class cache_impl final : public runtime_cache {
     mass_.assign(std::size_t(cfg.max_batch) * std::size_t(cfg.max_pages), 0.f);
     pools_ = cache_->storage().views();
     prefixes_ = std::make_unique<tierkv::prefix_index<storage_type>>(cache_->storage());
+  }
+
+  // The attention workers, checked before the pool starts them.
+  static unsigned checked_threads(int threads) {
+    if (threads < 0 || threads > int(cache_type::max_threads))
+      fail(tierkv::status::make(tierkv::errc::invalid_argument, "threads = ", threads,
+                                " must lie in [0, ", cache_type::max_threads, "] (0 = all cores)"));
+    return unsigned(threads);
   }
 
   void check_layer(int layer) const {

@@ -446,6 +446,14 @@ def test_reserve_is_all_or_none():
     c.reserve([a, b], [32, 32])
 
 
+def test_threads_checked_before_any_worker_starts():
+    """threads out of range is refused naming the limit, before the pool would start them."""
+    with pytest.raises(ValueError, match=r"threads = 100000 must lie in \[0, 1024\]"):
+        make_cache(threads=100000)
+    with pytest.raises(ValueError, match="threads = -1"):
+        make_cache(threads=-1)
+
+
 def test_destroyed_cache_refused():
     c = make_cache()
     state = c.state
