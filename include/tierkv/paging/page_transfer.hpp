@@ -216,8 +216,8 @@ inline result<transfer_info> inspect_transfer(std::span<const std::uint8_t> buf)
   t.checksum = get<std::uint64_t>(b, buf.size() - 8);
   const std::uint64_t sum = detail::transfer_checksum(buf.first(buf.size() - 8));
   if (sum != t.checksum)
-    return status::make(errc::corrupt_data, "page transfer: checksum 0x", std::hex, sum,
-                        " of the content != 0x", t.checksum,
+    return status::make(errc::corrupt_data, "page transfer: checksum 0x", hex{sum},
+                        " of the content != 0x", hex{t.checksum},
                         " stored; the buffer is corrupt, nothing imported");
   t.geometry.head_dim = int(get<std::uint32_t>(b, 24));
   t.geometry.kv_heads = int(get<std::uint32_t>(b, 28));
@@ -502,8 +502,8 @@ result<transfer_info> verify_import(const Storage& s, std::span<const std::uint8
                           "; nothing imported");
   }
   if (t.codec_seed != s.config().codec_seed)
-    return status::make(errc::geometry_mismatch, "page transfer: codec seed 0x", std::hex,
-                        t.codec_seed, " != this storage's 0x", s.config().codec_seed,
+    return status::make(errc::geometry_mismatch, "page transfer: codec seed 0x", hex{t.codec_seed},
+                        " != this storage's 0x", hex{s.config().codec_seed},
                         " (rotations would differ); nothing imported");
   const int head_base = s.config().head_base;
   if (t.head_begin != std::uint32_t(head_base))

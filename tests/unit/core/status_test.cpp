@@ -1,5 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <locale>
+#include <sstream>
 #include <string>
+#include <string_view>
 
 #include "catch.hpp"
 #include "tierkv/core/status.hpp"
@@ -14,6 +20,55 @@ TEST_CASE("status messages name the offending value and the limit", "[core][stat
 
   const status e = status::exceeds(errc::capacity_exhausted, "pages requested", 9, 8);
   CHECK(e.message() == "pages requested = 9 exceeds the limit 8");
+}
+
+namespace {
+template <class... Parts>
+std::string streamed(const Parts&... parts) {
+  std::ostringstream out;
+  out.imbue(std::locale::classic());
+  (out << ... << parts);
+  return out.str();
+}
+}  // namespace
+
+TEST_CASE("status::format writes numbers as the classic stream does, under any global locale",
+          "[core][status]") {
+  // Numbers go through std::to_chars, not a stream's num_put (a Python build crashed there:
+  // bench/results/tests/gpu-knob-segfault-2026-12-07.txt); the text must stay what it was.
+  using lim_d = std::numeric_limits<double>;
+  const auto check_all = [] {
+    CHECK(status::format("x = ", 2.5, ", n = ", -1, ", e = ", 1e12, ", f = ", 0.25f) ==
+          streamed("x = ", 2.5, ", n = ", -1, ", e = ", 1e12, ", f = ", 0.25f));
+    CHECK(status::format(1.0 / 3, ' ', 2.0f, ' ', 1e-300, ' ', 123456789.0, ' ', 0.1f, ' ', 3.4e38f,
+                         ' ', -0.0, ' ', 1e-5, ' ', 100000.0, ' ', 1000000.0) ==
+          streamed(1.0 / 3, ' ', 2.0f, ' ', 1e-300, ' ', 123456789.0, ' ', 0.1f, ' ', 3.4e38f, ' ',
+                   -0.0, ' ', 1e-5, ' ', 100000.0, ' ', 1000000.0));
+    CHECK(status::format(std::nan(""), ' ', lim_d::infinity(), ' ', -lim_d::infinity()) ==
+          streamed(std::nan(""), ' ', lim_d::infinity(), ' ', -lim_d::infinity()));
+    CHECK(status::format(std::numeric_limits<long long>::min(), ' ',
+                         std::numeric_limits<std::uint64_t>::max(), ' ', short(-3), ' ',
+                         std::size_t(123), ' ', std::uint32_t(7)) ==
+          streamed(std::numeric_limits<long long>::min(), ' ',
+                   std::numeric_limits<std::uint64_t>::max(), ' ', short(-3), ' ', std::size_t(123),
+                   ' ', std::uint32_t(7)));
+    CHECK(status::format(true, ' ', 'c', ' ', std::string("s"), ' ', std::string_view("v"), ' ',
+                         errc::invalid_argument) == "1 c s v invalid_argument");
+  };
+  check_all();
+  CHECK(status::format("0x", hex{0xdeadbeefULL}, " 0x", hex{0}, " ", 255) == "0xdeadbeef 0x0 255");
+  // A global locale with a decimal comma and digit grouping, where the system has one: the
+  // messages do not change.
+  for (const char* name : {"de_DE.UTF-8", "de_DE.utf8", "fr_FR.UTF-8"}) {
+    try {
+      const std::locale old = std::locale::global(std::locale(name));
+      check_all();
+      CHECK(status::format(1234567.5) == "1.23457e+06");
+      std::locale::global(old);
+      break;
+    } catch (const std::runtime_error&) {  // not installed here
+    }
+  }
 }
 
 TEST_CASE("ok status is cheap and truthy", "[core][status]") {
