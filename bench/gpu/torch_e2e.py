@@ -312,11 +312,11 @@ class TierkvArm:
 
     # arm name -> the Stale tier's key and value codecs, the layers kept wholly in tier 0 (first,
     # last; the default policy keeps 1 and 1, 2 of 16 layers at 8 bits: ~1 bit per scalar)
-    STALE = {"tierkv": ("tq4", "tq3", 1, 1), "tierkv_sub3": ("tq3", "tq2", 0, 0)}
+    ARMS = {"tierkv": ("tq4", "tq3", 1, 1), "tierkv_sub3": ("tq3", "tq2", 0, 0)}
 
     def __init__(self, L, budget, fill_step_tokens=65536, batch=None, name="tierkv"):
         self.name, self.L = name, L
-        self.stale_k, self.stale_v, self.keep_first, self.keep_last = self.STALE[name]
+        self.stale_k, self.stale_v, self.keep_first, self.keep_last = self.ARMS[name]
         probe = tierkv.CudaCache(head_dim=D, kv_heads=HKV, group_size=HQ // HKV, num_layers=LAYERS,
                                  page_size=TKV_PAGE, recent="int8_rotated", cache_type_k=self.stale_k,
                                  cache_type_v=self.stale_v, pages_per_tier=[64, 64], max_batch=1)  # fmt: skip
@@ -390,7 +390,7 @@ def run_arm(model, arm, batches, steps):
     for B in batches:
         row = dict(arm=arm.name, context=arm.L, batch=B)
         try:
-            if arm.name in TierkvArm.STALE:
+            if arm.name in TierkvArm.ARMS:
                 set_attention(model, "tierkv")
                 tc = TieredCache.from_cache(model.config, arm.c, arm.seqs[:B], softmax_scale=D**-0.5)
                 r = StepRunner(model, tc, B, arm.L - 1)
@@ -555,7 +555,7 @@ def main():
         for name in arms:
             t0 = time.perf_counter()
             only = equal.get(L, 8) if L in args.equal_only else None
-            if name in TierkvArm.STALE:
+            if name in TierkvArm.ARMS:
                 arm = TierkvArm(L, budget, batch=only, name=name).fill()
                 info = dict(fill_s=arm.fill_s, fill_stats=arm.fill_stats, fill_parts_s=arm.fill_parts_s, **arm.report())
                 log(f"{name} L={L}: B_max {arm.B}, filled in {arm.fill_s:.1f} s, {info}")
@@ -574,7 +574,7 @@ def main():
                 r.update(b_max=arm.B, **info)
             out["rows"] += rows
             dump()
-            if name in TierkvArm.STALE:
+            if name in TierkvArm.ARMS:
                 arm.c.close()
             _active.clear()  # the arm's buffers go with it
             del arm

@@ -127,8 +127,8 @@ class TIERKV_NODISCARD_TYPE status {
 
  private:
   // Numbers by std::to_chars, not a stream's num_put: the message is the same under any global
-  // locale, and needs no locale facet (a Python extension built with g++ 13 crashed in num_put
-  // inside a process whose libstdc++ set up the facets: bench/results/tests/).
+  // locale, and needs no locale facet (a Python extension built with g++ 13 crashed in num_put:
+  // bench/results/tests/gpu-knob-segfault-2026-12-07.txt).
   template <class T>
   static void append_part(std::string& out, const T& part) {
     using U = std::remove_cvref_t<T>;
@@ -155,8 +155,6 @@ class TIERKV_NODISCARD_TYPE status {
     }
   }
 
- public:
- private:
   errc code_ = errc::ok;
   std::string message_;
 };
