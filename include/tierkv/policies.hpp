@@ -10,6 +10,7 @@
 
 #include "tierkv/core/config.hpp"
 
+#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -102,17 +103,15 @@ constexpr bool reads_time() {
     return false;
 }
 
+// A knob's value as Python reads it back: bool 1 / 0, integers in decimal, floating point
+// in the shortest form that round-trips (0.25, 1e-07; no locale, core/text.hpp).
 template <class T>
 void append_knob_value(std::string& out, const T& field) {
-  if constexpr (std::is_same_v<T, bool>)
-    out += field ? "1" : "0";
-  else if constexpr (std::is_integral_v<T>)
-    out += std::to_string(field);
-  else {
-    std::string s = std::to_string(double(field));  // trailing zeros out: 0.250000 -> 0.25
-    while (s.size() > 1 && s.back() == '0') s.pop_back();
-    if (!s.empty() && s.back() == '.') s.pop_back();
-    out += s;
+  if constexpr (std::is_floating_point_v<T>) {
+    char buf[64];
+    out.append(buf, std::to_chars(buf, buf + sizeof(buf), double(field)).ptr);
+  } else {
+    append_text(out, field);
   }
 }
 

@@ -7,7 +7,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <iomanip>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -134,32 +133,34 @@ memory_report make_report(const Storage& s) {
   return r;
 }
 
-/// Writes the report, one line per tier and one per bookkeeping line.
-inline std::ostream& operator<<(std::ostream& out, const memory_report& r) {
-  const auto flags = out.flags();
-  const auto prec = out.precision();
-  out << std::fixed << std::setprecision(3);
-  out << "tierkv memory report: " << r.num_layers << " layers, " << r.kv_heads
-      << " KV heads, head_dim " << r.head_dim << ", " << r.page_tokens << " tokens/page\n";
+/// The report as text, one line per tier and one per bookkeeping line (3 decimals).
+inline std::string to_string(const memory_report& r) {
+  const auto f3 = [](double v) { return fixed{v, 3}; };
+  std::string out =
+      concat("tierkv memory report: ", r.num_layers, " layers, ", r.kv_heads,
+             " KV heads, head_dim ", r.head_dim, ", ", r.page_tokens, " tokens/page\n");
   for (std::size_t i = 0; i < r.tiers.size(); ++i) {
     const auto& t = r.tiers[i];
-    out << "  tier " << i << " (" << t.name << "): " << t.live_pages << "/" << t.capacity_pages
-        << " pages of " << t.page_bytes << " B; live: key payload " << t.key_payload
-        << ", value payload " << t.value_payload << ", key meta " << t.key_meta << ", value meta "
-        << t.value_meta << ", padding " << t.padding << "; free " << t.free_page_bytes << " B; "
-        << t.kib_per_token << " KiB/token, " << t.bits_per_scalar << " bits/scalar\n";
+    out += concat("  tier ", i, " (", t.name, "): ", t.live_pages, "/", t.capacity_pages,
+                  " pages of ", t.page_bytes, " B; live: key payload ", t.key_payload,
+                  ", value payload ", t.value_payload, ", key meta ", t.key_meta, ", value meta ",
+                  t.value_meta, ", padding ", t.padding, "; free ", t.free_page_bytes, " B; ",
+                  f3(t.kib_per_token), " KiB/token, ", f3(t.bits_per_scalar), " bits/scalar\n");
   }
-  out << "  pool bookkeeping " << r.pool_bookkeeping << " B, page tables " << r.page_tables
-      << " B, index arrays " << r.index_arrays << " B, prefix index " << r.prefix_index
-      << " B, scratch " << r.scratch << " B\n";
-  out << "  lines " << r.lines_total() << " B, allocators " << r.allocator_total << " B"
-      << (r.reconciles() ? " (reconciled)" : " (MISMATCH)") << "\n";
-  out << "  live tokens " << r.live_tokens << " (sequence tokens " << r.sequence_tokens
-      << "): " << r.kib_per_token << " KiB/token in pages, " << r.kib_per_token_allocated
-      << " KiB/token allocated, " << r.bits_per_scalar << " bits/scalar\n";
-  out.flags(flags);
-  out.precision(prec);
+  out += concat("  pool bookkeeping ", r.pool_bookkeeping, " B, page tables ", r.page_tables,
+                " B, index arrays ", r.index_arrays, " B, prefix index ", r.prefix_index,
+                " B, scratch ", r.scratch, " B\n");
+  out += concat("  lines ", r.lines_total(), " B, allocators ", r.allocator_total, " B",
+                r.reconciles() ? " (reconciled)" : " (MISMATCH)", "\n");
+  out += concat("  live tokens ", r.live_tokens, " (sequence tokens ", r.sequence_tokens,
+                "): ", f3(r.kib_per_token), " KiB/token in pages, ", f3(r.kib_per_token_allocated),
+                " KiB/token allocated, ", f3(r.bits_per_scalar), " bits/scalar\n");
   return out;
+}
+
+/// Writes to_string(r).
+inline std::ostream& operator<<(std::ostream& out, const memory_report& r) {
+  return out << to_string(r);
 }
 
 }  // namespace tierkv

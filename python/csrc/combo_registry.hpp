@@ -7,7 +7,6 @@
 
 #include <map>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,12 +22,15 @@ struct combo {
   friend auto operator<=>(const combo&, const combo&) = default;
 };
 
+// No streams here: a torch extension on the device image crashes streaming a number
+// (tierkv/core/text.hpp).
 template <class C>
 std::string join(const C& values) {
-  std::ostringstream out;
+  std::string out;
   const char* sep = "";
-  for (const auto& v : values) out << sep << v, sep = ", ";
-  return out.str();
+  for (const auto& v : values)
+    tierkv::append_text(out, sep), tierkv::append_text(out, v), sep = ", ";
+  return out;
 }
 
 template <class Factory>
@@ -77,20 +79,16 @@ class combo_registry {
       sets.insert(c.tier_set);
       d.insert(c.head_dim), kv.insert(c.kv_heads), g.insert(c.group_size), p.insert(c.page_size);
     }
-    std::ostringstream out;
-    out << table_.size()
-        << " combinations; tier sets (recent/cache_type_k/cache_type_v[/cold_type_k/cold_type_v]) "
-           "{";
-    const char* sep = "";
-    for (int s : sets) {
-      out << sep << tier_set_name(s);
-      sep = ", ";
-    }
-    out << "}, head_dim {" << join(d) << "}, kv_heads {" << join(kv) << "}, group_size {" << join(g)
-        << "}, page_size {" << join(p) << "}";
+    std::vector<std::string> set_names;
+    for (int s : sets) set_names.emplace_back(tier_set_name(s));
+    std::string out = tierkv::concat(
+        table_.size(),
+        " combinations; tier sets (recent/cache_type_k/cache_type_v[/cold_type_k/cold_type_v]) {",
+        join(set_names), "}, head_dim {", join(d), "}, kv_heads {", join(kv), "}, group_size {",
+        join(g), "}, page_size {", join(p), "}");
     const std::size_t product = sets.size() * d.size() * kv.size() * g.size() * p.size();
-    if (product != table_.size()) out << " (not every product of these; built() lists them)";
-    return out.str();
+    if (product != table_.size()) out += " (not every product of these; built() lists them)";
+    return out;
   }
 
  private:

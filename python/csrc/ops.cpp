@@ -18,7 +18,6 @@
 #include <memory>
 #include <mutex>
 #include <span>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -37,6 +36,27 @@ std::unordered_map<std::int64_t, std::shared_ptr<runtime_cache>>& caches() {
 }
 std::atomic<std::int64_t> next_handle{1};
 
+// Refusal messages are built by tierkv::concat, never by c10::str's stream: on the device
+// image (g++ 13.3, torch 2.11) this extension crashes streaming any number
+// (tierkv/core/text.hpp). Shapes, devices and dtypes are written as torch writes them.
+std::string text_of(at::IntArrayRef v) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += tierkv::concat(i ? ", " : "", v[i]);
+  return out + "]";
+}
+std::string text_of(const c10::Device& d) { return d.str(); }
+const char* text_of(at::ScalarType t) { return c10::toString(t); }
+template <class T>
+const T& text_of(const T& v) {
+  return v;
+}
+template <class... Parts>
+std::string message(const Parts&... parts) {
+  return tierkv::concat(text_of(parts)...);
+}
+#define TIERKV_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, message(__VA_ARGS__))
+#define TIERKV_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__))
+
 // Rethrows a library error as the Python exception that fits its code. corrupt_data is a
 // ValueError where the op's argument is the data checked (import_pages' buffer), a RuntimeError
 // elsewhere (the cache's own bookkeeping).
@@ -52,22 +72,22 @@ auto guarded(const char* op, F&& f, bool corrupt_argument = false) -> decltype(f
       case tierkv::errc::non_finite_input:
       case tierkv::errc::geometry_mismatch:
       case tierkv::errc::stale_id:
-        TORCH_CHECK_VALUE(false, msg);
+        TIERKV_CHECK_VALUE(false, msg);
       case tierkv::errc::corrupt_data:
-        TORCH_CHECK_VALUE(!corrupt_argument, msg);
-        TORCH_CHECK(false, msg);
+        TIERKV_CHECK_VALUE(!corrupt_argument, msg);
+        TIERKV_CHECK(false, msg);
       default:
-        TORCH_CHECK(false, msg);
+        TIERKV_CHECK(false, msg);
     }
   }
 }
 
 void check_state(const at::Tensor& state) {
-  TORCH_CHECK_VALUE(state.device().is_cpu() && state.scalar_type() == at::kLong &&
-                        state.dim() == 1 && state.numel() == 2,
-                    "tierkv: state must be the int64 CPU tensor of 2 elements that "
-                    "tierkv.ops.create returned, got ",
-                    state.scalar_type(), " ", state.sizes(), " on ", state.device());
+  TIERKV_CHECK_VALUE(state.device().is_cpu() && state.scalar_type() == at::kLong &&
+                         state.dim() == 1 && state.numel() == 2,
+                     "tierkv: state must be the int64 CPU tensor of 2 elements that "
+                     "tierkv.ops.create returned, got ",
+                     state.scalar_type(), " ", state.sizes(), " on ", state.device());
 }
 
 std::shared_ptr<runtime_cache> find(const at::Tensor& state) {
@@ -75,8 +95,8 @@ std::shared_ptr<runtime_cache> find(const at::Tensor& state) {
   const std::int64_t h = state.data_ptr<std::int64_t>()[0];
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = caches().find(h);
-  TORCH_CHECK_VALUE(it != caches().end(), "tierkv: no cache with handle ", h,
-                    " (destroyed, or not made by tierkv.ops.create)");
+  TIERKV_CHECK_VALUE(it != caches().end(), "tierkv: no cache with handle ", h,
+                     " (destroyed, or not made by tierkv.ops.create)");
   return it->second;
 }
 
@@ -84,11 +104,11 @@ void bump(at::Tensor& state) { state.data_ptr<std::int64_t>()[1] += 1; }
 
 // Sequence ids: a 1-D int64 CPU tensor (so a compiled graph is not specialised on them).
 std::vector<std::int64_t> seq_list(const at::Tensor& seqs, const char* name) {
-  TORCH_CHECK_VALUE(seqs.device().is_cpu(), "tierkv: ", name, " must be a CPU tensor, got ",
-                    seqs.device());
-  TORCH_CHECK_VALUE(seqs.scalar_type() == at::kLong, "tierkv: ", name, " must be int64, got ",
-                    seqs.scalar_type());
-  TORCH_CHECK_VALUE(seqs.dim() == 1, "tierkv: ", name, " must be 1-D, got shape ", seqs.sizes());
+  TIERKV_CHECK_VALUE(seqs.device().is_cpu(), "tierkv: ", name, " must be a CPU tensor, got ",
+                     seqs.device());
+  TIERKV_CHECK_VALUE(seqs.scalar_type() == at::kLong, "tierkv: ", name, " must be int64, got ",
+                     seqs.scalar_type());
+  TIERKV_CHECK_VALUE(seqs.dim() == 1, "tierkv: ", name, " must be 1-D, got shape ", seqs.sizes());
   const at::Tensor c = seqs.contiguous();
   const std::int64_t* p = c.data_ptr<std::int64_t>();
   return std::vector<std::int64_t>(p, p + c.numel());
@@ -96,22 +116,22 @@ std::vector<std::int64_t> seq_list(const at::Tensor& seqs, const char* name) {
 
 // A float tensor of an exact shape on the host path; returned as contiguous float32.
 at::Tensor host_floats(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "tierkv: ", name, " is on ", t.device(),
-                    "; this package's ops run the host path on CPU tensors (the CUDA path is "
-                    "not built into these ops)");
+  TIERKV_CHECK_VALUE(t.device().is_cpu(), "tierkv: ", name, " is on ", t.device(),
+                     "; this package's ops run the host path on CPU tensors (the CUDA path is "
+                     "not built into these ops)");
   const auto s = t.scalar_type();
-  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tierkv: ", name,
-                    " must be float32, bfloat16 or float16, got ", s);
-  TORCH_CHECK_VALUE(t.sizes() == shape, "tierkv: ", name, " must have shape ", shape, ", got ",
-                    t.sizes());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "tierkv: ", name, " must be contiguous (shape ", t.sizes(),
-                    ", strides ", t.strides(), "); call .contiguous()");
+  TIERKV_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "tierkv: ", name,
+                     " must be float32, bfloat16 or float16, got ", s);
+  TIERKV_CHECK_VALUE(t.sizes() == shape, "tierkv: ", name, " must have shape ", shape, ", got ",
+                     t.sizes());
+  TIERKV_CHECK_VALUE(t.is_contiguous(), "tierkv: ", name, " must be contiguous (shape ", t.sizes(),
+                     ", strides ", t.strides(), "); call .contiguous()");
   return t.to(at::kFloat).contiguous();
 }
 
 int to_int(std::int64_t v, const char* name) {
-  TORCH_CHECK_VALUE(v >= INT32_MIN && v <= INT32_MAX, "tierkv: ", name, " = ", v,
-                    " does not fit int32");
+  TIERKV_CHECK_VALUE(v >= INT32_MIN && v <= INT32_MAX, "tierkv: ", name, " = ", v,
+                     " does not fit int32");
   return int(v);
 }
 
@@ -126,7 +146,7 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
                   std::int64_t codec_seed, std::string policy,
                   std::vector<std::string> policy_knob_names,
                   std::vector<double> policy_knob_values, bool center) {
-  TORCH_CHECK_VALUE(codec_seed >= 0, "tierkv.create: codec_seed = ", codec_seed, " is negative");
+  TIERKV_CHECK_VALUE(codec_seed >= 0, "tierkv.create: codec_seed = ", codec_seed, " is negative");
   cache_config cfg;
   cfg.recent = std::move(recent);
   cfg.cache_type_k = std::move(cache_type_k);
@@ -166,7 +186,7 @@ void destroy(at::Tensor& state) {
   check_state(state);
   const std::int64_t h = state.data_ptr<std::int64_t>()[0];
   std::lock_guard<std::mutex> lock(registry_mutex);
-  TORCH_CHECK_VALUE(caches().erase(h) == 1, "tierkv.destroy: no cache with handle ", h);
+  TIERKV_CHECK_VALUE(caches().erase(h) == 1, "tierkv.destroy: no cache with handle ", h);
   bump(state);
 }
 
@@ -223,8 +243,8 @@ void reserve(at::Tensor& state, const at::Tensor& seqs, const at::Tensor& counts
   auto c = find(state);
   const auto s = seq_list(seqs, "seqs");
   const auto n = seq_list(counts, "counts");
-  TORCH_CHECK_VALUE(s.size() == n.size(), "tierkv.reserve: ", s.size(), " sequences but ", n.size(),
-                    " counts");
+  TIERKV_CHECK_VALUE(s.size() == n.size(), "tierkv.reserve: ", s.size(), " sequences but ",
+                     n.size(), " counts");
   bump(state);
   guarded("reserve", [&] { c->reserve(s, n); });
 }
@@ -234,8 +254,8 @@ void write(at::Tensor& state, std::int64_t layer, const at::Tensor& seqs, const 
   auto c = find(state);
   const auto& cfg = c->config();
   const auto s = seq_list(seqs, "seqs");
-  TORCH_CHECK_VALUE(k.dim() == 3, "tierkv.write: k must be [tokens, kv_heads, head_dim], got ",
-                    k.sizes());
+  TIERKV_CHECK_VALUE(k.dim() == 3, "tierkv.write: k must be [tokens, kv_heads, head_dim], got ",
+                     k.sizes());
   const std::int64_t n = k.size(0);
   const at::Tensor kf = host_floats(k, "k", {n, cfg.kv_heads, cfg.head_dim});
   const at::Tensor vf = host_floats(v, "v", {n, cfg.kv_heads, cfg.head_dim});
@@ -261,9 +281,9 @@ void cancel(at::Tensor& state, const at::Tensor& seqs) {
 void append(at::Tensor& state, std::int64_t seq, const at::Tensor& k, const at::Tensor& v) {
   auto c = find(state);
   const auto& cfg = c->config();
-  TORCH_CHECK_VALUE(k.dim() == 4,
-                    "tierkv.append: k must be [num_layers, tokens, kv_heads, head_dim], got ",
-                    k.sizes());
+  TIERKV_CHECK_VALUE(k.dim() == 4,
+                     "tierkv.append: k must be [num_layers, tokens, kv_heads, head_dim], got ",
+                     k.sizes());
   const std::int64_t n = k.size(1);
   const at::Tensor kf = host_floats(k, "k", {cfg.num_layers, n, cfg.kv_heads, cfg.head_dim});
   const at::Tensor vf = host_floats(v, "v", {cfg.num_layers, n, cfg.kv_heads, cfg.head_dim});
@@ -296,26 +316,28 @@ std::tuple<at::Tensor, at::Tensor> prefill(const at::Tensor& state, std::int64_t
   auto c = find(state);
   const auto& cfg = c->config();
   const auto s = seq_list(seqs, "seqs");
-  TORCH_CHECK_VALUE(q_indptr.device().is_cpu() && q_indptr.dim() == 1 &&
-                        (q_indptr.scalar_type() == at::kInt || q_indptr.scalar_type() == at::kLong),
-                    "tierkv.prefill: q_indptr must be a 1-D int32 or int64 CPU tensor, got ",
-                    q_indptr.scalar_type(), " ", q_indptr.sizes(), " on ", q_indptr.device());
-  TORCH_CHECK_VALUE(q_indptr.numel() == std::int64_t(s.size()) + 1, "tierkv.prefill: q_indptr has ",
-                    q_indptr.numel(), " entries, batch + 1 = ", s.size() + 1, " needed");
+  TIERKV_CHECK_VALUE(
+      q_indptr.device().is_cpu() && q_indptr.dim() == 1 &&
+          (q_indptr.scalar_type() == at::kInt || q_indptr.scalar_type() == at::kLong),
+      "tierkv.prefill: q_indptr must be a 1-D int32 or int64 CPU tensor, got ",
+      q_indptr.scalar_type(), " ", q_indptr.sizes(), " on ", q_indptr.device());
+  TIERKV_CHECK_VALUE(q_indptr.numel() == std::int64_t(s.size()) + 1,
+                     "tierkv.prefill: q_indptr has ", q_indptr.numel(),
+                     " entries, batch + 1 = ", s.size() + 1, " needed");
   const at::Tensor ip64 = q_indptr.to(at::kLong).contiguous();
   const std::int64_t* ip = ip64.data_ptr<std::int64_t>();
-  TORCH_CHECK_VALUE(ip[0] == 0, "tierkv.prefill: q_indptr[0] = ", ip[0], " must be 0");
+  TIERKV_CHECK_VALUE(ip[0] == 0, "tierkv.prefill: q_indptr[0] = ", ip[0], " must be 0");
   std::vector<std::int32_t> indptr(s.size() + 1);
   for (std::size_t b = 0; b <= s.size(); ++b) {
     if (b > 0)
-      TORCH_CHECK_VALUE(ip[b] >= ip[b - 1], "tierkv.prefill: q_indptr decreases at ", b, ": ",
-                        ip[b - 1], " > ", ip[b]);
+      TIERKV_CHECK_VALUE(ip[b] >= ip[b - 1], "tierkv.prefill: q_indptr decreases at ", b, ": ",
+                         ip[b - 1], " > ", ip[b]);
     indptr[b] = to_int(ip[b], "q_indptr entry");
   }
   const std::int64_t total = ip[s.size()], QH = cfg.kv_heads * cfg.group_size;
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == total,
-                    "tierkv.prefill: q must be [q_indptr[-1] = ", total,
-                    ", q_heads, head_dim], got ", q.sizes());
+  TIERKV_CHECK_VALUE(q.dim() == 3 && q.size(0) == total,
+                     "tierkv.prefill: q must be [q_indptr[-1] = ", total,
+                     ", q_heads, head_dim], got ", q.sizes());
   const at::Tensor qf = host_floats(q, "q", {total, QH, cfg.head_dim});
   at::Tensor out = at::empty({total, QH, cfg.head_dim}, qf.options());
   at::Tensor lse = at::empty({total, QH}, qf.options());
@@ -331,10 +353,10 @@ std::tuple<at::Tensor, at::Tensor> prefill(const at::Tensor& state, std::int64_t
 // {planned, converted, promoted, demoted, pressure_demoted, deferred, deferred_full, failed}
 at::Tensor retier(at::Tensor& state, std::int64_t step) {
   auto c = find(state);
-  TORCH_CHECK_VALUE(step >= 0, "tierkv.retier: step = ", step, " is negative");
+  TIERKV_CHECK_VALUE(step >= 0, "tierkv.retier: step = ", step, " is negative");
   bump(state);
   const auto r = guarded("retier", [&] { return c->retier(std::uint64_t(step)); });
-  TORCH_CHECK(r.first_error.is_ok(), "tierkv.retier: ", r.first_error.message());
+  TIERKV_CHECK(r.first_error.is_ok(), "tierkv.retier: ", r.first_error.message());
   at::Tensor t = at::empty({8}, at::TensorOptions().dtype(at::kLong));
   std::int64_t* p = t.data_ptr<std::int64_t>();
   const std::uint64_t v[8] = {r.planned,          r.converted, r.promoted,      r.demoted,
@@ -352,9 +374,7 @@ at::Tensor report(const at::Tensor& state) {
 
 std::string report_text(const at::Tensor& state) {
   auto c = find(state);
-  std::ostringstream out;
-  out << c->report();
-  return out.str();
+  return tierkv::to_string(c->report());
 }
 
 void pin(at::Tensor& state, std::int64_t seq, std::int64_t first_page, std::int64_t pages,
@@ -369,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor> read_layer(const at::Tensor& state, std::int6
                                               std::int64_t n) {
   auto c = find(state);
   const auto& cfg = c->config();
-  TORCH_CHECK_VALUE(n >= 0, "tierkv.read_layer: n = ", n, " is negative");
+  TIERKV_CHECK_VALUE(n >= 0, "tierkv.read_layer: n = ", n, " is negative");
   at::Tensor k = at::empty({n, cfg.kv_heads, cfg.head_dim}, at::TensorOptions().dtype(at::kFloat));
   at::Tensor v = at::empty_like(k);
   guarded("read_layer", [&] {
@@ -388,17 +408,17 @@ at::Tensor page_tiers(const at::Tensor& state, std::int64_t seq, std::int64_t la
 
 // Token ids: a 1-D integer tensor on the CPU, each in int32.
 std::vector<std::int32_t> token_ids(const at::Tensor& t, const char* op) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "tierkv.", op, ": tokens must be on the CPU, got ",
-                    t.device());
-  TORCH_CHECK_VALUE(t.dim() == 1, "tierkv.", op, ": tokens must be 1-D, got shape ", t.sizes());
-  TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kBool, "tierkv.",
-                    op, ": tokens must be integer ids, got ", t.scalar_type());
+  TIERKV_CHECK_VALUE(t.device().is_cpu(), "tierkv.", op, ": tokens must be on the CPU, got ",
+                     t.device());
+  TIERKV_CHECK_VALUE(t.dim() == 1, "tierkv.", op, ": tokens must be 1-D, got shape ", t.sizes());
+  TIERKV_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kBool,
+                     "tierkv.", op, ": tokens must be integer ids, got ", t.scalar_type());
   const at::Tensor l = t.to(at::kLong).contiguous();
   std::vector<std::int32_t> ids(std::size_t(l.numel()));
   const std::int64_t* p = l.data_ptr<std::int64_t>();
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    TORCH_CHECK_VALUE(p[i] >= INT32_MIN && p[i] <= INT32_MAX, "tierkv.", op, ": tokens[", i,
-                      "] = ", p[i], " does not fit int32");
+    TIERKV_CHECK_VALUE(p[i] >= INT32_MIN && p[i] <= INT32_MAX, "tierkv.", op, ": tokens[", i,
+                       "] = ", p[i], " does not fit int32");
     ids[i] = std::int32_t(p[i]);
   }
   return ids;
@@ -453,9 +473,9 @@ at::Tensor export_pages(const at::Tensor& state, std::int64_t seq, std::int64_t 
 // a NEW sequence, all or nothing; returns its id.
 std::int64_t import_pages(at::Tensor& state, const at::Tensor& buf) {
   auto c = find(state);
-  TORCH_CHECK_VALUE(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.dim() == 1,
-                    "tierkv.import_pages: buf must be a 1-D uint8 CPU tensor, got ",
-                    buf.scalar_type(), " ", buf.sizes(), " on ", buf.device());
+  TIERKV_CHECK_VALUE(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.dim() == 1,
+                     "tierkv.import_pages: buf must be a 1-D uint8 CPU tensor, got ",
+                     buf.scalar_type(), " ", buf.sizes(), " on ", buf.device());
   const at::Tensor b = buf.contiguous();
   bump(state);
   return guarded(

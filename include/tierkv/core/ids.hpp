@@ -7,8 +7,10 @@
 #include <functional>
 #include <limits>
 #include <ostream>
+#include <string>
 
 #include "tierkv/core/config.hpp"
+#include "tierkv/core/text.hpp"
 
 namespace tierkv {
 
@@ -30,9 +32,13 @@ struct strong_id {
   /// Ordered by raw value.
   // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 flags the defaulted <=>'s own literal 0
   friend constexpr auto operator<=>(const strong_id&, const strong_id&) = default;
-  /// Writes e.g. "seq#3".
+  /// E.g. "seq#3", or "seq#<invalid>".
+  friend std::string to_string(const strong_id& id) {
+    return id.valid() ? concat(Tag::prefix, id.value) : concat(Tag::prefix, "<invalid>");
+  }
+  /// Writes to_string(id).
   friend std::ostream& operator<<(std::ostream& out, const strong_id& id) {
-    return id.valid() ? (out << Tag::prefix << id.value) : (out << Tag::prefix << "<invalid>");
+    return out << to_string(id);
   }
 };
 
@@ -74,10 +80,14 @@ struct page_id {
   TIERKV_HD constexpr bool valid() const { return slot != invalid_slot; }
   /// Same slot, generation and tier.
   friend constexpr bool operator==(const page_id&, const page_id&) = default;
-  /// Writes "page#tier:slot@generation".
+  /// "page#tier:slot@generation", or "page#<invalid>".
+  friend std::string to_string(const page_id& id) {
+    if (!id.valid()) return "page#<invalid>";
+    return concat("page#", unsigned(id.format), ':', id.slot, '@', id.generation);
+  }
+  /// Writes to_string(id).
   friend std::ostream& operator<<(std::ostream& out, const page_id& id) {
-    if (!id.valid()) return out << "page#<invalid>";
-    return out << "page#" << unsigned(id.format) << ':' << id.slot << '@' << id.generation;
+    return out << to_string(id);
   }
 };
 

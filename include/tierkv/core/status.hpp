@@ -3,9 +3,8 @@
 // message names the offending value and the limit it broke.
 #pragma once
 
-#include <charconv>
 #include <cstdint>
-#include <sstream>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -14,6 +13,7 @@
 #include <variant>
 
 #include "tierkv/core/config.hpp"
+#include "tierkv/core/text.hpp"
 
 namespace tierkv {
 
@@ -73,11 +73,6 @@ constexpr std::string_view to_string(errc c) noexcept {
 #define TIERKV_NODISCARD_TYPE [[nodiscard]]
 #endif
 
-/// An unsigned integer that status messages write in hexadecimal (lower case, no prefix).
-struct hex {
-  std::uint64_t value = 0;  ///< the number
-};
-
 /// Host-side status: a code and a human-readable message. Cheap when ok (no allocation).
 class TIERKV_NODISCARD_TYPE status {
  public:
@@ -117,56 +112,27 @@ class TIERKV_NODISCARD_TYPE status {
   void throw_if_error() const;
 
   /// The parts in one string, as operator<< writes them (numbers as the default stream
-  /// formats them: integers in decimal, floating point in %g with 6 digits).
+  /// formats them: integers in decimal, floating point in %g with 6 digits; core/text.hpp).
   template <class... Parts>
   static std::string format(const Parts&... parts) {
-    std::string out;
-    (append_part(out, parts), ...);
-    return out;
+    return concat(parts...);
   }
 
  private:
-  // Numbers by std::to_chars, not a stream's num_put: the message is the same under any global
-  // locale, and needs no locale facet (a Python extension built with g++ 13 crashed in num_put:
-  // bench/results/tests/gpu-knob-segfault-2026-12-07.txt).
-  template <class T>
-  static void append_part(std::string& out, const T& part) {
-    using U = std::remove_cvref_t<T>;
-    static_assert(!std::is_function_v<U>,
-                  "status::format: no stream manipulators (std::hex ...); write tierkv::hex{n}");
-    if constexpr (std::is_same_v<U, hex>) {
-      char buf[24];
-      out.append(buf, std::to_chars(buf, buf + sizeof(buf), part.value, 16).ptr);
-    } else if constexpr (std::is_integral_v<U> && !std::is_same_v<U, bool> &&
-                         !std::is_same_v<U, char> && !std::is_same_v<U, signed char> &&
-                         !std::is_same_v<U, unsigned char> && !std::is_same_v<U, char8_t>) {
-      char buf[24];
-      out.append(buf, std::to_chars(buf, buf + sizeof(buf), part).ptr);
-    } else if constexpr (std::is_floating_point_v<U>) {
-      char buf[64];
-      out.append(buf,
-                 std::to_chars(buf, buf + sizeof(buf), part, std::chars_format::general, 6).ptr);
-    } else if constexpr (std::is_convertible_v<const U&, std::string_view>) {
-      out.append(std::string_view(part));
-    } else {  // bool, characters and the types with their own operator<<
-      std::ostringstream s;
-      s << part;
-      out += s.str();
-    }
-  }
-
   errc code_ = errc::ok;
   std::string message_;
 };
 
 /// Writes the code's name.
 inline std::ostream& operator<<(std::ostream& out, errc c) { return out << to_string(c); }
-/// Writes "code: message".
-inline std::ostream& operator<<(std::ostream& out, const status& s) {
-  out << to_string(s.code());
-  if (!s.message().empty()) out << ": " << s.message();
+/// "code: message" ("ok" alone when ok).
+inline std::string to_string(const status& s) {
+  std::string out(to_string(s.code()));
+  if (!s.message().empty()) out += concat(": ", s.message());
   return out;
 }
+/// Writes to_string(s).
+inline std::ostream& operator<<(std::ostream& out, const status& s) { return out << to_string(s); }
 
 /// The exception thrown by status::throw_if_error() and result::value() on failure; carries the
 /// status.

@@ -10,7 +10,6 @@
 #include <limits>
 #include <memory>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -287,9 +286,7 @@ int tkv_cuda_report(void* cache, double* values, int capacity) {
 int64_t tkv_cuda_report_text(void* cache, char* text, int64_t capacity) {
   std::int64_t n = -1;
   const int rc = guarded("report_text", [&] {
-    std::ostringstream out;
-    out << cache_of(cache).report();
-    const std::string s = out.str();
+    const std::string s = tierkv::to_string(cache_of(cache).report());
     if (text != nullptr && capacity > 0) {
       const std::size_t m = std::min<std::size_t>(s.size(), std::size_t(capacity - 1));
       std::memcpy(text, s.data(), m);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <cmath>
 #include <cstdint>
+#include <iomanip>
 #include <limits>
 #include <locale>
 #include <sstream>
@@ -8,6 +9,7 @@
 #include <string_view>
 
 #include "catch.hpp"
+#include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 
 using namespace tierkv;
@@ -69,6 +71,36 @@ TEST_CASE("status::format writes numbers as the classic stream does, under any g
     } catch (const std::runtime_error&) {  // not installed here
     }
   }
+}
+
+TEST_CASE("fixed and the ids write what a fixed-precision stream wrote", "[core][status]") {
+  // The memory report writes its ratios as fixed{v, 3} (it streamed std::fixed with 3 digits).
+  const auto fixed3 = [](double v) {
+    std::ostringstream out;
+    out.imbue(std::locale::classic());
+    out << std::fixed << std::setprecision(3) << v;
+    return out.str();
+  };
+  for (const double v : {0.0, -0.0, 1.0 / 3, 2.0005, 4.4999, 123456789.125, -7.25, 1e-9, 1e300,
+                         std::numeric_limits<double>::max(),
+                         std::numeric_limits<double>::infinity(), std::nan("")}) {
+    CAPTURE(v);
+    CHECK(concat(fixed{v, 3}) == fixed3(v));
+  }
+  CHECK(concat(fixed{2.5, 0}, ' ', fixed{2.5, 1}, ' ', fixed{1.0, -4}) == "2 2.5 1");
+  int x = 0;
+  const void* p = &x;
+  const void* null = nullptr;
+  CHECK(concat(p, ' ', null, ' ', nullptr) == streamed(p, ' ', null, " 0"));
+  CHECK(to_string(seq_id(3)) == "seq#3");
+  CHECK(to_string(seq_id()) == "seq#<invalid>");
+  CHECK(to_string(layer_id(0)) == "layer#0");
+  CHECK(to_string(page_id{5, 2, 1}) == "page#1:5@2");
+  CHECK(to_string(page_id{}) == "page#<invalid>");
+  CHECK(status::format("read ", page_id{5, 2, 1}, " of ", seq_id(9)) == "read page#1:5@2 of seq#9");
+  std::ostringstream out;
+  out << page_id{5, 2, 1} << ' ' << head_id(4);
+  CHECK(out.str() == "page#1:5@2 head#4");
 }
 
 TEST_CASE("ok status is cheap and truthy", "[core][status]") {

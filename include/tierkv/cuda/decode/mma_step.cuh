@@ -17,6 +17,7 @@
 #include "tierkv/cuda/decode/common.cuh"
 #include "tierkv/cuda/decode/mma_config.cuh"
 #include "tierkv/cuda/decode/mma_prologue.cuh"
+#include "tierkv/cuda/decode/mma_staging.cuh"
 namespace tierkv::cuda::detail {
 
 // A warp's running state over the tier's steps. The value product accumulates p x value_scale
@@ -239,6 +240,72 @@ __device__ __forceinline__ void mma_step_mass(const decode_plan& plan, float* ma
     }
   } else if (at.lane == 0) {
     report_error(err, errc::out_of_range);
+  }
+}
+
+// One step of a warp: its key rows read from the slot, the next step's keys issued, the scores,
+// one online-softmax update (ps: the step's probability mass per column), its value rows, the
+// next step's values issued, the value product. Phased tiers (mma_staging) read and reissue the
+// K group before the scores and the V group before the values; the others wait once per step.
+template <class C, bool Local, int N>
+__device__ __forceinline__ void mma_step(const decode_inputs<N>& in, const mma_slot<C>& slot,
+                                         const mma_smem& sm, const mma_lane& at,
+                                         const std::uint8_t* npage, int ns, int t0, int t_lo,
+                                         int ntok, const mma_columns& cols,
+                                         const mma_warp_state<C>& ws, float (&ps)[2]) {
+  using KC = typename C::KC;
+  using VC = typename C::VC;
+  constexpr int P = C::P;
+  const int qg = at.qg;
+  if constexpr (C::phased) {
+    std::uint32_t pb[P][2];
+    {
+      cp_async_wait<1>();  // this step's K group (its V group may still be in flight)
+      __syncwarp();
+      std::uint32_t kw[P][2][KC::key_words];
+      float ks[P][2], lvs[P][2];
+#pragma unroll
+      for (int h = 0; h < P; ++h) slot.read_keys(h, kw[h], ks[h], lvs[h]);
+      __syncwarp();  // every lane has read the key rows and metas before they are overwritten
+      slot.issue_keys(npage, ns);
+      float sc[P][4];
+      mma_step_scores<C>(kw, sm, at, sc);
+      mma_step_softmax<C, Local>(in, sc, ks, lvs, t0 - t_lo, ntok - t_lo, cols, qg, ws, ps, pb);
+    }
+    cp_async_wait<1>();  // this step's V group (the next K group may still be in flight)
+    __syncwarp();
+    // sub-step by sub-step (a sub-step's value words in registers at a time); the next V
+    // group is issued once the last sub-step's rows are read
+#pragma unroll
+    for (int h = 0; h < P; ++h) {
+      std::uint32_t vw[4][VC::value_words];
+      slot.read_values(h, t0, ntok, vw);
+      if (h == P - 1) {
+        __syncwarp();  // every lane has read the value rows before they are overwritten
+        slot.issue_values(npage, ns);
+      }
+      mma_step_values<C>(vw, pb[h], sm, qg, ws);
+    }
+  } else {
+    cp_async_wait<0>();
+    __syncwarp();
+    std::uint32_t kw[P][2][KC::key_words];
+    std::uint32_t vw[P][4][VC::value_words];
+    float ks[P][2], lvs[P][2];
+#pragma unroll
+    for (int h = 0; h < P; ++h) {
+      slot.read_keys(h, kw[h], ks[h], lvs[h]);
+      slot.read_values(h, t0, ntok, vw[h]);
+    }
+    __syncwarp();  // every lane has read the slot before the next step overwrites it
+    slot.issue_keys(npage, ns);
+    slot.issue_values(npage, ns);
+    std::uint32_t pb[P][2];
+    float sc[P][4];
+    mma_step_scores<C>(kw, sm, at, sc);
+    mma_step_softmax<C, Local>(in, sc, ks, lvs, t0 - t_lo, ntok - t_lo, cols, qg, ws, ps, pb);
+#pragma unroll
+    for (int h = 0; h < P; ++h) mma_step_values<C>(vw[h], pb[h], sm, qg, ws);
   }
 }
 

@@ -20,8 +20,9 @@
 //
 // The pieces: decode/mma_config.cuh (shapes, shared memory, a tier's configuration),
 // decode/mma_staging.cuh (the warp's slot and its stream of steps), decode/mma_prologue.cuh (the
-// query's exponents, a lane's column scales), decode/mma_step.cuh (one step's products, softmax
-// update and mass); here one tier's pages of a chunk and the kernel.
+// query's exponents and fragments, a lane's column scales), decode/mma_step.cuh (one step's
+// reads, products, softmax update and mass), decode/mma_epilogue.cuh (the warps' fold); here
+// one tier's pages of a chunk and the kernel.
 #pragma once
 
 #include "tierkv/core/config.hpp"
@@ -41,19 +42,12 @@
 #include "tierkv/cuda/arch/math.cuh"
 #include "tierkv/cuda/decode/common.cuh"
 #include "tierkv/cuda/decode/mma_config.cuh"
+#include "tierkv/cuda/decode/mma_epilogue.cuh"
 #include "tierkv/cuda/decode/mma_prologue.cuh"
 #include "tierkv/cuda/decode/mma_staging.cuh"
 #include "tierkv/cuda/decode/mma_step.cuh"
 
 namespace tierkv::cuda::detail {
-
-// the chunk's new running max of head h: previous tiers and every warp with mass
-__device__ __forceinline__ float mma_chunk_max(const mma_smem& sm, int h) {
-  float x = sm.m[h];
-  for (int w = 0; w < mma_warps; ++w)
-    if (sm.wstate[w * 24 + 16 + h] > 0.f) x = fmaxf(x, sm.wstate[w * 24 + h]);
-  return x;
-}
 
 // One tier's pages of this chunk on the tensor cores: the warp's first step in flight, the query
 // prologue, then per step its key rows, scores, one online-softmax update and value product,
@@ -61,23 +55,19 @@ __device__ __forceinline__ float mma_chunk_max(const mma_smem& sm, int h) {
 // window (decode() picks the instantiation, so the plain kernel carries none of their registers:
 // bench/results/decode/ab/ for the A/B).
 //
-// The query fragments, the column scales, a page's token count and the epilogue stay in this
-// body: moved into functions of their own, each changed the code of the kernels checked (the
-// clamp of j_end below compiled to another, equivalent sequence; a page's token count, other
-// registers; per-function SASS, bench/gpu/sass_compare.py). Issue 51 tried again: any new call
-// in this body, even one of two statements at its end, changed the clamp's code in every
-// tensor-core kernel, so it stays whole, over the 150-line target.
+// The prologue (decode/mma_prologue.cuh) and the epilogue (decode/mma_epilogue.cuh) are
+// functions of their own. Moving them out changes the kernels' SASS (the clamp of j_end below
+// compiles to another, equivalent sequence; bench/gpu/sass_compare.py), so the split was
+// measured against the whole body in one device call:
+// bench/results/restructure/mma-split-ab-2026-12-07.txt.
 template <class Geometry, class Tier, int N, bool Local>
 __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& plan, int f, int b,
                                int kvh, int e_begin, int e_end, bool sole, const mma_smem& sm,
                                float* mass_ws, int* err) {
   using C = mma_tier_config<Geometry, Tier>;
-  using KC = typename C::KC;
-  using VC = typename C::VC;
-  constexpr int D = C::D, G = C::G, ST = C::ST, P = C::P, RT = C::RT, SL = C::SL;
-  constexpr int KS = C::KS, QP = C::QP;
+  constexpr int D = C::D, G = C::G, ST = C::ST, RT = C::RT, SL = C::SL;
   const mma_lane at;
-  const int tid = at.tid, warp = at.warp, lane = at.lane, qg = at.qg, qc = at.qc;
+  const int tid = at.tid, warp = at.warp, qc = at.qc;
   const codec_context kctx =
       make_codec_context(in.cache_seed, in.layer, in.head_base + kvh, kv_role::key);
   const codec_context vctx =
@@ -132,93 +122,8 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   __syncwarp();
   mma_query_exponents<C>(sm, at);
   __syncthreads();
-  {
-    // The block builds the fragments item by item, reading the prepared query as 16-byte
-    // vectors in an order with few bank conflicts: per lane (head qg, column pair qc) its
-    // coordinates lie a multiple of 32 words apart across qg and qc, so the per-lane loop of
-    // scalar loads (before bench/results/decode/ab/ab-h200-2026-11-30-fold-prologue.txt) was 16- to
-    // 32-way conflicted (~1.7 us of a chunk at d = 256).
-    if constexpr (C::s8_keys) {
-      // item (lane, k step s), s fastest: the 8 coordinates [key_coord_s8(qc, s, 0), +8) of head qg
-      uint2* qf = reinterpret_cast<uint2*>(sm.qfrag);
-      for (unsigned t = tid; t < KS * 32; t += decode_threads) {
-        const unsigned s = t % KS, ln = t / KS, g = ln / 4, c = ln % 4;
-        std::uint32_t dg[QP][2] = {};
-        if (g < unsigned(G)) {
-          const float qs = exp2f(float(C::s8_query_bits) - sm.qexp[g]);
-          const float4* src =
-              reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord_s8(c, s, 0));
-          const float4 a = src[0], b = src[1];
-          const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            int d[QP];
-            int8_query_digits<QP>(__float2int_rn(x[KC::query_offset_s8(j)] * qs), d);
-#pragma unroll
-            for (int p = 0; p < QP; ++p)
-              dg[p][j / 4] |= (std::uint32_t(d[p]) & 0xffu) << (8 * (j % 4));
-          }
-        }
-#pragma unroll
-        for (int p = 0; p < QP; ++p) qf[(s * QP + p) * 32 + ln] = make_uint2(dg[p][0], dg[p][1]);
-      }
-    } else {
-      // item (k step s, lane), lane fastest: the 4 coordinates [key_coord(qc, s, 0), +4) of head qg
-      for (unsigned t = tid; t < KS * 32; t += decode_threads) {
-        const unsigned ln = t % 32, s = t / 32, g = ln / 4, c = ln % 4;
-        float x[4] = {0.f, 0.f, 0.f, 0.f};
-        if (g < unsigned(G)) {
-          const float qs = exp2f(-sm.qexp[g]);
-          const float4 a =
-              *reinterpret_cast<const float4*>(sm.acc_part + g * D + KC::key_coord(c, s, 0));
-          x[0] = a.x * qs;
-          x[1] = a.y * qs;
-          x[2] = a.z * qs;
-          x[3] = a.w * qs;
-        }
-        std::uint32_t fr[4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if constexpr (C::KT == operand_type::f16) {
-            const __half2 hh = __floats2half2_rn(x[2 * r], x[2 * r + 1]);
-            const float2 back = __half22float2(hh);
-            fr[r] = *reinterpret_cast<const std::uint32_t*>(&hh);
-            fr[2 + r] = pack_half2(x[2 * r] - back.x, x[2 * r + 1] - back.y);
-          } else {  // bf16 hi + lo: 16 bits of the scaled query, about 2^-17 relative
-            const std::uint32_t hh = pack_bfloat162(x[2 * r], x[2 * r + 1]);
-            fr[r] = hh;
-            fr[2 + r] = pack_bfloat162(x[2 * r] - __uint_as_float(hh << 16),
-                                       x[2 * r + 1] - __uint_as_float(hh & 0xffff0000u));
-          }
-        }
-        sm.qfrag[s * 32 + ln] = make_uint4(fr[0], fr[1], fr[2], fr[3]);
-      }
-    }
-  }
+  mma_query_fragments<C>(sm, at);
   __syncthreads();
-  // Column scale (heads 2 qc, 2 qc + 1): softmax scale x log2(e) x the query's scale (2^e, or
-  // 2^(e - bits) for int8 queries) x the scale of the int8 key levels.
-  float colscale[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int h = 2 * qc + j;
-    colscale[j] = 0.f;
-    if (h < G) {
-      if constexpr (C::s8_keys) {
-        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h] - float(C::s8_query_bits)) *
-                      KC::key_level_scale;
-      } else {
-        colscale[j] = in.softmax_scale * log2e * exp2f(sm.qexp[h]);
-      }
-    }
-  }
-  float koff[2] = {0.f, 0.f};
-  if constexpr (C::key_offset) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      koff[j] = 2 * qc + j < G ? KC::key_level_offset * sm.qsum[2 * qc + j] : 0.f;
-  }
-
   // ---- the warp's state (mma_warp_state)
   float o[ST][4];
 #pragma unroll
@@ -228,12 +133,10 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   float ob[2] = {0.f, 0.f};
   float m[2] = {-INFINITY, -INFINITY}, mv[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const mma_warp_state<C> ws{o, ob, m, mv, l};
-  const mma_columns cols{{colscale[0], colscale[1]}, {koff[0], koff[1]}};
+  const mma_columns cols = mma_lane_columns<C>(sm, in.softmax_scale, qc);
 
-  // ---- the steps. Sub-step h of a step: key rows 16h + qg, 16h + qg + 8 (kw[h], ks[h]), value
-  // rows 16h + 2qc, +1, +8, +9 (vw[h]), log2 value scales lvs[h]. Phased steps (mma_staging)
-  // read and reissue the K group before the scores and the V group before the values; the others
-  // wait once per step.
+  // ---- the steps (mma_step). Sub-step h of a step: key rows 16h + qg, 16h + qg + 8, value rows
+  // 16h + 2qc, +1, +8, +9.
   int ntok = 0, t_lo = 0;
   std::int32_t logical = -1;
   while (j < j_end) {
@@ -256,56 +159,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
     const int ns = int(nj % SL);
     float ps[2] = {0.f, 0.f};
     const int t0 = RT * step;
-    if constexpr (C::phased) {
-      std::uint32_t pb[P][2];
-      {
-        cp_async_wait<1>();  // this step's K group (its V group may still be in flight)
-        __syncwarp();
-        std::uint32_t kw[P][2][KC::key_words];
-        float ks[P][2], lvs[P][2];
-#pragma unroll
-        for (int h = 0; h < P; ++h) slot.read_keys(h, kw[h], ks[h], lvs[h]);
-        __syncwarp();  // every lane has read the key rows and metas before they are overwritten
-        slot.issue_keys(npage, ns);
-        float sc[P][4];
-        mma_step_scores<C>(kw, sm, at, sc);
-        mma_step_softmax<C, Local>(in, sc, ks, lvs, t0 - t_lo, ntok - t_lo, cols, qg, ws, ps, pb);
-      }
-      cp_async_wait<1>();  // this step's V group (the next K group may still be in flight)
-      __syncwarp();
-      // sub-step by sub-step (a sub-step's value words in registers at a time); the next V
-      // group is issued once the last sub-step's rows are read
-#pragma unroll
-      for (int h = 0; h < P; ++h) {
-        std::uint32_t vw[4][VC::value_words];
-        slot.read_values(h, t0, ntok, vw);
-        if (h == P - 1) {
-          __syncwarp();  // every lane has read the value rows before they are overwritten
-          slot.issue_values(npage, ns);
-        }
-        mma_step_values<C>(vw, pb[h], sm, qg, ws);
-      }
-    } else {
-      cp_async_wait<0>();
-      __syncwarp();
-      std::uint32_t kw[P][2][KC::key_words];
-      std::uint32_t vw[P][4][VC::value_words];
-      float ks[P][2], lvs[P][2];
-#pragma unroll
-      for (int h = 0; h < P; ++h) {
-        slot.read_keys(h, kw[h], ks[h], lvs[h]);
-        slot.read_values(h, t0, ntok, vw[h]);
-      }
-      __syncwarp();  // every lane has read the slot before the next step overwrites it
-      slot.issue_keys(npage, ns);
-      slot.issue_values(npage, ns);
-      std::uint32_t pb[P][2];
-      float sc[P][4];
-      mma_step_scores<C>(kw, sm, at, sc);
-      mma_step_softmax<C, Local>(in, sc, ks, lvs, t0 - t_lo, ntok - t_lo, cols, qg, ws, ps, pb);
-#pragma unroll
-      for (int h = 0; h < P; ++h) mma_step_values<C>(vw[h], pb[h], sm, qg, ws);
-    }
+    mma_step<C, Local>(in, slot, sm, at, npage, ns, t0, t_lo, ntok, cols, ws, ps);
     if (mass_ws != nullptr) mma_step_mass<C>(plan, mass_ws, b, kvh, logical, step, ps, ws, at, err);
     if (!same_page) logical = -1;
     page = npage;
@@ -313,64 +167,7 @@ __device__ void mma_tier_pages(const decode_inputs<N>& in, const decode_plan& pl
   }
   cp_async_wait<0>();  // the empty groups of the last step
 
-  // ---- the epilogue: the warps' states -> shared memory; rebase to the chunk's running max
-#pragma unroll
-  for (int j = 0; j < 2; ++j) l[j] = quad_col_sum(l[j]);
-  if (qg == 0) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      float* wst = sm.wstate + warp * 24;
-      wst[2 * qc + j] = m[j];
-      wst[8 + 2 * qc + j] = mv[j];
-      wst[16 + 2 * qc + j] = l[j];
-    }
-  }
-  __syncthreads();
-  float fac[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int h = 2 * qc + j;
-    fac[j] = h < G ? exp2_rel(mv[j], mma_chunk_max(sm, h)) : 0.f;
-  }
-  const float mnew_t = tid < G ? mma_chunk_max(sm, tid) : 0.f;
-  // Each warp writes its rescaled accumulator to its own slice of the (now idle) staging
-  // ring (mma_fold); one barrier, then the block sums the slices in a fixed warp order
-  // (deterministic). Folding the warps one after another behind a barrier each put 4 x d/16
-  // x 4 shared read-modify-writes on every chunk's critical path (ncu, B = 1: ~25% of a
-  // warp's instructions).
-  using fold_shape = mma_fold<Geometry>;
-  float* fold = reinterpret_cast<float*>(sm.ring);
-#pragma unroll
-  for (int mt = 0; mt < ST; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float x = C::value_bias ? o[mt][i] - ob[i % 2] : o[mt][i];
-      fold[warp * fold_shape::slice + (4 * mt + i) * fold_shape::row + lane] = x * fac[i % 2];
-    }
-  __syncthreads();
-  static_assert(fold_shape::values * 32 % decode_threads == 0,
-                "decode: whole fold rounds per thread");
-#pragma unroll 4
-  for (unsigned n = 0; n < fold_shape::values * 32 / decode_threads; ++n) {
-    // value k of lane src (unsigned: the divisions are shifts); the loads unconditional (a
-    // dead column's slots are read, not stored), so the unrolled rounds' loads overlap
-    const unsigned e = unsigned(tid) + n * decode_threads;
-    const unsigned k = e % fold_shape::values, src = e / fold_shape::values;
-    float x = fold[k * fold_shape::row + src];
-#pragma unroll
-    for (int w = 1; w < mma_warps; ++w)
-      x += fold[w * fold_shape::slice + k * fold_shape::row + src];
-    const unsigned h = 2 * (src % 4) + k % 2;
-    if (h < unsigned(G)) sm.acc_part[h * D + VC::value_coord(src / 4, k / 4, (k % 4) / 2)] = x;
-  }
-  __syncthreads();
-  if (tid < G) {
-    float lt = sm.l[tid] * exp2_rel(sm.m[tid], mnew_t);
-    for (int w = 0; w < mma_warps; ++w)
-      lt += sm.wstate[w * 24 + 16 + tid] * exp2_rel(sm.wstate[w * 24 + tid], mnew_t);
-    sm.l[tid] = lt;
-    sm.m[tid] = mnew_t;
-  }
+  mma_fold_warps<Geometry, C>(sm, at, ws);
   // Back to the model's domain once per tier (identity for FP8, inverse rotation for TQ3).
   group_finalize<typename C::V, G>(sm.acc_part, vctx);
   // The chunk's only tier: acc_part is the chunk's accumulator, relative to m (the split
