@@ -21,7 +21,7 @@
 #include "tierkv/cuda/codec/formats.cuh"
 #include "tierkv/cuda/decode/inputs.cuh"
 #include "tierkv/cuda/decode_plan.cuh"
-#include "tierkv/cuda/kernel/centring.cuh"
+#include "tierkv/cuda/kernel/centering.cuh"
 #include "tierkv/cuda/kernel/error_flag.cuh"
 #include "tierkv/cuda/kernel/lane_floats.cuh"
 #include "tierkv/cuda/warp/payload.cuh"

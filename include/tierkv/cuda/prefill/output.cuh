@@ -14,7 +14,7 @@
 
 #include "tierkv/attention/partial_state.hpp"
 #include "tierkv/codec/codec.hpp"
-#include "tierkv/cuda/kernel/centring.cuh"
+#include "tierkv/cuda/kernel/centering.cuh"
 #include "tierkv/cuda/kernel/lane_floats.cuh"
 #include "tierkv/cuda/prefill/kernel.cuh"
 #include "tierkv/cuda/warp/rotation.cuh"
