@@ -58,7 +58,8 @@ void append_text(std::string& out, const T& part) {
   } else if constexpr (std::is_same_v<U, fixed>) {
     char buf[400];  // DBL_MAX has 309 integer digits
     const int digits = part.digits < 0 ? 0 : (part.digits > 60 ? 60 : part.digits);
-    const auto r = std::to_chars(buf, buf + sizeof(buf), part.value, std::chars_format::fixed, digits);
+    const auto r =
+        std::to_chars(buf, buf + sizeof(buf), part.value, std::chars_format::fixed, digits);
     out.append(buf, r.ptr);
   } else if constexpr (std::is_same_v<U, bool>) {
     out += part ? '1' : '0';
@@ -81,8 +82,9 @@ void append_text(std::string& out, const T& part) {
     } else {
       char buf[24];
       out += "0x";
-      out.append(buf, std::to_chars(buf, buf + sizeof(buf),
-                                    reinterpret_cast<std::uintptr_t>(part), 16).ptr);
+      out.append(
+          buf,
+          std::to_chars(buf, buf + sizeof(buf), reinterpret_cast<std::uintptr_t>(part), 16).ptr);
     }
   } else {
     static_assert(detail::has_adl_to_string<U>,
