@@ -483,6 +483,9 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
                       tierkv_test::contains("unknown knob 'zz'"));
     CHECK_THROWS_WITH(make_tierkv_backend("stale_k3v2+rp=1.5", s, opt, 200),
                       tierkv_test::contains("must be an integer"));
+    for (const char* out_of_int : {"rp=1e12", "sp=-3e9", "ca=inf", "kf=nan"})  // no UB cast
+      CHECK_THROWS_WITH(make_tierkv_backend(std::string("stale_k3v2+") + out_of_int, s, opt, 200),
+                        tierkv_test::contains("must be an integer in int's range"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+clm=0.5", s, opt, 200),
                       tierkv_test::contains("must be an integer mask"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=abc", s, opt, 200),

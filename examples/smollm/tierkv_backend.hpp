@@ -20,6 +20,7 @@
 // (0/1). They override the command line's.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -231,10 +232,11 @@ inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt
     if (end == text || *end != '\0')
       throw std::runtime_error("arm '" + full + "': knob " + k + " = '" + text +
                                "' is not a number");
-    const auto as_int = [&] {
-      if (v != double(int(v)))
+    const auto as_int = [&] {  // range first: int(v) of a value out of int's range is UB
+      if (!(v >= double(std::numeric_limits<int>::min()) &&
+            v <= double(std::numeric_limits<int>::max()) && v == std::trunc(v)))
         throw std::runtime_error("arm '" + full + "': knob " + k + " = " + text +
-                                 " must be an integer");
+                                 " must be an integer in int's range");
       return int(v);
     };
     if (k == "rp")
