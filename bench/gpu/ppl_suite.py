@@ -138,8 +138,11 @@ def write_run(path, r):
 
 # The engine's arm (and knobs) for each of needle_suite's arms (tierkv_backend.hpp: rec = tiered_k4
 # centred, seed = FP8 + TQ3 uncentred).
+# *_nomass: no page becomes an Anchor by attention mass (tiers by age only, the same on every
+# path: the control that separates the mass signal's share of a path gap; arms/no-mass.json).
 ENGINE_ARMS = {"dense": ["--arm", "dense"], "rec": ["--arm", "rec"], "seed": ["--arm", "seed"],
-               "rec_nocenter": ["--arm", "tiered_k4", "--center", "0"]}
+               "rec_nocenter": ["--arm", "tiered_k4", "--center", "0"],
+               "rec_nomass": ["--arm", "rec+um=0"], "seed_nomass": ["--arm", "seed+um=0"]}
 
 
 def engine(a):
@@ -147,6 +150,8 @@ def engine(a):
     time (one thread each); files as run's."""
     import concurrent.futures
 
+    for f in a.arm_file or []:
+        load_arm_file(f)
     arms = parse_arms(a.arms, "ppl_suite engine")
     bad = [x for x in arms if x not in ENGINE_ARMS]
     if bad:
@@ -228,11 +233,14 @@ def run(a):
             cache = make_cache(model, arm, a.tokens + 64, a.chunk, int(seed), a.device, **extra)
             nll = nll_of(model, ids[text], a.chunk, cache)
             bits, tiers = (16.0, []) if arm == "dense" else finish(cache, layers)
+            # each layer's pages' tiers as digits, as the engine's --nll-out writes them
+            layer_tiers = [] if arm == "dense" else [
+                "".join(str(t) for t in cache.tierkv.page_tiers(int(cache.seqs[0]), layer)) for layer in range(layers)]
             retier = {} if arm == "dense" else cache.retier_stats()  # held-back demotions show here
             secs = time.perf_counter() - t0
             ppl = float(torch.exp(nll.mean()))
             r = dict(arm=arm, tokens=int(ids[text].numel()), scored=int(nll.numel()), ppl=ppl, bits_per_scalar=bits,
-                     seconds=secs, tiers=tiers, retier=retier, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
+                     seconds=secs, tiers=tiers, layer_tiers=layer_tiers, retier=retier, model=name, chunk=a.chunk, device=torch.cuda.get_device_name(0) if gpu else a.device_name,
                      mass_layers_per_step=a.mass_layers if gpu else 0, sync_retier=a.sync_retier if gpu else None,
                      commit=os.environ.get("TIERKV_COMMIT", "unknown"), nll=[round(float(x), 6) for x in nll])  # fmt: skip
             write_run(path, r)
@@ -275,6 +283,7 @@ def main():
     e.add_argument("--chunk", type=int, default=512)
     e.add_argument("--arms", default="dense,rec,seed")
     e.add_argument("--seeds", default="20261129,11,23")
+    e.add_argument("--arm-file", action="append", help="as run's (names the engine maps too: ENGINE_ARMS)")
     e.add_argument("--jobs", type=int, default=os.cpu_count())
     a = ap.parse_args()
     if a.cmd == "run" and not (a.texts or a.ids):

@@ -31,6 +31,7 @@ struct kv_memory {
   double scalars = 0;       // K and V scalars those tokens represent (all layers and heads)
   double fp8_fraction = 0;  // share of (layer, page) pairs in an FP8 tier, when tiered
   std::string tier_shares;  // "t0 0.123 t1 0.877": share of (layer, page) pairs per tier
+  std::vector<std::string> layer_tiers;  // per layer, each logical page's tier as a digit
   double kib_per_token() const { return tokens > 0 ? bytes / tokens / 1024.0 : 0.0; }
   double bits_per_scalar() const { return scalars > 0 ? 8.0 * bytes / scalars : 0.0; }
 };

@@ -80,6 +80,7 @@ class model {
     }
     // Inverse frequencies of RoPE, as ggml computes them: base^(-2i/d).
     m.inv_freq_.resize(std::size_t(c.head_dim / 2));
+    m.rope_tmp_.resize(std::size_t(c.head_dim));
     for (int i = 0; i < c.head_dim / 2; ++i)
       m.inv_freq_[std::size_t(i)] = std::pow(double(c.rope_base), -2.0 * i / c.head_dim);
     return m;
@@ -201,17 +202,25 @@ class model {
     }
   }
   // GGUF llama rope ("normal" mode): rotates adjacent pairs (x[2i], x[2i+1]) by pos * base^(-2i/d).
+  // It runs on the GGUF's interleaved pairs (2i, 2i + 1); each head's result is stored in the
+  // half-split order transformers uses (i, i + d/2): the same permutation of queries and keys
+  // leaves every score as it was, and the cache sees the coordinates the Python paths give it.
+  // The rotation-based codecs (TQ3, TQ4, int8_rotated) are not permutation-invariant: in the
+  // GGUF's order their codes were another draw than the Python paths' for the same codec seed
+  // (bench/results/quality/paths-seed-gap-2026-12-07.json).
   void rope(float* v, int heads, int pos) const {
-    const int hd = cfg_.head_dim;
-    for (int i = 0; i < hd / 2; ++i) {
-      const double theta = double(pos) * inv_freq_[std::size_t(i)];
-      const float cs = float(std::cos(theta)), sn = float(std::sin(theta));
-      for (int h = 0; h < heads; ++h) {
-        float* p = v + h * hd + 2 * i;
-        const float a = p[0], b = p[1];
-        p[0] = a * cs - b * sn;
-        p[1] = a * sn + b * cs;
+    const int hd = cfg_.head_dim, half = hd / 2;
+    float* rotated = rope_tmp_.data();
+    for (int h = 0; h < heads; ++h) {
+      float* p = v + h * hd;
+      for (int i = 0; i < half; ++i) {
+        const double theta = double(pos) * inv_freq_[std::size_t(i)];
+        const float cs = float(std::cos(theta)), sn = float(std::sin(theta));
+        const float a = p[2 * i], b = p[2 * i + 1];
+        rotated[i] = a * cs - b * sn;
+        rotated[i + half] = a * sn + b * cs;
       }
+      std::copy(rotated, rotated + hd, p);
     }
   }
 
@@ -219,6 +228,7 @@ class model {
   std::vector<float> embd_, out_norm_, output_;
   std::vector<layer_weights> layers_;
   std::vector<double> inv_freq_;
+  mutable std::vector<float> rope_tmp_;  // one head (rope)
   std::vector<float> x_, h_, q_, att_, k_, v_, g_, u_, qx_;
 };
 

@@ -199,7 +199,10 @@ int main(int argc, char** argv) {
         o << "{\"arm\":\"" << a.get("--arm", "dense") << "\",\"tokens\":" << toks.size()
           << ",\"scored\":" << p.scored << ",\"ppl\":" << p.ppl
           << ",\"bits_per_scalar\":" << p.mem.bits_per_scalar() << ",\"tier_shares\":\""
-          << p.mem.tier_shares << "\",\"seconds\":" << p.seconds << ",\"nll\":[";
+          << p.mem.tier_shares << "\",\"seconds\":" << p.seconds << ",\"layer_tiers\":[";
+        for (std::size_t l = 0; l < p.mem.layer_tiers.size(); ++l)
+          o << (l ? "," : "") << '"' << p.mem.layer_tiers[l] << '"';
+        o << "],\"nll\":[";
         o.precision(9);
         for (std::size_t i = 0; i < p.nll.size(); ++i) o << (i ? "," : "") << p.nll[i];
         o << "]}\n";

@@ -7,7 +7,8 @@
 # over the texts every path holds (texts weighted equally, codec seeds averaged), with
 # summarize_ppl.py's paired block-bootstrap interval; then, per arm, every two paths' difference
 # in percentage points with its paired interval (the same blocks of the same tokens resampled for
-# both), and the largest difference among --metric-paths. Writes the record (--out); the last
+# both), the share of pages whose final tier differs (runs that wrote layer_tiers), and the
+# largest difference among --metric-paths. Writes the record (--out); the last
 # line printed is {"name": "paths", "metrics": {...}}.
 #
 #   python3 examples/smollm/summarize_paths.py --path engine=W/engine --path host=W/host \
@@ -54,6 +55,22 @@ def gap_interval(bx, by, boot, rng):
     return [float(np.percentile(g, 2.5)), float(np.percentile(g, 97.5))]
 
 
+def tier_agreement(runs, x, y, texts, arm):
+    """Share of (text, seed, layer, page) whose final tier differs between paths x and y, over the
+    runs where both wrote layer_tiers (the engine's --nll-out and ppl_suite.py's files), or None."""
+    differ = total = 0
+    for text in texts:
+        for seed, rx in runs[x][text][arm].items():
+            ry = runs[y][text][arm].get(seed)
+            if ry is None or not rx.get("layer_tiers") or not ry.get("layer_tiers"):
+                continue
+            for tx, ty in zip(rx["layer_tiers"], ry["layer_tiers"]):
+                n = min(len(tx), len(ty))
+                total += n
+                differ += sum(tx[i] != ty[i] for i in range(n)) + abs(len(tx) - len(ty))
+    return None if total == 0 else dict(pages=total, differ=differ, share=differ / total)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--path", action="append", required=True, help="NAME=WORK (repeat)")
@@ -96,6 +113,8 @@ def main():
         metrics[f"max_path_gap_pct_{arm}" if arm != "rec" else "max_path_gap_pct"] = abs(gaps[worst])
         table[arm]["gaps_pct"] = gaps
         table[arm]["gaps_pct_ci95"] = gap_ci
+        # where the paths' tiering parted: the pages that ended in another tier
+        table[arm]["tiers_differ"] = {f"{x}-{y}": tier_agreement(runs, x, y, texts, arm) for x, y in pairs}
     metrics["texts"] = len(texts)
     metrics["seeds"] = min(len(table[arm][n]["seeds"]) for arm in arms for n in paths)
     print("%-7s %-16s %9s %21s %6s" % ("arm", "path", "rel ppl", "95% interval", "bits"))
@@ -106,7 +125,9 @@ def main():
                 arm, name, 100 * r["rel_ppl"], 100 * r["ci95"][0], 100 * r["ci95"][1], r["bits_per_scalar"]))
         for k, g in table[arm]["gaps_pct"].items():
             lo, hi = table[arm]["gaps_pct_ci95"][k]
-            print("%-7s gap %-28s %+.3f points [%+.3f, %+.3f]" % (arm, k, g, lo, hi))
+            t = table[arm]["tiers_differ"][k]
+            tiers = "" if t is None else "; final tiers differ on %d of %d pages" % (t["differ"], t["pages"])
+            print("%-7s gap %-28s %+.3f points [%+.3f, %+.3f]%s" % (arm, k, g, lo, hi, tiers))
     rec = {"name": "paths", "date": datetime.date.today().isoformat(), "commit": a.commit, "command": a.command,
            "notes": a.notes, "texts": texts, "paths": paths,
            "method": "chunked perplexity (512-token chunks, the first unscored) over the same token ids on "

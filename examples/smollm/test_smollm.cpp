@@ -449,6 +449,18 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
     CHECK(r4->memory().fp8_fraction == Approx(0.5));
     CHECK(r4->memory().bits_per_scalar() == Approx((5 * 8.25 + 5 * 2.75) / 10 + mean_bits(160)));
     CHECK(r4->memory().tier_shares == "t0 0.500 t1 0.500");
+    // Each layer's pages' tiers, one digit a logical page (smollm ppl --nll-out's layer_tiers).
+    const auto layer_tiers = r4->memory().layer_tiers;
+    REQUIRE(layer_tiers.size() == std::size_t(s.layers));
+    for (const std::string& t : layer_tiers) CHECK(t == "0111110000");
+    // jit: inputs perturbed at rounding level move the error a little, not a lot; 0 is the
+    // arm itself bit for bit.
+    auto base = make_tierkv_backend("stale_k3v2+rp=4", s, opt, 200);
+    auto j0 = make_tierkv_backend("stale_k3v2+rp=4+jit=0", s, opt, 200);
+    auto j6 = make_tierkv_backend("stale_k3v2+rp=4+jit=1e-6", s, opt, 200);
+    const double e4 = backend_error(*base, s, 160, 32, 4, 0.f);
+    CHECK(backend_error(*j0, s, 160, 32, 4, 0.f) == e4);
+    CHECK(backend_error(*j6, s, 160, 32, 4, 0.f) == Approx(e4).epsilon(0.05));
     // A Cold arm with the mass signal: page 2 takes the attention (an anchor), the other old
     // pages fall below half a uniform share and go Cold (tier 2, TQ3 keys + TQ2 values);
     // with the cold knobs off (cm=0, cl=0) the Cold tier stays empty.
@@ -488,6 +500,8 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
                         tierkv_test::contains("must be an integer in int's range"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+clm=0.5", s, opt, 200),
                       tierkv_test::contains("must be an integer mask"));
+    CHECK_THROWS_WITH(make_tierkv_backend("stale_k3v2+jit=0.5", s, opt, 200),
+                      tierkv_test::contains("must be a relative perturbation"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=abc", s, opt, 200),
                       tierkv_test::contains("is not a number"));
     CHECK_THROWS_WITH(make_tierkv_backend("cold_k3v2+cm=3+cl=3", s, mass, 200),

@@ -65,6 +65,10 @@ struct tiering_options {
   // recommended cache multi-key retrievals that the GPU path (which publishes conversions a
   // step later) keeps (docs/model.md, "Retiering inside the prompt").
   bool retier_in_prefill = true;
+  // Each K/V element times (1 + e) with e = +-input_jitter, a fixed pseudo-random sign per
+  // element: a roundoff-sized perturbation (1e-6) measures how far a configuration's perplexity
+  // moves with inputs that differ at rounding level, as two paths' models do (issue 57).
+  float input_jitter = 0;
   std::uint64_t seed = 0x7469657221ull;  // cache-wide seed of the codecs' rotations
   unsigned threads = 1;                  // host attention workers (the caller included)
 };
@@ -130,6 +134,7 @@ class library_backend final : public kv_backend {
     opt_.threads = opt.threads;
     opt_.center = opt.center;
     retier_in_prefill_ = opt.retier_in_prefill;
+    jitter_ = opt.input_jitter;
     reset();
   }
 
@@ -145,6 +150,18 @@ class library_backend final : public kv_backend {
   void append(int layer, int n, const float* k, const float* v) override {
     if (layer == 0) check(cache_->reserve(seq_, n));
     const std::size_t len = std::size_t(n) * H * HD;
+    if (jitter_ != 0) {
+      jittered_.assign(k, k + len);
+      jittered_.insert(jittered_.end(), v, v + len);
+      std::uint64_t h =
+          0x9e3779b97f4a7c15ull * (std::uint64_t(length() + 1) * 131 + std::uint64_t(layer));
+      for (float& x : jittered_) {
+        h ^= h >> 33, h *= 0xff51afd7ed558ccdull, h ^= h >> 29;
+        x *= 1.0f + ((h & 1) ? jitter_ : -jitter_);
+      }
+      k = jittered_.data();
+      v = jittered_.data() + len;
+    }
     check(cache_->write_layer(seq_, layer, {k, len}, {v, len}));
   }
   void attend(int layer, int n, const float* q, float* out) override {
@@ -166,11 +183,15 @@ class library_backend final : public kv_backend {
     m.bytes = double(r.live_page_bytes() + r.scratch);  // pages and the centring means
     double pages = 0, high = 0;
     double per_tier[num_tiers] = {};
+    m.layer_tiers.resize(std::size_t(s_.layers));
     for (int l = 0; l < s_.layers; ++l)
-      cache_->storage().for_each_page(seq_, l, [&](std::int64_t, tierkv::page_id p) {
+      cache_->storage().for_each_page(seq_, l, [&](std::int64_t logical, tierkv::page_id p) {
         pages += 1;
         high += is_8bit(p.format) ? 1 : 0;
         per_tier[p.format] += 1;
+        std::string& t = m.layer_tiers[std::size_t(l)];
+        if (t.size() <= std::size_t(logical)) t.resize(std::size_t(logical) + 1, '-');
+        t[std::size_t(logical)] = char('0' + p.format);
       });
     m.fp8_fraction = pages > 0 ? high / pages : 0;
     for (int t = 0; t < num_tiers; ++t) {
@@ -208,6 +229,8 @@ class library_backend final : public kv_backend {
   tierkv::seq_id seq_{};
   std::uint64_t step_ = 0;
   bool retier_in_prefill_ = true;
+  float jitter_ = 0;
+  std::vector<float> jittered_;
 };
 
 // An arm name and its '+'-separated knobs (see the header comment) applied to opt.
@@ -261,14 +284,19 @@ inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt
       opt.center = as_int() != 0;
     else if (k == "um")
       opt.use_mass = as_int() != 0;
-    else if (k == "clm") {  // Cold layers, a bit mask (bench/research/layer_profile.py)
+    else if (k == "jit") {
+      if (!(std::fabs(v) <= 1e-2))
+        throw std::runtime_error("arm '" + full + "': knob jit = " + text +
+                                 " must be a relative perturbation in [-0.01, 0.01]");
+      opt.input_jitter = float(v);
+    } else if (k == "clm") {  // Cold layers, a bit mask (bench/research/layer_profile.py)
       if (!(v >= 0 && v < 0x1p53 && v == double(std::uint64_t(v))))
         throw std::runtime_error("arm '" + full + "': knob clm = " + text +
                                  " must be an integer mask in [0, 2^53)");
       p.cold_layers = std::uint64_t(v);
     } else
       throw std::runtime_error("arm '" + full + "': unknown knob '" + k +
-                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um, clm)");
+                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um, clm, jit)");
   }
   return parts[0];
 }
