@@ -75,6 +75,12 @@ void append_text(std::string& out, const T& part) {
   } else if constexpr (std::is_null_pointer_v<U>) {
     out += '0';
   } else if constexpr (std::is_convertible_v<const U&, std::string_view>) {
+    if constexpr (std::is_pointer_v<U>) {  // a null C string: named, never dereferenced
+      if (part == nullptr) {
+        out += "(null)";
+        return;
+      }
+    }
     out.append(std::string_view(part));
   } else if constexpr (std::is_pointer_v<U>) {  // as a stream writes it: 0x..., or 0
     if (part == nullptr) {

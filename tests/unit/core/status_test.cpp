@@ -92,6 +92,8 @@ TEST_CASE("fixed and the ids write what a fixed-precision stream wrote", "[core]
   const void* p = &x;
   const void* null = nullptr;
   CHECK(concat(p, ' ', null, ' ', nullptr) == streamed(p, ' ', null, " 0"));
+  const char* no_text = nullptr;
+  CHECK(concat("name ", no_text, '.') == "name (null).");
   CHECK(to_string(seq_id(3)) == "seq#3");
   CHECK(to_string(seq_id()) == "seq#<invalid>");
   CHECK(to_string(layer_id(0)) == "layer#0");
