@@ -39,11 +39,7 @@ std::atomic<std::int64_t> next_handle{1};
 // Refusal messages are built by tierkv::concat, never by c10::str's stream: on the device
 // image (g++ 13.3, torch 2.11) this extension crashes streaming any number
 // (tierkv/core/text.hpp). Shapes, devices and dtypes are written as torch writes them.
-std::string text_of(at::IntArrayRef v) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) out += tierkv::concat(i ? ", " : "", v[i]);
-  return out + "]";
-}
+std::string text_of(at::IntArrayRef v) { return "[" + join(v) + "]"; }
 std::string text_of(const c10::Device& d) { return d.str(); }
 const char* text_of(at::ScalarType t) { return c10::toString(t); }
 template <class T>
