@@ -412,6 +412,7 @@ def main():
     r.add_argument("--gguf", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--arms", default="dense,rec,seed")
+    r.add_argument("--arm-file", action="append", help="JSON {arm: TieredCache keywords} adding arms (bench/gpu/arms/)")
     r.add_argument("--lengths", default="", help="comma-separated targets to run (default: all)")
     r.add_argument("--tasks", default="", help="comma-separated tasks to run (default: all)")
     r.add_argument("--codec-seed", type=int, default=0)
@@ -432,6 +433,7 @@ def main():
     s.add_argument("--boot", type=int, default=2000)
     s.add_argument("--seed", type=int, default=25)
     s.add_argument("--arms", default="", help="comma-separated arms to compare (default: every arm in the files)")
+    s.add_argument("--arm-file", action="append", help="as run's: the record names these arms' keywords")
     i = sub.add_parser("import-smollm", help="examples/smollm `tasks --out` records as result lines")
     i.add_argument("records", nargs="+")
     i.add_argument("--out", required=True, help="result lines are appended here")
@@ -439,6 +441,8 @@ def main():
     i.add_argument("--device", default="CPU (examples/smollm)")
     i.add_argument("--commit", default="unknown")
     a = ap.parse_args()
+    for path in getattr(a, "arm_file", None) or []:
+        load_arm_file(path)
     {"run": run, "summarize": summarize, "import-smollm": import_smollm}[a.cmd](a)
 
 
