@@ -17,7 +17,8 @@
 // scripts/measure ppl-texts's run files): e.g. cold_k3v2+cm=0.5+cl=1+ca=8. Knobs: rp
 // recent_pages, sp sink_pages, kf / kl keep_first / keep_last_layers, em / lm enter / leave
 // mass, cm / cl cold enter / leave mass, ca cold_after_pages, c centring (0/1), um use_mass
-// (0/1). They override the command line's.
+// (0/1), clm Cold layers (a mask), jit input jitter, bpt a bit budget (bits per scalar). They
+// override the command line's.
 #pragma once
 
 #include <cmath>
@@ -69,6 +70,9 @@ struct tiering_options {
   // element: a roundoff-sized perturbation (1e-6) measures how far a configuration's perplexity
   // moves with inputs that differ at rounding level, as two paths' models do (issue 57).
   float input_jitter = 0;
+  // A bit budget (tier_controller_options::bits_per_scalar_target, issue 52): > 0 places every
+  // movable page by keep value so that the live pages store at most this many bits per scalar.
+  double bits_per_scalar_target = 0;
   std::uint64_t seed = 0x7469657221ull;  // cache-wide seed of the codecs' rotations
   unsigned threads = 1;                  // host attention workers (the caller included)
 };
@@ -133,6 +137,7 @@ class library_backend final : public kv_backend {
     opt_.max_pages = pages;
     opt_.threads = opt.threads;
     opt_.center = opt.center;
+    opt_.tiering.bits_per_scalar_target = opt.bits_per_scalar_target;
     retier_in_prefill_ = opt.retier_in_prefill;
     jitter_ = opt.input_jitter;
     reset();
@@ -289,6 +294,11 @@ inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt
         throw std::runtime_error("arm '" + full + "': knob jit = " + text +
                                  " must be a relative perturbation in [-0.01, 0.01]");
       opt.input_jitter = float(v);
+    } else if (k == "bpt") {  // a bit budget (bits per scalar)
+      if (!(v > 0 && v <= 64))
+        throw std::runtime_error("arm '" + full + "': knob bpt = " + text +
+                                 " must be a bit budget in (0, 64]");
+      opt.bits_per_scalar_target = v;
     } else if (k == "clm") {  // Cold layers, a bit mask (bench/research/layer_profile.py)
       if (!(v >= 0 && v < 0x1p53 && v == double(std::uint64_t(v))))
         throw std::runtime_error("arm '" + full + "': knob clm = " + text +
@@ -296,7 +306,7 @@ inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt
       p.cold_layers = std::uint64_t(v);
     } else
       throw std::runtime_error("arm '" + full + "': unknown knob '" + k +
-                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um, clm, jit)");
+                               "' (rp, sp, kf, kl, em, lm, cm, cl, ca, c, um, clm, jit, bpt)");
   }
   return parts[0];
 }

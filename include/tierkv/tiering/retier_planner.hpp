@@ -10,15 +10,18 @@
 #include "tierkv/core/config.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
 
+#include "tierkv/codec/error_traits.hpp"
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
 #include "tierkv/paging/storage_types.hpp"
+#include "tierkv/tiering/bit_budget.hpp"
 #include "tierkv/tiering/controller_types.hpp"
 #include "tierkv/tiering/page_records.hpp"
 #include "tierkv/tiering/tier_policy.hpp"
@@ -40,8 +43,10 @@ class retier_planner : public page_records<Storage, Policy> {
   using records::dirty_;
   using records::facts;
   using records::mark_block_dirty;
+  using records::opt_;
   using records::page;
   using records::pages_;
+  using records::percent_of_tier0;
   using records::policy_;
   using records::refresh;
   using records::shadows_;
@@ -75,6 +80,82 @@ class retier_planner : public page_records<Storage, Policy> {
     for (const std::uint32_t i : *waiting_) (*pages_)[i].waiting = false;
     waiting_->clear();
     rescan_ = true;  // the incremental plan's lists were dropped: its next plan visits all
+  }
+
+  /// plan() under a bit budget (tier_controller_options::bits_per_scalar_target, MosaicKV's
+  /// global budget): open, quarantined and pinned pages, the policy's Recent pages and pages the
+  /// dwell holds stay where they are, and their bytes count against the budget; the other pages
+  /// go where allocate_bit_budget puts them (tiering/bit_budget.hpp), weighted by the policy's
+  /// keep value (newer pages first among equals), never to a tier of less expected error than
+  /// their own (a lossy page regains nothing), over every tier with room (tier 0 keeps
+  /// promotion_reserve_percent free, as apply() does). A tier's error is its codecs' expected
+  /// figures (codec/error_traits.hpp): key ip rms^2 x head_dim + value relative MSE. The budget
+  /// is target bits x the live tokens' stored scalars, the report's bits_per_scalar measure (a
+  /// partly filled page costs its whole page). A full scan every plan: the budget is global.
+  /// Returns what the allocation did (within = false: the fixed pages alone exceed the target).
+  budget_result plan_budget(double target_bits) {
+    constexpr int T = Storage::num_tiers;
+    const int layers = storage_->num_layers();
+    std::array<budget_tier, T> tiers{};
+    const auto views = storage_->views();
+    detail::for_each_index<T>([&](auto I) {
+      using traits =
+          tier_error_traits<tier_at_t<typename Storage::tier_list, I>, Storage::head_dim>;
+      const double key_rms = traits::key_traits::ip_rms_sqrt_d;
+      tiers[I].page_bytes = double(views[I].page_bytes);
+      tiers[I].error = key_rms * key_rms + traits::value_traits::rel_mse;
+      tiers[I].room = storage_->free_pages(I);
+    });
+    const std::uint64_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);
+    tiers[append_tier].room =
+        tiers[append_tier].room > reserve ? tiers[append_tier].room - reserve : 0;
+    budget_pages_->clear();
+    budget_at_->clear();
+    double fixed = 0, scalars = 0;
+    const double scalars_per_token_layer = 2.0 * Storage::kv_heads * Storage::head_dim;
+    storage_->for_each_block([&](block_ref ref, int fill, std::uint32_t) {
+      scalars += double(fill) * layers * scalars_per_token_layer;
+      const bool sealed = storage_->block_sealed(ref);
+      for (int l = 0; l < layers; ++l) {
+        page_rec& r = page(ref.index, l);
+        if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
+        r.pending = -1.0f;
+        const page_id p = storage_->block_page(ref, l);
+        const page_facts f = facts(ref.index, l, p);
+        if (!sealed || r.quarantined || f.pinned || dwelling(r, f) ||
+            policy_.choose(r.state, f) == tier_role::recent) {
+          fixed += tiers[f.tier].page_bytes;
+          continue;
+        }
+        ++tiers[f.tier].room;
+        const std::uint64_t age = std::uint64_t(std::clamp<std::int64_t>(f.age, 0, 1LL << 40));
+        budget_pages_->push_back({policy_.keep_value(r.state, f),
+                                  age * std::uint64_t(layers) + std::uint64_t(l),
+                                  std::int16_t(f.tier)});
+        budget_at_->push_back(ref.index * std::uint32_t(layers) + std::uint32_t(l));
+      }
+    });
+    budget_to_->assign(budget_pages_->size(), std::int16_t(-1));
+    const double budget = target_bits / 8.0 * scalars - fixed;
+    auto placed = allocate_bit_budget(*budget_pages_, tiers, budget, *budget_to_);
+    for (const std::uint32_t i : *dirty_) (*pages_)[i].dirty = false;
+    dirty_->clear();
+    for (const std::uint32_t i : *waiting_) (*pages_)[i].waiting = false;
+    waiting_->clear();
+    rescan_ = true;
+    if (!placed) return budget_result{fixed, false, 0};
+    for (std::size_t k = 0; k < budget_at_->size(); ++k) {
+      const std::uint32_t i = (*budget_at_)[k];
+      const std::uint32_t bi = i / std::uint32_t(layers);
+      const int l = int(i % std::uint32_t(layers));
+      const block_ref ref{bi, (*blocks_)[bi].generation};
+      const int from = int(storage_->block_page(ref, l).format);
+      const int to = (*budget_to_)[k];
+      if (to != from)
+        plan_->push_back(conversion{ref, l, from, to, (*budget_pages_)[k].importance});
+    }
+    placed->bytes += fixed;
+    return *placed;
   }
 
   /// plan() over what changed: the dirty pages are folded and re-evaluated; the waiting pages
@@ -203,6 +284,11 @@ class retier_planner : public page_records<Storage, Policy> {
 
   std::optional<counted_vector<conversion>> plan_;        ///< plan()'s conversions, or pressure's
   std::optional<counted_vector<std::uint32_t>> waiting_;  ///< pages wanting another tier
+  // plan_budget's scratch (allocated by create when a bit budget is set): the movable pages, the
+  // page index of each, the tier the budget gives each
+  std::optional<counted_vector<budget_page>> budget_pages_;
+  std::optional<counted_vector<std::uint32_t>> budget_at_;
+  std::optional<counted_vector<std::int16_t>> budget_to_;
   bool rescan_ = true;  ///< the next incremental plan visits every page
 };
 

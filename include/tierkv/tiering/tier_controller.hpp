@@ -83,6 +83,14 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
       c->dirty_->reserve(pages);
       c->waiting_.emplace(c->template alloc<std::uint32_t>());
       c->waiting_->reserve(pages);
+      if (opt.bits_per_scalar_target > 0) {
+        c->budget_pages_.emplace(c->template alloc<budget_page>());
+        c->budget_pages_->reserve(pages);
+        c->budget_at_.emplace(c->template alloc<std::uint32_t>());
+        c->budget_at_->reserve(pages);
+        c->budget_to_.emplace(c->template alloc<std::int16_t>());
+        c->budget_to_->reserve(pages);
+      }
       c->staged_.emplace(c->template alloc<staged_conversion>());
       c->staged_->reserve(storage.template pool<append_tier>().capacity());
     } catch (const allocation_failure& e) {
@@ -103,6 +111,10 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
       return status::make(errc::invalid_argument,
                           "shadow_slack_percent = ", opt.shadow_slack_percent,
                           " must lie in [0, 100]");
+    if (!(opt.bits_per_scalar_target >= 0.0 && opt.bits_per_scalar_target <= 64.0))
+      return status::make(errc::invalid_argument,
+                          "bits_per_scalar_target = ", opt.bits_per_scalar_target,
+                          " must lie in [0, 64] (0: no bit budget)");
     return {};
   }
 
@@ -116,6 +128,9 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
   std::uint32_t shadow_pages() const noexcept { return shadows_; }
   /// Every step's counters summed.
   const retier_stats& totals() const noexcept { return totals_; }
+  /// The last plan's bit budget (bits_per_scalar_target set): the bytes its placement gives the
+  /// live pages and whether they fit; all zero before the first plan or without a budget.
+  const budget_result& last_budget() const noexcept { return last_budget_; }
 
   /// Structural metadata from the engine: pinned logical pages are Anchor and never
   /// demoted under pressure (e.g. a system prompt). Unpinning returns them to the policy.
@@ -180,7 +195,9 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
     step_ = std::max(step_, step);
     refresh();
     plan_->clear();
-    if (incremental())
+    if (opt_.bits_per_scalar_target > 0)
+      last_budget_ = plan_budget(opt_.bits_per_scalar_target);
+    else if (incremental())
       plan_changed();
     else
       plan_all();
@@ -476,6 +493,9 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
  private:
   // The records and the planner this class uses (a dependent base's names are not found
   // unqualified).
+  using planner::budget_at_;
+  using planner::budget_pages_;
+  using planner::budget_to_;
   using planner::demotion_room;
   using planner::drop_all_shadows;
   using planner::drop_oldest_shadow;
@@ -489,6 +509,7 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
   using planner::percent_of_tier0;
   using planner::plan_;
   using planner::plan_all;
+  using planner::plan_budget;
   using planner::plan_changed;
   using planner::policy_;
   using planner::pressure_candidates;
@@ -614,6 +635,7 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
   }
 
   std::optional<counted_vector<staged_conversion>> staged_;  ///< make_room's demotions
+  budget_result last_budget_{0, true, 0};
   retier_stats totals_;
 };
 

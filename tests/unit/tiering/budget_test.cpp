@@ -1,0 +1,162 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tier controller under a bit budget (tier_controller_options::bits_per_scalar_target,
+// retier_planner::plan_budget): the live pages end at or under the target, as the memory report
+// measures it, and reconcile with the plan's figure; the pages of most attention mass get the
+// better tiers; Recent, open and pinned pages stay; a target the fixed pages already exceed moves
+// nothing up; bad targets are refused.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "policy_knobs.hpp"
+#include "tiering_test_support.hpp"
+#include "tierkv/codec/tq2.hpp"
+#include "tierkv/report.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
+
+using namespace tiering_test;
+using tierkv::policy::recency_anchor;
+
+namespace {
+
+using tq2_tier = tier<tq2_key, tq2_key>;
+// tier 0 FP8 (Recent, Anchor), tier 1 TQ3 (Stale), tier 2 TQ2 (Cold)
+using budget_tiers = tiers<fp8_tier, tq3_tier, tq2_tier>;
+using budget_roles = tier_roles<budget_tiers, 0, 0, 1, 2>;
+using storage_b = paged_storage<tiny, budget_tiers, host_allocator, failing_allocator>;
+using controller_b = tier_controller<storage_b, recency_anchor, budget_roles>;
+
+std::unique_ptr<storage_b> make_storage(int layers = 2) {
+  storage_b::options o;
+  o.num_layers = layers;
+  o.max_sequences = 4;
+  o.pages_per_tier = {64, 64, 64};
+  o.codec_seed = 31;
+  return std::move(storage_b::create(o).value());
+}
+
+// recent 2, sink 1, EMA weight 1 (the last observation), anchors by mass off, no dwell
+recency_anchor knobs() {
+  return recency_anchor(tierkv_test::recency_knobs(2, 1, 1.0f, 1e30f, 1e30f, 0));
+}
+
+tier_controller_options budget(double bits) {
+  tier_controller_options o;
+  o.bits_per_scalar_target = bits;
+  return o;
+}
+
+// Each page's tier, per layer.
+std::vector<std::vector<int>> tiers_of(const storage_b& s, seq_id q, int pages, int layers) {
+  std::vector<std::vector<int>> t(std::size_t(layers), std::vector<int>(std::size_t(pages), -1));
+  for (int l = 0; l < layers; ++l)
+    for (int p = 0; p < pages; ++p) t[l][p] = s.page(q, l, p).value().format;
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("budget: the live pages end at the target; mass decides who keeps bits",
+          "[tiering][budget]") {
+  const int layers = 2;
+  auto s = make_storage(layers);
+  const seq_id q = s->create_sequence().value();
+  const auto tokens = seeds_from(500, 20 * 16 + 5);  // 20 sealed pages and an open tail
+  REQUIRE(append_seeds(*s, q, tokens));
+  const int pages = 21;
+  // layer 0: mass rising with the page index (page 20 is open); layer 1: page 7 draws most
+  std::vector<float> m0(pages), m1(pages, 0.01f);
+  float sum = 0;
+  for (int p = 0; p < pages; ++p) sum += (m0[p] = float(p + 1));
+  for (float& x : m0) x /= sum;
+  m1[7] = 1.0f - 0.01f * (pages - 1);
+
+  for (const double target : {3.0, 3.6, 4.4, 6.0}) {
+    INFO("target " << target);
+    auto s2 = make_storage(layers);
+    const seq_id q2 = s2->create_sequence().value();
+    REQUIRE(append_seeds(*s2, q2, tokens));
+    auto c = controller_b::create(*s2, knobs(), budget(target)).value();
+    REQUIRE(c->observe_mass(q2, 0, m0));
+    REQUIRE(c->observe_mass(q2, 1, m1));
+    const auto plan = c->plan(1);
+    const retier_stats st = c->apply(plan);
+    CHECK(st.converted == plan.size());
+    CHECK(st.failed == 0);
+    REQUIRE(c->check_invariants());
+    const memory_report r = make_report(*s2);
+    // the plan's figure is the report's: the budget reconciles
+    CHECK(c->last_budget().within);
+    CHECK(c->last_budget().bytes == double(r.live_page_bytes()));
+    CHECK(r.bits_per_scalar <= target + 1e-12);
+    // and no page could take its next step: within one TQ3 -> FP8 page of the target
+    const double scalars = double(r.live_tokens) * layers * 2.0 * tiny::kv_heads * tiny::head_dim;
+    const double fp8_minus_tq3 = double(s2->template pool<0>().view().page_bytes) -
+                                 double(s2->template pool<1>().view().page_bytes);
+    CHECK(r.bits_per_scalar > target - 8.0 * fp8_minus_tq3 / scalars);
+    const auto t = tiers_of(*s2, q2, pages, layers);
+    // Recent (pages 19, 20: the open tail and the newest sealed page) stay FP8
+    for (int l = 0; l < layers; ++l) {
+      CHECK(t[l][20] == 0);
+      CHECK(t[l][19] == 0);
+    }
+    // monotone in mass on layer 0 (pages 1..18: the sink, page 0, has the keep value of a sink)
+    for (int p = 1; p + 1 < 19; ++p) CHECK(t[0][p] >= t[0][p + 1]);
+    // layer 1: page 7 is never in a cheaper tier than another old page of layer 1
+    for (int p = 1; p < 19; ++p)
+      if (p != 7) CHECK(t[1][7] <= t[1][p]);
+  }
+  // a tight target: every movable page TQ2, and the rest of the budget used
+  auto c = controller_b::create(*s, knobs(), budget(2.0)).value();
+  REQUIRE(c->apply(c->plan(1)).failed == 0);
+  const memory_report r = make_report(*s);
+  CHECK_FALSE(c->last_budget().within);  // the fixed FP8 pages alone cost more than 2 bits
+  const auto t = tiers_of(*s, q, pages, layers);
+  for (int l = 0; l < layers; ++l)
+    for (int p = 0; p < 19; ++p) CHECK(t[l][p] == 2);
+  CHECK(r.bits_per_scalar > 2.0);
+}
+
+TEST_CASE("budget: pinned pages stay, and the budget holds as the sequence grows",
+          "[tiering][budget]") {
+  const int layers = 2;
+  auto s = make_storage(layers);
+  auto c = controller_b::create(*s, knobs(), budget(3.5)).value();
+  const seq_id q = s->create_sequence().value();
+  const auto tokens = seeds_from(900, 30 * 16);
+  // from 20 pages on, the fixed FP8 pages (2 Recent, 1 pinned a layer) leave room under 3.5 bits
+  REQUIRE(append_seeds(*s, q, std::vector<std::uint64_t>(tokens.begin(), tokens.begin() + 320)));
+  REQUIRE(c->pin(q, 3, 1));
+  std::uint64_t step = 1;
+  for (std::size_t at = 320; at <= tokens.size(); at += 48) {
+    if (at > 320)
+      REQUIRE(append_seeds(*s, q, std::vector<std::uint64_t>(tokens.begin() + std::ptrdiff_t(at - 48),
+                                                             tokens.begin() + std::ptrdiff_t(at))));
+    const auto plan = c->plan(step++);
+    REQUIRE(c->apply(plan).failed == 0);
+    REQUIRE(c->check_invariants());
+    const memory_report r = make_report(*s);
+    INFO(at << " tokens");
+    CHECK(c->last_budget().within);
+    CHECK(c->last_budget().bytes == double(r.live_page_bytes()));
+    CHECK(r.bits_per_scalar <= 3.5 + 1e-12);
+    for (int l = 0; l < layers; ++l) CHECK(s->page(q, l, 3).value().format == 0);  // pinned
+  }
+}
+
+TEST_CASE("budget: bad targets are refused, naming the value", "[tiering][budget]") {
+  auto s = make_storage();
+  for (const double bad : {-1.0, 65.0, std::numeric_limits<double>::quiet_NaN(),
+                           std::numeric_limits<double>::infinity()}) {
+    const auto c = controller_b::create(*s, knobs(), budget(bad));
+    CHECK(c.code() == errc::invalid_argument);
+    CHECK(c.error_status().message().find("bits_per_scalar_target") != std::string::npos);
+  }
+  CHECK(controller_b::create(*s, knobs(), budget(0.0)).has_value());  // 0: off
+  auto off = controller_b::create(*s, knobs(), budget(0.0)).value();
+  CHECK(off->last_budget().bytes == 0);
+}
