@@ -29,8 +29,8 @@ namespace tierkv {
 
 /// One tier as the budget sees it.
 struct budget_tier {
-  double page_bytes = 0;   ///< bytes of one page in it
-  double error = 0;        ///< expected error of a page in it (the planner: key ip rms^2 d + value MSE)
+  double page_bytes = 0;  ///< bytes of one page in it
+  double error = 0;  ///< expected error of a page in it (the planner: key ip rms^2 d + value MSE)
   std::uint64_t room = 0;  ///< pages of it the movable pages may take (free + theirs now)
 };
 

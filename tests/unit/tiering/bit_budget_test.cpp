@@ -35,7 +35,8 @@ double total_bytes(const std::vector<budget_tier>& tiers, const std::vector<std:
 // Whether the budget may put page p in tier t: any tier without `now`, else one of no less error
 // than its tier now, or the cheapest (every page may start there).
 bool allowed(const budget_page& p, const std::vector<budget_tier>& tiers, int cheapest, int t) {
-  return p.now < 0 || t == cheapest || tiers[std::size_t(t)].error >= tiers[std::size_t(p.now)].error;
+  return p.now < 0 || t == cheapest ||
+         tiers[std::size_t(t)].error >= tiers[std::size_t(p.now)].error;
 }
 
 // The least total error over every allowed assignment within the budget and the rooms (float64).

@@ -134,8 +134,9 @@ TEST_CASE("budget: pinned pages stay, and the budget holds as the sequence grows
   std::uint64_t step = 1;
   for (std::size_t at = 320; at <= tokens.size(); at += 48) {
     if (at > 320)
-      REQUIRE(append_seeds(*s, q, std::vector<std::uint64_t>(tokens.begin() + std::ptrdiff_t(at - 48),
-                                                             tokens.begin() + std::ptrdiff_t(at))));
+      REQUIRE(append_seeds(*s, q,
+                           std::vector<std::uint64_t>(tokens.begin() + std::ptrdiff_t(at - 48),
+                                                      tokens.begin() + std::ptrdiff_t(at))));
     const auto plan = c->plan(step++);
     REQUIRE(c->apply(plan).failed == 0);
     REQUIRE(c->check_invariants());
