@@ -285,6 +285,7 @@ class cache_impl final : public runtime_cache {
     o.softmax_scale = float(cfg.softmax_scale);
     o.soft_cap = float(cfg.soft_cap);
     o.center = cfg.center;
+    o.tiering.bits_per_scalar_target = cfg.bits_per_scalar;
     cache_ = value(cache_type::create(o));  // checks every other option, naming it
     index_.emplace(value(tierkv::index_arrays<storage_type>::create(cache_->storage(),
                                                                     cfg.max_batch, cfg.max_pages)));

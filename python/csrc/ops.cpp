@@ -141,7 +141,8 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
                   std::int64_t threads, double softmax_scale, double soft_cap,
                   std::int64_t codec_seed, std::string policy,
                   std::vector<std::string> policy_knob_names,
-                  std::vector<double> policy_knob_values, bool center) {
+                  std::vector<double> policy_knob_values, bool center,
+                  double bits_per_scalar) {
   TIERKV_CHECK_VALUE(codec_seed >= 0, "tierkv.create: codec_seed = ", codec_seed, " is negative");
   cache_config cfg;
   cfg.recent = std::move(recent);
@@ -166,6 +167,7 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
   cfg.policy_knob_names = std::move(policy_knob_names);
   cfg.policy_knob_values = std::move(policy_knob_values);
   cfg.center = center;
+  cfg.bits_per_scalar = bits_per_scalar;
   std::shared_ptr<runtime_cache> c = guarded("create", [&] { return make_cache(cfg); });
   const std::int64_t h = next_handle++;
   {
@@ -504,7 +506,7 @@ TORCH_LIBRARY(tierkv, m) {
       "int group_size, int page_size, int num_layers, int[] pages_per_tier, int max_sequences, "
       "int max_batch, int max_pages, int threads, float softmax_scale, float soft_cap, "
       "int codec_seed, str policy, str[] policy_knob_names, float[] policy_knob_values, "
-      "bool center=False) -> Tensor");
+      "bool center=False, float bits_per_scalar=0.0) -> Tensor");
   m.def("destroy(Tensor(a!) state) -> ()");
   m.def("built() -> Tensor");
   m.def("tier_set_name(int index) -> str");

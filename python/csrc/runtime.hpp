@@ -45,6 +45,8 @@ struct cache_config {
   std::vector<double> policy_knob_values;
   // channel means out before encoding, back into outputs and LSE (tierkv/centering.hpp)
   bool center = false;
+  // a bit budget over the movable pages (tier_controller_options::bits_per_scalar_target; 0 off)
+  double bits_per_scalar = 0.0;
 };
 
 class runtime_cache {

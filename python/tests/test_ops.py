@@ -316,6 +316,32 @@ def test_cold_tier_set(rng):
                      policy_options=dict(cold_layers=2.0**53 + 2))  # fmt: skip
 
 
+def test_bit_budget(rng):
+    """bits_per_scalar (a bit budget, docs/tiering.md): the movable pages (all but the Recent one)
+    store at most the target, within one step of it; the attended page is in the best tier any
+    movable page has; bad targets are refused naming the value."""
+    cold = dict(recent="int8_rotated", cache_type_k="tq4", cache_type_v="tq3", cold_type_k="tq3", cold_type_v="tq2")
+    page_bits = {0: 8.25, 1: (4.25 + 3.25) / 2, 2: (3.25 + 2.25) / 2}  # d = 64: the set's tiers
+    for target in (3.0, 3.5):
+        c = tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, page_size=16, num_layers=1, max_tokens=1024,
+                         max_sequences=4, threads=2, **cold, recent_pages=1, sink_pages=0, keep_first_layers=0,
+                         keep_last_layers=0, min_dwell_steps=0, bits_per_scalar=target,
+                         policy_options=dict(ema_alpha=1.0))  # fmt: skip
+        s = c.create_sequence()
+        K = torch.randn(1, 320, 4, 64, generator=rng)
+        c.append(s, K, torch.randn(1, 320, 4, 64, generator=rng))
+        q = 4.0 * K[0, 40].repeat_interleave(2, dim=0).unsqueeze(0)  # every head attends page 2
+        c.decode(0, [s], q)
+        c.retier(1)
+        tiers = c.page_tiers(s, 0)
+        movable = [page_bits[t] for t in tiers[:-1]]
+        bits = sum(movable) / len(movable)
+        assert bits <= target + 1e-9 and bits > target - (8.25 - 3.75) / len(movable), (target, tiers)
+        assert tiers[2] == min(tiers[:-1]) and tiers[-1] == 0, tiers  # the attended page: the best
+    with pytest.raises(ValueError, match=r"bits_per_scalar_target = -1"):
+        tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=64, **cold, bits_per_scalar=-1)
+
+
 def test_mutating_ops_bump_the_state(rng):
     c = make_cache()
     before = int(c.state[1])

@@ -215,6 +215,12 @@ class Cache:
     center=True subtracts per-(layer, KV head) channel means from keys and values before they are
     encoded (estimated from a layer's first write) and adds them back to decode's and prefill's
     outputs and LSE exactly (tierkv/centering.hpp); refused with a soft_cap.
+
+    bits_per_scalar > 0: a bit budget (issue 52, docs/tiering.md "A bit budget"): each retier
+    places the pages it may move (all but the Recent window, open and pinned pages) so that they
+    store at most this many bits per key / value scalar, the pages of most attention mass in the
+    better tiers; 0 (the default): the policy's tiers as they are. A value outside [0, 64] is
+    refused.
     """
 
     def __init__(
@@ -247,6 +253,7 @@ class Cache:
         keep_last_layers: int | None = None,
         min_dwell_steps: int | None = None,
         center: bool = False,
+        bits_per_scalar: float = 0.0,
     ):
         tiers = tier_count(recent, cache_type_k, cache_type_v, cold_type_k, cold_type_v)
         if pages_per_tier is None:
@@ -282,6 +289,7 @@ class Cache:
             knob_names,
             knob_values,
             bool(center),
+            float(bits_per_scalar),
         )
         self.head_dim, self.kv_heads, self.group_size = head_dim, kv_heads, group_size
         self.q_heads = kv_heads * group_size

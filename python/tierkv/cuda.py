@@ -78,6 +78,7 @@ class _Config(ctypes.Structure):
         ("knob_names", ctypes.POINTER(ctypes.c_char_p)),
         ("knob_values", ctypes.POINTER(ctypes.c_double)),
         ("center", ctypes.c_int64),
+        ("bits_per_scalar", ctypes.c_double),
     ]
 
 
@@ -100,8 +101,8 @@ def _load():
             "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
         )
     lib = ctypes.CDLL(str(path))
-    if lib.tkv_cuda_abi_version() != 4:
-        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 4")
+    if lib.tkv_cuda_abi_version() != 5:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 5")
     vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     sig = {
         "tkv_cuda_last_error": ([], ctypes.c_char_p),
@@ -208,6 +209,7 @@ class CudaCache:
     center=True subtracts a per-(layer, KV head) channel mean from keys and values before they
     are encoded (estimated from a layer's first append) and adds it back to decode's and
     prefill's outputs and LSE exactly (docs/gpu-cache.md, Centring); a soft-cap is then refused.
+    bits_per_scalar > 0 sets a bit budget as tierkv.Cache's.
     """
 
     def __init__(
@@ -242,6 +244,7 @@ class CudaCache:
         keep_last_layers: int | None = None,
         min_dwell_steps: int | None = None,
         center: bool = False,
+        bits_per_scalar: float = 0.0,
         device=None,
     ):
         lib = _load()
@@ -271,7 +274,7 @@ class CudaCache:
             (ctypes.c_int64 * 8)(*pages_per_tier), max_sequences, max_batch, max_pages,
             max_step_tokens, max_retier_pages, max_chunks_per_seq, mass_layers_per_step,
             float(softmax_scale), codec_seed, policy.encode(), len(knob_names), names_c, values_c,
-            int(bool(center)),
+            int(bool(center)), float(bits_per_scalar),
         )  # fmt: skip
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):

@@ -82,8 +82,8 @@ struct tier_controller_options {
   /// `static constexpr bool choice_reads_time = true` and always gets the full scan.
   bool incremental_plan = true;
   /// A bit budget (issue 52; MosaicKV's global budget): > 0 makes every plan() place the pages
-  /// the policy lets move so that the live pages store at most this many bits per key / value
-  /// scalar (the memory report's bits_per_scalar), the bits going to the pages of highest keep
+  /// it may move (all but the Recent window, open, pinned and dwelling pages) so that they store
+  /// at most this many bits per key / value scalar, the bits going to the pages of highest keep
   /// value where they lower the tiers' expected error most (retier_planner::plan_budget,
   /// tiering/bit_budget.hpp). 0: off, the policy's choices as they are.
   double bits_per_scalar_target = 0;

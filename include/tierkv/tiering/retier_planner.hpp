@@ -84,15 +84,18 @@ class retier_planner : public page_records<Storage, Policy> {
 
   /// plan() under a bit budget (tier_controller_options::bits_per_scalar_target, MosaicKV's
   /// global budget): open, quarantined and pinned pages, the policy's Recent pages and pages the
-  /// dwell holds stay where they are, and their bytes count against the budget; the other pages
-  /// go where allocate_bit_budget puts them (tiering/bit_budget.hpp), weighted by the policy's
-  /// keep value (newer pages first among equals), never to a tier of less expected error than
-  /// their own (a lossy page regains nothing), over every tier with room (tier 0 keeps
-  /// promotion_reserve_percent free, as apply() does). A tier's error is its codecs' expected
-  /// figures (codec/error_traits.hpp): key ip rms^2 x head_dim + value relative MSE. The budget
-  /// is target bits x the live tokens' stored scalars, the report's bits_per_scalar measure (a
-  /// partly filled page costs its whole page). A full scan every plan: the budget is global.
-  /// Returns what the allocation did (within = false: the fixed pages alone exceed the target).
+  /// dwell holds stay where they are (fixed); the other pages (movable) go where
+  /// allocate_bit_budget puts them (tiering/bit_budget.hpp) within target bits per stored scalar
+  /// of theirs, weighted by the policy's keep value (newer pages first among equals), never to a
+  /// tier of less expected error than their own (a lossy page regains nothing), over every tier
+  /// with room (tier 0 keeps promotion_reserve_percent free, as apply() does). A tier's error is
+  /// its codecs' expected figures (codec/error_traits.hpp): key ip rms^2 x head_dim + value
+  /// relative MSE. The fixed pages are not charged to the budget: a sequence's first chunks,
+  /// mostly Recent, would otherwise push every older page to the cheapest tier for good (a page
+  /// never regains a lossy tier's error); they add their own rate over the Recent window, a few
+  /// pages a sequence (docs/tiering.md). A full scan every plan: the budget is global. Returns
+  /// what the allocation did, bytes over every live page (the memory report's), within = whether
+  /// the movable pages fit (false: they exceed the target even in the cheapest tier).
   budget_result plan_budget(double target_bits) {
     constexpr int T = Storage::num_tiers;
     const int layers = storage_->num_layers();
@@ -111,10 +114,9 @@ class retier_planner : public page_records<Storage, Policy> {
         tiers[append_tier].room > reserve ? tiers[append_tier].room - reserve : 0;
     budget_pages_->clear();
     budget_at_->clear();
-    double fixed = 0, scalars = 0;
+    double fixed = 0, scalars = 0;  // the fixed pages' bytes, the movable pages' scalars
     const double scalars_per_token_layer = 2.0 * Storage::kv_heads * Storage::head_dim;
     storage_->for_each_block([&](block_ref ref, int fill, std::uint32_t) {
-      scalars += double(fill) * layers * scalars_per_token_layer;
       const bool sealed = storage_->block_sealed(ref);
       for (int l = 0; l < layers; ++l) {
         page_rec& r = page(ref.index, l);
@@ -128,6 +130,7 @@ class retier_planner : public page_records<Storage, Policy> {
           continue;
         }
         ++tiers[f.tier].room;
+        scalars += double(fill) * scalars_per_token_layer;
         const std::uint64_t age = std::uint64_t(std::clamp<std::int64_t>(f.age, 0, 1LL << 40));
         budget_pages_->push_back({policy_.keep_value(r.state, f),
                                   age * std::uint64_t(layers) + std::uint64_t(l),
@@ -136,7 +139,7 @@ class retier_planner : public page_records<Storage, Policy> {
       }
     });
     budget_to_->assign(budget_pages_->size(), std::int16_t(-1));
-    const double budget = target_bits / 8.0 * scalars - fixed;
+    const double budget = target_bits / 8.0 * scalars;
     auto placed = allocate_bit_budget(*budget_pages_, tiers, budget, *budget_to_);
     for (const std::uint32_t i : *dirty_) (*pages_)[i].dirty = false;
     dirty_->clear();

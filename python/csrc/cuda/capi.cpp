@@ -113,6 +113,7 @@ gpu_cache_config to_config(const tkv_cuda_config& c) {
     fail(tierkv::status::make(tierkv::errc::invalid_argument, "center = ", c.center,
                               " must be 0 or 1"));
   g.center = c.center == 1;
+  g.bits_per_scalar = c.bits_per_scalar;  // the controller's validate() names a bad one
   return g;
 }
 

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define TKV_CUDA_ABI_VERSION 4
+#define TKV_CUDA_ABI_VERSION 5
 #define TKV_CUDA_API __attribute__((visibility("default")))
 
 typedef struct tkv_cuda_config {
@@ -38,6 +38,8 @@ typedef struct tkv_cuda_config {
   const double* knob_values;     /*   and values */
   int64_t center; /* 1: per-(layer, KV head) channel means subtracted before encoding, added back
                      exactly (cuda::tiered_cache options::center); 0: off */
+  double bits_per_scalar; /* > 0: a bit budget over the movable pages (tier_controller_options::
+                             bits_per_scalar_target); 0: off */
 } tkv_cuda_config;
 
 TKV_CUDA_API int tkv_cuda_abi_version(void);

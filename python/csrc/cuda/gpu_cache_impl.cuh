@@ -131,6 +131,7 @@ class gpu_cache_impl final : public gpu_cache {
     o.mass_layers_per_step = cfg.mass_layers_per_step;
     o.softmax_scale = float(cfg.softmax_scale);
     o.center = cfg.center;
+    o.tiering.bits_per_scalar_target = cfg.bits_per_scalar;
     c_ = value(cache_type::create(o, stream));  // checks every other option, naming it
   }
 

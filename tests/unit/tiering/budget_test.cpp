@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The tier controller under a bit budget (tier_controller_options::bits_per_scalar_target,
-// retier_planner::plan_budget): the live pages end at or under the target, as the memory report
-// measures it, and reconcile with the plan's figure; the pages of most attention mass get the
-// better tiers; Recent, open and pinned pages stay; a target the fixed pages already exceed moves
-// nothing up; bad targets are refused.
+// retier_planner::plan_budget): the movable pages end at or under the target, within one step of
+// it, and the plan's bytes reconcile with the memory report; the pages of most attention mass
+// get the better tiers; Recent, open and pinned pages stay; a target under the cheapest tier
+// puts every movable page there; bad targets are refused.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -50,6 +50,9 @@ tier_controller_options budget(double bits) {
   return o;
 }
 
+// Bytes of one page of tier t.
+std::size_t page_bytes(const storage_b& s, int t) { return s.views()[std::size_t(t)].page_bytes; }
+
 // Each page's tier, per layer.
 std::vector<std::vector<int>> tiers_of(const storage_b& s, seq_id q, int pages, int layers) {
   std::vector<std::vector<int>> t(std::size_t(layers), std::vector<int>(std::size_t(pages), -1));
@@ -92,13 +95,15 @@ TEST_CASE("budget: the live pages end at the target; mass decides who keeps bits
     // the plan's figure is the report's: the budget reconciles
     CHECK(c->last_budget().within);
     CHECK(c->last_budget().bytes == double(r.live_page_bytes()));
-    CHECK(r.bits_per_scalar <= target + 1e-12);
-    // and no page could take its next step: within one TQ3 -> FP8 page of the target
-    const double scalars = double(r.live_tokens) * layers * 2.0 * tiny::kv_heads * tiny::head_dim;
-    const double fp8_minus_tq3 = double(s2->template pool<0>().view().page_bytes) -
-                                 double(s2->template pool<1>().view().page_bytes);
-    CHECK(r.bits_per_scalar > target - 8.0 * fp8_minus_tq3 / scalars);
+    // the movable pages (0..18: all but the Recent window, pages 19 and 20) store at most the
+    // target, and no page could take its next step: within one TQ3 -> FP8 page of it
     const auto t = tiers_of(*s2, q2, pages, layers);
+    const double scalars = 19.0 * 16 * layers * 2.0 * tiny::kv_heads * tiny::head_dim;
+    double bytes = 0;
+    for (int l = 0; l < layers; ++l)
+      for (int p = 0; p < 19; ++p) bytes += double(page_bytes(*s2, t[l][p]));
+    CHECK(8.0 * bytes / scalars <= target + 1e-12);
+    CHECK(8.0 * bytes / scalars > target - 8.0 * double(page_bytes(*s2, 0) - page_bytes(*s2, 1)) / scalars);
     // Recent (pages 19, 20: the open tail and the newest sealed page) stay FP8
     for (int l = 0; l < layers; ++l) {
       CHECK(t[l][20] == 0);
@@ -110,11 +115,11 @@ TEST_CASE("budget: the live pages end at the target; mass decides who keeps bits
     for (int p = 1; p < 19; ++p)
       if (p != 7) CHECK(t[1][7] <= t[1][p]);
   }
-  // a tight target: every movable page TQ2, and the rest of the budget used
+  // a target under the cheapest tier: every movable page TQ2
   auto c = controller_b::create(*s, knobs(), budget(2.0)).value();
   REQUIRE(c->apply(c->plan(1)).failed == 0);
   const memory_report r = make_report(*s);
-  CHECK_FALSE(c->last_budget().within);  // the fixed FP8 pages alone cost more than 2 bits
+  CHECK_FALSE(c->last_budget().within);  // TQ2 alone costs more than 2 bits
   const auto t = tiers_of(*s, q, pages, layers);
   for (int l = 0; l < layers; ++l)
     for (int p = 0; p < 19; ++p) CHECK(t[l][p] == 2);
@@ -128,7 +133,6 @@ TEST_CASE("budget: pinned pages stay, and the budget holds as the sequence grows
   auto c = controller_b::create(*s, knobs(), budget(3.5)).value();
   const seq_id q = s->create_sequence().value();
   const auto tokens = seeds_from(900, 30 * 16);
-  // from 20 pages on, the fixed FP8 pages (2 Recent, 1 pinned a layer) leave room under 3.5 bits
   REQUIRE(append_seeds(*s, q, std::vector<std::uint64_t>(tokens.begin(), tokens.begin() + 320)));
   REQUIRE(c->pin(q, 3, 1));
   std::uint64_t step = 1;
@@ -144,7 +148,16 @@ TEST_CASE("budget: pinned pages stay, and the budget holds as the sequence grows
     INFO(at << " tokens");
     CHECK(c->last_budget().within);
     CHECK(c->last_budget().bytes == double(r.live_page_bytes()));
-    CHECK(r.bits_per_scalar <= 3.5 + 1e-12);
+    // the movable pages: every sealed page but the pinned one and the newest two (Recent)
+    const std::int64_t sealed = std::int64_t(at) / 16;
+    double bytes = 0, scalars = 0;
+    for (int l = 0; l < layers; ++l)
+      for (std::int64_t p = 0; p + 2 < sealed; ++p)
+        if (p != 3) {
+          bytes += double(page_bytes(*s, s->page(q, l, p).value().format));
+          scalars += 16.0 * 2 * tiny::kv_heads * tiny::head_dim;
+        }
+    CHECK(8.0 * bytes / scalars <= 3.5 + 1e-12);
     for (int l = 0; l < layers; ++l) CHECK(s->page(q, l, 3).value().format == 0);  // pinned
   }
 }
