@@ -141,8 +141,7 @@ at::Tensor create(std::string recent, std::string cache_type_k, std::string cach
                   std::int64_t threads, double softmax_scale, double soft_cap,
                   std::int64_t codec_seed, std::string policy,
                   std::vector<std::string> policy_knob_names,
-                  std::vector<double> policy_knob_values, bool center,
-                  double bits_per_scalar) {
+                  std::vector<double> policy_knob_values, bool center, double bits_per_scalar) {
   TIERKV_CHECK_VALUE(codec_seed >= 0, "tierkv.create: codec_seed = ", codec_seed, " is negative");
   cache_config cfg;
   cfg.recent = std::move(recent);

@@ -103,7 +103,8 @@ TEST_CASE("budget: the live pages end at the target; mass decides who keeps bits
     for (int l = 0; l < layers; ++l)
       for (int p = 0; p < 19; ++p) bytes += double(page_bytes(*s2, t[l][p]));
     CHECK(8.0 * bytes / scalars <= target + 1e-12);
-    CHECK(8.0 * bytes / scalars > target - 8.0 * double(page_bytes(*s2, 0) - page_bytes(*s2, 1)) / scalars);
+    CHECK(8.0 * bytes / scalars >
+          target - 8.0 * double(page_bytes(*s2, 0) - page_bytes(*s2, 1)) / scalars);
     // Recent (pages 19, 20: the open tail and the newest sealed page) stay FP8
     for (int l = 0; l < layers; ++l) {
       CHECK(t[l][20] == 0);
