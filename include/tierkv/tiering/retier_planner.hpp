@@ -83,19 +83,20 @@ class retier_planner : public page_records<Storage, Policy> {
   }
 
   /// plan() under a bit budget (tier_controller_options::bits_per_scalar_target, MosaicKV's
-  /// global budget): open, quarantined and pinned pages, the policy's Recent pages and pages the
-  /// dwell holds stay where they are (fixed); the other pages (movable) go where
-  /// allocate_bit_budget puts them (tiering/bit_budget.hpp) within target bits per stored scalar
-  /// of theirs, weighted by the policy's keep value (newer pages first among equals), never to a
-  /// tier of less expected error than their own (a lossy page regains nothing), over every tier
-  /// with room (tier 0 keeps promotion_reserve_percent free, as apply() does). A tier's error is
-  /// its codecs' expected figures (codec/error_traits.hpp): key ip rms^2 x head_dim + value
-  /// relative MSE. The fixed pages are not charged to the budget: a sequence's first chunks,
-  /// mostly Recent, would otherwise push every older page to the cheapest tier for good (a page
-  /// never regains a lossy tier's error); they add their own rate over the Recent window, a few
-  /// pages a sequence (docs/tiering.md). A full scan every plan: the budget is global. Returns
-  /// what the allocation did, bytes over every live page (the memory report's), within = whether
-  /// the movable pages fit (false: they exceed the target even in the cheapest tier).
+  /// global budget). Open and pinned pages and the policy's Recent pages stay where they are and
+  /// are not charged: a sequence's first chunks, mostly Recent, would otherwise push every older
+  /// page to the cheapest tier for good (a page never regains a lossy tier's error); they add
+  /// their own rate over the Recent window, a few pages a sequence (docs/tiering.md). Every other
+  /// page is charged target bits per stored scalar: those the dwell holds (and quarantined ones)
+  /// where they are, so that what they spend under the target goes to the rest, the movable
+  /// pages, which go where allocate_bit_budget puts them (tiering/bit_budget.hpp), weighted by
+  /// the policy's keep value (newer pages first among equals), never to a tier of less expected
+  /// error than their own (a lossy page regains nothing), over every tier with room (tier 0
+  /// keeps promotion_reserve_percent free, as apply() does). A tier's error is its codecs'
+  /// expected figures (codec/error_traits.hpp): key ip rms^2 x head_dim + value relative MSE. A
+  /// full scan every plan: the budget is global. Returns what the allocation did, bytes over
+  /// every live page (the memory report's), within = whether the charged pages fit (false: they
+  /// exceed the target even with the movable ones in the cheapest tier).
   budget_result plan_budget(double target_bits) {
     constexpr int T = Storage::num_tiers;
     const int layers = storage_->num_layers();
@@ -114,7 +115,9 @@ class retier_planner : public page_records<Storage, Policy> {
         tiers[append_tier].room > reserve ? tiers[append_tier].room - reserve : 0;
     budget_pages_->clear();
     budget_at_->clear();
-    double fixed = 0, scalars = 0;  // the fixed pages' bytes, the movable pages' scalars
+    // fixed: every fixed page's bytes; held: the bytes of the charged fixed pages (dwelling or
+    // quarantined); scalars: the charged pages' scalars (held and movable)
+    double fixed = 0, held = 0, scalars = 0;
     const double scalars_per_token_layer = 2.0 * Storage::kv_heads * Storage::head_dim;
     storage_->for_each_block([&](block_ref ref, int fill, std::uint32_t) {
       const bool sealed = storage_->block_sealed(ref);
@@ -124,13 +127,17 @@ class retier_planner : public page_records<Storage, Policy> {
         r.pending = -1.0f;
         const page_id p = storage_->block_page(ref, l);
         const page_facts f = facts(ref.index, l, p);
-        if (!sealed || r.quarantined || f.pinned || dwelling(r, f) ||
-            policy_.choose(r.state, f) == tier_role::recent) {
+        if (!sealed || f.pinned || policy_.choose(r.state, f) == tier_role::recent) {
+          fixed += tiers[f.tier].page_bytes;  // not charged
+          continue;
+        }
+        scalars += double(fill) * scalars_per_token_layer;
+        if (r.quarantined || dwelling(r, f)) {  // charged where they are
           fixed += tiers[f.tier].page_bytes;
+          held += tiers[f.tier].page_bytes;
           continue;
         }
         ++tiers[f.tier].room;
-        scalars += double(fill) * scalars_per_token_layer;
         const std::uint64_t age = std::uint64_t(std::clamp<std::int64_t>(f.age, 0, 1LL << 40));
         budget_pages_->push_back({policy_.keep_value(r.state, f),
                                   age * std::uint64_t(layers) + std::uint64_t(l),
@@ -139,7 +146,7 @@ class retier_planner : public page_records<Storage, Policy> {
       }
     });
     budget_to_->assign(budget_pages_->size(), std::int16_t(-1));
-    const double budget = target_bits / 8.0 * scalars;
+    const double budget = target_bits / 8.0 * scalars - held;
     auto placed = allocate_bit_budget(*budget_pages_, tiers, budget, *budget_to_);
     for (const std::uint32_t i : *dirty_) (*pages_)[i].dirty = false;
     dirty_->clear();
