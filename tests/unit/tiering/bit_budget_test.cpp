@@ -93,7 +93,7 @@ TEST_CASE("bit budget: random instances against an exhaustive search", "[tiering
     double cheapest = std::numeric_limits<double>::infinity(), dearest = 0;
     for (const auto& x : tiers)
       cheapest = std::min(cheapest, x.page_bytes), dearest = std::max(dearest, x.page_bytes);
-    const double budget = n * (cheapest + (dearest - cheapest) * u(rng));
+    const double budget = double(n) * (cheapest + (dearest - cheapest) * u(rng));
     std::vector<std::int16_t> at(n, -1);
     const auto r = allocate_bit_budget(pages, tiers, budget, at);
     REQUIRE(r.has_value());

@@ -23,12 +23,9 @@ using tierkv::policy::recency_anchor;
 
 namespace {
 
-using tq2_tier = tier<tq2_key, tq2_key>;
-// tier 0 FP8 (Recent, Anchor), tier 1 TQ3 (Stale), tier 2 TQ2 (Cold)
-using budget_tiers = tiers<fp8_tier, tq3_tier, tq2_tier>;
-using budget_roles = tier_roles<budget_tiers, 0, 0, 1, 2>;
-using storage_b = paged_storage<tiny, budget_tiers, host_allocator, failing_allocator>;
-using controller_b = tier_controller<storage_b, recency_anchor, budget_roles>;
+// the Cold tier list of tiering_test_support.hpp: FP8, TQ3, TQ2
+using storage_b = storage_c;
+using controller_b = controller_c;
 
 std::unique_ptr<storage_b> make_storage(int layers = 2) {
   storage_b::options o;

@@ -24,13 +24,6 @@ using tierkv::policy::recency_anchor;
 
 namespace {
 
-using tq2_tier = tier<tq2_key, tq2_value>;
-// tier 0 FP8 (Recent, Anchor), tier 1 TQ3 (Stale), tier 2 TQ2 (Cold)
-using cold_tiers = tiers<fp8_tier, tq3_tier, tq2_tier>;
-using cold_roles = tier_roles<cold_tiers, 0, 0, 1, 2>;
-using storage_c = paged_storage<tiny, cold_tiers, host_allocator, failing_allocator>;
-using controller_c = tier_controller<storage_c, recency_anchor, cold_roles>;
-
 // The default roles of the same list: Cold shares Stale's tier (the last).
 static_assert(tier_roles<cold_tiers>::stale == 2 && tier_roles<cold_tiers>::cold == 2);
 static_assert(tier_roles<two_tiers>::cold == tier_roles<two_tiers>::stale);

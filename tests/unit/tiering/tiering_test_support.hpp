@@ -13,11 +13,13 @@
 
 #include "tierkv/codec/error_traits.hpp"
 #include "tierkv/codec/fp8.hpp"
+#include "tierkv/codec/tq2.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/formats.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/paging/prefix_index.hpp"
 #include "tierkv/tiering/conversion.hpp"
+#include "tierkv/tiering/recency_anchor.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 
 namespace tiering_test {
@@ -35,6 +37,12 @@ using three_tiers = tiers<fp8_tier, fp8_tier, tq3_tier>;
 using storage2 = paged_storage<tiny, two_tiers, host_allocator, failing_allocator>;
 using storage3 = paged_storage<tiny, three_tiers, host_allocator, failing_allocator>;
 using roles3 = tier_roles<three_tiers, 0, 1, 2>;
+// A Cold tier (issue 52): tier 0 FP8 (Recent, Anchor), tier 1 TQ3 (Stale), tier 2 TQ2 (Cold).
+using tq2_tier = tier<tq2_key, tq2_value>;
+using cold_tiers = tiers<fp8_tier, tq3_tier, tq2_tier>;
+using cold_roles = tier_roles<cold_tiers, 0, 0, 1, 2>;
+using storage_c = paged_storage<tiny, cold_tiers, host_allocator, failing_allocator>;
+using controller_c = tier_controller<storage_c, policy::recency_anchor, cold_roles>;
 
 // Relative MSE bounds per vector: FP8 E4M3 errs by at most 2^-4 relative per element
 // in its normal range, so |x - x^|^2 / |x|^2 <= 2^-8; TQ3 per page (32 vectors) stays
