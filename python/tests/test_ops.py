@@ -338,6 +338,19 @@ def test_bit_budget(rng):
         bits = sum(movable) / len(movable)
         assert bits <= target + 1e-9 and bits > target - (8.25 - 3.75) / len(movable), (target, tiers)
         assert tiers[2] == min(tiers[:-1]) and tiers[-1] == 0, tiers  # the attended page: the best
+    # keep_first_layers / keep_last_layers default to 0 under a budget: with them at 1 the first
+    # and last layers' pages would take the budget before any other layer's (docs/tiering.md)
+    kw = dict(head_dim=64, kv_heads=4, group_size=2, page_size=16, num_layers=3, max_tokens=1024, max_sequences=4,
+              threads=2, **cold, recent_pages=1, sink_pages=0, min_dwell_steps=0, bits_per_scalar=3.0)
+    K, V = torch.randn(3, 320, 4, 64, generator=rng), torch.randn(3, 320, 4, 64, generator=rng)
+    for layers_kept, middle_all_cold in ((None, False), (1, True)):
+        c = tierkv.Cache(**kw, keep_first_layers=layers_kept, keep_last_layers=layers_kept)
+        s = c.create_sequence()
+        c.append(s, K, V)
+        c.retier(1)
+        assert (c.page_tiers(s, 1)[:-1] == [2] * 19) == middle_all_cold, [c.page_tiers(s, l) for l in range(3)]
+    assert tierkv.cache.policy_knobs("recency_anchor", None, {}, 3.0) == (["keep_first_layers", "keep_last_layers"], [0.0, 0.0])
+    assert tierkv.cache.policy_knobs("recency_anchor", dict(keep_first_layers=2), {}, 3.0)[1] == [2.0, 0.0]
     with pytest.raises(ValueError, match=r"bits_per_scalar_target = -1"):
         tierkv.Cache(head_dim=64, kv_heads=4, group_size=2, num_layers=1, max_tokens=64, **cold, bits_per_scalar=-1)
 

@@ -87,10 +87,13 @@ def policies() -> dict[str, dict[str, float]]:
 _KNOB_KEYWORDS = ("recent_pages", "sink_pages", "keep_first_layers", "keep_last_layers", "min_dwell_steps")
 
 
-def policy_knobs(policy: str, policy_options: dict | None, keywords: dict) -> tuple[list[str], list[float]]:
+def policy_knobs(policy: str, policy_options: dict | None, keywords: dict,
+                 bits_per_scalar: float = 0.0) -> tuple[list[str], list[float]]:
     """The knob names and values a cache is made with: policy_options plus the knob keywords
     given (not None); a knob given both ways is refused. The library checks the names, the values
-    and the policy (an unknown one raises naming what there is)."""
+    and the policy (an unknown one raises naming what there is). Under a bit budget
+    (bits_per_scalar > 0) recency_anchor's keep_first_layers / keep_last_layers default to 0:
+    their pages would take the budget before any sink (docs/tiering.md, "A bit budget")."""
     knobs = dict(policy_options or {})
     for k, v in keywords.items():
         if v is None:
@@ -100,6 +103,9 @@ def policy_knobs(policy: str, policy_options: dict | None, keywords: dict) -> tu
         knobs[k] = v
     if not isinstance(policy, str):
         raise TypeError(f"tierkv: policy must be a registered policy's name (str), got {policy!r}")
+    if bits_per_scalar > 0 and policy == "recency_anchor":
+        for k in ("keep_first_layers", "keep_last_layers"):
+            knobs.setdefault(k, 0)
     return list(knobs), [float(v) for v in knobs.values()]
 
 
@@ -220,7 +226,7 @@ class Cache:
     places the pages it may move (all but the Recent window, open and pinned pages) so that they
     store at most this many bits per key / value scalar, the pages of most attention mass in the
     better tiers; 0 (the default): the policy's tiers as they are. A value outside [0, 64] is
-    refused.
+    refused. With a budget keep_first_layers / keep_last_layers default to 0 (given, they hold).
     """
 
     def __init__(
@@ -265,7 +271,7 @@ class Cache:
         knob_names, knob_values = policy_knobs(
             policy, policy_options, dict(recent_pages=recent_pages, sink_pages=sink_pages,
                                          keep_first_layers=keep_first_layers, keep_last_layers=keep_last_layers,
-                                         min_dwell_steps=min_dwell_steps))  # fmt: skip
+                                         min_dwell_steps=min_dwell_steps), bits_per_scalar)  # fmt: skip
         self.state = ops.create(
             recent,
             cache_type_k,

@@ -263,7 +263,7 @@ class CudaCache:
         knob_names, knob_values = policy_knobs(
             policy, policy_options, dict(recent_pages=recent_pages, sink_pages=sink_pages,
                                          keep_first_layers=keep_first_layers, keep_last_layers=keep_last_layers,
-                                         min_dwell_steps=min_dwell_steps))  # fmt: skip
+                                         min_dwell_steps=min_dwell_steps), bits_per_scalar)  # fmt: skip
         names_c = (ctypes.c_char_p * max(1, len(knob_names)))(*[n.encode() for n in knob_names])
         values_c = (ctypes.c_double * max(1, len(knob_values)))(*knob_values)
         cfg = _Config(
