@@ -161,6 +161,33 @@ struct codec_error_traits<Family> {
   static constexpr double ip_bias = Family::expected_error.ip_bias;
 };
 
+/// A tier's expected error as one number, for the bit budget (tiering/bit_budget.hpp): the key
+/// family's inner-product rms^2 x head_dim (the variance of a logit's error) plus the value
+/// family's relative MSE. A family that declares no expected_error (an engine's own codec) is
+/// taken at the Gaussian rate-distortion bound of its bits, 2^(-2 bits) per role: a bound, not a
+/// measurement, so a budget over such a tier orders it by its cost alone.
+namespace detail {
+template <class Family, class Codec, bool Key>
+constexpr double role_budget_error() {
+  if constexpr (requires { Family::expected_error; }) {
+    const double r = codec_error_traits<Family>::ip_rms_sqrt_d;
+    return Key ? r * r : codec_error_traits<Family>::rel_mse;
+  } else {
+    double e = 1.0;  // 2^(-bits) in half-bit steps (no constexpr pow), squared
+    for (double b = 0; b < bits_per_scalar<Codec>; b += 0.5) e *= 0.7071067811865476;
+    return e * e;
+  }
+}
+}  // namespace detail
+
+template <class Tier, int HeadDim>
+constexpr double tier_budget_error() {
+  return detail::role_budget_error<typename Tier::key_family,
+                                   typename Tier::template key_codec<HeadDim>, true>() +
+         detail::role_budget_error<typename Tier::value_family,
+                                   typename Tier::template value_codec<HeadDim>, false>();
+}
+
 /// Exact storage cost of a family at a head_dim: payload + per-vector metadata.
 template <class Family, int HeadDim>
 inline constexpr double family_bits_per_scalar = bits_per_scalar<codec_for<Family, HeadDim>>;

@@ -92,8 +92,8 @@ class retier_planner : public page_records<Storage, Policy> {
   /// pages, which go where allocate_bit_budget puts them (tiering/bit_budget.hpp), weighted by
   /// the policy's keep value (newer pages first among equals), never to a tier of less expected
   /// error than their own (a lossy page regains nothing), over every tier with room (tier 0
-  /// keeps promotion_reserve_percent free, as apply() does). A tier's error is its codecs'
-  /// expected figures (codec/error_traits.hpp): key ip rms^2 x head_dim + value relative MSE. A
+  /// keeps promotion_reserve_percent free, as apply() does). A tier's error is
+  /// tier_budget_error (codec/error_traits.hpp): key ip rms^2 x head_dim + value relative MSE. A
   /// full scan every plan: the budget is global. Returns what the allocation did, bytes over
   /// every live page (the memory report's), within = whether the charged pages fit (false: they
   /// exceed the target even with the movable ones in the cheapest tier).
@@ -103,11 +103,9 @@ class retier_planner : public page_records<Storage, Policy> {
     std::array<budget_tier, T> tiers{};
     const auto views = storage_->views();
     detail::for_each_index<T>([&](auto I) {
-      using traits =
-          tier_error_traits<tier_at_t<typename Storage::tier_list, I>, Storage::head_dim>;
-      const double key_rms = traits::key_traits::ip_rms_sqrt_d;
       tiers[I].page_bytes = double(views[I].page_bytes);
-      tiers[I].error = key_rms * key_rms + traits::value_traits::rel_mse;
+      tiers[I].error =
+          tier_budget_error<tier_at_t<typename Storage::tier_list, I>, Storage::head_dim>();
       tiers[I].room = storage_->free_pages(I);
     });
     const std::uint64_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);
