@@ -161,11 +161,6 @@ struct codec_error_traits<Family> {
   static constexpr double ip_bias = Family::expected_error.ip_bias;
 };
 
-/// A tier's expected error as one number, for the bit budget (tiering/bit_budget.hpp): the key
-/// family's inner-product rms^2 x head_dim (the variance of a logit's error) plus the value
-/// family's relative MSE. A family that declares no expected_error (an engine's own codec) is
-/// taken at the Gaussian rate-distortion bound of its bits, 2^(-2 bits) per role: a bound, not a
-/// measurement, so a budget over such a tier orders it by its cost alone.
 namespace detail {
 template <class Family, class Codec, bool Key>
 constexpr double role_budget_error() {
@@ -180,6 +175,11 @@ constexpr double role_budget_error() {
 }
 }  // namespace detail
 
+/// A tier's expected error as one number, for the bit budget (tiering/bit_budget.hpp): the key
+/// family's inner-product rms^2 x head_dim (the variance of a logit's error) plus the value
+/// family's relative MSE. A family that declares no expected_error (an engine's own codec) is
+/// taken at the Gaussian rate-distortion bound of its bits, 2^(-2 bits) per role: a bound, not a
+/// measurement, so a budget over such a tier orders it by its cost alone.
 template <class Tier, int HeadDim>
 constexpr double tier_budget_error() {
   return detail::role_budget_error<typename Tier::key_family,
