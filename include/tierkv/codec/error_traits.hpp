@@ -168,8 +168,10 @@ constexpr double role_budget_error() {
     const double r = codec_error_traits<Family>::ip_rms_sqrt_d;
     return Key ? r * r : codec_error_traits<Family>::rel_mse;
   } else {
-    double e = 1.0;  // 2^(-bits) in half-bit steps (no constexpr pow), squared
-    for (double b = 0; b < bits_per_scalar<Codec>; b += 0.5) e *= 0.7071067811865476;
+    // 2^(-bits), in half-bit steps rounded up (no constexpr pow), squared
+    const int half_bits = int(2.0 * bits_per_scalar<Codec> + 0.999);
+    double e = 1.0;
+    for (int i = 0; i < half_bits; ++i) e *= 0.7071067811865476;
     return e * e;
   }
 }
