@@ -163,16 +163,12 @@ struct codec_error_traits<Family> {
 
 namespace detail {
 template <class Family, class Codec, bool Key>
-constexpr double role_budget_error() {
+double role_budget_error() {
   if constexpr (requires { Family::expected_error; }) {
     const double r = codec_error_traits<Family>::ip_rms_sqrt_d;
     return Key ? r * r : codec_error_traits<Family>::rel_mse;
   } else {
-    // 2^(-bits), in half-bit steps rounded up (no constexpr pow), squared
-    const int half_bits = int(2.0 * bits_per_scalar<Codec> + 0.999);
-    double e = 1.0;
-    for (int i = 0; i < half_bits; ++i) e *= 0.7071067811865476;
-    return e * e;
+    return std::exp2(-2.0 * bits_per_scalar<Codec>);
   }
 }
 }  // namespace detail
@@ -183,7 +179,7 @@ constexpr double role_budget_error() {
 /// taken at the Gaussian rate-distortion bound of its bits, 2^(-2 bits) per role: a bound, not a
 /// measurement, so a budget over such a tier orders it by its cost alone.
 template <class Tier, int HeadDim>
-constexpr double tier_budget_error() {
+double tier_budget_error() {
   return detail::role_budget_error<typename Tier::key_family,
                                    typename Tier::template key_codec<HeadDim>, true>() +
          detail::role_budget_error<typename Tier::value_family,

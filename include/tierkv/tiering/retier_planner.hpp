@@ -66,8 +66,7 @@ class retier_planner : public page_records<Storage, Policy> {
       const bool sealed = storage_->block_sealed(ref);
       for (int l = 0; l < layers; ++l) {
         page_rec& r = page(bi, l);
-        if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
-        r.pending = -1.0f;
+        fold_mass(r);
         if (!sealed || r.quarantined) continue;
         const page_facts f = facts(bi, l, storage_->block_page(ref, l));
         const int to = Roles::tier_of(policy_.choose(r.state, f));
@@ -75,11 +74,22 @@ class retier_planner : public page_records<Storage, Policy> {
         plan_->push_back(conversion{ref, l, f.tier, to, policy_.keep_value(r.state, f)});
       }
     }
+    drop_incremental_lists();
+  }
+
+  /// This step's observed mass into the policy's state (once: pending is reset).
+  void fold_mass(page_rec& r) {
+    if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
+    r.pending = -1.0f;
+  }
+
+  /// After a full scan: the incremental plan's lists are dropped, so its next plan visits all.
+  void drop_incremental_lists() {
     for (const std::uint32_t i : *dirty_) (*pages_)[i].dirty = false;
     dirty_->clear();
     for (const std::uint32_t i : *waiting_) (*pages_)[i].waiting = false;
     waiting_->clear();
-    rescan_ = true;  // the incremental plan's lists were dropped: its next plan visits all
+    rescan_ = true;
   }
 
   /// plan() under a bit budget (tier_controller_options::bits_per_scalar_target, MosaicKV's
@@ -121,8 +131,7 @@ class retier_planner : public page_records<Storage, Policy> {
       const bool sealed = storage_->block_sealed(ref);
       for (int l = 0; l < layers; ++l) {
         page_rec& r = page(ref.index, l);
-        if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
-        r.pending = -1.0f;
+        fold_mass(r);
         const page_id p = storage_->block_page(ref, l);
         const page_facts f = facts(ref.index, l, p);
         if (!sealed || f.pinned || policy_.choose(r.state, f) == tier_role::recent) {
@@ -146,11 +155,7 @@ class retier_planner : public page_records<Storage, Policy> {
     budget_to_->assign(budget_pages_->size(), std::int16_t(-1));
     const double budget = target_bits / 8.0 * scalars - held;
     auto placed = allocate_bit_budget(*budget_pages_, tiers, budget, *budget_to_);
-    for (const std::uint32_t i : *dirty_) (*pages_)[i].dirty = false;
-    dirty_->clear();
-    for (const std::uint32_t i : *waiting_) (*pages_)[i].waiting = false;
-    waiting_->clear();
-    rescan_ = true;
+    drop_incremental_lists();
     if (!placed) return budget_result{fixed, false, 0};
     for (std::size_t k = 0; k < budget_at_->size(); ++k) {
       const std::uint32_t i = (*budget_at_)[k];
@@ -179,8 +184,7 @@ class retier_planner : public page_records<Storage, Policy> {
     for (const std::uint32_t i : *dirty_) {
       page_rec& r = (*pages_)[i];
       r.dirty = false;
-      if (r.pending >= 0.0f) policy_.observe(r.state, r.pending);
-      r.pending = -1.0f;
+      fold_mass(r);
       const std::uint32_t bi = i / std::uint32_t(layers);
       const int l = int(i % std::uint32_t(layers));
       r.want = -1;
