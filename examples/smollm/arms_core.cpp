@@ -59,7 +59,8 @@ std::unique_ptr<kv_backend> make_tierkv_backend(const std::string& full_arm, kv_
       "seed; issue 52: stale_k4v2, stale_k3v2, stale_k2v2, stale_k3v2u, stale_k3v3u, rec_u, "
       "cold_k3v2u, cold_u4_k3v2u, cold_u3_k3v2u, "
       "uniform_k4v4, uniform_k3v3, "
-      "uniform_k4v2, uniform_k3v2, uniform_k2v2, uniform_k8v4, cold_k4v2, cold_k3v2, cold_k2v2, "
+      "uniform_k4v2, uniform_k3v2, uniform_k3v4, uniform_k2v2, uniform_k8v4, cold_k4v2, cold_k3v2, "
+      "cold_k2v2, "
       "a4_k3v2_k2v2, a4_k4v2_k3v2, a4_k3v2, a44_k3v2, a84_k3v2, a48_k3v2, a4_cold_k3v2; knobs "
       "after '+', e.g. "
       "cold_k3v2+cm=0.5)");

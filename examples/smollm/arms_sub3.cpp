@@ -20,6 +20,7 @@ std::unique_ptr<kv_backend> arm_family::sub3(const std::string& arm, const std::
   if (arm == "uniform_k4v4") return uniform.template operator()<k4v4>();
   if (arm == "uniform_k4v2") return uniform.template operator()<k4v2>();
   if (arm == "uniform_k3v2") return uniform.template operator()<k3v2>();
+  if (arm == "uniform_k3v4") return uniform.template operator()<k3v4>();
   if (arm == "uniform_k2v2") return uniform.template operator()<k2v2>();
   if (arm == "uniform_k8v4") return uniform.template operator()<k8v4>();
   if (arm == "stale_k4v2") return rec_like.template operator()<k4v2>();

@@ -424,8 +424,9 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
          {"stale_k4v2",   "stale_k3v2",   "stale_k2v2",    "stale_k3v2u",   "stale_k3v3u",
           "rec_u",        "cold_k3v2u",   "cold_u4_k3v2u", "cold_u3_k3v2u", "uniform_k4v4",
           "uniform_k3v3", "uniform_k4v2", "uniform_k3v2",  "uniform_k2v2",  "uniform_k8v4",
-          "cold_k4v2",    "cold_k3v2",    "cold_k2v2",     "a4_k3v2_k2v2",  "a4_k4v2_k3v2",
-          "a4_k3v2",      "a44_k3v2",     "a84_k3v2",      "a48_k3v2",      "a4_cold_k3v2"}) {
+          "uniform_k3v4", "cold_k4v2",    "cold_k3v2",     "cold_k2v2",     "a4_k3v2_k2v2",
+          "a4_k4v2_k3v2", "a4_k3v2",      "a44_k3v2",      "a84_k3v2",      "a48_k3v2",
+          "a4_cold_k3v2"}) {
       INFO(arm);
       auto p = make_tierkv_backend(arm, s, opt, 200);
       CHECK(backend_error(*p, s, 100, 25, 6, 0.f) < 0.6);  // the worst case: all-TQ2 pages
@@ -433,7 +434,8 @@ TEST_CASE("KV backends: dense and the library's tiered caches against float64 at
     // Uniform presets: every page in one format, the centring means on top (c=0: none).
     const std::pair<const char*, double> uniform[] = {
         {"uniform_k4v4", 4.25}, {"uniform_k4v2", 3.25}, {"uniform_k3v2", 2.75},
-        {"uniform_k2v2", 2.25}, {"uniform_k8v4", 6.25}, {"uniform_k3v3", 3.25}};
+        {"uniform_k2v2", 2.25}, {"uniform_k8v4", 6.25}, {"uniform_k3v3", 3.25},
+        {"uniform_k3v4", 3.75}};
     for (const auto& [arm, bits] : uniform) {
       INFO(arm);
       auto p = make_tierkv_backend(arm, s, opt, 200);

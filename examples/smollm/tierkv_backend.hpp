@@ -344,6 +344,7 @@ using stale_k4_tier = tierkv::tier<tq4_key, tq3_value>;
 using k4v4 = tierkv::tier<tq4_key, tq4_value>;       // 4.25
 using k4v2 = tierkv::tier<tq4_key, tq2_value>;       // 3.25
 using k3v2 = tierkv::tier<tq3_key, tq2_value>;       // 2.75
+using k3v4 = tierkv::tier<tq3_key, tq4_value>;       // 3.75
 using k2v2 = tierkv::tier<tq2_key, tq2_value>;       // 2.25
 using k8v4 = tierkv::tier<int8_rotated, tq4_value>;  // 6.25 (vLLM-like K8V4)
 using k4v8 = tierkv::tier<tq4_key, int8_rotated>;    // 6.25
