@@ -223,6 +223,20 @@ TEST_CASE("gpu retier to and from TQ2 (Cold tier) pages equals the host codecs b
   check_retier<g_llama, cold_v2, stale>(10, 38);  // Cold -> Stale (attention mass came back)
 }
 
+TEST_CASE(
+    "gpu retier to and from a tier of int8_rotated keys and TQ3 values equals the host "
+    "codecs bit for bit",
+    "[cuda][retier][mixed]") {
+  using recent_int8r = cuda_test::retier_int8r;
+  using k8v3 = cuda_test::retier_k8v3;
+  using cold_v2 = cuda_test::retier_cold_v2;
+  check_retier<g_smol, recent_int8r, k8v3>(20, 41);
+  check_retier<g_qwen, k8v3, recent_int8r>(12, 42);
+  check_retier<g_llama, recent, k8v3>(10, 43, 8);
+  check_retier<g_smol, stale, k8v3>(20, 44);  // TQ3 keys -> int8_rotated, TQ3 values kept
+  check_retier<g_qwen, k8v3, cold_v2>(8, 45);
+}
+
 TEST_CASE("gpu retier rejects bad arguments", "[cuda][retier]") {
   using G = g_smol;
   cuda_test::retier_args in;

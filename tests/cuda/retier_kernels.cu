@@ -51,5 +51,10 @@ CUDA_TEST_RETIER(retier_llama, retier_cold, retier_recent)
 CUDA_TEST_RETIER(retier_qwen, retier_stale, retier_cold_v2)
 CUDA_TEST_RETIER(retier_smol, retier_stale_k4, retier_cold)
 CUDA_TEST_RETIER(retier_llama, retier_cold_v2, retier_stale)
+CUDA_TEST_RETIER(retier_smol, retier_int8r, retier_k8v3)
+CUDA_TEST_RETIER(retier_qwen, retier_k8v3, retier_int8r)
+CUDA_TEST_RETIER(retier_llama, retier_recent, retier_k8v3)
+CUDA_TEST_RETIER(retier_smol, retier_stale, retier_k8v3)
+CUDA_TEST_RETIER(retier_qwen, retier_k8v3, retier_cold_v2)
 
 }  // namespace cuda_test

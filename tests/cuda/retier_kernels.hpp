@@ -24,6 +24,8 @@ using retier_stale = tierkv::tier<tierkv::tq3_key, tierkv::tq3_value>;
 using retier_stale_k4 = tierkv::tier<tierkv::tq4_key, tierkv::tq3_value>;
 using retier_cold_v2 = tierkv::tier<tierkv::tq3_key, tierkv::tq2_value>;
 using retier_cold = tierkv::tier<tierkv::tq2_key, tierkv::tq2_value>;
+// keys and values of different families (8-bit keys for routing, TQ3 values)
+using retier_k8v3 = tierkv::tier<tierkv::int8_rotated, tierkv::tq3_value>;
 using retier_qwen = tierkv::geometry<tierkv::head_dim<256>, tierkv::kv_heads<4>,
                                      tierkv::group_size<6>, tierkv::page_tokens<64>>;
 using retier_llama = tierkv::geometry<tierkv::head_dim<128>, tierkv::kv_heads<8>,

@@ -52,6 +52,9 @@ struct page_facts {
 ///                                          re-evaluate the page
 ///   P::choice_reads_time = true            choose() reads steps_since_move: plan() then
 ///                                          visits every page each step
+/// and, for a bit budget (tier_controller_options::bits_per_scalar_target):
+///   p.budget_exempt(state, facts) -> bool  the budget leaves the page where it is, uncharged;
+///                                          without it, the pages choose() calls Recent
 namespace detail {
 template <class P>
 concept has_page_state = requires {

@@ -2,8 +2,8 @@
 // The tier controller under a bit budget (tier_controller_options::bits_per_scalar_target,
 // retier_planner::plan_budget): the movable pages end at or under the target, within one step of
 // it, and the plan's bytes reconcile with the memory report; the pages of most attention mass
-// get the better tiers; Recent, open and pinned pages stay; a target under the cheapest tier
-// puts every movable page there; bad targets are refused.
+// get the better tiers; Recent, open, pinned and sink pages stay; a target under the cheapest
+// tier puts every movable page there (and no sink); bad targets are refused.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -92,36 +92,55 @@ TEST_CASE("budget: the live pages end at the target; mass decides who keeps bits
     // the plan's figure is the report's: the budget reconciles
     CHECK(c->last_budget().within);
     CHECK(c->last_budget().bytes == double(r.live_page_bytes()));
-    // the movable pages (0..18: all but the Recent window, pages 19 and 20) store at most the
-    // target, and no page could take its next step: within one TQ3 -> FP8 page of it
+    // the movable pages (1..18: all but the sink, page 0, and the Recent window, pages 19 and
+    // 20) store at most the target, and no page could take its next step: within one TQ3 ->
+    // FP8 page of it
     const auto t = tiers_of(*s2, q2, pages, layers);
-    const double scalars = 19.0 * 16 * layers * 2.0 * tiny::kv_heads * tiny::head_dim;
+    const double scalars = 18.0 * 16 * layers * 2.0 * tiny::kv_heads * tiny::head_dim;
     double bytes = 0;
     for (int l = 0; l < layers; ++l)
-      for (int p = 0; p < 19; ++p) bytes += double(page_bytes(*s2, t[l][p]));
+      for (int p = 1; p < 19; ++p) bytes += double(page_bytes(*s2, t[l][p]));
     CHECK(8.0 * bytes / scalars <= target + 1e-12);
     CHECK(8.0 * bytes / scalars >
           target - 8.0 * double(page_bytes(*s2, 0) - page_bytes(*s2, 1)) / scalars);
-    // Recent (pages 19, 20: the open tail and the newest sealed page) stay FP8
+    // Recent (pages 19, 20: the open tail and the newest sealed page) and the sink stay FP8
     for (int l = 0; l < layers; ++l) {
       CHECK(t[l][20] == 0);
       CHECK(t[l][19] == 0);
+      CHECK(t[l][0] == 0);
     }
-    // monotone in mass on layer 0 (pages 1..18: the sink, page 0, has the keep value of a sink)
+    // monotone in mass on layer 0 (pages 1..18)
     for (int p = 1; p + 1 < 19; ++p) CHECK(t[0][p] >= t[0][p + 1]);
     // layer 1: page 7 is never in a cheaper tier than another old page of layer 1
     for (int p = 1; p < 19; ++p)
       if (p != 7) CHECK(t[1][7] <= t[1][p]);
   }
-  // a target under the cheapest tier: every movable page TQ2
+  // a target under the cheapest tier: every movable page TQ2, the sinks still FP8 (an
+  // unreachable budget must not code the pages every query attends to at its cheapest tier)
   auto c = controller_b::create(*s, knobs(), budget(2.0)).value();
   REQUIRE(c->apply(c->plan(1)).failed == 0);
   const memory_report r = make_report(*s);
   CHECK_FALSE(c->last_budget().within);  // TQ2 alone costs more than 2 bits
   const auto t = tiers_of(*s, q, pages, layers);
-  for (int l = 0; l < layers; ++l)
-    for (int p = 0; p < 19; ++p) CHECK(t[l][p] == 2);
+  for (int l = 0; l < layers; ++l) {
+    CHECK(t[l][0] == 0);
+    for (int p = 1; p < 19; ++p) CHECK(t[l][p] == 2);
+  }
   CHECK(r.bits_per_scalar > 2.0);
+  // a sensitive layer's pages (keep value 1e6) fill a tight budget before any other page; the
+  // other layer's sink still stays FP8
+  auto opt = tierkv_test::recency_knobs(2, 1, 1.0f, 1e30f, 1e30f, 0);
+  opt.keep_first_layers = 1;
+  auto s3 = make_storage(layers);
+  const seq_id q3 = s3->create_sequence().value();
+  REQUIRE(append_seeds(*s3, q3, tokens));
+  auto c3 = controller_b::create(*s3, recency_anchor(opt), budget(3.0)).value();
+  REQUIRE(c3->apply(c3->plan(1)).failed == 0);
+  const auto t3 = tiers_of(*s3, q3, pages, layers);
+  CHECK(t3[1][0] == 0);
+  int cheapest = 0;
+  for (int p = 1; p < 19; ++p) cheapest += t3[1][p] == 2;
+  CHECK(cheapest > 0);  // the budget was tight: layer 1's other pages paid for layer 0
 }
 
 TEST_CASE("budget: pinned pages stay, and the budget holds as the sequence grows",
@@ -148,11 +167,12 @@ TEST_CASE("budget: pinned pages stay, and the budget holds as the sequence grows
     INFO(at << " tokens");
     CHECK(c->last_budget().within);
     CHECK(c->last_budget().bytes == double(r.live_page_bytes()));
-    // the movable pages: every sealed page but the pinned one and the newest two (Recent)
+    // the movable pages: every sealed page but the sink, the pinned one and the newest two
+    // (Recent)
     const std::int64_t sealed = std::int64_t(at) / 16;
     double bytes = 0, scalars = 0;
     for (int l = 0; l < layers; ++l)
-      for (std::int64_t p = 0; p + 2 < sealed; ++p)
+      for (std::int64_t p = 1; p + 2 < sealed; ++p)
         if (p != 3) {
           bytes += double(page_bytes(*s, s->page(q, l, p).value().format));
           scalars += 16.0 * 2 * tiny::kv_heads * tiny::head_dim;

@@ -185,9 +185,13 @@ __device__ __forceinline__ bool retier_row(const std::uint8_t* sp, std::uint8_t*
   const std::uint8_t* s_meta = sp + (v_role ? SL::value_meta(h, t) : SL::key_meta(h, t));
   std::uint8_t* d_payload = dp + (v_role ? DL::value_payload(h, t) : DL::key_payload(h, t));
   std::uint8_t* d_meta = dp + (v_role ? DL::value_meta(h, t) : DL::key_meta(h, t));
-  tq_norm norm = tq_norm::plain;         // TQ destinations: the role's alpha correction
-  if constexpr (requires { DC::norm; })  // TQ3 / TQ4
-    norm = v_role ? DL::value_codec::norm : DL::key_codec::norm;
+  tq_norm norm = tq_norm::plain;  // TQ destinations: the role's alpha correction
+  if constexpr (requires { DC::norm; }) {
+    if constexpr (Role == 2)  // one format for both roles (both TQ), the role chosen at run time
+      norm = value ? DL::value_codec::norm : DL::key_codec::norm;
+    else  // DC is the role's codec (the other role's may have no norm: int8_rotated keys)
+      norm = DC::norm;
+  }
   constexpr bool signed_vector =
       rotated_format<DC> || fp8_signs<SC, DC, N>;  // the vector comes as D x
   using DX = decode_exchange<SC, DC, N, G>;
