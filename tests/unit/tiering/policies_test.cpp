@@ -124,4 +124,14 @@ TEST_CASE(
   // the named controller plans incrementally (through the forwarded same_choice /
   // same_state_choice), the direct one by the full scan: the same plans step by step
   CHECK(incremental_equals_full_run(*s1, *s2, *named, *direct, 7) > 200);
+  // under a bit budget (a full scan each plan): the forwarded budget_exempt keeps the same pages
+  // out of the budget, so the same plans again
+  tier_controller_options budget;
+  budget.bits_per_scalar_target = 4.0;
+  auto s3 = make_storage3();
+  auto s4 = make_storage3();
+  auto named_b =
+      named_c::create(*s3, make_policy("recency_anchor", by_name).value(), budget).value();
+  auto direct_b = direct_c::create(*s4, recency_anchor(k), budget).value();
+  CHECK(incremental_equals_full_run(*s3, *s4, *named_b, *direct_b, 8) > 200);
 }
