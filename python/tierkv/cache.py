@@ -93,7 +93,8 @@ def policy_knobs(policy: str, policy_options: dict | None, keywords: dict,
     given (not None); a knob given both ways is refused. The library checks the names, the values
     and the policy (an unknown one raises naming what there is). Under a bit budget
     (bits_per_scalar > 0) recency_anchor's keep_first_layers / keep_last_layers default to 0:
-    their pages would take the budget before any sink (docs/tiering.md, "A bit budget")."""
+    their pages would take the budget first, leaving the other layers at the cheapest tier
+    (docs/tiering.md, "A bit budget")."""
     knobs = dict(policy_options or {})
     for k, v in keywords.items():
         if v is None:
