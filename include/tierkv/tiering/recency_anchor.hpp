@@ -179,7 +179,8 @@ class recency_anchor {
   /// Under a bit budget, Recent pages and sinks stay where they are, uncharged: a sink costs one
   /// page a layer and sequence, and a budget that cannot be met (or one that sensitive layers
   /// fill first) would otherwise code the sinks at its cheapest tier, which costs Gemma 3 270M
-  /// +18% perplexity at 2.57 bits against +13% with 8-bit sinks (bench/results/cold/).
+  /// +18% perplexity at 2.57 bits against +13% with 8-bit sinks
+  /// (bench/results/cold/gemma-ppl-32k-2026-12-07.json).
   bool budget_exempt(const page_state&, const page_facts& f) const {
     return f.age < opt_.recent_pages || f.position < opt_.sink_pages;
   }
