@@ -218,12 +218,8 @@ class any_policy {
   }
   /// The active policy's budget_exempt (its Recent pages where it has none).
   bool budget_exempt(const page_state& s, const page_facts& f) const {
-    return visit([&](const auto& p, auto i) {
-      if constexpr (requires { p.budget_exempt(read_state(s, i), f); })
-        return bool(p.budget_exempt(read_state(s, i), f));
-      else
-        return p.choose(read_state(s, i), f) == tier_role::recent;
-    });
+    return visit(
+        [&](const auto& p, auto i) { return tierkv::budget_exempt(p, read_state(s, i), f); });
   }
   /// The active policy's same_state_choice (false where it has none).
   bool same_state_choice(const page_state& a, const page_state& b) const {

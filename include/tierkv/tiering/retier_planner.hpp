@@ -134,7 +134,7 @@ class retier_planner : public page_records<Storage, Policy> {
         fold_mass(r);
         const page_id p = storage_->block_page(ref, l);
         const page_facts f = facts(ref.index, l, p);
-        if (!sealed || f.pinned || budget_exempt(r, f)) {
+        if (!sealed || f.pinned || budget_exempt(policy_, r.state, f)) {
           fixed += tiers[f.tier].page_bytes;  // not charged
           continue;
         }
@@ -220,15 +220,6 @@ class retier_planner : public page_records<Storage, Policy> {
   /// prefill's step is a whole chunk, and the dwell must not widen the policy's Recent window.
   bool dwelling(const page_rec& r, const page_facts& f) const {
     return r.moved && f.steps_since_move < policy_.min_dwell_steps();
-  }
-
-  /// Whether a bit budget leaves the page where it is, uncharged: the policy's budget_exempt, or
-  /// its Recent pages (tier_policy.hpp).
-  bool budget_exempt(const page_rec& r, const page_facts& f) const {
-    if constexpr (requires { policy_.budget_exempt(r.state, f); })
-      return bool(policy_.budget_exempt(r.state, f));
-    else
-      return policy_.choose(r.state, f) == tier_role::recent;
   }
 
   void evaluate(page_rec& r, std::uint32_t bi, int layer, page_id p) {

@@ -92,6 +92,16 @@ concept tier_policy = std::copy_constructible<P> && detail::has_page_state<P> &&
     detail::has_observe<P> && detail::has_choose<P> && detail::has_min_dwell<P> &&
     detail::has_keep_value<P> && detail::has_validate<P>;
 
+/// Whether a bit budget leaves the page where it is, uncharged: P's budget_exempt, or the pages
+/// its choose() calls Recent where P has none (the one default, for the planner and any_policy).
+template <class P>
+bool budget_exempt(const P& p, const typename P::page_state& s, const page_facts& f) {
+  if constexpr (requires { p.budget_exempt(s, f); })
+    return bool(p.budget_exempt(s, f));
+  else
+    return p.choose(s, f) == tier_role::recent;
+}
+
 /// static_assert(check_tier_policy<P>()) names the first missing member.
 template <class P>
 constexpr bool check_tier_policy() {
