@@ -556,3 +556,181 @@ TEST_CASE(
   // means can no longer change under the imported pages
   CHECK(dst->set_centering(0, mu_k[0], mu_v[0]).code() == errc::invalid_argument);
 }
+
+// ---- the host tier: offload / restore (cuda/cache/host_tier.cuh) --------------------------------
+
+TEST_CASE(
+    "cuda::tiered_cache host tier: offload and restore keep every page byte for byte, decode "
+    "bit for bit, and give the host memory back",
+    "[cuda][cache][host_tier]") {
+  const bool engines = GENERATE(false, true);
+  INFO((engines ? "copy engines" : "copy kernel"));
+  std::mt19937_64 rng(20261209);
+  cuda_test::xfer_options o = gpu_opts();
+  o.host_pool_bytes = 1 << 20;
+  o.copy_engines = engines;
+  world w = make_world(rng, o);
+  const bytes buf0 = w.gpu->export_pages(w.s0).value(), buf1 = w.gpu->export_pages(w.s1).value();
+  const auto q = random_queries(rng);
+  const auto d0 = decode_all(*w.gpu, {w.s0}, q, 3);
+  const auto d1 = decode_all(*w.gpu, {w.s1}, q, 4);
+  CHECK(w.gpu->host_tier().capacity == 1 << 20);
+
+  // A fork shares s0's sealed pages: they stay on the GPU for it while s0 is parked.
+  const seq_id f = w.gpu->fork(w.s0).value();
+  seq_id s0 = w.s0;
+  for (int round = 0; round < 3; ++round) {
+    INFO("round " << round);
+    const std::uint64_t moved = w.gpu->page_bytes_moved();
+    const auto id = w.gpu->offload(s0).value();
+    CHECK(w.gpu->page_bytes_moved() > moved);
+    CHECK(w.gpu->parked_length(id).value() == 150);
+    CHECK(w.gpu->export_pages(s0).code() == errc::stale_id);  // released on the GPU
+    const auto parked = w.gpu->host_tier();
+    CHECK(parked.parked == 1);
+    CHECK(parked.offloads == std::uint64_t(round + 1));
+    CHECK(parked.used >= parked.bytes_offloaded / std::uint64_t(round + 1));
+    CHECK(w.gpu->storage().live_sequences() == 2);  // s1 and the fork
+    REQUIRE(w.gpu->check_invariants().is_ok());
+    // the fork reads the shared pages as before
+    CHECK(w.gpu->export_pages(f).value() == buf0);
+
+    s0 = w.gpu->restore(id).value();
+    CHECK(w.gpu->parked_length(id).code() == errc::stale_id);
+    CHECK(w.gpu->restore(id).code() == errc::stale_id);
+    REQUIRE(w.gpu->check_invariants().is_ok());
+    CHECK(w.gpu->storage().length(s0).value() == 150);
+    CHECK(w.gpu->export_pages(s0).value() == buf0);
+    const auto d = decode_all(*w.gpu, {s0}, q, 10 + std::uint64_t(round));
+    for (int l = 0; l < layers; ++l) CHECK(same_bits(d[std::size_t(l)], d0[std::size_t(l)]));
+    const auto after = w.gpu->host_tier();
+    CHECK(after.parked == 0);
+    CHECK(after.restores == std::uint64_t(round + 1));
+    CHECK(after.bytes_restored == after.bytes_offloaded);
+  }
+  // both at once, then the one restored first; the restored sequence grows like any other
+  const auto id1 = w.gpu->offload(w.s1).value();
+  const auto id0 = w.gpu->offload(s0).value();
+  CHECK(w.gpu->host_tier().parked == 2);
+  const seq_id r1 = w.gpu->restore(id1).value();
+  const seq_id r0 = w.gpu->restore(id0).value();
+  CHECK(w.gpu->export_pages(r1).value() == buf1);
+  CHECK(w.gpu->export_pages(r0).value() == buf0);
+  const auto d01 = decode_all(*w.gpu, {r0, r1}, q, 20);
+  for (int l = 0; l < layers; ++l) {
+    CHECK(same_bits(row_of(d01[std::size_t(l)], 0, 2), d0[std::size_t(l)]));
+    CHECK(same_bits(row_of(d01[std::size_t(l)], 1, 2), d1[std::size_t(l)]));
+  }
+  const tokens next = random_tokens(rng, 20);
+  gpu_prefill(*w.gpu, r0, next, 21);
+  CHECK(w.gpu->storage().length(r0).value() == 170);
+
+  // everything back: the pools as before the fork's and the restores' pages are released
+  for (seq_id s : {r0, r1, f}) REQUIRE(w.gpu->release(s).is_ok());
+  REQUIRE(w.gpu->drain().is_ok());
+  REQUIRE(w.gpu->check_invariants().is_ok());
+  CHECK(w.gpu->storage().free_pages(0) == 90);
+  CHECK(w.gpu->storage().free_pages(1) == 600);
+  (void)w.gpu->pool_bytes(0);  // synchronizes the streams: every copy has run
+  const auto end = w.gpu->host_tier();
+  CHECK(end.used == 0);
+  CHECK(end.largest_free == end.capacity);
+}
+
+TEST_CASE(
+    "cuda::tiered_cache host tier: refusals leave the cache and the parked sequence as they were",
+    "[cuda][cache][host_tier]") {
+  std::mt19937_64 rng(20261210);
+  SECTION("no host tier, a host pool too small, bad handles, inside a step") {
+    world none = make_world(rng);  // host_pool_bytes = 0
+    const cache_state before = state_of(*none.gpu);
+    auto r = none.gpu->offload(none.s0);
+    CHECK(r.code() == errc::capacity_exhausted);
+    CHECK(r.error_status().message().find("host_pool_bytes = 0") != std::string::npos);
+    CHECK(state_of(*none.gpu) == before);
+
+    cuda_test::xfer_options o = gpu_opts();
+    o.host_pool_bytes = 16 << 10;  // less than s0's 30 pages (~77 KB)
+    world w = make_world(rng, o);
+    const bytes buf0 = w.gpu->export_pages(w.s0).value();
+    const cache_state kept = state_of(*w.gpu);
+    auto small = w.gpu->offload(w.s0);
+    REQUIRE_FALSE(small.has_value());
+    CHECK(small.code() == errc::capacity_exhausted);
+    CHECK(small.error_status().message().find("bytes of the host pool") != std::string::npos);
+    CHECK(small.error_status().message().find("nothing moved") != std::string::npos);
+    CHECK(state_of(*w.gpu) == kept);
+    CHECK(w.gpu->export_pages(w.s0).value() == buf0);
+    CHECK(w.gpu->host_tier().used == 0);
+
+    CHECK(w.gpu->restore(12345).code() == errc::stale_id);
+    CHECK(w.gpu->drop_parked(12345).code() == errc::stale_id);
+    CHECK(w.gpu->offload(seq_id{}).code() == errc::out_of_range);
+    const std::vector<seq_id> batch{w.s0};
+    REQUIRE(w.gpu->begin_step(batch, std::vector<std::int32_t>{0}).is_ok());
+    CHECK(w.gpu->offload(w.s0).code() == errc::invalid_argument);
+    CHECK(w.gpu->restore(1).code() == errc::invalid_argument);
+    REQUIRE(w.gpu->end_step(3, true).has_value());
+    CHECK(w.gpu->host_tier().offloads == 0);
+  }
+  SECTION(
+      "restore into full pools: refused, the sequence stays parked; restored once room is made") {
+    cuda_test::xfer_options o = gpu_opts();
+    o.host_pool_bytes = 1 << 20;
+    world w = make_world(rng, o);
+    const bytes buf0 = w.gpu->export_pages(w.s0).value();
+    const auto q = random_queries(rng);
+    const auto d0 = decode_all(*w.gpu, {w.s0}, q, 3);
+    const auto id = w.gpu->offload(w.s0).value();
+    // Copies of s0 until the pools refuse one more: a restore needs what an import of its
+    // export needs, so it is refused too.
+    std::vector<seq_id> copies;
+    for (;;) {
+      auto c = w.gpu->import_pages(buf0);
+      if (!c) {
+        CHECK(c.code() == errc::capacity_exhausted);
+        break;
+      }
+      copies.push_back(*c);
+      REQUIRE(copies.size() < 100);
+    }
+    REQUIRE_FALSE(copies.empty());
+    const cache_state before = state_of(*w.gpu);
+    const auto host_before = w.gpu->host_tier();
+    auto r = w.gpu->restore(id);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.code() == errc::capacity_exhausted);
+    const std::string m = r.error_status().message();
+    INFO(m);
+    CHECK(m.find("restore: ") == 0);
+    CHECK(m.find("nothing restored") != std::string::npos);
+    CHECK(state_of(*w.gpu) == before);
+    CHECK(w.gpu->host_tier() == host_before);
+    CHECK(w.gpu->parked_length(id).value() == 150);
+    REQUIRE(w.gpu->check_invariants().is_ok());
+
+    REQUIRE(w.gpu->release(copies.back()).is_ok());
+    REQUIRE(w.gpu->drain().is_ok());
+    const seq_id back = w.gpu->restore(id).value();
+    CHECK(w.gpu->export_pages(back).value() == buf0);
+    const auto d = decode_all(*w.gpu, {back}, q, 4);
+    for (int l = 0; l < layers; ++l) CHECK(same_bits(d[std::size_t(l)], d0[std::size_t(l)]));
+    REQUIRE(w.gpu->check_invariants().is_ok());
+  }
+  SECTION("drop gives the host memory back") {
+    cuda_test::xfer_options o = gpu_opts();
+    o.host_pool_bytes = 1 << 20;
+    world w = make_world(rng, o);
+    const auto id = w.gpu->offload(w.s0).value();
+    CHECK(w.gpu->host_tier().used > 0);
+    REQUIRE(w.gpu->drop_parked(id).is_ok());
+    CHECK(w.gpu->drop_parked(id).code() == errc::stale_id);
+    CHECK(w.gpu->restore(id).code() == errc::stale_id);
+    (void)w.gpu->pool_bytes(0);  // the offload copy has run
+    const auto h = w.gpu->host_tier();
+    CHECK(h.used == 0);
+    CHECK(h.parked == 0);
+    CHECK(h.drops == 1);
+    REQUIRE(w.gpu->check_invariants().is_ok());
+  }
+}

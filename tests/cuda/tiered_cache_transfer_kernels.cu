@@ -41,6 +41,9 @@ tierkv::result<std::unique_ptr<xfer_cache>> xfer_cache::create(const xfer_option
   opt.max_pages = o.max_pages;
   opt.max_step_tokens = o.max_step_tokens;
   opt.center = o.center;
+  opt.host_pool_bytes = o.host_pool_bytes;
+  opt.host_copy =
+      o.copy_engines ? tierkv::cuda::copy_path::copy_engines : tierkv::cuda::copy_path::kernel;
   auto c = xfer_cache_type::create(opt, m->stream);
   if (!c) return c.error_status();
   m->c = std::move(*c);
@@ -60,6 +63,9 @@ tierkv::result<std::unique_ptr<xfer_cache>> xfer_cache::create(const xfer_option
 
 tierkv::result<tierkv::seq_id> xfer_cache::create_sequence() { return impl_->c->create_sequence(); }
 tierkv::status xfer_cache::release(tierkv::seq_id s) { return impl_->c->release(s); }
+tierkv::result<tierkv::seq_id> xfer_cache::fork(tierkv::seq_id parent) {
+  return impl_->c->fork(parent);
+}
 tierkv::status xfer_cache::pin(tierkv::seq_id s, std::int64_t first_page, std::int64_t pages,
                                bool pinned) {
   return impl_->c->pin(s, first_page, pages, pinned);
@@ -113,6 +119,22 @@ tierkv::result<std::vector<std::uint8_t>> xfer_cache::export_pages(tierkv::seq_i
 }
 tierkv::result<tierkv::seq_id> xfer_cache::import_pages(std::span<const std::uint8_t> buf) {
   return impl_->c->import_pages(buf);
+}
+
+tierkv::result<std::uint64_t> xfer_cache::offload(tierkv::seq_id s) { return impl_->c->offload(s); }
+tierkv::result<tierkv::seq_id> xfer_cache::restore(std::uint64_t parked) {
+  return impl_->c->restore(parked);
+}
+tierkv::status xfer_cache::drop_parked(std::uint64_t parked) {
+  return impl_->c->drop_parked(parked);
+}
+tierkv::result<std::int64_t> xfer_cache::parked_length(std::uint64_t parked) const {
+  return impl_->c->parked_length(parked);
+}
+host_figures xfer_cache::host_tier() const {
+  const tierkv::cuda::host_tier_stats t = impl_->c->host_stats();
+  return {t.capacity_bytes, t.used_bytes, t.largest_free_bytes, t.parked,        t.offloads,
+          t.restores,       t.drops,      t.bytes_offloaded,    t.bytes_restored};
 }
 
 tierkv::status xfer_cache::check_invariants() const { return impl_->c->check_invariants(); }

@@ -36,6 +36,15 @@ struct xfer_options {
   int max_pages = 64;
   int max_step_tokens = 512;
   bool center = false;
+  std::uint64_t host_pool_bytes = 0;  // the host tier's pinned memory
+  bool copy_engines = false;          // its copies by cudaMemcpyBatchAsync, else the kernel
+};
+
+// cuda::host_tier_stats, host-compilable.
+struct host_figures {
+  std::uint64_t capacity = 0, used = 0, largest_free = 0, parked = 0;
+  std::uint64_t offloads = 0, restores = 0, drops = 0, bytes_offloaded = 0, bytes_restored = 0;
+  bool operator==(const host_figures&) const = default;
 };
 
 // cuda::tiered_cache<xfer_geometry, xfer_tiers>; host vectors in and out (the wrapper copies
@@ -49,6 +58,7 @@ class xfer_cache {
 
   tierkv::result<tierkv::seq_id> create_sequence();
   tierkv::status release(tierkv::seq_id s);
+  tierkv::result<tierkv::seq_id> fork(tierkv::seq_id parent);
   tierkv::status pin(tierkv::seq_id s, std::int64_t first_page, std::int64_t pages, bool pinned);
   tierkv::status begin_step(std::span<const tierkv::seq_id> batch,
                             std::span<const std::int32_t> new_tokens);
@@ -65,6 +75,13 @@ class xfer_cache {
                                                          std::int64_t count = -1,
                                                          tierkv::head_slice heads = {});
   tierkv::result<tierkv::seq_id> import_pages(std::span<const std::uint8_t> buf);
+
+  // The host tier.
+  tierkv::result<std::uint64_t> offload(tierkv::seq_id s);
+  tierkv::result<tierkv::seq_id> restore(std::uint64_t parked);
+  tierkv::status drop_parked(std::uint64_t parked);
+  tierkv::result<std::int64_t> parked_length(std::uint64_t parked) const;
+  host_figures host_tier() const;
 
   tierkv::status check_invariants() const;
   tierkv::status device_error();

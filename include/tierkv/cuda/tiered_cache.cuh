@@ -50,6 +50,7 @@
 #include "tierkv/cuda/append/append.cuh"
 #include "tierkv/cuda/cache/append_errors.cuh"
 #include "tierkv/cuda/cache/centering_means.cuh"
+#include "tierkv/cuda/cache/host_tier.cuh"
 #include "tierkv/cuda/cache/options.cuh"
 #include "tierkv/cuda/cache/page_mass.cuh"
 #include "tierkv/cuda/cache/page_transfer.cuh"
@@ -241,16 +242,77 @@ class tiered_cache {
       return status::make(errc::out_of_range, "import_pages: the buffer holds ",
                           info->logical_pages, " logical pages, max_pages = ", opt_.max_pages,
                           "; nothing imported");
-    auto fit = detail::fit_import<Roles::stale>(*storage_, *info, buf, [this](std::uint32_t n) {
-      const detail::scoped_time room_timed{times_.make_room_ns};
-      return make_room(n);
-    });
+    auto fit = detail::fit_new_sequence<Roles::stale>(
+        *storage_, import_needs(*info, buf), "import", [this](std::uint32_t n) {
+          const detail::scoped_time room_timed{times_.make_room_ns};
+          return make_room(n);
+        });
     if (!fit) return fit;
     auto seq = detail::copy_import(*storage_, *info, buf, stream_, counters_);
     if (!seq) return seq;
     mirror_new_sequence(*seq);
     return seq;
   }
+
+  // ---- host tier: whole sequences parked in pinned host memory (cache/host_tier.cuh) ---------
+  /// Parks every page of s in the host tier (options::host_pool_bytes of pinned memory), in
+  /// its tiers' compressed formats, and releases s on the GPU: its pages go back to their pools
+  /// once nothing else holds them (pages a prefix entry or a fork shares stay). Returns the
+  /// handle restore takes. The device-to-host copy is queued on the stream after every write
+  /// queued before it, and no later work can overwrite a page before the copy has read it (it
+  /// is reused only by work queued after it): the host does not wait. Between steps. Refusals
+  /// change nothing: an unknown or poisoned s, no host tier, the host pool short
+  /// (capacity_exhausted naming the bytes needed and the largest free run). Pins are not kept
+  /// (pin again after restore); the controller sees a restored sequence at its next plan.
+  result<parked_id> offload(seq_id s) {
+    if (stepping_)
+      return status(errc::invalid_argument, "offload: not between begin_step and end_step");
+    if (auto st = poisoned_.refuse(s, "offload"); !st) return st;
+    auto id = host_.park(*storage_, s, stream_);
+    if (!id) return id;
+    counters_.page_bytes += *host_.bytes(*id);
+    if (auto st = release(s); !st) {  // s was checked: only an internal error gets here
+      (void)host_.drop(*id);
+      return st;
+    }
+    return id;
+  }
+
+  /// A NEW sequence holding parked `id`'s pages byte for byte (same tiers, same length), the
+  /// handle consumed. Checked first, as import_pages is: max_pages, then the capacity (a
+  /// sequence slot, blocks, every pool at the restore's peak; tier 0 made room for by demotion
+  /// when that alone is short); a refusal leaves `id` parked and the cache as it was. The
+  /// host-to-device copy is queued on the stream, so every later reader of the pages (decode,
+  /// prefill, a retier batch, export_pages) runs after it: the host does not wait. Between steps.
+  result<seq_id> restore(parked_id id) {
+    if (stepping_)
+      return status(errc::invalid_argument, "restore: not between begin_step and end_step");
+    auto need = host_.need(id);
+    if (!need) return need.error_status();
+    if (need->blocks > std::uint32_t(opt_.max_pages))
+      return status::make(errc::out_of_range, "restore: parked sequence ", id, " holds ",
+                          need->blocks, " logical pages, max_pages = ", opt_.max_pages,
+                          "; nothing restored");
+    auto fit = detail::fit_new_sequence<Roles::stale>(
+        *storage_, *need, "restore", [this](std::uint32_t n) {
+          const detail::scoped_time room_timed{times_.make_room_ns};
+          return make_room(n);
+        });
+    if (!fit) return fit;
+    const std::uint64_t moved = *host_.bytes(id);
+    auto seq = host_.unpark(*storage_, id, stream_);
+    if (!seq) return seq;
+    counters_.page_bytes += moved;
+    mirror_new_sequence(*seq);
+    return seq;
+  }
+
+  /// Forgets parked `id` (its host memory is reused once its offload copy has run).
+  status drop_parked(parked_id id) { return host_.drop(id); }
+  /// Tokens of parked `id` (stale_id once restored or dropped).
+  result<std::int64_t> parked_length(parked_id id) const { return host_.length(id); }
+  /// The host tier's occupancy and traffic.
+  host_tier_stats host_stats() { return host_.stats(); }
 
   /// Pins (or, with pinned = false, unpins) `pages` logical pages of s from `first_page`:
   /// pinned pages are Anchor and never demoted under pressure (tier_controller::pin).
@@ -381,6 +443,10 @@ class tiered_cache {
       return status(errc::invalid_argument, "set_centering: not between begin_step and end_step");
     if (auto st = means_type::check(layer, layers(), mu_k, mu_v); !st) return st;
     if (auto st = check_no_pages_for_centering(*storage_); !st) return st;
+    if (const auto parked = host_.stats().parked; parked != 0)
+      return status::make(errc::invalid_argument, "set_centering: ", parked,
+                          " parked sequences' pages were encoded against the present means; "
+                          "restore or drop them first");
     auto bytes = means_.set(layer, mu_k, mu_v, stream_);
     if (!bytes) return bytes.error_status();
     counters_.h2d_metadata_bytes += *bytes;
@@ -628,6 +694,7 @@ class tiered_cache {
     if (auto st = slots_.allocate(layers(), opt_.max_step_tokens, opt_.max_batch); !st) return st;
     if (auto st = handoff_.create(); !st) return st;
     if (auto st = slots_.create_event(); !st) return st;
+    if (auto st = host_.init(opt_.host_pool_bytes, opt_.host_copy); !st) return st;
     TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // pools poisoned, workspace zeroed
     return {};
   }
@@ -760,6 +827,7 @@ class tiered_cache {
   mass_observer observer_;
   transfer_counters counters_;
   host_times times_;
+  host_tier<storage_type> host_;  // parked sequences (its copies are on the stream, synced first)
   // What holds pages, built in this order by init and destroyed in reverse: the retier driver
   // first, the storage last.
   std::unique_ptr<storage_type> storage_;

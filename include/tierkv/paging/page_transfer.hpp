@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tierkv/codec/codec.hpp"
@@ -548,20 +549,29 @@ inline import_need import_needs(const transfer_info& t, std::span<const std::uin
   return n;
 }
 
+namespace detail {
+// "imported" for "import", "restored" for "restore": the refusal messages' last words.
+inline std::string past(const char* what) {
+  std::string w(what);
+  return w + (w.empty() || w.back() != 'e' ? "ed" : "d");
+}
+}  // namespace detail
+
 /// capacity_exhausted, naming what is short, what is free and what the import needs, unless s
 /// holds the import now: a sequence slot, the blocks, every tier's pages. A caller that would
 /// first demote `demoted` sealed tier-0 pages into tier `into` (cuda::tiered_cache's
-/// make_room) counts them as moved, so that its refusal comes before any demotion.
+/// make_room) counts them as moved, so that its refusal comes before any demotion. `what`
+/// names the operation in the message ("import"; the GPU host tier's "restore").
 template <class Storage>
 status check_import_capacity(const Storage& s, const import_need& n, std::uint64_t demoted = 0,
-                             int into = 0) {
+                             int into = 0, const char* what = "import") {
   if (s.live_sequences() >= s.max_sequences())
-    return status::make(errc::capacity_exhausted, "import: all ", s.max_sequences(),
-                        " sequence slots are in use; nothing imported");
+    return status::make(errc::capacity_exhausted, what, ": all ", s.max_sequences(),
+                        " sequence slots are in use; nothing ", detail::past(what));
   if (std::uint64_t(s.block_capacity() - s.live_blocks()) < n.blocks)
-    return status::make(errc::capacity_exhausted, "import: ", n.blocks,
+    return status::make(errc::capacity_exhausted, what, ": ", n.blocks,
                         " logical pages need blocks, ", s.block_capacity() - s.live_blocks(),
-                        " are free; nothing imported");
+                        " are free; nothing ", detail::past(what));
   for (int i = 0; i < Storage::num_tiers; ++i) {
     const std::uint64_t free = s.free_pages(i);
     std::uint64_t have = free;
@@ -572,13 +582,13 @@ status check_import_capacity(const Storage& s, const import_need& n, std::uint64
     const std::uint64_t need = n.pages_per_tier[std::size_t(i)];
     if (have < need) {
       if (have == free)
-        return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ", free,
-                            " free pages, the import needs ", need,
-                            " at its peak; nothing imported");
-      return status::make(errc::capacity_exhausted, "import: tier ", i, " pool has ", free,
+        return status::make(errc::capacity_exhausted, what, ": tier ", i, " pool has ", free,
+                            " free pages, the ", what, " needs ", need, " at its peak; nothing ",
+                            detail::past(what));
+      return status::make(errc::capacity_exhausted, what, ": tier ", i, " pool has ", free,
                           " free pages, ", have, " once ", demoted,
-                          " tier-0 pages are demoted to make room, the import needs ", need,
-                          " at its peak; nothing imported");
+                          " tier-0 pages are demoted to make room, the ", what, " needs ", need,
+                          " at its peak; nothing ", detail::past(what));
     }
   }
   return {};
@@ -586,42 +596,46 @@ status check_import_capacity(const Storage& s, const import_need& n, std::uint64
 
 namespace detail {
 
-/// The import of a buffer that verify_import and check_import_capacity accepted, as a NEW
-/// sequence of s: per logical page, reserve and commit its fill (a tier-0 block, metadata
-/// only), then write each layer's page: the tier-0 page in place, or a fresh page of the
-/// buffer's tier published with replace_page. write(page, src, bytes) puts a page's bytes
-/// into the pool (memcpy for host pools, a copy on the stream for device ones): all an import
-/// into device pools does apart. A failure releases the partial sequence, so every pool,
-/// block and sequence count is as before.
-template <class Storage, class WritePage>
-result<seq_id> import_verified(Storage& s, const transfer_info& t,
-                               std::span<const std::uint8_t> buf, WritePage&& write) {
+/// One page of a sequence being built (build_sequence): its tier, its logical page's fill (the
+/// same for every layer of the page) and where its bytes are.
+struct page_record {
+  int tier = 0;                       ///< the tier (pool) the page goes to
+  std::int64_t fill = 0;              ///< tokens of its logical page
+  const std::uint8_t* src = nullptr;  ///< its bytes, whole, in the tier's page_layout
+  std::size_t bytes = 0;              ///< the tier's page bytes
+};
+
+/// A NEW sequence of s holding `logical_pages` pages of `layers` layers, page (j, l) as
+/// record_of(j, l) says (called once per page, j-major then l, as a buffer is read): per
+/// logical page, reserve and commit its fill (a tier-0 block, metadata only), then write each
+/// layer's page: the tier-0 page in place, or a fresh page of the record's tier published with
+/// replace_page. write(page, record) puts the bytes into the pool (memcpy for host pools, a copy
+/// queued for device ones). A failure releases the partial sequence, so every pool, block and
+/// sequence count is as before (the message says "<what> rolled back"). What import_pages and
+/// the GPU host tier's restore share.
+template <class Storage, class RecordOf, class WritePage>
+result<seq_id> build_sequence(Storage& s, std::uint32_t logical_pages, std::uint32_t layers,
+                              const char* what, RecordOf&& record_of, WritePage&& write) {
   auto seq = s.create_sequence();
   if (!seq) return seq.error_status();
   const auto fail = [&](const status& st) -> status {
     (void)s.release(*seq);
-    return status::make(st.code(), st.message(), "; import rolled back, nothing imported");
+    return status::make(st.code(), st.message(), "; ", what, " rolled back, nothing ", past(what));
   };
-  std::size_t off =
-      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
-  for (std::uint32_t j = 0; j < t.logical_pages; ++j) {
-    const std::int64_t fill = get<std::uint32_t>(buf.data(), off + 12);
-    if (auto st = s.reserve(*seq, fill); !st) return fail(st);
-    if (auto st = s.commit(*seq, fill); !st) return fail(st);
-    for (std::uint32_t l = 0; l < t.num_layers; ++l) {
-      const int tier = buf[off + 8];
-      off += page_transfer_record_bytes;
-      const std::uint8_t* src = buf.data() + off;
-      const std::size_t pb = t.tiers[std::size_t(tier)].page_bytes;
-      off += pb;
+  for (std::uint32_t j = 0; j < logical_pages; ++j) {
+    const page_record first = record_of(j, 0u);
+    if (auto st = s.reserve(*seq, first.fill); !st) return fail(st);
+    if (auto st = s.commit(*seq, first.fill); !st) return fail(st);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      const page_record r = l == 0 ? first : record_of(j, l);
       const page_id old = *s.page(*seq, int(l), std::int64_t(j));
-      if (tier == 0) {
-        if (auto st = write(old, src, pb); !st) return fail(st);
+      if (r.tier == 0) {
+        if (auto st = write(old, r); !st) return fail(st);
         continue;
       }
-      auto fresh = s.allocate_page(tier);
+      auto fresh = s.allocate_page(r.tier);
       if (!fresh) return fail(fresh.error_status());
-      status st = write(*fresh, src, pb);
+      status st = write(*fresh, r);
       if (st) st = s.replace_page(*seq, int(l), std::int64_t(j), old, *fresh);
       if (!st) {
         (void)s.release_page(*fresh);
@@ -630,6 +644,28 @@ result<seq_id> import_verified(Storage& s, const transfer_info& t,
     }
   }
   return *seq;
+}
+
+/// The import of a buffer that verify_import and check_import_capacity accepted, as a NEW
+/// sequence of s (build_sequence over the buffer's records, in their order).
+template <class Storage, class WritePage>
+result<seq_id> import_verified(Storage& s, const transfer_info& t,
+                               std::span<const std::uint8_t> buf, WritePage&& write) {
+  std::size_t off =
+      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
+  return build_sequence(
+      s, t.logical_pages, t.num_layers, "import",
+      [&](std::uint32_t, std::uint32_t) {
+        page_record r;
+        r.tier = buf[off + 8];
+        r.fill = get<std::uint32_t>(buf.data(), off + 12);
+        off += page_transfer_record_bytes;
+        r.src = buf.data() + off;
+        r.bytes = t.tiers[std::size_t(r.tier)].page_bytes;
+        off += r.bytes;
+        return r;
+      },
+      [&](page_id p, const page_record& r) { return write(p, r.src, r.bytes); });
 }
 
 }  // namespace detail

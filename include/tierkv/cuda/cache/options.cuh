@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "tierkv/core/status.hpp"
+#include "tierkv/cuda/kernel/page_copy.cuh"
 #include "tierkv/paging/storage_types.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 
@@ -37,6 +38,11 @@ struct tiered_cache_options {
   /// tokens appended to the layer (estimated on the device; not while a graph is captured).
   /// decode / prefill refuse soft_cap > 0 then.
   bool center = false;
+  /// Pinned host memory for the host tier (offload / restore of whole sequences in their
+  /// compressed pages, cache/host_tier.cuh); 0: none.
+  std::uint64_t host_pool_bytes = 0;
+  /// How the host tier's page copies run (kernel/page_copy.cuh).
+  copy_path host_copy = copy_path::kernel;
 };
 
 /// Host<->device bytes the façade moved: metadata, and page bytes only where pages leave or
@@ -45,7 +51,7 @@ struct transfer_counters {
   /// Mirror journals, batch rows, slot mappings, retier lists
   std::uint64_t h2d_metadata_bytes = 0;
   std::uint64_t d2h_metadata_bytes = 0;  ///< page masses, error words
-  std::uint64_t page_bytes = 0;          ///< host<->device page bytes: export and import only
+  std::uint64_t page_bytes = 0;  ///< host<->device page bytes: export, import, offload, restore
 };
 
 /// Host time the façade spent since create, by part (steady clock, nanoseconds): where a

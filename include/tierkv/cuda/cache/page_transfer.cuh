@@ -67,23 +67,23 @@ result<std::vector<std::uint8_t>> export_device_pages(const Storage& storage, se
   return out;
 }
 
-// Whether a verified import fits, making room in tier 0 (make_room(pages), a status) when
-// only tier 0 is short and demoting its `Stale` role's pages would make it fit: every refusal
-// comes before any change.
+// Whether a new sequence needing `need` fits (an import, a host-tier restore), making room in
+// tier 0 (make_room(pages), a status) when only tier 0 is short and demoting its `Stale` role's
+// pages would make it fit: every refusal comes before any change. `what` names the operation.
 template <int Stale, class Storage, class MakeRoom>
-status fit_import(Storage& storage, const transfer_info& info, std::span<const std::uint8_t> buf,
-                  MakeRoom&& make_room) {
-  const import_need need = import_needs(info, buf);
+status fit_new_sequence(Storage& storage, const import_need& need, const char* what,
+                        MakeRoom&& make_room) {
   const std::uint64_t free0 = storage.free_pages(0);
   const std::uint64_t short0 = need.pages_per_tier[0] > free0 ? need.pages_per_tier[0] - free0 : 0;
-  if (auto st = check_import_capacity(storage, need, Stale != 0 ? short0 : 0, Stale); !st)
+  if (auto st = check_import_capacity(storage, need, Stale != 0 ? short0 : 0, Stale, what); !st)
     return st;
   if (short0 > 0) {
     if (auto st =
             make_room(std::uint32_t(std::min<std::uint64_t>(need.pages_per_tier[0], UINT32_MAX)));
         !st)
-      return status::make(st.code(), "import_pages: ", st.message(), "; nothing imported");
-    if (auto st = check_import_capacity(storage, need); !st) return st;
+      return status::make(st.code(), what, ": ", st.message(), "; nothing ",
+                          tierkv::detail::past(what));
+    if (auto st = check_import_capacity(storage, need, 0, 0, what); !st) return st;
   }
   return {};
 }

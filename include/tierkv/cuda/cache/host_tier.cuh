@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host tier of a cuda::tiered_cache: whole sequences parked in one pinned host slab in their
+// compressed pages (issue 55; docs/gpu-cache.md, "Host tier"). park copies every page of a
+// sequence device to host into a range of the slab (the façade then releases the sequence on
+// the GPU); unpark builds a NEW sequence of the same pages (build_sequence, the import's
+// all-or-nothing path) and copies the bytes back host to device. Both copies are one batch
+// (kernel/page_copy.cuh) queued on the cache's stream and ordered by it, so the host never
+// waits for them:
+//   - after park, the released device pages are reused only by work queued later on the stream
+//     (appends, forks) or by a retier batch, which waits for the stream first;
+//   - after unpark, every reader of the new pages (decode, prefill, retier, export) runs after
+//     the copy in stream order.
+// A slab range is reused only once the copy that reads it has run (an event per range), and the
+// copy list a kernel reads lives inside the parked range itself. No page bytes pass through the
+// host's caches: no checksum, since the slab is the cache's own memory (page transfers between
+// processes keep export_pages' verified format).
+#pragma once
+
+#include "tierkv/core/config.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "tierkv/core/ids.hpp"
+#include "tierkv/core/status.hpp"
+#include "tierkv/cuda/check.cuh"
+#include "tierkv/cuda/device_buffer.cuh"
+#include "tierkv/cuda/kernel/page_copy.cuh"
+#include "tierkv/cuda/retier/async.cuh"
+#include "tierkv/memory/range_allocator.hpp"
+#include "tierkv/paging/page_transfer.hpp"
+
+namespace tierkv::cuda {
+
+/// A parked sequence's handle (host_tier::park); never reused within a cache.
+using parked_id = std::uint64_t;
+
+/// What the host tier holds and has moved.
+struct host_tier_stats {
+  std::uint64_t capacity_bytes = 0;   ///< the pinned slab (host_pool_bytes, aligned)
+  std::uint64_t used_bytes = 0;       ///< ranges of parked sequences and of copies still running
+  std::uint64_t largest_free_bytes = 0;  ///< the largest sequence that parks now
+  std::uint64_t parked = 0;           ///< sequences parked
+  std::uint64_t offloads = 0;         ///< parks since creation
+  std::uint64_t restores = 0;         ///< unparks since creation
+  std::uint64_t drops = 0;            ///< parked sequences dropped
+  std::uint64_t bytes_offloaded = 0;  ///< page bytes copied device to host
+  std::uint64_t bytes_restored = 0;   ///< page bytes copied host to device
+};
+
+template <class Storage>
+class host_tier {
+ public:
+  /// Ranges start at this alignment (and each page in a range at 16 bytes).
+  static constexpr std::uint64_t range_align = 4096;
+
+  /// Allocates the pinned slab (0 bytes: no host tier; park refuses).
+  status init(std::uint64_t bytes, copy_path path) {
+    path_ = path;
+    ranges_ = range_allocator(bytes, range_align);
+    if (ranges_.capacity() == 0) return {};
+    if (auto st = slab_.allocate(std::size_t(ranges_.capacity())); !st)
+      return status::make(st.code(), "host_pool_bytes = ", bytes, ": ", st.message());
+    return {};
+  }
+
+  /// Copies every page of s (its open tail page whole) into a new range, queued on `stream`
+  /// after everything queued there before; returns its handle. The caller releases s on the
+  /// GPU after this succeeds. A refusal (the slab short: capacity_exhausted naming the bytes
+  /// needed and free) or a failed launch changes nothing.
+  result<parked_id> park(const Storage& st, seq_id s, cudaStream_t stream) {
+    reclaim();
+    auto pages = st.logical_pages(s);
+    if (!pages) return pages.error_status();
+    auto len = st.length(s);
+    if (!len) return len.error_status();
+    const int L = st.num_layers();
+    const auto views = st.views();
+    parked p;
+    p.length = *len;
+    p.logical_pages = std::uint32_t(*pages);
+    const std::size_t n = std::size_t(*pages) * std::size_t(L);
+    p.tier.resize(n);
+    p.at.resize(n);
+    std::uint64_t bytes = std::max<std::uint64_t>(list_bytes(n), 16);  // an empty sequence too
+    for (std::int64_t j = 0; j < *pages; ++j)
+      for (int l = 0; l < L; ++l) {
+        const page_id id = *st.page(s, l, j);
+        const std::size_t k = std::size_t(j) * std::size_t(L) + std::size_t(l);
+        p.tier[k] = std::uint8_t(id.format);
+        p.at[k] = bytes;
+        bytes += round16(views[id.format].page_bytes);
+      }
+    if (ranges_.capacity() == 0)
+      return status(errc::capacity_exhausted,
+                    "offload: the cache has no host tier (host_pool_bytes = 0); nothing moved");
+    auto at = ranges_.allocate(bytes);
+    if (!at)
+      return status::make(errc::capacity_exhausted, "offload: ", s, " needs ", bytes,
+                          " bytes of the host pool (", p.logical_pages, " logical pages x ", L,
+                          " layers); ", at.error_status().message(), "; nothing moved");
+    p.offset = *at;
+    p.bytes = bytes;
+    std::uint8_t* base = slab_.get() + p.offset;
+    page_copy* list = reinterpret_cast<page_copy*>(base);
+    std::uint64_t moved = 0;
+    for (std::int64_t j = 0; j < *pages; ++j)
+      for (int l = 0; l < L; ++l) {
+        const std::size_t k = std::size_t(j) * std::size_t(L) + std::size_t(l);
+        const page_id id = *st.page(s, l, j);
+        const pool_view& v = views[id.format];
+        list[k] = {v.page(id.slot), base + p.at[k], v.page_bytes};
+        moved += v.page_bytes;
+      }
+    status queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
+    if (queued) queued = p.written.create();
+    if (queued) queued = check(cudaEventRecord(p.written.get(), stream), "offload: cudaEventRecord");
+    if (!queued) {
+      // A launch that failed queued nothing; a record that failed leaves a copy that may run:
+      // wait for the stream before the range can be reused.
+      (void)cudaStreamSynchronize(stream);
+      (void)ranges_.free(p.offset);
+      return status::make(queued.code(), "offload: ", queued.message(), "; nothing moved");
+    }
+    const parked_id id = next_id_++;
+    parked_.emplace(id, std::move(p));
+    ++stats_.offloads;
+    stats_.bytes_offloaded += moved;
+    return id;
+  }
+
+  /// What a restore of `id` needs from the storage at its peak (check_import_capacity).
+  result<import_need> need(parked_id id) const {
+    auto it = parked_.find(id);
+    if (it == parked_.end()) return unknown(id, "restore");
+    const parked& p = it->second;
+    const std::uint32_t L = std::uint32_t(p.tier.size() / std::max<std::uint32_t>(p.logical_pages, 1));
+    import_need n;
+    n.blocks = p.logical_pages;
+    n.pages_per_tier.assign(Storage::num_tiers, 0);
+    std::uint64_t tier0_before_last = 0;
+    for (std::size_t k = 0; k < p.tier.size(); ++k) {
+      ++n.pages_per_tier[p.tier[k]];
+      if (p.tier[k] == 0 && k / L + 1 < p.logical_pages) ++tier0_before_last;
+    }
+    n.pages_per_tier[0] = p.logical_pages == 0 ? 0 : tier0_before_last + L;
+    return n;
+  }
+
+  /// A NEW sequence holding parked `id`'s pages, byte for byte, copied host to device on
+  /// `stream`; the handle is consumed and its range freed once the copy has run. The caller has
+  /// checked the capacity (need); any failure releases the new sequence and leaves `id` parked.
+  result<seq_id> unpark(Storage& st, parked_id id, cudaStream_t stream) {
+    reclaim();
+    auto it = parked_.find(id);
+    if (it == parked_.end()) return unknown(id, "restore");
+    parked& p = it->second;
+    // The copy list is rewritten in the range: the offload's copy, which read the old list,
+    // must have run (it has, unless the restore follows the offload at once).
+    TIERKV_CUDA_TRY(cudaEventSynchronize(p.written.get()));
+    const std::uint32_t L = std::uint32_t(st.num_layers());
+    const auto views = st.views();
+    std::uint8_t* base = slab_.get() + p.offset;
+    page_copy* list = reinterpret_cast<page_copy*>(base);
+    std::size_t n = 0;
+    std::uint64_t moved = 0;
+    const auto last_fill = p.length - std::int64_t(p.logical_pages - 1) * Storage::page_tokens;
+    auto seq = tierkv::detail::build_sequence(
+        st, p.logical_pages, L, "restore",
+        [&](std::uint32_t j, std::uint32_t l) {
+          const std::size_t k = std::size_t(j) * L + l;
+          tierkv::detail::page_record r;
+          r.tier = p.tier[k];
+          r.fill = j + 1 < p.logical_pages ? Storage::page_tokens : last_fill;
+          r.src = base + p.at[k];
+          r.bytes = views[r.tier].page_bytes;
+          return r;
+        },
+        [&](page_id to, const tierkv::detail::page_record& r) {
+          list[n++] = {r.src, views[to.format].page(to.slot), r.bytes};
+          moved += r.bytes;
+          return status{};
+        });
+    if (!seq) return seq;
+    status queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
+    cuda_event done;
+    if (queued) queued = done.create();
+    if (queued) queued = check(cudaEventRecord(done.get(), stream), "restore: cudaEventRecord");
+    if (!queued) {
+      (void)cudaStreamSynchronize(stream);  // a copy that may have been queued has run
+      (void)st.release(*seq);
+      return status::make(queued.code(), "restore: ", queued.message(),
+                          "; the sequence stays parked");
+    }
+    pending_.push_back({std::move(done), p.offset});
+    parked_.erase(it);
+    ++stats_.restores;
+    stats_.bytes_restored += moved;
+    return seq;
+  }
+
+  /// Forgets parked `id`; its range is reused once its offload copy has run.
+  status drop(parked_id id) {
+    auto it = parked_.find(id);
+    if (it == parked_.end()) return unknown(id, "drop_parked");
+    pending_.push_back({std::move(it->second.written), it->second.offset});
+    parked_.erase(it);
+    ++stats_.drops;
+    reclaim();
+    return {};
+  }
+
+  /// Tokens of parked `id`.
+  result<std::int64_t> length(parked_id id) const {
+    auto it = parked_.find(id);
+    if (it == parked_.end()) return unknown(id, "parked_length");
+    return it->second.length;
+  }
+  /// Bytes of parked `id`'s range in the slab.
+  result<std::uint64_t> bytes(parked_id id) const {
+    auto it = parked_.find(id);
+    if (it == parked_.end()) return unknown(id, "parked_bytes");
+    return it->second.bytes;
+  }
+
+  /// The tier's figures (frees the ranges whose copies have run first).
+  host_tier_stats stats() {
+    reclaim();
+    host_tier_stats s = stats_;
+    s.capacity_bytes = ranges_.capacity();
+    s.used_bytes = ranges_.used();
+    s.largest_free_bytes = ranges_.largest_free();
+    s.parked = parked_.size();
+    return s;
+  }
+
+  /// Waits for every copy in flight and frees their ranges (shutdown, tests).
+  status drain() {
+    for (auto& q : pending_) TIERKV_CUDA_TRY(cudaEventSynchronize(q.done.get()));
+    reclaim();
+    return {};
+  }
+
+ private:
+  struct parked {
+    std::uint64_t offset = 0, bytes = 0;  // its range of the slab
+    std::int64_t length = 0;              // tokens
+    std::uint32_t logical_pages = 0;
+    std::vector<std::uint8_t> tier;  // [logical page][layer]
+    std::vector<std::uint64_t> at;   // each page's offset in the range
+    cuda_event written;              // the offload copy has run
+  };
+  struct pending {
+    cuda_event done;  // the copy reading or writing the range has run
+    std::uint64_t offset = 0;
+  };
+
+  static std::uint64_t round16(std::uint64_t b) { return (b + 15) / 16 * 16; }
+  // The copy list at the start of a range: n entries, rounded to 16 bytes.
+  static std::uint64_t list_bytes(std::size_t n) { return round16(n * sizeof(page_copy)); }
+  static status unknown(parked_id id, const char* what) {
+    return status::make(errc::stale_id, what, ": parked sequence ", id,
+                        " is not parked (never, or already restored or dropped)");
+  }
+  // Frees the ranges whose copies have run (a range whose copy faulted stays taken).
+  void reclaim() {
+    std::size_t keep = 0;
+    for (std::size_t i = 0; i < pending_.size(); ++i) {
+      const auto done = detail::event_done(pending_[i].done.get(), "host tier: cudaEventQuery");
+      if (done && *done) {
+        (void)ranges_.free(pending_[i].offset);
+        continue;
+      }
+      if (keep != i) pending_[keep] = std::move(pending_[i]);
+      ++keep;
+    }
+    pending_.resize(keep);
+  }
+
+  copy_path path_ = copy_path::kernel;
+  pinned_buffer<std::uint8_t> slab_;
+  range_allocator ranges_;
+  std::map<parked_id, parked> parked_;
+  std::vector<pending> pending_;
+  parked_id next_id_ = 1;
+  host_tier_stats stats_;
+};
+
+}  // namespace tierkv::cuda
