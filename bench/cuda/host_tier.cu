@@ -6,15 +6,17 @@
 // values Stale, its pages demoted by the default policy after the prefill), against the same
 // sequence in BF16 pages restored by the same batch copy (format:bf16, bf16_restore below: the
 // engines' offload of uncompressed pages); each with its copies on the SMs (path:kernel) or on
-// the copy engines (path:copy_engines, cudaMemcpyBatchAsync). Plus the measured copy roofline of this machine: one cudaMemcpyAsync of
-// 1 GiB pinned host -> device and device -> host (copy/dir:h2d, copy/dir:d2h).
-// An iteration is offload + restore; its manual time is the restore's wall time (host work, then
-// the copy, until the copy's event: what a prefix hit waits for). Counters (means over the
-// iterations): restore_ms (= the manual time), restore_gpu_ms (the copy alone, events),
-// restore_host_ms (the call's host time: page table, pool allocation, copy list), offload_ms
-// (wall, the same way), parked_bytes (the host range of one conversation), page_bytes (the
-// pages alone), restore_gbps = page_bytes / restore_ms. Checked every iteration: the restored
-// sequence exports to the bytes it exported before the first offload (exit status 2 if not).
+// the copy engines (path:copy_engines, cudaMemcpyBatchAsync). Plus the measured copy roofline of
+// this machine: one cudaMemcpyAsync of 1 GiB pinned host -> device and device -> host
+// (copy/dir:h2d, copy/dir:d2h). The restore's copies go out in chunks of `chunk` pages as its page
+// table is built (options:: host_restore_chunk; 1 << 30: one launch at the end, no overlap). An
+// iteration is offload + restore; its manual time is the restore's wall time (host work, then the
+// copy, until the copy's event: what a prefix hit waits for). Counters (means over the iterations):
+// restore_ms (= the manual time), restore_gpu_ms (the copy alone, events), restore_host_ms (the
+// call's host time: page table, pool allocation, copy list), offload_ms (wall, the same way),
+// parked_bytes (the host range of one conversation), page_bytes (the pages alone), restore_gbps =
+// page_bytes / restore_ms. Checked every iteration: the restored sequence exports to the bytes it
+// exported before the first offload (exit status 2 if not).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,8 +52,8 @@ double ms_since(clock_type::time_point t0) {
 
 void offload_restore(benchmark::State& st) {
   using cache = tierkv::cuda::tiered_cache<G, rec_tiers>;
-  const auto path = st.range(0) == 0 ? tierkv::cuda::copy_path::kernel
-                                     : tierkv::cuda::copy_path::copy_engines;
+  const auto path =
+      st.range(0) == 0 ? tierkv::cuda::copy_path::kernel : tierkv::cuda::copy_path::copy_engines;
   const int context = arg_context, T = G::page_tokens;
   const int pages = (context + T - 1) / T;
   const std::uint32_t total = std::uint32_t(pages) * layers + 1024;
@@ -68,6 +70,7 @@ void offload_restore(benchmark::State& st) {
   opt.max_step_tokens = 8192;
   opt.max_retier_pages = 16384;
   opt.host_copy = path;
+  opt.host_restore_chunk = int(st.range(1));
   // The host pool: one conversation at its tiers' sizes, all pages at the larger tier's size,
   // plus the copy list (24 B a page) and alignment.
   {
@@ -160,8 +163,8 @@ void offload_restore(benchmark::State& st) {
 // at scattered slots (the list built in the timed region, as the host tier builds its own; no
 // page table to rebuild, which favours the control).
 void bf16_restore(benchmark::State& st) {
-  const auto path = st.range(0) == 0 ? tierkv::cuda::copy_path::kernel
-                                     : tierkv::cuda::copy_path::copy_engines;
+  const auto path =
+      st.range(0) == 0 ? tierkv::cuda::copy_path::kernel : tierkv::cuda::copy_path::copy_engines;
   constexpr std::size_t page = std::size_t(G::page_tokens) * G::kv_heads * G::head_dim * 2 * 2;
   const std::size_t n = std::size_t((arg_context + G::page_tokens - 1) / G::page_tokens) * layers;
   std::uint8_t *host = nullptr, *dev = nullptr;
@@ -234,15 +237,20 @@ void register_all() {
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->Iterations(10);
+  // restore_chunk: pages a launch (host_restore_chunk); 1 << 30 = one launch after the whole
+  // page table is built (no overlap)
   for (int path = 0; path < 2; ++path) {
     const std::string p = path == 0 ? "kernel" : "copy_engines";
-    benchmark::RegisterBenchmark(("host_tier/format:tierkv/path:" + p).c_str(), offload_restore)
-        ->Arg(path)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(5);
+    for (int chunk : {1 << 30, 32768, 8192, 2048})
+      benchmark::RegisterBenchmark(
+          ("host_tier/format:tierkv/path:" + p + "/chunk:" + std::to_string(chunk)).c_str(),
+          offload_restore)
+          ->Args({path, chunk})
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(5);
     benchmark::RegisterBenchmark(("host_tier/format:bf16/path:" + p).c_str(), bf16_restore)
-        ->Arg(path)
+        ->Args({path, 0})
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->Iterations(5);

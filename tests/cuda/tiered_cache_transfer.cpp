@@ -564,11 +564,13 @@ TEST_CASE(
     "bit for bit, and give the host memory back",
     "[cuda][cache][host_tier]") {
   const bool engines = GENERATE(false, true);
-  INFO((engines ? "copy engines" : "copy kernel"));
+  const int chunk = GENERATE(8192, 5);  // one launch, or one every two logical pages (3 layers)
+  INFO((engines ? "copy engines" : "copy kernel") << ", restore chunk " << chunk);
   std::mt19937_64 rng(20261209);
   cuda_test::xfer_options o = gpu_opts();
   o.host_pool_bytes = 1 << 20;
   o.copy_engines = engines;
+  o.restore_chunk = chunk;
   world w = make_world(rng, o);
   const bytes buf0 = w.gpu->export_pages(w.s0).value(), buf1 = w.gpu->export_pages(w.s1).value();
   const auto q = random_queries(rng);

@@ -42,6 +42,7 @@ tierkv::result<std::unique_ptr<xfer_cache>> xfer_cache::create(const xfer_option
   opt.max_step_tokens = o.max_step_tokens;
   opt.center = o.center;
   opt.host_pool_bytes = o.host_pool_bytes;
+  opt.host_restore_chunk = o.restore_chunk;
   opt.host_copy =
       o.copy_engines ? tierkv::cuda::copy_path::copy_engines : tierkv::cuda::copy_path::kernel;
   auto c = xfer_cache_type::create(opt, m->stream);

@@ -38,6 +38,7 @@ struct xfer_options {
   bool center = false;
   std::uint64_t host_pool_bytes = 0;  // the host tier's pinned memory
   bool copy_engines = false;          // its copies by cudaMemcpyBatchAsync, else the kernel
+  int restore_chunk = 8192;           // pages a restore copies per launch
 };
 
 // cuda::host_tier_stats, host-compilable.

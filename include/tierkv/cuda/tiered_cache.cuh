@@ -694,7 +694,10 @@ class tiered_cache {
     if (auto st = slots_.allocate(layers(), opt_.max_step_tokens, opt_.max_batch); !st) return st;
     if (auto st = handoff_.create(); !st) return st;
     if (auto st = slots_.create_event(); !st) return st;
-    if (auto st = host_.init(opt_.host_pool_bytes, opt_.host_copy); !st) return st;
+    if (auto st = host_.init(opt_.host_pool_bytes, opt_.host_copy,
+                             std::uint32_t(opt_.host_restore_chunk));
+        !st)
+      return st;
     TIERKV_CUDA_TRY(cudaStreamSynchronize(stream_));  // pools poisoned, workspace zeroed
     return {};
   }

@@ -20,8 +20,8 @@
 
 #include <cuda_runtime.h>
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -44,15 +44,15 @@ using parked_id = std::uint64_t;
 
 /// What the host tier holds and has moved.
 struct host_tier_stats {
-  std::uint64_t capacity_bytes = 0;   ///< the pinned slab (host_pool_bytes, aligned)
-  std::uint64_t used_bytes = 0;       ///< ranges of parked sequences and of copies still running
+  std::uint64_t capacity_bytes = 0;      ///< the pinned slab (host_pool_bytes, aligned)
+  std::uint64_t used_bytes = 0;          ///< ranges of parked sequences and of copies still running
   std::uint64_t largest_free_bytes = 0;  ///< the largest sequence that parks now
-  std::uint64_t parked = 0;           ///< sequences parked
-  std::uint64_t offloads = 0;         ///< parks since creation
-  std::uint64_t restores = 0;         ///< unparks since creation
-  std::uint64_t drops = 0;            ///< parked sequences dropped
-  std::uint64_t bytes_offloaded = 0;  ///< page bytes copied device to host
-  std::uint64_t bytes_restored = 0;   ///< page bytes copied host to device
+  std::uint64_t parked = 0;              ///< sequences parked
+  std::uint64_t offloads = 0;            ///< parks since creation
+  std::uint64_t restores = 0;            ///< unparks since creation
+  std::uint64_t drops = 0;               ///< parked sequences dropped
+  std::uint64_t bytes_offloaded = 0;     ///< page bytes copied device to host
+  std::uint64_t bytes_restored = 0;      ///< page bytes copied host to device
 };
 
 template <class Storage>
@@ -62,8 +62,11 @@ class host_tier {
   static constexpr std::uint64_t range_align = 4096;
 
   /// Allocates the pinned slab (0 bytes: no host tier; park refuses).
-  status init(std::uint64_t bytes, copy_path path) {
+  /// A restore launches its copies in chunks of at least `restore_chunk` pages as it builds
+  /// the page table (the GPU copies one chunk while the host builds the next).
+  status init(std::uint64_t bytes, copy_path path, std::uint32_t restore_chunk) {
     path_ = path;
+    chunk_ = restore_chunk;
     ranges_ = range_allocator(bytes, range_align);
     if (ranges_.capacity() == 0) return {};
     if (auto st = slab_.allocate(std::size_t(ranges_.capacity())); !st)
@@ -121,7 +124,8 @@ class host_tier {
       }
     status queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
     if (queued) queued = p.written.create();
-    if (queued) queued = check(cudaEventRecord(p.written.get(), stream), "offload: cudaEventRecord");
+    if (queued)
+      queued = check(cudaEventRecord(p.written.get(), stream), "offload: cudaEventRecord");
     if (!queued) {
       // A launch that failed queued nothing; a record that failed leaves a copy that may run:
       // wait for the stream before the range can be reused.
@@ -141,7 +145,8 @@ class host_tier {
     auto it = parked_.find(id);
     if (it == parked_.end()) return unknown(id, "restore");
     const parked& p = it->second;
-    const std::uint32_t L = std::uint32_t(p.tier.size() / std::max<std::uint32_t>(p.logical_pages, 1));
+    const std::uint32_t L =
+        std::uint32_t(p.tier.size() / std::max<std::uint32_t>(p.logical_pages, 1));
     import_need n;
     n.blocks = p.logical_pages;
     n.pages_per_tier.assign(Storage::num_tiers, 0);
@@ -169,12 +174,24 @@ class host_tier {
     const auto views = st.views();
     std::uint8_t* base = slab_.get() + p.offset;
     page_copy* list = reinterpret_cast<page_copy*>(base);
-    std::size_t n = 0;
+    // The copies go out in chunks as the page table is built, so the GPU copies one chunk
+    // while the host builds the next (bench/results/host-tier/: the table of 131072 pages took
+    // as long as their copy).
+    std::size_t n = 0, launched = 0;
     std::uint64_t moved = 0;
+    status queued;
+    const auto flush = [&] {
+      if (queued && n > launched) {
+        queued =
+            copy_pages(std::span<const page_copy>(list + launched, n - launched), path_, stream);
+        launched = n;
+      }
+    };
     const auto last_fill = p.length - std::int64_t(p.logical_pages - 1) * Storage::page_tokens;
     auto seq = tierkv::detail::build_sequence(
         st, p.logical_pages, L, "restore",
         [&](std::uint32_t j, std::uint32_t l) {
+          if (l == 0 && n - launched >= chunk_) flush();
           const std::size_t k = std::size_t(j) * L + l;
           tierkv::detail::page_record r;
           r.tier = p.tier[k];
@@ -184,17 +201,21 @@ class host_tier {
           return r;
         },
         [&](page_id to, const tierkv::detail::page_record& r) {
+          if (!queued) return queued;  // a chunk's launch failed: roll back
           list[n++] = {r.src, views[to.format].page(to.slot), r.bytes};
           moved += r.bytes;
           return status{};
         });
-    if (!seq) return seq;
-    status queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
+    if (seq) flush();
     cuda_event done;
-    if (queued) queued = done.create();
-    if (queued) queued = check(cudaEventRecord(done.get(), stream), "restore: cudaEventRecord");
-    if (!queued) {
-      (void)cudaStreamSynchronize(stream);  // a copy that may have been queued has run
+    if (seq && queued) queued = done.create();
+    if (seq && queued)
+      queued = check(cudaEventRecord(done.get(), stream), "restore: cudaEventRecord");
+    if (!seq || !queued) {
+      // Chunks already queued read this range's list and write pages the rollback frees: they
+      // run before the list is rewritten or a page reused.
+      if (launched > 0) (void)cudaStreamSynchronize(stream);
+      if (!seq) return seq;
       (void)st.release(*seq);
       return status::make(queued.code(), "restore: ", queued.message(),
                           "; the sequence stays parked");
@@ -285,6 +306,7 @@ class host_tier {
   }
 
   copy_path path_ = copy_path::kernel;
+  std::size_t chunk_ = 8192;
   pinned_buffer<std::uint8_t> slab_;
   range_allocator ranges_;
   std::map<parked_id, parked> parked_;

@@ -43,6 +43,9 @@ struct tiered_cache_options {
   std::uint64_t host_pool_bytes = 0;
   /// How the host tier's page copies run (kernel/page_copy.cuh).
   copy_path host_copy = copy_path::kernel;
+  /// Pages a restore copies per launch while it builds the page table (>= 1): the GPU copies
+  /// one chunk while the host builds the next.
+  int host_restore_chunk = 8192;
 };
 
 /// Host<->device bytes the façade moved: metadata, and page bytes only where pages leave or
@@ -81,11 +84,11 @@ status validate_cache_limits(const tiered_cache_options<Policy, NumTiers>& opt, 
     if (opt.storage.pages_per_tier[std::size_t(f)] > max_tier_pages)
       return status::exceeds(errc::invalid_argument, "pages_per_tier",
                              opt.storage.pages_per_tier[std::size_t(f)], max_tier_pages);
-  const int values[] = {opt.max_batch, opt.max_pages, opt.max_step_tokens, opt.max_retier_pages,
-                        opt.max_chunks_per_seq};
-  const char* names[] = {"max_batch", "max_pages", "max_step_tokens", "max_retier_pages",
-                         "max_chunks_per_seq"};
-  for (int i = 0; i < 5; ++i)
+  const int values[] = {opt.max_batch,        opt.max_pages,          opt.max_step_tokens,
+                        opt.max_retier_pages, opt.max_chunks_per_seq, opt.host_restore_chunk};
+  const char* names[] = {"max_batch",        "max_pages",          "max_step_tokens",
+                         "max_retier_pages", "max_chunks_per_seq", "host_restore_chunk"};
+  for (int i = 0; i < 6; ++i)
     if (values[i] < 1)
       return status::make(errc::invalid_argument, names[i], " = ", values[i], " must be >= 1");
   if (opt.max_pages > 65535)

@@ -95,12 +95,14 @@ inline status copy_pages(std::span<const page_copy> list, copy_path path, cudaSt
         srcs[i] = list[at + i].src;
         sizes[i] = std::size_t(list[at + i].bytes);
       }
-      TIERKV_CUDA_TRY(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr, &attr_index, 1, stream));
+      TIERKV_CUDA_TRY(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
+                                           &attr_index, 1, stream));
     }
     return status::ok();
 #else
-    return status(errc::invalid_argument,
-                  "copy_pages: copy_path::copy_engines needs CUDA 12.8 or later (cudaMemcpyBatchAsync)");
+    return status(
+        errc::invalid_argument,
+        "copy_pages: copy_path::copy_engines needs CUDA 12.8 or later (cudaMemcpyBatchAsync)");
 #endif
   }
   constexpr int block = 256;
@@ -110,7 +112,8 @@ inline status copy_pages(std::span<const page_copy> list, copy_path path, cudaSt
     TIERKV_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     blocks = 4 * sms;
   }
-  const std::uint64_t grid = list.size() < std::uint64_t(blocks) ? list.size() : std::uint64_t(blocks);
+  const std::uint64_t grid =
+      list.size() < std::uint64_t(blocks) ? list.size() : std::uint64_t(blocks);
   detail::copy_pages_kernel<block><<<unsigned(grid), block, 0, stream>>>(list.data(), list.size());
   return check_launch("copy_pages_kernel");
 }
