@@ -9,6 +9,7 @@
 #include "tierkv/codec/fp8.hpp"
 #include "tierkv/codec/tq3.hpp"
 #include "tierkv/paging/index_builder.hpp"
+#include "tierkv/paging/page_transfer.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 
 using namespace tierkv;
@@ -143,4 +144,39 @@ void BM_build_index(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * batch * (tokens / 64));
 }
 BENCHMARK(BM_build_index)->Arg(8)->Arg(64);
+
+// The page table of a sequence built from whole pages (detail::build_sequence: an import's and
+// the GPU host tier's restore's host work, bench/results/host-tier/), arg logical pages x 16
+// layers, 87.5% of them Stale (tier 1) as after the default policy; the bytes are not copied
+// (the restore copies them on the GPU). Items = pages. Small pages: the cost is per page.
+void BM_build_sequence(benchmark::State& state) {
+  using G1 = geometry<head_dim<64>, kv_heads<1>, group_size<1>, page_tokens<16>>;
+  using S1 = paged_storage<G1, tiers<tier<fp8_e4m3, fp8_e4m3>, tier<tq3_key, tq3_value>>>;
+  constexpr int layers = 16;
+  const auto pages = std::uint32_t(state.range(0));
+  S1::options o;
+  o.num_layers = layers;
+  o.max_sequences = 2;
+  o.pages_per_tier = {pages * layers + 64, pages * layers + 64};
+  auto s = std::move(S1::create(o).value());
+  const auto tier_of = [&](std::uint32_t j, std::uint32_t l) {
+    return (l % 8 == 0 || j == 0 || j + 4 >= pages) ? 0 : 1;  // 2 of 16 layers, sinks, newest
+  };
+  for (auto _ : state) {
+    auto seq = detail::build_sequence(
+        *s, pages, layers, "restore",
+        [&](std::uint32_t j, std::uint32_t l) {
+          detail::page_record r;
+          r.tier = tier_of(j, l);
+          r.fill = 16;
+          return r;
+        },
+        [](page_id, const detail::page_record&) { return status{}; });
+    state.PauseTiming();
+    (void)s->release(*seq);
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(state.iterations() * std::int64_t(pages) * layers);
+}
+BENCHMARK(BM_build_sequence)->Arg(8192)->Unit(benchmark::kMillisecond);
 }  // namespace

@@ -646,3 +646,61 @@ def test_page_transfer_refusals_on_the_gpu():
         g.export_pages(sg[1], first=10)
     with pytest.raises(ValueError, match="center = true"):
         gpu_cache(center=True).import_pages(buf)
+
+
+def test_host_tier_offload_and_restore():
+    """offload parks a sequence in pinned host memory and releases it; restore brings the same
+    pages back byte for byte, decoding as before; refusals change nothing (docs/gpu-cache.md,
+    "Host tier")."""
+    g = gpu_cache(host_pool_bytes=4 << 20)
+    s = g.create_sequence()
+    gen = torch.Generator().manual_seed(11)
+    g.begin_step([s], [150])
+    for layer in range(2):
+        g.append(layer, torch.randn(150, KVH, D, generator=gen).cuda(), torch.randn(150, KVH, D, generator=gen).cuda())
+    g.end_step(1, wait=True)
+    before = g.export_pages(s)
+    q = torch.randn(1, QH, D, generator=gen).cuda()
+
+    def decode_all(seq, step):
+        g.begin_step([seq], [0])
+        outs = [g.decode(layer, q, return_lse=True) for layer in range(2)]
+        g.end_step(step, wait=True)
+        return outs
+
+    ref = decode_all(s, 2)
+    tiers = [g.page_tiers(s, layer) for layer in range(2)]
+    parked = g.offload(s)
+    st = g.host_stats()
+    assert st["parked"] == 1 and st["offloads"] == 1 and st["used_bytes"] > 0 and st["capacity_bytes"] == 4 << 20
+    with pytest.raises(ValueError, match="stale"):
+        g.length(s)  # released on the GPU
+    r = g.restore(parked)
+    assert g.length(r) == 150 and g.export_pages(r) == before
+    assert [g.page_tiers(r, layer) for layer in range(2)] == tiers
+    for (o, lse), (o0, lse0) in zip(decode_all(r, 3), ref):
+        assert torch.equal(o, o0) and torch.equal(lse, lse0)
+    st = g.host_stats()
+    assert st["parked"] == 0 and st["restores"] == 1 and st["bytes_restored"] == st["bytes_offloaded"] > 0
+    with pytest.raises(ValueError, match="not parked"):
+        g.restore(parked)
+    with pytest.raises(ValueError, match="not parked"):
+        g.drop_parked(parked)
+    # refusals: no host tier, too little host memory; the sequence stays where it was
+    none = gpu_cache()
+    s0 = none.create_sequence()
+    with pytest.raises(RuntimeError, match="host_pool_bytes = 0"):
+        none.offload(s0)
+    small = gpu_cache(host_pool_bytes=8192)
+    s1 = small.create_sequence()
+    small.begin_step([s1], [150])
+    for layer in range(2):
+        small.append(layer, torch.randn(150, KVH, D).cuda(), torch.randn(150, KVH, D).cuda())
+    small.end_step(1, wait=True)
+    kept = small.export_pages(s1)
+    with pytest.raises(RuntimeError, match="bytes of the host pool.*nothing moved"):
+        small.offload(s1)
+    assert small.export_pages(s1) == kept and small.host_stats()["used_bytes"] == 0
+    with pytest.raises(ValueError, match="host_pool_bytes = -1"):
+        gpu_cache(host_pool_bytes=-1)
+    g.check_invariants()

@@ -79,6 +79,7 @@ class _Config(ctypes.Structure):
         ("knob_values", ctypes.POINTER(ctypes.c_double)),
         ("center", ctypes.c_int64),
         ("bits_per_scalar", ctypes.c_double),
+        ("host_pool_bytes", ctypes.c_int64),
     ]
 
 
@@ -101,8 +102,8 @@ def _load():
             "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
         )
     lib = ctypes.CDLL(str(path))
-    if lib.tkv_cuda_abi_version() != 5:
-        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 5")
+    if lib.tkv_cuda_abi_version() != 6:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 6")
     vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     sig = {
         "tkv_cuda_last_error": ([], ctypes.c_char_p),
@@ -147,6 +148,10 @@ def _load():
         ),
         "tkv_cuda_free_buffer": ([vp], None),
         "tkv_cuda_import_pages": ([vp, vp, i64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_offload": ([vp, i64, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+        "tkv_cuda_restore": ([vp, ctypes.c_uint64, ctypes.POINTER(i64)], ctypes.c_int),
+        "tkv_cuda_drop_parked": ([vp, ctypes.c_uint64], ctypes.c_int),
+        "tkv_cuda_host_stats": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
     }
     for name, (args, res) in sig.items():
         try:
@@ -209,7 +214,9 @@ class CudaCache:
     center=True subtracts a per-(layer, KV head) channel mean from keys and values before they
     are encoded (estimated from a layer's first append) and adds it back to decode's and
     prefill's outputs and LSE exactly (docs/gpu-cache.md, Centring); a soft-cap is then refused.
-    bits_per_scalar > 0 sets a bit budget as tierkv.Cache's.
+    bits_per_scalar > 0 sets a bit budget as tierkv.Cache's. host_pool_bytes > 0 gives the
+    cache a host tier of that much pinned memory: offload() parks a whole sequence there in its
+    compressed pages and restore() brings it back (docs/gpu-cache.md, "Host tier").
     """
 
     def __init__(
@@ -245,6 +252,7 @@ class CudaCache:
         min_dwell_steps: int | None = None,
         center: bool = False,
         bits_per_scalar: float = 0.0,
+        host_pool_bytes: int = 0,
         device=None,
     ):
         lib = _load()
@@ -274,7 +282,7 @@ class CudaCache:
             (ctypes.c_int64 * 8)(*pages_per_tier), max_sequences, max_batch, max_pages,
             max_step_tokens, max_retier_pages, max_chunks_per_seq, mass_layers_per_step,
             float(softmax_scale), codec_seed, policy.encode(), len(knob_names), names_c, values_c,
-            int(bool(center)), float(bits_per_scalar),
+            int(bool(center)), float(bits_per_scalar), int(host_pool_bytes),
         )  # fmt: skip
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):
@@ -381,6 +389,38 @@ class CudaCache:
         rc = _lib.tkv_cuda_import_pages(self._h, t.data_ptr() if t.numel() else None, t.numel(), ctypes.byref(out))
         _check(rc, _VALUE_ERRORS | {_CORRUPT_DATA})
         return out.value
+
+    # the host tier (between steps): whole sequences parked in pinned host memory
+    def offload(self, seq: int) -> int:
+        """Parks every page of seq, in its tier's format, in the host tier (host_pool_bytes of
+        pinned memory) and releases seq on the GPU; returns the parked id restore() takes. The
+        copy is queued on the cache's stream (the host does not wait). Too little host memory
+        (RuntimeError naming the bytes needed) or a bad seq changes nothing."""
+        out = ctypes.c_uint64()
+        _check(_lib.tkv_cuda_offload(self._h, seq, ctypes.byref(out)))
+        return out.value
+
+    def restore(self, parked: int) -> int:
+        """A NEW sequence holding a parked sequence's pages, byte for byte (same tiers, same
+        length); the parked id is consumed. Too little room on the GPU (RuntimeError) leaves it
+        parked and the cache as it was; when only the Recent tier is short, sealed pages are
+        demoted first, as begin_step does."""
+        out = ctypes.c_int64()
+        _check(_lib.tkv_cuda_restore(self._h, parked, ctypes.byref(out)))
+        return out.value
+
+    def drop_parked(self, parked: int) -> None:
+        """Forgets a parked sequence (its host memory is reused once its copy has run)."""
+        _check(_lib.tkv_cuda_drop_parked(self._h, parked))
+
+    def host_stats(self) -> dict:
+        """The host tier: capacity, used and largest free run (bytes), parked sequences, offloads,
+        restores, drops, and page bytes offloaded and restored since the cache was made."""
+        out = (ctypes.c_uint64 * 9)()
+        _check(_lib.tkv_cuda_host_stats(self._h, out))
+        names = ("capacity_bytes", "used_bytes", "largest_free_bytes", "parked", "offloads",
+                 "restores", "drops", "bytes_offloaded", "bytes_restored")  # fmt: skip
+        return dict(zip(names, out))
 
     def length(self, seq: int) -> int:
         """Committed tokens (a step's tokens are committed by begin_step)."""

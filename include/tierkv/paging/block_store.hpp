@@ -181,12 +181,7 @@ class block_store {
     if (!(slot == expected_old))
       return status::make(errc::stale_id, "replace_page: expected ", expected_old, " at layer ",
                           layer, " but ", slot, " is published");
-    if (auto st = check_page(new_page); !st) return st;
-    if (page_published(new_page) || page_state_of(new_page) != page_state::open ||
-        page_refcount(new_page) != 1)
-      return status::make(errc::invalid_argument, "replace_page: ", new_page,
-                          " is not a fresh caller-owned page from allocate_page");
-    return {};
+    return check_fresh_page(new_page, "replace_page");
   }
 
   // ---- blocks (for the prefix index) ------------------------------------------------------
@@ -338,6 +333,42 @@ class block_store {
     for (int l = 0; l < layers_; ++l) {
       const page_id p = *pool<0>().allocate();
       (void)pool<0>().set_owner_flags(p, published_flag);
+      (*block_pages_)[std::size_t(b) * std::size_t(layers_) + std::size_t(l)] = p;
+    }
+    ++live_blocks_;
+    return b;
+  }
+
+  /// invalid_argument unless p is a fresh caller-owned page (allocate_page's: open, one
+  /// reference, named by no block): what replace_page and adopt_block take.
+  status check_fresh_page(page_id p, const char* what) const {
+    return on_pool(p, [&](const auto& pl) -> status {  // one lookup (a restore's 130K pages)
+      if (auto st = pl.check(p); !st) return st;
+      const page_slot_meta& m = pl.slot_meta(p.slot);
+      if ((m.owner_flags & published_flag) != 0 || m.state != page_state::open || m.refcount != 1)
+        return status::make(errc::invalid_argument, what, ": ", p,
+                            " is not a fresh caller-owned page from allocate_page");
+      return status{};
+    });
+  }
+
+  /// A new block of `fill` tokens holding the caller's fresh pages, one per layer (each passed
+  /// check_fresh_page, no two alike), sealed with its pages when full. The caller checked
+  /// can_allocate_block_entries(1): nothing here can fail.
+  std::uint32_t adopt_block(std::span<const page_id> pages, std::uint32_t fill) {
+    const std::uint32_t b = block_free_->back();
+    block_free_->pop_back();
+    block_meta& m = (*block_meta_)[b];
+    m.refcount = 1;
+    m.fill = fill;
+    const bool full = fill == std::uint32_t(Geometry::page_tokens);
+    m.state = full ? page_state::sealed : page_state::open;
+    for (int l = 0; l < layers_; ++l) {
+      const page_id p = pages[std::size_t(l)];
+      (void)on_pool(p, [&](auto& pl) {
+        if (full) (void)pl.seal(p);
+        return pl.set_owner_flags(p, published_flag);
+      });
       (*block_pages_)[std::size_t(b) * std::size_t(layers_) + std::size_t(l)] = p;
     }
     ++live_blocks_;

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -597,7 +598,7 @@ status check_import_capacity(const Storage& s, const import_need& n, std::uint64
 namespace detail {
 
 /// One page of a sequence being built (build_sequence): its tier, its logical page's fill (the
-/// same for every layer of the page) and where its bytes are.
+/// same for every layer of the page; layer 0's is used) and where its bytes are.
 struct page_record {
   int tier = 0;                       ///< the tier (pool) the page goes to
   std::int64_t fill = 0;              ///< tokens of its logical page
@@ -607,42 +608,44 @@ struct page_record {
 
 /// A NEW sequence of s holding `logical_pages` pages of `layers` layers, page (j, l) as
 /// record_of(j, l) says (called once per page, j-major then l, as a buffer is read): per
-/// logical page, reserve and commit its fill (a tier-0 block, metadata only), then write each
-/// layer's page: the tier-0 page in place, or a fresh page of the record's tier published with
-/// replace_page. write(page, record) puts the bytes into the pool (memcpy for host pools, a copy
-/// queued for device ones). A failure releases the partial sequence, so every pool, block and
-/// sequence count is as before (the message says "<what> rolled back"). What import_pages and
-/// the GPU host tier's restore share.
+/// logical page, each layer's page allocated in the record's tier and written
+/// (write(page, record): memcpy for host pools, a copy queued for device ones), then the
+/// logical page appended whole (paged_storage::append_pages: no tier-0 page is opened for a
+/// page that arrives in another tier). A failure gives back the pages not yet appended and
+/// releases the partial sequence, so every pool, block and sequence count is as before (the
+/// message says "<what> rolled back"). What import_pages and the GPU host tier's restore share.
 template <class Storage, class RecordOf, class WritePage>
 result<seq_id> build_sequence(Storage& s, std::uint32_t logical_pages, std::uint32_t layers,
                               const char* what, RecordOf&& record_of, WritePage&& write) {
   auto seq = s.create_sequence();
   if (!seq) return seq.error_status();
+  std::vector<page_id> pages;
   const auto fail = [&](const status& st) -> status {
+    for (const page_id p : pages) (void)s.release_page(p);
     (void)s.release(*seq);
     return status::make(st.code(), st.message(), "; ", what, " rolled back, nothing ", past(what));
   };
+  try {
+    pages.reserve(layers);
+  } catch (const std::bad_alloc&) {
+    (void)s.release(*seq);
+    return status::make(errc::capacity_exhausted, what, ": no memory for ", layers,
+                        " page ids; nothing ", past(what));
+  }
   for (std::uint32_t j = 0; j < logical_pages; ++j) {
-    const page_record first = record_of(j, 0u);
-    if (auto st = s.reserve(*seq, first.fill); !st) return fail(st);
-    if (auto st = s.commit(*seq, first.fill); !st) return fail(st);
+    pages.clear();
+    std::int64_t fill = 0;
     for (std::uint32_t l = 0; l < layers; ++l) {
-      const page_record r = l == 0 ? first : record_of(j, l);
-      const page_id old = *s.page(*seq, int(l), std::int64_t(j));
-      if (r.tier == 0) {
-        if (auto st = write(old, r); !st) return fail(st);
-        continue;
-      }
+      const page_record r = record_of(j, l);
+      if (l == 0) fill = r.fill;
       auto fresh = s.allocate_page(r.tier);
       if (!fresh) return fail(fresh.error_status());
-      status st = write(*fresh, r);
-      if (st) st = s.replace_page(*seq, int(l), std::int64_t(j), old, *fresh);
-      if (!st) {
-        (void)s.release_page(*fresh);
-        return fail(st);
-      }
+      pages.push_back(*fresh);
+      if (auto st = write(*fresh, r); !st) return fail(st);
     }
+    if (auto st = s.append_pages(*seq, fill, pages); !st) return fail(st);
   }
+  pages.clear();
   return *seq;
 }
 

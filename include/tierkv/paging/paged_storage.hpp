@@ -251,6 +251,53 @@ class paged_storage : public sequence_store<Geometry, Tiers, PageAlloc, MetaAllo
     r->reserved = 0;
     return {};
   }
+  /// Appends one logical page to s made of the caller's fresh pages, one per layer
+  /// (allocate_page's, written already), holding `fill` tokens: any tier for a full page,
+  /// tier 0 for a partial one (an open page is what appends write). s must have no
+  /// reservation and end on a page boundary. The pages become s's (published; sealed when
+  /// full). Refusals (naming the value) change nothing and leave the pages the caller's.
+  /// How an import or the GPU host tier's restore builds a sequence: no tier-0 page is opened
+  /// for a page that arrives in another tier.
+  status append_pages(seq_id s, std::int64_t fill, std::span<const page_id> pages) {
+    seq_record* r = find(s);
+    if (r == nullptr) return bad_seq(s);
+    if (r->reserved != 0) return reservation_outstanding(s, *r, "append_pages");
+    if (r->length % page_tokens != 0)
+      return status::make(errc::invalid_argument, "append_pages: ", s, " has ", r->length,
+                          " tokens, not a whole number of pages of ", page_tokens);
+    if (fill < 1 || fill > page_tokens)
+      return status::make(errc::invalid_argument, "append_pages: fill = ", fill,
+                          " must lie in [1, ", page_tokens, "]");
+    if (fill > max_sequence_tokens - r->length)
+      return status::exceeds(errc::out_of_range, "append_pages: sequence length", r->length + fill,
+                             max_sequence_tokens);
+    if (pages.size() != std::size_t(layers_))
+      return status::make(errc::invalid_argument, "append_pages: ", pages.size(), " pages for ",
+                          layers_, " layers");
+    for (std::size_t l = 0; l < pages.size(); ++l) {
+      if (auto st = this->check_fresh_page(pages[l], "append_pages"); !st) return st;
+      if (fill < page_tokens && pages[l].format != 0)
+        return status::make(errc::invalid_argument, "append_pages: layer ", l, "'s page ", pages[l],
+                            " of a partial page (fill ", fill,
+                            ") is not in tier 0; only full pages arrive converted");
+      for (std::size_t m = 0; m < l; ++m)
+        if (pages[m] == pages[l])
+          return status::make(errc::invalid_argument, "append_pages: ", pages[l],
+                              " given for layers ", m, " and ", l);
+    }
+    if (auto st = can_allocate_block_entries(1); !st) return st;
+    if (r->blocks.size() == r->blocks.capacity()) {  // grown aside: a refusal frees it exactly
+      block_list grown(r->blocks.get_allocator());
+      if (auto st = reserve_list(grown, std::max<std::size_t>(2 * r->blocks.size(), 4)); !st)
+        return st;
+      grown.assign(r->blocks.begin(), r->blocks.end());
+      r->blocks.swap(grown);
+    }
+    r->blocks.push_back(this->adopt_block(pages, std::uint32_t(fill)));
+    r->length += fill;
+    return {};
+  }
+
   /// commit(s, 0): gives back the whole reservation.
   status cancel(seq_id s) { return commit(s, 0); }
 

@@ -114,6 +114,10 @@ gpu_cache_config to_config(const tkv_cuda_config& c) {
                               " must be 0 or 1"));
   g.center = c.center == 1;
   g.bits_per_scalar = c.bits_per_scalar;  // the controller's validate() names a bad one
+  if (c.host_pool_bytes < 0)
+    fail(tierkv::status::make(tierkv::errc::invalid_argument, "host_pool_bytes = ",
+                              c.host_pool_bytes, " must be >= 0 (0: no host tier)"));
+  g.host_pool_bytes = std::uint64_t(c.host_pool_bytes);
   return g;
 }
 
@@ -222,6 +226,22 @@ int tkv_cuda_import_pages(void* cache, const uint8_t* data, int64_t bytes, int64
       fail(tierkv::status::make(tierkv::errc::invalid_argument, "import_pages: ", bytes,
                                 " bytes at a null pointer, a negative size or a null seq"));
     *seq = cache_of(cache).import_pages({data, std::size_t(bytes)});
+  });
+}
+
+int tkv_cuda_offload(void* cache, int64_t seq, uint64_t* parked) {
+  return guarded("offload", [&] { *parked = cache_of(cache).offload(seq); });
+}
+int tkv_cuda_restore(void* cache, uint64_t parked, int64_t* seq) {
+  return guarded("restore", [&] { *seq = cache_of(cache).restore(parked); });
+}
+int tkv_cuda_drop_parked(void* cache, uint64_t parked) {
+  return guarded("drop_parked", [&] { cache_of(cache).drop_parked(parked); });
+}
+int tkv_cuda_host_stats(void* cache, uint64_t out[9]) {
+  return guarded("host_stats", [&] {
+    const auto h = cache_of(cache).host_stats();
+    for (int i = 0; i < 9; ++i) out[i] = h[std::size_t(i)];
   });
 }
 

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define TKV_CUDA_ABI_VERSION 5
+#define TKV_CUDA_ABI_VERSION 6
 #define TKV_CUDA_API __attribute__((visibility("default")))
 
 typedef struct tkv_cuda_config {
@@ -38,8 +38,9 @@ typedef struct tkv_cuda_config {
   const double* knob_values;     /*   and values */
   int64_t center; /* 1: per-(layer, KV head) channel means subtracted before encoding, added back
                      exactly (cuda::tiered_cache options::center); 0: off */
-  double bits_per_scalar; /* > 0: a bit budget over the movable pages (tier_controller_options::
-                             bits_per_scalar_target); 0: off */
+  double bits_per_scalar;  /* > 0: a bit budget over the movable pages (tier_controller_options::
+                              bits_per_scalar_target); 0: off */
+  int64_t host_pool_bytes; /* pinned host memory of the host tier (offload / restore); 0: none */
 } tkv_cuda_config;
 
 TKV_CUDA_API int tkv_cuda_abi_version(void);
@@ -76,6 +77,17 @@ TKV_CUDA_API int tkv_cuda_export_pages(void* cache, int64_t seq, int64_t first, 
 TKV_CUDA_API void tkv_cuda_free_buffer(void* buffer);
 TKV_CUDA_API int tkv_cuda_import_pages(void* cache, const uint8_t* data, int64_t bytes,
                                        int64_t* seq);
+
+/* the host tier (cuda/cache/host_tier.cuh), between steps: offload parks every page of seq in
+ * pinned host memory and releases seq (*parked: its handle; too little host memory: 3
+ * capacity_exhausted, nothing moved); restore makes a NEW sequence *seq of a parked one's pages
+ * (too little room: 3, the sequence stays parked); host_stats writes 9 counters: capacity,
+ * used, largest free run (bytes), parked, offloads, restores, drops, bytes offloaded, bytes
+ * restored. */
+TKV_CUDA_API int tkv_cuda_offload(void* cache, int64_t seq, uint64_t* parked);
+TKV_CUDA_API int tkv_cuda_restore(void* cache, uint64_t parked, int64_t* seq);
+TKV_CUDA_API int tkv_cuda_drop_parked(void* cache, uint64_t parked);
+TKV_CUDA_API int tkv_cuda_host_stats(void* cache, uint64_t out[9]);
 
 TKV_CUDA_API int tkv_cuda_set_stream(void* cache, void* stream);
 TKV_CUDA_API int tkv_cuda_begin_step(void* cache, const int64_t* seqs, const int32_t* counts,

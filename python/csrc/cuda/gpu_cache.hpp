@@ -22,10 +22,11 @@ namespace tierkv_py {
 // cache_config's fields (formats, geometry, pools, sequences, policy knobs; `threads` and
 // `soft_cap` are the host path's and unused here) plus the GPU façade's capacities.
 struct gpu_cache_config : cache_config {
-  int max_step_tokens = 4096;    // new tokens of one step over its batch
-  int max_retier_pages = 1024;   // conversions per GPU batch
-  int max_chunks_per_seq = 64;   // decode split
-  int mass_layers_per_step = 1;  // layers whose page mass feeds the policy a step (0 = all)
+  int max_step_tokens = 4096;         // new tokens of one step over its batch
+  int max_retier_pages = 1024;        // conversions per GPU batch
+  int max_chunks_per_seq = 64;        // decode split
+  int mass_layers_per_step = 1;       // layers whose page mass feeds the policy a step (0 = all)
+  std::uint64_t host_pool_bytes = 0;  // the host tier's pinned memory (0: none)
 };
 
 // Element types of the tensors the ops pass (the same values as cuda::input_type,
@@ -59,6 +60,14 @@ class gpu_cache {
                                                  std::int64_t count, int head_begin,
                                                  int head_count) = 0;
   virtual std::int64_t import_pages(std::span<const std::uint8_t> buf) = 0;
+  // The host tier (cache/host_tier.cuh), between steps: offload parks a sequence's pages in
+  // pinned host memory and releases it (a parked id); restore makes a NEW sequence of them.
+  virtual std::uint64_t offload(std::int64_t seq) = 0;
+  virtual std::int64_t restore(std::uint64_t parked) = 0;
+  virtual void drop_parked(std::uint64_t parked) = 0;
+  // capacity, used, largest free run, parked, offloads, restores, drops, bytes offloaded,
+  // bytes restored (cuda::host_tier_stats' fields in order).
+  virtual std::array<std::uint64_t, 9> host_stats() = 0;
 
   // The façade's step (cuda/tiered_cache.cuh): begin_step on the cache's stream (set_stream
   // moves it, between steps), then per layer append and decode or prefill, each enqueued on
@@ -81,7 +90,8 @@ class gpu_cache {
   virtual void check_invariants() const = 0;
   // The device check of the last step's index build, decodes and prefills (synchronizes).
   virtual void device_error() = 0;
-  // Host<->device bytes moved: metadata h2d, metadata d2h, page bytes (always 0).
+  // Host<->device bytes moved: metadata h2d, metadata d2h, page bytes (export, import, the host
+  // tier; never a step's).
   virtual std::array<std::uint64_t, 3> transfers() const = 0;
   virtual std::array<std::uint64_t, 9> host_times() const = 0;
   // Every conversion since create (end_step's, make_room's and drain's), retier_stats' fields.

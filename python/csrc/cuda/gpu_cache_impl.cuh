@@ -104,6 +104,14 @@ class gpu_cache_impl final : public gpu_cache {
   }
   void check_invariants() const override { check(c_->check_invariants()); }
   void device_error() override { check(c_->device_error()); }
+  std::uint64_t offload(std::int64_t s) override { return value(c_->offload(to_seq(s))); }
+  std::int64_t restore(std::uint64_t parked) override { return value(c_->restore(parked)).value; }
+  void drop_parked(std::uint64_t parked) override { check(c_->drop_parked(parked)); }
+  std::array<std::uint64_t, 9> host_stats() override {
+    const tierkv::cuda::host_tier_stats h = c_->host_stats();
+    return {h.capacity_bytes, h.used_bytes, h.largest_free_bytes, h.parked,        h.offloads,
+            h.restores,       h.drops,      h.bytes_offloaded,    h.bytes_restored};
+  }
   std::array<std::uint64_t, 3> transfers() const override {
     const auto& t = c_->transfers();
     return {t.h2d_metadata_bytes, t.d2h_metadata_bytes, t.page_bytes};
@@ -132,6 +140,7 @@ class gpu_cache_impl final : public gpu_cache {
     o.softmax_scale = float(cfg.softmax_scale);
     o.center = cfg.center;
     o.tiering.bits_per_scalar_target = cfg.bits_per_scalar;
+    o.host_pool_bytes = cfg.host_pool_bytes;
     c_ = value(cache_type::create(o, stream));  // checks every other option, naming it
   }
 
