@@ -530,23 +530,14 @@ struct import_need {
   std::vector<std::uint64_t> pages_per_tier;  ///< peak pages of each tier's pool
 };
 
-/// The need of a buffer that verify_import accepted (t: its result). Tier 0 peaks while the
-/// last logical page is opened: the earlier pages' tier-0 layers plus one fresh tier-0 page
-/// per layer; every other tier needs the buffer's pages of it.
+/// The need of a buffer that verify_import accepted (t: its result): a block per logical page
+/// and, per tier, the buffer's pages of it (build_sequence allocates each page in its own tier
+/// and opens no other; `buf` is not read).
 inline import_need import_needs(const transfer_info& t, std::span<const std::uint8_t> buf) {
+  (void)buf;
   import_need n;
   n.blocks = t.logical_pages;
   n.pages_per_tier.assign(t.pages_per_tier.begin(), t.pages_per_tier.end());
-  std::uint64_t tier0_before_last = 0;
-  std::size_t off =
-      page_transfer_header_bytes + std::size_t(t.num_tiers) * page_transfer_tier_entry_bytes;
-  for (std::uint32_t j = 0; j < t.logical_pages; ++j)
-    for (std::uint32_t l = 0; l < t.num_layers; ++l) {
-      const std::uint32_t tier = buf[off + 8];
-      if (tier == 0 && j + 1 < t.logical_pages) ++tier0_before_last;
-      off += page_transfer_record_bytes + t.tiers[tier].page_bytes;
-    }
-  n.pages_per_tier[0] = t.logical_pages == 0 ? 0 : tier0_before_last + t.num_layers;
   return n;
 }
 

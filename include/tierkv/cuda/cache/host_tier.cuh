@@ -140,22 +140,16 @@ class host_tier {
     return id;
   }
 
-  /// What a restore of `id` needs from the storage at its peak (check_import_capacity).
+  /// What a restore of `id` needs from the storage (check_import_capacity): a block per logical
+  /// page and, per tier, its pages of that tier.
   result<import_need> need(parked_id id) const {
     auto it = parked_.find(id);
     if (it == parked_.end()) return unknown(id, "restore");
     const parked& p = it->second;
-    const std::uint32_t L =
-        std::uint32_t(p.tier.size() / std::max<std::uint32_t>(p.logical_pages, 1));
     import_need n;
     n.blocks = p.logical_pages;
     n.pages_per_tier.assign(Storage::num_tiers, 0);
-    std::uint64_t tier0_before_last = 0;
-    for (std::size_t k = 0; k < p.tier.size(); ++k) {
-      ++n.pages_per_tier[p.tier[k]];
-      if (p.tier[k] == 0 && k / L + 1 < p.logical_pages) ++tier0_before_last;
-    }
-    n.pages_per_tier[0] = p.logical_pages == 0 ? 0 : tier0_before_last + L;
+    for (const std::uint8_t t : p.tier) ++n.pages_per_tier[t];
     return n;
   }
 
