@@ -71,21 +71,12 @@ void offload_restore(benchmark::State& st) {
   opt.max_retier_pages = 16384;
   opt.host_copy = path;
   opt.host_restore_chunk = int(st.range(1));
-  // The host pool: one conversation at its tiers' sizes, all pages at the larger tier's size,
-  // plus the copy list (24 B a page) and alignment.
-  {
-    auto probe = bench::take(cache::create(
-        [&] {
-          auto o = opt;
-          o.storage.pages_per_tier = {std::uint32_t(layers), std::uint32_t(layers)};
-          o.max_pages = 1;
-          return o;
-        }(),
-        stream));
-    const auto v = probe->storage().views();
-    const std::size_t largest = std::max(v[0].page_bytes, v[1].page_bytes);
-    opt.host_pool_bytes = std::uint64_t(pages) * layers * (largest + 16 + 24) + (8u << 20);
-  }
+  // The host pool: one conversation with every page at the larger tier's size, plus the copy
+  // list (24 B a page), each page's 16-byte alignment, and slack.
+  using S = typename cache::storage_type;
+  constexpr std::size_t largest =
+      std::max(S::template layout<0>::page_bytes, S::template layout<1>::page_bytes);
+  opt.host_pool_bytes = std::uint64_t(pages) * layers * (largest + 16 + 24) + (8u << 20);
   {
     auto c_ptr = bench::take(cache::create(opt, stream));
     auto& c = *c_ptr;

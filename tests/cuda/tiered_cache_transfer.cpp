@@ -458,7 +458,7 @@ TEST_CASE(
   world w = make_world(rng);
   const bytes buf = w.gpu->export_pages(w.s0).value();
   const transfer_info info = inspect_transfer(buf).value();
-  const import_need need = import_needs(info, buf);
+  const import_need need = import_needs(info);
   const auto need0 = std::uint32_t(need.pages_per_tier[0]);
   const auto need1 = std::uint32_t(need.pages_per_tier[1]);
   REQUIRE(need1 > 0);

@@ -242,11 +242,8 @@ class tiered_cache {
       return status::make(errc::out_of_range, "import_pages: the buffer holds ",
                           info->logical_pages, " logical pages, max_pages = ", opt_.max_pages,
                           "; nothing imported");
-    auto fit = detail::fit_new_sequence<Roles::stale>(
-        *storage_, import_needs(*info, buf), "import", [this](std::uint32_t n) {
-          const detail::scoped_time room_timed{times_.make_room_ns};
-          return make_room(n);
-        });
+    auto fit = detail::fit_new_sequence<Roles::stale>(*storage_, import_needs(*info), "import",
+                                                      timed_room());
     if (!fit) return fit;
     auto seq = detail::copy_import(*storage_, *info, buf, stream_, counters_);
     if (!seq) return seq;
@@ -268,9 +265,8 @@ class tiered_cache {
     if (stepping_)
       return status(errc::invalid_argument, "offload: not between begin_step and end_step");
     if (auto st = poisoned_.refuse(s, "offload"); !st) return st;
-    auto id = host_.park(*storage_, s, stream_);
+    auto id = host_.park(*storage_, s, stream_, counters_);
     if (!id) return id;
-    counters_.page_bytes += *host_.bytes(*id);
     if (auto st = release(s); !st) {  // s was checked: only an internal error gets here
       (void)host_.drop(*id);
       return st;
@@ -293,16 +289,10 @@ class tiered_cache {
       return status::make(errc::out_of_range, "restore: parked sequence ", id, " holds ",
                           need->blocks, " logical pages, max_pages = ", opt_.max_pages,
                           "; nothing restored");
-    auto fit = detail::fit_new_sequence<Roles::stale>(
-        *storage_, *need, "restore", [this](std::uint32_t n) {
-          const detail::scoped_time room_timed{times_.make_room_ns};
-          return make_room(n);
-        });
+    auto fit = detail::fit_new_sequence<Roles::stale>(*storage_, *need, "restore", timed_room());
     if (!fit) return fit;
-    const std::uint64_t moved = *host_.bytes(id);
-    auto seq = host_.unpark(*storage_, id, stream_);
+    auto seq = host_.unpark(*storage_, id, stream_, counters_);
     if (!seq) return seq;
-    counters_.page_bytes += moved;
     mirror_new_sequence(*seq);
     return seq;
   }
@@ -443,7 +433,7 @@ class tiered_cache {
       return status(errc::invalid_argument, "set_centering: not between begin_step and end_step");
     if (auto st = means_type::check(layer, layers(), mu_k, mu_v); !st) return st;
     if (auto st = check_no_pages_for_centering(*storage_); !st) return st;
-    if (const auto parked = host_.stats().parked; parked != 0)
+    if (const std::size_t parked = host_.parked_count(); parked != 0)
       return status::make(errc::invalid_argument, "set_centering: ", parked,
                           " parked sequences' pages were encoded against the present means; "
                           "restore or drop them first");
@@ -786,6 +776,13 @@ class tiered_cache {
   // ---- memory pressure: demotions staged through the retier driver, blocking -----------------
   auto room() {
     return [this](std::uint32_t pages) { return make_room(pages); };
+  }
+  // make_room for a new sequence (import, restore), its time counted as begin_step's is
+  auto timed_room() {
+    return [this](std::uint32_t pages) {
+      const detail::scoped_time room_timed{times_.make_room_ns};
+      return make_room(pages);
+    };
   }
   status make_room(std::uint32_t pages) { return retier_.make_room(pages, stream_); }
 

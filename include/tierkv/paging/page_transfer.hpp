@@ -22,7 +22,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -532,9 +531,8 @@ struct import_need {
 
 /// The need of a buffer that verify_import accepted (t: its result): a block per logical page
 /// and, per tier, the buffer's pages of it (build_sequence allocates each page in its own tier
-/// and opens no other; `buf` is not read).
-inline import_need import_needs(const transfer_info& t, std::span<const std::uint8_t> buf) {
-  (void)buf;
+/// and opens no other).
+inline import_need import_needs(const transfer_info& t) {
   import_need n;
   n.blocks = t.logical_pages;
   n.pages_per_tier.assign(t.pages_per_tier.begin(), t.pages_per_tier.end());
@@ -616,13 +614,6 @@ result<seq_id> build_sequence(Storage& s, std::uint32_t logical_pages, std::uint
     (void)s.release(*seq);
     return status::make(st.code(), st.message(), "; ", what, " rolled back, nothing ", past(what));
   };
-  try {
-    pages.reserve(layers);
-  } catch (const std::bad_alloc&) {
-    (void)s.release(*seq);
-    return status::make(errc::capacity_exhausted, what, ": no memory for ", layers,
-                        " page ids; nothing ", past(what));
-  }
   for (std::uint32_t j = 0; j < logical_pages; ++j) {
     pages.clear();
     std::int64_t fill = 0;
@@ -680,7 +671,7 @@ result<seq_id> import_pages(Storage& s, std::span<const std::uint8_t> buf) requi
     Storage::page_allocator::host_accessible {
   auto info = verify_import(s, buf);
   if (!info) return info.error_status();
-  if (auto st = check_import_capacity(s, import_needs(*info, buf)); !st) return st;
+  if (auto st = check_import_capacity(s, import_needs(*info)); !st) return st;
   return detail::import_verified(s, *info, buf,
                                  [&s](page_id p, const std::uint8_t* src, std::size_t n) {
                                    auto dst = s.page_bytes(p);

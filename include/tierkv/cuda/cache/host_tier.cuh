@@ -30,6 +30,7 @@
 
 #include "tierkv/core/ids.hpp"
 #include "tierkv/core/status.hpp"
+#include "tierkv/cuda/cache/options.cuh"
 #include "tierkv/cuda/check.cuh"
 #include "tierkv/cuda/device_buffer.cuh"
 #include "tierkv/cuda/kernel/page_copy.cuh"
@@ -75,10 +76,12 @@ class host_tier {
   }
 
   /// Copies every page of s (its open tail page whole) into a new range, queued on `stream`
-  /// after everything queued there before; returns its handle. The caller releases s on the
-  /// GPU after this succeeds. A refusal (the slab short: capacity_exhausted naming the bytes
-  /// needed and free) or a failed launch changes nothing.
-  result<parked_id> park(const Storage& st, seq_id s, cudaStream_t stream) {
+  /// after everything queued there before; returns its handle and counts the page bytes in
+  /// `counters`. The caller releases s on the GPU after this succeeds. A refusal (the slab
+  /// short: capacity_exhausted naming the bytes needed and free) or a failed launch changes
+  /// nothing.
+  result<parked_id> park(const Storage& st, seq_id s, cudaStream_t stream,
+                         transfer_counters& counters) {
     reclaim();
     auto pages = st.logical_pages(s);
     if (!pages) return pages.error_status();
@@ -90,17 +93,16 @@ class host_tier {
     p.length = *len;
     p.logical_pages = std::uint32_t(*pages);
     const std::size_t n = std::size_t(*pages) * std::size_t(L);
+    std::vector<page_id> ids(n);  // [logical page][layer], one walk of the page table
     p.tier.resize(n);
     p.at.resize(n);
     std::uint64_t bytes = std::max<std::uint64_t>(list_bytes(n), 16);  // an empty sequence too
-    for (std::int64_t j = 0; j < *pages; ++j)
-      for (int l = 0; l < L; ++l) {
-        const page_id id = *st.page(s, l, j);
-        const std::size_t k = std::size_t(j) * std::size_t(L) + std::size_t(l);
-        p.tier[k] = std::uint8_t(id.format);
-        p.at[k] = bytes;
-        bytes += round16(views[id.format].page_bytes);
-      }
+    for (std::size_t k = 0; k < n; ++k) {
+      ids[k] = *st.page(s, int(k % std::size_t(L)), std::int64_t(k / std::size_t(L)));
+      p.tier[k] = std::uint8_t(ids[k].format);
+      p.at[k] = bytes;
+      bytes += round16(views[ids[k].format].page_bytes);
+    }
     if (ranges_.capacity() == 0)
       return status(errc::capacity_exhausted,
                     "offload: the cache has no host tier (host_pool_bytes = 0); nothing moved");
@@ -110,18 +112,14 @@ class host_tier {
                           " bytes of the host pool (", p.logical_pages, " logical pages x ", L,
                           " layers); ", at.error_status().message(), "; nothing moved");
     p.offset = *at;
-    p.bytes = bytes;
     std::uint8_t* base = slab_.get() + p.offset;
     page_copy* list = reinterpret_cast<page_copy*>(base);
     std::uint64_t moved = 0;
-    for (std::int64_t j = 0; j < *pages; ++j)
-      for (int l = 0; l < L; ++l) {
-        const std::size_t k = std::size_t(j) * std::size_t(L) + std::size_t(l);
-        const page_id id = *st.page(s, l, j);
-        const pool_view& v = views[id.format];
-        list[k] = {v.page(id.slot), base + p.at[k], v.page_bytes};
-        moved += v.page_bytes;
-      }
+    for (std::size_t k = 0; k < n; ++k) {
+      const pool_view& v = views[ids[k].format];
+      list[k] = {v.page(ids[k].slot), base + p.at[k], v.page_bytes};
+      moved += v.page_bytes;
+    }
     status queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
     if (queued) queued = p.written.create();
     if (queued)
@@ -137,6 +135,7 @@ class host_tier {
     parked_.emplace(id, std::move(p));
     ++stats_.offloads;
     stats_.bytes_offloaded += moved;
+    counters.page_bytes += moved;
     return id;
   }
 
@@ -154,9 +153,11 @@ class host_tier {
   }
 
   /// A NEW sequence holding parked `id`'s pages, byte for byte, copied host to device on
-  /// `stream`; the handle is consumed and its range freed once the copy has run. The caller has
-  /// checked the capacity (need); any failure releases the new sequence and leaves `id` parked.
-  result<seq_id> unpark(Storage& st, parked_id id, cudaStream_t stream) {
+  /// `stream` (the page bytes counted in `counters`); the handle is consumed and its range freed
+  /// once the copy has run. The caller has checked the capacity (need); any failure releases
+  /// the new sequence and leaves `id` parked.
+  result<seq_id> unpark(Storage& st, parked_id id, cudaStream_t stream,
+                        transfer_counters& counters) {
     reclaim();
     auto it = parked_.find(id);
     if (it == parked_.end()) return unknown(id, "restore");
@@ -218,6 +219,7 @@ class host_tier {
     parked_.erase(it);
     ++stats_.restores;
     stats_.bytes_restored += moved;
+    counters.page_bytes += moved;
     return seq;
   }
 
@@ -238,12 +240,8 @@ class host_tier {
     if (it == parked_.end()) return unknown(id, "parked_length");
     return it->second.length;
   }
-  /// Bytes of parked `id`'s range in the slab.
-  result<std::uint64_t> bytes(parked_id id) const {
-    auto it = parked_.find(id);
-    if (it == parked_.end()) return unknown(id, "parked_bytes");
-    return it->second.bytes;
-  }
+  /// Sequences parked.
+  std::size_t parked_count() const noexcept { return parked_.size(); }
 
   /// The tier's figures (frees the ranges whose copies have run first).
   host_tier_stats stats() {
@@ -256,17 +254,10 @@ class host_tier {
     return s;
   }
 
-  /// Waits for every copy in flight and frees their ranges (shutdown, tests).
-  status drain() {
-    for (auto& q : pending_) TIERKV_CUDA_TRY(cudaEventSynchronize(q.done.get()));
-    reclaim();
-    return {};
-  }
-
  private:
   struct parked {
-    std::uint64_t offset = 0, bytes = 0;  // its range of the slab
-    std::int64_t length = 0;              // tokens
+    std::uint64_t offset = 0;  // its range of the slab
+    std::int64_t length = 0;   // tokens
     std::uint32_t logical_pages = 0;
     std::vector<std::uint8_t> tier;  // [logical page][layer]
     std::vector<std::uint64_t> at;   // each page's offset in the range

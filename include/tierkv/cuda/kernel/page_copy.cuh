@@ -3,7 +3,7 @@
 // tier's offload (device to host) and restore (host to device), cuda/cache/host_tier.cuh. A
 // 128K-token sequence of 16 layers is ~130K pages of 10-40 KB; one cudaMemcpyAsync each would
 // cost ~2 us of host time per page, longer than the bytes take over PCIe. Two ways, chosen by
-// the caller and measured against each other (bench/gpu/host_tier_bench.cu):
+// the caller and measured against each other (bench/cuda/host_tier.cu):
 //   - kernel: the SMs read one side through the unified address space (pinned host memory is
 //     device-addressable) and write the other, 16-byte accesses where the ends and sizes allow;
 //   - copy_engines: cudaMemcpyBatchAsync (CUDA 12.8+), the copy engines, no SM time.
