@@ -314,8 +314,8 @@ class TierkvArm:
     # last; the default policy keeps 1 and 1, 2 of 16 layers at 8 bits: ~1 bit per scalar)
     ARMS = {"tierkv": ("tq4", "tq3", 1, 1), "tierkv_sub3": ("tq3", "tq2", 0, 0)}
 
-    def __init__(self, L, budget, fill_step_tokens=65536, batch=None, name="tierkv"):
-        self.name, self.L = name, L
+    def __init__(self, L, budget, fill_step_tokens=65536, batch=None, name="tierkv", host_pool_bytes=0):
+        self.name, self.L, self.host_pool_bytes = name, L, host_pool_bytes
         self.stale_k, self.stale_v, self.keep_first, self.keep_last = self.ARMS[name]
         probe = tierkv.CudaCache(head_dim=D, kv_heads=HKV, group_size=HQ // HKV, num_layers=LAYERS,
                                  page_size=TKV_PAGE, recent="int8_rotated", cache_type_k=self.stale_k,
@@ -340,7 +340,7 @@ class TierkvArm:
             recent="int8_rotated", cache_type_k=self.stale_k, cache_type_v=self.stale_v,
             pages_per_tier=[B * self.t0_per_seq, B * self.t1_per_seq], max_sequences=B, max_batch=B,
             max_pages=self.pages_per_seq, max_step_tokens=self.fill_step_tokens, max_retier_pages=65536,
-            mass_layers_per_step=1, softmax_scale=D**-0.5,
+            mass_layers_per_step=1, softmax_scale=D**-0.5, host_pool_bytes=self.host_pool_bytes,
             policy_options=dict(keep_first_layers=self.keep_first, keep_last_layers=self.keep_last),
         )  # fmt: skip
         self.seqs = [self.c.create_sequence() for _ in range(B)]
