@@ -736,3 +736,83 @@ TEST_CASE(
     REQUIRE(w.gpu->check_invariants().is_ok());
   }
 }
+
+TEST_CASE(
+    "cuda::tiered_cache host tier: a copy launch that fails (fault injected) at any chunk loses "
+    "no page and changes nothing",
+    "[cuda][cache][host_tier]") {
+  const bool engines = GENERATE(false, true);
+  INFO((engines ? "copy engines" : "copy kernel"));
+  std::mt19937_64 rng(20261211);
+  cuda_test::xfer_options o = gpu_opts();
+  o.host_pool_bytes = 1 << 20;
+  o.copy_engines = engines;
+  o.restore_chunk = 5;  // s0's 30 pages go in several launches
+  world w = make_world(rng, o);
+  const bytes buf0 = w.gpu->export_pages(w.s0).value(), buf1 = w.gpu->export_pages(w.s1).value();
+  const auto q = random_queries(rng);
+  const auto d0 = decode_all(*w.gpu, {w.s0}, q, 3);
+  cuda_test::xfer_faults& faults = w.gpu->faults();
+  // What a failed call must leave as it was. Not the pools' free pages' bytes: a restore's
+  // chunks queued before the failing one have written pages its rollback gave back.
+  const auto live_state = [&] {
+    cache_state s = state_of(*w.gpu);
+    s.pool0.clear();
+    s.pool1.clear();
+    return s;
+  };
+
+  // The offload's launch fails: s0 stays live, byte for byte.
+  faults = {tierkv::transfer_step::offload_copy, 0};
+  {
+    const cache_state before = state_of(*w.gpu);
+    const auto host_before = w.gpu->host_tier();
+    auto r = w.gpu->offload(w.s0);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.code() == errc::injected_fault);
+    INFO(r.error_status().message());
+    CHECK(r.error_status().message().find("nothing moved") != std::string::npos);
+    CHECK(faults.calls == 1);
+    CHECK(state_of(*w.gpu) == before);
+    CHECK(w.gpu->host_tier() == host_before);
+    CHECK(w.gpu->export_pages(w.s0).value() == buf0);
+    REQUIRE(w.gpu->check_invariants().is_ok());
+  }
+
+  // A restore that succeeds counts its launches.
+  faults = {tierkv::transfer_step::restore_copy, -1};
+  seq_id s0 = w.gpu->restore(w.gpu->offload(w.s0).value()).value();
+  const std::int64_t launches = faults.calls;
+  CHECK(launches >= 3);  // 30 pages in chunks of >= 5, flushed at logical page boundaries
+  CHECK(w.gpu->export_pages(s0).value() == buf0);
+
+  // Each launch fails in turn: the restore is refused, s0 stays parked, nothing else changes.
+  const auto id = w.gpu->offload(s0).value();
+  for (std::int64_t k = 0; k < launches; ++k) {
+    INFO("launch " << k << " of " << launches << " fails");
+    faults = {tierkv::transfer_step::restore_copy, k};
+    const cache_state before = live_state();
+    const auto host_before = w.gpu->host_tier();
+    auto r = w.gpu->restore(id);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.code() == errc::injected_fault);
+    const std::string m = r.error_status().message();
+    INFO(m);
+    CHECK(m.find("restore: ") == 0);
+    CHECK(m.find("stays parked") != std::string::npos);
+    CHECK(live_state() == before);
+    CHECK(w.gpu->host_tier() == host_before);
+    CHECK(w.gpu->parked_length(id).value() == 150);
+    CHECK(w.gpu->export_pages(w.s1).value() == buf1);
+    REQUIRE(w.gpu->check_invariants().is_ok());
+    REQUIRE(w.gpu->device_error().is_ok());
+  }
+  faults = {};
+  s0 = w.gpu->restore(id).value();
+  CHECK(w.gpu->export_pages(s0).value() == buf0);
+  const auto d = decode_all(*w.gpu, {s0}, q, 4);
+  for (int l = 0; l < layers; ++l) CHECK(same_bits(d[std::size_t(l)], d0[std::size_t(l)]));
+  REQUIRE(w.gpu->check_invariants().is_ok());
+  (void)w.gpu->pool_bytes(0);  // every copy has run
+  CHECK(w.gpu->host_tier().used == 0);
+}

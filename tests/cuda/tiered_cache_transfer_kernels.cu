@@ -10,7 +10,10 @@
 
 namespace cuda_test {
 
-using xfer_cache_type = tierkv::cuda::tiered_cache<xfer_geometry, xfer_tiers>;
+using xfer_cache_type =
+    tierkv::cuda::tiered_cache<xfer_geometry, xfer_tiers, tierkv::policy::recency_anchor,
+                               tierkv::cuda::decode_path::tensor_core,
+                               tierkv::tier_roles<xfer_tiers>, xfer_faults>;
 static_assert(std::is_same_v<xfer_cache_type::storage_type, xfer_storage>);
 
 namespace {
@@ -137,6 +140,8 @@ host_figures xfer_cache::host_tier() const {
   return {t.capacity_bytes, t.used_bytes, t.largest_free_bytes, t.parked,        t.offloads,
           t.restores,       t.drops,      t.bytes_offloaded,    t.bytes_restored};
 }
+
+xfer_faults& xfer_cache::faults() { return impl_->c->faults(); }
 
 tierkv::status xfer_cache::check_invariants() const { return impl_->c->check_invariants(); }
 tierkv::status xfer_cache::device_error() { return impl_->c->device_error(); }

@@ -17,6 +17,7 @@
 #include "tierkv/paging/page_transfer.hpp"
 #include "tierkv/paging/paged_storage.hpp"
 #include "tierkv/report.hpp"
+#include "tierkv/tiering/conversion.hpp"
 #include "tierkv/tiering/recency_anchor.hpp"
 #include "tierkv/tiering/tier_controller.hpp"
 
@@ -41,6 +42,21 @@ struct xfer_options {
   int restore_chunk = 8192;           // pages a restore copies per launch
 };
 
+// Fails the host tier's copy launch number `fail_at` of `step` (counted from 0 per step);
+// conversions never fail.
+struct xfer_faults {
+  tierkv::transfer_step step = tierkv::transfer_step::offload_copy;
+  std::int64_t fail_at = -1;
+  std::int64_t calls = 0;  // launches of `step` seen
+  tierkv::errc operator()(tierkv::conversion_step, tierkv::block_ref, int) const {
+    return tierkv::errc::ok;
+  }
+  tierkv::errc operator()(tierkv::transfer_step s, std::uint64_t) {
+    if (s != step) return tierkv::errc::ok;
+    return calls++ == fail_at ? tierkv::errc::injected_fault : tierkv::errc::ok;
+  }
+};
+
 // cuda::host_tier_stats, host-compilable.
 struct host_figures {
   std::uint64_t capacity = 0, used = 0, largest_free = 0, parked = 0;
@@ -48,8 +64,8 @@ struct host_figures {
   bool operator==(const host_figures&) const = default;
 };
 
-// cuda::tiered_cache<xfer_geometry, xfer_tiers>; host vectors in and out (the wrapper copies
-// them to and from device buffers on the cache's stream).
+// cuda::tiered_cache<xfer_geometry, xfer_tiers> with the xfer_faults hook; host vectors in and out
+// (the wrapper copies them to and from device buffers on the cache's stream).
 class xfer_cache {
  public:
   static tierkv::result<std::unique_ptr<xfer_cache>> create(const xfer_options& opt);
@@ -83,6 +99,7 @@ class xfer_cache {
   tierkv::status drop_parked(std::uint64_t parked);
   tierkv::result<std::int64_t> parked_length(std::uint64_t parked) const;
   host_figures host_tier() const;
+  xfer_faults& faults();
 
   tierkv::status check_invariants() const;
   tierkv::status device_error();

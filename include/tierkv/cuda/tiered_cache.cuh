@@ -265,7 +265,7 @@ class tiered_cache {
     if (stepping_)
       return status(errc::invalid_argument, "offload: not between begin_step and end_step");
     if (auto st = poisoned_.refuse(s, "offload"); !st) return st;
-    auto id = host_.park(*storage_, s, stream_, counters_);
+    auto id = host_.park(*storage_, s, stream_, counters_, retier_.faults());
     if (!id) return id;
     if (auto st = release(s); !st) {  // s was checked: only an internal error gets here
       (void)host_.drop(*id);
@@ -291,7 +291,7 @@ class tiered_cache {
                           "; nothing restored");
     auto fit = detail::fit_new_sequence<Roles::stale>(*storage_, *need, "restore", timed_room());
     if (!fit) return fit;
-    auto seq = host_.unpark(*storage_, id, stream_, counters_);
+    auto seq = host_.unpark(*storage_, id, stream_, counters_, retier_.faults());
     if (!seq) return seq;
     mirror_new_sequence(*seq);
     return seq;

@@ -48,6 +48,22 @@ concept conversion_fault_hook = requires(H& h, conversion_step s, block_ref b, i
   { h(s, b, layer) } -> std::convertible_to<errc>;
 };
 
+/// Copies of the GPU cache's host tier (cuda/cache/host_tier.cuh) where a fault hook may fail
+/// the launch: an offload's copy, or the `index`-th chunk of a restore's copies.
+enum class transfer_step : std::uint8_t { offload_copy = 0, restore_copy = 1 };
+
+/// The step's name.
+constexpr const char* to_string(transfer_step s) noexcept {
+  return s == transfer_step::offload_copy ? "offload copy" : "restore copy";
+}
+
+/// A conversion fault hook that also takes hook(step, index) before each host-tier copy launch
+/// (optional: a hook without it never fails those).
+template <class H>
+concept transfer_fault_hook = requires(H& h, transfer_step s, std::uint64_t index) {
+  { h(s, index) } -> std::convertible_to<errc>;
+};
+
 /// The fault hook that never fails (the default).
 struct no_faults {
   /// Always errc::ok.

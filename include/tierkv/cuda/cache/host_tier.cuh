@@ -37,6 +37,7 @@
 #include "tierkv/cuda/retier/async.cuh"
 #include "tierkv/memory/range_allocator.hpp"
 #include "tierkv/paging/page_transfer.hpp"
+#include "tierkv/tiering/conversion.hpp"
 
 namespace tierkv::cuda {
 
@@ -79,9 +80,10 @@ class host_tier {
   /// after everything queued there before; returns its handle and counts the page bytes in
   /// `counters`. The caller releases s on the GPU after this succeeds. A refusal (the slab
   /// short: capacity_exhausted naming the bytes needed and free) or a failed launch changes
-  /// nothing.
+  /// nothing (`faults` may fail the launch: tiering/conversion.hpp's transfer_fault_hook).
+  template <class Faults>
   result<parked_id> park(const Storage& st, seq_id s, cudaStream_t stream,
-                         transfer_counters& counters) {
+                         transfer_counters& counters, Faults& faults) {
     reclaim();
     auto pages = st.logical_pages(s);
     if (!pages) return pages.error_status();
@@ -120,7 +122,8 @@ class host_tier {
       list[k] = {v.page(ids[k].slot), base + p.at[k], v.page_bytes};
       moved += v.page_bytes;
     }
-    status queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
+    status queued = inject(faults, transfer_step::offload_copy, 0);
+    if (queued) queued = copy_pages(std::span<const page_copy>(list, n), path_, stream);
     if (queued) queued = p.written.create();
     if (queued)
       queued = check(cudaEventRecord(p.written.get(), stream), "offload: cudaEventRecord");
@@ -154,10 +157,11 @@ class host_tier {
 
   /// A NEW sequence holding parked `id`'s pages, byte for byte, copied host to device on
   /// `stream` (the page bytes counted in `counters`); the handle is consumed and its range freed
-  /// once the copy has run. The caller has checked the capacity (need); any failure releases
-  /// the new sequence and leaves `id` parked.
-  result<seq_id> unpark(Storage& st, parked_id id, cudaStream_t stream,
-                        transfer_counters& counters) {
+  /// once the copy has run. The caller has checked the capacity (need); any failure (a chunk's
+  /// launch included, which `faults` may fail) releases the new sequence and leaves `id` parked.
+  template <class Faults>
+  result<seq_id> unpark(Storage& st, parked_id id, cudaStream_t stream, transfer_counters& counters,
+                        Faults& faults) {
     reclaim();
     auto it = parked_.find(id);
     if (it == parked_.end()) return unknown(id, "restore");
@@ -173,13 +177,15 @@ class host_tier {
     // while the host builds the next (bench/results/host-tier/: the table of 131072 pages took
     // as long as their copy).
     std::size_t n = 0, launched = 0;
-    std::uint64_t moved = 0;
+    std::uint64_t moved = 0, chunks = 0;
     status queued;
     const auto flush = [&] {
       if (queued && n > launched) {
-        queued =
-            copy_pages(std::span<const page_copy>(list + launched, n - launched), path_, stream);
-        launched = n;
+        queued = inject(faults, transfer_step::restore_copy, chunks++);
+        if (queued)
+          queued =
+              copy_pages(std::span<const page_copy>(list + launched, n - launched), path_, stream);
+        if (queued) launched = n;
       }
     };
     const auto last_fill = p.length - std::int64_t(p.logical_pages - 1) * Storage::page_tokens;
@@ -210,8 +216,8 @@ class host_tier {
       // Chunks already queued read this range's list and write pages the rollback frees: they
       // run before the list is rewritten or a page reused.
       if (launched > 0) (void)cudaStreamSynchronize(stream);
-      if (!seq) return seq;
-      (void)st.release(*seq);
+      if (seq) (void)st.release(*seq);
+      if (queued) return seq;  // build_sequence refused (its own message)
       return status::make(queued.code(), "restore: ", queued.message(),
                           "; the sequence stays parked");
     }
@@ -271,6 +277,14 @@ class host_tier {
   static std::uint64_t round16(std::uint64_t b) { return (b + 15) / 16 * 16; }
   // The copy list at the start of a range: n entries, rounded to 16 bytes.
   static std::uint64_t list_bytes(std::size_t n) { return round16(n * sizeof(page_copy)); }
+  template <class Faults>
+  static status inject(Faults& faults, transfer_step s, std::uint64_t index) {
+    if constexpr (transfer_fault_hook<Faults>) {
+      if (const errc e = faults(s, index); e != errc::ok)
+        return status::make(e, "fault injected before ", to_string(s), " ", index);
+    }
+    return {};
+  }
   static status unknown(parked_id id, const char* what) {
     return status::make(errc::stale_id, what, ": parked sequence ", id,
                         " is not parked (never, or already restored or dropped)");
