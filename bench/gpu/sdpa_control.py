@@ -5,7 +5,8 @@
 Same shapes, contexts and batches as bench/cuda/decode.cu; for each the best of the flash,
 efficient and cuDNN backends (median of CUDA-event timings after warm-up). Cache-cold like
 the tierkv bench: K/V sets are rotated so each timed call reads at least 4x the L2 of fresh
-data; each timed call is enqueued behind a ~100 us sleep kernel (GPU time, no launch latency). Writes JSON to --out. Usage: sdpa_control.py --out FILE [--quick]
+data; each timed call is enqueued behind a ~100 us sleep kernel (GPU time, no launch latency). Writes JSON to --out. Usage: sdpa_control.py --out FILE [--quick] [--ctx L ...] [--batch B ...]
+[--head-dim D ...]
 """
 import argparse
 import json
@@ -26,13 +27,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ctx", type=int, nargs="*", help="only these contexts")
+    ap.add_argument("--batch", type=int, nargs="*", help="only these batches")
+    ap.add_argument("--head-dim", type=int, nargs="*", help="only the shapes of these head dims")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 60 << 20)
     contexts = [32768] if args.quick else [8192, 32768, 131072]
     batches = [1, 8] if args.quick else [1, 8, 32]
+    contexts, batches = args.ctx or contexts, args.batch or batches
+    shapes = [s for s in SHAPES if not args.head_dim or s[2] in args.head_dim]
     rows = []
-    for hq, hkv, d in SHAPES:
+    for hq, hkv, d in shapes:
         for L in contexts:
             for B in batches:
                 kv_bytes = 2 * B * hkv * L * d * 2
