@@ -816,3 +816,57 @@ TEST_CASE(
   (void)w.gpu->pool_bytes(0);  // every copy has run
   CHECK(w.gpu->host_tier().used == 0);
 }
+
+TEST_CASE(
+    "cuda::tiered_cache host tier: a restore's copy overlaps other sequences' steps, and the "
+    "first work on the restored sequence waits for it",
+    "[cuda][cache][host_tier]") {
+  const bool engines = GENERATE(false, true);
+  INFO((engines ? "copy engines" : "copy kernel"));
+  std::mt19937_64 rng(20261212);
+  cuda_test::xfer_options o = gpu_opts();
+  o.host_pool_bytes = 1 << 20;
+  o.copy_engines = engines;
+  o.restore_chunk = 5;
+  world w = make_world(rng, o);
+  const bytes buf0 = w.gpu->export_pages(w.s0).value(), buf1 = w.gpu->export_pages(w.s1).value();
+  const auto q = random_queries(rng);
+  const auto d0 = decode_all(*w.gpu, {w.s0}, q, 3);
+  const auto d1 = decode_all(*w.gpu, {w.s1}, q, 4);
+
+  SECTION("steps of another sequence, then the restored one's") {
+    const seq_id r0 = w.gpu->restore(w.gpu->offload(w.s0).value()).value();
+    const auto e1 = decode_all(*w.gpu, {w.s1}, q, 5);  // enqueued while the copy may run
+    for (int l = 0; l < layers; ++l) CHECK(same_bits(e1[std::size_t(l)], d1[std::size_t(l)]));
+    const auto e0 = decode_all(*w.gpu, {r0, w.s1}, q, 6);
+    for (int l = 0; l < layers; ++l) {
+      CHECK(same_bits(row_of(e0[std::size_t(l)], 0, 2), d0[std::size_t(l)]));
+      CHECK(same_bits(row_of(e0[std::size_t(l)], 1, 2), d1[std::size_t(l)]));
+    }
+    CHECK_FALSE(w.gpu->restore_pending(r0));  // the step waited for it
+    REQUIRE(w.gpu->check_invariants().is_ok());
+  }
+  SECTION("fork, export, offload and release right after the restore") {
+    seq_id r0 = w.gpu->restore(w.gpu->offload(w.s0).value()).value();
+    const seq_id f = w.gpu->fork(r0).value();
+    CHECK_FALSE(w.gpu->restore_pending(r0));
+    CHECK(w.gpu->export_pages(f).value() == buf0);
+    CHECK(w.gpu->export_pages(r0).value() == buf0);
+    r0 = w.gpu->restore(w.gpu->offload(r0).value()).value();
+    const auto id = w.gpu->offload(r0).value();  // reads the pages the restore writes
+    r0 = w.gpu->restore(id).value();
+    CHECK(w.gpu->export_pages(r0).value() == buf0);
+    // Released while its copy may run: pages reused at once (an import) hold what it wrote.
+    const seq_id r1 = w.gpu->restore(w.gpu->offload(w.s1).value()).value();
+    REQUIRE(w.gpu->release(r1).is_ok());
+    REQUIRE(w.gpu->release(f).is_ok());
+    const seq_id i0 = w.gpu->import_pages(buf0).value();
+    const seq_id i1 = w.gpu->import_pages(buf1).value();
+    CHECK(w.gpu->export_pages(i0).value() == buf0);
+    CHECK(w.gpu->export_pages(i1).value() == buf1);
+    const auto e = decode_all(*w.gpu, {r0}, q, 7);
+    for (int l = 0; l < layers; ++l) CHECK(same_bits(e[std::size_t(l)], d0[std::size_t(l)]));
+    REQUIRE(w.gpu->check_invariants().is_ok());
+    REQUIRE(w.gpu->device_error().is_ok());
+  }
+}

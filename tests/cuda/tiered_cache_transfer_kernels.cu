@@ -142,6 +142,7 @@ host_figures xfer_cache::host_tier() const {
 }
 
 xfer_faults& xfer_cache::faults() { return impl_->c->faults(); }
+bool xfer_cache::restore_pending(tierkv::seq_id s) { return impl_->c->restore_pending(s); }
 
 tierkv::status xfer_cache::check_invariants() const { return impl_->c->check_invariants(); }
 tierkv::status xfer_cache::device_error() { return impl_->c->device_error(); }

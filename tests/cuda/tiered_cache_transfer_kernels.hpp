@@ -99,6 +99,7 @@ class xfer_cache {
   tierkv::status drop_parked(std::uint64_t parked);
   tierkv::result<std::int64_t> parked_length(std::uint64_t parked) const;
   host_figures host_tier() const;
+  bool restore_pending(tierkv::seq_id s);
   xfer_faults& faults();
 
   tierkv::status check_invariants() const;

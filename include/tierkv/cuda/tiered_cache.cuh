@@ -115,6 +115,7 @@ class tiered_cache {
   // The members go in reverse order: the retier driver, the controller, the mirror, the prefix
   // index (its page references), the storage, then the buffers.
   ~tiered_cache() {
+    (void)host_.await_all(stream_);  // restore copies still writing pages, too
     if (stream_) (void)cudaStreamSynchronize(stream_);
     retier_.shutdown(stream_);  // publish or drop what is in flight, give held pages back
   }
@@ -150,6 +151,7 @@ class tiered_cache {
     if (stepping_)
       return status(errc::invalid_argument, "fork: not between begin_step and end_step");
     if (auto st = poisoned_.refuse(parent, "fork"); !st) return st;
+    if (auto st = host_.await(parent, stream_); !st) return st;
     auto s = storage_->fork(parent, room());
     if (!s) return s;
     mirror_new_sequence(*s);
@@ -160,6 +162,7 @@ class tiered_cache {
   status release(seq_id s) {
     if (stepping_)
       return status(errc::invalid_argument, "release: not between begin_step and end_step");
+    if (auto st = host_.await(s, stream_); !st) return st;  // its pages are reused after
     if (auto st = storage_->release(s); !st) return st;
     index_.close_row(s);
     poisoned_.forget(s);
@@ -176,6 +179,7 @@ class tiered_cache {
     if (stepping_)
       return status(errc::invalid_argument, "insert_prefix: not between begin_step and end_step");
     if (auto st = poisoned_.refuse(s, "insert_prefix"); !st) return st;
+    if (auto st = host_.await(s, stream_); !st) return st;  // new sequences read its pages
     return prefixes_->insert(s, salt, tokens);
   }
   /// A new sequence holding the longest cached prefix of tokens (whole pages) under `salt`; the
@@ -212,6 +216,7 @@ class tiered_cache {
                                                  std::int64_t count = -1, head_slice heads = {}) {
     if (stepping_)
       return status(errc::invalid_argument, "export_pages: not between begin_step and end_step");
+    if (auto st = host_.await(s, stream_); !st) return st;
     return detail::export_device_pages(*storage_, s, first, count, heads, stream_, counters_);
   }
 
@@ -265,6 +270,7 @@ class tiered_cache {
     if (stepping_)
       return status(errc::invalid_argument, "offload: not between begin_step and end_step");
     if (auto st = poisoned_.refuse(s, "offload"); !st) return st;
+    if (auto st = host_.await(s, stream_); !st) return st;
     auto id = host_.park(*storage_, s, stream_, counters_, retier_.faults());
     if (!id) return id;
     if (auto st = release(s); !st) {  // s was checked: only an internal error gets here
@@ -278,8 +284,12 @@ class tiered_cache {
   /// handle consumed. Checked first, as import_pages is: max_pages, then the capacity (a
   /// sequence slot, blocks, every pool at the restore's peak; tier 0 made room for by demotion
   /// when that alone is short); a refusal leaves `id` parked and the cache as it was. The
-  /// host-to-device copy is queued on the stream, so every later reader of the pages (decode,
-  /// prefill, a retier batch, export_pages) runs after it: the host does not wait. Between steps.
+  /// host-to-device copy runs on the host tier's own stream, after the work queued on the
+  /// stream so far, and the host does not wait: steps of other sequences enqueued meanwhile
+  /// overlap it (restore ahead of need: a prefetch), and every reader of the new pages waits
+  /// for it (the first work on the stream that touches the sequence: a step that includes it,
+  /// fork, export_pages, offload, insert_prefix, release; a retier batch). restore_pending says
+  /// whether that wait would still find the copy running. Between steps.
   result<seq_id> restore(parked_id id) {
     if (stepping_)
       return status(errc::invalid_argument, "restore: not between begin_step and end_step");
@@ -297,6 +307,9 @@ class tiered_cache {
     return seq;
   }
 
+  /// Whether s's restore copy may still be running (a step that includes s would wait for it
+  /// on the GPU; an engine can schedule other sequences meanwhile).
+  bool restore_pending(seq_id s) { return host_.restoring(s); }
   /// Forgets parked `id` (its host memory is reused once its offload copy has run).
   status drop_parked(parked_id id) { return host_.drop(id); }
   /// Tokens of parked `id` (stale_id once restored or dropped).
@@ -348,6 +361,8 @@ class tiered_cache {
     if (total > opt_.max_step_tokens)
       return status::exceeds(errc::capacity_exhausted, "begin_step: new tokens", total,
                              opt_.max_step_tokens);
+    for (const seq_id s : batch)  // a restore still copying its pages
+      if (auto st = host_.await(s, stream_); !st) return st;
     // Publish a finished retier batch first: the index arrays below name its pages.
     if (auto st = retier_.collect(/*wait=*/false, stream_); !st) return st;
     step_tokens_of_.assign(new_tokens.begin(), new_tokens.end());
@@ -556,6 +571,8 @@ class tiered_cache {
     }
     {
       const detail::scoped_time retier_timed{times_.retier_ns};
+      if (!todo.empty())  // a batch may convert pages a restore is still copying
+        if (auto c = host_.await_all(retier_.side_stream()); !c) return c;
       if (auto c = retier_.enqueue(todo, stream_, st); !c) return c;
       if (wait)
         if (auto c = retier_.collect(true, stream_); !c) return c;
@@ -784,7 +801,11 @@ class tiered_cache {
       return make_room(pages);
     };
   }
-  status make_room(std::uint32_t pages) { return retier_.make_room(pages, stream_); }
+  status make_room(std::uint32_t pages) {
+    if (storage_->free_pages(0) >= pages) return {};
+    if (auto st = host_.await_all(retier_.side_stream()); !st) return st;  // see end_step
+    return retier_.make_room(pages, stream_);
+  }
 
   // Feeds a queued copy of page masses to the policy (and its observer); its append error, the
   // first one found, is what end_step returns.
@@ -827,7 +848,7 @@ class tiered_cache {
   mass_observer observer_;
   transfer_counters counters_;
   host_times times_;
-  host_tier<storage_type> host_;  // parked sequences (its copies are on the stream, synced first)
+  host_tier<storage_type> host_;  // parked sequences (its copies end before the pools go)
   // What holds pages, built in this order by init and destroyed in reverse: the retier driver
   // first, the storage last.
   std::unique_ptr<storage_type> storage_;

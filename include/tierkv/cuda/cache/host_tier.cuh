@@ -3,13 +3,17 @@
 // compressed pages (issue 55; docs/gpu-cache.md, "Host tier"). park copies every page of a
 // sequence device to host into a range of the slab (the façade then releases the sequence on
 // the GPU); unpark builds a NEW sequence of the same pages (build_sequence, the import's
-// all-or-nothing path) and copies the bytes back host to device. Both copies are one batch
-// (kernel/page_copy.cuh) queued on the cache's stream and ordered by it, so the host never
-// waits for them:
-//   - after park, the released device pages are reused only by work queued later on the stream
-//     (appends, forks) or by a retier batch, which waits for the stream first;
-//   - after unpark, every reader of the new pages (decode, prefill, retier, export) runs after
-//     the copy in stream order.
+// all-or-nothing path) and copies the bytes back host to device. Each copy is a batch
+// (kernel/page_copy.cuh) the host never waits for:
+//   - park's is queued on the cache's stream: the released device pages are reused only by
+//     work queued later on the stream (appends, forks) or by a retier batch, which waits for
+//     the stream first;
+//   - unpark's runs on the tier's own copy stream (lowest priority), after the work queued on
+//     the cache's stream before it, so later steps of other sequences overlap it (a prefetch).
+//     The new sequence's readers wait for it: the façade makes the cache's stream wait (await)
+//     before the first work that touches the sequence (a step that includes it, fork, export,
+//     offload, prefix insert, release), and a retier batch's stream waits for every restore
+//     still running (await_all).
 // A slab range is reused only once the copy that reads it has run (an event per range), and the
 // copy list a kernel reads lives inside the parked range itself. No page bytes pass through the
 // host's caches: no checksum, since the slab is the cache's own memory (page transfers between
@@ -73,7 +77,17 @@ class host_tier {
     if (ranges_.capacity() == 0) return {};
     if (auto st = slab_.allocate(std::size_t(ranges_.capacity())); !st)
       return status::make(st.code(), "host_pool_bytes = ", bytes, ": ", st.message());
-    return {};
+    auto copy = create_side_stream();
+    if (!copy) return copy.error_status();
+    copy_.adopt(*copy);
+    return handoff_.create();
+  }
+  host_tier() = default;
+  host_tier(const host_tier&) = delete;
+  host_tier& operator=(const host_tier&) = delete;
+  /// Waits for the restore copies still running (they write device pages and read the slab).
+  ~host_tier() {
+    if (copy_.get() != nullptr) (void)cudaStreamSynchronize(copy_.get());
   }
 
   /// Copies every page of s (its open tail page whole) into a new range, queued on `stream`
@@ -155,10 +169,12 @@ class host_tier {
     return n;
   }
 
-  /// A NEW sequence holding parked `id`'s pages, byte for byte, copied host to device on
-  /// `stream` (the page bytes counted in `counters`); the handle is consumed and its range freed
-  /// once the copy has run. The caller has checked the capacity (need); any failure (a chunk's
-  /// launch included, which `faults` may fail) releases the new sequence and leaves `id` parked.
+  /// A NEW sequence holding parked `id`'s pages, byte for byte, copied host to device on the
+  /// copy stream after the work queued on `stream` so far (the page bytes counted in
+  /// `counters`); the handle is consumed and its range freed once the copy has run. Work on the
+  /// new sequence waits for the copy through await / await_all. The caller has checked the capacity
+  /// (need); any failure (a chunk's launch included, which `faults` may fail) releases the new
+  /// sequence and leaves `id` parked.
   template <class Faults>
   result<seq_id> unpark(Storage& st, parked_id id, cudaStream_t stream, transfer_counters& counters,
                         Faults& faults) {
@@ -169,6 +185,10 @@ class host_tier {
     // The copy list is rewritten in the range: the offload's copy, which read the old list,
     // must have run (it has, unless the restore follows the offload at once).
     TIERKV_CUDA_TRY(cudaEventSynchronize(p.written.get()));
+    // The new pages may be free pages that work queued on `stream` still reads or writes (a
+    // released sequence's last decode): the copies start after it.
+    TIERKV_CUDA_TRY(cudaEventRecord(handoff_.get(), stream));
+    TIERKV_CUDA_TRY(cudaStreamWaitEvent(copy_.get(), handoff_.get(), 0));
     const std::uint32_t L = std::uint32_t(st.num_layers());
     const auto views = st.views();
     std::uint8_t* base = slab_.get() + p.offset;
@@ -183,8 +203,8 @@ class host_tier {
       if (queued && n > launched) {
         queued = inject(faults, transfer_step::restore_copy, chunks++);
         if (queued)
-          queued =
-              copy_pages(std::span<const page_copy>(list + launched, n - launched), path_, stream);
+          queued = copy_pages(std::span<const page_copy>(list + launched, n - launched), path_,
+                              copy_.get());
         if (queued) launched = n;
       }
     };
@@ -211,17 +231,17 @@ class host_tier {
     cuda_event done;
     if (seq && queued) queued = done.create();
     if (seq && queued)
-      queued = check(cudaEventRecord(done.get(), stream), "restore: cudaEventRecord");
+      queued = check(cudaEventRecord(done.get(), copy_.get()), "restore: cudaEventRecord");
     if (!seq || !queued) {
       // Chunks already queued read this range's list and write pages the rollback frees: they
       // run before the list is rewritten or a page reused.
-      if (launched > 0) (void)cudaStreamSynchronize(stream);
+      if (launched > 0) (void)cudaStreamSynchronize(copy_.get());
       if (seq) (void)st.release(*seq);
       if (queued) return seq;  // build_sequence refused (its own message)
       return status::make(queued.code(), "restore: ", queued.message(),
                           "; the sequence stays parked");
     }
-    pending_.push_back({std::move(done), p.offset});
+    pending_.push_back({std::move(done), p.offset, *seq, true});
     parked_.erase(it);
     ++stats_.restores;
     stats_.bytes_restored += moved;
@@ -229,11 +249,38 @@ class host_tier {
     return seq;
   }
 
+  /// Makes `stream` wait for s's restore copy if it may still be running; from then on work
+  /// queued on `stream` is ordered after it (so it is not waited for again).
+  status await(seq_id s, cudaStream_t stream) {
+    for (pending& p : pending_)
+      if (p.gated && p.seq == s) {
+        TIERKV_CUDA_TRY(cudaStreamWaitEvent(stream, p.done.get(), 0));
+        p.gated = false;
+      }
+    return {};
+  }
+  /// Makes `stream` (a retier batch's, which may read any page) wait for every restore copy
+  /// that may still be running.
+  status await_all(cudaStream_t stream) {
+    reclaim();
+    for (const pending& p : pending_)
+      if (p.gated) TIERKV_CUDA_TRY(cudaStreamWaitEvent(stream, p.done.get(), 0));
+    return {};
+  }
+  /// Whether s's restore copy may still be running (false once it has run, or once the
+  /// cache's stream was made to wait for it).
+  bool restoring(seq_id s) {
+    reclaim();
+    for (const pending& p : pending_)
+      if (p.gated && p.seq == s) return true;
+    return false;
+  }
+
   /// Forgets parked `id`; its range is reused once its offload copy has run.
   status drop(parked_id id) {
     auto it = parked_.find(id);
     if (it == parked_.end()) return unknown(id, "drop_parked");
-    pending_.push_back({std::move(it->second.written), it->second.offset});
+    pending_.push_back({std::move(it->second.written), it->second.offset, {}, false});
     parked_.erase(it);
     ++stats_.drops;
     reclaim();
@@ -272,6 +319,8 @@ class host_tier {
   struct pending {
     cuda_event done;  // the copy reading or writing the range has run
     std::uint64_t offset = 0;
+    seq_id seq{};        // a restore's new sequence
+    bool gated = false;  // its readers must still wait for `done`
   };
 
   static std::uint64_t round16(std::uint64_t b) { return (b + 15) / 16 * 16; }
@@ -305,6 +354,8 @@ class host_tier {
   }
 
   copy_path path_ = copy_path::kernel;
+  owned_stream copy_;   // restore copies (lowest priority: decode blocks go first)
+  cuda_event handoff_;  // the cache's stream so far, for the copy stream to wait on
   std::size_t chunk_ = 8192;
   pinned_buffer<std::uint8_t> slab_;
   range_allocator ranges_;
