@@ -12,7 +12,8 @@
 // table is built (options:: host_restore_chunk; 1 << 30: one launch at the end, no overlap). An
 // iteration is offload + restore; its manual time is the restore's wall time (host work, then the
 // copy, until the copy's event: what a prefix hit waits for). Counters (means over the iterations):
-// restore_ms (= the manual time), restore_gpu_ms (the copy alone, events), restore_host_ms (the
+// restore_ms (= the manual time), restore_gpu_ms (events on the cache's stream from before the call
+// to the copy's end, await_restore), restore_host_ms (the
 // call's host time: page table, pool allocation, copy list), offload_ms (wall, the same way),
 // parked_bytes (the host range of one conversation), page_bytes (the pages alone), restore_gbps =
 // page_bytes / restore_ms. Checked every iteration: the restored sequence exports to the bytes it
@@ -120,6 +121,7 @@ void offload_restore(benchmark::State& st) {
       CK(cudaEventRecord(e0, stream));
       s = bench::take(c.restore(id));
       const double host = ms_since(t0);
+      bench::die_if(c.await_restore(s));  // the copy runs on the host tier's stream
       CK(cudaEventRecord(e1, stream));
       CK(cudaEventSynchronize(e1));
       const double wall = ms_since(t0);

@@ -310,6 +310,9 @@ class tiered_cache {
   /// Whether s's restore copy may still be running (a step that includes s would wait for it
   /// on the GPU; an engine can schedule other sequences meanwhile).
   bool restore_pending(seq_id s) { return host_.restoring(s); }
+  /// Makes the stream wait (on the GPU; the host does not) for s's restore copy, as the first
+  /// step that includes s would: for work of the caller's own that reads after it.
+  status await_restore(seq_id s) { return host_.await(s, stream_); }
   /// Forgets parked `id` (its host memory is reused once its offload copy has run).
   status drop_parked(parked_id id) { return host_.drop(id); }
   /// Tokens of parked `id` (stale_id once restored or dropped).
