@@ -102,8 +102,8 @@ def _load():
             "(pip install --no-build-isolation ./python) or point TIERKV_CUDA_LIB at a libtierkv_cuda.so"
         )
     lib = ctypes.CDLL(str(path))
-    if lib.tkv_cuda_abi_version() != 6:
-        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 6")
+    if lib.tkv_cuda_abi_version() != 7:
+        raise RuntimeError(f"tierkv.cuda: {path} has C ABI version {lib.tkv_cuda_abi_version()}, this package speaks 7")
     vp, i64, i32p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_int32)
     sig = {
         "tkv_cuda_last_error": ([], ctypes.c_char_p),
@@ -151,6 +151,7 @@ def _load():
         "tkv_cuda_offload": ([vp, i64, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
         "tkv_cuda_restore": ([vp, ctypes.c_uint64, ctypes.POINTER(i64)], ctypes.c_int),
         "tkv_cuda_drop_parked": ([vp, ctypes.c_uint64], ctypes.c_int),
+        "tkv_cuda_restore_pending": ([vp, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
         "tkv_cuda_host_stats": ([vp, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
     }
     for name, (args, res) in sig.items():
@@ -404,10 +405,19 @@ class CudaCache:
         """A NEW sequence holding a parked sequence's pages, byte for byte (same tiers, same
         length); the parked id is consumed. Too little room on the GPU (RuntimeError) leaves it
         parked and the cache as it was; when only the Recent tier is short, sealed pages are
-        demoted first, as begin_step does."""
+        demoted first, as begin_step does. The copy runs on the host tier's own stream: steps of
+        other sequences issued meanwhile overlap it, and the first work that touches the new
+        sequence waits for it on the GPU (restore_pending says whether it may still run)."""
         out = ctypes.c_int64()
         _check(_lib.tkv_cuda_restore(self._h, parked, ctypes.byref(out)))
         return out.value
+
+    def restore_pending(self, seq: int) -> bool:
+        """Whether seq's restore copy may still be running (a step including seq would wait for
+        it on the GPU; a scheduler can step other sequences meanwhile)."""
+        out = ctypes.c_int()
+        _check(_lib.tkv_cuda_restore_pending(self._h, seq, ctypes.byref(out)))
+        return bool(out.value)
 
     def drop_parked(self, parked: int) -> None:
         """Forgets a parked sequence (its host memory is reused once its copy has run)."""

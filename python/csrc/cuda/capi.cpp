@@ -238,6 +238,13 @@ int tkv_cuda_restore(void* cache, uint64_t parked, int64_t* seq) {
 int tkv_cuda_drop_parked(void* cache, uint64_t parked) {
   return guarded("drop_parked", [&] { cache_of(cache).drop_parked(parked); });
 }
+int tkv_cuda_restore_pending(void* cache, int64_t seq, int* pending) {
+  return guarded("restore_pending", [&] {
+    if (pending == nullptr)
+      fail(tierkv::status(tierkv::errc::invalid_argument, "restore_pending: a null output"));
+    *pending = cache_of(cache).restore_pending(seq) ? 1 : 0;
+  });
+}
 int tkv_cuda_host_stats(void* cache, uint64_t out[9]) {
   return guarded("host_stats", [&] {
     const auto h = cache_of(cache).host_stats();

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define TKV_CUDA_ABI_VERSION 6
+#define TKV_CUDA_ABI_VERSION 7
 #define TKV_CUDA_API __attribute__((visibility("default")))
 
 typedef struct tkv_cuda_config {
@@ -83,10 +83,13 @@ TKV_CUDA_API int tkv_cuda_import_pages(void* cache, const uint8_t* data, int64_t
  * capacity_exhausted, nothing moved); restore makes a NEW sequence *seq of a parked one's pages
  * (too little room: 3, the sequence stays parked); host_stats writes 9 counters: capacity,
  * used, largest free run (bytes), parked, offloads, restores, drops, bytes offloaded, bytes
- * restored. */
+ * restored. A restore's copy runs on the host tier's own stream, overlapping later steps of other
+ * sequences; the first work touching the new sequence waits for it on the GPU. restore_pending
+ * sets *pending to 1 while that copy may still be running (version 7). */
 TKV_CUDA_API int tkv_cuda_offload(void* cache, int64_t seq, uint64_t* parked);
 TKV_CUDA_API int tkv_cuda_restore(void* cache, uint64_t parked, int64_t* seq);
 TKV_CUDA_API int tkv_cuda_drop_parked(void* cache, uint64_t parked);
+TKV_CUDA_API int tkv_cuda_restore_pending(void* cache, int64_t seq, int* pending);
 TKV_CUDA_API int tkv_cuda_host_stats(void* cache, uint64_t out[9]);
 
 TKV_CUDA_API int tkv_cuda_set_stream(void* cache, void* stream);

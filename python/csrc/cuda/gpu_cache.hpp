@@ -65,6 +65,8 @@ class gpu_cache {
   virtual std::uint64_t offload(std::int64_t seq) = 0;
   virtual std::int64_t restore(std::uint64_t parked) = 0;
   virtual void drop_parked(std::uint64_t parked) = 0;
+  // Whether seq's restore copy may still be running (its first step waits for it on the GPU).
+  virtual bool restore_pending(std::int64_t seq) = 0;
   // capacity, used, largest free run, parked, offloads, restores, drops, bytes offloaded,
   // bytes restored (cuda::host_tier_stats' fields in order).
   virtual std::array<std::uint64_t, 9> host_stats() = 0;

@@ -107,6 +107,7 @@ class gpu_cache_impl final : public gpu_cache {
   std::uint64_t offload(std::int64_t s) override { return value(c_->offload(to_seq(s))); }
   std::int64_t restore(std::uint64_t parked) override { return value(c_->restore(parked)).value; }
   void drop_parked(std::uint64_t parked) override { check(c_->drop_parked(parked)); }
+  bool restore_pending(std::int64_t s) override { return c_->restore_pending(to_seq(s)); }
   std::array<std::uint64_t, 9> host_stats() override {
     const tierkv::cuda::host_tier_stats h = c_->host_stats();
     return {h.capacity_bytes, h.used_bytes, h.largest_free_bytes, h.parked,        h.offloads,
