@@ -75,7 +75,7 @@ def recompute(model, L, reps):
 
 
 def hit(model, L, reps, steps):
-    arm = e2e.TierkvArm(L, budget=0, batch=1, host_pool_bytes=0)
+    arm = e2e.TierkvArm(L, budget=0, fill_step_tokens=4096, batch=1, host_pool_bytes=0)
     arm.host_pool_bytes = int(arm.per_seq * 1.25) + (64 << 20)
     arm.fill()
     c, seq = arm.c, arm.seqs[0]

@@ -185,10 +185,6 @@ class host_tier {
     // The copy list is rewritten in the range: the offload's copy, which read the old list,
     // must have run (it has, unless the restore follows the offload at once).
     TIERKV_CUDA_TRY(cudaEventSynchronize(p.written.get()));
-    // The new pages may be free pages that work queued on `stream` still reads or writes (a
-    // released sequence's last decode): the copies start after it.
-    TIERKV_CUDA_TRY(cudaEventRecord(handoff_.get(), stream));
-    TIERKV_CUDA_TRY(cudaStreamWaitEvent(copy_.get(), handoff_.get(), 0));
     const std::uint32_t L = std::uint32_t(st.num_layers());
     const auto views = st.views();
     std::uint8_t* base = slab_.get() + p.offset;
@@ -199,9 +195,20 @@ class host_tier {
     std::size_t n = 0, launched = 0;
     std::uint64_t moved = 0, chunks = 0;
     status queued;
+    // Each chunk's copy starts after the work queued on `stream` so far: a released sequence's
+    // last decode may still read the new pages, and allocating them may have queued fills
+    // (TIERKV_POISON_PAGES) there.
+    const auto after_stream = [&] {
+      status st = check(cudaEventRecord(handoff_.get(), stream), "restore: cudaEventRecord");
+      if (st)
+        st = check(cudaStreamWaitEvent(copy_.get(), handoff_.get(), 0),
+                   "restore: cudaStreamWaitEvent");
+      return st;
+    };
     const auto flush = [&] {
       if (queued && n > launched) {
         queued = inject(faults, transfer_step::restore_copy, chunks++);
+        if (queued) queued = after_stream();
         if (queued)
           queued = copy_pages(std::span<const page_copy>(list + launched, n - launched), path_,
                               copy_.get());
