@@ -737,6 +737,17 @@ TEST_CASE(
   }
 }
 
+namespace {
+// A world with a 1 MiB host tier whose restores copy s0's 30 pages in several launches.
+world chunked_host_world(std::mt19937_64& rng, bool copy_engines) {
+  cuda_test::xfer_options o = gpu_opts();
+  o.host_pool_bytes = 1 << 20;
+  o.copy_engines = copy_engines;
+  o.restore_chunk = 5;
+  return make_world(rng, o);
+}
+}  // namespace
+
 TEST_CASE(
     "cuda::tiered_cache host tier: a copy launch that fails (fault injected) at any chunk loses "
     "no page and changes nothing",
@@ -744,11 +755,7 @@ TEST_CASE(
   const bool engines = GENERATE(false, true);
   INFO((engines ? "copy engines" : "copy kernel"));
   std::mt19937_64 rng(20261211);
-  cuda_test::xfer_options o = gpu_opts();
-  o.host_pool_bytes = 1 << 20;
-  o.copy_engines = engines;
-  o.restore_chunk = 5;  // s0's 30 pages go in several launches
-  world w = make_world(rng, o);
+  world w = chunked_host_world(rng, engines);
   const bytes buf0 = w.gpu->export_pages(w.s0).value(), buf1 = w.gpu->export_pages(w.s1).value();
   const auto q = random_queries(rng);
   const auto d0 = decode_all(*w.gpu, {w.s0}, q, 3);
@@ -824,11 +831,7 @@ TEST_CASE(
   const bool engines = GENERATE(false, true);
   INFO((engines ? "copy engines" : "copy kernel"));
   std::mt19937_64 rng(20261212);
-  cuda_test::xfer_options o = gpu_opts();
-  o.host_pool_bytes = 1 << 20;
-  o.copy_engines = engines;
-  o.restore_chunk = 5;
-  world w = make_world(rng, o);
+  world w = chunked_host_world(rng, engines);
   const bytes buf0 = w.gpu->export_pages(w.s0).value(), buf1 = w.gpu->export_pages(w.s1).value();
   const auto q = random_queries(rng);
   const auto d0 = decode_all(*w.gpu, {w.s0}, q, 3);
