@@ -38,6 +38,9 @@ std::unique_ptr<kv_backend> arm_family::cold(const std::string& arm, const std::
   // Unbiased values in both compressed tiers: Stale TQ4 (u4) or TQ3 (u3) keys + TQ3 values.
   if (arm == "cold_u4_k3v2u") return with_cold.template operator()<k4v3u, k3v2u>();
   if (arm == "cold_u3_k3v2u") return with_cold.template operator()<k3v3u, k3v2u>();
+  // Stale TQ4 keys + TQ2 values (unbiased), Cold TQ3 keys + TQ2 values: under a bit budget
+  // the pages choose between key precisions, every old value at 2 bits.
+  if (arm == "cold_u42_k3v2u") return with_cold.template operator()<k4v2u, k3v2u>();
   // Anchors (tier 1) TQ4 keys + TQ3 values; a4_S_C: Stale S, Cold C.
   if (arm == "a4_k3v2_k2v2") return anchors4.template operator()<stale_k4_tier, k3v2, k2v2>();
   if (arm == "a4_k4v2_k3v2") return anchors4.template operator()<stale_k4_tier, k4v2, k3v2>();

@@ -27,6 +27,7 @@ std::unique_ptr<kv_backend> arm_family::sub3(const std::string& arm, const std::
   if (arm == "stale_k3v2") return rec_like.template operator()<k3v2>();
   if (arm == "stale_k2v2") return rec_like.template operator()<k2v2>();
   if (arm == "stale_k3v2u") return rec_like.template operator()<k3v2u>();
+  if (arm == "stale_k4v2u") return rec_like.template operator()<k4v2u>();
   if (arm == "rec_u") return rec_like.template operator()<k4v3u>();
   if (arm == "stale_k3v3u") return rec_like.template operator()<k3v3u>();
   return nullptr;

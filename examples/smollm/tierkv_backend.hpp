@@ -353,6 +353,7 @@ using k4v8 = tierkv::tier<tq4_key, int8_rotated>;    // 6.25
 using k3v2u = tierkv::tier<tq3_key, tq2_key>;  // 2.75
 using k4v3u = tierkv::tier<tq4_key, tq3_key>;  // 3.75
 using k3v3u = tierkv::tier<tq3_key, tq3_key>;  // 3.25
+using k4v2u = tierkv::tier<tq4_key, tq2_key>;  // 3.25: the key bits where routing needs them
 using default_roles = role_map<>;
 }  // namespace arm_tiers
 
