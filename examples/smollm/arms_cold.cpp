@@ -41,6 +41,11 @@ std::unique_ptr<kv_backend> arm_family::cold(const std::string& arm, const std::
   // Stale TQ4 keys + TQ2 values (unbiased), Cold TQ3 keys + TQ2 values: under a bit budget
   // the pages choose between key precisions, every old value at 2 bits.
   if (arm == "cold_u42_k3v2u") return with_cold.template operator()<k4v2u, k3v2u>();
+  // Four tiers for a bit budget (the key weight bkw >= 8 puts TQ4 / TQ2 on its ladder): Stale
+  // TQ4 keys + TQ3 values, TQ4 keys + TQ2 values, Cold TQ3 keys + TQ2 values, values unbiased.
+  if (arm == "ladder4_u")
+    return make_arm<role_map<0, 1, 3>, int8r_tier, k4v3u, k4v2u, k3v2u>(full_arm, s, cold_opt,
+                                                                        capacity);
   // Anchors (tier 1) TQ4 keys + TQ3 values; a4_S_C: Stale S, Cold C.
   if (arm == "a4_k3v2_k2v2") return anchors4.template operator()<stale_k4_tier, k3v2, k2v2>();
   if (arm == "a4_k4v2_k3v2") return anchors4.template operator()<stale_k4_tier, k4v2, k3v2>();

@@ -73,6 +73,8 @@ struct tiering_options {
   // A bit budget (tier_controller_options::bits_per_scalar_target, issue 52): > 0 places every
   // movable page by keep value so that the live pages store at most this many bits per scalar.
   double bits_per_scalar_target = 0;
+  // The budget's weight of key error (tier_controller_options::budget_key_weight).
+  double budget_key_weight = 1;
   std::uint64_t seed = 0x7469657221ull;  // cache-wide seed of the codecs' rotations
   unsigned threads = 1;                  // host attention workers (the caller included)
 };
@@ -138,6 +140,7 @@ class library_backend final : public kv_backend {
     opt_.threads = opt.threads;
     opt_.center = opt.center;
     opt_.tiering.bits_per_scalar_target = opt.bits_per_scalar_target;
+    opt_.tiering.budget_key_weight = opt.budget_key_weight;
     retier_in_prefill_ = opt.retier_in_prefill;
     jitter_ = opt.input_jitter;
     reset();
@@ -299,6 +302,11 @@ inline std::string apply_arm_knobs(const std::string& full, tiering_options& opt
         throw std::runtime_error("arm '" + full + "': knob bpt = " + text +
                                  " must be a bit budget in (0, 64]");
       opt.bits_per_scalar_target = v;
+    } else if (k == "bkw") {  // the bit budget's weight of key error
+      if (!(v > 0 && v <= 1e6))
+        throw std::runtime_error("arm '" + full + "': knob bkw = " + text +
+                                 " must be a weight in (0, 1e6]");
+      opt.budget_key_weight = v;
     } else if (k == "clm") {  // Cold layers, a bit mask (bench/research/layer_profile.py)
       if (!(v >= 0 && v < 0x1p53 && v == double(std::uint64_t(v))))
         throw std::runtime_error("arm '" + full + "': knob clm = " + text +

@@ -173,17 +173,26 @@ double role_budget_error() {
 }
 }  // namespace detail
 
-/// A tier's expected error as one number, for the bit budget (tiering/bit_budget.hpp): the key
-/// family's inner-product rms^2 x head_dim (the variance of a logit's error) plus the value
-/// family's relative MSE. A family that declares no expected_error (an engine's own codec) is
+/// The key role's part of a tier's expected error for the bit budget (tiering/bit_budget.hpp):
+/// the key family's inner-product rms^2 x head_dim (the variance of a logit's error at
+/// unit-variance logits). A family that declares no expected_error (an engine's own codec) is
 /// taken at the Gaussian rate-distortion bound of its bits, 2^(-2 bits) per role: a bound, not a
 /// measurement, so a budget over such a tier orders it by its cost alone.
 template <class Tier, int HeadDim>
-double tier_budget_error() {
+double tier_budget_key_error() {
   return detail::role_budget_error<typename Tier::key_family,
-                                   typename Tier::template key_codec<HeadDim>, true>() +
-         detail::role_budget_error<typename Tier::value_family,
+                                   typename Tier::template key_codec<HeadDim>, true>();
+}
+/// The value role's part: the value family's relative MSE (the same bound without figures).
+template <class Tier, int HeadDim>
+double tier_budget_value_error() {
+  return detail::role_budget_error<typename Tier::value_family,
                                    typename Tier::template value_codec<HeadDim>, false>();
+}
+/// A tier's expected error as one number: the key part plus the value part.
+template <class Tier, int HeadDim>
+double tier_budget_error() {
+  return tier_budget_key_error<Tier, HeadDim>() + tier_budget_value_error<Tier, HeadDim>();
 }
 
 /// Exact storage cost of a family at a head_dim: payload + per-vector metadata.

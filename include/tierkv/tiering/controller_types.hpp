@@ -87,6 +87,12 @@ struct tier_controller_options {
   /// value where they lower the tiers' expected error most (retier_planner::plan_budget,
   /// tiering/bit_budget.hpp). 0: off, the policy's choices as they are.
   double bits_per_scalar_target = 0;
+  /// The weight of the key role's term in a tier's expected error under a bit budget
+  /// (codec/error_traits.hpp tier_budget_key_error: the logit error at unit-variance logits).
+  /// A model's logits span more than unit variance, which multiplies the key term: above ~8 a
+  /// tier of TQ4 keys and TQ2 values joins the ladder between TQ3 / TQ2 and TQ4 / TQ3 (issue 52,
+  /// docs/tiering.md). 1: the figures as measured.
+  double budget_key_weight = 1;
 };
 
 }  // namespace tierkv

@@ -102,8 +102,8 @@ class retier_planner : public page_records<Storage, Policy> {
   /// pages, which go where allocate_bit_budget puts them (tiering/bit_budget.hpp), weighted by
   /// the policy's keep value (newer pages first among equals), never to a tier of less expected
   /// error than their own (a lossy page regains nothing), over every tier with room (tier 0
-  /// keeps promotion_reserve_percent free, as apply() does). A tier's error is
-  /// tier_budget_error (codec/error_traits.hpp): key ip rms^2 x head_dim + value relative MSE. A
+  /// keeps promotion_reserve_percent free, as apply() does). A tier's error is budget_key_weight
+  /// x key ip rms^2 x head_dim + value relative MSE (codec/error_traits.hpp). A
   /// full scan every plan: the budget is global. Returns what the allocation did, bytes over
   /// every live page (the memory report's), within = whether the charged pages fit (false: they
   /// exceed the target even with the movable ones in the cheapest tier).
@@ -114,8 +114,9 @@ class retier_planner : public page_records<Storage, Policy> {
     const auto views = storage_->views();
     detail::for_each_index<T>([&](auto I) {
       tiers[I].page_bytes = double(views[I].page_bytes);
-      tiers[I].error =
-          tier_budget_error<tier_at_t<typename Storage::tier_list, I>, Storage::head_dim>();
+      using tier = tier_at_t<typename Storage::tier_list, I>;
+      tiers[I].error = opt_.budget_key_weight * tier_budget_key_error<tier, Storage::head_dim>() +
+                       tier_budget_value_error<tier, Storage::head_dim>();
       tiers[I].room = storage_->free_pages(I);
     });
     const std::uint64_t reserve = percent_of_tier0(opt_.promotion_reserve_percent);

@@ -115,6 +115,9 @@ class tier_controller : private detail::retier_planner<Storage, Policy, Roles> {
       return status::make(errc::invalid_argument,
                           "bits_per_scalar_target = ", opt.bits_per_scalar_target,
                           " must lie in [0, 64] (0: no bit budget)");
+    if (!(opt.budget_key_weight > 0.0 && opt.budget_key_weight <= 1e6))
+      return status::make(errc::invalid_argument, "budget_key_weight = ", opt.budget_key_weight,
+                          " must lie in (0, 1e6]");
     return {};
   }
 

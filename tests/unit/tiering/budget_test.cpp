@@ -195,3 +195,75 @@ TEST_CASE("budget: bad targets are refused, naming the value", "[tiering][budget
   auto off = controller_b::create(*s, knobs(), budget(0.0)).value();
   CHECK(off->last_budget().bytes == 0);
 }
+
+namespace {
+// FP8, TQ4 keys / TQ2 values, TQ3 keys / TQ2 values (values with the keys' unbiased alpha): by
+// the measured figures TQ4 / TQ2 sits above the chord of its neighbours (its TQ4 keys save less
+// error per byte than the next step's 8-bit values), so a budget skips it; weighting key error
+// by the model's logit scale puts it on the ladder.
+using key_ladder = tiers<fp8_tier, tier<tq4_key, tq2_key>, tier<tq3_key, tq2_key>>;
+using storage_k = paged_storage<tiny, key_ladder, host_allocator, failing_allocator>;
+using controller_k = tier_controller<storage_k, recency_anchor, tier_roles<key_ladder, 0, 0, 1, 2>>;
+}  // namespace
+
+TEST_CASE("budget: the key weight decides whether TQ4 keys / TQ2 values is on the ladder",
+          "[tiering][budget]") {
+  const int layers = 2, pages = 21;
+  const auto tokens = seeds_from(700, 20 * 16 + 5);
+  std::vector<float> mass(pages);
+  float sum = 0;
+  for (int p = 0; p < pages; ++p) sum += (mass[p] = float(p + 1));
+  for (float& x : mass) x /= sum;
+  // The tier each page ends in ([layer][page]), under a 3.0-bit budget and key weight w.
+  const auto placed = [&](double w) {
+    storage_k::options so;
+    so.num_layers = layers;
+    so.max_sequences = 2;
+    so.pages_per_tier = {64, 64, 64};
+    so.codec_seed = 31;
+    auto s = std::move(storage_k::create(so).value());
+    const seq_id q = s->create_sequence().value();
+    REQUIRE(append_seeds(*s, q, tokens));
+    tier_controller_options o;
+    o.bits_per_scalar_target = 3.0;
+    o.budget_key_weight = w;
+    auto c = controller_k::create(*s, knobs(), o).value();
+    for (int l = 0; l < layers; ++l) REQUIRE(c->observe_mass(q, l, mass));
+    REQUIRE(c->apply(c->plan(1)).failed == 0);
+    REQUIRE(c->check_invariants());
+    CHECK(c->last_budget().within);
+    std::vector<std::vector<int>> t(layers, std::vector<int>(pages));
+    for (int l = 0; l < layers; ++l)
+      for (int p = 0; p < pages; ++p)
+        t[std::size_t(l)][std::size_t(p)] = s->page(q, l, p).value().format;
+    return t;
+  };
+  const auto count = [](const std::vector<std::vector<int>>& t, int tier) {
+    int n = 0;
+    for (const auto& layer : t)
+      for (int p = 1; p < 19; ++p) n += layer[std::size_t(p)] == tier;  // the movable pages
+    return n;
+  };
+  const auto measured = placed(1.0);
+  CHECK(count(measured, 1) == 0);  // skipped: FP8 for the pages of most mass, TQ3 / TQ2 else
+  CHECK(count(measured, 0) > 0);
+  const auto keyed = placed(16.0);
+  CHECK(count(keyed, 1) > 0);  // TQ4 keys for the pages of most mass first
+  CHECK(count(keyed, 1) > count(keyed, 0));
+  for (const auto& layer : keyed)  // monotone in mass
+    for (int p = 1; p + 1 < 19; ++p) CHECK(layer[std::size_t(p)] >= layer[std::size_t(p + 1)]);
+
+  // bad weights are refused, naming the value
+  storage_k::options so;
+  so.num_layers = 1;
+  so.max_sequences = 1;
+  so.pages_per_tier = {4, 4, 4};
+  auto s = std::move(storage_k::create(so).value());
+  for (const double bad : {0.0, -2.0, 2e6, std::numeric_limits<double>::quiet_NaN()}) {
+    tier_controller_options o;
+    o.budget_key_weight = bad;
+    const auto c = controller_k::create(*s, knobs(), o);
+    CHECK(c.code() == errc::invalid_argument);
+    CHECK(c.error_status().message().find("budget_key_weight") != std::string::npos);
+  }
+}
