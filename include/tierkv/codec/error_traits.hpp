@@ -189,12 +189,6 @@ double tier_budget_value_error() {
   return detail::role_budget_error<typename Tier::value_family,
                                    typename Tier::template value_codec<HeadDim>, false>();
 }
-/// A tier's expected error as one number: the key part plus the value part.
-template <class Tier, int HeadDim>
-double tier_budget_error() {
-  return tier_budget_key_error<Tier, HeadDim>() + tier_budget_value_error<Tier, HeadDim>();
-}
-
 /// Exact storage cost of a family at a head_dim: payload + per-vector metadata.
 template <class Family, int HeadDim>
 inline constexpr double family_bits_per_scalar = bits_per_scalar<codec_for<Family, HeadDim>>;

@@ -204,6 +204,15 @@ namespace {
 using key_ladder = tiers<fp8_tier, tier<tq4_key, tq2_key>, tier<tq3_key, tq2_key>>;
 using storage_k = paged_storage<tiny, key_ladder, host_allocator, failing_allocator>;
 using controller_k = tier_controller<storage_k, recency_anchor, tier_roles<key_ladder, 0, 0, 1, 2>>;
+
+std::unique_ptr<storage_k> make_storage_k(int layers, std::uint32_t pages) {
+  storage_k::options so;
+  so.num_layers = layers;
+  so.max_sequences = 2;
+  so.pages_per_tier = {pages, pages, pages};
+  so.codec_seed = 31;
+  return std::move(storage_k::create(so).value());
+}
 }  // namespace
 
 TEST_CASE("budget: the key weight decides whether TQ4 keys / TQ2 values is on the ladder",
@@ -216,12 +225,7 @@ TEST_CASE("budget: the key weight decides whether TQ4 keys / TQ2 values is on th
   for (float& x : mass) x /= sum;
   // The tier each page ends in ([layer][page]), under a 3.0-bit budget and key weight w.
   const auto placed = [&](double w) {
-    storage_k::options so;
-    so.num_layers = layers;
-    so.max_sequences = 2;
-    so.pages_per_tier = {64, 64, 64};
-    so.codec_seed = 31;
-    auto s = std::move(storage_k::create(so).value());
+    auto s = make_storage_k(layers, 64);
     const seq_id q = s->create_sequence().value();
     REQUIRE(append_seeds(*s, q, tokens));
     tier_controller_options o;
@@ -254,11 +258,7 @@ TEST_CASE("budget: the key weight decides whether TQ4 keys / TQ2 values is on th
     for (int p = 1; p + 1 < 19; ++p) CHECK(layer[std::size_t(p)] >= layer[std::size_t(p + 1)]);
 
   // bad weights are refused, naming the value
-  storage_k::options so;
-  so.num_layers = 1;
-  so.max_sequences = 1;
-  so.pages_per_tier = {4, 4, 4};
-  auto s = std::move(storage_k::create(so).value());
+  auto s = make_storage_k(1, 4);
   for (const double bad : {0.0, -2.0, 2e6, std::numeric_limits<double>::quiet_NaN()}) {
     tier_controller_options o;
     o.budget_key_weight = bad;

@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -248,7 +249,7 @@ class host_tier {
       return status::make(queued.code(), "restore: ", queued.message(),
                           "; the sequence stays parked");
     }
-    pending_.push_back({std::move(done), p.offset, *seq, true});
+    pending_.push_back({std::move(done), p.offset, *seq});
     parked_.erase(it);
     ++stats_.restores;
     stats_.bytes_restored += moved;
@@ -259,11 +260,10 @@ class host_tier {
   /// Makes `stream` wait for s's restore copy if it may still be running; from then on work
   /// queued on `stream` is ordered after it (so it is not waited for again).
   status await(seq_id s, cudaStream_t stream) {
-    for (pending& p : pending_)
-      if (p.gated && p.seq == s) {
-        TIERKV_CUDA_TRY(cudaStreamWaitEvent(stream, p.done.get(), 0));
-        p.gated = false;
-      }
+    if (pending* p = gate_of(s)) {
+      TIERKV_CUDA_TRY(cudaStreamWaitEvent(stream, p->done.get(), 0));
+      p->reader.reset();
+    }
     return {};
   }
   /// Makes `stream` (a retier batch's, which may read any page) wait for every restore copy
@@ -271,23 +271,21 @@ class host_tier {
   status await_all(cudaStream_t stream) {
     reclaim();
     for (const pending& p : pending_)
-      if (p.gated) TIERKV_CUDA_TRY(cudaStreamWaitEvent(stream, p.done.get(), 0));
+      if (p.reader) TIERKV_CUDA_TRY(cudaStreamWaitEvent(stream, p.done.get(), 0));
     return {};
   }
   /// Whether s's restore copy may still be running (false once it has run, or once the
   /// cache's stream was made to wait for it).
   bool restoring(seq_id s) {
     reclaim();
-    for (const pending& p : pending_)
-      if (p.gated && p.seq == s) return true;
-    return false;
+    return gate_of(s) != nullptr;
   }
 
   /// Forgets parked `id`; its range is reused once its offload copy has run.
   status drop(parked_id id) {
     auto it = parked_.find(id);
     if (it == parked_.end()) return unknown(id, "drop_parked");
-    pending_.push_back({std::move(it->second.written), it->second.offset, {}, false});
+    pending_.push_back({std::move(it->second.written), it->second.offset, std::nullopt});
     parked_.erase(it);
     ++stats_.drops;
     reclaim();
@@ -326,9 +324,13 @@ class host_tier {
   struct pending {
     cuda_event done;  // the copy reading or writing the range has run
     std::uint64_t offset = 0;
-    seq_id seq{};        // a restore's new sequence
-    bool gated = false;  // its readers must still wait for `done`
+    std::optional<seq_id> reader;  // a restore's new sequence, until its readers wait for `done`
   };
+  pending* gate_of(seq_id s) {
+    for (pending& p : pending_)
+      if (p.reader == s) return &p;
+    return nullptr;
+  }
 
   static std::uint64_t round16(std::uint64_t b) { return (b + 15) / 16 * 16; }
   // The copy list at the start of a range: n entries, rounded to 16 bytes.
